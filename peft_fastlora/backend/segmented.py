@@ -1,0 +1,253 @@
+"""What every fastlora backend shares: batch-info preparation, input checks, and the mapping of
+the contract's methods onto two primitives, a stacked shrink and a sliced expand.
+
+A backend subclasses ``SegmentedLoRABackend`` and implements ``_shrink``, ``_expand`` and
+``_embedding_a`` (and ``_extra_token_embedding``); the methods of the contract are written once
+here on top of them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..batch import BatchInfoBuffers, ForwardBatch, LoRABatchInfo, choose_block_m
+from .base import BaseLoRABackend
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _round_up_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def check_input(name: str, t: torch.Tensor, ndim: int, dtype=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES and t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} has unsupported dtype {t.dtype}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+
+
+class SegmentedLoRABackend(BaseLoRABackend):
+    """Backend skeleton over chunked, slot-sorted batch info (see ``batch.LoRABatchInfo``)."""
+
+    def __init__(self, max_loras_per_batch: int, device: torch.device):
+        super().__init__(max_loras_per_batch, torch.device(device))
+        self._eager_buffers: dict[int, BatchInfoBuffers] = {}
+        self._graph_buffers: Optional[BatchInfoBuffers] = None
+
+    # ---- primitives a backend implements -------------------------------------------------
+    def _shrink(self, x, weights, stack_num, ranks, bi: LoRABatchInfo) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _expand(self, x, weights, offsets, ranks, scalings, out, bi: LoRABatchInfo) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _embedding_a(self, input_ids, weights, vocab_size, extra, bi: LoRABatchInfo) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _extra_token_embedding(self, input_ids, output, extra, vocab_size, bi) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- batch info ----------------------------------------------------------------------
+    def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int):
+        max_tokens = max_bs_in_cuda_graph * num_tokens_per_bs
+        self._graph_buffers = BatchInfoBuffers(
+            max_bs=max_bs_in_cuda_graph, max_tokens=max_tokens, max_slots=self._max_slots_hint(),
+            max_loras=self.max_loras_per_batch, block_m=choose_block_m(max_tokens),
+            device=self.device)
+        return self._graph_buffers
+
+    def _max_slots_hint(self) -> int:
+        # slot tables are small; leave room for adapters added after the graphs were captured
+        return max(64, 2 * self.max_loras_per_batch)
+
+    def prepare_lora_batch(
+        self,
+        forward_batch: ForwardBatch,
+        weight_indices: Sequence[int],
+        lora_ranks: Sequence[int],
+        scalings: Sequence[float],
+        use_cuda_graph: bool,
+    ) -> LoRABatchInfo:
+        weight_indices = [int(w) for w in weight_indices]
+        if len(weight_indices) != forward_batch.batch_size:
+            raise ValueError(
+                f"weight_indices has {len(weight_indices)} entries for a batch of "
+                f"{forward_batch.batch_size} rows")
+        if len(lora_ranks) != len(scalings):
+            raise ValueError(
+                f"lora_ranks ({len(lora_ranks)}) and scalings ({len(scalings)}) must both have "
+                "one entry per slot")
+        for w in weight_indices:
+            if w < -1 or w >= len(lora_ranks):
+                raise ValueError(f"weight index {w} is not a slot (0..{len(lora_ranks) - 1}) or -1")
+        distinct = {w for w in weight_indices if w >= 0}
+        if len(distinct) > self.max_loras_per_batch:
+            raise ValueError(
+                f"{len(distinct)} distinct adapters in one batch exceed "
+                f"max_loras_per_batch={self.max_loras_per_batch}")
+        num_tokens = forward_batch.num_tokens
+        if use_cuda_graph:
+            if self._graph_buffers is None:
+                raise RuntimeError("prepare_lora_batch(use_cuda_graph=True) before init_cuda_graph_batch_info")
+            buffers = self._graph_buffers
+        else:
+            block_m = choose_block_m(num_tokens)
+            buffers = self._eager_buffers.get(block_m)
+            if (buffers is None or buffers.max_bs < forward_batch.batch_size
+                    or buffers.max_tokens < num_tokens or buffers.max_slots < len(lora_ranks)):
+                buffers = BatchInfoBuffers(
+                    max_bs=_round_up_pow2(forward_batch.batch_size),
+                    max_tokens=_round_up_pow2(num_tokens),
+                    max_slots=max(self._max_slots_hint(), _round_up_pow2(len(lora_ranks))),
+                    max_loras=self.max_loras_per_batch, block_m=block_m, device=self.device)
+                self._eager_buffers[block_m] = buffers
+        self.batch_info = buffers.fill(
+            forward_batch.batch_size, num_tokens, list(forward_batch.seq_lens), weight_indices,
+            list(lora_ranks), list(scalings))
+        return self.batch_info
+
+    def _bi(self, batch_info: Optional[LoRABatchInfo]) -> LoRABatchInfo:
+        bi = batch_info if batch_info is not None else self.batch_info
+        if bi is None:
+            raise RuntimeError("no batch info: call prepare_lora_batch first")
+        return bi
+
+    def _tables(self, bi, stack_num, layer_ranks, layer_scalings, num_slots):
+        """Per-(slot, module) rank and scaling tables, from the layer or from the batch."""
+        if layer_ranks is None:
+            layer_ranks = bi.lora_ranks[:, None].expand(-1, stack_num).contiguous()
+        if layer_scalings is None:
+            layer_scalings = bi.scalings[:, None].expand(-1, stack_num).contiguous()
+        for name, t, dtype in (("layer_ranks", layer_ranks, torch.int32),
+                               ("layer_scalings", layer_scalings, torch.float32)):
+            if t.dtype != dtype or t.dim() != 2 or t.shape[1] != stack_num or not t.is_contiguous():
+                raise ValueError(
+                    f"{name} must be a contiguous (num_slots, {stack_num}) {dtype} tensor, got "
+                    f"{tuple(t.shape)} {t.dtype}")
+            if t.shape[0] < num_slots:
+                raise ValueError(f"{name} has {t.shape[0]} slots, the weights {num_slots}")
+        return layer_ranks, layer_scalings
+
+    def _check_tokens(self, x, bi):
+        if x.shape[0] != bi.num_tokens:
+            raise ValueError(
+                f"input has {x.shape[0]} tokens but the batch info describes {bi.num_tokens}")
+
+    # ---- the contract ----------------------------------------------------------------------
+    def run_lora_a_sgemm(self, x, weights, *, stack_num=1, layer_ranks=None, batch_info=None):
+        bi = self._bi(batch_info)
+        check_input("x", x, 2)
+        check_input("weights", weights, 3, dtype=x.dtype)
+        self._check_tokens(x, bi)
+        if weights.shape[2] != x.shape[1]:
+            raise ValueError(f"x has input_dim {x.shape[1]}, lora A weights {weights.shape[2]}")
+        if weights.shape[1] % stack_num:
+            raise ValueError(f"lora A dim 1 ({weights.shape[1]}) is not a multiple of stack_num={stack_num}")
+        ranks, _ = self._tables(bi, stack_num, layer_ranks, None, weights.shape[0])
+        return self._shrink(x, weights, stack_num, ranks, bi)
+
+    def _expand_checked(self, x, weights, offsets, base_output, layer_ranks, layer_scalings, bi):
+        stack_num = len(offsets) - 1
+        check_input("x", x, 2)
+        check_input("weights", weights, 3, dtype=x.dtype)
+        self._check_tokens(x, bi)
+        r = weights.shape[2]
+        if x.shape[1] != stack_num * r:
+            raise ValueError(
+                f"expand input has {x.shape[1]} columns, expected {stack_num} x rank {r}")
+        if offsets[-1] != weights.shape[1]:
+            raise ValueError(f"output offsets end at {offsets[-1]}, lora B has {weights.shape[1]} rows")
+        if base_output is None:
+            base_output = torch.zeros(x.shape[0], offsets[-1], dtype=x.dtype, device=x.device)
+        else:
+            if base_output.dim() != 2 or tuple(base_output.shape) != (x.shape[0], offsets[-1]):
+                raise ValueError(
+                    f"base_output must be ({x.shape[0]}, {offsets[-1]}), got {tuple(base_output.shape)}")
+            if base_output.stride(1) != 1:
+                raise ValueError("base_output must have unit stride in its last dimension")
+        ranks, scalings = self._tables(bi, stack_num, layer_ranks, layer_scalings, weights.shape[0])
+        return self._expand(x, weights, tuple(int(o) for o in offsets), ranks, scalings, base_output, bi)
+
+    def run_lora_b_sgemm(self, x, weights, *, base_output=None, layer_ranks=None,
+                         layer_scalings=None, batch_info=None):
+        bi = self._bi(batch_info)
+        return self._expand_checked(x, weights, (0, weights.shape[1]), base_output,
+                                    layer_ranks, layer_scalings, bi)
+
+    def _stacked(self, x, lora_a, lora_b, offsets, base_output, layer_ranks, layer_scalings, bi):
+        n = len(offsets) - 1
+        if isinstance(lora_b, (tuple, list)):
+            lora_b = self._join_b(lora_b, n)
+        y = self.run_lora_a_sgemm(x, lora_a, stack_num=n, layer_ranks=layer_ranks, batch_info=bi)
+        return self._expand_checked(y, lora_b, offsets, base_output, layer_ranks, layer_scalings, bi)
+
+    @staticmethod
+    def _join_b(parts, n):
+        # the tuple form of the contract: ((1, L, out_q, r), (2, L, out_kv, r)) or two (L, out, r)
+        mats = []
+        for p in parts:
+            mats.extend(p.unbind(0) if p.dim() == 4 else [p])
+        if len(mats) != n:
+            raise ValueError(f"lora B tuple holds {len(mats)} matrices, expected {n}")
+        return torch.cat(mats, dim=1).contiguous()
+
+    def run_qkv_lora(self, x, qkv_lora_a, qkv_lora_b, *, output_offset, base_output=None,
+                     layer_ranks=None, layer_scalings=None, batch_info=None):
+        offsets = [int(o) for o in output_offset]
+        if len(offsets) != 4:
+            raise ValueError(f"output_offset needs 4 entries (q, k, v, end), got {offsets}")
+        return self._stacked(x, qkv_lora_a, qkv_lora_b, offsets, base_output, layer_ranks,
+                             layer_scalings, self._bi(batch_info))
+
+    def run_gate_up_lora(self, x, gate_up_lora_a, gate_up_lora_b, *, base_output=None,
+                         layer_ranks=None, layer_scalings=None, batch_info=None):
+        if isinstance(gate_up_lora_b, (tuple, list)):
+            out = gate_up_lora_b[0].shape[-2]
+        else:
+            if gate_up_lora_b.shape[1] % 2:
+                raise ValueError(f"gate_up lora B has an odd output dim {gate_up_lora_b.shape[1]}")
+            out = gate_up_lora_b.shape[1] // 2
+        return self._stacked(x, gate_up_lora_a, gate_up_lora_b, (0, out, 2 * out), base_output,
+                             layer_ranks, layer_scalings, self._bi(batch_info))
+
+    def run_stacked_lora(self, x, lora_a, lora_b, *, output_offset, base_output=None,
+                         layer_ranks=None, layer_scalings=None, batch_info=None):
+        """Any number of stacked modules (the general case of qkv and gate_up)."""
+        return self._stacked(x, lora_a, lora_b, [int(o) for o in output_offset], base_output,
+                             layer_ranks, layer_scalings, self._bi(batch_info))
+
+    def run_lora_a_embedding(self, input_ids, weights, vocab_size, extra_embeddings=None, *,
+                             batch_info=None):
+        bi = self._bi(batch_info)
+        check_input("input_ids", input_ids, 1)
+        check_input("weights", weights, 3)
+        if input_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"input_ids must be int32 or int64, got {input_ids.dtype}")
+        self._check_tokens(input_ids, bi)
+        if weights.shape[2] != vocab_size:
+            raise ValueError(f"embedding A has vocab dim {weights.shape[2]}, vocab_size={vocab_size}")
+        if extra_embeddings is not None:
+            check_input("extra_embeddings", extra_embeddings, 3, dtype=weights.dtype)
+            if extra_embeddings.shape[2] != weights.shape[1]:
+                raise ValueError("extra_embeddings' last dim must equal the rank of weights")
+        return self._embedding_a(input_ids, weights, vocab_size, extra_embeddings, bi)
+
+    def run_extra_token_embedding(self, input_ids, output, extra_embeddings, vocab_size, *,
+                                  batch_info=None):
+        bi = self._bi(batch_info)
+        check_input("input_ids", input_ids, 1)
+        check_input("output", output, 2)
+        check_input("extra_embeddings", extra_embeddings, 3, dtype=output.dtype)
+        self._check_tokens(input_ids, bi)
+        if extra_embeddings.shape[2] != output.shape[1]:
+            raise ValueError("extra_embeddings' last dim must equal output's embed_dim")
+        return self._extra_token_embedding(input_ids, output, extra_embeddings, vocab_size, bi)

@@ -1,0 +1,75 @@
+"""Plain-torch backend: the CPU path, and the oracle the Triton kernels are tested against.
+
+It loops over the adapters present in the batch (a host-side list), so it is neither fast nor
+safe inside CUDA graphs; it computes each slot's product in float32 and rounds once, which is what
+the kernels do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..batch import LoRABatchInfo
+from .segmented import SegmentedLoRABackend
+
+
+class TorchNativeLoRABackend(SegmentedLoRABackend):
+    name = "torch_native"
+
+    @staticmethod
+    def _rows_of(bi: LoRABatchInfo, slot: int) -> torch.Tensor:
+        return torch.nonzero(bi.token_slot[: bi.num_tokens] == slot).squeeze(1)
+
+    def _shrink(self, x, weights, stack_num, ranks, bi):
+        r = weights.shape[1] // stack_num
+        out = torch.zeros(x.shape[0], weights.shape[1], dtype=x.dtype, device=x.device)
+        ranks_host = ranks.tolist()
+        for slot in bi.slots_in_batch:
+            rows = self._rows_of(bi, slot)
+            xs = x[rows].float()
+            for j in range(stack_num):
+                rank = ranks_host[slot][j]
+                if rank == 0:
+                    continue
+                a = weights[slot, j * r : j * r + rank].float()
+                out[rows, j * r : j * r + rank] = (xs @ a.T).to(x.dtype)
+        return out
+
+    def _expand(self, x, weights, offsets, ranks, scalings, out, bi):
+        r = weights.shape[2]
+        ranks_host, scal_host = ranks.tolist(), scalings.tolist()
+        for slot in bi.slots_in_batch:
+            rows = self._rows_of(bi, slot)
+            for j in range(len(offsets) - 1):
+                rank = ranks_host[slot][j]
+                lo, hi = offsets[j], offsets[j + 1]
+                if rank == 0 or hi == lo:
+                    continue
+                xs = x[rows, j * r : j * r + rank].float()
+                b = weights[slot, lo:hi, :rank].float()
+                delta = (xs @ b.T) * scal_host[slot][j]
+                out[rows, lo:hi] = (out[rows, lo:hi].float() + delta).to(out.dtype)
+        return out
+
+    def _embedding_a(self, input_ids, weights, vocab_size, extra, bi):
+        rank = weights.shape[1]
+        out = torch.zeros(input_ids.shape[0], rank, dtype=weights.dtype, device=weights.device)
+        for slot in bi.slots_in_batch:
+            rows = self._rows_of(bi, slot)
+            ids = input_ids[rows].long()
+            base = ids < vocab_size
+            out[rows[base]] = weights[slot][:, ids[base]].T
+            if (~base).any():
+                if extra is None:
+                    raise ValueError(
+                        f"token id {int(ids[~base][0])} >= vocab_size {vocab_size} and no extra_embeddings")
+                out[rows[~base]] = extra[slot][ids[~base] - vocab_size]
+        return out
+
+    def _extra_token_embedding(self, input_ids, output, extra, vocab_size, bi):
+        for slot in bi.slots_in_batch:
+            rows = self._rows_of(bi, slot)
+            ids = input_ids[rows].long()
+            added = ids >= vocab_size
+            output[rows[added]] = extra[slot][ids[added] - vocab_size]
+        return output

@@ -1,0 +1,254 @@
+"""The batch description the backends read.
+
+SGLang's backends take a ``ForwardBatch`` from its scheduler; fastlora has no scheduler, so
+``ForwardBatch`` here is the small part of it a LoRA backend needs: how many rows, how many
+tokens each row brings to this forward, and whether it is a one-token decode step.
+
+``LoRABatchInfo`` is what the kernels read. Rows are grouped by adapter slot and cut into
+chunks of at most ``block_m`` tokens, each chunk owned by one slot, so a tensor-core tile is
+never shared by two adapters and a decode step reads each used adapter's weights once per
+chunk instead of once per row. Rows with no adapter (slot -1) are in no chunk and cost nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+NO_ADAPTER = -1
+
+
+class ForwardMode(enum.Enum):
+    DECODE = "decode"  # one new token per row
+    EXTEND = "extend"  # prefill / several tokens per row
+
+
+@dataclass
+class ForwardBatch:
+    """What one model forward feeds the LoRA layers.
+
+    Attributes:
+        batch_size: number of rows (sequences).
+        seq_lens: tokens each row brings to this forward, length ``batch_size``. HF pads rows to
+            one length, so these are usually all equal; the backends accept any lengths.
+        forward_mode: DECODE when every row brings exactly one token.
+        device: where the tokens live.
+    """
+
+    batch_size: int
+    seq_lens: Sequence[int]
+    forward_mode: ForwardMode
+    device: torch.device
+
+    @classmethod
+    def from_shape(cls, batch_size: int, tokens_per_row: int, device) -> "ForwardBatch":
+        mode = ForwardMode.DECODE if tokens_per_row == 1 else ForwardMode.EXTEND
+        return cls(batch_size, [tokens_per_row] * batch_size, mode, torch.device(device))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.seq_lens))
+
+
+@dataclass
+class LoRABatchInfo:
+    """Per-forward batch description, on the device.
+
+    Token index ``t`` below is the row-major index into the flattened ``(s, hidden)`` input,
+    rows laid end to end in order (row ``i`` owns tokens ``seg_indptr[i]:seg_indptr[i+1]``).
+
+    Attributes:
+        bs: number of rows.
+        num_tokens: s, the tokens of this forward (under CUDA graphs: the captured bucket size).
+        seg_lens: (bs,) int32, tokens per row.
+        seg_indptr: (bs + 1,) int32, prefix sums of ``seg_lens``.
+        weight_indices: (bs,) int32, pool slot of each row; -1 for a row with no adapter.
+        lora_ranks: (num_slots,) int32, rank of each slot's adapter (0: a slot that does nothing).
+        scalings: (num_slots,) float32, the LoRA scaling of each slot.
+        token_slot: (token_capacity,) int32, slot of each token, -1 for none.
+        block_m: most tokens in one chunk; the kernels' row tile.
+        max_chunks: length of the chunk arrays; the kernels' grid is sized from it, never from
+            the data, so a graph captured once covers any later mix of adapters.
+        sorted_token_ids: (token_capacity,) int32; adapter tokens grouped by slot. Chunk ``c``
+            owns ``sorted_token_ids[chunk_start[c] : chunk_start[c] + chunk_len[c]]``.
+        chunk_slot: (max_chunks,) int32, the slot of each chunk; -1 for an unused chunk.
+        chunk_start: (max_chunks,) int32.
+        chunk_len: (max_chunks,) int32, 0 for an unused chunk.
+        slots_in_batch: the distinct slots with an adapter, on the host (for the torch path;
+            the kernels never read it).
+    """
+
+    bs: int
+    num_tokens: int
+    seg_lens: torch.Tensor
+    seg_indptr: torch.Tensor
+    weight_indices: torch.Tensor
+    lora_ranks: torch.Tensor
+    scalings: torch.Tensor
+    token_slot: torch.Tensor
+    block_m: int
+    max_chunks: int
+    sorted_token_ids: torch.Tensor
+    chunk_slot: torch.Tensor
+    chunk_start: torch.Tensor
+    chunk_len: torch.Tensor
+    slots_in_batch: tuple = ()
+
+
+def choose_block_m(num_tokens: int) -> int:
+    """Row tile for a forward of ``num_tokens`` tokens: 16 (the smallest tensor-core tile) for
+    decode-sized batches, larger for prefill so each adapter's weights are read fewer times."""
+    if num_tokens <= 256:
+        return 16
+    if num_tokens <= 2048:
+        return 32
+    return 64
+
+
+def max_chunks_for(num_tokens: int, block_m: int, max_loras: int) -> int:
+    """Upper bound on chunks: every slot may leave one partial chunk."""
+    return -(-num_tokens // block_m) + max_loras
+
+
+def plan_chunks(
+    weight_indices: Sequence[int], seg_lens: Sequence[int], block_m: int
+) -> tuple[list[int], list[int], list[int], list[int], list[int], tuple]:
+    """Host-side grouping of tokens by slot (pure Python, small: one entry per row).
+
+    Returns (token_slot, sorted_token_ids, chunk_slot, chunk_start, chunk_len, slots_in_batch).
+    Slots are visited in ascending order and rows in their original order within a slot, so
+    the plan is deterministic.
+    """
+    token_slot: list[int] = []
+    by_slot: dict[int, list[int]] = {}
+    t = 0
+    for slot, n in zip(weight_indices, seg_lens):
+        token_slot.extend([slot] * n)
+        if slot != NO_ADAPTER:
+            by_slot.setdefault(slot, []).extend(range(t, t + n))
+        t += n
+    sorted_ids: list[int] = []
+    chunk_slot: list[int] = []
+    chunk_start: list[int] = []
+    chunk_len: list[int] = []
+    for slot in sorted(by_slot):
+        toks = by_slot[slot]
+        base = len(sorted_ids)
+        sorted_ids.extend(toks)
+        for off in range(0, len(toks), block_m):
+            chunk_slot.append(slot)
+            chunk_start.append(base + off)
+            chunk_len.append(min(block_m, len(toks) - off))
+    return token_slot, sorted_ids, chunk_slot, chunk_start, chunk_len, tuple(sorted(by_slot))
+
+
+class BatchInfoBuffers:
+    """Fixed-size device storage for ``LoRABatchInfo``, refreshed in place.
+
+    All integer fields live in one int32 device tensor (the scalings in one float32 tensor), so
+    a refresh is one pinned host-to-device copy per tensor, with no host sync; under CUDA graphs
+    the captured kernels keep reading the same addresses.
+    """
+
+    def __init__(self, max_bs: int, max_tokens: int, max_slots: int, max_loras: int, block_m: int,
+                 device: torch.device):
+        self.max_bs, self.max_tokens, self.max_slots = max_bs, max_tokens, max_slots
+        self.block_m = block_m
+        self.max_chunks = max_chunks_for(max_tokens, block_m, max_loras)
+        sizes = {
+            "seg_lens": max_bs,
+            "seg_indptr": max_bs + 1,
+            "weight_indices": max_bs,
+            "lora_ranks": max_slots,
+            "token_slot": max_tokens,
+            "sorted_token_ids": max_tokens,
+            "chunk_slot": self.max_chunks,
+            "chunk_start": self.max_chunks,
+            "chunk_len": self.max_chunks,
+        }
+        self._offsets = {}
+        total = 0
+        for name, n in sizes.items():
+            self._offsets[name] = (total, n)
+            total += n
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+        # Two pinned staging buffers used in turn: a fill waits only for the copy issued two
+        # fills ago (an event), never for the whole stream.
+        self._hosts = [torch.zeros(total, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._host_scalings = [torch.zeros(max_slots, dtype=torch.float32, pin_memory=pin)
+                               for _ in range(2)]
+        self._events = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self._turn = 0
+        self.dev = torch.zeros(total, dtype=torch.int32, device=self.device)
+        self.dev_scalings = torch.zeros(max_slots, dtype=torch.float32, device=self.device)
+
+    def _view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        off, n = self._offsets[name]
+        return buf[off : off + n]
+
+    def fill(self, bs: int, num_tokens: int, seg_lens: Sequence[int], weight_indices: Sequence[int],
+             lora_ranks: Sequence[int], scalings: Sequence[float]) -> LoRABatchInfo:
+        if bs > self.max_bs or num_tokens > self.max_tokens:
+            raise ValueError(
+                f"batch of {bs} rows / {num_tokens} tokens exceeds the buffers "
+                f"({self.max_bs} rows / {self.max_tokens} tokens)")
+        if len(lora_ranks) > self.max_slots:
+            raise ValueError(f"{len(lora_ranks)} slots exceed the buffers' {self.max_slots}")
+        token_slot, sorted_ids, c_slot, c_start, c_len, slots = plan_chunks(
+            weight_indices, seg_lens, self.block_m)
+        if len(c_slot) > self.max_chunks:  # cannot happen while distinct slots <= max_loras
+            raise ValueError(
+                f"{len(slots)} distinct adapters in one batch exceed max_loras_per_batch")
+        turn, self._turn = self._turn, 1 - self._turn
+        host, host_scalings, event = self._hosts[turn], self._host_scalings[turn], self._events[turn]
+        if event is not None:
+            event.synchronize()
+        host.zero_()
+        host_scalings.zero_()
+        indptr = [0]
+        for n in seg_lens:
+            indptr.append(indptr[-1] + n)
+        unused = self.max_chunks - len(c_slot)
+        values = {
+            "seg_lens": list(seg_lens),
+            "seg_indptr": indptr,
+            "weight_indices": list(weight_indices),
+            "lora_ranks": list(lora_ranks),
+            # padded tokens (graph buckets) belong to no adapter
+            "token_slot": token_slot + [NO_ADAPTER] * (self.max_tokens - len(token_slot)),
+            "sorted_token_ids": sorted_ids,
+            "chunk_slot": c_slot + [NO_ADAPTER] * unused,
+            "chunk_start": c_start,
+            "chunk_len": c_len,
+        }
+        for name, vals in values.items():
+            if vals:
+                self._view(host, name)[: len(vals)] = torch.tensor(vals, dtype=torch.int32)
+        if scalings:
+            host_scalings[: len(scalings)] = torch.tensor(list(scalings), dtype=torch.float32)
+        self.dev.copy_(host, non_blocking=True)
+        self.dev_scalings.copy_(host_scalings, non_blocking=True)
+        if event is not None:
+            event.record()
+        n_slots = len(lora_ranks)
+        return LoRABatchInfo(
+            bs=bs,
+            num_tokens=num_tokens,
+            seg_lens=self._view(self.dev, "seg_lens")[:bs],
+            seg_indptr=self._view(self.dev, "seg_indptr")[: bs + 1],
+            weight_indices=self._view(self.dev, "weight_indices")[:bs],
+            lora_ranks=self._view(self.dev, "lora_ranks")[:n_slots],
+            scalings=self.dev_scalings[:n_slots],
+            token_slot=self._view(self.dev, "token_slot")[:num_tokens],
+            block_m=self.block_m,
+            max_chunks=self.max_chunks,
+            sorted_token_ids=self._view(self.dev, "sorted_token_ids"),
+            chunk_slot=self._view(self.dev, "chunk_slot"),
+            chunk_start=self._view(self.dev, "chunk_start"),
+            chunk_len=self._view(self.dev, "chunk_len"),
+            slots_in_batch=slots,
+        )
