@@ -1,0 +1,34 @@
+"""peft_fastlora: fast mixed-adapter LoRA inference for Hugging Face PEFT models.
+
+    import peft_fastlora as fastlora
+    fastlora.patch(model)
+    model.generate(**inputs, adapter_names=["sql", "__base__", "chat", ...])
+"""
+
+from contextlib import contextmanager
+
+from .backend import BaseLoRABackend, available_backends, get_backend
+from .patch import PatchReport, get_state, patch, unpatch
+
+__version__ = "0.1.0"
+
+
+@contextmanager
+def patched(model, **kwargs):
+    """``with fastlora.patched(model): ...`` patches for the block and unpatches after it."""
+    report = patch(model, **kwargs)
+    try:
+        yield report
+    finally:
+        unpatch(model)
+
+
+__all__ = [
+    "BaseLoRABackend",
+    "PatchReport",
+    "available_backends",
+    "get_backend",
+    "patch",
+    "patched",
+    "unpatch",
+]

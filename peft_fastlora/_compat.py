@@ -1,0 +1,120 @@
+"""Every difference between transformers / PEFT versions, and every read of PEFT internals, in one
+place. The rest of the package asks these helpers, never PEFT's private attributes directly."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+import peft
+import transformers
+from peft.tuners.lora import layer as _lora_layer
+
+LoraLayer = _lora_layer.LoraLayer
+LoraLinear = _lora_layer.Linear
+LoraEmbedding = _lora_layer.Embedding
+
+try:
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # pragma: no cover - very old transformers
+    Conv1D = None
+
+PEFT_VERSION = peft.__version__
+TRANSFORMERS_VERSION = transformers.__version__
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    return isinstance(module, LoraLayer)
+
+
+def base_layer_of(module: nn.Module) -> nn.Module:
+    """The innermost base layer of a PEFT tuner layer (the module itself otherwise)."""
+    return module.get_base_layer() if isinstance(module, LoraLayer) else module
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    return Conv1D is not None and isinstance(module, Conv1D)
+
+
+def linear_in_out(base: nn.Module) -> Tuple[int, int]:
+    if isinstance(base, nn.Linear):
+        return base.in_features, base.out_features
+    if is_conv1d(base):  # GPT-2: weight is (in, out)
+        return base.weight.shape[0], base.weight.shape[1]
+    raise TypeError(f"not a linear layer: {type(base).__name__}")
+
+
+def embed_scale(layer: nn.Module) -> Optional[float]:
+    """Scale some embeddings (Gemma's) apply in forward; PEFT applies it to the LoRA delta too."""
+    getter = getattr(layer, "_get_embed_scale", None)
+    scale = getter() if getter is not None else None
+    return None if scale is None else float(scale)
+
+
+def lora_weights(layer: nn.Module) -> Dict[str, Tuple[torch.Tensor, torch.Tensor, float]]:
+    """name -> (A (r, in), B (out, r), scaling) for every adapter the layer holds.
+
+    For an Embedding, ``in`` is the vocabulary and the embedding scale is folded into the scaling.
+    """
+    out = {}
+    if isinstance(layer, LoraEmbedding):
+        scale = embed_scale(layer) or 1.0
+        for name in layer.lora_embedding_A.keys():
+            out[name] = (layer.lora_embedding_A[name], layer.lora_embedding_B[name],
+                         float(layer.scaling[name]) * scale)
+        return out
+    for name in layer.lora_A.keys():
+        if name not in layer.lora_B:
+            continue
+        out[name] = (layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name]))
+    return out
+
+
+def adapter_names_of(layer: nn.Module):
+    return set(layer.lora_A.keys()) | set(layer.lora_embedding_A.keys())
+
+
+def unsupported_reason(layer: nn.Module, adapter: str) -> Optional[str]:
+    """Why fastlora cannot compute this adapter in this layer (PEFT's own path then serves it)."""
+    if layer.use_dora.get(adapter, False):
+        return "DoRA"
+    if getattr(layer, "lora_bias", {}).get(adapter, False):
+        return "lora_bias"
+    variant = getattr(layer, "lora_variant", {}).get(adapter)
+    if variant is not None:
+        return f"LoRA variant {type(variant).__name__}"
+    return None
+
+
+def layer_is_merged(layer: nn.Module) -> bool:
+    return bool(layer.merged_adapters)
+
+
+def layer_adapters_disabled(layer: nn.Module) -> bool:
+    return bool(layer.disable_adapters)
+
+
+# ---- transformers: decode-step kwargs (used by the CUDA-graph runner) -----------------------
+def forward_accepts(model: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def cache_kwarg_name(model: nn.Module) -> str:
+    """transformers >= 5.2x renamed the forward kwarg ``past_key_values`` to ``cache``."""
+    return "cache" if forward_accepts(model, "cache") else "past_key_values"
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers (or plain torch) model inside a PeftModel / LoraModel, else the model."""
+    inner = model
+    if isinstance(inner, peft.PeftModel):
+        inner = inner.base_model
+    if isinstance(inner, peft.tuners.tuners_utils.BaseTuner):
+        inner = inner.model
+    return inner

@@ -1,0 +1,126 @@
+"""Sibling projections (q/k/v, gate/up) fused into one base GEMM, built at patch time.
+
+Groups are found by structure: a parent module whose children named ``q_proj``, ``k_proj``,
+``v_proj`` (or ``gate_proj``, ``up_proj``) are plain ``nn.Linear`` layers, or PEFT LoRA layers
+wrapping one, with the same input width, dtype and device. The fused weight is one new tensor
+and each original parameter becomes a view of it (same Parameter object, new storage), so there
+is no second copy of the base weights and ``state_dict()`` still shows the original names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ._compat import base_layer_of, is_lora_layer
+
+FUSIBLE_GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "gate_up": ("gate_proj", "up_proj"),
+}
+
+
+@dataclass
+class FusedGroup:
+    kind: str  # "qkv" or "gate_up"
+    parent_name: str
+    member_names: Tuple[str, ...]
+    members: List[nn.Module]  # what the parent calls: a LoRA layer or a plain nn.Linear
+    bases: List[nn.Linear]
+    weight: Optional[torch.Tensor] = None  # (sum out, in), the only copy of the base weights
+    bias: Optional[torch.Tensor] = None
+    offsets: List[int] = field(default_factory=list)
+
+    @property
+    def out_features(self) -> List[int]:
+        return [b.out_features for b in self.bases]
+
+    @property
+    def in_features(self) -> int:
+        return self.bases[0].in_features
+
+    def is_intact(self) -> bool:
+        """Still views of the fused tensor (``model.to()`` or a reload replaces the storage)."""
+        if self.weight is None:
+            return False
+        base_ptr, esize = self.weight.data_ptr(), self.weight.element_size()
+        for b, lo in zip(self.bases, self.offsets):
+            if b.weight.data_ptr() != base_ptr + lo * self.in_features * esize:
+                return False
+            if b.weight.dtype != self.weight.dtype or b.weight.device != self.weight.device:
+                return False
+        return True
+
+    @torch.no_grad()
+    def fuse(self):
+        self.offsets = [0]
+        for n in self.out_features:
+            self.offsets.append(self.offsets[-1] + n)
+        # cat allocates the fused copy; the parameters are repointed right after, so the old
+        # storages are freed and peak memory grows by one group at a time
+        self.weight = torch.cat([b.weight.detach() for b in self.bases], dim=0)
+        for b, lo, hi in zip(self.bases, self.offsets[:-1], self.offsets[1:]):
+            b.weight.data = self.weight[lo:hi]
+        if any(b.bias is not None for b in self.bases):
+            parts = [b.bias.detach() if b.bias is not None
+                     else torch.zeros(b.out_features, dtype=self.weight.dtype, device=self.weight.device)
+                     for b in self.bases]
+            self.bias = torch.cat(parts)
+            for b, lo, hi in zip(self.bases, self.offsets[:-1], self.offsets[1:]):
+                if b.bias is not None:
+                    b.bias.data = self.bias[lo:hi]
+        else:
+            self.bias = None
+
+    @torch.no_grad()
+    def unfuse(self):
+        """Give every parameter its own storage again; the fused tensor is dropped."""
+        for b in self.bases:
+            b.weight.data = b.weight.data.clone()
+            if b.bias is not None:
+                b.bias.data = b.bias.data.clone()
+        self.weight = self.bias = None
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def fusion_blocker(bases: List[nn.Module]) -> Optional[str]:
+    """Why these base layers cannot share one GEMM, or None."""
+    for b in bases:
+        if type(b) is not nn.Linear:
+            return f"base layer is {type(b).__name__}, not nn.Linear (quantized or custom)"
+        if getattr(b, "_hf_hook", None) is not None or b._forward_hooks or b._forward_pre_hooks:
+            return "base layer has forward hooks (offloading or similar)"
+    first = bases[0].weight
+    for b in bases[1:]:
+        if b.in_features != bases[0].in_features:
+            return "different input widths"
+        if b.weight.dtype != first.dtype or b.weight.device != first.device:
+            return "different dtypes or devices"
+    if first.device.type == "meta":
+        return "weights on the meta device"
+    return None
+
+
+def find_groups(root: nn.Module) -> Tuple[List[FusedGroup], List[Tuple[str, str]]]:
+    """Fusible groups with at least one LoRA member, and (parent name, reason) of groups that
+    have LoRA members but cannot be fused."""
+    groups, blocked = [], []
+    for parent_name, parent in root.named_modules():
+        for kind, names in FUSIBLE_GROUPS.items():
+            members = [getattr(parent, n, None) for n in names]
+            if any(m is None for m in members) or not any(is_lora_layer(m) for m in members):
+                continue
+            if any(not is_lora_layer(m) and not isinstance(m, nn.Module) for m in members):
+                continue
+            bases = [base_layer_of(m) for m in members]
+            why = fusion_blocker(bases)
+            if why:
+                blocked.append((f"{parent_name}.{kind}" if parent_name else kind, why))
+                continue
+            groups.append(FusedGroup(kind, parent_name, names, members, bases))
+    return groups, blocked

@@ -1,0 +1,167 @@
+"""Thin forwards installed on the model's LoRA layers: the base GEMM, then ``backend.run_*``.
+
+A *site* is what one backend call serves: a single LoRA layer (``LinearSite``, ``EmbeddingSite``)
+or a fused group of siblings (``FusedSite``). Each member module of a site gets an instance-level
+``forward`` that first asks the model state whether the fast path applies to this call; when it
+does not, the member's original forward (PEFT's) runs, unchanged. No kernel details live here.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from ._compat import base_layer_of, is_lora_layer, layer_adapters_disabled, layer_is_merged
+from .fusion import FusedGroup
+from .pool import SitePool
+
+_VARIANT_KWARGS = ("alora_offsets",)
+
+
+class Site:
+    """Common part: the members, their saved forwards, and the pool."""
+
+    kind = "linear"
+
+    def __init__(self, name: str, members: List[nn.Module], pool: SitePool):
+        self.name = name
+        self.members = members
+        self.pool = pool
+        self.lora_layers = [m for m in members if is_lora_layer(m)]
+        self._saved: List[Optional[object]] = []
+
+    # -- installing -------------------------------------------------------------------------
+    def install(self, state):
+        self._saved = []
+        for i, m in enumerate(self.members):
+            # keep an instance-level forward someone else installed (accelerate hooks do this)
+            self._saved.append(m.__dict__.get("forward"))
+            original = m.forward
+
+            def patched(module, x, *args, _i=i, _orig=original, **kwargs):
+                return self.member_forward(state, _i, _orig, x, args, kwargs)
+
+            m.forward = types.MethodType(patched, m)
+
+    def uninstall(self):
+        for m, saved in zip(self.members, self._saved):
+            if saved is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = saved
+        self._saved = []
+
+    # -- deciding ---------------------------------------------------------------------------
+    def fast_path_info(self, state, x, args, kwargs):
+        """The batch info when this call can take the fast path, else None."""
+        names = kwargs.get("adapter_names")
+        if names is None or args or not state.enabled:
+            return None
+        if any(k != "adapter_names" and not (k in _VARIANT_KWARGS and v is None) for k, v in kwargs.items()):
+            return None
+        if torch.is_grad_enabled() or not isinstance(x, torch.Tensor):
+            return None
+        for layer in self.lora_layers:
+            if layer.training or layer_is_merged(layer) or layer_adapters_disabled(layer):
+                return None
+        if x.dim() < 1 or len(names) != x.shape[0] or x.device != state.device:
+            return None  # PEFT's forward raises its own error for a length mismatch
+        bi = state.batch_info(names, x, self)
+        if bi is None or any(s in self.pool.unsupported for s in bi.slots_in_batch):
+            return None
+        return bi
+
+    def member_forward(self, state, i, original, x, args, kwargs):
+        raise NotImplementedError
+
+
+def _as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t.reshape(-1, width)
+
+
+class LinearSite(Site):
+    """One PEFT LoRA ``Linear`` (base ``nn.Linear`` or GPT-2 ``Conv1D``)."""
+
+    kind = "linear"
+
+    def member_forward(self, state, i, original, x, args, kwargs):
+        bi = self.fast_path_info(state, x, args, kwargs)
+        if bi is None:
+            return original(x, *args, **kwargs)
+        layer = self.members[0]
+        result = base_layer_of(layer)(x)
+        pool = state.pool_for(self, x.dtype)
+        out = result.reshape(-1, result.shape[-1])
+        y = state.backend.run_lora_a_sgemm(_as_rows(x, x.shape[-1]).contiguous(), pool.lora_a,
+                                           stack_num=1, layer_ranks=pool.ranks, batch_info=bi)
+        out = state.backend.run_lora_b_sgemm(y, pool.lora_b, base_output=out, layer_ranks=pool.ranks,
+                                             layer_scalings=pool.scalings, batch_info=bi)
+        return out.view(result.shape)
+
+
+class EmbeddingSite(Site):
+    """One PEFT LoRA ``Embedding``: a lookup in A, then the expand."""
+
+    kind = "embedding"
+
+    def member_forward(self, state, i, original, x, args, kwargs):
+        bi = self.fast_path_info(state, x, args, kwargs)
+        if bi is None:
+            return original(x, *args, **kwargs)
+        layer = self.members[0]
+        base = base_layer_of(layer)
+        result = base(x)
+        pool = state.pool_for(self, result.dtype)
+        out = result.reshape(-1, result.shape[-1])
+        after_a = state.backend.run_lora_a_embedding(x.reshape(-1).contiguous(), pool.lora_a,
+                                                     base.num_embeddings, batch_info=bi)
+        out = state.backend.run_lora_b_sgemm(after_a, pool.lora_b, base_output=out,
+                                             layer_ranks=pool.ranks, layer_scalings=pool.scalings,
+                                             batch_info=bi)
+        return out.view(result.shape)
+
+
+class FusedSite(Site):
+    """Sibling projections computed by one base GEMM and one stacked LoRA call.
+
+    The first member called computes every member's output and leaves the others in a stash keyed
+    by the input tensor's identity; each sibling called with that same tensor takes its output from
+    the stash (once). Any other call runs the member's own forward.
+    """
+
+    def __init__(self, name: str, group: FusedGroup, pool: SitePool):
+        super().__init__(name, group.members, pool)
+        self.group = group
+        self.kind = group.kind
+        self._stash = None  # (input tensor, [output or None per member])
+
+    def clear_stash(self):
+        self._stash = None
+
+    def member_forward(self, state, i, original, x, args, kwargs):
+        stash = self._stash
+        if stash is not None and stash[0] is x and stash[1][i] is not None and not args:
+            out, stash[1][i] = stash[1][i], None
+            return out
+        bi = self.fast_path_info(state, x, args, kwargs)
+        if bi is None or not self.group.is_intact():
+            return original(x, *args, **kwargs)
+        pool = state.pool_for(self, x.dtype)
+        x2 = _as_rows(x, x.shape[-1]).contiguous()
+        res = self.group.linear(x2)
+        common = dict(base_output=res, layer_ranks=pool.ranks, layer_scalings=pool.scalings,
+                      batch_info=bi)
+        if self.kind == "qkv":
+            state.backend.run_qkv_lora(x2, pool.lora_a, pool.lora_b, output_offset=pool.offsets, **common)
+        else:
+            state.backend.run_gate_up_lora(x2, pool.lora_a, pool.lora_b, **common)
+        res = res.view(*x.shape[:-1], res.shape[-1])
+        outs = [res[..., lo:hi] for lo, hi in zip(pool.offsets[:-1], pool.offsets[1:])]
+        mine = outs[i]
+        outs[i] = None
+        self._stash = (x, outs)
+        return mine
+

@@ -1,0 +1,27 @@
+"""Triton kernels, one file per op: a private ``_kernel`` and a public launcher.
+
+The kernels know nothing of HF or PEFT; they read plain tensors and the chunk plan of
+``peft_fastlora.batch``. Importing this package imports Triton.
+"""
+
+from .lora_embedding import lora_embedding_a, lora_extra_token_embedding
+from .lora_expand import expand_config, lora_expand
+from .lora_shrink import lora_shrink, shrink_config
+from .lora_shrink import _kernel as _shrink_kernel
+
+
+def interpreting() -> bool:
+    """True when the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` was set
+    before they were imported), which runs them on CPU tensors."""
+    return type(_shrink_kernel).__name__ == "InterpretedFunction"
+
+
+__all__ = [
+    "expand_config",
+    "interpreting",
+    "lora_embedding_a",
+    "lora_expand",
+    "lora_extra_token_embedding",
+    "lora_shrink",
+    "shrink_config",
+]

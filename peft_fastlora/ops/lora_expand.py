@@ -1,0 +1,189 @@
+"""Segmented LoRA expand, added in place:
+``out[t, lo_j:hi_j] += scaling[slot, j] * y[t, j*R : j*R + rank] @ B[slot, lo_j:hi_j, :rank].T``.
+
+One program owns one (chunk, column block, module): it reads the chunk's rows of ``y`` and of
+``out`` once, adds the delta in float32 and stores once, so the base output takes one read and
+one write and no extra pass. Only the first ``rank(slot, j)`` columns of ``y`` and of ``B`` are
+read: the shrink leaves the rest of ``y`` undefined and padded ranks may hold anything.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_MODULES_PER_LAUNCH = 4  # column offsets travel as scalar arguments (no device table to build)
+
+
+@triton.jit
+def _kernel(
+    # pointers
+    y_ptr,  # (s, c * R)
+    b_ptr,  # (num_slots, N_total, R)
+    out_ptr,  # (s, N_total), any row stride
+    # dimensions
+    R,  # padded rank of one module in y and B
+    num_slots,
+    J0,  # first module of this launch (launches cover at most 4 modules)
+    OFF0, OFF1, OFF2, OFF3, OFF4,  # column offsets of this launch's modules; unused ones repeat the end
+    # strides
+    stride_ys, stride_yr,
+    stride_bl, stride_bn, stride_br,
+    stride_os, stride_on,
+    # batch info
+    ranks_ptr, stride_rl,  # (>= num_slots, c) int32, unit column stride
+    scalings_ptr, stride_sl,  # (>= num_slots, c) float32, unit column stride
+    sorted_ids_ptr, chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    nb = tl.program_id(1)
+    jl = tl.program_id(2)
+    slot = tl.load(chunk_slot_ptr + chunk)
+    n_rows = tl.load(chunk_len_ptr + chunk)
+    if slot < 0:
+        return
+    if slot >= num_slots:  # a stale plan must never read past the weights
+        return
+    if n_rows <= 0:
+        return
+    j = J0 + jl
+    lo = tl.where(jl == 0, OFF0, tl.where(jl == 1, OFF1, tl.where(jl == 2, OFF2, OFF3)))
+    hi = tl.where(jl == 0, OFF1, tl.where(jl == 1, OFF2, tl.where(jl == 2, OFF3, OFF4)))
+    n0 = nb * BLOCK_N
+    if n0 >= hi - lo:  # the grid is sized for the widest module
+        return
+    rank = tl.minimum(tl.load(ranks_ptr + slot * stride_rl + j), R)
+    if rank <= 0:
+        return
+    scaling = tl.load(scalings_ptr + slot * stride_sl + j)
+    start = tl.load(chunk_start_ptr + chunk)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    row_mask = offs_m < n_rows
+    tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hi - lo
+    cols = lo + offs_n
+
+    y_row = y_ptr + tok[:, None] * stride_ys + (j * R) * stride_yr
+    b_base = b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        yt = tl.load(y_row + offs_r[None, :] * stride_yr,
+                     mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+        # B read transposed, (BLOCK_R, BLOCK_N)
+        bt = tl.load(b_base + offs_r[:, None] * stride_br,
+                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(yt, bt, acc, input_precision=DOT_PRECISION)
+
+    out_ptrs = out_ptr + tok[:, None] * stride_os + cols[None, :] * stride_on
+    mask = row_mask[:, None] & n_mask[None, :]
+    base = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def expand_config(block_m: int, rank: int, max_width: int) -> dict:
+    """Launch parameters for Hopper, by shape class (no autotuning: graphs need a fixed launch).
+
+    Decode-sized chunks are memory bound on B and on the output rows: column blocks wide enough
+    that each program moves a few KB, narrow enough to keep every SM busy. Prefill chunks take
+    wider tiles and more warps.
+    """
+    r_pow2 = max(16, triton.next_power_of_2(rank))
+    if block_m <= 16:
+        cfg = dict(block_n=128 if rank <= 32 else 64, block_r=min(r_pow2, 64), num_warps=4,
+                   num_stages=2)
+    elif block_m <= 32:
+        cfg = dict(block_n=128, block_r=min(r_pow2, 64), num_warps=4, num_stages=2)
+    else:
+        cfg = dict(block_n=128, block_r=min(r_pow2, 64), num_warps=8, num_stages=2)
+    cfg["block_n"] = min(cfg["block_n"], max(16, triton.next_power_of_2(max_width)))
+    return cfg
+
+
+def lora_expand(
+    y: torch.Tensor,
+    weights: torch.Tensor,
+    offsets: Sequence[int],
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    sorted_token_ids: torch.Tensor,
+    chunk_slot: torch.Tensor,
+    chunk_start: torch.Tensor,
+    chunk_len: torch.Tensor,
+    *,
+    block_m: int,
+    block_n: Optional[int] = None,
+    block_r: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Stacked, segmented expand into ``out`` (in place).
+
+    Args:
+        y: (s, c * R), the shrink's output.
+        weights: (num_slots, N_total, R), same dtype as ``y``.
+        offsets: c + 1 host ints; module j writes columns ``offsets[j]:offsets[j+1]`` of ``out``
+            and reads rows ``offsets[j]:offsets[j+1]`` of ``weights``.
+        ranks: (>= num_slots, c) int32; scalings: (>= num_slots, c) float32.
+        out: (s, N_total), unit column stride; rows of tokens in no chunk are not touched.
+        sorted_token_ids, chunk_slot, chunk_start, chunk_len: the chunk plan (int32).
+        block_m: rows per chunk.
+        block_n, block_r, num_warps, num_stages: override ``expand_config``.
+    Returns:
+        ``out``.
+    """
+    offsets = [int(o) for o in offsets]
+    c = len(offsets) - 1
+    s = y.shape[0]
+    num_slots, n_total, r = weights.shape
+    if y.shape[1] != c * r or offsets[-1] != n_total or tuple(out.shape) != (s, n_total):
+        raise ValueError(f"lora_expand: y {tuple(y.shape)}, weights {tuple(weights.shape)}, out "
+                         f"{tuple(out.shape)} and offsets {offsets} do not agree")
+    if out.stride(1) != 1:
+        raise ValueError("lora_expand: out must have unit column stride")
+    for name, t in (("ranks", ranks), ("scalings", scalings)):
+        if t.dim() != 2 or t.shape[1] != c or t.stride(1) != 1:
+            raise ValueError(f"lora_expand: {name} must be (num_slots, {c}) with unit column stride")
+    max_chunks = chunk_slot.shape[0]
+    if s == 0 or max_chunks == 0 or r == 0:
+        return out
+    dot_precision = "ieee" if y.dtype == torch.float32 else "tf32"  # Triton's fp32 default is tf32
+    for j0 in range(0, c, MAX_MODULES_PER_LAUNCH):
+        offs = offsets[j0 : j0 + MAX_MODULES_PER_LAUNCH + 1]
+        n_mod = len(offs) - 1
+        widest = max(b - a for a, b in zip(offs[:-1], offs[1:]))
+        if widest == 0:
+            continue
+        cfg = expand_config(block_m, r, widest)
+        bn = block_n or cfg["block_n"]
+        offs = offs + [offs[-1]] * (MAX_MODULES_PER_LAUNCH + 1 - len(offs))
+        grid = (max_chunks, triton.cdiv(widest, bn), n_mod)
+        _kernel[grid](
+            y, weights, out,
+            r, num_slots, j0, *offs,
+            y.stride(0), y.stride(1),
+            weights.stride(0), weights.stride(1), weights.stride(2),
+            out.stride(0), out.stride(1),
+            ranks, ranks.stride(0),
+            scalings, scalings.stride(0),
+            sorted_token_ids, chunk_slot, chunk_start, chunk_len,
+            BLOCK_M=block_m,
+            BLOCK_N=bn,
+            BLOCK_R=block_r or cfg["block_r"],
+            DOT_PRECISION=dot_precision,
+            num_warps=num_warps or cfg["num_warps"],
+            num_stages=num_stages or cfg["num_stages"],
+        )
+    return out

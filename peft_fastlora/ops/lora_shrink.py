@@ -1,0 +1,180 @@
+"""Segmented LoRA shrink: ``y[t, j*R : j*R + rank] = x[t] @ A[slot(t), j*R : j*R + rank].T``.
+
+Tokens arrive grouped by adapter slot in chunks of at most ``block_m`` rows (see the chunk arrays
+below); one program computes one (module, rank block) of one chunk, so a tile never mixes two
+adapters and each adapter's A is streamed once per chunk. Only the first ``rank(slot, j)`` rows
+of a module's A are read and only those columns of ``y`` are written: the rest of ``y`` is left
+as it was (the expand never reads it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kernel(
+    # pointers
+    x_ptr,  # (s, K)
+    a_ptr,  # (num_slots, c * R, K)
+    y_ptr,  # (s, c * R)
+    # dimensions
+    K,
+    R,  # padded rank of one module in A and y
+    num_slots,
+    # strides
+    stride_xs, stride_xk,
+    stride_al, stride_ar, stride_ak,
+    stride_ys, stride_yr,
+    # batch info
+    ranks_ptr,  # (>= num_slots, c) int32, unit column stride
+    stride_rl,
+    sorted_ids_ptr, chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr,
+    # meta-parameters
+    NUM_RB: tl.constexpr,  # rank blocks per module
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # axis 0 walks the (module, rank block) pairs of one chunk first, so the programs sharing a
+    # chunk's rows of x run side by side and read them from L2 rather than DRAM
+    j = tl.program_id(0) // NUM_RB
+    rb = tl.program_id(0) % NUM_RB
+    chunk = tl.program_id(1)
+    slot = tl.load(chunk_slot_ptr + chunk)
+    n_rows = tl.load(chunk_len_ptr + chunk)
+    if slot < 0:
+        return
+    if slot >= num_slots:  # a stale plan must never read past the weights
+        return
+    if n_rows <= 0:
+        return
+    # a rank table larger than the buffer's padded rank must not spill into the next module
+    rank = tl.minimum(tl.load(ranks_ptr + slot * stride_rl + j), R)
+    r0 = rb * BLOCK_R
+    if r0 >= rank:
+        return
+    start = tl.load(chunk_start_ptr + chunk)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    row_mask = offs_m < n_rows
+    tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    offs_k = tl.arange(0, BLOCK_K)
+
+    x_ptrs = x_ptr + tok[:, None] * stride_xs + offs_k[None, :] * stride_xk
+    # A is read transposed, (BLOCK_K, BLOCK_R), so the dot needs no permute
+    a_ptrs = (a_ptr + slot.to(tl.int64) * stride_al + (j * R + offs_r)[None, :] * stride_ar
+              + offs_k[:, None] * stride_ak)
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+            at = tl.load(a_ptrs, mask=r_mask[None, :], other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < K
+            xt = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        a_ptrs += BLOCK_K * stride_ak
+
+    y_ptrs = y_ptr + tok[:, None] * stride_ys + (j * R + offs_r)[None, :] * stride_yr
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & r_mask[None, :])
+
+
+def shrink_config(block_m: int, rank: int, k: int) -> dict:
+    """Launch parameters for Hopper, by shape class (no autotuning: graphs need a fixed launch).
+
+    Decode-sized chunks (``block_m`` 16) are memory bound on A: wide K tiles, deep pipelining,
+    and ranks split in blocks of 16 for more programs in flight. Prefill chunks re-read x once
+    per rank block, so the whole rank is taken in one block.
+    """
+    r_pow2 = max(16, triton.next_power_of_2(rank))
+    if block_m <= 16:
+        cfg = dict(block_k=256, block_r=16, num_warps=4, num_stages=4)
+    elif block_m <= 32:
+        cfg = dict(block_k=128, block_r=min(r_pow2, 64), num_warps=4, num_stages=3)
+    else:
+        cfg = dict(block_k=64, block_r=min(r_pow2, 128), num_warps=8, num_stages=3)
+    cfg["block_k"] = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
+    cfg["block_r"] = min(cfg["block_r"], r_pow2)
+    return cfg
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    stack_num: int,
+    ranks: torch.Tensor,
+    sorted_token_ids: torch.Tensor,
+    chunk_slot: torch.Tensor,
+    chunk_start: torch.Tensor,
+    chunk_len: torch.Tensor,
+    *,
+    block_m: int,
+    out: Optional[torch.Tensor] = None,
+    block_k: Optional[int] = None,
+    block_r: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Stacked, segmented shrink.
+
+    Args:
+        x: (s, K).
+        weights: (num_slots, stack_num * R, K), same dtype as ``x``.
+        stack_num: c, modules stacked along dim 1 of ``weights``.
+        ranks: (>= num_slots, c) int32, rank of each slot in each module (0: nothing to do).
+        sorted_token_ids, chunk_slot, chunk_start, chunk_len: the chunk plan (int32); the grid
+            is sized from ``chunk_slot``'s length, never from its contents.
+        block_m: rows per chunk (a power of two >= 16).
+        out: optional (s, c * R) output; allocated (uninitialised) when omitted.
+        block_k, block_r, num_warps, num_stages: override ``shrink_config``.
+    Returns:
+        (s, c * R) in ``x.dtype``; defined only where the contract says (own rank, adapter rows).
+    """
+    s, k = x.shape
+    num_slots, cr, kw = weights.shape
+    if kw != k or cr % stack_num:
+        raise ValueError(f"lora_shrink: weights {tuple(weights.shape)} do not match x {tuple(x.shape)}"
+                         f" with stack_num={stack_num}")
+    r = cr // stack_num
+    if ranks.dim() != 2 or ranks.shape[1] != stack_num or ranks.stride(1) != 1:
+        raise ValueError(f"lora_shrink: ranks must be (num_slots, {stack_num}) with unit column stride")
+    if out is None:
+        out = torch.empty(s, cr, dtype=x.dtype, device=x.device)
+    cfg = shrink_config(block_m, r, k)
+    block_k = block_k or cfg["block_k"]
+    block_r = block_r or cfg["block_r"]
+    num_rb = triton.cdiv(r, block_r)
+    max_chunks = chunk_slot.shape[0]
+    if s == 0 or max_chunks == 0 or r == 0:
+        return out
+    grid = (stack_num * num_rb, max_chunks)
+    _kernel[grid](
+        x, weights, out,
+        k, r, num_slots,
+        x.stride(0), x.stride(1),
+        weights.stride(0), weights.stride(1), weights.stride(2),
+        out.stride(0), out.stride(1),
+        ranks, ranks.stride(0),
+        sorted_token_ids, chunk_slot, chunk_start, chunk_len,
+        NUM_RB=num_rb,
+        BLOCK_M=block_m,
+        BLOCK_R=block_r,
+        BLOCK_K=block_k,
+        EVEN_K=(k % block_k == 0),
+        # fp32 inputs: Triton's default on GPU is tf32, which would not match the reference
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"],
+    )
+    return out

@@ -1,0 +1,278 @@
+"""``patch`` / ``unpatch``: walk a PEFT model, decide per layer, install and remove forwards.
+
+The patch touches the given model instance only (instance-level ``forward`` attributes and one
+forward pre-hook on the inner model), never a class of transformers or PEFT, and ``unpatch``
+restores everything. Per-row adapter names become one ``LoRABatchInfo`` per model forward, shared
+by all layers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from . import _compat
+from ._compat import LoraEmbedding, LoraLinear, base_layer_of, is_conv1d, is_lora_layer, linear_in_out
+from .backend import get_backend, resolve_backend_name
+from .batch import ForwardBatch
+from .fusion import find_groups
+from .layers import EmbeddingSite, FusedSite, LinearSite, Site
+from .pool import AdapterRegistry, SitePool
+
+logger = logging.getLogger("peft_fastlora")
+_STATE_ATTR = "_fastlora_state"
+
+
+@dataclass
+class PatchReport:
+    """What ``patch`` did. ``str(report)`` is the one-line summary that is also logged."""
+
+    backend: str
+    device: str
+    adapters: List[str]
+    sites: List[Tuple[str, str, int]] = field(default_factory=list)  # (name, kind, LoRA layers)
+    left_on_peft: List[Tuple[str, str]] = field(default_factory=list)  # (module, reason)
+    adapter_fallbacks: List[Tuple[str, str, str]] = field(default_factory=list)  # (module, adapter, reason)
+    fusion_blocked: List[Tuple[str, str]] = field(default_factory=list)  # (group, reason)
+    stack_bytes: int = 0
+
+    @property
+    def num_patched_layers(self) -> int:
+        return sum(n for _, _, n in self.sites)
+
+    def counts(self) -> dict:
+        out: dict = {}
+        for _, kind, _n in self.sites:
+            out[kind] = out.get(kind, 0) + 1
+        return out
+
+    def summary(self) -> str:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.counts().items()))
+        line = (f"fastlora: patched {self.num_patched_layers} LoRA layers ({kinds}) for "
+                f"{len(self.adapters)} adapters on backend {self.backend!r}; "
+                f"{len(self.left_on_peft)} left on PEFT's path; "
+                f"adapter stacks {self.stack_bytes / 2**20:.1f} MiB")
+        if self.adapter_fallbacks:
+            pairs = sorted({(a, r) for _, a, r in self.adapter_fallbacks})
+            line += "; served by PEFT where used: " + ", ".join(f"{a} ({r})" for a, r in pairs)
+        if self.fusion_blocked:
+            line += f"; {len(self.fusion_blocked)} groups not fused"
+        return line
+
+    __str__ = summary
+
+
+class FastLoRAState:
+    """Everything fastlora keeps on a patched model."""
+
+    def __init__(self, model: nn.Module, backend: str, fuse: bool, max_loras_per_batch: Optional[int]):
+        self.model = model
+        self.inner = _compat.unwrap_peft(model)
+        self.options = dict(backend=backend, fuse=fuse, max_loras_per_batch=max_loras_per_batch)
+        self.enabled = True
+        self.sites: List[Site] = []
+        self.groups = []
+        self.use_cuda_graph = False  # set by the graph runner while it captures / replays
+        self._hook = None
+        self._bi_key = None
+        self._bi = None
+        self._peft_config_keys = self._config_keys()
+
+    def _config_keys(self):
+        cfg = getattr(self.model, "peft_config", None)
+        return tuple(sorted(cfg)) if isinstance(cfg, dict) else None
+
+    # -- building ---------------------------------------------------------------------------
+    def build(self) -> PatchReport:
+        model = self.model
+        lora_layers = [(n, m) for n, m in model.named_modules() if is_lora_layer(m)]
+        if not lora_layers:
+            tuners = sorted({type(m).__name__ for m in model.modules()
+                             if isinstance(m, _compat.peft.tuners.tuners_utils.BaseTunerLayer)})
+            if tuners:
+                raise TypeError(f"fastlora accelerates LoRA adapters only; this model has {', '.join(tuners)}")
+            raise ValueError("fastlora.patch: the model holds no PEFT LoRA layers")
+        names = set()
+        for _, m in lora_layers:
+            names |= _compat.adapter_names_of(m)
+        self.registry = AdapterRegistry(names)
+        first = next(p for _, m in lora_layers for p in m.parameters())
+        self.device = first.device
+        backend_name = resolve_backend_name(self.options["backend"], self.device)
+        max_loras = self.options["max_loras_per_batch"] or max(16, len(self.registry))
+        self.backend = get_backend(backend_name)(max_loras, self.device)
+        report = PatchReport(backend=backend_name, device=str(self.device), adapters=list(self.registry.names))
+        name_of = {id(m): n for n, m in model.named_modules()}
+
+        served = set()
+        if self.options["fuse"]:
+            groups, blocked = find_groups(model)
+            report.fusion_blocked = [(f"{name_of.get(id(model), '')}{g}", why) for g, why in blocked]
+            for g in groups:
+                if any(m.__dict__.get("forward") is not None for m in g.members):
+                    report.fusion_blocked.append((g.parent_name, "a member already has its own forward"))
+                    continue
+                g.fuse()
+                self.groups.append(g)
+                pool = SitePool([m if is_lora_layer(m) else None for m in g.members], g.out_features,
+                                g.in_features)
+                site_name = f"{g.parent_name}.{g.kind}" if g.parent_name else g.kind
+                self.sites.append(FusedSite(site_name, g, pool))
+                served |= {id(m) for m in g.members}
+        for name, m in lora_layers:
+            if id(m) in served:
+                continue
+            base = base_layer_of(m)
+            if type(m) is LoraLinear and (isinstance(base, nn.Linear) or is_conv1d(base)):
+                i, o = linear_in_out(base)
+                self.sites.append(LinearSite(name, [m], SitePool([m], [o], i)))
+            elif type(m) is LoraEmbedding and isinstance(base, nn.Embedding):
+                self.sites.append(EmbeddingSite(name, [m], SitePool([m], [base.embedding_dim],
+                                                                     base.num_embeddings, embedding=True)))
+            else:
+                report.left_on_peft.append(
+                    (name, f"{type(m).__module__}.{type(m).__name__} over {type(base).__name__} "
+                           "is not handled by fastlora"))
+        for site in self.sites:
+            self._rebuild_pool(site, self._site_dtype(site))
+            site.install(self)
+            for layer in site.lora_layers:
+                for adapter in sorted(_compat.adapter_names_of(layer)):
+                    why = _compat.unsupported_reason(layer, adapter)
+                    if why:
+                        report.adapter_fallbacks.append((name_of.get(id(layer), "?"), adapter, why))
+        report.sites = [(s.name, s.kind, len(s.lora_layers)) for s in self.sites]
+        report.stack_bytes = sum(s.pool.nbytes() for s in self.sites)
+        self.report = report
+        self._hook = self.inner.register_forward_pre_hook(lambda module, args: self.begin_forward())
+        return report
+
+    def _site_dtype(self, site: Site) -> torch.dtype:
+        return base_layer_of(site.members[0]).weight.dtype
+
+    def _rebuild_pool(self, site: Site, dtype):
+        site.pool.rebuild(self.registry, dtype, self.device)
+        self._slot_ranks = None
+        self._bi_key = None
+
+    def teardown(self):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        for site in self.sites:
+            site.uninstall()
+        for g in self.groups:
+            g.unfuse()
+        self.sites, self.groups = [], []
+        self._bi = self._bi_key = None
+
+    # -- per forward ----------------------------------------------------------------------------
+    def begin_forward(self):
+        """Once per model forward: drop stale stashes, follow PEFT's adapters and weights."""
+        for site in self.sites:
+            if isinstance(site, FusedSite):
+                site.clear_stash()
+        if not self.enabled or self.use_cuda_graph:
+            return
+        self.sync()
+
+    def sync(self):
+        if self._config_keys() != self._peft_config_keys or self._adapter_set_changed():
+            self.rescan()
+            return
+        for g in self.groups:
+            if not g.is_intact():
+                g.fuse()  # model.to() or a reload gave the members new storage
+        for site in self.sites:
+            dtype = site.pool.lora_a.dtype if site.pool.lora_a is not None else self._site_dtype(site)
+            if site.pool.stale(self.registry, dtype):
+                self._rebuild_pool(site, dtype)
+
+    def _adapter_set_changed(self) -> bool:
+        names = set()
+        for site in self.sites:
+            for layer in site.lora_layers:
+                names |= _compat.adapter_names_of(layer)
+        return sorted(names) != self.registry.names
+
+    def rescan(self):
+        """Adapters were added or deleted: patch again from scratch (new LoRA layers may exist)."""
+        self.teardown()
+        self._peft_config_keys = self._config_keys()
+        self.report = self.build()
+        logger.info("%s (after an adapter change)", self.report)
+
+    def pool_for(self, site: Site, dtype: torch.dtype) -> SitePool:
+        if site.pool.lora_a is None or site.pool.lora_a.dtype != dtype:
+            self._rebuild_pool(site, dtype)
+        return site.pool
+
+    def slot_ranks(self) -> List[int]:
+        if self._slot_ranks is None:
+            ranks = [0] * len(self.registry)
+            for site in self.sites:
+                for s, r in enumerate(site.pool.slot_ranks_host()):
+                    ranks[s] = max(ranks[s], r)
+            self._slot_ranks = ranks
+        return self._slot_ranks
+
+    def batch_info(self, adapter_names: Sequence[str], x: torch.Tensor, site: Site):
+        """The batch info for this forward, built by the first layer that asks."""
+        rows = x.shape[0]
+        tokens_per_row = x.numel() // max(rows, 1)
+        if isinstance(site, LinearSite) or isinstance(site, FusedSite):
+            tokens_per_row //= max(x.shape[-1], 1)
+        key = (rows, tokens_per_row)
+        if self._bi_key is not None and self._bi_key[0] is adapter_names and self._bi_key[1] == key:
+            return self._bi
+        slots = self.registry.slots_for(adapter_names)
+        ranks = self.slot_ranks()
+        fb = ForwardBatch.from_shape(rows, tokens_per_row, self.device)
+        self._bi = self.backend.prepare_lora_batch(fb, slots, ranks, [1.0] * len(ranks),
+                                                   use_cuda_graph=self.use_cuda_graph)
+        self._bi_key = (adapter_names, key)
+        return self._bi
+
+
+def get_state(model: nn.Module) -> Optional[FastLoRAState]:
+    return model.__dict__.get(_STATE_ATTR)
+
+
+def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
+          max_loras_per_batch: Optional[int] = None) -> PatchReport:
+    """Serve the LoRA adapters of ``model`` (a ``PeftModel``) through a fastlora backend.
+
+    Args:
+        model: a PEFT model with one or more LoRA adapters.
+        backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` or ``"torch_native"``.
+        fuse: run sibling q/k/v and gate/up projections as one GEMM and one LoRA call each.
+        max_loras_per_batch: most distinct adapters in one batch (default: max(16, adapters)).
+    Returns:
+        the ``PatchReport``. Patching a patched model changes nothing and returns its report.
+    """
+    state = get_state(model)
+    if state is not None:
+        return state.report
+    state = FastLoRAState(model, backend, fuse, max_loras_per_batch)
+    model.__dict__[_STATE_ATTR] = state
+    try:
+        report = state.build()
+    except Exception:
+        state.teardown()
+        del model.__dict__[_STATE_ATTR]
+        raise
+    logger.info("%s", report)
+    return report
+
+
+def unpatch(model: nn.Module) -> None:
+    """Restore the original forwards and parameter storage. A no-op on an unpatched model."""
+    state = get_state(model)
+    if state is None:
+        return
+    state.teardown()
+    del model.__dict__[_STATE_ATTR]
