@@ -118,3 +118,41 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     if isinstance(inner, peft.tuners.tuners_utils.BaseTuner):
         inner = inner.model
     return inner
+
+
+def generate_cache_kwarg(model: nn.Module) -> str:
+    """Name under which ``generate`` takes a user cache (follows the forward's name)."""
+    return cache_kwarg_name(model)
+
+
+def make_static_cache(model: nn.Module, max_cache_len: int):
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+def cache_state_tensors(cache) -> list:
+    """The small tensors a static cache advances in place at each update (its fill lengths).
+
+    A decode step run for warm-up or capture advances them; the graph runner saves and restores them
+    so that the real step writes where it should.
+    """
+    out = []
+    for layer in getattr(cache, "layers", []) or []:
+        t = getattr(layer, "cumulative_length", None)
+        if isinstance(t, torch.Tensor):
+            out.append(t)
+    return out
+
+
+def cache_is_graph_safe(cache) -> Optional[str]:
+    """None when every layer of the cache is a static layer with device-side lengths."""
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return f"cache {type(cache).__name__} has no layers"
+    for layer in layers:
+        if not getattr(layer, "is_compileable", False) or getattr(layer, "is_sliding", False):
+            return f"cache layer {type(layer).__name__} is not a static full-attention layer"
+        if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+            return f"cache layer {type(layer).__name__} tracks its length on the host"
+    return None

@@ -57,6 +57,15 @@ class Site:
     # -- deciding ---------------------------------------------------------------------------
     def fast_path_info(self, state, x, args, kwargs):
         """The batch info when this call can take the fast path, else None."""
+        bi = self._fast_path_info(state, x, args, kwargs)
+        if bi is None and state.use_cuda_graph and kwargs.get("adapter_names") is not None:
+            from .graphs import GraphUnsafe
+
+            # PEFT's path indexes rows from host lists: captured, it would replay stale indices
+            raise GraphUnsafe(f"{self.name} would leave the static path")
+        return bi
+
+    def _fast_path_info(self, state, x, args, kwargs):
         names = kwargs.get("adapter_names")
         if names is None or args or not state.enabled:
             return None
@@ -69,6 +78,10 @@ class Site:
                 return None
         if x.dim() < 1 or len(names) != x.shape[0] or x.device != state.device:
             return None  # PEFT's forward raises its own error for a length mismatch
+        dtype = x.dtype if x.is_floating_point() else base_layer_of(self.members[0]).weight.dtype
+        supported = getattr(state.backend, "supported_dtypes", None)
+        if supported is not None and dtype not in supported:
+            return None  # e.g. after model.to(torch.float64): PEFT's path serves it
         bi = state.batch_info(names, x, self)
         if bi is None or any(s in self.pool.unsupported for s in bi.slots_in_batch):
             return None

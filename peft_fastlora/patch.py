@@ -69,10 +69,15 @@ class PatchReport:
 class FastLoRAState:
     """Everything fastlora keeps on a patched model."""
 
-    def __init__(self, model: nn.Module, backend: str, fuse: bool, max_loras_per_batch: Optional[int]):
+    def __init__(self, model: nn.Module, backend: str, fuse: bool, max_loras_per_batch: Optional[int],
+                 cuda_graphs="auto"):
         self.model = model
         self.inner = _compat.unwrap_peft(model)
-        self.options = dict(backend=backend, fuse=fuse, max_loras_per_batch=max_loras_per_batch)
+        self.options = dict(backend=backend, fuse=fuse, max_loras_per_batch=max_loras_per_batch,
+                            cuda_graphs=cuda_graphs)
+        self.generation = 0  # bumped whenever a stack or fused weight is rebuilt (graphs hold them)
+        self.graph_batch_info = None  # set by the graph runner before a capture or replay
+        self.graph_runner = None
         self.enabled = True
         self.sites: List[Site] = []
         self.groups = []
@@ -91,10 +96,16 @@ class FastLoRAState:
         model = self.model
         lora_layers = [(n, m) for n, m in model.named_modules() if is_lora_layer(m)]
         if not lora_layers:
-            tuners = sorted({type(m).__name__ for m in model.modules()
+            # qualified names: a LoHa or IA3 layer class is just called "Linear"
+            tuners = sorted({f"{type(m).__module__}.{type(m).__name__}" for m in model.modules()
                              if isinstance(m, _compat.peft.tuners.tuners_utils.BaseTunerLayer)})
             if tuners:
-                raise TypeError(f"fastlora accelerates LoRA adapters only; this model has {', '.join(tuners)}")
+                cfg = getattr(model, "peft_config", None)
+                kinds = [getattr(c, "peft_type", None) for c in cfg.values()] if isinstance(cfg, dict) else []
+                types_ = sorted({str(getattr(k, "value", k)) for k in kinds if k is not None})
+                raise TypeError(
+                    f"fastlora accelerates LoRA adapters only; this model has "
+                    f"{', '.join(types_) or 'other'} adapters ({', '.join(tuners)})")
             raise ValueError("fastlora.patch: the model holds no PEFT LoRA layers")
         names = set()
         for _, m in lora_layers:
@@ -149,6 +160,9 @@ class FastLoRAState:
         report.stack_bytes = sum(s.pool.nbytes() for s in self.sites)
         self.report = report
         self._hook = self.inner.register_forward_pre_hook(lambda module, args: self.begin_forward())
+        from .generate import install_generate
+
+        install_generate(self)
         return report
 
     def _site_dtype(self, site: Site) -> torch.dtype:
@@ -156,10 +170,14 @@ class FastLoRAState:
 
     def _rebuild_pool(self, site: Site, dtype):
         site.pool.rebuild(self.registry, dtype, self.device)
+        self.generation += 1
         self._slot_ranks = None
         self._bi_key = None
 
     def teardown(self):
+        from .generate import uninstall_generate
+
+        uninstall_generate(self)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -187,6 +205,7 @@ class FastLoRAState:
         for g in self.groups:
             if not g.is_intact():
                 g.fuse()  # model.to() or a reload gave the members new storage
+                self.generation += 1
         for site in self.sites:
             dtype = site.pool.lora_a.dtype if site.pool.lora_a is not None else self._site_dtype(site)
             if site.pool.stale(self.registry, dtype):
@@ -222,19 +241,22 @@ class FastLoRAState:
 
     def batch_info(self, adapter_names: Sequence[str], x: torch.Tensor, site: Site):
         """The batch info for this forward, built by the first layer that asks."""
+        if self.use_cuda_graph:
+            return self.graph_batch_info  # static buffers, refreshed by the graph runner
         rows = x.shape[0]
         tokens_per_row = x.numel() // max(rows, 1)
         if isinstance(site, LinearSite) or isinstance(site, FusedSite):
             tokens_per_row //= max(x.shape[-1], 1)
-        key = (rows, tokens_per_row)
-        if self._bi_key is not None and self._bi_key[0] is adapter_names and self._bi_key[1] == key:
+        # by value, not by list identity: a caller may reuse one list and change it in place
+        key = (tuple(adapter_names), rows, tokens_per_row)
+        if self._bi_key == key:
             return self._bi
         slots = self.registry.slots_for(adapter_names)
         ranks = self.slot_ranks()
         fb = ForwardBatch.from_shape(rows, tokens_per_row, self.device)
         self._bi = self.backend.prepare_lora_batch(fb, slots, ranks, [1.0] * len(ranks),
                                                    use_cuda_graph=self.use_cuda_graph)
-        self._bi_key = (adapter_names, key)
+        self._bi_key = key
         return self._bi
 
 
@@ -243,7 +265,7 @@ def get_state(model: nn.Module) -> Optional[FastLoRAState]:
 
 
 def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
-          max_loras_per_batch: Optional[int] = None) -> PatchReport:
+          max_loras_per_batch: Optional[int] = None, cuda_graphs="auto") -> PatchReport:
     """Serve the LoRA adapters of ``model`` (a ``PeftModel``) through a fastlora backend.
 
     Args:
@@ -251,13 +273,16 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` or ``"torch_native"``.
         fuse: run sibling q/k/v and gate/up projections as one GEMM and one LoRA call each.
         max_loras_per_batch: most distinct adapters in one batch (default: max(16, adapters)).
+        cuda_graphs: replay the decode steps of ``generate`` from CUDA graphs: ``"auto"`` (on
+            when the model is on CUDA), ``True``, ``False``, or ``"emulate"`` (the same runner with
+            the graphs re-executed eagerly: a testing aid that needs no GPU).
     Returns:
         the ``PatchReport``. Patching a patched model changes nothing and returns its report.
     """
     state = get_state(model)
     if state is not None:
         return state.report
-    state = FastLoRAState(model, backend, fuse, max_loras_per_batch)
+    state = FastLoRAState(model, backend, fuse, max_loras_per_batch, cuda_graphs)
     model.__dict__[_STATE_ATTR] = state
     try:
         report = state.build()

@@ -1,0 +1,309 @@
+"""End-to-end decode benchmark: PEFT's mixed batch vs fastlora (eager, graphs) vs the base model.
+
+Random-weight Llama shapes in bf16, N adapters of rank r on all seven projections, a round-robin
+adapter mix. Every number comes from this one run, on this GPU:
+
+- decode ms/step = (time of generate with T new tokens - time with 1 new token) / (T - 1);
+- prefill ms = time of generate with 1 new token;
+- floor ms = (weight bytes + LoRA bytes of the adapters the batch uses + KV bytes read) / measured
+  copy bandwidth, the KV read at the mean filled length.
+
+    python benchmarks/bench_generate.py --models 1b 8b --batches 1 32 128 --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from peft_fastlora import _compat
+
+SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024),  # --smoke on CPU: checks the script, measures nothing
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+DEVICE = "cuda"
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def versions():
+    import peft
+    import transformers
+    import triton
+
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke test)"
+    return dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
+                transformers=transformers.__version__, peft=peft.__version__, python=platform.python_version())
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    src = torch.randn(512 * 2**20 // 4, device="cuda")  # 512 MiB, far past the L2
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * src.numel() * 4 / statistics.median(times)
+
+
+def build_base(shape: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SHAPES[shape], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEVICE):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model.generation_config.eos_token_id = None  # random weights: never stop early
+    return model.eval()
+
+
+def add_adapters(model, n: int, rank: int):
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
+    # adapters in the model's dtype, as a server would hold them (PEFT would upcast them to fp32)
+    peft_model = get_peft_model(model, cfg, adapter_name="a0", autocast_adapter_dtype=False)
+    for i in range(1, n):
+        peft_model.add_adapter(f"a{i}", cfg, autocast_adapter_dtype=False)
+    return peft_model.eval()
+
+
+def weight_bytes(model) -> int:
+    total = 0
+    for name, p in model.named_parameters():
+        if "lora_" in name or "embed_tokens" in name:
+            continue  # LoRA counted per batch; the embedding reads only a few rows
+        total += p.numel() * p.element_size()
+    emb = model.get_input_embeddings().weight
+    if model.config.tie_word_embeddings:
+        total += emb.numel() * emb.element_size()  # the LM head reads the whole table
+    return total
+
+
+def lora_bytes_per_adapter(shape: str, rank: int, esize: int = 2) -> int:
+    s = SHAPES[shape]
+    h, i, L = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
+    kv = s["num_key_value_heads"] * h // s["num_attention_heads"]
+    in_out = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
+    return L * sum(rank * (a + b) for a, b in in_out) * esize
+
+
+def kv_bytes(shape: str, batch: int, ctx: float, esize: int = 2) -> float:
+    s = SHAPES[shape]
+    head_dim = s["hidden_size"] // s["num_attention_heads"]
+    return 2 * s["num_hidden_layers"] * batch * s["num_key_value_heads"] * head_dim * ctx * esize
+
+
+def timed(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(gen, new_tokens: int, reps: int):
+    """(prefill ms, decode ms/step, tokens of the long run) for a generate-like callable."""
+    gen(2)  # warm-up: kernels compiled, graphs captured
+    t1 = timed(lambda: gen(1), reps)
+    out = {}
+    tn = timed(lambda: out.setdefault("tokens", gen(new_tokens)), reps)
+    return 1e3 * t1, 1e3 * (tn - t1) / (new_tokens - 1), out["tokens"]
+
+
+def run_model(shape, batches, args, bw, vers, rows):
+    import peft_fastlora as fastlora
+    from peft_fastlora.generate import armed
+    from peft_fastlora.graphs import DecodeGraphRunner
+
+    model = build_base(shape)
+    wbytes = weight_bytes(model)
+    prompt = args.prompt
+    gen_ids = {b: torch.randint(3, 1000, (b, prompt), device=DEVICE) for b in batches}
+    graphs = "emulate" if DEVICE == "cpu" else "auto"
+    cache_kw = _compat.generate_cache_kwarg(model)
+
+    def kw(b, n):
+        return dict(input_ids=gen_ids[b], attention_mask=torch.ones_like(gen_ids[b]), max_new_tokens=n,
+                    min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    results = {}
+    # 1. HF's eager base model, and 2. the base model under fastlora's graph harness
+    runner = DecodeGraphRunner(None, model, fake_graphs=DEVICE == "cpu")
+    for b in batches:
+        results[("hf_eager_base", b)] = measure(lambda n: model.generate(**kw(b, n)), args.short_tokens, 1)
+
+        def base_graphs(n, b=b):
+            cache = runner.cache_for(b, prompt + n)
+            with armed(model, runner, None):
+                return model.generate(**kw(b, n), **{cache_kw: cache})
+        results[("base_graphs", b)] = measure(base_graphs, args.new_tokens, args.reps)
+    del runner
+    gc.collect()
+    mem = torch.cuda if DEVICE == "cuda" else None
+    if mem:
+        mem.empty_cache()
+    mem_before = mem.memory_allocated() if mem else 0
+    peft_model = add_adapters(model, args.adapters, args.rank)
+    names = {b: [f"a{i % args.adapters}" for i in range(b)] for b in batches}
+    # 3. PEFT's own mixed batch
+    for b in batches:
+        results[("peft_native", b)] = measure(
+            lambda n: peft_model.generate(**kw(b, n), adapter_names=names[b]), args.short_tokens, 1)
+    mem_peft = mem.memory_allocated() if mem else 0
+    if mem:
+        mem.reset_peak_memory_stats()
+    # 4. fastlora eager without fusion, 5. eager with fusion, 6. graphs
+    for method, opts in (("fastlora_eager_unfused", dict(fuse=False, cuda_graphs=False)),
+                         ("fastlora_eager", dict(cuda_graphs=False)),
+                         ("fastlora_graphs", dict(cuda_graphs=graphs))):
+        report = fastlora.patch(peft_model, **opts)
+        mem_patched = mem.memory_allocated() if mem else 0
+        print(report, flush=True)
+        steps = args.new_tokens if method == "fastlora_graphs" else args.short_tokens
+        for b in batches:
+            results[(method, b)] = measure(
+                lambda n: peft_model.generate(**kw(b, n), adapter_names=names[b]), steps,
+                args.reps if method == "fastlora_graphs" else 1)
+        if method == "fastlora_graphs":
+            st = fastlora.get_state(peft_model).graph_runner.stats
+            print("graph runner:", {k: v for k, v in st.items()}, flush=True)
+        fastlora.unpatch(peft_model)
+        rows_mem = dict(mem_base_gb=mem_before / 2**30, mem_peft_gb=mem_peft / 2**30,
+                        mem_patched_gb=mem_patched / 2**30,
+                        peak_gb=(mem.max_memory_allocated() if mem else 0) / 2**30)
+        print(method, {k: round(v, 3) for k, v in rows_mem.items()}, flush=True)
+        results[(method, "mem")] = rows_mem
+
+    for b in batches:
+        used = min(b, args.adapters)
+        peft_toks = results[("peft_native", b)][2]
+        for method in ("hf_eager_base", "base_graphs", "peft_native", "fastlora_eager_unfused",
+                       "fastlora_eager", "fastlora_graphs"):
+            prefill, decode, toks = results[(method, b)]
+            n = toks.shape[1] - prompt
+            lora = 0 if "base" in method else used * lora_bytes_per_adapter(shape, args.rank)
+            floor = 1e3 * (wbytes + lora + kv_bytes(shape, b, prompt + n / 2)) / bw
+            k = min(toks.shape[1], peft_toks.shape[1])
+            match = "" if "base" in method else f"{(toks[:, prompt:k] == peft_toks[:, prompt:k]).float().mean().item():.3f}"
+            mrow = results.get((method, "mem"), {})
+            rows.append(dict(**vers, model=f"llama-{shape}", batch=b, adapters=args.adapters if "base" not in method else 0,
+                             rank=args.rank, method=method, new_tokens=n, prefill_ms=round(prefill, 2),
+                             decode_ms_per_step=round(decode, 3), tokens_per_s=round(1e3 * b / decode, 1),
+                             ratio_to_base_graphs=round(decode / results[("base_graphs", b)][1], 3),
+                             floor_ms=round(floor, 3), ratio_to_floor=round(decode / floor, 3),
+                             speedup_vs_peft=round(results[("peft_native", b)][1] / decode, 2),
+                             greedy_match_vs_peft=match, copy_bw_tbs=round(bw / 1e12, 3),
+                             peak_mem_gb=round(mrow.get("peak_gb", 0), 2),
+                             mem_after_patch_gb=round(mrow.get("mem_patched_gb", 0), 2),
+                             mem_before_patch_gb=round(mrow.get("mem_peft_gb", 0), 2)))
+    del peft_model, model
+    gc.collect()
+    if mem:
+        mem.empty_cache()
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        sub = [r for r in rows if r["model"] == m]
+        methods = list(dict.fromkeys(r["method"] for r in sub))
+        batches = sorted({r["batch"] for r in sub})
+        w = 0.8 / len(methods)
+        for i, meth in enumerate(methods):
+            ys = [next(r["tokens_per_s"] for r in sub if r["method"] == meth and r["batch"] == b) for b in batches]
+            ax.bar([j + i * w for j in range(len(batches))], ys, w, label=meth)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+        ax.set_yscale("log")
+        ax.set_ylabel("decode tokens/s (log)")
+        ax.set_title(f"{m}, {sub[0]['gpu']}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 32, 128])
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--short-tokens", type=int, default=8, help="new tokens for the slow eager methods")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU: exercises the script only")
+    args = p.parse_args(argv)
+    global DEVICE
+    if args.smoke:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
+        print("bench_generate needs a CUDA GPU (or --smoke); nothing measured")
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    vers = versions()
+    bw = copy_bandwidth() if DEVICE == "cuda" else 1e11
+    print(vers, f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for shape in args.models:
+        run_model(shape, args.batches, args, bw, vers, rows)
+        path = os.path.join(args.out, "generate_h200.csv")
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    plot(rows, os.path.join(args.out, "generate_h200.png"))
+    cols = ["model", "batch", "method", "prefill_ms", "decode_ms_per_step", "tokens_per_s",
+            "ratio_to_base_graphs", "ratio_to_floor", "speedup_vs_peft", "greedy_match_vs_peft"]
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(str(r[c]) for c in cols))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""End to end on the GPU: generate through Triton and CUDA graphs vs PEFT's own mixed path.
+
+float32 models, so that greedy tokens can be compared exactly over many steps (bf16 rounds the LoRA
+delta differently from PEFT); the bf16 path is compared on logits with a bf16 tolerance.
+"""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import peft_fastlora as fastlora
+
+pytestmark = pytest.mark.gpu
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _model(dtype=torch.float32, n_adapters=4):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, pad_token_id=0)
+    base = LlamaForCausalLM(cfg).to("cuda", dtype).eval()
+    base.generation_config.eos_token_id = None
+    ranks = [8, 16, 4, 32, 8, 16, 64, 1]
+    model = get_peft_model(base, LoraConfig(r=ranks[0], lora_alpha=16, target_modules=TARGETS,
+                                            init_lora_weights=False), adapter_name="a0")
+    for i in range(1, n_adapters):
+        targets = ["q_proj", "v_proj"] if i % 3 == 1 else TARGETS
+        model.add_adapter(f"a{i}", LoraConfig(r=ranks[i], lora_alpha=8 * (i + 1), target_modules=targets,
+                                              use_rslora=i % 2 == 1, init_lora_weights=False))
+    # small B so that random adapters nudge a random model instead of swamping it
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(0.05)
+    return model.to(dtype).eval()
+
+
+def _inputs(batch, prompt=9):
+    ids = torch.randint(1, 512, (batch, prompt), device="cuda")
+    mask = torch.ones_like(ids)
+    ids[1::3, :3] = 0  # some left-padded rows
+    mask[1::3, :3] = 0
+    return dict(input_ids=ids, attention_mask=mask, pad_token_id=0, do_sample=False)
+
+
+def _peft_tokens(model, inputs, names, steps):
+    fastlora.unpatch(model)
+    return model.generate(**inputs, adapter_names=names, max_new_tokens=steps)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model(n_adapters=8)
+
+
+def test_graphs_equal_eager_and_peft_over_64_steps(model):
+    names = ["a0", "__base__", "a1", "a2", "a0", "a3"]
+    inputs = _inputs(len(names))
+    ref = _peft_tokens(model, inputs, names, 64)
+    fastlora.patch(model, cuda_graphs=False)
+    eager = model.generate(**inputs, adapter_names=names, max_new_tokens=64)
+    fastlora.unpatch(model)
+    report = fastlora.patch(model)
+    assert report.backend == "triton"
+    graphs = model.generate(**inputs, adapter_names=names, max_new_tokens=64)
+    stats = fastlora.get_state(model).graph_runner.stats
+    fastlora.unpatch(model)
+    assert stats["replays"] >= 60 and stats["eager_steps"] == 0, stats
+    assert torch.equal(eager, ref)
+    assert torch.equal(graphs, ref)
+
+
+def test_changing_mixes_more_adapters_than_at_capture_and_all_base(model):
+    batch = 8
+    inputs = _inputs(batch)
+    mixes = [["a0"] * batch,  # captured with one adapter
+             [f"a{i}" for i in range(batch)],  # then eight distinct ones
+             ["__base__"] * batch,
+             ["a5", "a5", "__base__", "a7", "a1", "a1", "a6", "__base__"]]
+    refs = [_peft_tokens(model, inputs, names, 24) for names in mixes]
+    fastlora.patch(model)
+    try:
+        outs = [model.generate(**inputs, adapter_names=names, max_new_tokens=24) for names in mixes]
+        stats = fastlora.get_state(model).graph_runner.stats
+    finally:
+        fastlora.unpatch(model)
+    assert stats["captures"] == 1, stats  # one graph, replayed for every mix
+    for names, out, ref in zip(mixes, outs, refs):
+        assert torch.equal(out, ref), names
+
+
+def test_no_memory_growth_over_repeated_calls(model):
+    names = ["a1", "a0", "__base__", "a2"]
+    inputs = _inputs(len(names))
+    fastlora.patch(model)
+    try:
+        for _ in range(3):
+            model.generate(**inputs, adapter_names=names, max_new_tokens=16)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        for _ in range(50):
+            model.generate(**inputs, adapter_names=names, max_new_tokens=16)
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_allocated()
+    finally:
+        fastlora.unpatch(model)
+    assert after - before < 1 << 20, (before, after)
+
+
+def test_bf16_logits_close_to_peft():
+    model = _model(torch.bfloat16, n_adapters=4)
+    names = ["a0", "__base__", "a1", "a2", "a3", "a0"]
+    ids = torch.randint(1, 512, (len(names), 17), device="cuda")
+    with torch.no_grad():
+        ref = model(input_ids=ids, adapter_names=names).logits.float()
+        fastlora.patch(model)
+        out = model(input_ids=ids, adapter_names=names).logits.float()
+        fastlora.unpatch(model)
+        base = model.get_base_model()(input_ids=ids).logits.float()
+    err = (out - ref).norm() / ref.norm()
+    delta = (ref - base).norm() / ref.norm()
+    assert delta > 1e-2  # the adapters matter, so the comparison below means something
+    assert err < 1e-2, (err.item(), delta.item())
