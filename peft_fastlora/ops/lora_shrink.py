@@ -151,6 +151,8 @@ def lora_shrink(
         raise ValueError(f"lora_shrink: ranks must be (num_slots, {stack_num}) with unit column stride")
     if out is None:
         out = torch.empty(s, cr, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (s, cr) or out.dtype != x.dtype:
+        raise ValueError(f"lora_shrink: out must be ({s}, {cr}) {x.dtype}, got {tuple(out.shape)} {out.dtype}")
     cfg = shrink_config(block_m, r, k)
     block_k = block_k or cfg["block_k"]
     block_r = block_r or cfg["block_r"]

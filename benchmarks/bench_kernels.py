@@ -1,0 +1,303 @@
+"""Kernel benchmark: one fused LoRA op (shrink + expand of a projection site) at Llama-3-8B shapes.
+
+Implementations, each timed in this one run on this GPU:
+- ``triton``: the Triton backend, captured in a CUDA graph and timed as graph replays;
+- ``torch_native``: the reference backend, eager (it syncs with the host, so no graph);
+- ``peft_loop``: PEFT's mixed-batch path re-implemented (``_mixed_batch_forward`` of
+  ``peft/tuners/lora/layer.py``): per projection, per distinct adapter, index the rows, run
+  ``lora_B(lora_A(x)) * scaling`` and add it back by index; eager (Python lists as indices).
+
+Every timing is a median over iterations that each start with a 256 MiB memset: it evicts the
+L2 (in a model, the other layers' weights pass through between two calls of one layer) and keeps
+the GPU busy while the host enqueues the call, so graph replays are timed on the GPU alone. The
+same run measures the launch floor (a graph of as many empty Triton kernels as the op launches)
+and the copy bandwidth; the byte floor of an op is (A and B bytes of the adapters used, at their
+rank + x read + output read and written) / that bandwidth.
+
+    python benchmarks/bench_kernels.py --out benchmarks/results/kernels_h200.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import os
+import statistics
+import sys
+
+import torch
+
+HIDDEN, Q, KV, INTER = 4096, 4096, 1024, 14336
+SITES = {  # name: (input dim, column offsets of the stacked modules in the output)
+    "qkv": (HIDDEN, (0, Q, Q + KV, Q + 2 * KV)),
+    "o": (HIDDEN, (0, HIDDEN)),
+    "gate_up": (HIDDEN, (0, INTER, 2 * INTER)),
+    "down": (INTER, (0, HIDDEN)),
+}
+DTYPE = torch.bfloat16
+MAX_LORAS = 32  # the pool size and max_loras_per_batch of every run (the graph grid depends on it)
+DECODE = [(1, 1), (32, 1), (32, 8), (32, 32), (128, 1), (128, 8), (128, 32)]  # (rows, adapters)
+PREFILL = [(8, 512, 1), (8, 512, 8)]  # (rows, tokens per row, adapters): 4096 tokens
+RANKS = (16, 64)
+IMPLS = ("triton", "torch_native", "peft_loop")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/results/kernels_h200.csv", help="CSV path")
+    p.add_argument("--plot", default=None, help="PNG path (default: next to --out, if matplotlib)")
+    p.add_argument("--iters", type=int, default=40, help="timed iterations per measurement")
+    p.add_argument("--quick", action="store_true", help="qkv and rank 16 only")
+    return p.parse_args(argv)
+
+
+# ---- measurement -------------------------------------------------------------------------------
+class Timer:
+    def __init__(self, iters: int):
+        self.iters = iters
+        self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+
+    def __call__(self, fn) -> float:
+        """Median microseconds of ``fn()``, L2 evicted before each call."""
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        events = []
+        for _ in range(self.iters):
+            self.flush.zero_()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            events.append((a, b))
+        torch.cuda.synchronize()
+        return 1e3 * statistics.median(a.elapsed_time(b) for a, b in events)
+
+
+def copy_bandwidth(timer: Timer) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = timer(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * (1 << 30) / (us * 1e-6)
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    gc.disable()  # a collected Triton kernel object must not unload its module mid-capture
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    finally:
+        gc.enable()
+    return graph
+
+
+def launch_floor(timer: Timer, n_launches: int) -> float:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _empty(ptr):
+        pass
+
+    buf = torch.empty(1, device="cuda")
+
+    def launches():
+        for _ in range(n_launches):
+            _empty[(1,)](buf)
+
+    return timer(capture(launches).replay)
+
+
+# ---- the three implementations -----------------------------------------------------------------
+def peft_loop(x3, a, b, offsets, rank, scalings, adapter_names, result3):
+    """PEFT's ``_mixed_batch_forward`` for each projection of the site (its LoRA part; the base
+    GEMM is common to all implementations and not timed). ``x3`` (rows, seq, K), ``result3``
+    (rows, seq, N_total), adapter ``i`` is named ``str(i)``, rows with "__base__" are skipped."""
+    unique_adapters = set(adapter_names)
+    for j in range(len(offsets) - 1):
+        result = result3[..., offsets[j] : offsets[j + 1]]  # this projection's own output
+        sub_batch_indices_list = []
+        for adapter in unique_adapters:
+            sub_batch_indices_list.append([i for i, name in enumerate(adapter_names) if name == adapter])
+        for i, active_adapter in enumerate(unique_adapters):
+            if active_adapter == "__base__":
+                continue
+            slot = int(active_adapter)
+            lora_a = a[slot, j * rank : (j + 1) * rank]  # nn.Linear weights: (r, K) and (N_j, r)
+            lora_b = b[slot, offsets[j] : offsets[j + 1]]
+            sub_batch = x3[sub_batch_indices_list[i]].to(lora_a.dtype)
+            lora_output = torch.nn.functional.linear(
+                torch.nn.functional.linear(sub_batch, lora_a), lora_b) * scalings[slot]
+            result[sub_batch_indices_list[i]] += lora_output.to(result.dtype)
+    return result3
+
+
+def run_site(backend, site, x, a, b, offsets, out, ranks, scalings):
+    kw = dict(base_output=out, layer_ranks=ranks, layer_scalings=scalings)
+    if site == "qkv":
+        return backend.run_qkv_lora(x, a, b, output_offset=offsets, **kw)
+    if site == "gate_up":
+        return backend.run_gate_up_lora(x, a, b, **kw)
+    y = backend.run_lora_a_sgemm(x, a, stack_num=1, layer_ranks=ranks)
+    return backend.run_lora_b_sgemm(y, b, **kw)
+
+
+def bench_config(timer, site, rank, rows, seq, n_adapters, weights, bandwidth, floors):
+    from peft_fastlora.backend.torch_native import TorchNativeLoRABackend
+    from peft_fastlora.backend.triton import TritonLoRABackend
+    from peft_fastlora.batch import ForwardBatch
+
+    k, offsets = SITES[site]
+    c, n_total, s = len(offsets) - 1, offsets[-1], rows * seq
+    a, b, ranks, scalings = weights
+    wi = [i % n_adapters for i in range(rows)]
+    fb = ForwardBatch.from_shape(rows, seq, "cuda")
+    slot_ranks, slot_scalings = ranks[:, 0].tolist(), scalings[:, 0].tolist()
+    x = torch.randn(s, k, device="cuda", dtype=DTYPE)
+    out = torch.randn(s, n_total, device="cuda", dtype=DTYPE)
+
+    times, timing = {}, {}
+    tri = TritonLoRABackend(MAX_LORAS, "cuda")
+    tri.prepare_lora_batch(fb, wi, slot_ranks, slot_scalings, use_cuda_graph=False)
+    ref = TorchNativeLoRABackend(MAX_LORAS, "cuda")
+    ref.prepare_lora_batch(fb, wi, slot_ranks, slot_scalings, use_cuda_graph=False)
+    err = (run_site(tri, site, x, a, b, offsets, out.clone(), ranks, scalings).float()
+           - run_site(ref, site, x, a, b, offsets, out.clone(), ranks, scalings).float()).abs().max().item()
+
+    graph = capture(lambda: run_site(tri, site, x, a, b, offsets, out, ranks, scalings))
+    times["triton"], timing["triton"] = timer(graph.replay), "graph"
+    times["torch_native"] = timer(lambda: run_site(ref, site, x, a, b, offsets, out, ranks, scalings))
+    timing["torch_native"] = "eager (host syncs)"
+    names = [str(w) for w in wi]
+    x3, out3, scal_list = x.view(rows, seq, k), out.view(rows, seq, n_total), slot_scalings
+    times["peft_loop"] = timer(lambda: peft_loop(x3, a, b, offsets, rank, scal_list, names, out3))
+    timing["peft_loop"] = "eager (list indices)"
+    del graph
+
+    n_launches = 1 + -(-c // 4)  # one shrink, one expand per 4 modules
+    if n_launches not in floors:
+        floors[n_launches] = launch_floor(timer, n_launches)
+    floor_bytes = 2 * (n_adapters * rank * (c * k + n_total) + s * k + 2 * s * n_total)
+    floor_us = floor_bytes / bandwidth * 1e6
+    bound = max(floor_us, floors[n_launches])
+    rows_out = []
+    for impl in IMPLS:
+        rows_out.append(dict(
+            site=site, mode="decode" if seq == 1 else "prefill", rows=rows, tokens=s,
+            adapters=n_adapters, rank=rank, impl=impl, timing=timing[impl],
+            time_us=round(times[impl], 2), byte_floor_us=round(floor_us, 2),
+            launch_floor_us=round(floors[n_launches], 2), floor_bytes=floor_bytes,
+            x_floor=round(times[impl] / bound, 2),
+            speedup_vs_peft=round(times["peft_loop"] / times[impl], 2),
+            max_abs_err_triton_vs_torch=f"{err:.3g}"))
+    return rows_out
+
+
+def make_weights(site, rank):
+    """Stacked A (MAX_LORAS, c*rank, K) and B (MAX_LORAS, N, rank) and the rank/scaling tables."""
+    k, offsets = SITES[site]
+    c = len(offsets) - 1
+    a = torch.randn(MAX_LORAS, c * rank, k, device="cuda", dtype=DTYPE) / k ** 0.5
+    b = torch.randn(MAX_LORAS, offsets[-1], rank, device="cuda", dtype=DTYPE) / rank ** 0.5
+    ranks = torch.full((MAX_LORAS, c), rank, dtype=torch.int32, device="cuda")
+    scalings = torch.full((MAX_LORAS, c), 2.0, dtype=torch.float32, device="cuda")
+    return a, b, ranks, scalings
+
+
+# ---- report ------------------------------------------------------------------------------------
+def print_table(results):
+    by_key = {}
+    for r in results:
+        by_key.setdefault((r["site"], r["mode"], r["tokens"], r["adapters"], r["rank"]), {})[r["impl"]] = r
+    print(f"\n{'site':8} {'mode':8} {'tok':>5} {'ad':>3} {'r':>3} | {'triton':>9} {'torch':>9} "
+          f"{'peft':>9} us | {'floor':>7} us | {'x floor':>7} | {'vs peft':>7}")
+    for (site, mode, tok, ad, rank), d in by_key.items():
+        t = d["triton"]
+        floor = max(t["byte_floor_us"], t["launch_floor_us"])
+        print(f"{site:8} {mode:8} {tok:5d} {ad:3d} {rank:3d} | {t['time_us']:9.1f} "
+              f"{d['torch_native']['time_us']:9.1f} {d['peft_loop']['time_us']:9.1f}    | "
+              f"{floor:7.1f}    | {t['x_floor']:7.2f} | {t['speedup_vs_peft']:6.1f}x")
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    sites = list(dict.fromkeys(r["site"] for r in results))
+    fig, axes = plt.subplots(len(sites), 1, figsize=(12, 3.2 * len(sites)), squeeze=False)
+    for ax, site in zip(axes[:, 0], sites):
+        rows = [r for r in results if r["site"] == site]
+        labels = list(dict.fromkeys(f"{r['mode'][0]}{r['tokens']}/a{r['adapters']}/r{r['rank']}"
+                                    for r in rows))
+        width = 0.8 / len(IMPLS)
+        for i, impl in enumerate(IMPLS):
+            ys = [r["time_us"] for r in rows if r["impl"] == impl]
+            ax.bar([p + i * width for p in range(len(ys))], ys, width, label=impl)
+        floors = [max(r["byte_floor_us"], r["launch_floor_us"]) for r in rows if r["impl"] == "triton"]
+        ax.scatter([p + width for p in range(len(floors))], floors, marker="_", s=200, c="k",
+                   label="floor", zorder=3)
+        ax.set_yscale("log")
+        ax.set_ylabel("us")
+        ax.set_title(f"{site} LoRA (shrink + expand), {results[0]['gpu']}")
+        ax.set_xticks([p + width for p in range(len(labels))], labels, rotation=60, fontsize=7)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels: needs a CUDA GPU (nothing measured)")
+        return 0
+    import triton
+
+    torch.manual_seed(0)
+    timer = Timer(args.iters)
+    bandwidth = copy_bandwidth(timer)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                copy_bw_gbs=round(bandwidth / 1e9, 1))
+    print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  "
+          f"copy bandwidth {meta['copy_bw_gbs']} GB/s (read + written)")
+    sites = ["qkv"] if args.quick else list(SITES)
+    ranks = (16,) if args.quick else RANKS
+    configs = [(rows, 1, ad) for rows, ad in DECODE] + list(PREFILL)
+    results, floors = [], {}
+    for site in sites:
+        for rank in ranks:
+            weights = make_weights(site, rank)
+            for rows, seq, ad in configs:
+                for r in bench_config(timer, site, rank, rows, seq, ad, weights, bandwidth, floors):
+                    results.append({**meta, **r})
+                print(f"  {site} rank {rank} rows {rows} x {seq} tokens, {ad} adapters: done",
+                      file=sys.stderr)
+            del weights
+            torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(results[0]))
+        writer.writeheader()
+        writer.writerows(results)
+    print(f"csv: {args.out}")
+    plot(results, args.plot or os.path.splitext(args.out)[0] + ".png")
+    print_table(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

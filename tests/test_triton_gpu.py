@@ -1,0 +1,178 @@
+"""The Triton kernels on the GPU: bf16/fp16 at Llama-3-8B projection shapes, and CUDA-graph replay
+of a batch with more distinct adapters than the one captured. Run on the device machine:
+
+    python -m pytest -m gpu tests/test_triton_gpu.py
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from peft_fastlora.backend.torch_native import TorchNativeLoRABackend
+from peft_fastlora.batch import NO_ADAPTER, ForwardBatch, ForwardMode
+
+pytestmark = pytest.mark.gpu
+
+# (dtype, atol, rtol): both sides accumulate in fp32 and round once; a rounding that falls the
+# other way costs one ulp (bf16: 2^-8 relative, fp16: 2^-11), here about 2-4 ulps of margin
+TOLERANCES = {
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (5e-3, 5e-3),
+}
+
+HIDDEN, Q, KV, INTER = 4096, 4096, 1024, 14336
+SITES = {  # name: (input dim, output offsets)
+    "qkv": (HIDDEN, [0, Q, Q + KV, Q + 2 * KV]),
+    "o": (HIDDEN, [0, HIDDEN]),
+    "gate_up": (HIDDEN, [0, INTER, 2 * INTER]),
+    "down": (INTER, [0, HIDDEN]),
+}
+NUM_ADAPTERS = 8
+MODES = {
+    "decode_bs32": [1] * 32,
+    "prefill": [700, 300, 1024, 57, 1, 6],  # 2088 tokens: the largest row tile
+}
+
+
+def assert_close(actual, expected, atol, rtol, name, show=8):
+    a, e = actual.float(), expected.float()
+    bad = ~((a - e).abs() <= atol + rtol * e.abs())
+    if bad.any():
+        idx = bad.nonzero()[:show].tolist()
+        lines = [f"{name}: {int(bad.sum())} of {a.numel()} elements differ (atol={atol}, rtol={rtol})"]
+        lines += [f"  at {tuple(i)}: got {a[tuple(i)].item():.6g}, expected {e[tuple(i)].item():.6g}"
+                  for i in idx]
+        raise AssertionError("\n".join(lines))
+
+
+def slot_tables(rank, c, skip_a_module=True):
+    """Mixed ranks within the padded ``rank``; optionally one adapter without its second module."""
+    per_slot = [rank, max(1, rank // 2), rank, 8, rank, 1, rank, 16][:NUM_ADAPTERS]
+    ranks = torch.tensor([min(r, rank) for r in per_slot], dtype=torch.int32)[:, None].repeat(1, c)
+    if c > 1 and skip_a_module:
+        ranks[3, 1] = 0
+    scalings = torch.tensor([2.0, 0.5, 1.0, 0.25, 1.5, 4.0, 1.0, 0.125])[:, None].repeat(1, c)
+    return ranks.contiguous().cuda(), scalings.float().contiguous().cuda()
+
+
+def make_weights(k, offsets, rank, ranks, dtype):
+    """A (L, c*rank, k) and B (L, N, rank), NaN past each (slot, module) rank."""
+    c = len(offsets) - 1
+    a = torch.randn(NUM_ADAPTERS, c * rank, k, device="cuda") / k ** 0.5
+    b = torch.randn(NUM_ADAPTERS, offsets[-1], rank, device="cuda") / rank ** 0.5
+    rk = ranks.tolist()
+    for s in range(NUM_ADAPTERS):
+        for j in range(c):
+            a[s, j * rank + rk[s][j] : (j + 1) * rank] = float("nan")
+            b[s, offsets[j] : offsets[j + 1], rk[s][j] :] = float("nan")
+    return a.to(dtype), b.to(dtype)
+
+
+def mixed_indices(bs, n_distinct):
+    """Round-robin over ``n_distinct`` adapters, every fifth row with none."""
+    return [NO_ADAPTER if i % 5 == 4 else i % n_distinct for i in range(bs)]
+
+
+def backends(seq_lens, wi, ranks, scalings):
+    from peft_fastlora.backend.triton import TritonLoRABackend
+
+    mode = ForwardMode.DECODE if all(n == 1 for n in seq_lens) else ForwardMode.EXTEND
+    fb = ForwardBatch(len(seq_lens), seq_lens, mode, torch.device("cuda"))
+    tri, ref = TritonLoRABackend(NUM_ADAPTERS, "cuda"), TorchNativeLoRABackend(NUM_ADAPTERS, "cuda")
+    for be in (tri, ref):
+        be.prepare_lora_batch(fb, wi, ranks[:, 0].tolist(), scalings[:, 0].tolist(), False)
+    return tri, ref
+
+
+def run_site(be, site, x, a, b, offsets, base, ranks, scalings):
+    kw = dict(base_output=base, layer_ranks=ranks, layer_scalings=scalings)
+    if site == "qkv":
+        return be.run_qkv_lora(x, a, b, output_offset=offsets, **kw)
+    if site == "gate_up":
+        return be.run_gate_up_lora(x, a, b, **kw)
+    y = be.run_lora_a_sgemm(x, a, stack_num=1, layer_ranks=ranks)
+    return be.run_lora_b_sgemm(y, b, **kw)
+
+
+CASES = [(torch.bfloat16, site, rank, mode) for site in SITES for rank in (16, 64) for mode in MODES]
+CASES += [(torch.float16, site, rank, "decode_bs32") for site in ("qkv", "gate_up") for rank in (16, 64)]
+
+
+@pytest.mark.parametrize("dtype,site,rank,mode", CASES,
+                         ids=[f"{str(d)[6:]}-{s}-r{r}-{m}" for d, s, r, m in CASES])
+def test_llama_shapes(dtype, site, rank, mode):
+    torch.manual_seed(0)
+    k, offsets = SITES[site]
+    c = len(offsets) - 1
+    seq_lens = MODES[mode]
+    wi = mixed_indices(len(seq_lens), NUM_ADAPTERS)
+    ranks, scalings = slot_tables(rank, c)
+    tri, ref = backends(seq_lens, wi, ranks, scalings)
+    s = sum(seq_lens)
+    x = torch.randn(s, k, device="cuda", dtype=dtype)
+    a, b = make_weights(k, offsets, rank, ranks, dtype)
+    base = torch.randn(s, offsets[-1], device="cuda", dtype=dtype)
+    no_adapter = torch.tensor([w < 0 for w, n in zip(wi, seq_lens) for _ in range(n)], device="cuda")
+    base[no_adapter] = 1234.5
+    got = run_site(tri, site, x, a, b, offsets, base.clone(), ranks, scalings)
+    want = run_site(ref, site, x, a, b, offsets, base.clone(), ranks, scalings)
+    assert not got.isnan().any(), "read past an adapter's rank"
+    assert torch.equal(got[no_adapter], base[no_adapter]), "rows with no adapter were modified"
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(got, want, atol, rtol, f"{site} {dtype} rank {rank} {mode}")
+
+
+def test_cuda_graph_replay_with_more_adapters_than_captured():
+    """Capture run_qkv_lora on the static batch info of a 1-adapter batch, refresh the info with
+    an 8-adapter mix, replay: every row must get its own adapter's delta."""
+    from peft_fastlora.backend.triton import TritonLoRABackend
+
+    torch.manual_seed(0)
+    dtype, bs, rank = torch.bfloat16, 32, 16
+    k, offsets = SITES["qkv"]
+    ranks, scalings = slot_tables(rank, 3, skip_a_module=False)  # the batch's ranks apply
+    slot_ranks, slot_scalings = ranks[:, 0].tolist(), scalings[:, 0].tolist()
+    a, b = make_weights(k, offsets, rank, ranks, dtype)
+    tri = TritonLoRABackend(NUM_ADAPTERS, "cuda")
+    tri.init_cuda_graph_batch_info(bs, 1)
+    fb = ForwardBatch.from_shape(bs, 1, "cuda")
+    tri.prepare_lora_batch(fb, [0] * (bs // 2) + [NO_ADAPTER] * (bs // 2), slot_ranks, slot_scalings,
+                           use_cuda_graph=True)
+    static_x = torch.randn(bs, k, device="cuda", dtype=dtype)
+    static_base = torch.randn(bs, offsets[-1], device="cuda", dtype=dtype)
+    static_out = torch.empty_like(static_base)
+
+    def step():
+        static_out.copy_(static_base)
+        # no layer tables: the ranks and scalings come from the static batch info too
+        tri.run_qkv_lora(static_x, a, b, output_offset=offsets, base_output=static_out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile the kernels outside the capture
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    gc.disable()  # a collected Triton kernel object must not unload its module mid-capture
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    finally:
+        gc.enable()
+
+    wi = mixed_indices(bs, NUM_ADAPTERS)
+    assert len({w for w in wi if w >= 0}) == NUM_ADAPTERS
+    tri.prepare_lora_batch(fb, wi, slot_ranks, slot_scalings, use_cuda_graph=True)
+    static_x.copy_(torch.randn_like(static_x))
+    graph.replay()
+    torch.cuda.synchronize()
+
+    ref = TorchNativeLoRABackend(NUM_ADAPTERS, "cuda")
+    ref.prepare_lora_batch(fb, wi, slot_ranks, slot_scalings, use_cuda_graph=False)
+    want = ref.run_qkv_lora(static_x, a, b, output_offset=offsets, base_output=static_base.clone())
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(static_out, want, atol, rtol, "qkv graph replay")
