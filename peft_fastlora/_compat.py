@@ -97,6 +97,19 @@ def layer_adapters_disabled(layer: nn.Module) -> bool:
     return bool(layer.disable_adapters)
 
 
+def layer_dropout_active(layer: nn.Module) -> bool:
+    """Whether PEFT's forward would apply a random LoRA dropout here.
+
+    Only this makes a layer's own ``training`` flag matter to PEFT's mixed-batch path (PEFT checks
+    the model's flag, not the layer's). ``add_adapter`` leaves the modules it creates in training
+    mode inside an eval model; with ``lora_dropout=0`` they still compute exactly what eval would.
+    """
+    for d in getattr(layer, "lora_dropout", {}).values():
+        if d.training and not isinstance(d, nn.Identity) and not (isinstance(d, nn.Dropout) and d.p == 0):
+            return True
+    return False
+
+
 # ---- transformers: decode-step kwargs (used by the CUDA-graph runner) -----------------------
 def forward_accepts(model: nn.Module, name: str) -> bool:
     try:

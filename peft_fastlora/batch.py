@@ -178,13 +178,16 @@ class BatchInfoBuffers:
         pin = self.device.type == "cuda"
         # Two pinned staging buffers used in turn: a fill waits only for the copy issued two
         # fills ago (an event), never for the whole stream.
-        self._hosts = [torch.zeros(total, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._host_scalings = [torch.zeros(max_slots, dtype=torch.float32, pin_memory=pin)
-                               for _ in range(2)]
+        # Normal tensors even when first built under torch.inference_mode(): a later fill outside
+        # it updates them in place, which PyTorch forbids on inference tensors.
+        with torch.inference_mode(False):
+            self._hosts = [torch.zeros(total, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+            self._host_scalings = [torch.zeros(max_slots, dtype=torch.float32, pin_memory=pin)
+                                   for _ in range(2)]
+            self.dev = torch.zeros(total, dtype=torch.int32, device=self.device)
+            self.dev_scalings = torch.zeros(max_slots, dtype=torch.float32, device=self.device)
         self._events = [torch.cuda.Event() if pin else None for _ in range(2)]
         self._turn = 0
-        self.dev = torch.zeros(total, dtype=torch.int32, device=self.device)
-        self.dev_scalings = torch.zeros(max_slots, dtype=torch.float32, device=self.device)
 
     def _view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         off, n = self._offsets[name]

@@ -54,7 +54,10 @@ class FusedGroup:
                 return False
         return True
 
+    # inference_mode(False): a re-fuse may run inside a forward under torch.inference_mode(), and
+    # parameters must not become inference tensors (a later training step could not use them)
     @torch.no_grad()
+    @torch.inference_mode(False)
     def fuse(self):
         self.offsets = [0]
         for n in self.out_features:
@@ -76,6 +79,7 @@ class FusedGroup:
             self.bias = None
 
     @torch.no_grad()
+    @torch.inference_mode(False)
     def unfuse(self):
         """Give every parameter its own storage again; the fused tensor is dropped."""
         for b in self.bases:

@@ -14,7 +14,8 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from ._compat import base_layer_of, is_lora_layer, layer_adapters_disabled, layer_is_merged
+from ._compat import (base_layer_of, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
+                      layer_is_merged)
 from .fusion import FusedGroup
 from .pool import SitePool
 
@@ -74,7 +75,7 @@ class Site:
         if torch.is_grad_enabled() or not isinstance(x, torch.Tensor):
             return None
         for layer in self.lora_layers:
-            if layer.training or layer_is_merged(layer) or layer_adapters_disabled(layer):
+            if layer_dropout_active(layer) or layer_is_merged(layer) or layer_adapters_disabled(layer):
                 return None
         if x.dim() < 1 or len(names) != x.shape[0] or x.device != state.device:
             return None  # PEFT's forward raises its own error for a length mismatch

@@ -38,6 +38,8 @@ def check_input(name: str, t: torch.Tensor, ndim: int, dtype=None):
 class SegmentedLoRABackend(BaseLoRABackend):
     """Backend skeleton over chunked, slot-sorted batch info (see ``batch.LoRABatchInfo``)."""
 
+    supported_dtypes = SUPPORTED_DTYPES  # the layers leave other dtypes on PEFT's path
+
     def __init__(self, max_loras_per_batch: int, device: torch.device):
         super().__init__(max_loras_per_batch, torch.device(device))
         self._eager_buffers: dict[int, BatchInfoBuffers] = {}
