@@ -1,0 +1,93 @@
+"""The decode graph runner without a GPU: ``cuda_graphs="emulate"`` runs the same runner (static
+input buffers, batch info refreshed in place, cache lengths saved and restored around capture) with
+each graph re-executed eagerly, so everything but the capture itself is checked here."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import peft_fastlora as fastlora
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    base = LlamaForCausalLM(cfg).eval()
+    base.generation_config.eos_token_id = None
+    m = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False),
+                       adapter_name="a")
+    m.add_adapter("b", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    m.add_adapter("c", LoraConfig(r=2, lora_alpha=2, target_modules=TARGETS, init_lora_weights=False))
+    return m.eval()
+
+
+def _inputs(batch=4):
+    torch.manual_seed(1)
+    ids = torch.randint(1, 128, (batch, 7))
+    mask = torch.ones_like(ids)
+    ids[1, :2] = 0
+    mask[1, :2] = 0
+    return dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+
+
+def test_emulated_graphs_equal_peft_and_reuse_one_capture(model):
+    kw = _inputs()
+    mixes = [["a", "a", "a", "a"], ["a", "__base__", "b", "c"], ["__base__"] * 4]
+    refs = [model.generate(**kw, adapter_names=n) for n in mixes]
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        outs = [model.generate(**kw, adapter_names=n) for n in mixes]
+        stats = fastlora.get_state(model).graph_runner.stats
+    for n, o, r in zip(mixes, outs, refs):
+        assert torch.equal(o, r), n
+    assert stats["captures"] == 1 and stats["replays"] == 3 * 9 and stats["eager_steps"] == 0, stats
+
+
+def test_sampling_with_seed_matches(model):
+    kw = dict(_inputs(), do_sample=True, top_k=20, top_p=0.9, temperature=0.8)
+    names = ["b", "a", "__base__", "c"]
+    torch.manual_seed(5)
+    ref = model.generate(**kw, adapter_names=names)
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        torch.manual_seed(5)
+        out = model.generate(**kw, adapter_names=names)
+    assert torch.equal(out, ref)
+
+
+def test_beam_search_decodes_eagerly_with_reason(model):
+    kw = dict(_inputs(), num_beams=2)
+    names = ["a", "b", "c", "__base__"]
+    ref = model.generate(**kw, adapter_names=names)
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        out = model.generate(**kw, adapter_names=names)
+        stats = fastlora.get_state(model).graph_runner.stats
+    assert torch.equal(out, ref)
+    assert stats["captures"] == 0 and "beam search reorders the cache" in stats["eager_reasons"]
+
+
+def test_weight_change_between_calls_recaptures(model):
+    kw = _inputs()
+    names = ["a", "c", "a", "b"]
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        model.generate(**kw, adapter_names=names)
+        with torch.no_grad():
+            model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["a"].weight.mul_(3.0)
+        out = model.generate(**kw, adapter_names=names)
+        stats = fastlora.get_state(model).graph_runner.stats
+    ref = model.generate(**kw, adapter_names=names)
+    with torch.no_grad():
+        model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["a"].weight.div_(3.0)
+    assert torch.equal(out, ref)
+    assert stats["captures"] == 2, stats
+
+
+def test_graph_options(model):
+    with fastlora.patched(model, cuda_graphs=False):
+        assert fastlora.get_state(model).graph_runner is None
+        assert fastlora.get_state(model).graph_blocker == "cuda_graphs=False"
+    with fastlora.patched(model):  # "auto" on a CPU model: off, with the reason
+        assert fastlora.get_state(model).graph_blocker == "the model is not on CUDA"
