@@ -4,6 +4,7 @@ place. The rest of the package asks these helpers, never PEFT's private attribut
 from __future__ import annotations
 
 import inspect
+import types
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -138,10 +139,36 @@ def generate_cache_kwarg(model: nn.Module) -> str:
     return cache_kwarg_name(model)
 
 
-def make_static_cache(model: nn.Module, max_cache_len: int):
+def make_static_cache(model: nn.Module, max_cache_len: int, batch_size: Optional[int] = None):
+    """A ``StaticCache``; with ``batch_size``, allocated now for that many rows and able to take
+    a prefill of fewer rows (it fills the first ones), so one cache and one decode graph serve
+    every batch up to ``batch_size`` (the rest are padding rows)."""
     from transformers import StaticCache
 
-    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    if batch_size is None:
+        return cache
+    cfg = model.config.get_text_config(decoder=True)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    param = next(model.parameters())
+    probe = torch.zeros(batch_size, kv_heads, 1, head_dim, dtype=param.dtype, device=param.device)
+    for layer in cache.layers:
+        layer.lazy_initialization(probe, probe)
+        layer.update = types.MethodType(_update_first_rows, layer)
+    return cache
+
+
+def _update_first_rows(layer, key_states, value_states, *args, **kwargs):
+    """``update`` of a static cache layer that also accepts fewer rows than it holds."""
+    rows, full_k, full_v = key_states.shape[0], layer.keys, layer.values
+    if rows == full_k.shape[0]:
+        return type(layer).update(layer, key_states, value_states, *args, **kwargs)
+    layer.keys, layer.values = full_k[:rows], full_v[:rows]  # views: writes land in the full tensors
+    try:
+        return type(layer).update(layer, key_states, value_states, *args, **kwargs)
+    finally:
+        layer.keys, layer.values = full_k, full_v
 
 
 def cache_state_tensors(cache) -> list:

@@ -85,7 +85,9 @@ def install_generate(state):
     state.graph_blocker = why
     if why is not None:
         return
-    state.graph_runner = DecodeGraphRunner(state, state.inner, fake_graphs=state.options["cuda_graphs"] == "emulate")
+    state.graph_runner = DecodeGraphRunner(state, state.inner,
+                                           fake_graphs=state.options["cuda_graphs"] == "emulate",
+                                           buckets=state.options["graph_buckets"])
     original = model.__dict__.get("generate")
     state._saved_generate = original
     orig_bound = model.generate
@@ -97,13 +99,17 @@ def install_generate(state):
             state.graph_runner.stats["eager_reasons"][blocker] = (
                 state.graph_runner.stats["eager_reasons"].get(blocker, 0) + 1)
             return orig_bound(*args, **kwargs)
-        state.sync()
         runner = state.graph_runner
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        rows = ids.shape[0] * int(kwargs.get("num_return_sequences", 1) or 1)
+        if runner.bucket_for(rows) is None:
+            reason = f"batch of {rows} rows exceeds the largest graph bucket {runner.buckets[-1]}"
+            runner.stats["eager_reasons"][reason] = runner.stats["eager_reasons"].get(reason, 0) + 1
+            return orig_bound(*args, **kwargs)
+        state.sync()
         if runner.generation != state.generation:
             runner.graphs.clear()  # they read stacks or fused weights that were rebuilt
             runner.generation = state.generation
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        rows = ids.shape[0] * int(kwargs.get("num_return_sequences", 1) or 1)
         kwargs[_compat.generate_cache_kwarg(state.inner)] = runner.cache_for(rows, _needed_length(state, ids, kwargs))
         with armed(state.inner, runner, kwargs["adapter_names"]):
             return orig_bound(*args, **kwargs)

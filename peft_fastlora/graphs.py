@@ -17,6 +17,7 @@ capture runs eagerly, with the reason in ``runner.stats['eager_reasons']``.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import Dict, Optional
@@ -50,6 +51,9 @@ class EagerReplayGraph:
         self._output.logits.copy_(self._fn().logits)
 
 
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
 def _length_bucket(n: int, step: int = 256) -> int:
     return -(-n // step) * step
 
@@ -64,7 +68,11 @@ class DecodeGraphRunner:
         max_graphs: captured graphs kept (oldest dropped first).
     """
 
-    def __init__(self, state, hf_model, fake_graphs: bool = False, max_graphs: int = 8):
+    def __init__(self, state, hf_model, fake_graphs: bool = False, max_graphs: int = 8,
+                 buckets=DEFAULT_BUCKETS):
+        self.buckets = tuple(sorted({int(b) for b in buckets}))
+        if not self.buckets or self.buckets[0] < 1:
+            raise ValueError(f"graph buckets must be positive batch sizes, got {buckets!r}")
         self.state = state
         self.model = hf_model
         self.fake = fake_graphs
@@ -79,11 +87,19 @@ class DecodeGraphRunner:
         self._graph_bs = 0
 
     # -- caches -------------------------------------------------------------------------------
+    def bucket_for(self, batch_size: int):
+        """The captured batch size serving ``batch_size`` rows (None: larger than every bucket)."""
+        return next((b for b in self.buckets if b >= batch_size), None)
+
     def cache_for(self, batch_size: int, needed_len: int):
-        key = (batch_size, _length_bucket(needed_len))
+        """A reset static cache for ``batch_size`` rows, sized for the batch's bucket."""
+        rows = self.bucket_for(batch_size)
+        if rows is None:
+            raise ValueError(f"batch of {batch_size} rows exceeds the largest graph bucket {self.buckets[-1]}")
+        key = (rows, _length_bucket(needed_len))
         cache = self.caches.get(key)
         if cache is None:
-            cache = _compat.make_static_cache(self.model, key[1])
+            cache = _compat.make_static_cache(self.model, key[1], batch_size=rows)
             self.caches[key] = cache
         else:
             cache.reset()
@@ -107,18 +123,30 @@ class DecodeGraphRunner:
         why = _compat.cache_is_graph_safe(cache)
         if why:
             return self._eager(why, inputs)
-        key = self._key(inputs, cache)
+        rows = ids.shape[0]
+        padded = cache.layers[0].keys.shape[0] if cache.layers[0].is_initialized else rows
+        if padded < rows:
+            return self._eager("the cache holds fewer rows than the batch", inputs)
+        key = self._key(inputs, cache, rows, padded)
         entry = self.graphs.get(key)
         if entry is None:
             try:
-                entry = self._capture(key, inputs, cache)
+                entry = self._capture(key, inputs, cache, rows, padded)
             except GraphUnsafe as e:
                 return self._eager(str(e), inputs)
-        self._copy_inputs(entry["static"], inputs)
-        self._refresh_batch_info(ids.shape[0])
-        entry["graph"].replay()
+        self._copy_inputs(entry["static"], inputs, rows)
+        self._refresh_batch_info(padded)
+        if self.fake and self.state is not None:
+            # the emulated replay runs the layers again: they must see the capture-time state
+            self.state.use_cuda_graph = True
+            try:
+                entry["graph"].replay()
+            finally:
+                self.state.use_cuda_graph = False
+        else:
+            entry["graph"].replay()
         self.stats["replays"] += 1
-        return entry["output"]
+        return entry["view"](rows)
 
     @staticmethod
     def _flat(inputs):
@@ -129,11 +157,14 @@ class DecodeGraphRunner:
             else:
                 yield name, v
 
-    def _key(self, inputs, cache):
-        parts = [id(cache)]
+    def _key(self, inputs, cache, rows, padded):
+        parts = [id(cache), padded]
         for name, v in self._flat(inputs):
             if isinstance(v, torch.Tensor):
-                parts.append((name, tuple(v.shape), v.dtype, v.device))
+                shape = tuple(v.shape)
+                if shape and shape[0] == rows:
+                    shape = (padded,) + shape[1:]  # per-row inputs are padded to the bucket
+                parts.append((name, shape, v.dtype, v.device))
             elif v is None or isinstance(v, (bool, int, float, str)):
                 parts.append((name, v))
             elif v is cache:
@@ -143,38 +174,68 @@ class DecodeGraphRunner:
         return tuple(parts)
 
     @staticmethod
-    def _clone_inputs(inputs):
+    def _pad(t: torch.Tensor, rows: int, padded: int) -> torch.Tensor:
+        """A static copy of a per-row input with ``padded`` rows; padding rows repeat row 0 (any
+        valid row: they belong to no adapter and their outputs are never read)."""
+        if t.dim() == 0 or t.shape[0] != rows or rows == padded:
+            return t.clone()
+        out = t.new_empty((padded,) + tuple(t.shape[1:]))
+        out[:rows] = t
+        out[rows:] = t[:1]
+        return out
+
+    def _clone_inputs(self, inputs, rows, padded):
         out = {}
         for name, v in inputs.items():
             if isinstance(v, torch.Tensor):
-                out[name] = v.clone()
+                out[name] = self._pad(v, rows, padded)
             elif isinstance(v, dict):
-                out[name] = {k: t.clone() if isinstance(t, torch.Tensor) else t for k, t in v.items()}
+                out[name] = {k: self._pad(t, rows, padded) if isinstance(t, torch.Tensor) else t
+                             for k, t in v.items()}
             else:
                 out[name] = v
         return out
 
     @staticmethod
-    def _copy_inputs(static, inputs):
+    def _copy_one(dst: torch.Tensor, src: torch.Tensor, rows: int):
+        if dst.shape == src.shape:
+            dst.copy_(src, non_blocking=True)
+        else:  # a padded per-row input: fill the real rows, padding rows keep repeating row 0
+            dst[:rows].copy_(src, non_blocking=True)
+            dst[rows:].copy_(src[:1].expand_as(dst[rows:]), non_blocking=True)
+
+    def _copy_inputs(self, static, inputs, rows):
         for name, v in inputs.items():
             if isinstance(v, torch.Tensor):
-                static[name].copy_(v, non_blocking=True)
+                self._copy_one(static[name], v, rows)
             elif isinstance(v, dict):
                 for k, t in v.items():
                     if isinstance(t, torch.Tensor):
-                        static[name][k].copy_(t, non_blocking=True)
+                        self._copy_one(static[name][k], t, rows)
 
     def _refresh_batch_info(self, batch_size: int):
         state = self.state
         if state is None:  # a model without LoRA (the benchmark's base model)
             return
         slots = state.registry.slots_for(self.adapter_names)
+        slots = slots + [-1] * (batch_size - len(slots))  # padding rows: no adapter
         ranks = state.slot_ranks()
         from .batch import ForwardBatch
 
         fb = ForwardBatch.from_shape(batch_size, 1, state.device)
         state.graph_batch_info = state.backend.prepare_lora_batch(
             fb, slots, ranks, [1.0] * len(ranks), use_cuda_graph=True)
+
+    @staticmethod
+    def _output_view(output, padded):
+        """rows -> the captured output with its logits cut to the real rows (a view: no copy)."""
+        def view(rows):
+            if rows == padded:
+                return output
+            out = copy.copy(output)
+            out["logits"] = output.logits[:rows]
+            return out
+        return view
 
     def _ensure_graph_buffers(self, batch_size: int):
         if self.state is not None and batch_size > self._graph_bs:
@@ -184,11 +245,11 @@ class DecodeGraphRunner:
             self.state.backend.init_cuda_graph_batch_info(self._graph_bs, 1)
             self.graphs.clear()
 
-    def _capture(self, key, inputs, cache):
+    def _capture(self, key, inputs, cache, rows, padded):
         state = self.state
-        bs = inputs["input_ids"].shape[0]
+        bs = padded
         self._ensure_graph_buffers(bs)
-        static = self._clone_inputs(inputs)
+        static = self._clone_inputs(inputs, rows, padded)
         lengths = _compat.cache_state_tensors(cache)
         saved = [t.clone() for t in lengths]
 
@@ -230,6 +291,7 @@ class DecodeGraphRunner:
         self.stats["capture_s"] += time.perf_counter() - t0
         if len(self.graphs) >= self.max_graphs:
             self.graphs.pop(next(iter(self.graphs)))
-        entry = {"graph": graph, "static": static, "output": output}
+        entry = {"graph": graph, "static": static, "output": output,
+                 "view": self._output_view(output, padded)}
         self.graphs[key] = entry
         return entry

@@ -77,7 +77,10 @@ class Site:
         for layer in self.lora_layers:
             if layer_dropout_active(layer) or layer_is_merged(layer) or layer_adapters_disabled(layer):
                 return None
-        if x.dim() < 1 or len(names) != x.shape[0] or x.device != state.device:
+        rows = x.shape[0] if x.dim() >= 1 else -1
+        # under graph capture the batch is padded to its bucket (padding rows have no adapter)
+        graph_rows = state.graph_batch_info.bs if state.use_cuda_graph and state.graph_batch_info else None
+        if rows < 0 or (len(names) != rows and rows != graph_rows) or x.device != state.device:
             return None  # PEFT's forward raises its own error for a length mismatch
         dtype = x.dtype if x.is_floating_point() else base_layer_of(self.members[0]).weight.dtype
         supported = getattr(state.backend, "supported_dtypes", None)

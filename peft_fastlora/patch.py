@@ -20,6 +20,7 @@ from ._compat import LoraEmbedding, LoraLinear, base_layer_of, is_conv1d, is_lor
 from .backend import get_backend, resolve_backend_name
 from .batch import ForwardBatch
 from .fusion import find_groups
+from .graphs import DEFAULT_BUCKETS
 from .layers import EmbeddingSite, FusedSite, LinearSite, Site
 from .pool import AdapterRegistry, SitePool
 
@@ -70,11 +71,11 @@ class FastLoRAState:
     """Everything fastlora keeps on a patched model."""
 
     def __init__(self, model: nn.Module, backend: str, fuse: bool, max_loras_per_batch: Optional[int],
-                 cuda_graphs="auto"):
+                 cuda_graphs="auto", graph_buckets=None):
         self.model = model
         self.inner = _compat.unwrap_peft(model)
         self.options = dict(backend=backend, fuse=fuse, max_loras_per_batch=max_loras_per_batch,
-                            cuda_graphs=cuda_graphs)
+                            cuda_graphs=cuda_graphs, graph_buckets=graph_buckets or DEFAULT_BUCKETS)
         self.generation = 0  # bumped whenever a stack or fused weight is rebuilt (graphs hold them)
         self.graph_batch_info = None  # set by the graph runner before a capture or replay
         self.graph_runner = None
@@ -265,7 +266,8 @@ def get_state(model: nn.Module) -> Optional[FastLoRAState]:
 
 
 def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
-          max_loras_per_batch: Optional[int] = None, cuda_graphs="auto") -> PatchReport:
+          max_loras_per_batch: Optional[int] = None, cuda_graphs="auto",
+          graph_buckets: Optional[Sequence[int]] = None) -> PatchReport:
     """Serve the LoRA adapters of ``model`` (a ``PeftModel``) through a fastlora backend.
 
     Args:
@@ -276,13 +278,19 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         cuda_graphs: replay the decode steps of ``generate`` from CUDA graphs: ``"auto"`` (on
             when the model is on CUDA), ``True``, ``False``, or ``"emulate"`` (the same runner with
             the graphs re-executed eagerly: a testing aid that needs no GPU).
+        graph_buckets: batch sizes graphs are captured for; a batch is padded to the next one,
+            a larger batch decodes eagerly (default ``graphs.DEFAULT_BUCKETS``, 1 to 256).
     Returns:
         the ``PatchReport``. Patching a patched model changes nothing and returns its report.
     """
     state = get_state(model)
     if state is not None:
         return state.report
-    state = FastLoRAState(model, backend, fuse, max_loras_per_batch, cuda_graphs)
+    if cuda_graphs not in (True, False, "auto", "emulate"):
+        raise ValueError(f"cuda_graphs must be True, False, 'auto' or 'emulate', got {cuda_graphs!r}")
+    if graph_buckets is not None and (not graph_buckets or any(int(b) < 1 for b in graph_buckets)):
+        raise ValueError(f"graph_buckets must be positive batch sizes, got {graph_buckets!r}")
+    state = FastLoRAState(model, backend, fuse, max_loras_per_batch, cuda_graphs, graph_buckets)
     model.__dict__[_STATE_ATTR] = state
     try:
         report = state.build()

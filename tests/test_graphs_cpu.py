@@ -30,8 +30,9 @@ def _inputs(batch=4):
     torch.manual_seed(1)
     ids = torch.randint(1, 128, (batch, 7))
     mask = torch.ones_like(ids)
-    ids[1, :2] = 0
-    mask[1, :2] = 0
+    if batch > 1:  # one left-padded row
+        ids[1, :2] = 0
+        mask[1, :2] = 0
     return dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
 
 
@@ -91,3 +92,85 @@ def test_graph_options(model):
         assert fastlora.get_state(model).graph_blocker == "cuda_graphs=False"
     with fastlora.patched(model):  # "auto" on a CPU model: off, with the reason
         assert fastlora.get_state(model).graph_blocker == "the model is not on CUDA"
+
+
+@pytest.mark.parametrize("batch", [3, 5])
+def test_batch_padded_to_bucket(model, batch):
+    kw = _inputs(batch)
+    names = (["a", "__base__", "b", "c", "a"] * 2)[:batch]
+    ref = model.generate(**kw, adapter_names=names)
+    with fastlora.patched(model, cuda_graphs="emulate", graph_buckets=[4, 8]):
+        out = model.generate(**kw, adapter_names=names)
+        runner = fastlora.get_state(model).graph_runner
+        stats = dict(runner.stats)
+        caches = list(runner.caches)
+    assert torch.equal(out, ref)
+    assert stats["captures"] == 1 and stats["eager_steps"] == 0, stats
+    assert caches[0][0] == (4 if batch <= 4 else 8)
+
+
+def test_one_bucket_graph_serves_two_batch_sizes(model):
+    names6 = ["a", "b", "c", "__base__", "a", "b"]
+    refs = {n: model.generate(**_inputs(n), adapter_names=names6[:n]) for n in (5, 6)}
+    with fastlora.patched(model, cuda_graphs="emulate", graph_buckets=[8]):
+        outs = {n: model.generate(**_inputs(n), adapter_names=names6[:n]) for n in (5, 6)}
+        stats = fastlora.get_state(model).graph_runner.stats
+    for n in (5, 6):
+        assert torch.equal(outs[n], refs[n]), n
+    assert stats["captures"] == 1, stats
+
+
+def test_batch_larger_than_buckets_decodes_eagerly(model):
+    kw = _inputs(4)
+    names = ["a", "b", "c", "a"]
+    ref = model.generate(**kw, adapter_names=names)
+    with fastlora.patched(model, cuda_graphs="emulate", graph_buckets=[1, 2]):
+        out = model.generate(**kw, adapter_names=names)
+        stats = fastlora.get_state(model).graph_runner.stats
+    assert torch.equal(out, ref)
+    assert stats["captures"] == 0
+    assert any("exceeds the largest graph bucket 2" in r for r in stats["eager_reasons"])
+
+
+def test_per_row_eos_and_stopping(model):
+    kw = _inputs(4)
+    names = ["a", "b", "c", "__base__"]
+    free = model.generate(**kw, adapter_names=names)
+    eos = int(free[0, 7 + 3])  # a token row 0 emits mid-way: rows finish at different steps
+    kw = dict(kw, eos_token_id=eos, max_new_tokens=12)
+    ref = model.generate(**kw, adapter_names=names)
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        out = model.generate(**kw, adapter_names=names)
+        stats = fastlora.get_state(model).graph_runner.stats
+    assert torch.equal(out, ref)
+    assert stats["replays"] > 0
+
+
+def test_streamer_sees_the_same_tokens(model):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.tokens = []
+
+        def put(self, value):
+            self.tokens.append(value.flatten().tolist())
+
+        def end(self):
+            self.tokens.append("end")
+
+    kw = _inputs(1)
+    ref_s, out_s = Collect(), Collect()
+    ref = model.generate(**kw, adapter_names=["c"], streamer=ref_s)
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        out = model.generate(**kw, adapter_names=["c"], streamer=out_s)
+        stats = fastlora.get_state(model).graph_runner.stats
+    assert torch.equal(out, ref) and out_s.tokens == ref_s.tokens
+    assert stats["replays"] > 0
+
+
+@pytest.mark.parametrize("bad", [dict(cuda_graphs="yes"), dict(graph_buckets=[0, 4]), dict(graph_buckets=[])])
+def test_bad_graph_options(model, bad):
+    with pytest.raises(ValueError):
+        fastlora.patch(model, **bad)
+    assert fastlora.get_state(model) is None
