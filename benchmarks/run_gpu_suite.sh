@@ -19,3 +19,6 @@ fi
 if [[ $part == all || $part == generate ]]; then
   timeout 420 python3 benchmarks/bench_generate.py --models ${MODELS:-1b 8b} --out "$OUT" 2>&1 | tee "$OUT/bench_generate.log" | grep -v -i warn | tail -45
 fi
+if [[ $part == all || $part == profile ]]; then
+  timeout 150 python3 benchmarks/profile_step.py --model 8b --batch 32 --out "$OUT/profile_step_h200.csv" 2>&1 | grep -v -i warn | tail -40
+fi

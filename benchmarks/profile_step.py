@@ -1,0 +1,106 @@
+"""Where the time of one decode step goes: per-kernel CUDA time of a step, base model and fastlora.
+
+Kernels are timed by torch.profiler on eager decode steps (inside a graph the same kernels run,
+without the launch gaps). Writes the top kernels per configuration to --out as CSV.
+
+    python benchmarks/profile_step.py --model 8b --batch 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_generate import add_adapters, build_base, versions  # noqa: E402
+
+
+def decode_inputs(model, batch, prompt, names, cache_kw):
+    from peft_fastlora import _compat
+
+    cache = _compat.make_static_cache(model.get_base_model() if hasattr(model, "get_base_model") else model,
+                                      prompt + 16, batch_size=batch)
+    ids = torch.randint(3, 1000, (batch, prompt), device="cuda")
+    kw = {} if names is None else dict(adapter_names=names)
+    with torch.no_grad():
+        model(input_ids=ids, **{cache_kw: cache}, **kw)
+    step = dict(input_ids=torch.randint(3, 1000, (batch, 1), device="cuda"),
+                attention_mask=torch.ones(batch, prompt + 1, dtype=torch.long, device="cuda"), **{cache_kw: cache}, **kw)
+    return step, cache
+
+
+def profile(model, step, cache, steps=3):
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    lengths = [layer.cumulative_length.clone() for layer in cache.layers]
+
+    def one():
+        for layer, n in zip(cache.layers, lengths):
+            layer.cumulative_length.copy_(n)
+        with torch.no_grad():
+            model(**step)
+
+    for _ in range(2):
+        one()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(steps):
+            one()
+        torch.cuda.synchronize()
+    totals = {}
+    for evt in p.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            totals[evt.name] = totals.get(evt.name, 0.0) + evt.device_time / steps
+    return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="8b")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=192)
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--out", default="benchmarks/results/profile_step_h200.csv")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_step needs a CUDA GPU; nothing measured")
+        return 0
+    import peft_fastlora as fastlora
+    from peft_fastlora import _compat
+
+    vers = versions()
+    model = build_base(args.model)
+    cache_kw = _compat.cache_kwarg_name(model)
+    rows = []
+    step, cache = decode_inputs(model, args.batch, args.prompt, None, cache_kw)
+    results = {"base": profile(model, step, cache)}
+    peft_model = add_adapters(model, args.adapters, args.rank)
+    names = [f"a{i % args.adapters}" for i in range(args.batch)]
+    fastlora.patch(peft_model, cuda_graphs=False)
+    step, cache = decode_inputs(peft_model, args.batch, args.prompt, names, cache_kw)
+    results["fastlora"] = profile(peft_model, step, cache)
+    fastlora.unpatch(peft_model)
+    for config, kernels in results.items():
+        total = sum(t for _, t in kernels)
+        print(f"\n{config}: {total / 1e3:.3f} ms of kernel time per decode step (batch {args.batch})")
+        for name, t in kernels[: args.top]:
+            print(f"  {t / 1e3:8.3f} ms  {100 * t / total:5.1f}%  {name[:110]}")
+            rows.append(dict(**vers, model=args.model, batch=args.batch, config=config, kernel=name[:200],
+                             ms_per_step=round(t / 1e3, 4), share=round(t / total, 4),
+                             step_kernel_ms=round(total / 1e3, 3)))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
