@@ -173,6 +173,19 @@ def run_model(shape, batches, args, bw, vers, rows):
             with armed(model, runner, None):
                 return model.generate(**kw(b, n), **{cache_kw: cache})
         results[("base_graphs", b)] = measure(base_graphs, args.new_tokens, args.reps)
+    # 2b. the same with fastlora's decode attention (what fastlora_graphs uses by default)
+    from peft_fastlora.attention import disable_decode_attention, enable_decode_attention
+
+    why = enable_decode_attention(model) if DEVICE == "cuda" else "not on CUDA"
+    print("decode attention for the base model:", why or "on", flush=True)
+    if why is None:
+        for b in batches:
+            def base_graphs_attn(n, b=b):
+                cache = runner.cache_for(b, prompt + n)
+                with armed(model, runner, None):
+                    return model.generate(**kw(b, n), **{cache_kw: cache})
+            results[("base_graphs_attn", b)] = measure(base_graphs_attn, args.new_tokens, args.reps)
+        disable_decode_attention(model)
     del runner
     gc.collect()
     mem = torch.cuda if DEVICE == "cuda" else None
@@ -213,9 +226,15 @@ def run_model(shape, batches, args, bw, vers, rows):
     for b in batches:
         used = min(b, args.adapters)
         peft_toks = results[("peft_native", b)][2]
-        for method in ("hf_eager_base", "base_graphs", "peft_native", "fastlora_eager_unfused",
-                       "fastlora_eager", "fastlora_graphs"):
+        # fastlora_graphs runs with fastlora's decode attention when it could be enabled: its
+        # base-model reference is then the base model with the same attention
+        ref = "base_graphs_attn" if ("base_graphs_attn", b) in results else "base_graphs"
+        for method in ("hf_eager_base", "base_graphs", "base_graphs_attn", "peft_native",
+                       "fastlora_eager_unfused", "fastlora_eager", "fastlora_graphs"):
+            if (method, b) not in results:
+                continue
             prefill, decode, toks = results[(method, b)]
+            base_ref = ref if method in ("fastlora_graphs", "base_graphs_attn") else "base_graphs"
             n = toks.shape[1] - prompt
             lora = 0 if "base" in method else used * lora_bytes_per_adapter(shape, args.rank)
             floor = 1e3 * (wbytes + lora + kv_bytes(shape, b, prompt + n / 2)) / bw
@@ -225,7 +244,8 @@ def run_model(shape, batches, args, bw, vers, rows):
             rows.append(dict(**vers, model=f"llama-{shape}", batch=b, adapters=args.adapters if "base" not in method else 0,
                              rank=args.rank, method=method, new_tokens=n, prefill_ms=round(prefill, 2),
                              decode_ms_per_step=round(decode, 3), tokens_per_s=round(1e3 * b / decode, 1),
-                             ratio_to_base_graphs=round(decode / results[("base_graphs", b)][1], 3),
+                             ratio_to_base_graphs=round(decode / results[(base_ref, b)][1], 3),
+                             base_reference=base_ref,
                              floor_ms=round(floor, 3), ratio_to_floor=round(decode / floor, 3),
                              speedup_vs_peft=round(results[("peft_native", b)][1] / decode, 2),
                              greedy_match_vs_peft=match, copy_bw_tbs=round(bw / 1e12, 3),

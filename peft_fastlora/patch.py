@@ -40,6 +40,7 @@ class PatchReport:
     adapter_fallbacks: List[Tuple[str, str, str]] = field(default_factory=list)  # (module, adapter, reason)
     fusion_blocked: List[Tuple[str, str]] = field(default_factory=list)  # (group, reason)
     stack_bytes: int = 0
+    decode_attention: str = "off"  # "on", or why not
 
     @property
     def num_patched_layers(self) -> int:
@@ -62,6 +63,7 @@ class PatchReport:
             line += "; served by PEFT where used: " + ", ".join(f"{a} ({r})" for a, r in pairs)
         if self.fusion_blocked:
             line += f"; {len(self.fusion_blocked)} groups not fused"
+        line += f"; decode attention {self.decode_attention}"
         return line
 
     __str__ = summary
@@ -71,11 +73,12 @@ class FastLoRAState:
     """Everything fastlora keeps on a patched model."""
 
     def __init__(self, model: nn.Module, backend: str, fuse: bool, max_loras_per_batch: Optional[int],
-                 cuda_graphs="auto", graph_buckets=None):
+                 cuda_graphs="auto", graph_buckets=None, decode_attention="auto"):
         self.model = model
         self.inner = _compat.unwrap_peft(model)
         self.options = dict(backend=backend, fuse=fuse, max_loras_per_batch=max_loras_per_batch,
-                            cuda_graphs=cuda_graphs, graph_buckets=graph_buckets or DEFAULT_BUCKETS)
+                            cuda_graphs=cuda_graphs, graph_buckets=graph_buckets or DEFAULT_BUCKETS,
+                            decode_attention=decode_attention)
         self.generation = 0  # bumped whenever a stack or fused weight is rebuilt (graphs hold them)
         self.graph_batch_info = None  # set by the graph runner before a capture or replay
         self.graph_runner = None
@@ -164,7 +167,19 @@ class FastLoRAState:
         from .generate import install_generate
 
         install_generate(self)
+        report.decode_attention = self._enable_decode_attention() or "on"
         return report
+
+    def _enable_decode_attention(self) -> Optional[str]:
+        from .attention import enable_decode_attention
+
+        opt = self.options["decode_attention"]
+        if opt is False:
+            return "off (decode_attention=False)"
+        if opt == "auto" and self.device.type != "cuda":
+            return "off (the model is not on CUDA)"
+        why = enable_decode_attention(self.inner)
+        return None if why is None else f"off ({why})"
 
     def _site_dtype(self, site: Site) -> torch.dtype:
         return base_layer_of(site.members[0]).weight.dtype
@@ -176,8 +191,10 @@ class FastLoRAState:
         self._bi_key = None
 
     def teardown(self):
+        from .attention import disable_decode_attention
         from .generate import uninstall_generate
 
+        disable_decode_attention(self.inner)
         uninstall_generate(self)
         if self._hook is not None:
             self._hook.remove()
@@ -267,7 +284,7 @@ def get_state(model: nn.Module) -> Optional[FastLoRAState]:
 
 def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
           max_loras_per_batch: Optional[int] = None, cuda_graphs="auto",
-          graph_buckets: Optional[Sequence[int]] = None) -> PatchReport:
+          graph_buckets: Optional[Sequence[int]] = None, decode_attention="auto") -> PatchReport:
     """Serve the LoRA adapters of ``model`` (a ``PeftModel``) through a fastlora backend.
 
     Args:
@@ -280,6 +297,10 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             the graphs re-executed eagerly: a testing aid that needs no GPU).
         graph_buckets: batch sizes graphs are captured for; a batch is padded to the next one,
             a larger batch decodes eagerly (default ``graphs.DEFAULT_BUCKETS``, 1 to 256).
+        decode_attention: one-token steps use fastlora's Triton decode attention (split KV,
+            grouped-query heads without repeated K/V, only filled positions read) through
+            transformers' attention registry: ``"auto"`` (on CUDA), ``True`` or ``False``.
+            Models it does not cover (sliding windows, soft-capping) keep their attention.
     Returns:
         the ``PatchReport``. Patching a patched model changes nothing and returns its report.
     """
@@ -290,7 +311,10 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         raise ValueError(f"cuda_graphs must be True, False, 'auto' or 'emulate', got {cuda_graphs!r}")
     if graph_buckets is not None and (not graph_buckets or any(int(b) < 1 for b in graph_buckets)):
         raise ValueError(f"graph_buckets must be positive batch sizes, got {graph_buckets!r}")
-    state = FastLoRAState(model, backend, fuse, max_loras_per_batch, cuda_graphs, graph_buckets)
+    if decode_attention not in (True, False, "auto"):
+        raise ValueError(f"decode_attention must be True, False or 'auto', got {decode_attention!r}")
+    state = FastLoRAState(model, backend, fuse, max_loras_per_batch, cuda_graphs, graph_buckets,
+                          decode_attention)
     model.__dict__[_STATE_ATTR] = state
     try:
         report = state.build()

@@ -1,0 +1,291 @@
+"""Decode attention (``ops/decode_attention.py``, ``attention.py``) on CPU, under Triton's interpreter.
+
+The kernel against a plain torch reference (K/V repeated to every head, masked fp32 softmax) with
+rows of different filled lengths (left padding, a length of 1, lengths reaching the cache end),
+GQA ratios 1/4/8, odd cache lengths, several splits, bool and additive masks, soft-capping; then
+the registered attention function against transformers' sdpa on a tiny Llama's real decode steps
+over a StaticCache, and greedy ``generate`` with and without it. bf16 is the GPU tier's job (the
+interpreter keeps bf16 as raw uint16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from peft_fastlora.attention import (  # noqa: E402
+    ATTN_NAME,
+    decode_attention_enabled,
+    decode_unsupported,
+    disable_decode_attention,
+    enable_decode_attention,
+    fastlora_decode_attention,
+)
+from peft_fastlora.ops.decode_attention import (  # noqa: E402
+    decode_attention,
+    decode_attention_config,
+    decode_attention_reference,
+    interpreting,
+)
+
+# (dtype, atol, rtol): both sides accumulate in fp32; fp32 differs by summation order only
+# (observed < 1e-6), fp16 by the final rounding of an output that is an average of fp16 values
+TOLERANCES = [
+    (torch.float32, 2e-5, 2e-5),
+    (torch.float16, 2e-3, 2e-3),
+]
+DTYPE_IDS = ["fp32", "fp16"]
+
+needs_interpreter = pytest.mark.skipif(not interpreting(), reason="CPU tests run under TRITON_INTERPRET=1")
+
+
+def assert_close(actual, expected, atol, rtol, name=""):
+    """allclose (a NaN is a mismatch), printing the first differing elements."""
+    a, e = actual.detach().float(), expected.detach().float()
+    assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    bad = ~((a - e).abs() <= atol + rtol * e.abs())
+    if bad.any():
+        idx = bad.nonzero()
+        lines = [f"{name}: {len(idx)} of {a.numel()} elements differ (atol {atol}, rtol {rtol})"]
+        for i in idx[:8].tolist():
+            lines.append(f"  at {tuple(i)}: got {a[tuple(i)].item():.6g}, expected {e[tuple(i)].item():.6g}")
+        raise AssertionError("\n".join(lines))
+
+
+def make_mask(starts, ends, kv_len, additive_dtype=None):
+    """(B, 1, 1, L): row b attends to [starts[b], ends[b]) (left padding before, unfilled after)."""
+    pos = torch.arange(kv_len)
+    m = (pos[None] >= torch.tensor(starts)[:, None]) & (pos[None] < torch.tensor(ends)[:, None])
+    m = m[:, None, None, :]
+    if additive_dtype is None:
+        return m
+    return torch.zeros(m.shape, dtype=additive_dtype).masked_fill(~m, torch.finfo(additive_dtype).min)
+
+
+def rand_qkv(bsz, heads, kv_heads, kv_len, dim, dtype, strided=False):
+    q = torch.randn(bsz, heads, 1, dim, dtype=dtype)
+    if strided:
+        # keys and values as views of a wider buffer, heads-major as HF's projections give them
+        buf = torch.randn(bsz, kv_len, kv_heads, 2 * dim + 3, dtype=dtype)
+        k = buf[..., :dim].transpose(1, 2)
+        v = buf[..., dim + 3:].transpose(1, 2)
+        q = torch.randn(bsz, 1, heads, dim + 5, dtype=dtype)[..., :dim].transpose(1, 2)
+    else:
+        k = torch.randn(bsz, kv_heads, kv_len, dim, dtype=dtype)
+        v = torch.randn(bsz, kv_heads, kv_len, dim, dtype=dtype)
+    return q, k, v
+
+
+# ---- the kernel --------------------------------------------------------------------------------
+# (batch, heads, kv heads, cache length, head dim, [start, end) per row, splits, block_n)
+CASES = {
+    # left padding of different widths, one row with one attended position, one at the cache end
+    "gqa4_pad_len1_end": (4, 8, 2, 37, 16, [3, 0, 36, 10], [20, 9, 37, 37], 3, 16),
+    "mha_odd_len": (3, 3, 3, 29, 8, [0, 5, 0], [29, 6, 17], 2, 16),
+    "gqa8_one_split": (2, 8, 1, 45, 32, [7, 0], [45, 1], 1, 16),
+    "gqa4_many_splits": (2, 4, 1, 67, 16, [0, 30], [67, 61], 5, 16),
+    "head_dim_24_block64": (2, 8, 2, 70, 24, [2, 0], [70, 33], 2, 64),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_reference(case, dtype, atol, rtol):
+    b, h, kvh, kv_len, d, starts, ends, splits, bn = CASES[case]
+    q, k, v = rand_qkv(b, h, kvh, kv_len, d, dtype, strided=case.startswith("gqa4_pad"))
+    mask = make_mask(starts, ends, kv_len)
+    out = decode_attention(q, k, v, mask, num_splits=splits, block_n=bn)
+    ref = decode_attention_reference(q, k, v, mask)
+    assert out.shape == (b, 1, h, d) and out.dtype == dtype
+    assert_close(out, ref, atol, rtol, case)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=DTYPE_IDS)
+def test_additive_mask_scaling_softcap(dtype, atol, rtol):
+    b, h, kvh, kv_len, d = 3, 8, 2, 41, 16
+    q, k, v = rand_qkv(b, h, kvh, kv_len, d, dtype)
+    q = q * 4  # large scores, so the soft-cap bends them
+    mask = make_mask([0, 4, 40], [41, 30, 41], kv_len, additive_dtype=dtype)
+    mask[0, ..., 3] = float("-inf")  # -inf and finfo.min both mean masked
+    mask[1, ..., 10:20] += torch.linspace(-2, 2, 10, dtype=dtype)  # a real additive bias
+    for softcap in (None, 2.0):
+        out = decode_attention(q, k, v, mask, scaling=0.37, softcap=softcap, num_splits=2, block_n=16)
+        ref = decode_attention_reference(q, k, v, mask, scaling=0.37, softcap=softcap)
+        assert_close(out, ref, atol, rtol, f"softcap={softcap}")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=DTYPE_IDS)
+def test_mask_with_holes(dtype, atol, rtol):
+    """Masked positions inside the attended span (not a static cache's pattern, but allowed)."""
+    b, h, kvh, kv_len, d = 3, 4, 2, 53, 16
+    q, k, v = rand_qkv(b, h, kvh, kv_len, d, dtype)
+    mask = torch.rand(b, 1, 1, kv_len) < 0.5
+    mask[2] = False
+    mask[2, ..., 7] = mask[2, ..., 50] = True  # two positions, 43 apart
+    out = decode_attention(q, k, v, mask, num_splits=2, block_n=16)
+    assert_close(out, decode_attention_reference(q, k, v, mask), atol, rtol, "holes")
+
+
+@needs_interpreter
+def test_masked_blocks_are_not_read():
+    """NaN in every K/V position no row attends: a block that is read would poison the output."""
+    b, h, kvh, kv_len, d = 2, 4, 1, 64, 16
+    q, k, v = rand_qkv(b, h, kvh, kv_len, d, torch.float32)
+    starts, ends = [16, 0], [32, 16]  # whole 16-blocks only
+    mask = make_mask(starts, ends, kv_len)
+    ref = decode_attention_reference(q, k, v, mask)
+    for row, (s, e) in enumerate(zip(starts, ends)):
+        keep = torch.zeros(kv_len, dtype=torch.bool)
+        keep[s:e] = True
+        k[row, :, ~keep] = float("nan")
+        v[row, :, ~keep] = float("nan")
+    for splits in (1, 3):
+        out = decode_attention(q, k, v, mask, num_splits=splits, block_n=16)
+        assert_close(out, ref, 2e-5, 2e-5, f"splits={splits}")
+
+
+@needs_interpreter
+def test_row_with_nothing_to_attend_is_zero_and_batch_broadcast_mask():
+    q, k, v = rand_qkv(2, 4, 2, 20, 8, torch.float32)
+    none = torch.zeros(2, 1, 1, 20, dtype=torch.bool)
+    out = decode_attention(q, k, v, none, num_splits=2, block_n=16)
+    assert torch.equal(out, torch.zeros_like(out))
+    shared = make_mask([2], [19], 20)  # (1, 1, 1, L): one mask for every row
+    out = decode_attention(q, k, v, shared, num_splits=2, block_n=16)
+    assert_close(out, decode_attention_reference(q, k, v, shared.expand(2, -1, -1, -1)), 2e-5, 2e-5)
+
+
+def test_config_is_static_and_sane():
+    cpu = torch.device("cpu")
+    one = decode_attention_config(1, 8, 4, 512, 128, cpu)
+    assert one["block_h"] == 16 and one["block_d"] == 128 and one["block_n"] == 64
+    assert decode_attention_config(128, 8, 4, 512, 128, cpu)["num_splits"] == 1
+    assert decode_attention_config(1, 1, 1, 30, 256, cpu)["block_n"] == 32
+
+
+def test_launcher_rejects_bad_shapes():
+    q, k, v = rand_qkv(2, 4, 2, 20, 8, torch.float32)
+    with pytest.raises(ValueError, match="mask"):
+        decode_attention(q, k, v, torch.ones(2, 1, 1, 19, dtype=torch.bool))
+    with pytest.raises(ValueError, match="query heads"):
+        decode_attention(q, k[:, :1].expand(2, 3, 20, 8), v[:, :1].expand(2, 3, 20, 8),
+                         torch.ones(2, 1, 1, 20, dtype=torch.bool))
+    with pytest.raises(ValueError, match="q must be"):
+        decode_attention(q.expand(2, 4, 2, 8), k, v, torch.ones(2, 1, 1, 20, dtype=torch.bool))
+
+
+# ---- the registered function on a tiny Llama --------------------------------------------------
+def _tiny_llama(attn="sdpa", **kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                      pad_token_id=0, attn_implementation=attn, **kw)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _prompts(bsz=3, length=9):
+    torch.manual_seed(1)
+    ids = torch.randint(1, 96, (bsz, length))
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate([0, 4, 8][:bsz]):  # left padding; the last row has one real token
+        ids[row, :pad] = 0
+        mask[row, :pad] = 0
+    return ids, mask
+
+
+@needs_interpreter
+def test_registered_function_matches_sdpa_on_llama_decode_steps():
+    """Every attention call of a static-cache generate is run both ways on the same inputs."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = _tiny_llama()
+    assert enable_decode_attention(model) is None
+    served, diffs = [], []
+
+    def both(module, query, key, value, attention_mask, **kwargs):
+        ref, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        out, w = fastlora_decode_attention(module, query, key, value, attention_mask, **kwargs)
+        served.append(decode_unsupported(module, query, key, value, attention_mask, **kwargs))
+        diffs.append((out.float() - ref.float()).abs().max().item())
+        assert out.shape == ref.shape and w is None
+        return out, w
+
+    AttentionInterface.register("fastlora_test_both", both)
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionMaskInterface.register("fastlora_test_both", sdpa_mask)
+    model.set_attn_implementation("fastlora_test_both")
+    ids, mask = _prompts()
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                       cache_implementation="static")
+    n_layers = model.config.num_hidden_layers
+    assert served[:n_layers] == ["not a one-token step"] * n_layers  # prefill went to sdpa
+    assert served[n_layers:] == [None] * (4 * n_layers)  # every decode step to the kernel
+    assert max(diffs) < 1e-5, diffs
+
+
+@needs_interpreter
+def test_generate_greedy_tokens_equal_with_and_without():
+    model = _tiny_llama()
+    ids, mask = _prompts()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+              cache_implementation="static")
+    with torch.no_grad():
+        ref = model.generate(**kw)
+        assert enable_decode_attention(model) is None
+        assert model.config._attn_implementation == ATTN_NAME and decode_attention_enabled(model)
+        assert enable_decode_attention(model) is None  # idempotent
+        out = model.generate(**kw)
+        # and through the dynamic cache too (the mask then has the keys' length as well)
+        out_dyn = model.generate(**dict(kw, cache_implementation=None))
+        disable_decode_attention(model)
+    assert model.config._attn_implementation == "sdpa" and not decode_attention_enabled(model)
+    assert torch.equal(out, ref), (out, ref)
+    assert torch.equal(out_dyn, ref), (out_dyn, ref)
+    disable_decode_attention(model)  # a no-op now
+
+
+def test_enable_refuses_what_it_does_not_implement():
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    assert "eager" in enable_decode_attention(_tiny_llama(attn="eager"))
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    mistral = MistralForCausalLM(MistralConfig(sliding_window=6, **small))
+    assert "sliding" in enable_decode_attention(mistral)
+    small.pop("attn_implementation")
+    gemma = Gemma2ForCausalLM(Gemma2Config(head_dim=8, **small))  # sliding, soft-capped
+    before = gemma.config._attn_implementation  # eager on 5.2x, sdpa on 5.17
+    assert enable_decode_attention(gemma) is not None
+    assert mistral.config._attn_implementation == "sdpa" and gemma.config._attn_implementation == before
+    qwen2 = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, attn_implementation="sdpa", **small))
+    assert enable_decode_attention(qwen2) is None  # a window in the config, but not used
+    disable_decode_attention(qwen2)
+    assert qwen2.config._attn_implementation == "sdpa"
+    assert enable_decode_attention(torch.nn.Linear(2, 2)) == "not a transformers model"
+
+
+def test_fallback_reasons():
+    module = torch.nn.Module().eval()
+    q, k, v = rand_qkv(2, 4, 2, 20, 8, torch.float32)
+    mask = torch.ones(2, 1, 1, 20, dtype=torch.bool)
+    assert decode_unsupported(module, q.expand(2, 4, 3, 8), k, v, mask) == "not a one-token step"
+    assert decode_unsupported(module, q, k, v, None) == "no 4-D attention mask"
+    assert decode_unsupported(module, q, k, v, mask, sliding_window=4) == "sliding window"
+    assert decode_unsupported(module, q, k, v, mask, dropout=0.1) == "training or dropout"
+    assert "mask" in decode_unsupported(module, q, k, v, mask[..., :19])
+    assert decode_unsupported(module, q, k, v, mask, s_aux=torch.zeros(4)) == "attention kwarg 's_aux'"
+    module.train()
+    assert decode_unsupported(module, q, k, v, mask) == "training or dropout"

@@ -1,0 +1,119 @@
+"""Decode attention on the GPU: bf16 (and fp16) at Llama-3-8B attention shapes, against the fp32
+reference and against transformers' own sdpa attention function, eagerly and replayed from a
+CUDA graph whose inputs change in place between replays."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+HEADS, KV_HEADS, HEAD_DIM, CACHE_LEN, FILLED = 32, 8, 128, 512, 200
+# (dtype, atol, rtol) against the fp32 reference of the same rounded inputs: the kernel's products
+# are exact and it accumulates in fp32; the probabilities are rounded to the input dtype before
+# the P @ V product (as flash attention does) and the output once (outputs are ~0.1 here)
+TOLERANCES = {torch.bfloat16: (4e-3, 1.6e-2), torch.float16: (1e-3, 4e-3)}
+
+
+class _AttnStub(torch.nn.Module):
+    """What ``sdpa_attention_forward`` reads from an attention module."""
+
+    def __init__(self, groups):
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+def _inputs(bsz, dtype, seed=0, filled=FILLED):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(bsz, HEADS, 1, HEAD_DIM, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(bsz, KV_HEADS, CACHE_LEN, HEAD_DIM, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(bsz, KV_HEADS, CACHE_LEN, HEAD_DIM, device="cuda", dtype=dtype, generator=g)
+    # every row filled to the same cache index, left padding of 0..47 positions
+    pad = torch.randint(0, 48, (bsz,), device="cuda", generator=g)
+    pad[0] = 0
+    pos = torch.arange(CACHE_LEN, device="cuda")
+    mask = ((pos[None] >= pad[:, None]) & (pos[None] < filled))[:, None, None, :]
+    return q, k, v, mask
+
+
+def _check(out, ref, atol, rtol, name):
+    err = (out.float() - ref.float()).abs()
+    bad = err > atol + rtol * ref.float().abs()
+    assert not bad.any(), (f"{name}: {int(bad.sum())} of {out.numel()} differ, max {err.max().item():.3g} "
+                           f"at {tuple(bad.nonzero()[0].tolist())}")
+    assert err.mean().item() < atol / 4, f"{name}: mean error {err.mean().item():.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bsz", [1, 32, 128])
+def test_8b_shapes_match_reference_and_hf_sdpa(bsz, dtype):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from peft_fastlora.ops.decode_attention import decode_attention, decode_attention_reference
+
+    atol, rtol = TOLERANCES[dtype]
+    q, k, v, mask = _inputs(bsz, dtype)
+    out = decode_attention(q, k, v, mask)
+    _check(out, decode_attention_reference(q, k, v, mask), atol, rtol, "reference")
+    # additive mask, as the eager mask builder makes it
+    add = torch.zeros(mask.shape, device="cuda", dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+    _check(decode_attention(q, k, v, add), decode_attention_reference(q, k, v, add), atol, rtol, "additive")
+    hf, _ = sdpa_attention_forward(_AttnStub(HEADS // KV_HEADS), q, k, v, mask, scaling=HEAD_DIM ** -0.5)
+    _check(out, hf, 2 * atol, 2 * rtol, "hf sdpa")
+
+
+@pytest.mark.parametrize("bsz", [1, 32, 128])
+def test_inside_a_cuda_graph(bsz):
+    from peft_fastlora.ops.decode_attention import decode_attention, decode_attention_reference
+
+    dtype = torch.bfloat16
+    atol, rtol = TOLERANCES[dtype]
+    q, k, v, mask = _inputs(bsz, dtype, seed=1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decode_attention(q, k, v, mask)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph):
+            out = decode_attention(q, k, v, mask)
+    finally:
+        gc.enable()
+    for seed, filled in ((2, 137), (3, CACHE_LEN), (4, 1)):
+        q2, k2, v2, m2 = _inputs(bsz, dtype, seed=seed, filled=filled)
+        q.copy_(q2), k.copy_(k2), v.copy_(v2), mask.copy_(m2)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = decode_attention_reference(q, k, v, mask)  # filled=1: padded rows attend nothing -> 0
+        _check(out, ref, atol, rtol, f"replay filled={filled}")
+
+
+def test_tiny_llama_generate_on_cuda_equal_tokens():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from peft_fastlora.attention import disable_decode_attention, enable_decode_attention
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, pad_token_id=0,
+                      attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).cuda().eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(1, 96, (4, 11), device="cuda")
+    am = torch.ones_like(ids)
+    am[1, :3] = 0
+    am[3, :10] = 0
+    kw = dict(input_ids=ids, attention_mask=am, max_new_tokens=16, do_sample=False,
+              cache_implementation="static")
+    with torch.no_grad():
+        ref = model.generate(**kw)
+        assert enable_decode_attention(model) is None
+        out = model.generate(**kw)
+        disable_decode_attention(model)
+    assert torch.equal(out, ref)
