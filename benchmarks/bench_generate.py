@@ -173,12 +173,15 @@ def run_model(shape, batches, args, bw, vers, rows):
             with armed(model, runner, None):
                 return model.generate(**kw(b, n), **{cache_kw: cache})
         results[("base_graphs", b)] = measure(base_graphs, args.new_tokens, args.reps)
-    # 2b. the same with fastlora's decode attention (what fastlora_graphs uses by default)
+    # 2b. the same with fastlora's decode attention and one-kernel RMSNorms (what fastlora_graphs
+    # uses by default)
     from peft_fastlora.attention import disable_decode_attention, enable_decode_attention
+    from peft_fastlora.norms import install_norms, uninstall_norms
 
     why = enable_decode_attention(model) if DEVICE == "cuda" else "not on CUDA"
     print("decode attention for the base model:", why or "on", flush=True)
     if why is None:
+        norms = install_norms(model)
         for b in batches:
             def base_graphs_attn(n, b=b):
                 cache = runner.cache_for(b, prompt + n)
@@ -186,6 +189,7 @@ def run_model(shape, batches, args, bw, vers, rows):
                     return model.generate(**kw(b, n), **{cache_kw: cache})
             results[("base_graphs_attn", b)] = measure(base_graphs_attn, args.new_tokens, args.reps)
         disable_decode_attention(model)
+        uninstall_norms(norms)
     del runner
     gc.collect()
     mem = torch.cuda if DEVICE == "cuda" else None

@@ -41,6 +41,7 @@ class PatchReport:
     fusion_blocked: List[Tuple[str, str]] = field(default_factory=list)  # (group, reason)
     stack_bytes: int = 0
     decode_attention: str = "off"  # "on", or why not
+    fused_norms: int = 0  # RMSNorm modules served by one kernel
 
     @property
     def num_patched_layers(self) -> int:
@@ -63,7 +64,7 @@ class PatchReport:
             line += "; served by PEFT where used: " + ", ".join(f"{a} ({r})" for a, r in pairs)
         if self.fusion_blocked:
             line += f"; {len(self.fusion_blocked)} groups not fused"
-        line += f"; decode attention {self.decode_attention}"
+        line += f"; decode attention {self.decode_attention}; {self.fused_norms} RMSNorms fused"
         return line
 
     __str__ = summary
@@ -73,12 +74,13 @@ class FastLoRAState:
     """Everything fastlora keeps on a patched model."""
 
     def __init__(self, model: nn.Module, backend: str, fuse: bool, max_loras_per_batch: Optional[int],
-                 cuda_graphs="auto", graph_buckets=None, decode_attention="auto"):
+                 cuda_graphs="auto", graph_buckets=None, decode_attention="auto", fuse_norms="auto"):
         self.model = model
         self.inner = _compat.unwrap_peft(model)
         self.options = dict(backend=backend, fuse=fuse, max_loras_per_batch=max_loras_per_batch,
                             cuda_graphs=cuda_graphs, graph_buckets=graph_buckets or DEFAULT_BUCKETS,
-                            decode_attention=decode_attention)
+                            decode_attention=decode_attention, fuse_norms=fuse_norms)
+        self.norms = []
         self.generation = 0  # bumped whenever a stack or fused weight is rebuilt (graphs hold them)
         self.graph_batch_info = None  # set by the graph runner before a capture or replay
         self.graph_runner = None
@@ -168,6 +170,12 @@ class FastLoRAState:
 
         install_generate(self)
         report.decode_attention = self._enable_decode_attention() or "on"
+        opt = self.options["fuse_norms"]
+        if opt is True or (opt == "auto" and self.device.type == "cuda"):
+            from .norms import install_norms
+
+            self.norms = install_norms(self.inner)
+        report.fused_norms = len(self.norms)
         return report
 
     def _enable_decode_attention(self) -> Optional[str]:
@@ -194,7 +202,11 @@ class FastLoRAState:
         from .attention import disable_decode_attention
         from .generate import uninstall_generate
 
+        from .norms import uninstall_norms
+
         disable_decode_attention(self.inner)
+        uninstall_norms(self.norms)
+        self.norms = []
         uninstall_generate(self)
         if self._hook is not None:
             self._hook.remove()
@@ -284,7 +296,8 @@ def get_state(model: nn.Module) -> Optional[FastLoRAState]:
 
 def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
           max_loras_per_batch: Optional[int] = None, cuda_graphs="auto",
-          graph_buckets: Optional[Sequence[int]] = None, decode_attention="auto") -> PatchReport:
+          graph_buckets: Optional[Sequence[int]] = None, decode_attention="auto",
+          fuse_norms="auto") -> PatchReport:
     """Serve the LoRA adapters of ``model`` (a ``PeftModel``) through a fastlora backend.
 
     Args:
@@ -301,6 +314,8 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             grouped-query heads without repeated K/V, only filled positions read) through
             transformers' attention registry: ``"auto"`` (on CUDA), ``True`` or ``False``.
             Models it does not cover (sliding windows, soft-capping) keep their attention.
+        fuse_norms: Llama-family RMSNorm modules run as one Triton kernel each (inference only):
+            ``"auto"`` (on CUDA), ``True`` or ``False``.
     Returns:
         the ``PatchReport``. Patching a patched model changes nothing and returns its report.
     """
@@ -311,10 +326,12 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         raise ValueError(f"cuda_graphs must be True, False, 'auto' or 'emulate', got {cuda_graphs!r}")
     if graph_buckets is not None and (not graph_buckets or any(int(b) < 1 for b in graph_buckets)):
         raise ValueError(f"graph_buckets must be positive batch sizes, got {graph_buckets!r}")
+    if fuse_norms not in (True, False, "auto"):
+        raise ValueError(f"fuse_norms must be True, False or 'auto', got {fuse_norms!r}")
     if decode_attention not in (True, False, "auto"):
         raise ValueError(f"decode_attention must be True, False or 'auto', got {decode_attention!r}")
     state = FastLoRAState(model, backend, fuse, max_loras_per_batch, cuda_graphs, graph_buckets,
-                          decode_attention)
+                          decode_attention, fuse_norms)
     model.__dict__[_STATE_ATTR] = state
     try:
         report = state.build()

@@ -1,0 +1,86 @@
+"""The one-kernel RMSNorm against transformers' own Llama RMSNorm (the interpreter on CPU)."""
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from peft_fastlora.norms import install_norms, uninstall_norms
+from peft_fastlora.ops.rms_norm import rms_norm
+
+TOL = {torch.float32: (1e-6, 1e-5), torch.float16: (1e-3, 1e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 5, 96), (1, 1, 100), (7, 33)])
+def test_matches_hf_rms_norm(dtype, shape):
+    norm = LlamaRMSNorm(shape[-1], eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1]) * 0.5 + 1)
+    x = (torch.randn(shape) * 3).to(dtype)
+    ref = norm(x)
+    out = rms_norm(x, norm.weight, norm.variance_epsilon)
+    atol, rtol = TOL[dtype]
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+def test_strided_rows():
+    x = torch.randn(4, 130)[:, :64]  # rows 130 apart, last dim contiguous
+    w = torch.randn(64)
+    ref = LlamaRMSNorm(64)
+    ref.weight.data.copy_(w)
+    torch.testing.assert_close(rms_norm(x, w, ref.variance_epsilon), ref(x), atol=1e-6, rtol=1e-5)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="weight has shape"):
+        rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(TypeError, match="dtype"):
+        rms_norm(torch.randn(2, 8), torch.randn(8, dtype=torch.float16), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        rms_norm(torch.randn(8, 2).T, torch.randn(8), 1e-6)
+
+
+def test_install_only_llama_family_and_undo():
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    root = torch.nn.ModuleDict({"a": LlamaRMSNorm(16), "g": Gemma2RMSNorm(16)})
+    done = install_norms(root)
+    assert [n for n, _ in done] == ["a"]
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        out = root["a"](x)
+    uninstall_norms(done)
+    assert "forward" not in root["a"].__dict__
+    torch.testing.assert_close(out, root["a"](x), atol=1e-6, rtol=1e-5)
+
+
+def test_gradients_take_the_original_forward():
+    norm = LlamaRMSNorm(16)
+    done = install_norms(torch.nn.ModuleDict({"n": norm}))
+    x = torch.randn(3, 16, requires_grad=True)
+    norm(x).sum().backward()  # the kernel has no backward: the original forward must have run
+    assert x.grad is not None
+    uninstall_norms(done)
+
+
+def test_patch_fuse_norms_matches_peft():
+    import peft_fastlora as fastlora
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                             init_lora_weights=False), adapter_name="x").eval()
+    ids = torch.randint(0, 96, (3, 6))
+    names = ["x", "__base__", "x"]
+    with torch.no_grad():
+        ref = model(input_ids=ids, adapter_names=names).logits
+        report = fastlora.patch(model, fuse_norms=True)
+        out = model(input_ids=ids, adapter_names=names).logits
+        fastlora.unpatch(model)
+    assert report.fused_norms == 2 * 2 + 1  # two per layer and the final norm
+    assert "5 RMSNorms fused" in str(report)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
