@@ -1,7 +1,11 @@
 """Kernel benchmark: one fused LoRA op (shrink + expand of a projection site) at Llama-3-8B shapes.
 
 Implementations, each timed in this one run on this GPU:
-- ``triton``: the Triton backend, captured in a CUDA graph and timed as graph replays;
+- ``triton``: the Triton backend as the layers call it, captured in a CUDA graph and timed as
+  graph replays: decode-sized batches (16-row chunks) run shrink + expand as one fused launch,
+  prefill the shrink and expand kernels;
+- ``triton_2k``: the same backend with ``fused_decode=False``: always the shrink and expand
+  kernels (two launches), the path decode took before the fused kernel;
 - ``torch_native``: the reference backend, eager (it syncs with the host, so no graph);
 - ``peft_loop``: PEFT's mixed-batch path re-implemented (``_mixed_batch_forward`` of
   ``peft/tuners/lora/layer.py``): per projection, per distinct adapter, index the rows, run
@@ -10,9 +14,12 @@ Implementations, each timed in this one run on this GPU:
 Every timing is a median over iterations that each start with a 256 MiB memset: it evicts the
 L2 (in a model, the other layers' weights pass through between two calls of one layer) and keeps
 the GPU busy while the host enqueues the call, so graph replays are timed on the GPU alone. The
-same run measures the launch floor (a graph of as many empty Triton kernels as the op launches)
-and the copy bandwidth; the byte floor of an op is (A and B bytes of the adapters used, at their
-rank + x read + output read and written) / that bandwidth.
+same run measures the launch floor (a graph of as many empty Triton kernels as the two-kernel
+path launches: ``launch_floor_us``; of one empty kernel: ``launch_floor_1k_us``) and the copy
+bandwidth; the byte floor of an op is (A and B bytes of the adapters used, at their rank + x read
++ output read and written) / that bandwidth. ``x_floor`` divides by max(byte floor, launch
+floor), ``x_floor_1k`` by max(byte floor, one-launch floor). ``fused_timeouts`` counts readers of
+the fused kernel that gave up waiting (must be 0).
 
     python benchmarks/bench_kernels.py --out benchmarks/results/kernels_h200.csv
 """
@@ -40,7 +47,7 @@ MAX_LORAS = 32  # the pool size and max_loras_per_batch of every run (the graph 
 DECODE = [(1, 1), (32, 1), (32, 8), (32, 32), (128, 1), (128, 8), (128, 32)]  # (rows, adapters)
 PREFILL = [(8, 512, 1), (8, 512, 8)]  # (rows, tokens per row, adapters): 4096 tokens
 RANKS = (16, 64)
-IMPLS = ("triton", "torch_native", "peft_loop")
+IMPLS = ("triton", "triton_2k", "torch_native", "peft_loop")
 
 
 def parse_args(argv=None):
@@ -147,8 +154,8 @@ def run_site(backend, site, x, a, b, offsets, out, ranks, scalings):
         return backend.run_qkv_lora(x, a, b, output_offset=offsets, **kw)
     if site == "gate_up":
         return backend.run_gate_up_lora(x, a, b, **kw)
-    y = backend.run_lora_a_sgemm(x, a, stack_num=1, layer_ranks=ranks)
-    return backend.run_lora_b_sgemm(y, b, **kw)
+    # one module: run_lora_a_sgemm + run_lora_b_sgemm, or one fused launch where it applies
+    return backend.run_lora(x, a, b, **kw)
 
 
 def bench_config(timer, site, rank, rows, seq, n_adapters, weights, bandwidth, floors):
@@ -165,40 +172,52 @@ def bench_config(timer, site, rank, rows, seq, n_adapters, weights, bandwidth, f
     x = torch.randn(s, k, device="cuda", dtype=DTYPE)
     out = torch.randn(s, n_total, device="cuda", dtype=DTYPE)
 
-    times, timing = {}, {}
+    times, timing, errs = {}, {}, {}
     tri = TritonLoRABackend(MAX_LORAS, "cuda")
-    tri.prepare_lora_batch(fb, wi, slot_ranks, slot_scalings, use_cuda_graph=False)
+    tri_2k = TritonLoRABackend(MAX_LORAS, "cuda", fused_decode=False)
     ref = TorchNativeLoRABackend(MAX_LORAS, "cuda")
-    ref.prepare_lora_batch(fb, wi, slot_ranks, slot_scalings, use_cuda_graph=False)
-    err = (run_site(tri, site, x, a, b, offsets, out.clone(), ranks, scalings).float()
-           - run_site(ref, site, x, a, b, offsets, out.clone(), ranks, scalings).float()).abs().max().item()
-
-    graph = capture(lambda: run_site(tri, site, x, a, b, offsets, out, ranks, scalings))
-    times["triton"], timing["triton"] = timer(graph.replay), "graph"
+    for be in (tri, tri_2k, ref):
+        be.prepare_lora_batch(fb, wi, slot_ranks, slot_scalings, use_cuda_graph=False)
+    want = run_site(ref, site, x, a, b, offsets, out.clone(), ranks, scalings).float()
+    impls = (("triton", tri), ("triton_2k", tri_2k))
+    for name, be in impls:  # before any timing: the timed calls add into ``out`` in place
+        got = run_site(be, site, x, a, b, offsets, out.clone(), ranks, scalings).float()
+        errs[name] = (got - want).abs().max().item()
+    for name, be in impls:
+        graph = capture(lambda: run_site(be, site, x, a, b, offsets, out, ranks, scalings))
+        times[name], timing[name] = timer(graph.replay), "graph"
+        del graph
+    fused = tri._fuses(b, c, tri.batch_info)
+    timeouts = tri.fused_timeouts()
     times["torch_native"] = timer(lambda: run_site(ref, site, x, a, b, offsets, out, ranks, scalings))
     timing["torch_native"] = "eager (host syncs)"
     names = [str(w) for w in wi]
     x3, out3, scal_list = x.view(rows, seq, k), out.view(rows, seq, n_total), slot_scalings
     times["peft_loop"] = timer(lambda: peft_loop(x3, a, b, offsets, rank, scal_list, names, out3))
     timing["peft_loop"] = "eager (list indices)"
-    del graph
 
-    n_launches = 1 + -(-c // 4)  # one shrink, one expand per 4 modules
-    if n_launches not in floors:
-        floors[n_launches] = launch_floor(timer, n_launches)
+    n_launches = 1 + -(-c // 4)  # the two-kernel path: one shrink, one expand per 4 modules
+    for n in (n_launches, 1):
+        if n not in floors:
+            floors[n] = launch_floor(timer, n)
+    launches = {"triton": 1 if fused else n_launches, "triton_2k": n_launches}
     floor_bytes = 2 * (n_adapters * rank * (c * k + n_total) + s * k + 2 * s * n_total)
     floor_us = floor_bytes / bandwidth * 1e6
-    bound = max(floor_us, floors[n_launches])
+    bound, bound_1k = max(floor_us, floors[n_launches]), max(floor_us, floors[1])
     rows_out = []
     for impl in IMPLS:
         rows_out.append(dict(
             site=site, mode="decode" if seq == 1 else "prefill", rows=rows, tokens=s,
             adapters=n_adapters, rank=rank, impl=impl, timing=timing[impl],
+            launches=launches.get(impl, ""),
             time_us=round(times[impl], 2), byte_floor_us=round(floor_us, 2),
-            launch_floor_us=round(floors[n_launches], 2), floor_bytes=floor_bytes,
-            x_floor=round(times[impl] / bound, 2),
+            launch_floor_us=round(floors[n_launches], 2),
+            launch_floor_1k_us=round(floors[1], 2), floor_bytes=floor_bytes,
+            x_floor=round(times[impl] / bound, 2), x_floor_1k=round(times[impl] / bound_1k, 2),
             speedup_vs_peft=round(times["peft_loop"] / times[impl], 2),
-            max_abs_err_triton_vs_torch=f"{err:.3g}"))
+            max_abs_err_triton_vs_torch=f"{errs['triton']:.3g}",
+            max_abs_err_triton_2k_vs_torch=f"{errs['triton_2k']:.3g}",
+            fused_timeouts=timeouts))
     return rows_out
 
 
@@ -218,14 +237,20 @@ def print_table(results):
     by_key = {}
     for r in results:
         by_key.setdefault((r["site"], r["mode"], r["tokens"], r["adapters"], r["rank"]), {})[r["impl"]] = r
-    print(f"\n{'site':8} {'mode':8} {'tok':>5} {'ad':>3} {'r':>3} | {'triton':>9} {'torch':>9} "
-          f"{'peft':>9} us | {'floor':>7} us | {'x floor':>7} | {'vs peft':>7}")
+    print(f"\n{'site':8} {'mode':8} {'tok':>5} {'ad':>3} {'r':>3} | {'triton':>9} {'tri_2k':>9} "
+          f"{'torch':>9} {'peft':>9} us | {'floor':>7} {'1k':>5} us | {'x floor':>7} {'x 1k':>5} "
+          f"{'2k':>5} | {'vs 2k':>6} {'vs peft':>7}")
     for (site, mode, tok, ad, rank), d in by_key.items():
-        t = d["triton"]
+        t, t2 = d["triton"], d["triton_2k"]
         floor = max(t["byte_floor_us"], t["launch_floor_us"])
+        floor_1k = max(t["byte_floor_us"], t["launch_floor_1k_us"])
         print(f"{site:8} {mode:8} {tok:5d} {ad:3d} {rank:3d} | {t['time_us']:9.1f} "
-              f"{d['torch_native']['time_us']:9.1f} {d['peft_loop']['time_us']:9.1f}    | "
-              f"{floor:7.1f}    | {t['x_floor']:7.2f} | {t['speedup_vs_peft']:6.1f}x")
+              f"{t2['time_us']:9.1f} {d['torch_native']['time_us']:9.1f} "
+              f"{d['peft_loop']['time_us']:9.1f}    | {floor:7.1f} {floor_1k:5.1f}    | "
+              f"{t['x_floor']:7.2f} {t['x_floor_1k']:5.2f} {t2['x_floor']:5.2f} | "
+              f"{t2['time_us'] / t['time_us']:5.2f}x {t['speedup_vs_peft']:6.1f}x")
+    timeouts = max(r["fused_timeouts"] for r in results)
+    print(f"fused-kernel timeouts: {timeouts}" + ("" if timeouts == 0 else "  <-- must be 0"))
 
 
 def plot(results, path):

@@ -112,10 +112,9 @@ class LinearSite(Site):
         result = base_layer_of(layer)(x)
         pool = state.pool_for(self, x.dtype)
         out = result.reshape(-1, result.shape[-1])
-        y = state.backend.run_lora_a_sgemm(_as_rows(x, x.shape[-1]).contiguous(), pool.lora_a,
-                                           stack_num=1, layer_ranks=pool.ranks, batch_info=bi)
-        out = state.backend.run_lora_b_sgemm(y, pool.lora_b, base_output=out, layer_ranks=pool.ranks,
-                                             layer_scalings=pool.scalings, batch_info=bi)
+        out = state.backend.run_lora(_as_rows(x, x.shape[-1]).contiguous(), pool.lora_a, pool.lora_b,
+                                     base_output=out, layer_ranks=pool.ranks,
+                                     layer_scalings=pool.scalings, batch_info=bi)
         return out.view(result.shape)
 
 

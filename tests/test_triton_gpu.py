@@ -176,3 +176,101 @@ def test_cuda_graph_replay_with_more_adapters_than_captured():
     want = ref.run_qkv_lora(static_x, a, b, output_offset=offsets, base_output=static_base.clone())
     atol, rtol = TOLERANCES[dtype]
     assert_close(static_out, want, atol, rtol, "qkv graph replay")
+
+
+# ---- the fused decode kernel (one launch per site) --------------------------------------------
+FUSED_CASES = [(torch.bfloat16, site, rank) for site in ("o", "down") for rank in (16, 64)]
+
+
+@pytest.mark.parametrize("dtype,site,rank", FUSED_CASES,
+                         ids=[f"{str(d)[6:]}-{s}-r{r}" for d, s, r in FUSED_CASES])
+def test_fused_run_lora_decode(dtype, site, rank):
+    """The single-module call of the layers (``run_lora``), fused for decode; down has K=14336
+    (28-56 K splits)."""
+    torch.manual_seed(0)
+    k, offsets = SITES[site]
+    seq_lens = MODES["decode_bs32"]
+    wi = mixed_indices(len(seq_lens), NUM_ADAPTERS)
+    ranks, scalings = slot_tables(rank, 1)
+    tri, ref = backends(seq_lens, wi, ranks, scalings)
+    x = torch.randn(len(seq_lens), k, device="cuda", dtype=dtype)
+    a, b = make_weights(k, offsets, rank, ranks, dtype)
+    base = torch.randn(len(seq_lens), offsets[-1], device="cuda", dtype=dtype)
+    kw = dict(layer_ranks=ranks, layer_scalings=scalings)
+    got = tri.run_lora(x, a, b, base_output=base.clone(), **kw)
+    want = ref.run_lora(x, a, b, base_output=base.clone(), **kw)
+    assert not got.isnan().any()
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(got, want, atol, rtol, f"fused {site} rank {rank}")
+    assert tri.fused_timeouts() == 0
+
+
+def test_fused_graph_replays_share_a_clean_workspace():
+    """All four Llama sites captured in one graph share one workspace; replayed with a new mix of
+    adapters each time, every call must find it clean (counters, accumulator, ticket) and leave
+    it so: a counter left set would let a later reader use partial sums."""
+    from peft_fastlora.backend.triton import TritonLoRABackend
+
+    torch.manual_seed(0)
+    dtype, bs, rank = torch.bfloat16, 32, 16
+    tri = TritonLoRABackend(NUM_ADAPTERS, "cuda")
+    tri.init_cuda_graph_batch_info(bs, 1)
+    fb = ForwardBatch.from_shape(bs, 1, "cuda")
+    ranks, scalings = slot_tables(rank, 1, skip_a_module=False)
+    slot_ranks, slot_scalings = ranks[:, 0].tolist(), scalings[:, 0].tolist()
+    tri.prepare_lora_batch(fb, [0] * bs, slot_ranks, slot_scalings, use_cuda_graph=True)
+    ws = tri._workspace(torch.device("cuda"))
+    addresses = (ws.acc.data_ptr(), ws.sync.data_ptr())  # reserved for the graph already
+    static = {}
+    for site, (k, offsets) in SITES.items():
+        c = len(offsets) - 1
+        site_ranks, site_scalings = slot_tables(rank, c)
+        a, b = make_weights(k, offsets, rank, site_ranks, dtype)
+        static[site] = dict(x=torch.randn(bs, k, device="cuda", dtype=dtype),
+                            base=torch.randn(bs, offsets[-1], device="cuda", dtype=dtype),
+                            out=torch.empty(bs, offsets[-1], device="cuda", dtype=dtype),
+                            a=a, b=b, ranks=site_ranks, scalings=site_scalings, offsets=offsets)
+
+    def step():
+        for site, t in static.items():
+            t["out"].copy_(t["base"])
+            kw = dict(base_output=t["out"], layer_ranks=t["ranks"], layer_scalings=t["scalings"])
+            if len(t["offsets"]) == 2:
+                tri.run_lora(t["x"], t["a"], t["b"], **kw)
+            else:
+                tri.run_stacked_lora(t["x"], t["a"], t["b"], output_offset=t["offsets"], **kw)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    finally:
+        gc.enable()
+
+    ref = TorchNativeLoRABackend(NUM_ADAPTERS, "cuda")
+    gen = torch.Generator().manual_seed(1)
+    atol, rtol = TOLERANCES[dtype]
+    for it in range(12):
+        n_distinct = [1, 3, 8][it % 3]
+        wi = torch.randint(-1, n_distinct, (bs,), generator=gen).tolist()
+        tri.prepare_lora_batch(fb, wi, slot_ranks, slot_scalings, use_cuda_graph=True)
+        ref.prepare_lora_batch(fb, wi, slot_ranks, slot_scalings, use_cuda_graph=False)
+        for t in static.values():
+            t["x"].copy_(torch.randn_like(t["x"]))
+        graph.replay()
+        for site, t in static.items():
+            want = ref.run_stacked_lora(t["x"], t["a"], t["b"], output_offset=t["offsets"],
+                                        base_output=t["base"].clone(), layer_ranks=t["ranks"],
+                                        layer_scalings=t["scalings"])
+            assert_close(t["out"], want, atol, rtol, f"{site} replay {it}")
+    torch.cuda.synchronize()
+    assert (ws.acc.data_ptr(), ws.sync.data_ptr()) == addresses, "a capture allocated a workspace"
+    assert int(ws.sync[0]) == 0 and not ws.sync[2:].any() and not ws.acc.any()
+    assert tri.fused_timeouts() == 0

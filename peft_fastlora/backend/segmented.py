@@ -3,7 +3,8 @@ the contract's methods onto two primitives, a stacked shrink and a sliced expand
 
 A backend subclasses ``SegmentedLoRABackend`` and implements ``_shrink``, ``_expand`` and
 ``_embedding_a`` (and ``_extra_token_embedding``); the methods of the contract are written once
-here on top of them.
+here on top of them. A backend with a one-kernel shrink + expand for some batches also implements
+``_fuses`` (which batches) and ``_fused``; the stacked calls and ``run_lora`` then use it.
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ class SegmentedLoRABackend(BaseLoRABackend):
         raise NotImplementedError
 
     def _extra_token_embedding(self, input_ids, output, extra, vocab_size, bi) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _fuses(self, lora_b, stack_num, bi: LoRABatchInfo) -> bool:
+        """Whether ``_fused`` serves this site (host-side, static per batch info): no by default."""
+        return False
+
+    def _fused(self, x, lora_a, lora_b, offsets, ranks, scalings, out, bi) -> torch.Tensor:
+        """Shrink and expand in one primitive; x (s, K), lora_a (num_slots, c*R, K), lora_b
+        (num_slots, N_total, R), out (s, N_total) updated in place."""
         raise NotImplementedError
 
     # ---- batch info ----------------------------------------------------------------------
@@ -144,9 +154,7 @@ class SegmentedLoRABackend(BaseLoRABackend):
             raise ValueError(
                 f"input has {x.shape[0]} tokens but the batch info describes {bi.num_tokens}")
 
-    # ---- the contract ----------------------------------------------------------------------
-    def run_lora_a_sgemm(self, x, weights, *, stack_num=1, layer_ranks=None, batch_info=None):
-        bi = self._bi(batch_info)
+    def _check_shrink_args(self, x, weights, stack_num, bi):
         check_input("x", x, 2)
         check_input("weights", weights, 3, dtype=x.dtype)
         self._check_tokens(x, bi)
@@ -154,6 +162,22 @@ class SegmentedLoRABackend(BaseLoRABackend):
             raise ValueError(f"x has input_dim {x.shape[1]}, lora A weights {weights.shape[2]}")
         if weights.shape[1] % stack_num:
             raise ValueError(f"lora A dim 1 ({weights.shape[1]}) is not a multiple of stack_num={stack_num}")
+
+    @staticmethod
+    def _checked_base_output(base_output, x, n_total):
+        if base_output is None:
+            return torch.zeros(x.shape[0], n_total, dtype=x.dtype, device=x.device)
+        if base_output.dim() != 2 or tuple(base_output.shape) != (x.shape[0], n_total):
+            raise ValueError(
+                f"base_output must be ({x.shape[0]}, {n_total}), got {tuple(base_output.shape)}")
+        if base_output.stride(1) != 1:
+            raise ValueError("base_output must have unit stride in its last dimension")
+        return base_output
+
+    # ---- the contract ----------------------------------------------------------------------
+    def run_lora_a_sgemm(self, x, weights, *, stack_num=1, layer_ranks=None, batch_info=None):
+        bi = self._bi(batch_info)
+        self._check_shrink_args(x, weights, stack_num, bi)
         ranks, _ = self._tables(bi, stack_num, layer_ranks, None, weights.shape[0])
         return self._shrink(x, weights, stack_num, ranks, bi)
 
@@ -168,14 +192,7 @@ class SegmentedLoRABackend(BaseLoRABackend):
                 f"expand input has {x.shape[1]} columns, expected {stack_num} x rank {r}")
         if offsets[-1] != weights.shape[1]:
             raise ValueError(f"output offsets end at {offsets[-1]}, lora B has {weights.shape[1]} rows")
-        if base_output is None:
-            base_output = torch.zeros(x.shape[0], offsets[-1], dtype=x.dtype, device=x.device)
-        else:
-            if base_output.dim() != 2 or tuple(base_output.shape) != (x.shape[0], offsets[-1]):
-                raise ValueError(
-                    f"base_output must be ({x.shape[0]}, {offsets[-1]}), got {tuple(base_output.shape)}")
-            if base_output.stride(1) != 1:
-                raise ValueError("base_output must have unit stride in its last dimension")
+        base_output = self._checked_base_output(base_output, x, offsets[-1])
         ranks, scalings = self._tables(bi, stack_num, layer_ranks, layer_scalings, weights.shape[0])
         return self._expand(x, weights, tuple(int(o) for o in offsets), ranks, scalings, base_output, bi)
 
@@ -189,8 +206,56 @@ class SegmentedLoRABackend(BaseLoRABackend):
         n = len(offsets) - 1
         if isinstance(lora_b, (tuple, list)):
             lora_b = self._join_b(lora_b, n)
+        if self._fuses(lora_b, n, bi):
+            return self._fused_checked(x, lora_a, lora_b, offsets, base_output, layer_ranks,
+                                       layer_scalings, bi)
         y = self.run_lora_a_sgemm(x, lora_a, stack_num=n, layer_ranks=layer_ranks, batch_info=bi)
         return self._expand_checked(y, lora_b, offsets, base_output, layer_ranks, layer_scalings, bi)
+
+    def _fused_checked(self, x, lora_a, lora_b, offsets, base_output, layer_ranks, layer_scalings, bi):
+        """The checks of the shrink and of the expand, then ``_fused``."""
+        n = len(offsets) - 1
+        self._check_shrink_args(x, lora_a, n, bi)
+        check_input("weights", lora_b, 3, dtype=x.dtype)
+        r = lora_b.shape[2]
+        if lora_a.shape[1] != n * r:
+            raise ValueError(f"lora A has {lora_a.shape[1]} rows, expected {n} x rank {r} (lora B's)")
+        if offsets[-1] != lora_b.shape[1]:
+            raise ValueError(f"output offsets end at {offsets[-1]}, lora B has {lora_b.shape[1]} rows")
+        base_output = self._checked_base_output(base_output, x, offsets[-1])
+        ranks, scalings = self._tables(bi, n, layer_ranks, layer_scalings,
+                                       max(lora_a.shape[0], lora_b.shape[0]))
+        return self._fused(x, lora_a, lora_b, tuple(int(o) for o in offsets), ranks, scalings,
+                           base_output, bi)
+
+    def run_lora(self, x, lora_a, lora_b, *, output_offset=None, base_output=None,
+                 layer_ranks=None, layer_scalings=None, batch_info=None):
+        """Shrink and expand of one site in one call: ``run_lora_a_sgemm`` then
+        ``run_lora_b_sgemm`` (one module) or ``run_stacked_lora`` (``output_offset`` given), in
+        a single kernel where the backend has one for this batch (Triton, decode).
+
+        Args:
+            x: (s, input_dim).
+            lora_a: (num_loras, c * r, input_dim).
+            lora_b: (num_loras, output_dim, r).
+            output_offset: c + 1 column offsets of the stacked modules in the output; None: one
+                module, ``(0, output_dim)``.
+        Returns:
+            (s, output_dim), ``base_output`` when given.
+        """
+        bi = self._bi(batch_info)
+        if output_offset is None:
+            if isinstance(lora_b, (tuple, list)):
+                raise ValueError("run_lora: a tuple lora B needs output_offset")
+            if not self._fuses(lora_b, 1, bi):  # the two contract calls, as a layer makes them
+                y = self.run_lora_a_sgemm(x, lora_a, stack_num=1, layer_ranks=layer_ranks,
+                                          batch_info=bi)
+                return self.run_lora_b_sgemm(y, lora_b, base_output=base_output,
+                                             layer_ranks=layer_ranks,
+                                             layer_scalings=layer_scalings, batch_info=bi)
+            output_offset = (0, lora_b.shape[1])
+        return self._stacked(x, lora_a, lora_b, [int(o) for o in output_offset], base_output,
+                             layer_ranks, layer_scalings, bi)
 
     @staticmethod
     def _join_b(parts, n):

@@ -2,6 +2,9 @@
 
 Every launch is sized from the batch info's fixed ``max_chunks`` and reads ranks, scalings and
 slots on the device, so a call never syncs with the host and can be captured in a CUDA graph.
+Decode-sized batches (16-row chunks) run a site's shrink and expand as one fused launch
+(``ops.lora_fused``); prefill keeps the two kernels. The choice is made on the host from the
+batch info's row tile, which is fixed per captured graph.
 The registry imports this module only when the backend is asked for; Triton is imported here.
 """
 
@@ -21,7 +24,38 @@ except ImportError as e:  # pragma: no cover - depends on the install
 
 
 class TritonLoRABackend(SegmentedLoRABackend):
+    """Args (beyond the contract's): fused_decode: run decode-sized stacked calls and ``run_lora``
+    as one fused kernel (False: always the shrink and expand kernels, as before)."""
+
     name = "triton"
+
+    def __init__(self, max_loras_per_batch: int, device: torch.device, *, fused_decode: bool = True):
+        super().__init__(max_loras_per_batch, device)
+        self.fused_decode = fused_decode
+        # the fused kernel's scratch, one per device; zero between calls, never freed (graphs)
+        self._workspaces: dict = {}
+
+    def _workspace(self, device: torch.device):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0": one workspace
+            device = torch.device("cuda", torch.cuda.current_device())
+        ws = self._workspaces.get(device)
+        if ws is None:
+            ws = self._workspaces[device] = _ops.FusedWorkspace(device)
+        return ws
+
+    def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int):
+        buffers = super().init_cuda_graph_batch_info(max_bs_in_cuda_graph, num_tokens_per_bs)
+        if self.fused_decode and buffers.block_m <= 16:
+            # sized for any site now, so that no capture has to allocate it
+            self._workspace(self.device).reserve(buffers.max_chunks, _ops.FUSED_MAX_MODULES,
+                                                 _ops.FUSED_MAX_BLOCK_R, buffers.block_m)
+        return buffers
+
+    def fused_timeouts(self) -> int:
+        """How many times a fused-kernel reader gave up waiting and recomputed (should be 0; a
+        host sync, for tests and benchmarks)."""
+        return sum(ws.timeouts() for ws in self._workspaces.values())
 
     # ---- checks the shared layer does not make ---------------------------------------------
     def _check_place(self, what: str, bi: LoRABatchInfo, *tensors: torch.Tensor):
@@ -80,6 +114,24 @@ class TritonLoRABackend(SegmentedLoRABackend):
             x, weights, offsets, ranks, scalings, out,
             bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len,
             block_m=bi.block_m)
+
+    def _fuses(self, lora_b, stack_num, bi):
+        return (self.fused_decode and isinstance(lora_b, torch.Tensor) and lora_b.dim() == 3
+                and _ops.fused_supported(stack_num, lora_b.shape[2], bi.block_m, lora_b.dtype))
+
+    def _fused(self, x, lora_a, lora_b, offsets, ranks, scalings, out, bi):
+        """x (s, K), lora_a (num_slots, c*R, K), lora_b (num_slots, N_total, R), out (s, N_total)
+        updated in place, in one launch."""
+        self._check_float("x", x)
+        self._check_float("base_output", out)
+        self._check_table("layer_ranks", ranks, torch.int32)
+        self._check_table("layer_scalings", scalings, torch.float32)
+        self._check_place("lora A and B", bi, x, lora_a, lora_b, ranks, scalings, out)
+        self._check_slots("lora A and B", bi, min(lora_a.shape[0], lora_b.shape[0]))
+        return _ops.lora_fused(
+            x, lora_a, lora_b, offsets, ranks, scalings, out,
+            bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len,
+            self._workspace(x.device), block_m=bi.block_m)
 
     def _embedding_a(self, input_ids, weights, vocab_size, extra, bi):
         """input_ids (s,), weights (num_slots, rank, vocab) -> (s, rank); ids in neither table

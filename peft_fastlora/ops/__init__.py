@@ -6,6 +6,9 @@ The kernels know nothing of HF or PEFT; they read plain tensors and the chunk pl
 
 from .lora_embedding import lora_embedding_a, lora_extra_token_embedding
 from .lora_expand import expand_config, lora_expand
+from .lora_fused import MAX_BLOCK_R as FUSED_MAX_BLOCK_R
+from .lora_fused import MAX_MODULES as FUSED_MAX_MODULES
+from .lora_fused import FusedWorkspace, fused_config, fused_supported, lora_fused
 from .lora_shrink import lora_shrink, shrink_config
 from .lora_shrink import _kernel as _shrink_kernel
 
@@ -17,11 +20,17 @@ def interpreting() -> bool:
 
 
 __all__ = [
+    "FUSED_MAX_BLOCK_R",
+    "FUSED_MAX_MODULES",
+    "FusedWorkspace",
     "expand_config",
+    "fused_config",
+    "fused_supported",
     "interpreting",
     "lora_embedding_a",
     "lora_expand",
     "lora_extra_token_embedding",
+    "lora_fused",
     "lora_shrink",
     "shrink_config",
 ]

@@ -1,0 +1,391 @@
+"""Fused decode LoRA: shrink and expand of one site in one launch,
+``out[t, lo_j:hi_j] += scaling[slot, j] * (x[t] @ A[slot, j*R : j*R + rank].T) @ B[slot, lo_j:hi_j, :rank].T``.
+
+For decode-sized batches the two-kernel path is latency bound: the shrink gives each program a
+whole K loop (one program per chunk and rank block streams all of A's rows it owns), and the
+expand is a second launch that waits for all of it. Here one persistent launch does both:
+
+- *Items.* Work is cut into shrink items (chunk, module, K split: one K tile of x @ A.T) and expand
+  items (chunk, module, column block). Programs take items from a ticket counter, all shrink items
+  before any expand item, so a program that waits only ever waits for items already taken by
+  running programs: nothing can deadlock, whatever the grid size or the order the GPU starts them.
+- *Split-K.* A shrink item adds its fp32 partial into the (chunk, module) accumulator of a small
+  workspace (atomic adds) and then counts itself in the (chunk, module) counter (release).
+- *Expand.* An expand item loads its B block and its rows of ``out`` first, then waits until the
+  counter shows every split (acquire), reads the accumulator, rounds it to the input dtype (as the
+  shrink output of the two-kernel path is), multiplies and adds into ``out`` in place.
+- *Clean-up.* Readers count themselves in the high bits of the same counter; whoever brings it to
+  its final value zeroes the accumulator and the counter, so the workspace is clean for the next
+  call (and for the next CUDA-graph replay) without a memset launch.
+- *Safety net.* A reader that has waited ``max_spin`` polls computes the shrink of its rows itself
+  (correct, slow) and counts a timeout, so no bug or scheduling surprise can hang the GPU; tests
+  and the benchmark check that the count stays 0.
+
+The grid is fixed by the host (SM count, and the chunk plan's *capacity*), the work list is read on
+the device, and the workspace is allocated once: CUDA-graph safe. Rows of tokens in no chunk are
+not touched; only the first ``rank(slot, j)`` rows of A and columns of B are read.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_MODULES = 4  # column offsets travel as scalar arguments, as in the expand
+MAX_BLOCK_R = 128  # larger padded ranks take the two-kernel path
+READER = 1 << 16  # a reader's increment of a (chunk, module) counter; splits count in the low bits
+SYNC_HEAD = 32  # int32 slots before the counters: [0] ticket, [1] timeouts (own 128-byte line)
+_READER = tl.constexpr(READER)  # the kernels' copies (Triton reads only constexpr globals)
+_SYNC_HEAD = tl.constexpr(SYNC_HEAD)
+
+
+@triton.jit
+def _x_a_tiles(x_ptr, a_ptr, tok, row_mask, slot, j, rank, k0, K, R,
+               stride_xs, stride_xk, stride_al, stride_ar, stride_ak,
+               BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The tiles of x[tok, k0:k0+BLOCK_K] @ A[slot, j*R : j*R+rank, k0:k0+BLOCK_K].T."""
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < K
+    xt = tl.load(x_ptr + tok[:, None] * stride_xs + offs_k[None, :] * stride_xk,
+                 mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    # A read transposed, (BLOCK_K, BLOCK_R); rows past the rank (padding, maybe NaN) are not read
+    at = tl.load(a_ptr + slot.to(tl.int64) * stride_al + (j * R + offs_r)[None, :] * stride_ar
+                 + offs_k[:, None] * stride_ak,
+                 mask=k_mask[:, None] & (offs_r < rank)[None, :], other=0.0)
+    return xt, at
+
+
+@triton.jit
+def _finish(cnt_ptr, add, total, acc_tile_ptrs, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Count this item in its (chunk, module) counter; the item that completes it cleans up."""
+    # acq_rel: releases this item's writes (partials) / reads (of the accumulator), and the
+    # cleaning item acquires everyone's before it zeroes the accumulator
+    old = tl.atomic_add(cnt_ptr, add, sem="acq_rel")
+    if old + add == total:
+        tl.store(acc_tile_ptrs, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32))
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+
+
+@triton.jit
+def _kernel(
+    # pointers
+    x_ptr,  # (s, K)
+    a_ptr,  # (num_slots, c * R, K)
+    b_ptr,  # (num_slots, N_total, R)
+    out_ptr,  # (s, N_total), any row stride
+    acc_ptr,  # fp32 workspace, (>= max_chunks * c, BLOCK_M, BLOCK_R); zero between calls
+    sync_ptr,  # int32 workspace: ticket, timeouts, then one counter per (chunk, module)
+    # dimensions
+    K,
+    R,  # padded rank of one module in A and B
+    num_slots,
+    C,  # modules (<= 4)
+    NSPLIT,  # shrink items per (chunk, module): cdiv(K, BLOCK_K)
+    OFF0, OFF1, OFF2, OFF3, OFF4,  # column offsets; unused modules repeat the end
+    NB0, NB1, NB2, NB3,  # column blocks per module (0 for unused ones)
+    NUM_PROGRAMS,
+    # strides
+    stride_xs, stride_xk,
+    stride_al, stride_ar, stride_ak,
+    stride_bl, stride_bn, stride_br,
+    stride_os, stride_on,
+    # batch info
+    ranks_ptr, stride_rl,  # (>= num_slots, c) int32, unit column stride
+    scalings_ptr, stride_sl,  # (>= num_slots, c) float32, unit column stride
+    sorted_ids_ptr, chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr,
+    max_chunks,
+    # meta-parameters
+    MAX_CHUNKS_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_SPIN: tl.constexpr,
+    WAIT_FIRST: tl.constexpr,  # tests only: hand out expand items first (exercises the timeout)
+    DOT_PRECISION: tl.constexpr,
+):
+    # the plan fills chunks from index 0; items are numbered over chunks [0, n_act) only
+    cidx = tl.arange(0, MAX_CHUNKS_P2)
+    cmask = cidx < max_chunks
+    cslot = tl.load(chunk_slot_ptr + cidx, mask=cmask, other=-1)
+    clen = tl.load(chunk_len_ptr + cidx, mask=cmask, other=0)
+    n_act = tl.max(tl.where((cslot >= 0) & (clen > 0), cidx + 1, 0), axis=0)
+    nb_chunk = NB0 + NB1 + NB2 + NB3
+    n_shrink = n_act * C * NSPLIT
+    n_expand = n_act * nb_chunk
+    n_items = n_shrink + n_expand
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    t = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    while t < n_items:
+        item = t
+        if WAIT_FIRST:
+            item = tl.where(t < n_expand, t + n_shrink, t - n_expand)
+        is_shrink = item < n_shrink
+        e = item - n_shrink
+        # shrink item: (chunk, module j, split sp); expand item: (chunk, module j, column block nb)
+        chunk = tl.where(is_shrink, item // (C * NSPLIT), e // nb_chunk)
+        q = e % nb_chunk
+        jx = (q >= NB0).to(tl.int32) + (q >= NB0 + NB1).to(tl.int32) + (q >= NB0 + NB1 + NB2).to(tl.int32)
+        j = tl.where(is_shrink, (item % (C * NSPLIT)) // NSPLIT, jx)
+        lo = tl.where(j == 0, OFF0, tl.where(j == 1, OFF1, tl.where(j == 2, OFF2, OFF3)))
+        hi = tl.where(j == 0, OFF1, tl.where(j == 1, OFF2, tl.where(j == 2, OFF3, OFF4)))
+        nb_j = tl.where(j == 0, NB0, tl.where(j == 1, NB1, tl.where(j == 2, NB2, NB3)))
+        nb = q - tl.where(jx == 0, 0, tl.where(jx == 1, NB0, tl.where(jx == 2, NB0 + NB1, NB0 + NB1 + NB2)))
+
+        slot = tl.load(chunk_slot_ptr + chunk)
+        n_rows = tl.load(chunk_len_ptr + chunk)
+        start = tl.load(chunk_start_ptr + chunk)
+        slot_ok = (slot >= 0) & (slot < num_slots)  # a stale plan must never read past the weights
+        slot = tl.where(slot_ok, slot, 0)
+        # a rank table larger than the buffer's padded rank must not spill into the next module
+        rank = tl.minimum(tl.load(ranks_ptr + slot * stride_rl + j), R)
+        # shrink and expand decide alike, so a (chunk, module) is counted by all its items or none
+        active = slot_ok & (n_rows > 0) & (rank > 0) & (hi > lo)
+        # the next ticket is drawn while this item's loads are in flight (its round trip overlaps
+        # theirs); a program never holds a shrink item it has not started while it waits
+        t_next = t
+        if active:
+            row_mask = offs_m < n_rows
+            tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
+            r_mask = offs_r < rank
+            cnt_ptr = sync_ptr + _SYNC_HEAD + chunk * C + j
+            acc_ptrs = acc_ptr + ((chunk * C + j) * BLOCK_M + offs_m[:, None]) * BLOCK_R + offs_r[None, :]
+            total = NSPLIT + nb_j * _READER
+            if is_shrink:
+                xt, at = _x_a_tiles(x_ptr, a_ptr, tok, row_mask, slot, j, rank,
+                                    (item % NSPLIT) * BLOCK_K, K, R,
+                                    stride_xs, stride_xk, stride_al, stride_ar, stride_ak,
+                                    BLOCK_M, BLOCK_R, BLOCK_K)
+                part = tl.dot(xt, at, input_precision=DOT_PRECISION)
+                # (drawn before the dot, it would keep both tiles live across the draw: ~100
+                # more registers, fewer programs per SM)
+                t_next = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+                tl.atomic_add(acc_ptrs, part, mask=row_mask[:, None] & r_mask[None, :], sem="relaxed")
+                tl.debug_barrier()  # every thread's adds before the counter's release
+                _finish(cnt_ptr, 1, total, acc_ptrs, BLOCK_M, BLOCK_R)
+            else:
+                scaling = tl.load(scalings_ptr + slot * stride_sl + j)
+                offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < hi - lo
+                cols = lo + offs_n
+                # independent of the shrink: issued before the wait. All R columns are read (a
+                # (BLOCK_N, R) block of B is contiguous: 16-byte loads), those past the rank
+                # (padding, maybe NaN) are then zeroed
+                bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn
+                             + offs_r[:, None] * stride_br,
+                             mask=(offs_r < R)[:, None] & n_mask[None, :], other=0.0)
+                out_ptrs = out_ptr + tok[:, None] * stride_os + cols[None, :] * stride_on
+                mask = row_mask[:, None] & n_mask[None, :]
+                base = tl.load(out_ptrs, mask=mask, other=0.0)
+                t_next = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+                bt = tl.where(r_mask[:, None], bt, 0.0)
+
+                # acquire: the splits' adds (released before they counted) are visible after it
+                seen = tl.atomic_add(cnt_ptr, 0, sem="acquire") & (_READER - 1)
+                spins = 0
+                while (seen < NSPLIT) & (spins < MAX_SPIN):
+                    seen = tl.atomic_add(cnt_ptr, 0, sem="acquire") & (_READER - 1)
+                    spins += 1
+                tl.debug_barrier()  # the acquiring thread's view before any thread reads
+                if seen >= NSPLIT:
+                    # .cg: straight from L2, never a line this SM cached before the adds
+                    y = tl.load(acc_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0,
+                                cache_modifier=".cg")
+                else:  # the safety net: this item's rows of x @ A.T, here
+                    tl.atomic_add(sync_ptr + 1, 1, sem="relaxed")
+                    y = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                    # small K tiles: this path must not raise the kernel's register count
+                    for k0 in range(0, K, 32):
+                        xf, af = _x_a_tiles(x_ptr, a_ptr, tok, row_mask, slot, j, rank, k0, K, R,
+                                            stride_xs, stride_xk, stride_al, stride_ar, stride_ak,
+                                            BLOCK_M, BLOCK_R, 32)
+                        y = tl.dot(xf, af, y, input_precision=DOT_PRECISION)
+                # rounded to the input dtype, as the two-kernel path stores the shrink output
+                y = y.to(x_ptr.dtype.element_ty).to(b_ptr.dtype.element_ty)
+                delta = tl.dot(y, bt, input_precision=DOT_PRECISION)
+                tl.store(out_ptrs, (base.to(tl.float32) + delta * scaling).to(out_ptr.dtype.element_ty),
+                         mask=mask)
+                _finish(cnt_ptr, _READER, total, acc_ptrs, BLOCK_M, BLOCK_R)
+        else:
+            t_next = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+        t = t_next
+    # every program draws exactly one ticket past the work: the last such draw resets the counter
+    if t == n_items + NUM_PROGRAMS - 1:
+        tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
+
+
+class FusedWorkspace:
+    """The fused kernel's scratch on one device: an fp32 accumulator and int32 counters, zero
+    between calls (the kernel cleans up after itself). Grows on demand; a grown-out buffer is kept
+    alive, since a captured CUDA graph may still point at it."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.acc: Optional[torch.Tensor] = None
+        self.sync: Optional[torch.Tensor] = None
+        self._retired: list = []
+
+    def reserve(self, max_chunks: int, modules: int, block_r: int, block_m: int = 16):
+        n_acc = max_chunks * modules * block_m * block_r
+        n_sync = SYNC_HEAD + max_chunks * modules
+        if self.acc is None or self.acc.numel() < n_acc or self.sync.numel() < n_sync:
+            if self.acc is not None:
+                self._retired.append((self.acc, self.sync))
+                n_acc = max(n_acc, self.acc.numel())
+                n_sync = max(n_sync, self.sync.numel())
+            # not inference tensors even when first built under inference_mode (updated in place)
+            with torch.inference_mode(False):
+                self.acc = torch.zeros(n_acc, dtype=torch.float32, device=self.device)
+                self.sync = torch.zeros(n_sync, dtype=torch.int32, device=self.device)
+        return self.acc, self.sync
+
+    def timeouts(self) -> int:
+        """Readers that gave up waiting, over every buffer's lifetime (host sync: tests only)."""
+        bufs = self._retired + ([(self.acc, self.sync)] if self.sync is not None else [])
+        return sum(int(s[1]) for _, s in bufs)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def fused_config(rank: int, k: int, widths: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Launch parameters for Hopper (no autotuning: graphs need a fixed launch).
+
+    16-bit inputs: one shrink item loads one (BLOCK_R x BLOCK_K) tile of A, 16 KB, in one trip; K
+    is cut in as many splits as that takes (Llama 8B at rank 16: 8 for K=4096, 28 for K=14336).
+    One expand item loads an 8 KB block of B (256 columns at rank 16, 64 at rank 64) and the
+    chunk's rows of ``out``. Four warps: a 16-row tile has no more work to share, and 125-175
+    registers leave room for 2-4 programs per SM, each with all its loads in flight at once.
+    fp32 (an exact fp32 dot runs on the FMA units, whose operand layouts take many more
+    registers) takes smaller tiles.
+    """
+    block_r = max(16, triton.next_power_of_2(rank))
+    if dtype == torch.float32:
+        block_k = max(16, min(128, 2048 // block_r))
+        block_n = max(16, min(64, 2048 // block_r))
+    else:
+        block_k = max(64, min(512, 8192 // block_r))
+        block_n = max(32, min(256, 4096 // block_r))
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    block_n = min(block_n, max(16, triton.next_power_of_2(max(widths) if widths else 1)))
+    return dict(block_r=block_r, block_k=block_k, block_n=block_n, num_warps=4, programs_per_sm=4)
+
+
+def fused_supported(stack_num: int, rank: int, block_m: int, dtype: torch.dtype) -> bool:
+    """Shapes the fused kernel takes (the rest use the shrink and expand kernels): decode-sized
+    chunks, up to 4 modules, padded rank up to 128 (64 in fp32, whose tiles would spill)."""
+    max_r = MAX_BLOCK_R // 2 if dtype == torch.float32 else MAX_BLOCK_R
+    return block_m <= 16 and 1 <= stack_num <= MAX_MODULES and 0 < rank <= max_r
+
+
+def lora_fused(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    offsets: Sequence[int],
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    out: torch.Tensor,
+    sorted_token_ids: torch.Tensor,
+    chunk_slot: torch.Tensor,
+    chunk_start: torch.Tensor,
+    chunk_len: torch.Tensor,
+    workspace: FusedWorkspace,
+    *,
+    block_m: int,
+    num_programs: Optional[int] = None,
+    block_k: Optional[int] = None,
+    block_n: Optional[int] = None,
+    max_spin: Optional[int] = None,
+    wait_first: bool = False,
+    num_warps: Optional[int] = None,
+) -> torch.Tensor:
+    """Stacked, segmented shrink + expand into ``out`` (in place), one launch.
+
+    Args:
+        x: (s, K).
+        lora_a: (num_slots, c * R, K); lora_b: (num_slots, N_total, R); both in ``x.dtype``.
+        offsets: c + 1 host ints (c <= 4); module j writes columns ``offsets[j]:offsets[j+1]``.
+        ranks: (>= num_slots, c) int32; scalings: (>= num_slots, c) float32.
+        out: (s, N_total), unit column stride; rows of tokens in no chunk are not touched.
+        sorted_token_ids, chunk_slot, chunk_start, chunk_len: the chunk plan (int32).
+        workspace: this device's ``FusedWorkspace``.
+        block_m: rows per chunk (16: decode-sized batches; see ``fused_supported``).
+        num_programs, block_k, block_n, max_spin, num_warps: override the defaults;
+        wait_first: tests only (expand items first: every reader times out).
+    Returns:
+        ``out``.
+    """
+    offsets = [int(o) for o in offsets]
+    c = len(offsets) - 1
+    s, k = x.shape
+    n_total, r = lora_b.shape[1:]
+    num_slots = min(lora_a.shape[0], lora_b.shape[0])
+    if (tuple(lora_a.shape) != (lora_a.shape[0], c * r, k) or offsets[-1] != n_total
+            or tuple(out.shape) != (s, n_total)):
+        raise ValueError(f"lora_fused: x {tuple(x.shape)}, A {tuple(lora_a.shape)}, B "
+                         f"{tuple(lora_b.shape)}, out {tuple(out.shape)} and offsets {offsets} "
+                         "do not agree")
+    if not fused_supported(c, r, block_m, x.dtype) or out.stride(1) != 1:
+        raise ValueError(f"lora_fused: {c} modules of rank {r}, block_m {block_m} (or a strided "
+                         "out column) are not supported; use lora_shrink + lora_expand")
+    for name, t in (("ranks", ranks), ("scalings", scalings)):
+        if t.dim() != 2 or t.shape[1] != c or t.stride(1) != 1:
+            raise ValueError(f"lora_fused: {name} must be (num_slots, {c}) with unit column stride")
+    max_chunks = chunk_slot.shape[0]
+    widths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
+    if s == 0 or max_chunks == 0 or max(widths) == 0:
+        return out
+    cfg = fused_config(r, k, widths, x.dtype)
+    bk, bn, br = block_k or cfg["block_k"], block_n or cfg["block_n"], cfg["block_r"]
+    nsplit = triton.cdiv(k, bk)
+    nbs = [triton.cdiv(w, bn) for w in widths] + [0] * (MAX_MODULES - c)
+    if max(nbs) >= (1 << 31) // READER:  # readers count in the counter's high 15 bits
+        raise ValueError(f"lora_fused: {max(widths)} columns in one module are too many")
+    offs = offsets + [offsets[-1]] * (MAX_MODULES + 1 - len(offsets))
+    acc, sync = workspace.reserve(max_chunks, c, br, block_m)
+    # the grid: every item could be live (capacity, not data), capped at a few programs per SM
+    max_items = max_chunks * (c * nsplit + sum(nbs))
+    if num_programs is None:
+        if x.device.type == "cuda":
+            index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+            num_programs = cfg["programs_per_sm"] * _num_sms(index)
+        else:  # the interpreter runs programs one after the other: a few exercise the hand-over
+            num_programs = 3
+    num_programs = max(1, min(num_programs, max_items))
+    if max_spin is None:
+        # waits are short (the shrink items are all running); the limit only guards against a hang
+        max_spin = 1 << 16 if x.device.type == "cuda" else 2
+    _kernel[(num_programs,)](
+        x, lora_a, lora_b, out, acc, sync,
+        k, r, num_slots, c, nsplit, *offs, *nbs, num_programs,
+        x.stride(0), x.stride(1),
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        out.stride(0), out.stride(1),
+        ranks, ranks.stride(0),
+        scalings, scalings.stride(0),
+        sorted_token_ids, chunk_slot, chunk_start, chunk_len,
+        max_chunks,
+        MAX_CHUNKS_P2=max(16, triton.next_power_of_2(max_chunks)),
+        BLOCK_M=block_m,
+        BLOCK_R=br,
+        BLOCK_K=bk,
+        BLOCK_N=bn,
+        MAX_SPIN=max_spin,
+        WAIT_FIRST=wait_first,
+        # fp32 inputs: Triton's default on GPU is tf32, which would not match the reference
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=num_warps or cfg["num_warps"],
+        num_stages=1,
+    )
+    return out
