@@ -182,6 +182,8 @@ def run_model(shape, batches, args, bw, vers, rows):
     print("decode attention for the base model:", why or "on", flush=True)
     if why is None:
         norms = install_norms(model)
+        # a fresh runner: the graphs captured above hold HF's attention and norms
+        runner = DecodeGraphRunner(None, model, fake_graphs=DEVICE == "cpu")
         for b in batches:
             def base_graphs_attn(n, b=b):
                 cache = runner.cache_for(b, prompt + n)
