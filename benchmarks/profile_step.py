@@ -80,6 +80,16 @@ def main(argv=None):
     rows = []
     step, cache = decode_inputs(model, args.batch, args.prompt, None, cache_kw)
     results = {"base": profile(model, step, cache)}
+    # the base model with fastlora's decode attention and norms (what the patched model runs)
+    from peft_fastlora.attention import disable_decode_attention, enable_decode_attention
+    from peft_fastlora.norms import install_norms, uninstall_norms
+
+    if enable_decode_attention(model) is None:
+        norms = install_norms(model)
+        step, cache = decode_inputs(model, args.batch, args.prompt, None, cache_kw)
+        results["base_fast"] = profile(model, step, cache)
+        uninstall_norms(norms)
+        disable_decode_attention(model)
     peft_model = add_adapters(model, args.adapters, args.rank)
     names = [f"a{i % args.adapters}" for i in range(args.batch)]
     fastlora.patch(peft_model, cuda_graphs=False)

@@ -1,4 +1,4 @@
-"""Triton kernels, one file per op: a private ``_kernel`` and a public launcher.
+"""Triton kernels, one file per op: a private ``_<op>_kernel`` (named for the op, so profiles tell them apart) and a public launcher.
 
 The kernels know nothing of HF or PEFT; they read plain tensors and the chunk plan of
 ``peft_fastlora.batch``. Importing this package imports Triton.
@@ -10,7 +10,7 @@ from .lora_fused import MAX_BLOCK_R as FUSED_MAX_BLOCK_R
 from .lora_fused import MAX_MODULES as FUSED_MAX_MODULES
 from .lora_fused import FusedWorkspace, fused_config, fused_supported, lora_fused
 from .lora_shrink import lora_shrink, shrink_config
-from .lora_shrink import _kernel as _shrink_kernel
+from .lora_shrink import _lora_shrink_kernel as _shrink_kernel
 
 
 def interpreting() -> bool:

@@ -3,7 +3,7 @@
 ``out[b, 0, h] = softmax(scale * q[b, h] . k[b, h // G, :] + mask[b, :]) @ v[b, h // G, :]``
 with ``G = H / KVH`` query heads per kv head (the repeated K/V is never materialised).
 
-Stage 1 (``_split_kernel``): one program per (row, kv head, split). It holds the G query heads of
+Stage 1 (``_decode_attention_split_kernel``): one program per (row, kv head, split). It holds the G query heads of
 its kv head as the M rows of a tile (padded to 16 for ``tl.dot``). It first reads the row's mask
 (L bytes, the same for all programs of the row) to find the span [first, last] of attended
 positions; K/V outside the span are never read (in a static cache: the left padding and the slots
@@ -14,7 +14,7 @@ so that they need not wait for the mask load and the loop can pipeline; a masked
 span is read and then masked out of the softmax. The program writes (log2-sum-exp, normalised
 partial output) per split to a small fp32 workspace, or the final output when there is one split.
 
-Stage 2 (``_combine_kernel``): one program per (row, query head) merges the S partials in a fixed
+Stage 2 (``_decode_attention_combine_kernel``): one program per (row, query head) merges the S partials in a fixed
 order (deterministic, no atomics).
 
 Everything is sized from static shapes (no host sync, no data-dependent grid): safe to capture in
@@ -44,7 +44,7 @@ def _attended(m_base, offs, L, stride_ml, mask_min, MASK_IS_BOOL: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(
+def _decode_attention_split_kernel(
     # pointers
     q_ptr,  # (B, H, D) through strides
     k_ptr,  # (B, KVH, L, D)
@@ -178,7 +178,7 @@ def _split_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def _decode_attention_combine_kernel(
     # pointers
     part_o_ptr,  # (B, H, NUM_SPLITS, D) fp32, contiguous
     part_lse_ptr,  # (B, H, NUM_SPLITS) fp32, contiguous
@@ -216,7 +216,7 @@ def _combine_kernel(
 
 def interpreting() -> bool:
     """True when this module's kernels were built for Triton's interpreter."""
-    return type(_split_kernel).__name__ == "InterpretedFunction"
+    return type(_decode_attention_split_kernel).__name__ == "InterpretedFunction"
 
 
 _SM_COUNT = {}
@@ -326,7 +326,7 @@ def decode_attention(
     has_softcap = softcap is not None and softcap > 0
     upcast = q.dtype == torch.float32 or interpreting()
 
-    _split_kernel[(bsz * kv_heads, splits)](
+    _decode_attention_split_kernel[(bsz * kv_heads, splits)](
         q, k, v, mask2, out, part_o, part_lse,
         kv_len, dim, kv_heads, groups,
         scale if has_softcap else scale * _LOG2E,
@@ -347,7 +347,7 @@ def decode_attention(
         num_stages=num_stages or cfg["num_stages"],
     )
     if splits > 1:
-        _combine_kernel[(bsz * heads,)](
+        _decode_attention_combine_kernel[(bsz * heads,)](
             part_o, part_lse, out,
             heads, dim,
             out.stride(0), out.stride(2), out.stride(3),

@@ -14,7 +14,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _kernel(
+def _lora_embedding_a_kernel(
     # pointers
     ids_ptr,  # (s,) int32 / int64
     w_ptr,  # (num_slots, rank, vocab)
@@ -58,7 +58,7 @@ def _kernel(
 
 
 @triton.jit
-def _extra_kernel(
+def _lora_extra_token_kernel(
     # pointers
     ids_ptr,  # (s,)
     extra_ptr,  # (num_slots, n_extra, D)
@@ -126,7 +126,7 @@ def lora_embedding_a(
     n_extra = extra_embeddings.shape[1] if has_extra else 0
     es = extra.stride() if has_extra else (0, 0, 0)
     block_t = block_t or (16 if s <= 256 else 64)
-    _kernel[(triton.cdiv(s, block_t),)](
+    _lora_embedding_a_kernel[(triton.cdiv(s, block_t),)](
         input_ids, weights, extra, out,
         s, rank, vocab, n_extra, num_slots,
         weights.stride(0), weights.stride(1), weights.stride(2),
@@ -168,7 +168,7 @@ def lora_extra_token_embedding(
     if s == 0 or d == 0 or n_extra == 0:
         return output
     block_d = block_d or min(1024, max(16, triton.next_power_of_2(d)))
-    _extra_kernel[(s, triton.cdiv(d, block_d))](
+    _lora_extra_token_kernel[(s, triton.cdiv(d, block_d))](
         input_ids, extra_embeddings, output,
         d, vocab_size, n_extra, num_slots,
         extra_embeddings.stride(0), extra_embeddings.stride(1), extra_embeddings.stride(2),

@@ -19,7 +19,7 @@ MAX_MODULES_PER_LAUNCH = 4  # column offsets travel as scalar arguments (no devi
 
 
 @triton.jit
-def _kernel(
+def _lora_expand_kernel(
     # pointers
     y_ptr,  # (s, c * R)
     b_ptr,  # (num_slots, N_total, R)
@@ -170,7 +170,7 @@ def lora_expand(
         bn = block_n or cfg["block_n"]
         offs = offs + [offs[-1]] * (MAX_MODULES_PER_LAUNCH + 1 - len(offs))
         grid = (max_chunks, triton.cdiv(widest, bn), n_mod)
-        _kernel[grid](
+        _lora_expand_kernel[grid](
             y, weights, out,
             r, num_slots, j0, *offs,
             y.stride(0), y.stride(1),

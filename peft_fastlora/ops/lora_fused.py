@@ -72,7 +72,7 @@ def _finish(cnt_ptr, add, total, acc_tile_ptrs, BLOCK_M: tl.constexpr, BLOCK_R: 
 
 
 @triton.jit
-def _kernel(
+def _lora_fused_decode_kernel(
     # pointers
     x_ptr,  # (s, K)
     a_ptr,  # (num_slots, c * R, K)
@@ -365,7 +365,7 @@ def lora_fused(
     if max_spin is None:
         # waits are short (the shrink items are all running); the limit only guards against a hang
         max_spin = 1 << 16 if x.device.type == "cuda" else 2
-    _kernel[(num_programs,)](
+    _lora_fused_decode_kernel[(num_programs,)](
         x, lora_a, lora_b, out, acc, sync,
         k, r, num_slots, c, nsplit, *offs, *nbs, num_programs,
         x.stride(0), x.stride(1),

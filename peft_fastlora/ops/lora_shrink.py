@@ -17,7 +17,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _kernel(
+def _lora_shrink_kernel(
     # pointers
     x_ptr,  # (s, K)
     a_ptr,  # (num_slots, c * R, K)
@@ -161,7 +161,7 @@ def lora_shrink(
     if s == 0 or max_chunks == 0 or r == 0:
         return out
     grid = (stack_num * num_rb, max_chunks)
-    _kernel[grid](
+    _lora_shrink_kernel[grid](
         x, weights, out,
         k, r, num_slots,
         x.stride(0), x.stride(1),

@@ -13,7 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _kernel(
+def _rms_norm_kernel(
     # pointers
     x_ptr, w_ptr, out_ptr,
     # dimensions and strides
@@ -56,6 +56,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     block = triton.next_power_of_2(n)
     num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
     if rows.shape[0]:
-        _kernel[(rows.shape[0],)](rows, weight, out, n, rows.stride(0), out.stride(0), float(eps),
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, n, rows.stride(0), out.stride(0), float(eps),
                                   BLOCK=block, num_warps=num_warps)
     return out.view(x.shape)
