@@ -1,0 +1,29 @@
+"""The example notebook runs top to bottom on CPU: every cell, every assertion in it."""
+
+import os
+import sys
+
+import pytest
+
+NOTEBOOK = os.path.join(os.path.dirname(__file__), "..", "examples", "fine_tune_then_serve.ipynb")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_notebook_runs(tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        KernelSpecManager().get_kernel_spec("python3")
+    except NoSuchKernel:
+        from ipykernel.kernelspec import install
+
+        install(user=True, kernel_name="python3")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    env_dir = os.path.abspath(os.path.join(os.path.dirname(NOTEBOOK)))
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": env_dir}})
+    client.execute()  # raises CellExecutionError on any error or failed assert
+    assert sys.executable  # the kernel is this interpreter's (ipykernel in the same venv)
