@@ -1,0 +1,134 @@
+"""Answer a JSONL file of requests, each naming its adapter, in mixed-adapter batches.
+
+    python examples/serve_many_adapters.py --base BASE_DIR --adapters ADAPTERS_DIR \\
+        --requests requests.jsonl --out answers.jsonl [--batch-size 32] [--max-new-tokens 64]
+
+``ADAPTERS_DIR`` holds one PEFT adapter per sub-folder (saved with ``save_pretrained``); the folder
+name is the adapter name. Each request line is ``{"adapter": NAME, "prompt": TEXT}`` (``"__base__"``
+for none); each answer line adds ``"completion"``, in request order. ``--tiny`` builds a random tiny
+Llama and a character tokenizer instead of loading ``--base`` (a demo with no files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import List
+
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import peft_fastlora as fastlora
+
+
+def read_requests(path: str) -> List[dict]:
+    requests = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            req = json.loads(line)
+            if not isinstance(req, dict) or "adapter" not in req or "prompt" not in req:
+                raise ValueError(f"{path}:{n}: a request needs 'adapter' and 'prompt', got {line.strip()[:80]}")
+            requests.append(req)
+    return requests
+
+
+def load_model(args):
+    if args.tiny:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _chartok import build_char_tokenizer
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        tokenizer = build_char_tokenizer()
+        torch.manual_seed(0)
+        base = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            pad_token_id=tokenizer.pad_token_id))
+    else:
+        if not args.base:
+            raise SystemExit("--base (a model folder) or --tiny is required")
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.base)
+        base = AutoModelForCausalLM.from_pretrained(args.base)
+    tokenizer.padding_side = "left"  # decoder-only batches are padded on the left
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    names = sorted(d for d in os.listdir(args.adapters) if os.path.isdir(os.path.join(args.adapters, d)))
+    if not names:
+        raise SystemExit(f"no adapter folders in {args.adapters}")
+    model = PeftModel.from_pretrained(base, os.path.join(args.adapters, names[0]), adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(os.path.join(args.adapters, name), adapter_name=name)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return model.to(device).eval(), tokenizer, names
+
+
+def batches(items, size):
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def progress(total):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="req")
+    except ImportError:
+        class Plain:
+            def __init__(self):
+                self.n = 0
+
+            def update(self, k):
+                self.n += k
+                print(f"{self.n}/{total} requests", file=sys.stderr)
+
+            def close(self):
+                pass
+        return Plain()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", help="base model folder (save_pretrained)")
+    p.add_argument("--tokenizer", help="tokenizer folder (default: --base)")
+    p.add_argument("--tiny", action="store_true", help="a random tiny Llama with a character tokenizer")
+    p.add_argument("--adapters", required=True, help="folder with one PEFT adapter per sub-folder")
+    p.add_argument("--requests", required=True, help="JSONL: {'adapter': ..., 'prompt': ...} per line")
+    p.add_argument("--out", required=True, help="JSONL answers, in request order")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-fastlora", action="store_true", help="serve through PEFT's own mixed batch")
+    args = p.parse_args(argv)
+    if args.batch_size < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--batch-size and --max-new-tokens must be positive")
+
+    requests = read_requests(args.requests)
+    model, tokenizer, names = load_model(args)
+    unknown = sorted({r["adapter"] for r in requests} - set(names) - {"__base__"})
+    if unknown:  # before any work: a typo must not cost a whole run
+        raise ValueError(f"requests name unknown adapter(s) {', '.join(unknown)}; loaded: {', '.join(names)}")
+    if not args.no_fastlora:
+        print(fastlora.patch(model), file=sys.stderr)
+
+    bar = progress(len(requests))
+    with open(args.out, "w") as out:
+        for group in batches(requests, args.batch_size):
+            enc = tokenizer([r["prompt"] for r in group], return_tensors="pt", padding=True).to(model.device)
+            with torch.no_grad():
+                ids = model.generate(**enc, adapter_names=[r["adapter"] for r in group],
+                                     max_new_tokens=args.max_new_tokens, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id)
+            texts = tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            for r, text in zip(group, texts):
+                out.write(json.dumps({"adapter": r["adapter"], "prompt": r["prompt"], "completion": text}) + "\n")
+            bar.update(len(group))
+    bar.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
