@@ -14,6 +14,7 @@ adapter mix. Every number comes from this one run, on this GPU:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import gc
 import os
@@ -146,6 +147,29 @@ def measure(gen, new_tokens: int, reps: int):
     return 1e3 * t1, 1e3 * (tn - t1) / (new_tokens - 1), out["tokens"]
 
 
+@contextlib.contextmanager
+def fast_base_ops(model):
+    """fastlora's decode attention, RMSNorm, rotary and SiLU-mul on a plain transformers model
+    (what ``patch`` installs next to the LoRA layers); yields None, or why they are not used."""
+    from peft_fastlora.attention import disable_decode_attention, enable_decode_attention
+    from peft_fastlora.gated_mlp import install_gated_mlps, uninstall_gated_mlps
+    from peft_fastlora.norms import install_norms, uninstall_norms
+    from peft_fastlora.rotary import install_rotary, uninstall_rotary
+
+    why = enable_decode_attention(model) if DEVICE == "cuda" else "not on CUDA"
+    if why is not None:
+        yield why
+        return
+    done = [(install_norms(model), uninstall_norms), (install_rotary(model), uninstall_rotary),
+            (install_gated_mlps(model), uninstall_gated_mlps)]
+    try:
+        yield None
+    finally:
+        for modules, undo in done:
+            undo(modules)
+        disable_decode_attention(model)
+
+
 def run_model(shape, batches, args, bw, vers, rows):
     import peft_fastlora as fastlora
     from peft_fastlora.generate import armed
@@ -173,25 +197,19 @@ def run_model(shape, batches, args, bw, vers, rows):
             with armed(model, runner, None):
                 return model.generate(**kw(b, n), **{cache_kw: cache})
         results[("base_graphs", b)] = measure(base_graphs, args.new_tokens, args.reps)
-    # 2b. the same with fastlora's decode attention and one-kernel RMSNorms (what fastlora_graphs
-    # uses by default)
-    from peft_fastlora.attention import disable_decode_attention, enable_decode_attention
-    from peft_fastlora.norms import install_norms, uninstall_norms
-
-    why = enable_decode_attention(model) if DEVICE == "cuda" else "not on CUDA"
-    print("decode attention for the base model:", why or "on", flush=True)
-    if why is None:
-        norms = install_norms(model)
-        # a fresh runner: the graphs captured above hold HF's attention and norms
-        runner = DecodeGraphRunner(None, model, fake_graphs=DEVICE == "cpu")
-        for b in batches:
-            def base_graphs_attn(n, b=b):
-                cache = runner.cache_for(b, prompt + n)
-                with armed(model, runner, None):
-                    return model.generate(**kw(b, n), **{cache_kw: cache})
-            results[("base_graphs_attn", b)] = measure(base_graphs_attn, args.new_tokens, args.reps)
-        disable_decode_attention(model)
-        uninstall_norms(norms)
+    # 2b. the same with fastlora's decode attention and one-kernel norms, rotary and SiLU-mul
+    # (what fastlora_graphs uses by default)
+    with fast_base_ops(model) as why:
+        print("fastlora's base-model ops:", why or "on", flush=True)
+        if why is None:
+            # a fresh runner: the graphs captured above hold HF's attention and small ops
+            runner = DecodeGraphRunner(None, model, fake_graphs=DEVICE == "cpu")
+            for b in batches:
+                def base_graphs_attn(n, b=b):
+                    cache = runner.cache_for(b, prompt + n)
+                    with armed(model, runner, None):
+                        return model.generate(**kw(b, n), **{cache_kw: cache})
+                results[("base_graphs_attn", b)] = measure(base_graphs_attn, args.new_tokens, args.reps)
     del runner
     gc.collect()
     mem = torch.cuda if DEVICE == "cuda" else None

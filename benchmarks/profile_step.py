@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_generate import add_adapters, build_base, versions  # noqa: E402
+from bench_generate import add_adapters, build_base, fast_base_ops, versions  # noqa: E402
 
 
 def decode_inputs(model, batch, prompt, names, cache_kw):
@@ -51,11 +51,12 @@ def profile(model, step, cache, steps=3):
         for _ in range(steps):
             one()
         torch.cuda.synchronize()
-    totals = {}
+    totals, counts = {}, {}
     for evt in p.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             totals[evt.name] = totals.get(evt.name, 0.0) + evt.device_time / steps
-    return sorted(totals.items(), key=lambda kv: -kv[1])
+            counts[evt.name] = counts.get(evt.name, 0) + 1
+    return sorted(((k, t, counts[k] / steps) for k, t in totals.items()), key=lambda kv: -kv[1])
 
 
 def main(argv=None):
@@ -80,16 +81,11 @@ def main(argv=None):
     rows = []
     step, cache = decode_inputs(model, args.batch, args.prompt, None, cache_kw)
     results = {"base": profile(model, step, cache)}
-    # the base model with fastlora's decode attention and norms (what the patched model runs)
-    from peft_fastlora.attention import disable_decode_attention, enable_decode_attention
-    from peft_fastlora.norms import install_norms, uninstall_norms
-
-    if enable_decode_attention(model) is None:
-        norms = install_norms(model)
-        step, cache = decode_inputs(model, args.batch, args.prompt, None, cache_kw)
-        results["base_fast"] = profile(model, step, cache)
-        uninstall_norms(norms)
-        disable_decode_attention(model)
+    # the base model with fastlora's decode attention and small ops (what the patched model runs)
+    with fast_base_ops(model) as why:
+        if why is None:
+            step, cache = decode_inputs(model, args.batch, args.prompt, None, cache_kw)
+            results["base_fast"] = profile(model, step, cache)
     peft_model = add_adapters(model, args.adapters, args.rank)
     names = [f"a{i % args.adapters}" for i in range(args.batch)]
     fastlora.patch(peft_model, cuda_graphs=False)
@@ -97,13 +93,15 @@ def main(argv=None):
     results["fastlora"] = profile(peft_model, step, cache)
     fastlora.unpatch(peft_model)
     for config, kernels in results.items():
-        total = sum(t for _, t in kernels)
-        print(f"\n{config}: {total / 1e3:.3f} ms of kernel time per decode step (batch {args.batch})")
-        for name, t in kernels[: args.top]:
-            print(f"  {t / 1e3:8.3f} ms  {100 * t / total:5.1f}%  {name[:110]}")
+        total = sum(t for _, t, _ in kernels)
+        launches = sum(c for _, _, c in kernels)
+        print(f"\n{config}: {total / 1e3:.3f} ms of kernel time in {launches:.0f} kernels per decode step "
+              f"(batch {args.batch})")
+        for name, t, c in kernels[: args.top]:
+            print(f"  {t / 1e3:8.3f} ms  {100 * t / total:5.1f}%  x{c:<5.0f} {name[:100]}")
             rows.append(dict(**vers, model=args.model, batch=args.batch, config=config, kernel=name[:200],
-                             ms_per_step=round(t / 1e3, 4), share=round(t / total, 4),
-                             step_kernel_ms=round(total / 1e3, 3)))
+                             ms_per_step=round(t / 1e3, 4), share=round(t / total, 4), launches_per_step=c,
+                             step_kernel_ms=round(total / 1e3, 3), step_launches=launches))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

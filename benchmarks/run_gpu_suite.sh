@@ -9,8 +9,8 @@ part=${1:-all}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
 if [[ $part == all || $part == tests ]]; then
-  files=$(ls tests/test_triton_gpu.py tests/test_generate_gpu.py tests/test_decode_attention_gpu.py 2>/dev/null)
-  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider $files 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  files=$(ls tests/*_gpu.py)
+  timeout 360 python3 -m pytest -m gpu -q -p no:cacheprovider $files 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
   timeout 120 python3 examples/quickstart.py 2>&1 | tee "$OUT/quickstart_gpu.log" | tail -12
 fi
 if [[ $part == all || $part == kernels ]]; then

@@ -42,6 +42,8 @@ class PatchReport:
     stack_bytes: int = 0
     decode_attention: str = "off"  # "on", or why not
     fused_norms: int = 0  # RMSNorm modules served by one kernel
+    fused_rotary: int = 0  # attention modules whose rotary embedding is one kernel
+    fused_mlps: int = 0  # gated MLPs whose silu(gate) * up is one kernel
 
     @property
     def num_patched_layers(self) -> int:
@@ -64,7 +66,8 @@ class PatchReport:
             line += "; served by PEFT where used: " + ", ".join(f"{a} ({r})" for a, r in pairs)
         if self.fusion_blocked:
             line += f"; {len(self.fusion_blocked)} groups not fused"
-        line += f"; decode attention {self.decode_attention}; {self.fused_norms} RMSNorms fused"
+        line += (f"; decode attention {self.decode_attention}; one-kernel RMSNorm x{self.fused_norms}, "
+                 f"rotary x{self.fused_rotary}, SiLU-mul x{self.fused_mlps}")
         return line
 
     __str__ = summary
@@ -74,13 +77,15 @@ class FastLoRAState:
     """Everything fastlora keeps on a patched model."""
 
     def __init__(self, model: nn.Module, backend: str, fuse: bool, max_loras_per_batch: Optional[int],
-                 cuda_graphs="auto", graph_buckets=None, decode_attention="auto", fuse_norms="auto"):
+                 cuda_graphs="auto", graph_buckets=None, decode_attention="auto", fuse_norms="auto",
+                 fuse_rotary="auto", fuse_silu_mul="auto"):
         self.model = model
         self.inner = _compat.unwrap_peft(model)
         self.options = dict(backend=backend, fuse=fuse, max_loras_per_batch=max_loras_per_batch,
                             cuda_graphs=cuda_graphs, graph_buckets=graph_buckets or DEFAULT_BUCKETS,
-                            decode_attention=decode_attention, fuse_norms=fuse_norms)
-        self.norms = []
+                            decode_attention=decode_attention, fuse_norms=fuse_norms,
+                            fuse_rotary=fuse_rotary, fuse_silu_mul=fuse_silu_mul)
+        self.small_ops = {}  # option name -> the modules given a one-kernel forward
         self.generation = 0  # bumped whenever a stack or fused weight is rebuilt (graphs hold them)
         self.graph_batch_info = None  # set by the graph runner before a capture or replay
         self.graph_runner = None
@@ -170,13 +175,33 @@ class FastLoRAState:
 
         install_generate(self)
         report.decode_attention = self._enable_decode_attention() or "on"
-        opt = self.options["fuse_norms"]
-        if opt is True or (opt == "auto" and self.device.type == "cuda"):
-            from .norms import install_norms
-
-            self.norms = install_norms(self.inner)
-        report.fused_norms = len(self.norms)
+        self._install_small_ops()
+        report.fused_norms = len(self.small_ops.get("fuse_norms", ()))
+        report.fused_rotary = len(self.small_ops.get("fuse_rotary", ()))
+        report.fused_mlps = len(self.small_ops.get("fuse_silu_mul", ()))
         return report
+
+    def _install_small_ops(self):
+        from .gated_mlp import install_gated_mlps
+        from .norms import install_norms
+        from .rotary import install_rotary
+
+        for opt, install in (("fuse_norms", install_norms), ("fuse_rotary", install_rotary),
+                             ("fuse_silu_mul", install_gated_mlps)):
+            value = self.options[opt]
+            if value is True or (value == "auto" and self.device.type == "cuda"):
+                self.small_ops[opt] = install(self.inner)
+
+    def _uninstall_small_ops(self):
+        from .gated_mlp import uninstall_gated_mlps
+        from .norms import uninstall_norms
+        from .rotary import uninstall_rotary
+
+        uninstall = dict(fuse_norms=uninstall_norms, fuse_rotary=uninstall_rotary,
+                         fuse_silu_mul=uninstall_gated_mlps)
+        for opt, modules in self.small_ops.items():
+            uninstall[opt](modules)
+        self.small_ops = {}
 
     def _enable_decode_attention(self) -> Optional[str]:
         from .attention import enable_decode_attention
@@ -202,11 +227,8 @@ class FastLoRAState:
         from .attention import disable_decode_attention
         from .generate import uninstall_generate
 
-        from .norms import uninstall_norms
-
         disable_decode_attention(self.inner)
-        uninstall_norms(self.norms)
-        self.norms = []
+        self._uninstall_small_ops()
         uninstall_generate(self)
         if self._hook is not None:
             self._hook.remove()
@@ -297,7 +319,7 @@ def get_state(model: nn.Module) -> Optional[FastLoRAState]:
 def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
           max_loras_per_batch: Optional[int] = None, cuda_graphs="auto",
           graph_buckets: Optional[Sequence[int]] = None, decode_attention="auto",
-          fuse_norms="auto") -> PatchReport:
+          fuse_norms="auto", fuse_rotary="auto", fuse_silu_mul="auto") -> PatchReport:
     """Serve the LoRA adapters of ``model`` (a ``PeftModel``) through a fastlora backend.
 
     Args:
@@ -316,6 +338,10 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             Models it does not cover (sliding windows, soft-capping) keep their attention.
         fuse_norms: Llama-family RMSNorm modules run as one Triton kernel each (inference only):
             ``"auto"`` (on CUDA), ``True`` or ``False``.
+        fuse_rotary: attention modules that call the Llama-family ``apply_rotary_pos_emb`` rotate
+            q and k in one Triton kernel (inference only): ``"auto"`` (on CUDA), ``True``, ``False``.
+        fuse_silu_mul: SiLU-gated Llama-family MLPs compute ``silu(gate) * up`` in one Triton
+            kernel (inference only): ``"auto"`` (on CUDA), ``True`` or ``False``.
     Returns:
         the ``PatchReport``. Patching a patched model changes nothing and returns its report.
     """
@@ -326,12 +352,13 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         raise ValueError(f"cuda_graphs must be True, False, 'auto' or 'emulate', got {cuda_graphs!r}")
     if graph_buckets is not None and (not graph_buckets or any(int(b) < 1 for b in graph_buckets)):
         raise ValueError(f"graph_buckets must be positive batch sizes, got {graph_buckets!r}")
-    if fuse_norms not in (True, False, "auto"):
-        raise ValueError(f"fuse_norms must be True, False or 'auto', got {fuse_norms!r}")
+    for opt, value in (("fuse_norms", fuse_norms), ("fuse_rotary", fuse_rotary), ("fuse_silu_mul", fuse_silu_mul)):
+        if value not in (True, False, "auto"):
+            raise ValueError(f"{opt} must be True, False or 'auto', got {value!r}")
     if decode_attention not in (True, False, "auto"):
         raise ValueError(f"decode_attention must be True, False or 'auto', got {decode_attention!r}")
     state = FastLoRAState(model, backend, fuse, max_loras_per_batch, cuda_graphs, graph_buckets,
-                          decode_attention, fuse_norms)
+                          decode_attention, fuse_norms, fuse_rotary, fuse_silu_mul)
     model.__dict__[_STATE_ATTR] = state
     try:
         report = state.build()

@@ -237,8 +237,10 @@ def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int,
 
     - ``block_h``: the query heads of one kv head, padded to 16 (the smallest ``tl.dot`` M).
     - ``block_n``: 64 cache positions per step (32 for head dims over 128, to bound registers).
-    - ``num_splits``: enough (row, kv head, split) programs for ~4 per SM; 1 when rows x kv heads
-      already fill the GPU (then the first kernel writes the output and the combine is skipped).
+    - ``num_splits``: enough (row, kv head, split) programs for ~4 per SM; 1 once rows x kv heads
+      reach one per SM (then the first kernel writes the output and the combine is skipped). On
+      the H200 at 8B shapes, one split at batch 32 (256 pairs, 132 SMs) took 13.5 us against 18.5
+      for three (benchmarks/results/attention_h200.csv); at batch 1, four to eight splits are best.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(groups))
@@ -246,7 +248,7 @@ def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int,
     num_blocks = triton.cdiv(kv_len, block_n)
     target = 4 * _sm_count(device)
     pairs = batch * kv_heads
-    num_splits = 1 if 2 * pairs >= target else min(num_blocks, triton.cdiv(target, pairs), 64)
+    num_splits = 1 if pairs >= _sm_count(device) else min(num_blocks, triton.cdiv(target, pairs), 64)
     return dict(block_h=block_h, block_n=block_n, block_d=block_d, num_splits=max(1, num_splits),
                 num_warps=4, num_stages=2)
 

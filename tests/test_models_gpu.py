@@ -1,0 +1,124 @@
+"""On the GPU: the rotary and SiLU-mul kernels in bf16 at Llama-3-8B shapes, and greedy decoding
+through fastlora's graphs (decode attention, one-kernel norms, rotary and SiLU-mul all on, their
+defaults on CUDA) equal to PEFT's own path for tiny Llama, Qwen2 and Gemma 2 and the 1B Llama
+shape, in float32 so that tokens can be compared exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import peft_fastlora as fastlora
+
+from _models import build_peft_lm, left_padded_batch
+
+pytestmark = pytest.mark.gpu
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 numbers at |x| (8 bits of mantissa)."""
+    exp = torch.floor(torch.log2(x.float().abs().clamp_min(2.0 ** -100)))
+    return torch.pow(2.0, exp - 7)
+
+
+@pytest.mark.parametrize("bsz,seq", [(1, 1), (32, 1), (128, 1), (4, 128)])
+def test_rotary_bf16_bit_exact_at_8b_shapes(bsz, seq):
+    from peft_fastlora.ops.rotary import apply_rotary, apply_rotary_reference
+
+    heads, kv_heads, dim = 32, 8, 128
+    fused = torch.randn(bsz, seq, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16)
+    q = fused[..., : heads * dim].view(bsz, seq, heads, dim).transpose(1, 2)
+    k = fused[..., heads * dim: (heads + kv_heads) * dim].view(bsz, seq, kv_heads, dim).transpose(1, 2)
+    pos = torch.arange(seq, device="cuda")[None] + torch.randint(0, 4000, (bsz, 1), device="cuda")
+    inv = 1.0 / (500000.0 ** (torch.arange(0, dim, 2, device="cuda").float() / dim))
+    emb = torch.cat([pos[..., None].float() * inv] * 2, dim=-1)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    q_ref, k_ref = apply_rotary_reference(q, k, cos, sin)
+    q_out, k_out = apply_rotary(q, k, cos, sin)
+    for name, out, ref in (("q", q_out, q_ref), ("k", k_out, k_ref)):
+        diff = (out.float() - ref.float()).abs()
+        assert torch.equal(out, ref), (f"{name}: {int((diff > 0).sum())} of {diff.numel()} differ, "
+                                       f"max {diff.max().item():.3g} ({(diff / _bf16_ulp(ref)).max().item():.2f} ulp)")
+
+
+@pytest.mark.parametrize("rows", [1, 32, 128])
+def test_silu_mul_bf16_within_one_ulp(rows):
+    from peft_fastlora.ops.silu_mul import silu_mul, silu_mul_reference
+
+    n = 14336
+    fused = torch.randn(rows, 2 * n, device="cuda", dtype=torch.bfloat16) * 3
+    gate, up = fused[:, :n], fused[:, n:]
+    out, ref = silu_mul(gate, up), silu_mul_reference(gate, up)
+    diff = (out.float() - ref.float()).abs()
+    # SiLU's exp differs from torch's by an fp32 ulp at most, which can move a rounding by one bf16 ulp
+    assert (diff <= _bf16_ulp(ref) * 2).all(), diff.max()
+    assert (diff > 0).float().mean() < 0.01
+
+
+# Gemma 2: soft-capping keeps HF's attention, and its sliding-window cache layers keep the decode
+# steps eager (the reason is recorded); the rotary and norm kernels still run
+@pytest.mark.parametrize("arch,attention,graphs,norms", [("llama", "on", True, 5), ("qwen2", "on", True, 5),
+                                                         ("gemma2", "off", False, 0)])
+def test_tiny_models_graphs_equal_peft(arch, attention, graphs, norms):
+    from peft_fastlora import _compat
+
+    model = build_peft_lm(arch).cuda()
+    _compat.unwrap_peft(model).set_attn_implementation("sdpa")  # the tiny builders use eager
+    model.generation_config.eos_token_id = None
+    batch = {k: v.cuda() for k, v in left_padded_batch([5, 9, 3, 7, 9, 6]).items()}
+    names = ["a0", "__base__", "a1", "a2", "a0", "a2"]
+    kw = dict(max_new_tokens=48, do_sample=False, pad_token_id=0, adapter_names=names)
+    with torch.no_grad():
+        ref = model.generate(**batch, **kw)
+        report = fastlora.patch(model)
+        out = model.generate(**batch, **kw)
+        stats = fastlora.get_state(model).graph_runner.stats
+        fastlora.unpatch(model)
+    assert report.decode_attention.startswith(attention), report.decode_attention
+    assert report.fused_rotary == 2 and report.fused_norms == norms  # Gemma's (1 + w) norm is its own
+    if graphs:
+        assert stats["replays"] >= 40 and stats["eager_steps"] == 0, stats
+    else:
+        assert stats["replays"] == 0 and "SlidingWindow" in str(stats["eager_reasons"]), stats
+    assert torch.equal(out, ref)
+
+
+def test_1b_shape_graphs_equal_peft_over_64_steps():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                      tie_word_embeddings=True, pad_token_id=0)
+    with torch.device("cuda"):
+        base = LlamaForCausalLM(cfg).eval()
+    base.generation_config.eos_token_id = None
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = None
+    for i, r in enumerate([16, 8, 32, 16]):
+        lc = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
+        if model is None:
+            model = get_peft_model(base, lc, adapter_name="a0")
+        else:
+            model.add_adapter(f"a{i}", lc)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(0.05)
+    model.eval()
+    ids = torch.randint(1, 128256, (6, 17), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :4] = mask[4, :9] = 0
+    names = ["a0", "__base__", "a1", "a2", "a3", "a1"]
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=64, do_sample=False, pad_token_id=0,
+              adapter_names=names)
+    with torch.no_grad():
+        ref = model.generate(**kw)
+        fastlora.patch(model)
+        out = model.generate(**kw)
+        stats = fastlora.get_state(model).graph_runner.stats
+        fastlora.unpatch(model)
+    assert stats["replays"] >= 60 and stats["eager_steps"] == 0, stats
+    same = (out == ref).all(dim=1)
+    assert same.all(), f"rows differing from PEFT: {(~same).nonzero().flatten().tolist()}"

@@ -1,0 +1,205 @@
+"""Rotary and SiLU-mul kernels against torch's formulas (the interpreter on CPU), and their
+installation on model instances: which models get them, that unpatch removes them, that other
+instances and the classes stay untouched, and that a patched model still equals PEFT."""
+
+import collections
+
+import pytest
+import torch
+
+import peft_fastlora as fastlora
+from peft_fastlora.gated_mlp import install_gated_mlps, is_silu_gated_mlp, uninstall_gated_mlps
+from peft_fastlora.ops import rotary as rotary_ops
+from peft_fastlora.ops import silu_mul as silu_ops
+from peft_fastlora.ops.rotary import apply_rotary, apply_rotary_reference
+from peft_fastlora.ops.silu_mul import silu_mul, silu_mul_reference
+from peft_fastlora.rotary import install_rotary, rebind_global, uninstall_rotary
+
+from _models import build_causal_lm, build_peft_lm, left_padded_batch
+
+# rotary: each op rounded like torch's, so the kernel reproduces the formula bit for bit.
+# SiLU: exp differs by an ulp between implementations; fp16 output rounding hides it mostly.
+SILU_TOL = {torch.float32: (2e-6, 2e-6), torch.float16: (1e-3, 1e-3)}
+DTYPES = [torch.float32, torch.float16]
+
+
+def rope_inputs(bsz, heads, kv_heads, seq, dim, dtype, cos_batch=None, fused=True):
+    """q / k as views of one fused projection output (the layout the attention modules pass)."""
+    if fused:
+        out = torch.randn(bsz, seq, (heads + 2 * kv_heads) * dim).to(dtype)
+        q = out[..., : heads * dim].view(bsz, seq, heads, dim).transpose(1, 2)
+        k = out[..., heads * dim: (heads + kv_heads) * dim].view(bsz, seq, kv_heads, dim).transpose(1, 2)
+    else:
+        q = torch.randn(bsz, heads, seq, dim).to(dtype)
+        k = torch.randn(bsz, kv_heads, seq, dim).to(dtype)
+    nb = bsz if cos_batch is None else cos_batch
+    pos = torch.arange(seq)[None] + torch.randint(0, 50, (nb, 1))  # rows at different positions
+    freqs = pos[..., None].float() / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return q, k, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+# ---- kernels ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [
+    (3, 4, 2, 1, 16),   # decode step, GQA
+    (2, 5, 5, 7, 12),   # prefill, odd head count, half dim 6 (not a power of two)
+    (1, 17, 1, 3, 8),   # more heads than one block, MQA
+    (4, 2, 1, 1, 2),    # the smallest head dim
+])
+def test_rotary_equals_formula(dtype, shape):
+    q, k, cos, sin = rope_inputs(*shape, dtype)
+    q_ref, k_ref = apply_rotary_reference(q, k, cos, sin)
+    q_out, k_out = apply_rotary(q, k, cos, sin)
+    assert q_out.shape == q.shape and k_out.shape == k.shape and q_out.dtype == dtype
+    torch.testing.assert_close(q_out, q_ref, atol=0, rtol=0)
+    torch.testing.assert_close(k_out, k_ref, atol=0, rtol=0)
+
+
+def test_rotary_broadcast_cos_and_contiguous_inputs():
+    q, k, cos, sin = rope_inputs(3, 4, 2, 5, 8, torch.float32, cos_batch=1, fused=False)
+    q_ref, k_ref = apply_rotary_reference(q, k, cos, sin)
+    q_out, k_out = apply_rotary(q, k, cos, sin)
+    torch.testing.assert_close(q_out, q_ref, atol=0, rtol=0)
+    torch.testing.assert_close(k_out, k_ref, atol=0, rtol=0)
+
+
+def test_rotary_leaves_inputs_alone():
+    q, k, cos, sin = rope_inputs(2, 4, 2, 1, 8, torch.float32)
+    before = q.clone(), k.clone()
+    apply_rotary(q, k, cos, sin)
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])
+
+
+def test_rotary_bad_inputs():
+    q, k, cos, sin = rope_inputs(2, 4, 2, 3, 8, torch.float32)
+    with pytest.raises(ValueError, match="cos / sin"):
+        apply_rotary(q, k, cos[:, :2], sin[:, :2])
+    with pytest.raises(ValueError, match="must be"):
+        apply_rotary(q, k[:1], cos, sin)
+    with pytest.raises(TypeError, match="dtype"):
+        apply_rotary(q, k, cos.half(), sin.half())
+    q7, k7, c7, s7 = rope_inputs(1, 2, 1, 1, 8, torch.float32)
+    with pytest.raises(ValueError, match="odd"):
+        apply_rotary(q7[..., :7], k7[..., :7], c7[..., :7], s7[..., :7])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 1), (5, 33), (3, 1500), (2, 2048)])
+def test_silu_mul_equals_torch(dtype, rows, n):
+    fused = (torch.randn(rows, 2 * n) * 4).to(dtype)
+    gate, up = fused[:, :n], fused[:, n:]  # strided views, as the fused gate/up GEMM gives them
+    atol, rtol = SILU_TOL[dtype]
+    torch.testing.assert_close(silu_mul(gate, up), silu_mul_reference(gate, up), atol=atol, rtol=rtol)
+
+
+def test_silu_mul_3d_and_bad_inputs():
+    gate, up = torch.randn(2, 3, 10), torch.randn(2, 3, 10)
+    torch.testing.assert_close(silu_mul(gate, up), silu_mul_reference(gate, up), atol=2e-6, rtol=2e-6)
+    with pytest.raises(ValueError, match="differ"):
+        silu_mul(gate, up[..., :9])
+    with pytest.raises(ValueError, match="contiguous"):
+        silu_mul(gate.transpose(0, 2), up.transpose(0, 2))
+
+
+# ---- installation -------------------------------------------------------------------------------
+def _helper(x):
+    return x + 1
+
+
+def test_rebind_keeps_decorators_and_changes_only_the_copy():
+    import functools
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            return fn(*args, **kwargs) * 10
+        return wrapped
+
+    @deco
+    def f(x):
+        return _helper(x)
+
+    g = rebind_global(f, "_helper", lambda x: x + 2)
+    assert f(1) == 20 and g(1) == 30  # the wrapper kept, the global swapped in the copy only
+    assert _helper(1) == 2
+    assert rebind_global(f, "not_used", None) is None
+
+
+@pytest.mark.parametrize("arch,expected", [("llama", 2), ("qwen3", 2), ("mistral", 2), ("gemma2", 2),
+                                           ("phi3", 0), ("gpt2", 0)])
+def test_rotary_installed_only_where_the_code_matches(arch, expected):
+    model = build_causal_lm(arch)
+    other = build_causal_lm(arch)
+    done = install_rotary(model)
+    assert len(done) == expected  # phi3 has partial rotary, gpt2 none
+    assert all("forward" not in m.__dict__ for m in other.modules())
+    uninstall_rotary(done)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("arch,expected", [("llama", 2), ("qwen2", 2), ("gemma2", 0), ("phi3", 0)])
+def test_silu_mlp_installed_only_for_silu_gated_llama_mlps(arch, expected):
+    model = build_causal_lm(arch)
+    done = install_gated_mlps(model)
+    assert len(done) == expected  # gemma2 gates with GELU, phi3 has a pre-fused gate_up
+    uninstall_gated_mlps(done)
+    assert not any(is_silu_gated_mlp(m) and "forward" in m.__dict__ for m in model.modules())
+
+
+def test_gradients_take_torch_ops():
+    model = build_causal_lm("llama").train()
+    done = install_rotary(model) + install_gated_mlps(model)
+    ids = torch.randint(3, 100, (2, 5))
+    model(input_ids=ids, labels=ids).loss.backward()  # the kernels have no backward
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+    uninstall_rotary(done)
+
+
+def _counting(monkeypatch):
+    calls = collections.Counter()
+    for mod, name in ((rotary_ops, "apply_rotary"), (silu_ops, "silu_mul")):
+        original = getattr(mod, name)
+
+        def counted(*args, _orig=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _orig(*args, **kwargs)
+
+        monkeypatch.setattr(mod, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_patched_model_equals_peft_with_all_small_ops(arch, monkeypatch):
+    calls = _counting(monkeypatch)
+    model = build_peft_lm(arch)
+    batch = left_padded_batch([5, 9, 3, 7])
+    names = ["a0", "__base__", "a1", "a2"]
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, adapter_names=names)
+    with torch.no_grad():
+        ref_logits = model(**batch, adapter_names=names).logits
+        ref_tokens = model.generate(**batch, **gen)
+        report = fastlora.patch(model, fuse_norms=True, fuse_rotary=True, fuse_silu_mul=True,
+                                cuda_graphs="emulate")
+        logits = model(**batch, adapter_names=names).logits
+        tokens = model.generate(**batch, **gen)
+        fastlora.unpatch(model)
+        after = model(**batch, adapter_names=names).logits
+    assert report.fused_rotary == 2 and report.fused_mlps == 2
+    assert "rotary x2, SiLU-mul x2" in str(report)
+    assert calls["apply_rotary"] >= 2 * 7 and calls["silu_mul"] >= 2 * 7  # prefill and every step
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-4)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(after, ref_logits, atol=0, rtol=0)
+    assert all("forward" not in m.__dict__ for m in model.modules() if not hasattr(m, "lora_A"))
+
+
+def test_options_off_and_validated():
+    model = build_peft_lm("llama")
+    report = fastlora.patch(model, fuse_rotary=False, fuse_silu_mul=False, fuse_norms=False)
+    assert report.fused_rotary == report.fused_mlps == report.fused_norms == 0
+    fastlora.unpatch(model)
+    with pytest.raises(ValueError, match="fuse_rotary"):
+        fastlora.patch(model, fuse_rotary="yes")
+    with pytest.raises(ValueError, match="fuse_silu_mul"):
+        fastlora.patch(model, fuse_silu_mul=1.5)
