@@ -66,7 +66,7 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=192)
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", default="benchmarks/results/profile_step_h200.csv")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -88,7 +88,8 @@ def main(argv=None):
             results["base_fast"] = profile(model, step, cache)
     peft_model = add_adapters(model, args.adapters, args.rank)
     names = [f"a{i % args.adapters}" for i in range(args.batch)]
-    fastlora.patch(peft_model, cuda_graphs=False)
+    # eager steps with what the graphed step runs (rotary and SiLU-mul are on by default only with graphs)
+    fastlora.patch(peft_model, cuda_graphs=False, fuse_rotary=True, fuse_silu_mul=True)
     step, cache = decode_inputs(peft_model, args.batch, args.prompt, names, cache_kw)
     results["fastlora"] = profile(peft_model, step, cache)
     fastlora.unpatch(peft_model)

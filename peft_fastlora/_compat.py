@@ -4,6 +4,7 @@ place. The rest of the package asks these helpers, never PEFT's private attribut
 from __future__ import annotations
 
 import inspect
+import os
 import types
 from typing import Dict, Optional, Tuple
 
@@ -160,8 +161,16 @@ def make_static_cache(model: nn.Module, max_cache_len: int, batch_size: Optional
 
 
 def _update_first_rows(layer, key_states, value_states, *args, **kwargs):
-    """``update`` of a static cache layer that also accepts fewer rows than it holds."""
+    """``update`` of a static cache layer that also accepts fewer rows than it holds (it fills the
+    first ones). Where ``ops.kv_cache`` takes the tensors, the write is one kernel and the length
+    increment a second, instead of transformers' five kernels; otherwise transformers' update runs."""
     rows, full_k, full_v = key_states.shape[0], layer.keys, layer.values
+    if _kv_kernel_applies(layer, key_states, value_states):
+        from .ops.kv_cache import kv_cache_write
+
+        kv_cache_write(key_states, value_states, full_k, full_v, layer.cumulative_length)
+        layer.cumulative_length.add_(key_states.shape[-2])
+        return (full_k, full_v) if rows == full_k.shape[0] else (full_k[:rows], full_v[:rows])
     if rows == full_k.shape[0]:
         return type(layer).update(layer, key_states, value_states, *args, **kwargs)
     layer.keys, layer.values = full_k[:rows], full_v[:rows]  # views: writes land in the full tensors
@@ -169,6 +178,30 @@ def _update_first_rows(layer, key_states, value_states, *args, **kwargs):
         return type(layer).update(layer, key_states, value_states, *args, **kwargs)
     finally:
         layer.keys, layer.values = full_k, full_v
+
+
+def _kv_kernel_applies(layer, key, value) -> bool:
+    from transformers.cache_utils import StaticLayer
+
+    # only transformers' plain static layer: a sliding-window layer rolls its window instead
+    if getattr(layer, "is_sliding", False) or getattr(type(layer), "update", None) is not StaticLayer.update:
+        return False
+    keys, length = getattr(layer, "keys", None), getattr(layer, "cumulative_length", None)
+    if not getattr(layer, "is_initialized", False) or not isinstance(keys, torch.Tensor):
+        return False
+    if not isinstance(length, torch.Tensor) or length.numel() != 1 or length.device != keys.device:
+        return False
+    if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
+        return False
+    if key.dim() != 4 or key.shape != value.shape or key.shape[0] > keys.shape[0]:
+        return False
+    if key.shape[1:2] + key.shape[3:] != keys.shape[1:2] + keys.shape[3:] or key.shape[2] > keys.shape[2]:
+        return False
+    if len({key.dtype, value.dtype, keys.dtype, layer.values.dtype}) != 1 or key.device != keys.device:
+        return False
+    if any(t.stride(-1) != 1 for t in (key, value, keys, layer.values)):
+        return False
+    return key.is_cuda or (key.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def cache_state_tensors(cache) -> list:

@@ -122,3 +122,19 @@ def test_1b_shape_graphs_equal_peft_over_64_steps():
     assert stats["replays"] >= 60 and stats["eager_steps"] == 0, stats
     same = (out == ref).all(dim=1)
     assert same.all(), f"rows differing from PEFT: {(~same).nonzero().flatten().tolist()}"
+
+
+@pytest.mark.parametrize("bsz,seq,start", [(32, 1, 200), (128, 1, 511), (4, 128, 0)])
+def test_kv_cache_write_bf16_equals_index_copy(bsz, seq, start):
+    from peft_fastlora.ops.kv_cache import kv_cache_write
+
+    heads, dim, max_len = 8, 128, 512
+    fused = torch.randn(bsz, seq, 2 * heads * dim, device="cuda", dtype=torch.bfloat16)
+    k = fused[..., : heads * dim].view(bsz, seq, heads, dim).transpose(1, 2)
+    v = fused[..., heads * dim:].view(bsz, seq, heads, dim).transpose(1, 2)
+    k_cache = torch.randn(bsz, heads, max_len, dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    pos = torch.arange(start, start + seq, device="cuda")
+    k_ref, v_ref = k_cache.clone().index_copy_(2, pos, k), v_cache.clone().index_copy_(2, pos, v)
+    kv_cache_write(k, v, k_cache, v_cache, torch.tensor(start, device="cuda"))
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)

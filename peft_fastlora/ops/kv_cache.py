@@ -1,0 +1,74 @@
+"""Write a step's keys and values into a static KV cache at its device-side fill length, in one launch.
+
+transformers' ``StaticLayer.update`` spends five kernels per layer on this (``arange``, the
+position add, two ``index_copy_`` and the length increment). Here one kernel writes both k and v
+at ``length + s``, reading ``length`` on the device (no host sync, so CUDA-graph safe); the caller
+then advances ``length`` (one more kernel: a program cannot bump the length other programs are
+still reading).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kv_cache_write_kernel(
+    # pointers
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, length_ptr,
+    # dimensions
+    num_heads, seq_len, max_len, head_dim,
+    # strides: new k / v (batch, head, position), cache (batch, head, position); last dims contiguous
+    k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, c_sb, c_sh, c_ss,
+    # meta-parameters
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    b = (bh // num_heads).to(tl.int64)
+    h = (bh % num_heads).to(tl.int64)
+    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos = tl.load(length_ptr).to(tl.int64) + offs_s
+    # positions past the cache are dropped, never written out of bounds (the caller sizes caches)
+    mask = ((offs_s < seq_len) & (pos < max_len))[:, None] & (offs_d < head_dim)[None, :]
+    dst = b * c_sb + h * c_sh + pos[:, None] * c_ss + offs_d[None, :]
+    k = tl.load(k_ptr + b * k_sb + h * k_sh + offs_s[:, None] * k_ss + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + b * v_sb + h * v_sh + offs_s[:, None] * v_ss + offs_d[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def kv_cache_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   length: torch.Tensor) -> None:
+    """``k_cache[:B, :, length + s] = key[:, :, s]`` (and the same for values), for s < S.
+
+    Args:
+        key, value: (B, H, S, D), any strides with a contiguous last dimension.
+        k_cache, v_cache: (B_cache >= B, H, L, D), the same dtype, last dimension contiguous, one
+            shape and strides.
+        length: a one-element integer tensor on the same device: the first position to write.
+            It is not advanced here. Positions at or past L are not written.
+    """
+    if key.shape != value.shape or key.dim() != 4:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must be one (B, H, S, D) shape")
+    bsz, heads, seq, dim = key.shape
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.dim() != 4:
+        raise ValueError("the key and value caches must share one 4-D shape and strides")
+    if k_cache.shape[0] < bsz or k_cache.shape[1] != heads or k_cache.shape[3] != dim:
+        raise ValueError(f"cache {tuple(k_cache.shape)} cannot hold states {tuple(key.shape)}")
+    if len({key.dtype, value.dtype, k_cache.dtype, v_cache.dtype}) != 1:
+        raise TypeError("states and caches must share one dtype")
+    if any(t.stride(-1) != 1 for t in (key, value, k_cache, v_cache)):
+        raise ValueError("the last dimension of the states and caches must be contiguous")
+    if length.numel() != 1 or length.is_floating_point() or length.device != key.device:
+        raise ValueError("length must be one integer on the states' device")
+    block_s = min(16, triton.next_power_of_2(max(seq, 1)))
+    if bsz * heads and seq:
+        _kv_cache_write_kernel[(bsz * heads, triton.cdiv(seq, block_s))](
+            key, value, k_cache, v_cache, length,
+            heads, seq, k_cache.shape[2], dim,
+            key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(dim), num_warps=1 if dim <= 64 else 2)

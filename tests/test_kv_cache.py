@@ -1,0 +1,105 @@
+"""The KV-cache write kernel against ``index_copy_`` (the interpreter on CPU), and fastlora's static
+cache layers (``_compat.make_static_cache``) against transformers' own ``StaticLayer.update``."""
+
+import pytest
+import torch
+
+from peft_fastlora import _compat
+from peft_fastlora.ops.kv_cache import kv_cache_write
+
+
+def states(bsz, heads, seq, dim, dtype):
+    """k / v as views of one fused projection output, as the attention modules pass v."""
+    fused = torch.randn(bsz, seq, 2 * heads * dim).to(dtype)
+    k = fused[..., : heads * dim].view(bsz, seq, heads, dim).transpose(1, 2)
+    v = fused[..., heads * dim:].view(bsz, seq, heads, dim).transpose(1, 2)
+    return k, v
+
+
+def reference(k_cache, v_cache, k, v, start):
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    pos = torch.arange(start, start + k.shape[2])
+    keep = pos < k_cache.shape[2]
+    rows = k.shape[0]
+    k_ref[:rows].index_copy_(2, pos[keep], k[:, :, keep])
+    v_ref[:rows].index_copy_(2, pos[keep], v[:, :, keep])
+    return k_ref, v_ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bsz,cache_rows,heads,seq,dim,max_len,start", [
+    (3, 3, 2, 1, 16, 10, 0),    # first decode position
+    (3, 5, 2, 1, 16, 10, 9),    # the last position, fewer rows than the cache holds
+    (2, 2, 3, 7, 12, 20, 4),    # a prefill of 7 at an offset, head dim 12
+    (1, 2, 1, 19, 8, 20, 0),    # a prefill longer than one block
+    (2, 2, 2, 4, 8, 10, 8),     # runs past the end: positions >= 10 are dropped
+])
+def test_write_equals_index_copy(dtype, bsz, cache_rows, heads, seq, dim, max_len, start):
+    k, v = states(bsz, heads, seq, dim, dtype)
+    k_cache = torch.randn(cache_rows, heads, max_len, dim).to(dtype)
+    v_cache = torch.randn(cache_rows, heads, max_len, dim).to(dtype)
+    k_ref, v_ref = reference(k_cache, v_cache, k, v, start)
+    length = torch.tensor(start)
+    kv_cache_write(k, v, k_cache, v_cache, length)
+    assert int(length) == start  # the caller advances it
+    torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
+
+
+def test_bad_inputs():
+    k, v = states(2, 2, 1, 8, torch.float32)
+    cache = torch.zeros(2, 2, 5, 8)
+    with pytest.raises(ValueError, match="one"):
+        kv_cache_write(k, v[..., :4], cache, cache.clone(), torch.tensor(0))
+    with pytest.raises(ValueError, match="cannot hold"):
+        kv_cache_write(k, v, cache[:1], cache[:1].clone(), torch.tensor(0))
+    with pytest.raises(TypeError, match="dtype"):
+        kv_cache_write(k, v, cache.half(), cache.half(), torch.tensor(0))
+    with pytest.raises(ValueError, match="length"):
+        kv_cache_write(k, v, cache, cache.clone(), torch.tensor(0.0))
+
+
+def test_static_cache_layers_match_transformers_update(monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from peft_fastlora.ops import kv_cache
+
+    calls = []
+    monkeypatch.setattr(kv_cache, "kv_cache_write", lambda *a: calls.append(1) or kv_cache_write(*a))
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg)
+    ours = _compat.make_static_cache(model, 12, batch_size=4)  # fastlora's: padded rows, kernel writes
+    theirs = _compat.make_static_cache(model, 12, batch_size=3)
+    theirs_layer = theirs.layers[0]
+    theirs_layer.update = type(theirs_layer).update.__get__(theirs_layer)  # transformers' own update
+    for seq in (5, 1, 1):  # a prefill, then two decode steps, for 3 of the 4 rows
+        k, v = states(3, 2, seq, 8, torch.float32)
+        got_k, got_v = ours.layers[0].update(k, v, 0)
+        want_k, want_v = theirs_layer.update(k, v, 0)
+        assert got_k.shape == want_k.shape
+        torch.testing.assert_close(got_k, want_k, atol=0, rtol=0)
+        torch.testing.assert_close(got_v, want_v, atol=0, rtol=0)
+        assert int(ours.layers[0].cumulative_length) == int(theirs_layer.cumulative_length)
+    assert not ours.layers[0].keys[3].any()  # the padding row was never written
+    assert len(calls) == 3  # every update took the kernel
+
+
+def test_sliding_window_layers_keep_transformers_update():
+    """Gemma 2 alternates sliding and full layers: a sliding layer rolls its window, so only the
+    full ones may take the kernel; generate through the graph runner (emulated) equals PEFT's."""
+    import peft_fastlora as fastlora
+
+    from _models import build_peft_lm, left_padded_batch
+
+    model = build_peft_lm("gemma2")
+    model.generation_config.eos_token_id = None
+    batch = left_padded_batch([5, 9, 3, 7])
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, adapter_names=["a0", "__base__", "a1", "a2"])
+    with torch.no_grad():
+        ref = model.generate(**batch, **kw)
+        fastlora.patch(model, cuda_graphs="emulate")
+        out = model.generate(**batch, **kw)
+        fastlora.unpatch(model)
+    assert torch.equal(out, ref)
