@@ -229,3 +229,48 @@ def cache_is_graph_safe(cache) -> Optional[str]:
         if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
             return f"cache layer {type(layer).__name__} tracks its length on the host"
     return None
+
+
+# ---- PEFT's forward hooks after an error ---------------------------------------------------------
+_HOOK_GUARD = "_enable_peft_forward_hooks"
+
+
+def guard_peft_forward_hooks(peft_model: nn.Module) -> bool:
+    """Make PEFT remove its per-call ``adapter_names`` hooks when the call raises.
+
+    PEFT registers forward pre-hooks on every LoRA layer for a call with ``adapter_names`` and
+    removes them only when the call returns (its context manager has no ``finally``:
+    huggingface/peft#3475), so after any error inside the call (an unknown adapter, too many
+    adapters for fastlora's batch) the stale hooks break every later call. This wraps the context
+    manager on this model instance: on an exception, hooks added during the call are removed.
+    Returns False when the model has no such context manager (nothing to guard).
+    """
+    import contextlib
+
+    original = getattr(peft_model, _HOOK_GUARD, None)
+    if original is None or _HOOK_GUARD in peft_model.__dict__:
+        return False
+    layers = [m for m in peft_model.modules() if isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer)]
+
+    @contextlib.contextmanager
+    def guarded(*args, **kwargs):
+        before = [(m, set(m._forward_pre_hooks), set(m._forward_hooks)) for m in layers]
+        try:
+            with original(*args, **kwargs):
+                yield
+        except BaseException:
+            for m, pre, post in before:
+                for key in [k for k in m._forward_pre_hooks if k not in pre]:
+                    del m._forward_pre_hooks[key]
+                    m._forward_pre_hooks_with_kwargs.pop(key, None)
+                for key in [k for k in m._forward_hooks if k not in post]:
+                    del m._forward_hooks[key]
+                    m._forward_hooks_with_kwargs.pop(key, None)
+            raise
+
+    peft_model.__dict__[_HOOK_GUARD] = guarded
+    return True
+
+
+def unguard_peft_forward_hooks(peft_model: nn.Module) -> None:
+    peft_model.__dict__.pop(_HOOK_GUARD, None)

@@ -174,6 +174,7 @@ class FastLoRAState:
         from .generate import install_generate
 
         install_generate(self)
+        _compat.guard_peft_forward_hooks(self.model)
         report.decode_attention = self._enable_decode_attention() or "on"
         self._install_small_ops()
         report.fused_norms = len(self.small_ops.get("fuse_norms", ()))
@@ -236,6 +237,7 @@ class FastLoRAState:
         disable_decode_attention(self.inner)
         self._uninstall_small_ops()
         uninstall_generate(self)
+        _compat.unguard_peft_forward_hooks(self.model)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

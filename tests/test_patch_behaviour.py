@@ -4,7 +4,9 @@ Every test builds two identical tiny models from the same seeds: ``m`` is patche
 PEFT's own. Adapters use ``init_lora_weights=False`` (random, non-zero B) so that each adapter
 changes the output and a wrong slot, a stale stack or a skipped delta shows up. A PEFT forward that
 raises inside a layer leaves PEFT's ``adapter_names`` hooks registered (PEFT's context manager has
-no ``finally``: huggingface/peft#3475), so a model is not used for anything else after such an error.
+no ``finally``: huggingface/peft#3475), so a *reference* model is not used for anything else after
+such an error; a patched model removes them (``_compat.guard_peft_forward_hooks``) and is checked to
+work after its errors.
 """
 
 from __future__ import annotations
@@ -101,6 +103,17 @@ def instance_forwards(model):
     return [n for n, mod in model.named_modules() if "forward" in mod.__dict__]
 
 
+def lora_hook_count(model):
+    return sum(len(mod._forward_pre_hooks) + len(mod._forward_hooks) for mod in model.modules()
+               if hasattr(mod, "lora_A"))
+
+
+def assert_still_serves(m, **kw):
+    """After an error inside a call, the patched model has no stale hooks and equals a fresh PEFT model."""
+    assert lora_hook_count(m) == 0
+    assert_same_as(m, build(**kw), ["sql", "__base__", "sql", "__base__"])
+
+
 # ---- bad inputs ----------------------------------------------------------------------------------
 def test_unknown_adapter_name_raises_like_peft():
     m, ref = pair()
@@ -111,6 +124,7 @@ def test_unknown_adapter_name_raises_like_peft():
     with pytest.raises(ValueError) as want:
         logits(ref, bad)
     assert str(got.value) == str(want.value)
+    assert_still_serves(m)
 
 
 def test_adapter_names_length_mismatch_raises_like_peft():
@@ -134,6 +148,8 @@ def test_too_many_distinct_adapters_in_one_batch():
     with torch.no_grad(), pytest.raises(ValueError, match="max_loras_per_batch=2"):
         m.generate(input_ids=IDS, attention_mask=MASK, adapter_names=["mlp", "chat", "sql", "sql"],
                    max_new_tokens=2, do_sample=False)
+    assert_still_serves(m, adapters=(("sql", ALL, 4, {}), ("chat", ("q_proj", "v_proj"), 8, {}),
+                                     ("mlp", ("gate_proj",), 2, {})))
 
 
 def test_unknown_backend_leaves_the_model_alone():

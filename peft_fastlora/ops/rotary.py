@@ -90,7 +90,9 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
         raise TypeError("q, k, cos and sin must share one dtype")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("the last dimension of q and k must be contiguous")
-    cos, sin = cos.expand(bsz, -1, -1).contiguous(), sin.expand(bsz, -1, -1).contiguous()
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    c_sb = cos.stride(0) if cos.shape[0] == bsz else 0  # a batch of one is shared by every row
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     num_heads = num_q + k.shape[1]
@@ -101,7 +103,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
             q, k, cos, sin, q_out, k_out,
             seq, num_q, num_heads, dim // 2,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            cos.stride(0), cos.stride(1),
+            c_sb, cos.stride(1),
             BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(max(dim // 2, 1)), num_warps=4,
             enable_fp_fusion=False)
     return q_out, k_out
