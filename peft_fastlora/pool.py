@@ -66,6 +66,8 @@ class SitePool:
         self.max_rank = 0
         self.unsupported: dict[int, str] = {}  # slot -> why PEFT's own path must serve it here
         self._signature = None
+        self._watched = None
+        self._registry_names = None
 
     @property
     def stack_num(self) -> int:
@@ -87,9 +89,50 @@ class SitePool:
             sig.append(tuple(entries))
         return tuple(sig)
 
+    def _watch(self):
+        """What ``stale`` checks on every forward, pre-resolved: per layer, the ``lora_A`` /
+        ``lora_B`` module dicts and their keys, the scaling dict and a copy of it, and each adapter's
+        A / B sub-modules and weights with their address and version. Covers what the signature
+        covers (names, identity, address, version, scaling) with plain dict and attribute reads.
+        None for embedding sites, which keep the signature."""
+        if self.embedding:
+            return None
+        watch = []
+        for layer in self.layers:
+            if layer is None:
+                continue
+            mods_a, mods_b = layer.lora_A._modules, layer.lora_B._modules
+            weights = []
+            for name in mods_a:
+                if name not in mods_b:
+                    continue
+                ma, mb = mods_a[name], mods_b[name]
+                a, b = ma._parameters.get("weight"), mb._parameters.get("weight")
+                if a is None or b is None:
+                    return None  # not PEFT's usual layout: keep the signature
+                weights.append((name, ma, a, a.data_ptr(), a._version, mb, b, b.data_ptr(), b._version))
+            watch.append((mods_a, tuple(mods_a), mods_b, tuple(mods_b), layer.scaling, dict(layer.scaling),
+                          weights))
+        return watch
+
+    def _watch_clean(self) -> bool:
+        for mods_a, keys_a, mods_b, keys_b, scaling, scaling_then, weights in self._watched:
+            if tuple(mods_a) != keys_a or tuple(mods_b) != keys_b or scaling != scaling_then:
+                return False
+            for name, ma, a, pa, va, mb, b, pb, vb in weights:
+                if mods_a[name] is not ma or mods_b[name] is not mb:
+                    return False
+                if ma._parameters.get("weight") is not a or mb._parameters.get("weight") is not b:
+                    return False
+                if a._version != va or b._version != vb or a.data_ptr() != pa or b.data_ptr() != pb:
+                    return False
+        return True
+
     def stale(self, registry: AdapterRegistry, dtype: torch.dtype) -> bool:
         if self.lora_a is None or self.lora_a.dtype != dtype:
             return True
+        if self._watched is not None:
+            return self._registry_names != registry.names or not self._watch_clean()
         return self._signature != self._current_signature(registry)
 
     @torch.no_grad()
@@ -122,6 +165,8 @@ class SitePool:
         self.ranks = torch.tensor(ranks, dtype=torch.int32, device=device).reshape(n_slots, c)
         self.scalings = torch.tensor(scal, dtype=torch.float32, device=device).reshape(n_slots, c)
         self._signature = self._current_signature(registry)
+        self._watched = self._watch()
+        self._registry_names = list(registry.names)
 
     def slot_ranks_host(self) -> List[int]:
         """Largest rank of each slot over the stacked modules (host list)."""

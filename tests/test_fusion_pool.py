@@ -316,3 +316,35 @@ def test_fusion_blocked_by_a_forward_hook():
     assert "1 groups not fused" in str(report)
     assert report.counts() == {"qkv": 1, "gate_up": 2, "linear": 4 + 3}
     torch.testing.assert_close(logits(m), logits(ref), **TOL)
+
+
+def _mutations():
+    def scaling(v):
+        v.scaling["chat"] = v.scaling["chat"] * 2
+    def new_parameter(v):
+        v.lora_B["chat"].weight = torch.nn.Parameter(v.lora_B["chat"].weight.detach().clone())
+    def new_module(v):
+        old = v.lora_A["chat"]
+        v.lora_A["chat"] = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    def new_storage(v):
+        v.lora_A["chat"].weight.data = v.lora_A["chat"].weight.data.clone()
+    def in_place(v):
+        with torch.no_grad():
+            v.lora_B["chat"].weight.add_(1.0)
+    def deleted(v):
+        del v.lora_B["chat"]
+    return {f.__name__: f for f in (scaling, new_parameter, new_module, new_storage, in_place, deleted)}
+
+
+@pytest.mark.parametrize("mutation", sorted(_mutations()))
+def test_pool_sees_every_kind_of_change(mutation):
+    """The per-forward check (``SitePool._watch``) covers what the full signature covers."""
+    m = build()
+    fastlora.patch(m)
+    logits(m)
+    state = get_state(m)
+    pool = _site(state, "qkv", 0).pool
+    assert pool._watched is not None and not pool.stale(state.registry, torch.float32)
+    _mutations()[mutation](layers_of(m)[0].self_attn.v_proj)
+    assert pool.stale(state.registry, torch.float32)
+    assert pool._current_signature(state.registry) != pool._signature  # the slow check agrees
