@@ -140,10 +140,12 @@ def generate_cache_kwarg(model: nn.Module) -> str:
     return cache_kwarg_name(model)
 
 
-def make_static_cache(model: nn.Module, max_cache_len: int, batch_size: Optional[int] = None):
+def make_static_cache(model: nn.Module, max_cache_len: int, batch_size: Optional[int] = None,
+                      kernel_writes: bool = True):
     """A ``StaticCache``; with ``batch_size``, allocated now for that many rows and able to take
     a prefill of fewer rows (it fills the first ones), so one cache and one decode graph serve
-    every batch up to ``batch_size`` (the rest are padding rows)."""
+    every batch up to ``batch_size`` (the rest are padding rows). ``kernel_writes``: full-attention
+    layers write new keys and values with ``ops.kv_cache`` where it applies."""
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
@@ -157,6 +159,7 @@ def make_static_cache(model: nn.Module, max_cache_len: int, batch_size: Optional
     for layer in cache.layers:
         layer.lazy_initialization(probe, probe)
         layer.update = types.MethodType(_update_first_rows, layer)
+        layer._fastlora_kernel_writes = kernel_writes
     return cache
 
 
@@ -165,7 +168,7 @@ def _update_first_rows(layer, key_states, value_states, *args, **kwargs):
     first ones). Where ``ops.kv_cache`` takes the tensors, the write is one kernel and the length
     increment a second, instead of transformers' five kernels; otherwise transformers' update runs."""
     rows, full_k, full_v = key_states.shape[0], layer.keys, layer.values
-    if _kv_kernel_applies(layer, key_states, value_states):
+    if getattr(layer, "_fastlora_kernel_writes", False) and _kv_kernel_applies(layer, key_states, value_states):
         from .ops.kv_cache import kv_cache_write
 
         kv_cache_write(key_states, value_states, full_k, full_v, layer.cumulative_length)

@@ -99,7 +99,8 @@ class DecodeGraphRunner:
         key = (rows, _length_bucket(needed_len))
         cache = self.caches.get(key)
         if cache is None:
-            cache = _compat.make_static_cache(self.model, key[1], batch_size=rows)
+            kernel_writes = self.state is None or self.state.options.get("fuse_kv_write", "auto") is not False
+            cache = _compat.make_static_cache(self.model, key[1], batch_size=rows, kernel_writes=kernel_writes)
             self.caches[key] = cache
         else:
             cache.reset()

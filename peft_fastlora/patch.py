@@ -78,13 +78,13 @@ class FastLoRAState:
 
     def __init__(self, model: nn.Module, backend: str, fuse: bool, max_loras_per_batch: Optional[int],
                  cuda_graphs="auto", graph_buckets=None, decode_attention="auto", fuse_norms="auto",
-                 fuse_rotary="auto", fuse_silu_mul="auto"):
+                 fuse_rotary="auto", fuse_silu_mul="auto", fuse_kv_write="auto"):
         self.model = model
         self.inner = _compat.unwrap_peft(model)
         self.options = dict(backend=backend, fuse=fuse, max_loras_per_batch=max_loras_per_batch,
                             cuda_graphs=cuda_graphs, graph_buckets=graph_buckets or DEFAULT_BUCKETS,
                             decode_attention=decode_attention, fuse_norms=fuse_norms,
-                            fuse_rotary=fuse_rotary, fuse_silu_mul=fuse_silu_mul)
+                            fuse_rotary=fuse_rotary, fuse_silu_mul=fuse_silu_mul, fuse_kv_write=fuse_kv_write)
         self.small_ops = {}  # option name -> the modules given a one-kernel forward
         self.generation = 0  # bumped whenever a stack or fused weight is rebuilt (graphs hold them)
         self.graph_batch_info = None  # set by the graph runner before a capture or replay
@@ -327,7 +327,8 @@ def get_state(model: nn.Module) -> Optional[FastLoRAState]:
 def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
           max_loras_per_batch: Optional[int] = None, cuda_graphs="auto",
           graph_buckets: Optional[Sequence[int]] = None, decode_attention="auto",
-          fuse_norms="auto", fuse_rotary="auto", fuse_silu_mul="auto") -> PatchReport:
+          fuse_norms="auto", fuse_rotary="auto", fuse_silu_mul="auto",
+          fuse_kv_write="auto") -> PatchReport:
     """Serve the LoRA adapters of ``model`` (a ``PeftModel``) through a fastlora backend.
 
     Args:
@@ -351,6 +352,8 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             ``True`` or ``False``.
         fuse_silu_mul: SiLU-gated Llama-family MLPs compute ``silu(gate) * up`` in one Triton
             kernel (inference only): ``"auto"`` (on CUDA with graphs on), ``True`` or ``False``.
+        fuse_kv_write: the static caches fastlora owns for its graphs write a step's keys and
+            values in one Triton kernel (full-attention layers): ``"auto"``/``True`` or ``False``.
     Returns:
         the ``PatchReport``. Patching a patched model changes nothing and returns its report.
     """
@@ -361,13 +364,14 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         raise ValueError(f"cuda_graphs must be True, False, 'auto' or 'emulate', got {cuda_graphs!r}")
     if graph_buckets is not None and (not graph_buckets or any(int(b) < 1 for b in graph_buckets)):
         raise ValueError(f"graph_buckets must be positive batch sizes, got {graph_buckets!r}")
-    for opt, value in (("fuse_norms", fuse_norms), ("fuse_rotary", fuse_rotary), ("fuse_silu_mul", fuse_silu_mul)):
+    for opt, value in (("fuse_norms", fuse_norms), ("fuse_rotary", fuse_rotary), ("fuse_silu_mul", fuse_silu_mul),
+                       ("fuse_kv_write", fuse_kv_write)):
         if value not in (True, False, "auto"):
             raise ValueError(f"{opt} must be True, False or 'auto', got {value!r}")
     if decode_attention not in (True, False, "auto"):
         raise ValueError(f"decode_attention must be True, False or 'auto', got {decode_attention!r}")
     state = FastLoRAState(model, backend, fuse, max_loras_per_batch, cuda_graphs, graph_buckets,
-                          decode_attention, fuse_norms, fuse_rotary, fuse_silu_mul)
+                          decode_attention, fuse_norms, fuse_rotary, fuse_silu_mul, fuse_kv_write)
     model.__dict__[_STATE_ATTR] = state
     try:
         report = state.build()

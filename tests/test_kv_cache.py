@@ -103,3 +103,27 @@ def test_sliding_window_layers_keep_transformers_update():
         out = model.generate(**batch, **kw)
         fastlora.unpatch(model)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("option,expect_kernel", [("auto", True), (False, False)])
+def test_fuse_kv_write_option(option, expect_kernel, monkeypatch):
+    import peft_fastlora as fastlora
+    from peft_fastlora.ops import kv_cache
+
+    from _models import build_peft_lm, left_padded_batch
+
+    calls = []
+    monkeypatch.setattr(kv_cache, "kv_cache_write", lambda *a: calls.append(1) or kv_cache_write(*a))
+    model = build_peft_lm("llama")
+    model.generation_config.eos_token_id = None
+    batch = left_padded_batch([5, 9, 3])
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, adapter_names=["a0", "__base__", "a2"])
+    with torch.no_grad():
+        ref = model.generate(**batch, **kw)
+        fastlora.patch(model, cuda_graphs="emulate", fuse_kv_write=option)
+        out = model.generate(**batch, **kw)
+        fastlora.unpatch(model)
+    assert torch.equal(out, ref)
+    assert bool(calls) == expect_kernel
+    with pytest.raises(ValueError, match="fuse_kv_write"):
+        fastlora.patch(model, fuse_kv_write="yes")
