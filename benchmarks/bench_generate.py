@@ -152,21 +152,20 @@ def fast_base_ops(model):
     """fastlora's decode attention, RMSNorm, rotary and SiLU-mul on a plain transformers model
     (what ``patch`` installs next to the LoRA layers); yields None, or why they are not used."""
     from peft_fastlora.attention import disable_decode_attention, enable_decode_attention
-    from peft_fastlora.gated_mlp import install_gated_mlps, uninstall_gated_mlps
-    from peft_fastlora.norms import install_norms, uninstall_norms
-    from peft_fastlora.rotary import install_rotary, uninstall_rotary
+    from peft_fastlora._forwards import remove_instance_forwards
+    from peft_fastlora.gated_mlp import install_gated_mlps
+    from peft_fastlora.norms import install_norms
+    from peft_fastlora.rotary import install_rotary
 
     why = enable_decode_attention(model) if DEVICE == "cuda" else "not on CUDA"
     if why is not None:
         yield why
         return
-    done = [(install_norms(model), uninstall_norms), (install_rotary(model), uninstall_rotary),
-            (install_gated_mlps(model), uninstall_gated_mlps)]
+    done = install_norms(model) + install_rotary(model) + install_gated_mlps(model)
     try:
         yield None
     finally:
-        for modules, undo in done:
-            undo(modules)
+        remove_instance_forwards(done)
         disable_decode_attention(model)
 
 

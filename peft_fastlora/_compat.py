@@ -4,7 +4,6 @@ place. The rest of the package asks these helpers, never PEFT's private attribut
 from __future__ import annotations
 
 import inspect
-import os
 import types
 from typing import Dict, Optional, Tuple
 
@@ -204,7 +203,9 @@ def _kv_kernel_applies(layer, key, value) -> bool:
         return False
     if any(t.stride(-1) != 1 for t in (key, value, keys, layer.values)):
         return False
-    return key.is_cuda or (key.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    from ._forwards import kernel_runs_on
+
+    return kernel_runs_on(key, value, keys)
 
 
 def cache_state_tensors(cache) -> list:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import ast
 import inspect
-import os
 import textwrap
-import types
 from typing import List, Tuple
 
 import torch
 from torch import nn
+
+from ._forwards import kernel_runs_on, set_instance_forward
 
 _REFERENCE_FORWARD = '''
 def forward(self, x):
@@ -63,7 +63,7 @@ def _kernel_applies(gate: torch.Tensor, up: torch.Tensor) -> bool:
         gate.view(-1, gate.shape[-1]), up.view(-1, up.shape[-1])
     except RuntimeError:
         return False
-    return gate.is_cuda or (gate.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return kernel_runs_on(gate, up)
 
 
 def install_gated_mlps(root: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -79,11 +79,6 @@ def install_gated_mlps(root: nn.Module) -> List[Tuple[str, nn.Module]]:
     done = []
     for name, m in root.named_modules():
         if "forward" not in m.__dict__ and is_silu_gated_mlp(m):
-            m.forward = types.MethodType(forward, m)
+            set_instance_forward(m, forward)
             done.append((name, m))
     return done
-
-
-def uninstall_gated_mlps(modules: List[Tuple[str, nn.Module]]) -> None:
-    for _, m in modules:
-        m.__dict__.pop("forward", None)

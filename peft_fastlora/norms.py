@@ -10,12 +10,12 @@ go through the original forward.
 from __future__ import annotations
 
 import inspect
-import os
-import types
 from typing import List, Tuple
 
 import torch
 from torch import nn
+
+from ._forwards import kernel_runs_on, set_instance_forward
 
 _REFERENCE_FORWARD = '''    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
@@ -41,8 +41,7 @@ def _kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
         return False
-    on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return on_device and x.device == weight.device and x.stride(-1) == 1
+    return kernel_runs_on(x, weight) and x.device == weight.device and x.stride(-1) == 1
 
 
 def install_norms(root: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -59,11 +58,6 @@ def install_norms(root: nn.Module) -> List[Tuple[str, nn.Module]]:
                 return _orig(hidden_states)
             return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
-        m.forward = types.MethodType(forward, m)
+        set_instance_forward(m, forward)
         done.append((name, m))
     return done
-
-
-def uninstall_norms(modules: List[Tuple[str, nn.Module]]) -> None:
-    for _, m in modules:
-        m.__dict__.pop("forward", None)

@@ -200,14 +200,10 @@ class FastLoRAState:
                 self.small_ops[opt] = install(self.inner)
 
     def _uninstall_small_ops(self):
-        from .gated_mlp import uninstall_gated_mlps
-        from .norms import uninstall_norms
-        from .rotary import uninstall_rotary
+        from ._forwards import remove_instance_forwards
 
-        uninstall = dict(fuse_norms=uninstall_norms, fuse_rotary=uninstall_rotary,
-                         fuse_silu_mul=uninstall_gated_mlps)
-        for opt, modules in self.small_ops.items():
-            uninstall[opt](modules)
+        for modules in self.small_ops.values():
+            remove_instance_forwards(modules)
         self.small_ops = {}
 
     def _enable_decode_attention(self) -> Optional[str]:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import ast
 import inspect
-import os
 import textwrap
 import types
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+
+from ._forwards import kernel_runs_on, set_instance_forward
 
 _NAME = "apply_rotary_pos_emb"
 
@@ -90,7 +91,7 @@ def _kernel_applies(q, k, cos, sin) -> bool:
         return False
     if q.stride(-1) != 1 or k.stride(-1) != 1 or len({t.device for t in (q, k, cos, sin)}) != 1:
         return False
-    return q.is_cuda or (q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return kernel_runs_on(q, k, cos, sin)
 
 
 def make_fast_apply(original: Callable) -> Callable:
@@ -158,11 +159,6 @@ def install_rotary(root: nn.Module) -> List[Tuple[str, nn.Module]]:
             if code is not None and _NAME in code.co_names and callable(original) and is_llama_rotary(original):
                 copies[forward] = rebind_global(forward, _NAME, make_fast_apply(original))
         if copies[forward] is not None:
-            m.forward = types.MethodType(copies[forward], m)
+            set_instance_forward(m, copies[forward])
             done.append((name, m))
     return done
-
-
-def uninstall_rotary(modules: List[Tuple[str, nn.Module]]) -> None:
-    for _, m in modules:
-        m.__dict__.pop("forward", None)

@@ -24,6 +24,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
+from _helpers import count_calls  # noqa: E402
+
 VOCAB = 100  # not 2 * INTER: the GEMM count tells widths apart
 HIDDEN, INTER, HEADS, KV_HEADS = 32, 48, 4, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -95,16 +97,7 @@ def layers_of(model):
 
 @pytest.fixture
 def calls(monkeypatch):
-    counter = Counter()
-    for name in ("run_qkv_lora", "run_gate_up_lora", "run_lora_b_sgemm"):
-        orig = getattr(SegmentedLoRABackend, name)
-
-        def wrapper(self, *args, _orig=orig, _name=name, **kwargs):
-            counter[_name] += 1
-            return _orig(self, *args, **kwargs)
-
-        monkeypatch.setattr(SegmentedLoRABackend, name, wrapper)
-    return counter
+    return count_calls(monkeypatch, SegmentedLoRABackend, ("run_qkv_lora", "run_gate_up_lora", "run_lora_b_sgemm"))
 
 
 @pytest.fixture(scope="module")

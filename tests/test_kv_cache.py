@@ -7,6 +7,8 @@ import torch
 from peft_fastlora import _compat
 from peft_fastlora.ops.kv_cache import kv_cache_write
 
+from _helpers import count_calls
+
 
 def states(bsz, heads, seq, dim, dtype):
     """k / v as views of one fused projection output, as the attention modules pass v."""
@@ -64,8 +66,7 @@ def test_static_cache_layers_match_transformers_update(monkeypatch):
 
     from peft_fastlora.ops import kv_cache
 
-    calls = []
-    monkeypatch.setattr(kv_cache, "kv_cache_write", lambda *a: calls.append(1) or kv_cache_write(*a))
+    calls = count_calls(monkeypatch, kv_cache, ["kv_cache_write"])
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
@@ -83,7 +84,7 @@ def test_static_cache_layers_match_transformers_update(monkeypatch):
         torch.testing.assert_close(got_v, want_v, atol=0, rtol=0)
         assert int(ours.layers[0].cumulative_length) == int(theirs_layer.cumulative_length)
     assert not ours.layers[0].keys[3].any()  # the padding row was never written
-    assert len(calls) == 3  # every update took the kernel
+    assert calls["kv_cache_write"] == 3  # every update took the kernel
 
 
 def test_sliding_window_layers_keep_transformers_update():
@@ -112,8 +113,7 @@ def test_fuse_kv_write_option(option, expect_kernel, monkeypatch):
 
     from _models import build_peft_lm, left_padded_batch
 
-    calls = []
-    monkeypatch.setattr(kv_cache, "kv_cache_write", lambda *a: calls.append(1) or kv_cache_write(*a))
+    calls = count_calls(monkeypatch, kv_cache, ["kv_cache_write"])
     model = build_peft_lm("llama")
     model.generation_config.eos_token_id = None
     batch = left_padded_batch([5, 9, 3])
@@ -124,6 +124,6 @@ def test_fuse_kv_write_option(option, expect_kernel, monkeypatch):
         out = model.generate(**batch, **kw)
         fastlora.unpatch(model)
     assert torch.equal(out, ref)
-    assert bool(calls) == expect_kernel
+    assert bool(calls["kv_cache_write"]) == expect_kernel
     with pytest.raises(ValueError, match="fuse_kv_write"):
         fastlora.patch(model, fuse_kv_write="yes")

@@ -12,7 +12,6 @@ work after its errors.
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 import pytest
 import torch
@@ -25,6 +24,8 @@ from peft_fastlora.patch import get_state
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 from peft import LoraConfig, get_peft_model  # noqa: E402
+
+from _helpers import count_calls  # noqa: E402
 
 VOCAB = 96
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -75,6 +76,15 @@ def logits(model, names=None, ids=IDS):
         return model(input_ids=ids, attention_mask=torch.ones_like(ids), **kw).logits
 
 
+def assert_raises_like_peft(m, ref, names, match):
+    """The patched model raises PEFT's own ValueError (same message) for these adapter names."""
+    with pytest.raises(ValueError, match=match) as got:
+        logits(m, names)
+    with pytest.raises(ValueError) as want:
+        logits(ref, names)
+    assert str(got.value) == str(want.value)
+
+
 def assert_same_as(m, ref, names=NAMES):
     torch.testing.assert_close(logits(m, names), logits(ref, names), **TOL)
 
@@ -87,16 +97,7 @@ def base_logits(ids=IDS):
 @pytest.fixture
 def calls(monkeypatch):
     """Counts backend calls (class level, so it survives a re-scan that builds a new backend)."""
-    counter = Counter()
-    for name in BACKEND_METHODS:
-        orig = getattr(SegmentedLoRABackend, name)
-
-        def wrapper(self, *args, _orig=orig, _name=name, **kwargs):
-            counter[_name] += 1
-            return _orig(self, *args, **kwargs)
-
-        monkeypatch.setattr(SegmentedLoRABackend, name, wrapper)
-    return counter
+    return count_calls(monkeypatch, SegmentedLoRABackend, BACKEND_METHODS)
 
 
 def instance_forwards(model):
@@ -119,22 +120,14 @@ def test_unknown_adapter_name_raises_like_peft():
     m, ref = pair()
     fastlora.patch(m)
     bad = ["sql", "zzz", "__base__", "yyy"]
-    with pytest.raises(ValueError, match="non-existing adapter.*yyy, zzz") as got:
-        logits(m, bad)
-    with pytest.raises(ValueError) as want:
-        logits(ref, bad)
-    assert str(got.value) == str(want.value)
+    assert_raises_like_peft(m, ref, bad, "non-existing adapter.*yyy, zzz")
     assert_still_serves(m)
 
 
 def test_adapter_names_length_mismatch_raises_like_peft():
     m, ref = pair()
     fastlora.patch(m)
-    with pytest.raises(ValueError, match="Length of `adapter_names`.*2 and 4") as got:
-        logits(m, ["sql", "chat"])
-    with pytest.raises(ValueError) as want:
-        logits(ref, ["sql", "chat"])
-    assert str(got.value) == str(want.value)
+    assert_raises_like_peft(m, ref, ["sql", "chat"], "Length of `adapter_names`.*2 and 4")
 
 
 def test_too_many_distinct_adapters_in_one_batch():
@@ -193,11 +186,7 @@ def test_dora_adapter_raises_like_peft(calls):
     assert_same_as(m, ref, ["sql", "__base__", "sql", "__base__"])
     assert calls["run_qkv_lora"] == 2
     bad = ["dora", "sql", "__base__", "sql"]
-    with pytest.raises(ValueError, match="DoRA") as got:
-        logits(m, bad)
-    with pytest.raises(ValueError) as want:
-        logits(ref, bad)
-    assert str(got.value) == str(want.value)
+    assert_raises_like_peft(m, ref, bad, "DoRA")
 
 
 def test_lora_bias_adapter_served_by_peft(calls):
@@ -371,11 +360,7 @@ def test_merged_adapter(calls):
     assert calls["run_qkv_lora"] == 2
     for model in (m, ref):
         model.merge_adapter(["chat"])
-    with pytest.raises(ValueError, match="merged adapters") as got:
-        logits(m, NAMES)
-    with pytest.raises(ValueError) as want:
-        logits(ref, NAMES)
-    assert str(got.value) == str(want.value)
+    assert_raises_like_peft(m, ref, NAMES, "merged adapters")
 
 
 def test_one_names_list_reused_and_changed_in_place():

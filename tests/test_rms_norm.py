@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from peft_fastlora.norms import install_norms, uninstall_norms
+from peft_fastlora._forwards import remove_instance_forwards
+from peft_fastlora.norms import install_norms
 from peft_fastlora.ops.rms_norm import rms_norm
 
 TOL = {torch.float32: (1e-6, 1e-5), torch.float16: (1e-3, 1e-3)}
@@ -50,7 +51,7 @@ def test_install_only_llama_family_and_undo():
     x = torch.randn(2, 16)
     with torch.no_grad():
         out = root["a"](x)
-    uninstall_norms(done)
+    remove_instance_forwards(done)
     assert "forward" not in root["a"].__dict__
     torch.testing.assert_close(out, root["a"](x), atol=1e-6, rtol=1e-5)
 
@@ -61,7 +62,7 @@ def test_gradients_take_the_original_forward():
     x = torch.randn(3, 16, requires_grad=True)
     norm(x).sum().backward()  # the kernel has no backward: the original forward must have run
     assert x.grad is not None
-    uninstall_norms(done)
+    remove_instance_forwards(done)
 
 
 def test_patch_fuse_norms_matches_peft():

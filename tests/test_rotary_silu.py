@@ -2,19 +2,19 @@
 installation on model instances: which models get them, that unpatch removes them, that other
 instances and the classes stay untouched, and that a patched model still equals PEFT."""
 
-import collections
-
 import pytest
 import torch
 
 import peft_fastlora as fastlora
-from peft_fastlora.gated_mlp import install_gated_mlps, is_silu_gated_mlp, uninstall_gated_mlps
+from peft_fastlora._forwards import remove_instance_forwards
+from peft_fastlora.gated_mlp import install_gated_mlps, is_silu_gated_mlp
 from peft_fastlora.ops import rotary as rotary_ops
 from peft_fastlora.ops import silu_mul as silu_ops
 from peft_fastlora.ops.rotary import apply_rotary, apply_rotary_reference
 from peft_fastlora.ops.silu_mul import silu_mul, silu_mul_reference
-from peft_fastlora.rotary import install_rotary, rebind_global, uninstall_rotary
+from peft_fastlora.rotary import install_rotary, rebind_global
 
+from _helpers import count_calls
 from _models import build_causal_lm, build_peft_lm, left_padded_batch
 
 # rotary: each op rounded like torch's, so the kernel reproduces the formula bit for bit.
@@ -134,7 +134,7 @@ def test_rotary_installed_only_where_the_code_matches(arch, expected):
     done = install_rotary(model)
     assert len(done) == expected  # phi3 has partial rotary, gpt2 none
     assert all("forward" not in m.__dict__ for m in other.modules())
-    uninstall_rotary(done)
+    remove_instance_forwards(done)
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
@@ -143,7 +143,7 @@ def test_silu_mlp_installed_only_for_silu_gated_llama_mlps(arch, expected):
     model = build_causal_lm(arch)
     done = install_gated_mlps(model)
     assert len(done) == expected  # gemma2 gates with GELU, phi3 has a pre-fused gate_up
-    uninstall_gated_mlps(done)
+    remove_instance_forwards(done)
     assert not any(is_silu_gated_mlp(m) and "forward" in m.__dict__ for m in model.modules())
 
 
@@ -153,25 +153,13 @@ def test_gradients_take_torch_ops():
     ids = torch.randint(3, 100, (2, 5))
     model(input_ids=ids, labels=ids).loss.backward()  # the kernels have no backward
     assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
-    uninstall_rotary(done)
-
-
-def _counting(monkeypatch):
-    calls = collections.Counter()
-    for mod, name in ((rotary_ops, "apply_rotary"), (silu_ops, "silu_mul")):
-        original = getattr(mod, name)
-
-        def counted(*args, _orig=original, _name=name, **kwargs):
-            calls[_name] += 1
-            return _orig(*args, **kwargs)
-
-        monkeypatch.setattr(mod, name, counted)
-    return calls
+    remove_instance_forwards(done)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_patched_model_equals_peft_with_all_small_ops(arch, monkeypatch):
-    calls = _counting(monkeypatch)
+    rotary_calls = count_calls(monkeypatch, rotary_ops, ["apply_rotary"])
+    silu_calls = count_calls(monkeypatch, silu_ops, ["silu_mul"])
     model = build_peft_lm(arch)
     batch = left_padded_batch([5, 9, 3, 7])
     names = ["a0", "__base__", "a1", "a2"]
@@ -187,7 +175,7 @@ def test_patched_model_equals_peft_with_all_small_ops(arch, monkeypatch):
         after = model(**batch, adapter_names=names).logits
     assert report.fused_rotary == 2 and report.fused_mlps == 2
     assert "rotary x2, SiLU-mul x2" in str(report)
-    assert calls["apply_rotary"] >= 2 * 7 and calls["silu_mul"] >= 2 * 7  # prefill and every step
+    assert rotary_calls["apply_rotary"] >= 2 * 7 and silu_calls["silu_mul"] >= 2 * 7  # prefill and every step
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-4)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(after, ref_logits, atol=0, rtol=0)
