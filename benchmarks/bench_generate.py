@@ -14,7 +14,6 @@ adapter mix. Every number comes from this one run, on this GPU:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import gc
 import os
@@ -24,8 +23,6 @@ import sys
 import time
 
 import torch
-
-from peft_fastlora import _compat
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -147,69 +144,41 @@ def measure(gen, new_tokens: int, reps: int):
     return 1e3 * t1, 1e3 * (tn - t1) / (new_tokens - 1), out["tokens"]
 
 
-@contextlib.contextmanager
-def fast_base_ops(model):
-    """fastlora's decode attention, RMSNorm, rotary and SiLU-mul on a plain transformers model
-    (what ``patch`` installs next to the LoRA layers); yields None, or why they are not used."""
-    from peft_fastlora.attention import disable_decode_attention, enable_decode_attention
-    from peft_fastlora._forwards import remove_instance_forwards
-    from peft_fastlora.gated_mlp import install_gated_mlps
-    from peft_fastlora.norms import install_norms
-    from peft_fastlora.rotary import install_rotary
-
-    why = enable_decode_attention(model) if DEVICE == "cuda" else "not on CUDA"
-    if why is not None:
-        yield why
-        return
-    done = install_norms(model) + install_rotary(model) + install_gated_mlps(model)
-    try:
-        yield None
-    finally:
-        remove_instance_forwards(done)
-        disable_decode_attention(model)
+# the base model under fastlora's graph harness: with transformers' own attention and small ops,
+# and with fastlora's decode attention, RMSNorm, rotary, SiLU-mul and KV-write kernels
+HF_OPS = dict(decode_attention=False, fuse_norms=False, fuse_rotary=False, fuse_silu_mul=False,
+              fuse_kv_write=False)
+FAST_OPS = {}  # the defaults, as fastlora_graphs below
 
 
 def run_model(shape, batches, args, bw, vers, rows):
     import peft_fastlora as fastlora
-    from peft_fastlora.generate import armed
-    from peft_fastlora.graphs import DecodeGraphRunner
 
     model = build_base(shape)
     wbytes = weight_bytes(model)
     prompt = args.prompt
     gen_ids = {b: torch.randint(3, 1000, (b, prompt), device=DEVICE) for b in batches}
     graphs = "emulate" if DEVICE == "cpu" else "auto"
-    cache_kw = _compat.generate_cache_kwarg(model)
 
     def kw(b, n):
         return dict(input_ids=gen_ids[b], attention_mask=torch.ones_like(gen_ids[b]), max_new_tokens=n,
                     min_new_tokens=n, do_sample=False, pad_token_id=0)
 
     results = {}
-    # 1. HF's eager base model, and 2. the base model under fastlora's graph harness
-    runner = DecodeGraphRunner(None, model, fake_graphs=DEVICE == "cpu")
+    # 1. HF's eager base model
     for b in batches:
         results[("hf_eager_base", b)] = measure(lambda n: model.generate(**kw(b, n)), args.short_tokens, 1)
-
-        def base_graphs(n, b=b):
-            cache = runner.cache_for(b, prompt + n)
-            with armed(model, runner, None):
-                return model.generate(**kw(b, n), **{cache_kw: cache})
-        results[("base_graphs", b)] = measure(base_graphs, args.new_tokens, args.reps)
-    # 2b. the same with fastlora's decode attention and one-kernel norms, rotary and SiLU-mul
-    # (what fastlora_graphs uses by default)
-    with fast_base_ops(model) as why:
-        print("fastlora's base-model ops:", why or "on", flush=True)
-        if why is None:
-            # a fresh runner: the graphs captured above hold HF's attention and small ops
-            runner = DecodeGraphRunner(None, model, fake_graphs=DEVICE == "cpu")
-            for b in batches:
-                def base_graphs_attn(n, b=b):
-                    cache = runner.cache_for(b, prompt + n)
-                    with armed(model, runner, None):
-                        return model.generate(**kw(b, n), **{cache_kw: cache})
-                results[("base_graphs_attn", b)] = measure(base_graphs_attn, args.new_tokens, args.reps)
-    del runner
+    # 2. the base model alone, patched by fastlora (no adapters): graphs with HF's ops, then with
+    # fastlora's (what fastlora_graphs uses by default)
+    for method, ops in (("base_graphs", HF_OPS), ("base_graphs_attn", FAST_OPS)):
+        report = fastlora.patch(model, cuda_graphs=graphs, **ops)
+        print(method, report, flush=True)
+        if method == "base_graphs_attn" and report.decode_attention != "on":
+            fastlora.unpatch(model)
+            continue
+        for b in batches:
+            results[(method, b)] = measure(lambda n, b=b: model.generate(**kw(b, n)), args.new_tokens, args.reps)
+        fastlora.unpatch(model)
     gc.collect()
     mem = torch.cuda if DEVICE == "cuda" else None
     if mem:

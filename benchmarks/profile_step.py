@@ -1,7 +1,9 @@
 """Where the time of one decode step goes: per-kernel CUDA time of a step, base model and fastlora.
 
-Kernels are timed by torch.profiler on eager decode steps (inside a graph the same kernels run,
-without the launch gaps). Writes the top kernels per configuration to --out as CSV.
+Kernels are timed by torch.profiler on eager decode steps over transformers' ``StaticCache`` (inside
+a graph the same kernels run, without the launch gaps; the graph path's static caches also write
+K/V with one kernel, where transformers' cache here runs its own update). Writes the top kernels
+per configuration to --out as CSV.
 
     python benchmarks/profile_step.py --model 8b --batch 32
 """
@@ -10,26 +12,31 @@ from __future__ import annotations
 
 import argparse
 import csv
+import inspect
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_generate import add_adapters, build_base, fast_base_ops, versions  # noqa: E402
+from bench_generate import add_adapters, build_base, versions  # noqa: E402
 
 
-def decode_inputs(model, batch, prompt, names, cache_kw):
-    from peft_fastlora import _compat
+def decode_inputs(model, batch, prompt, names):
+    from transformers import StaticCache
 
-    cache = _compat.make_static_cache(model.get_base_model() if hasattr(model, "get_base_model") else model,
-                                      prompt + 16, batch_size=batch)
+    cache = StaticCache(config=model.config, max_cache_len=prompt + 16)
+    forward = getattr(model, "get_base_model", lambda: model)().forward
+    # transformers 5.2x renamed the forward's past_key_values to cache
+    kw = {"cache" if "cache" in inspect.signature(forward).parameters else "past_key_values": cache}
+    if names is not None:
+        kw["adapter_names"] = names
     ids = torch.randint(3, 1000, (batch, prompt), device="cuda")
-    kw = {} if names is None else dict(adapter_names=names)
     with torch.no_grad():
-        model(input_ids=ids, **{cache_kw: cache}, **kw)
+        model(input_ids=ids, use_cache=True, **kw)  # the prefill fills the static cache in place
     step = dict(input_ids=torch.randint(3, 1000, (batch, 1), device="cuda"),
-                attention_mask=torch.ones(batch, prompt + 1, dtype=torch.long, device="cuda"), **{cache_kw: cache}, **kw)
+                attention_mask=torch.ones(batch, prompt + 1, dtype=torch.long, device="cuda"),
+                use_cache=True, **kw)
     return step, cache
 
 
@@ -73,24 +80,24 @@ def main(argv=None):
         print("profile_step needs a CUDA GPU; nothing measured")
         return 0
     import peft_fastlora as fastlora
-    from peft_fastlora import _compat
 
     vers = versions()
     model = build_base(args.model)
-    cache_kw = _compat.cache_kwarg_name(model)
     rows = []
-    step, cache = decode_inputs(model, args.batch, args.prompt, None, cache_kw)
+    step, cache = decode_inputs(model, args.batch, args.prompt, None)
     results = {"base": profile(model, step, cache)}
-    # the base model with fastlora's decode attention and small ops (what the patched model runs)
-    with fast_base_ops(model) as why:
-        if why is None:
-            step, cache = decode_inputs(model, args.batch, args.prompt, None, cache_kw)
-            results["base_fast"] = profile(model, step, cache)
+    # the base model with fastlora's decode attention and small ops (eager steps: rotary and
+    # SiLU-mul are on by default only with graphs, so they are asked for)
+    report = fastlora.patch(model, cuda_graphs=False, fuse_rotary=True, fuse_silu_mul=True)
+    if report.decode_attention == "on":
+        step, cache = decode_inputs(model, args.batch, args.prompt, None)
+        results["base_fast"] = profile(model, step, cache)
+    fastlora.unpatch(model)
     peft_model = add_adapters(model, args.adapters, args.rank)
     names = [f"a{i % args.adapters}" for i in range(args.batch)]
     # eager steps with what the graphed step runs (rotary and SiLU-mul are on by default only with graphs)
     fastlora.patch(peft_model, cuda_graphs=False, fuse_rotary=True, fuse_silu_mul=True)
-    step, cache = decode_inputs(peft_model, args.batch, args.prompt, names, cache_kw)
+    step, cache = decode_inputs(peft_model, args.batch, args.prompt, names)
     results["fastlora"] = profile(peft_model, step, cache)
     fastlora.unpatch(peft_model)
     for config, kernels in results.items():

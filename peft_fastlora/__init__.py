@@ -8,6 +8,8 @@
 from contextlib import contextmanager
 
 from .backend import BaseLoRABackend, available_backends, get_backend
+from .generate import WarmupReport, warmup
+from .options import PatchOptions
 from .patch import PatchReport, get_state, patch, unpatch
 
 __version__ = "0.1.0"
@@ -25,10 +27,13 @@ def patched(model, **kwargs):
 
 __all__ = [
     "BaseLoRABackend",
+    "PatchOptions",
     "PatchReport",
+    "WarmupReport",
     "available_backends",
     "get_backend",
     "patch",
     "patched",
     "unpatch",
+    "warmup",
 ]

@@ -3,8 +3,8 @@ place. The rest of the package asks these helpers, never PEFT's private attribut
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-import types
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -29,6 +29,15 @@ TRANSFORMERS_VERSION = transformers.__version__
 
 def is_lora_layer(module: nn.Module) -> bool:
     return isinstance(module, LoraLayer)
+
+
+def is_tuner_layer(module: nn.Module) -> bool:
+    """A layer of any PEFT tuner (LoRA, LoHa, IA3, ...)."""
+    return isinstance(module, peft.tuners.tuners_utils.BaseTunerLayer)
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return isinstance(model, (peft.PeftModel, peft.tuners.tuners_utils.BaseTuner))
 
 
 def base_layer_of(module: nn.Module) -> nn.Module:
@@ -139,100 +148,153 @@ def generate_cache_kwarg(model: nn.Module) -> str:
     return cache_kwarg_name(model)
 
 
-def make_static_cache(model: nn.Module, max_cache_len: int, batch_size: Optional[int] = None,
-                      kernel_writes: bool = True):
-    """A ``StaticCache``; with ``batch_size``, allocated now for that many rows and able to take
-    a prefill of fewer rows (it fills the first ones), so one cache and one decode graph serve
-    every batch up to ``batch_size`` (the rest are padding rows). ``kernel_writes``: full-attention
-    layers write new keys and values with ``ops.kv_cache`` where it applies."""
-    from transformers import StaticCache
+@contextlib.contextmanager
+def compiled_call_override(model: nn.Module, step):
+    """Within the block, HF ``generate`` runs its decode steps through ``step``.
 
-    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-    if batch_size is None:
-        return cache
+    ``GenerationMixin`` calls ``self.get_compiled_call(compile_config)`` for the forward of each
+    decode step when ``self._valid_auto_compile_criteria(...)`` holds (a static cache is in use);
+    both are overridden on this instance only and removed on exit.
+    """
+    for name in ("get_compiled_call", "_valid_auto_compile_criteria"):
+        if not callable(getattr(type(model), name, None)):
+            raise RuntimeError(
+                f"fastlora: transformers {TRANSFORMERS_VERSION} has no GenerationMixin.{name}; "
+                "decode graphs cannot hook into generate (patch with cuda_graphs=False)")
+    model.get_compiled_call = lambda compile_config=None: step
+    model._valid_auto_compile_criteria = lambda model_kwargs, generation_config: True
+    try:
+        yield
+    finally:
+        model.__dict__.pop("get_compiled_call", None)
+        model.__dict__.pop("_valid_auto_compile_criteria", None)
+
+
+def static_cache_layout(model: nn.Module) -> list:
+    """Per decoder layer: (kv heads, key head dim, value head dim) of its cache, from the config."""
     cfg = model.config.get_text_config(decoder=True)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    param = next(model.parameters())
-    probe = torch.zeros(batch_size, kv_heads, 1, head_dim, dtype=param.dtype, device=param.device)
-    for layer in cache.layers:
-        layer.lazy_initialization(probe, probe)
-        layer.update = types.MethodType(_update_first_rows, layer)
-        layer._fastlora_kernel_writes = kernel_writes
-    return cache
+    return [(kv_heads, head_dim, head_dim)] * cfg.num_hidden_layers
 
 
-def _update_first_rows(layer, key_states, value_states, *args, **kwargs):
-    """``update`` of a static cache layer that also accepts fewer rows than it holds (it fills the
-    first ones). Where ``ops.kv_cache`` takes the tensors, the write is one kernel and the length
-    increment a second, instead of transformers' five kernels; otherwise transformers' update runs."""
-    rows, full_k, full_v = key_states.shape[0], layer.keys, layer.values
-    if getattr(layer, "_fastlora_kernel_writes", False) and _kv_kernel_applies(layer, key_states, value_states):
-        from .ops.kv_cache import kv_cache_write
+def static_cache_blocker(model: nn.Module) -> Optional[str]:
+    """Why decode graphs cannot run over a ``StaticCache`` of this model (None: they can).
 
-        kv_cache_write(key_states, value_states, full_k, full_v, layer.cumulative_length)
-        layer.cumulative_length.add_(key_states.shape[-2])
-        return (full_k, full_v) if rows == full_k.shape[0] else (full_k[:rows], full_v[:rows])
-    if rows == full_k.shape[0]:
-        return type(layer).update(layer, key_states, value_states, *args, **kwargs)
-    layer.keys, layer.values = full_k[:rows], full_v[:rows]  # views: writes land in the full tensors
-    try:
-        return type(layer).update(layer, key_states, value_states, *args, **kwargs)
-    finally:
-        layer.keys, layer.values = full_k, full_v
-
-
-def _kv_kernel_applies(layer, key, value) -> bool:
-    from transformers.cache_utils import StaticLayer
-
-    # only transformers' plain static layer: a sliding-window layer rolls its window instead
-    if getattr(layer, "is_sliding", False) or getattr(type(layer), "update", None) is not StaticLayer.update:
-        return False
-    keys, length = getattr(layer, "keys", None), getattr(layer, "cumulative_length", None)
-    if not getattr(layer, "is_initialized", False) or not isinstance(keys, torch.Tensor):
-        return False
-    if not isinstance(length, torch.Tensor) or length.numel() != 1 or length.device != keys.device:
-        return False
-    if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
-        return False
-    if key.dim() != 4 or key.shape != value.shape or key.shape[0] > keys.shape[0]:
-        return False
-    if key.shape[1:2] + key.shape[3:] != keys.shape[1:2] + keys.shape[3:] or key.shape[2] > keys.shape[2]:
-        return False
-    if len({key.dtype, value.dtype, keys.dtype, layer.values.dtype}) != 1 or key.device != keys.device:
-        return False
-    if any(t.stride(-1) != 1 for t in (key, value, keys, layer.values)):
-        return False
-    from ._forwards import kernel_runs_on
-
-    return kernel_runs_on(key, value, keys)
-
-
-def cache_state_tensors(cache) -> list:
-    """The small tensors a static cache advances in place at each update (its fill lengths).
-
-    A decode step run for warm-up or capture advances them; the graph runner saves and restores them
-    so that the real step writes where it should.
+    Builds the cache object without allocating it (its layers allocate lazily) and checks that every
+    layer is a plain full-attention static layer that tracks its length on the device.
     """
-    out = []
-    for layer in getattr(cache, "layers", []) or []:
-        t = getattr(layer, "cumulative_length", None)
-        if isinstance(t, torch.Tensor):
-            out.append(t)
-    return out
+    from transformers import StaticCache
 
-
-def cache_is_graph_safe(cache) -> Optional[str]:
-    """None when every layer of the cache is a static layer with device-side lengths."""
-    layers = getattr(cache, "layers", None)
-    if not layers:
-        return f"cache {type(cache).__name__} has no layers"
-    for layer in layers:
-        if not getattr(layer, "is_compileable", False) or getattr(layer, "is_sliding", False):
-            return f"cache layer {type(layer).__name__} is not a static full-attention layer"
+    try:
+        cache = StaticCache(config=model.config, max_cache_len=8)
+    except Exception as e:  # noqa: BLE001 - any failure means: no static cache for this model
+        return f"transformers cannot build a StaticCache for it ({type(e).__name__}: {e})"
+    if len(cache.layers) != len(static_cache_layout(model)):
+        return "its cache layers do not match its decoder layers"
+    for layer in cache.layers:
+        if not is_plain_static_layer(layer):
+            return (f"its static cache has {type(layer).__name__} layers (sliding windows or other "
+                    "non-full attention)")
         if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
             return f"cache layer {type(layer).__name__} tracks its length on the host"
     return None
+
+
+def is_plain_static_layer(layer) -> bool:
+    """transformers' own full-attention ``StaticLayer`` (not a subclass with another update)."""
+    from transformers.cache_utils import StaticLayer
+
+    return (isinstance(layer, StaticLayer) and not getattr(layer, "is_sliding", False)
+            and type(layer).update is StaticLayer.update)
+
+
+def static_cache_over(model: nn.Module, max_cache_len: int, views) -> object:
+    """A ``StaticCache`` whose layers use the given (keys, values) tensors, (rows, heads, len, dim)
+    each, as their storage (views of buffers owned by the caller).
+
+    ``StaticLayer.lazy_initialization`` sets the layer's device, dtype, sizes and length tensor from
+    probe states and allocates zeros of ``max_cache_len``; it runs here with a length of 1, then the
+    caller's views replace the two tiny tensors.
+    """
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    if len(cache.layers) != len(views):
+        raise RuntimeError(f"fastlora: StaticCache has {len(cache.layers)} layers, expected {len(views)}")
+    for layer, (k, v) in zip(cache.layers, views):
+        probe_k = k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3])
+        probe_v = v.new_zeros(v.shape[0], v.shape[1], 1, v.shape[3])
+        layer.max_cache_len = 1
+        try:
+            layer.lazy_initialization(probe_k, probe_v)
+        finally:
+            layer.max_cache_len = max_cache_len
+        if not (getattr(layer, "is_initialized", False) and tuple(layer.keys.shape) == tuple(probe_k.shape)
+                and tuple(layer.values.shape) == tuple(probe_v.shape)):
+            raise RuntimeError(
+                f"fastlora: transformers {TRANSFORMERS_VERSION}'s {type(layer).__name__}.lazy_initialization "
+                "no longer allocates (rows, heads, max_cache_len, dim) keys and values; static caches "
+                "cannot be built over shared buffers")
+        layer.keys, layer.values = k, v
+    return cache
+
+
+# ---- torch: CUDA graph memory pools and recovery from a failed capture ---------------------------
+def new_graph_pool():
+    """(owner, pool id) for a private memory pool that graphs can share.
+
+    With ``torch.cuda.MemPool`` the owner holds a reference to the pool, so freeing any number of
+    graphs never brings the pool's use count to zero while the runner still captures into it
+    (PyTorch asserts ``use_count > 0`` when a pool id whose graphs were all freed is used again).
+    Without it, a plain graph pool handle (owner None): the runner never reuses such a handle after
+    its last graph is freed.
+    """
+    pool_cls = getattr(torch.cuda, "MemPool", None)
+    if pool_cls is not None:
+        try:
+            owner = pool_cls()
+            return owner, owner.id
+        except Exception:  # noqa: BLE001 - fall back to a plain handle
+            pass
+    return None, torch.cuda.graph_pool_handle()
+
+
+def graph_pool_bytes(pool_id) -> Optional[int]:
+    """Bytes the CUDA caching allocator has reserved for this pool (None when torch cannot say)."""
+    try:
+        segments = torch.cuda.memory_snapshot(pool_id)
+    except Exception:  # noqa: BLE001 - older torch: no per-pool snapshot
+        return None
+    if isinstance(segments, dict):
+        segments = segments.get("segments", [])
+    return int(sum(s.get("total_size", 0) for s in segments))
+
+
+def end_allocate_to_pool(device_index: int, pool_id) -> None:
+    """Stop routing this device's allocations to ``pool_id`` (after a capture that failed before its
+    ``capture_end`` did it). A no-op when nothing is routed there."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        return
+    try:
+        end(device_index, pool_id)
+    except Exception:  # noqa: BLE001 - "not currently recording to mempool": nothing to undo
+        pass
+
+
+def reset_rng_capture_state(device_index: int) -> None:
+    """Give the device's default CUDA generator a fresh copy of its state (same seed and offset).
+
+    A capture that fails between ``capture_begin`` and ``capture_end`` leaves the generator's state
+    flagged as capturing, and every later random op in the process then fails ("Offset increment
+    outside graph capture"); the copy carries seed and offset but not that flag.
+    """
+    gen = torch.cuda.default_generators[device_index]
+    try:
+        gen.graphsafe_set_state(gen.clone_state())
+    except Exception:  # noqa: BLE001 - older torch without graph-safe states: nothing to reset
+        pass
 
 
 # ---- PEFT's forward hooks after an error ---------------------------------------------------------

@@ -1,25 +1,29 @@
-"""The ``generate`` of a patched model: decides per call whether decode steps replay CUDA graphs,
-and arms the graph runner for the call (see ``graphs.py``)."""
+"""The ``generate`` of a patched model: one call boundary per call (PEFT's adapters checked and
+their values copied once), and, where the call allows it, decode steps replayed from CUDA graphs
+(see ``graphs.py``). ``warmup`` captures a server's graphs before its first request."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
+import time
 import types
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
 from . import _compat
 from .graphs import DecodeGraphRunner
+from .static_cache import CacheUnavailable
 
 logger = logging.getLogger("peft_fastlora")
 
 
 def graphs_wanted(state) -> Optional[str]:
     """Whether this model can use the graph runner at all: None if yes, else the reason."""
-    opt = state.options["cuda_graphs"]
+    opt = state.options.cuda_graphs
     if opt is False:
         return "cuda_graphs=False"
     if opt != "emulate" and state.device.type != "cuda":
@@ -28,12 +32,12 @@ def graphs_wanted(state) -> Optional[str]:
         return "not a transformers generation model"
     if state.report.left_on_peft:
         return "some LoRA layers are left on PEFT's path"
-    return None
+    return _compat.static_cache_blocker(state.inner)
 
 
 def call_blocker(state, args, kwargs) -> Optional[str]:
     """Why this ``generate`` call must decode eagerly, or None."""
-    if kwargs.get("adapter_names") is None:
+    if kwargs.get("adapter_names") is None and state.has_lora:
         return "no adapter_names"
     if int(kwargs.get("num_beams", 1) or 1) > 1:
         return "beam search reorders the cache"
@@ -68,61 +72,128 @@ def armed(inner, runner: DecodeGraphRunner, adapter_names):
     HF's generate calls ``get_compiled_call`` for the forward of each step when its cache is a
     static one; the override lives on this instance only and is removed on exit.
     """
-    inner.get_compiled_call = lambda compile_config=None: runner
-    inner._valid_auto_compile_criteria = lambda model_kwargs, generation_config: True
-    runner.adapter_names = None if adapter_names is None else list(adapter_names)
-    try:
-        yield runner
-    finally:
-        runner.adapter_names = None
-        inner.__dict__.pop("get_compiled_call", None)
-        inner.__dict__.pop("_valid_auto_compile_criteria", None)
+    with _compat.compiled_call_override(inner, runner):
+        runner.adapter_names = None if adapter_names is None else list(adapter_names)
+        try:
+            yield runner
+        finally:
+            runner.adapter_names = None
+
+
+def run_generate(state, generate, args, kwargs, min_cache_len: int = 0):
+    """One call of the patched ``generate`` (``generate``: the original bound method)."""
+    with state.call(kwargs.get("adapter_names")):
+        runner = state.graph_runner
+        if runner is None:
+            return generate(*args, **kwargs)
+        blocker = call_blocker(state, args, kwargs)
+        if blocker is not None:
+            runner.note_eager(blocker)
+            return generate(*args, **kwargs)
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        rows = ids.shape[0] * int(kwargs.get("num_return_sequences", 1) or 1)
+        try:
+            cache = runner.begin_call(rows, max(_needed_length(state, ids, kwargs), min_cache_len))
+        except CacheUnavailable as e:
+            runner.note_eager(str(e))
+            return generate(*args, **kwargs)
+        kwargs = dict(kwargs)
+        kwargs[_compat.generate_cache_kwarg(state.inner)] = cache
+        with armed(state.inner, runner, kwargs.get("adapter_names")):
+            return generate(*args, **kwargs)
 
 
 def install_generate(state):
     model = state.model
-    why = graphs_wanted(state)
-    state.graph_blocker = why
-    if why is not None:
-        return
-    state.graph_runner = DecodeGraphRunner(state, state.inner,
-                                           fake_graphs=state.options["cuda_graphs"] == "emulate",
-                                           buckets=state.options["graph_buckets"])
-    original = model.__dict__.get("generate")
-    state._saved_generate = original
-    orig_bound = model.generate
+    state._saved_generate = model.__dict__.get("generate")
+    original = model.generate
 
-    @functools.wraps(orig_bound)
+    @functools.wraps(original)
     def generate(self, *args, **kwargs):
-        blocker = call_blocker(state, args, kwargs)
-        if blocker is not None:
-            state.graph_runner.stats["eager_reasons"][blocker] = (
-                state.graph_runner.stats["eager_reasons"].get(blocker, 0) + 1)
-            return orig_bound(*args, **kwargs)
-        runner = state.graph_runner
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        rows = ids.shape[0] * int(kwargs.get("num_return_sequences", 1) or 1)
-        if runner.bucket_for(rows) is None:
-            reason = f"batch of {rows} rows exceeds the largest graph bucket {runner.buckets[-1]}"
-            runner.stats["eager_reasons"][reason] = runner.stats["eager_reasons"].get(reason, 0) + 1
-            return orig_bound(*args, **kwargs)
-        state.sync()
-        if runner.generation != state.generation:
-            runner.graphs.clear()  # they read stacks or fused weights that were rebuilt
-            runner.generation = state.generation
-        kwargs[_compat.generate_cache_kwarg(state.inner)] = runner.cache_for(rows, _needed_length(state, ids, kwargs))
-        with armed(state.inner, runner, kwargs["adapter_names"]):
-            return orig_bound(*args, **kwargs)
+        return run_generate(state, original, args, kwargs)
 
     model.generate = types.MethodType(generate, model)
+    state._original_generate = original
 
 
 def uninstall_generate(state):
-    if state.graph_runner is None:
+    if getattr(state, "_original_generate", None) is None:
         return
-    saved = getattr(state, "_saved_generate", None)
+    saved = state._saved_generate
     if saved is None:
         state.model.__dict__.pop("generate", None)
     else:
         state.model.generate = saved
-    state.graph_runner = None
+    state._original_generate = None
+
+
+@dataclass
+class WarmupReport:
+    """What ``warmup`` did: graphs captured, seconds, and the memory held afterwards."""
+
+    batch_sizes: list
+    max_length: int
+    captures: int
+    seconds: float
+    cache_bytes: int
+    graph_pool_bytes: Optional[int]
+    cuda_graphs: str
+
+
+def warmup(model, batch_sizes: Optional[Sequence[int]] = None, max_length: int = 512,
+           adapter_names: Optional[Sequence[str]] = None) -> WarmupReport:
+    """Capture the decode graphs of a patched model before traffic arrives.
+
+    For each batch size (mapped to its bucket; default: every bucket), largest first, runs a
+    two-token ``generate`` whose static cache holds ``max_length`` tokens: the shared cache
+    buffer is sized once for the largest bucket, and later calls up to ``max_length`` tokens reuse
+    these caches and graphs. ``adapter_names``: the adapters of the warm-up rows (cycled; default:
+    every registered adapter in turn). Returns a ``WarmupReport``.
+    """
+    from .patch import get_state
+
+    state = get_state(model)
+    if state is None:
+        raise ValueError("fastlora.warmup: the model is not patched (call fastlora.patch first)")
+    runner = state.graph_runner
+    if runner is None:
+        return WarmupReport([], max_length, 0, 0.0, 0, 0, state.report.cuda_graphs)
+    if max_length < 2:
+        raise ValueError(f"fastlora.warmup: max_length must be at least 2, got {max_length}")
+    if batch_sizes is None:
+        buckets = list(runner.buckets)
+    else:
+        buckets = []
+        for b in batch_sizes:
+            bucket = runner.bucket_for(int(b))
+            if bucket is None:
+                raise ValueError(f"fastlora.warmup: batch size {b} exceeds the largest graph bucket "
+                                 f"{runner.buckets[-1]}")
+            buckets.append(bucket)
+    names = list(adapter_names) if adapter_names else (list(state.registry.names) or ["__base__"])
+    unknown = sorted({n for n in names if n != "__base__" and n not in state.registry.slot})
+    if unknown:
+        raise ValueError(f"fastlora.warmup: unknown adapter(s): {', '.join(unknown)}")
+    gc = state.inner.generation_config
+    pad = gc.pad_token_id if gc.pad_token_id is not None else 0
+    if isinstance(pad, (list, tuple)):
+        pad = pad[0]
+    captures0 = runner.stats["captures"]
+    t0 = time.perf_counter()
+    for rows in sorted(set(buckets), reverse=True):
+        ids = torch.full((rows, 1), int(pad), dtype=torch.long, device=state.device)
+        kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
+                      min_new_tokens=2, do_sample=False, pad_token_id=int(pad))
+        if state.has_lora:
+            kwargs["adapter_names"] = [names[i % len(names)] for i in range(rows)]
+        with torch.no_grad():
+            run_generate(state, state._original_generate, (), kwargs, min_cache_len=max_length)
+    if state.device.type == "cuda":
+        torch.cuda.synchronize()
+    stats = runner.stats
+    report = WarmupReport(sorted(set(buckets)), max_length, stats["captures"] - captures0,
+                          time.perf_counter() - t0, stats["cache_bytes"], stats["graph_pool_bytes"],
+                          state.report.cuda_graphs)
+    logger.info("fastlora: warm-up captured %d decode graphs in %.2f s (static caches %.1f MiB)",
+                report.captures, report.seconds, report.cache_bytes / 2**20)
+    return report

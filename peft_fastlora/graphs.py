@@ -2,17 +2,28 @@
 
 How it plugs into HF ``generate`` without copying its loop: when a compilable (static) cache is in
 use, ``generate`` runs every decode step through ``model.get_compiled_call(...)``. While a fastlora
-``generate`` call is armed, that method (on the model instance only) returns this runner instead of
-a ``torch.compile`` wrapper. The runner
+``generate`` call is armed (``generate.py``), that method returns this runner instead of a
+``torch.compile`` wrapper. The runner
 
 - sends anything that is not a one-token step (prefill) to the eager forward;
 - otherwise copies the step's tensors into static buffers, refreshes the LoRA batch info in place
   (``prepare_lora_batch(..., use_cuda_graph=True)``), replays the graph captured for this batch
-  size and cache, and returns the captured output, whose logits are static (HF copies them).
+  bucket and cache, and returns the captured output, whose logits are static (HF copies them).
 
-fastlora owns the static caches (one per batch size and length bucket) and resets them between
-calls, so graphs captured once are replayed by later ``generate`` calls. Anything the runner cannot
-capture runs eagerly, with the reason in ``runner.stats['eager_reasons']``.
+What it keeps, and for how long:
+
+- static KV caches: ``StaticCacheStore``, one per batch bucket, all views of one buffer;
+- graphs: at most ``max_graphs`` (least recently used dropped first), all in one ``GraphPool``.
+  A graph is dropped when its cache is replaced, when it is evicted, or, all of them, when the
+  adapter stacks or fused weights are rebuilt (they hold their addresses). The pool itself is
+  released with the last graph and a fresh one made for the next capture;
+- batch-info buffers: the backend's, initialised once for the largest bucket
+  (``init_cuda_graph_batch_info``); re-initialised (all graphs dropped) only when the adapter slots
+  outgrow them or the backend is replaced.
+
+A capture that fails for any reason leaves the process healthy (``cuda_graph.capture``); the step
+and every later step of the same shape run eagerly, with the reason recorded in ``stats`` and
+logged once.
 """
 
 from __future__ import annotations
@@ -20,11 +31,15 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections import OrderedDict
 from typing import Dict, Optional
 
 import torch
 
 from . import _compat
+from .batch import ForwardBatch
+from .cuda_graph import EmulatedGraph, GraphPool, capture
+from .static_cache import CacheUnavailable, StaticCacheStore, cache_state_tensors
 
 logger = logging.getLogger("peft_fastlora")
 
@@ -33,120 +48,150 @@ class GraphUnsafe(RuntimeError):
     """Raised inside a capture when a layer would leave the static path."""
 
 
-class EagerReplayGraph:
-    """Stand-in for ``torch.cuda.CUDAGraph`` that re-runs the captured call: lets the whole runner
-    (static buffers, in-place batch info, cache-state handling) be tested without a GPU."""
-
-    def __init__(self):
-        self._fn = None
-        self._output = None
-
-    def capture(self, fn):
-        self._fn = fn
-        self._output = fn()
-        return self._output
-
-    def replay(self):
-        # a real graph writes into the captured output's memory: do the same with the logits
-        self._output.logits.copy_(self._fn().logits)
-
-
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-
-def _length_bucket(n: int, step: int = 256) -> int:
-    return -(-n // step) * step
-
-
 class DecodeGraphRunner:
     """Captures and replays one-token decode steps of an HF causal LM.
 
     Args:
-        state: the model's fastlora state (backend, adapter registry).
+        state: the model's fastlora state (options, backend, adapter registry, forward context).
         hf_model: the transformers model whose forward is captured.
-        fake_graphs: use ``EagerReplayGraph`` instead of CUDA graphs (tests without a GPU).
-        max_graphs: captured graphs kept (oldest dropped first).
+        emulate: use ``EmulatedGraph`` instead of CUDA graphs (tests without a GPU).
     """
 
-    def __init__(self, state, hf_model, fake_graphs: bool = False, max_graphs: int = 8,
-                 buckets=DEFAULT_BUCKETS):
-        self.buckets = tuple(sorted({int(b) for b in buckets}))
-        if not self.buckets or self.buckets[0] < 1:
-            raise ValueError(f"graph buckets must be positive batch sizes, got {buckets!r}")
+    def __init__(self, state, hf_model, emulate: bool = False):
+        opts = state.options
         self.state = state
         self.model = hf_model
-        self.fake = fake_graphs
-        self.max_graphs = max_graphs
-        self.graphs: Dict[tuple, dict] = {}
-        self.caches: Dict[tuple, object] = {}
-        self.pool = None if fake_graphs else torch.cuda.graph_pool_handle()
-        self.stats = {"captures": 0, "replays": 0, "eager_steps": 0, "capture_s": 0.0,
-                      "capture_bytes": 0, "eager_reasons": {}}
+        self.emulate = emulate
+        self.buckets = opts.graph_buckets
+        self.max_graphs = opts.graph_limit
+        self.caches = StaticCacheStore(hf_model, kernel_writes=opts.fuse_kv_write is not False,
+                                       budget_bytes=opts.cache_budget_bytes)
+        self.graphs: "OrderedDict[tuple, dict]" = OrderedDict()  # least recently used first
+        self.failed: Dict[tuple, str] = {}  # graph key -> why its capture failed
+        self.pool: Optional[GraphPool] = None
         self.adapter_names = None  # the names of the armed generate call
-        self.generation = state.generation if state is not None else 0
-        self._graph_bs = 0
+        self.generation = state.generation
+        self._batch_info_backend = None  # the backend whose graph batch info is initialised
+        self._counters = {"captures": 0, "replays": 0, "eager_steps": 0, "capture_s": 0.0,
+                          "capture_failures": 0, "evictions": 0, "graphs_dropped": 0}
+        self.eager_reasons: Dict[str, int] = {}
 
-    # -- caches -------------------------------------------------------------------------------
-    def bucket_for(self, batch_size: int):
+    # -- stats ------------------------------------------------------------------------------------
+    @property
+    def stats(self) -> dict:
+        """Counters, the reasons any decode step or call ran eagerly, and the memory held now:
+        ``cache_bytes`` (the static KV caches) and ``graph_pool_bytes`` (reserved by the graphs'
+        pool; None when torch cannot say)."""
+        out = dict(self._counters)
+        out["graphs"] = len(self.graphs)
+        out["cache_bytes"] = self.caches.nbytes()
+        out["graph_pool_bytes"] = (self.pool.reserved_bytes() if self.pool is not None else 0)
+        out["eager_reasons"] = dict(self.eager_reasons)
+        return out
+
+    def note_eager(self, reason: str, steps: int = 0):
+        """Record (and log once per reason) that a call or a step decodes eagerly."""
+        if reason not in self.eager_reasons:
+            logger.warning("fastlora: decoding eagerly (no CUDA graph): %s", reason)
+        self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
+        self._counters["eager_steps"] += steps
+
+    # -- per generate call -----------------------------------------------------------------------
+    def bucket_for(self, batch_size: int) -> Optional[int]:
         """The captured batch size serving ``batch_size`` rows (None: larger than every bucket)."""
         return next((b for b in self.buckets if b >= batch_size), None)
 
-    def cache_for(self, batch_size: int, needed_len: int):
-        """A reset static cache for ``batch_size`` rows, sized for the batch's bucket."""
-        rows = self.bucket_for(batch_size)
-        if rows is None:
-            raise ValueError(f"batch of {batch_size} rows exceeds the largest graph bucket {self.buckets[-1]}")
-        key = (rows, _length_bucket(needed_len))
-        cache = self.caches.get(key)
-        if cache is None:
-            kernel_writes = self.state is None or self.state.options.get("fuse_kv_write", "auto") is not False
-            cache = _compat.make_static_cache(self.model, key[1], batch_size=rows, kernel_writes=kernel_writes)
-            self.caches[key] = cache
-        else:
-            cache.reset()
+    def begin_call(self, rows: int, needed_len: int, reset: bool = True):
+        """The static cache for a call of ``rows`` rows and ``needed_len`` tokens; raises
+        ``CacheUnavailable`` (the call then decodes eagerly)."""
+        bucket = self.bucket_for(rows)
+        if bucket is None:
+            raise CacheUnavailable(f"batch of {rows} rows exceeds the largest graph bucket {self.buckets[-1]}")
+        if self.generation != self.state.generation:
+            self.drop_graphs()  # they read stacks or fused weights that were rebuilt
+            self.generation = self.state.generation
+        self._ensure_batch_info()
+        try:
+            cache = self.caches.cache_for(bucket, needed_len, reset=reset)
+        finally:
+            self._drop_graphs_of_replaced_caches()
         return cache
 
-    # -- the compiled-call replacement -----------------------------------------------------------
+    def _ensure_batch_info(self):
+        backend = self.state.backend
+        if backend is None:
+            return
+        slots = len(self.state.registry)
+        if backend is self._batch_info_backend and slots <= backend.graph_slot_capacity():
+            return
+        self.drop_graphs()  # they read the buffers about to be replaced
+        backend.init_cuda_graph_batch_info(self.buckets[-1], 1, max_slots=slots)
+        self._batch_info_backend = backend
+
+    # -- dropping graphs ---------------------------------------------------------------------------
+    def drop_graphs(self):
+        """Free every graph and the pool they share (a fresh pool serves the next capture)."""
+        if self.graphs:
+            self._counters["graphs_dropped"] += len(self.graphs)
+        self.graphs.clear()
+        self.failed.clear()
+        if self.pool is not None:
+            self.pool = None
+            if torch.cuda.is_available() and not self.emulate:
+                torch.cuda.empty_cache()  # hand the pool's memory back to the device
+
+    def _drop(self, key):
+        self.graphs.pop(key)
+        self._counters["graphs_dropped"] += 1
+        if not self.graphs:
+            self.drop_graphs()
+
+    def _drop_graphs_of_replaced_caches(self):
+        live = self.caches.live_serials()
+        for key in [k for k in self.graphs if k[0] not in live]:
+            self._drop(key)
+        for key in [k for k in self.failed if k[0] not in live]:
+            del self.failed[key]
+
+    def release(self):
+        """Free everything: graphs, pool, caches (unpatch)."""
+        self.drop_graphs()
+        self.caches.clear()
+
+    # -- the compiled-call replacement -------------------------------------------------------------
     def _eager(self, reason: str, inputs):
-        self.stats["eager_steps"] += 1
-        reasons = self.stats["eager_reasons"]
-        reasons[reason] = reasons.get(reason, 0) + 1
+        self.note_eager(reason, steps=1)
         return self.model(**inputs)
 
     def __call__(self, **inputs):
         ids = inputs.get("input_ids")
         if ids is None or ids.dim() != 2 or ids.shape[1] != 1:
             return self.model(**inputs)  # prefill: eager through the backend
-        if self.state is not None and (self.adapter_names is None
-                                       or len(self.adapter_names) != ids.shape[0]):
+        rows = ids.shape[0]
+        if self.state.has_lora and (self.adapter_names is None or len(self.adapter_names) != rows):
             return self._eager("adapter names do not match the batch", inputs)
         cache = inputs.get(_compat.cache_kwarg_name(self.model))
-        why = _compat.cache_is_graph_safe(cache)
-        if why:
-            return self._eager(why, inputs)
-        rows = ids.shape[0]
-        padded = cache.layers[0].keys.shape[0] if cache.layers[0].is_initialized else rows
+        serial = self.caches.serial_of(cache)
+        if serial is None:
+            return self._eager("the step's cache is not one of fastlora's static caches", inputs)
+        padded = cache.layers[0].keys.shape[0]
         if padded < rows:
             return self._eager("the cache holds fewer rows than the batch", inputs)
-        key = self._key(inputs, cache, rows, padded)
+        key = self._key(inputs, serial, cache, rows, padded)
+        if key in self.failed:
+            return self._eager(self.failed[key], inputs)
         entry = self.graphs.get(key)
         if entry is None:
-            try:
-                entry = self._capture(key, inputs, cache, rows, padded)
-            except GraphUnsafe as e:
-                return self._eager(str(e), inputs)
+            entry = self._capture(key, inputs, cache, rows, padded)
+            if entry is None:
+                return self._eager(self.failed[key], inputs)
+        else:
+            self.graphs.move_to_end(key)
         self._copy_inputs(entry["static"], inputs, rows)
         self._refresh_batch_info(padded)
-        if self.fake and self.state is not None:
-            # the emulated replay runs the layers again: they must see the capture-time state
-            self.state.use_cuda_graph = True
-            try:
-                entry["graph"].replay()
-            finally:
-                self.state.use_cuda_graph = False
-        else:
+        with self.state.forward_context(graph=entry["batch_info_rows"], emulated=self.emulate):
             entry["graph"].replay()
-        self.stats["replays"] += 1
+        self._counters["replays"] += 1
         return entry["view"](rows)
 
     @staticmethod
@@ -158,8 +203,8 @@ class DecodeGraphRunner:
             else:
                 yield name, v
 
-    def _key(self, inputs, cache, rows, padded):
-        parts = [id(cache), padded]
+    def _key(self, inputs, serial, cache, rows, padded):
+        parts = [serial, padded]
         for name, v in self._flat(inputs):
             if isinstance(v, torch.Tensor):
                 shape = tuple(v.shape)
@@ -216,13 +261,11 @@ class DecodeGraphRunner:
 
     def _refresh_batch_info(self, batch_size: int):
         state = self.state
-        if state is None:  # a model without LoRA (the benchmark's base model)
+        if not state.has_lora:
             return
         slots = state.registry.slots_for(self.adapter_names)
         slots = slots + [-1] * (batch_size - len(slots))  # padding rows: no adapter
         ranks = state.slot_ranks()
-        from .batch import ForwardBatch
-
         fb = ForwardBatch.from_shape(batch_size, 1, state.device)
         state.graph_batch_info = state.backend.prepare_lora_batch(
             fb, slots, ranks, [1.0] * len(ranks), use_cuda_graph=True)
@@ -238,61 +281,50 @@ class DecodeGraphRunner:
             return out
         return view
 
-    def _ensure_graph_buffers(self, batch_size: int):
-        if self.state is not None and batch_size > self._graph_bs:
-            # buffers sized for the largest batch seen; graphs captured earlier keep reading the
-            # old buffers, so they are dropped
-            self._graph_bs = max(batch_size, 2 * self._graph_bs)
-            self.state.backend.init_cuda_graph_batch_info(self._graph_bs, 1)
-            self.graphs.clear()
-
-    def _capture(self, key, inputs, cache, rows, padded):
-        state = self.state
-        bs = padded
-        self._ensure_graph_buffers(bs)
-        static = self._clone_inputs(inputs, rows, padded)
-        lengths = _compat.cache_state_tensors(cache)
+    def _capture(self, key, inputs, cache, rows, padded) -> Optional[dict]:
+        """Capture the step for ``key``; None (with ``self.failed[key]`` set) when that fails."""
+        while len(self.graphs) >= self.max_graphs:
+            self._counters["evictions"] += 1
+            self._drop(next(iter(self.graphs)))
+        lengths = cache_state_tensors(cache)
         saved = [t.clone() for t in lengths]
 
         def restore():
             for t, s in zip(lengths, saved):
                 t.copy_(s)
 
-        self._refresh_batch_info(bs)
         t0 = time.perf_counter()
-        if state is not None:
-            state.use_cuda_graph = True
         try:
-            if self.fake:
-                graph = EagerReplayGraph()
-                restore()
-                output = graph.capture(lambda: self.model(**static))
-                restore()  # the capture ran the step once; the replay below runs it for real
-            else:
-                mem0 = torch.cuda.memory_allocated()
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
-                        restore()
-                        self.model(**static)
-                torch.cuda.current_stream().wait_stream(side)
-                restore()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    output = self.model(**static)
-                self.stats["capture_bytes"] += torch.cuda.memory_allocated() - mem0
-        except GraphUnsafe:
+            static = self._clone_inputs(inputs, rows, padded)
+            self._refresh_batch_info(padded)
+            with self.state.forward_context(graph=padded, emulated=self.emulate):
+                if self.emulate:
+                    graph = EmulatedGraph()
+                    restore()
+                    output = graph.capture(lambda: self.model(**static))
+                else:
+                    if self.pool is None:
+                        self.pool = GraphPool()
+                    graph, output = capture(lambda: self.model(**static), self.pool, restore)
+        except Exception as e:  # noqa: BLE001 - any failure: this shape decodes eagerly from now on
             restore()
-            raise
-        finally:
-            if state is not None:
-                state.use_cuda_graph = False
-        self.stats["captures"] += 1
-        self.stats["capture_s"] += time.perf_counter() - t0
-        if len(self.graphs) >= self.max_graphs:
-            self.graphs.pop(next(iter(self.graphs)))
-        entry = {"graph": graph, "static": static, "output": output,
+            why = str(e) if isinstance(e, GraphUnsafe) else f"capture failed ({type(e).__name__}: {e})"
+            self.failed[key] = why
+            self._counters["capture_failures"] += 1
+            if not self.graphs:
+                self.drop_graphs_keep_failures()
+            logger.warning("fastlora: could not capture a decode graph for %d rows: %s", padded, why)
+            return None
+        restore()  # the emulated capture ran the step once; the replay runs it for real
+        self._counters["captures"] += 1
+        self._counters["capture_s"] += time.perf_counter() - t0
+        entry = {"graph": graph, "static": static, "output": output, "batch_info_rows": padded,
                  "view": self._output_view(output, padded)}
         self.graphs[key] = entry
         return entry
+
+    def drop_graphs_keep_failures(self):
+        """After a failed capture with no graph alive: release the pool, keep the failure memo."""
+        failed = dict(self.failed)
+        self.drop_graphs()
+        self.failed.update(failed)

@@ -8,6 +8,7 @@ by all layers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
@@ -20,9 +21,9 @@ from ._compat import LoraEmbedding, LoraLinear, base_layer_of, is_conv1d, is_lor
 from .backend import get_backend, resolve_backend_name
 from .batch import ForwardBatch
 from .fusion import find_groups
-from .graphs import DEFAULT_BUCKETS
 from .layers import EmbeddingSite, FusedSite, LinearSite, Site
-from .pool import AdapterRegistry, SitePool
+from .options import DEFAULT_BUCKETS, PatchOptions
+from .pool import AdapterRegistry, SitePool, ValueRefresher
 
 logger = logging.getLogger("peft_fastlora")
 _STATE_ATTR = "_fastlora_state"
@@ -44,6 +45,7 @@ class PatchReport:
     fused_norms: int = 0  # RMSNorm modules served by one kernel
     fused_rotary: int = 0  # attention modules whose rotary embedding is one kernel
     fused_mlps: int = 0  # gated MLPs whose silu(gate) * up is one kernel
+    cuda_graphs: str = "off"  # "on", "emulated", or "off (why)"
 
     @property
     def num_patched_layers(self) -> int:
@@ -57,16 +59,20 @@ class PatchReport:
 
     def summary(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.counts().items()))
-        line = (f"fastlora: patched {self.num_patched_layers} LoRA layers ({kinds}) for "
-                f"{len(self.adapters)} adapters on backend {self.backend!r}; "
-                f"{len(self.left_on_peft)} left on PEFT's path; "
-                f"adapter stacks {self.stack_bytes / 2**20:.1f} MiB")
+        if not self.adapters:
+            line = "fastlora: base model only (no LoRA adapters)"
+        else:
+            line = (f"fastlora: patched {self.num_patched_layers} LoRA layers ({kinds}) for "
+                    f"{len(self.adapters)} adapters on backend {self.backend!r}; "
+                    f"{len(self.left_on_peft)} left on PEFT's path; "
+                    f"adapter stacks {self.stack_bytes / 2**20:.1f} MiB")
         if self.adapter_fallbacks:
             pairs = sorted({(a, r) for _, a, r in self.adapter_fallbacks})
             line += "; served by PEFT where used: " + ", ".join(f"{a} ({r})" for a, r in pairs)
         if self.fusion_blocked:
             line += f"; {len(self.fusion_blocked)} groups not fused"
-        line += (f"; decode attention {self.decode_attention}; one-kernel RMSNorm x{self.fused_norms}, "
+        line += (f"; decode graphs {self.cuda_graphs}; decode attention {self.decode_attention}; "
+                 f"one-kernel RMSNorm x{self.fused_norms}, "
                  f"rotary x{self.fused_rotary}, SiLU-mul x{self.fused_mlps}")
         return line
 
@@ -74,42 +80,107 @@ class PatchReport:
 
 
 class FastLoRAState:
-    """Everything fastlora keeps on a patched model."""
+    """Everything fastlora keeps on a patched model, and the one owner of its runtime flags.
 
-    def __init__(self, model: nn.Module, backend: str, fuse: bool, max_loras_per_batch: Optional[int],
-                 cuda_graphs="auto", graph_buckets=None, decode_attention="auto", fuse_norms="auto",
-                 fuse_rotary="auto", fuse_silu_mul="auto", fuse_kv_write="auto"):
+    The layers read ``use_cuda_graph`` / ``graph_batch_info``, which change only inside
+    ``forward_context`` (entered by the graph runner around a capture or an emulated replay), and
+    skip the per-forward checks inside ``call`` (entered by the patched ``generate``).
+    """
+
+    def __init__(self, model: nn.Module, options: PatchOptions):
         self.model = model
         self.inner = _compat.unwrap_peft(model)
-        self.options = dict(backend=backend, fuse=fuse, max_loras_per_batch=max_loras_per_batch,
-                            cuda_graphs=cuda_graphs, graph_buckets=graph_buckets or DEFAULT_BUCKETS,
-                            decode_attention=decode_attention, fuse_norms=fuse_norms,
-                            fuse_rotary=fuse_rotary, fuse_silu_mul=fuse_silu_mul, fuse_kv_write=fuse_kv_write)
-        self.small_ops = {}  # option name -> the modules given a one-kernel forward
-        self.generation = 0  # bumped whenever a stack or fused weight is rebuilt (graphs hold them)
-        self.graph_batch_info = None  # set by the graph runner before a capture or replay
-        self.graph_runner = None
-        self.enabled = True
+        self.options = options
+        self.registry = AdapterRegistry(())
+        self.device: Optional[torch.device] = None
+        self.backend = None
+        self.report: Optional[PatchReport] = None
         self.sites: List[Site] = []
         self.groups = []
-        self.use_cuda_graph = False  # set by the graph runner while it captures / replays
+        self.small_ops = {}  # option name -> the modules given a one-kernel forward
+        self.generation = 0  # bumped whenever a stack or fused weight is rebuilt (graphs hold them)
+        self.graph_runner = None
+        self.graph_blocker: Optional[str] = None  # why decode graphs are off (None: on)
+        self.graph_batch_info = None  # set by the graph runner before a capture or replay
+        self.enabled = True
+        self._graph_rows: Optional[int] = None  # inside forward_context: the graphed batch size
+        self._in_call = False
+        self._refresh_pending = False
+        self._refresher: Optional[ValueRefresher] = None
+        self._refresher_generation = -1
         self._hook = None
         self._bi_key = None
         self._bi = None
+        self._slot_ranks = None
         self._peft_config_keys = self._config_keys()
 
     def _config_keys(self):
         cfg = getattr(self.model, "peft_config", None)
         return tuple(sorted(cfg)) if isinstance(cfg, dict) else None
 
+    @property
+    def use_cuda_graph(self) -> bool:
+        """Whether the layers are being captured (or replayed, emulated) in a decode graph."""
+        return self._graph_rows is not None
+
+    @property
+    def has_lora(self) -> bool:
+        return bool(self.sites)
+
+    @contextlib.contextmanager
+    def forward_context(self, graph: int, emulated: bool = False):
+        """The layers of forwards run inside read the static ``graph_batch_info`` of a graphed
+        batch of ``graph`` rows (a capture, or an emulated replay) and skip the per-forward checks."""
+        previous = self._graph_rows
+        self._graph_rows = graph
+        try:
+            yield
+        finally:
+            self._graph_rows = previous
+
+    @contextlib.contextmanager
+    def call(self, adapter_names: Optional[Sequence[str]]):
+        """One ``generate`` call: PEFT's adapters are checked and the values of the ones the call
+        uses copied into the stacks once, here; the forwards inside skip both."""
+        if self._in_call:
+            yield
+            return
+        self.sync()
+        self.refresh_values(adapter_names)
+        self._in_call = True
+        try:
+            yield
+        finally:
+            self._in_call = False
+
     # -- building ---------------------------------------------------------------------------
     def build(self) -> PatchReport:
+        report = self._build_lora()
+        self._hook = self.inner.register_forward_pre_hook(lambda module, args: self.begin_forward())
+        from .generate import install_generate
+
+        install_generate(self)
+        _compat.guard_peft_forward_hooks(self.model)
+        report.decode_attention = self._enable_decode_attention() or "on"
+        self._install_small_ops()
+        report.fused_norms = len(self.small_ops.get("fuse_norms", ()))
+        report.fused_rotary = len(self.small_ops.get("fuse_rotary", ()))
+        report.fused_mlps = len(self.small_ops.get("fuse_silu_mul", ()))
+        self._update_graph_runner()
+        self._log_disabled(report)
+        return report
+
+    def _build_lora(self) -> PatchReport:
+        """Registry, backend, sites and fused groups (everything an adapter change rebuilds)."""
         model = self.model
         lora_layers = [(n, m) for n, m in model.named_modules() if is_lora_layer(m)]
-        if not lora_layers:
+        names = set()
+        for _, m in lora_layers:
+            names |= _compat.adapter_names_of(m)
+        if not names:
             # qualified names: a LoHa or IA3 layer class is just called "Linear"
             tuners = sorted({f"{type(m).__module__}.{type(m).__name__}" for m in model.modules()
-                             if isinstance(m, _compat.peft.tuners.tuners_utils.BaseTunerLayer)})
+                             if _compat.is_tuner_layer(m) and not is_lora_layer(m)})
             if tuners:
                 cfg = getattr(model, "peft_config", None)
                 kinds = [getattr(c, "peft_type", None) for c in cfg.values()] if isinstance(cfg, dict) else []
@@ -117,21 +188,22 @@ class FastLoRAState:
                 raise TypeError(
                     f"fastlora accelerates LoRA adapters only; this model has "
                     f"{', '.join(types_) or 'other'} adapters ({', '.join(tuners)})")
-            raise ValueError("fastlora.patch: the model holds no PEFT LoRA layers")
-        names = set()
-        for _, m in lora_layers:
-            names |= _compat.adapter_names_of(m)
+            if lora_layers or _compat.is_peft_model(model):
+                raise ValueError("fastlora.patch: the PEFT model holds no LoRA adapters")
+            return self._build_base_only()
         self.registry = AdapterRegistry(names)
         first = next(p for _, m in lora_layers for p in m.parameters())
         self.device = first.device
-        backend_name = resolve_backend_name(self.options["backend"], self.device)
-        max_loras = self.options["max_loras_per_batch"] or max(16, len(self.registry))
-        self.backend = get_backend(backend_name)(max_loras, self.device)
+        backend_name = resolve_backend_name(self.options.backend, self.device)
+        max_loras = self.options.max_loras_per_batch or max(16, len(self.registry))
+        if (self.backend is None or getattr(self.backend, "name", None) != backend_name
+                or self.backend.max_loras_per_batch != max_loras):
+            self.backend = get_backend(backend_name)(max_loras, self.device)
         report = PatchReport(backend=backend_name, device=str(self.device), adapters=list(self.registry.names))
         name_of = {id(m): n for n, m in model.named_modules()}
 
         served = set()
-        if self.options["fuse"]:
+        if self.options.fuse:
             groups, blocked = find_groups(model)
             report.fusion_blocked = [(f"{name_of.get(id(model), '')}{g}", why) for g, why in blocked]
             for g in groups:
@@ -170,17 +242,45 @@ class FastLoRAState:
         report.sites = [(s.name, s.kind, len(s.lora_layers)) for s in self.sites]
         report.stack_bytes = sum(s.pool.nbytes() for s in self.sites)
         self.report = report
-        self._hook = self.inner.register_forward_pre_hook(lambda module, args: self.begin_forward())
-        from .generate import install_generate
-
-        install_generate(self)
-        _compat.guard_peft_forward_hooks(self.model)
-        report.decode_attention = self._enable_decode_attention() or "on"
-        self._install_small_ops()
-        report.fused_norms = len(self.small_ops.get("fuse_norms", ()))
-        report.fused_rotary = len(self.small_ops.get("fuse_rotary", ()))
-        report.fused_mlps = len(self.small_ops.get("fuse_silu_mul", ()))
         return report
+
+    def _build_base_only(self) -> PatchReport:
+        """A model without PEFT: no LoRA sites, only the base-model decode speedups."""
+        param = next(self.model.parameters(), None)
+        if param is None:
+            raise ValueError("fastlora.patch: the model has no parameters")
+        self.device = param.device
+        self.registry = AdapterRegistry(())
+        self.backend = None
+        self.report = PatchReport(backend="none (no LoRA adapters: base model only)",
+                                  device=str(self.device), adapters=[])
+        return self.report
+
+    def _update_graph_runner(self):
+        """Create, keep or release the decode graph runner as the model now allows."""
+        from .generate import graphs_wanted
+        from .graphs import DecodeGraphRunner
+
+        self.graph_blocker = graphs_wanted(self)
+        if self.graph_blocker is not None:
+            if self.graph_runner is not None:
+                self.graph_runner.release()
+                self.graph_runner = None
+            self.report.cuda_graphs = f"off ({self.graph_blocker})"
+            return
+        emulate = self.options.cuda_graphs == "emulate"
+        if self.graph_runner is None:
+            self.graph_runner = DecodeGraphRunner(self, self.inner, emulate=emulate)
+        self.report.cuda_graphs = "emulated" if emulate else "on"
+
+    def _log_disabled(self, report: PatchReport):
+        """Warn once per patch about features that are off on a GPU for a reason other than the
+        user's choice (on the CPU they are off by design: logged at INFO)."""
+        level = logging.WARNING if self.device is not None and self.device.type == "cuda" else logging.INFO
+        for feature, value in (("decode graphs", report.cuda_graphs),
+                               ("decode attention", report.decode_attention)):
+            if value.startswith("off (") and "=False" not in value:
+                logger.log(level, "fastlora: %s %s", feature, value)
 
     def _install_small_ops(self):
         from .gated_mlp import install_gated_mlps
@@ -188,14 +288,13 @@ class FastLoRAState:
         from .rotary import install_rotary
 
         on_cuda = self.device.type == "cuda"
-        # "auto" turns rotary and SiLU-mul on only for graph replays: an eager step pays ~0.1 ms of
-        # host time per Triton launch, more than the torch ops it replaces cost (1B, batch 32,
-        # eager: 41.2 ms/step with them, 37.8 without)
-        graphed = on_cuda and self.options["cuda_graphs"] in (True, "auto")
+        # "auto" turns rotary and SiLU-mul on only for graph replays: an eager step pays the host
+        # time of each Triton launch, more than the torch ops it replaces cost (see the README)
+        graphed = on_cuda and self.options.cuda_graphs in (True, "auto")
         for opt, install, auto in (("fuse_norms", install_norms, on_cuda),
                                    ("fuse_rotary", install_rotary, graphed),
                                    ("fuse_silu_mul", install_gated_mlps, graphed)):
-            value = self.options[opt]
+            value = getattr(self.options, opt)
             if value is True or (value == "auto" and auto):
                 self.small_ops[opt] = install(self.inner)
 
@@ -209,7 +308,7 @@ class FastLoRAState:
     def _enable_decode_attention(self) -> Optional[str]:
         from .attention import enable_decode_attention
 
-        opt = self.options["decode_attention"]
+        opt = self.options.decode_attention
         if opt is False:
             return "off (decode_attention=False)"
         if opt == "auto" and self.device.type != "cuda":
@@ -226,35 +325,46 @@ class FastLoRAState:
         self._slot_ranks = None
         self._bi_key = None
 
-    def teardown(self):
-        from .attention import disable_decode_attention
-        from .generate import uninstall_generate
-
-        disable_decode_attention(self.inner)
-        self._uninstall_small_ops()
-        uninstall_generate(self)
-        _compat.unguard_peft_forward_hooks(self.model)
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+    def _teardown_lora(self):
         for site in self.sites:
             site.uninstall()
         for g in self.groups:
             g.unfuse()
         self.sites, self.groups = [], []
         self._bi = self._bi_key = None
+        self._refresher = None
+        self.generation += 1
+
+    def teardown(self):
+        from .attention import disable_decode_attention
+        from .generate import uninstall_generate
+
+        disable_decode_attention(self.inner)
+        self._uninstall_small_ops()
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = None
+        uninstall_generate(self)
+        _compat.unguard_peft_forward_hooks(self.model)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._teardown_lora()
 
     # -- per forward ----------------------------------------------------------------------------
     def begin_forward(self):
-        """Once per model forward: drop stale stashes, follow PEFT's adapters and weights."""
+        """Once per model forward: drop stale stashes; outside a ``generate`` call, follow PEFT's
+        adapters (structure now, values when the first layer knows the batch's adapters)."""
         for site in self.sites:
             if isinstance(site, FusedSite):
                 site.clear_stash()
-        if not self.enabled or self.use_cuda_graph:
+        if not self.enabled or self.use_cuda_graph or self._in_call:
             return
         self.sync()
+        self._refresh_pending = True
 
     def sync(self):
+        """Rebuild what no longer fits PEFT's adapters (see ``pool.SitePool.stale``)."""
         if self._config_keys() != self._peft_config_keys or self._adapter_set_changed():
             self.rescan()
             return
@@ -267,6 +377,18 @@ class FastLoRAState:
             if site.pool.stale(self.registry, dtype):
                 self._rebuild_pool(site, dtype)
 
+    def refresh_values(self, adapter_names: Optional[Sequence[str]]):
+        """Copy the current values of PEFT's weights of these adapters into the stacks (in place)."""
+        if not adapter_names or not self.sites:
+            return
+        slots = {self.registry.slot[n] for n in set(adapter_names) if n in self.registry.slot}
+        if not slots:
+            return
+        if self._refresher is None or self._refresher_generation != self.generation:
+            self._refresher = ValueRefresher(s.pool for s in self.sites)
+            self._refresher_generation = self.generation
+        self._refresher.refresh(slots)
+
     def _adapter_set_changed(self) -> bool:
         names = set()
         for site in self.sites:
@@ -275,11 +397,16 @@ class FastLoRAState:
         return sorted(names) != self.registry.names
 
     def rescan(self):
-        """Adapters were added or deleted: patch again from scratch (new LoRA layers may exist)."""
-        self.teardown()
+        """Adapters were added or deleted: rebuild the LoRA sites from scratch (new LoRA layers may
+        exist); the model-level parts (hooks, generate, decode kernels, graph runner) stay."""
+        previous = self.report
+        self._teardown_lora()
         self._peft_config_keys = self._config_keys()
-        self.report = self.build()
-        logger.info("%s (after an adapter change)", self.report)
+        report = self._build_lora()
+        for name in ("decode_attention", "fused_norms", "fused_rotary", "fused_mlps"):
+            setattr(report, name, getattr(previous, name))
+        self._update_graph_runner()
+        logger.info("%s (after an adapter change)", report)
 
     def pool_for(self, site: Site, dtype: torch.dtype) -> SitePool:
         if site.pool.lora_a is None or site.pool.lora_a.dtype != dtype:
@@ -303,6 +430,9 @@ class FastLoRAState:
         tokens_per_row = x.numel() // max(rows, 1)
         if isinstance(site, LinearSite) or isinstance(site, FusedSite):
             tokens_per_row //= max(x.shape[-1], 1)
+        if self._refresh_pending:  # a forward outside generate: this is its call boundary
+            self._refresh_pending = False
+            self.refresh_values(adapter_names)
         # by value, not by list identity: a caller may reuse one list and change it in place
         key = (tuple(adapter_names), rows, tokens_per_row)
         if self._bi_key == key:
@@ -311,7 +441,7 @@ class FastLoRAState:
         ranks = self.slot_ranks()
         fb = ForwardBatch.from_shape(rows, tokens_per_row, self.device)
         self._bi = self.backend.prepare_lora_batch(fb, slots, ranks, [1.0] * len(ranks),
-                                                   use_cuda_graph=self.use_cuda_graph)
+                                                   use_cuda_graph=False)
         self._bi_key = key
         return self._bi
 
@@ -322,7 +452,8 @@ def get_state(model: nn.Module) -> Optional[FastLoRAState]:
 
 def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
           max_loras_per_batch: Optional[int] = None, cuda_graphs="auto",
-          graph_buckets: Optional[Sequence[int]] = None, decode_attention="auto",
+          graph_buckets: Optional[Sequence[int]] = None, max_graphs: Optional[int] = None,
+          cache_budget_bytes: Optional[int] = None, decode_attention="auto",
           fuse_norms="auto", fuse_rotary="auto", fuse_silu_mul="auto",
           fuse_kv_write="auto") -> PatchReport:
     """Serve the LoRA adapters of ``model`` (a ``PeftModel``) through a fastlora backend.
@@ -336,7 +467,11 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             when the model is on CUDA), ``True``, ``False``, or ``"emulate"`` (the same runner with
             the graphs re-executed eagerly: a testing aid that needs no GPU).
         graph_buckets: batch sizes graphs are captured for; a batch is padded to the next one,
-            a larger batch decodes eagerly (default ``graphs.DEFAULT_BUCKETS``, 1 to 256).
+            a larger batch decodes eagerly (default ``options.DEFAULT_BUCKETS``, 1 to 256).
+        max_graphs: captured graphs kept at most, least recently used dropped first (default:
+            one per bucket).
+        cache_budget_bytes: most bytes of static KV cache fastlora keeps for its graphs; a call
+            that would need more decodes eagerly (default None: the largest call's needs).
         decode_attention: one-token steps use fastlora's Triton decode attention (split KV,
             grouped-query heads without repeated K/V, only filled positions read) through
             transformers' attention registry: ``"auto"`` (on CUDA), ``True`` or ``False``.
@@ -351,23 +486,23 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         fuse_kv_write: the static caches fastlora owns for its graphs write a step's keys and
             values in one Triton kernel (full-attention layers): ``"auto"``/``True`` or ``False``.
     Returns:
-        the ``PatchReport``. Patching a patched model changes nothing and returns its report.
+        the ``PatchReport``. Patching a patched model with the same options returns its report;
+        with other options it raises ``ValueError`` (``unpatch`` first).
     """
+    options = PatchOptions(
+        backend=backend, fuse=fuse, max_loras_per_batch=max_loras_per_batch, cuda_graphs=cuda_graphs,
+        graph_buckets=DEFAULT_BUCKETS if graph_buckets is None else graph_buckets, max_graphs=max_graphs,
+        cache_budget_bytes=cache_budget_bytes, decode_attention=decode_attention, fuse_norms=fuse_norms,
+        fuse_rotary=fuse_rotary, fuse_silu_mul=fuse_silu_mul, fuse_kv_write=fuse_kv_write)
     state = get_state(model)
     if state is not None:
+        diffs = state.options.differences(options)
+        if diffs:
+            raise ValueError(
+                "fastlora.patch: the model is already patched with other options ("
+                + "; ".join(diffs) + "); call fastlora.unpatch(model) first")
         return state.report
-    if cuda_graphs not in (True, False, "auto", "emulate"):
-        raise ValueError(f"cuda_graphs must be True, False, 'auto' or 'emulate', got {cuda_graphs!r}")
-    if graph_buckets is not None and (not graph_buckets or any(int(b) < 1 for b in graph_buckets)):
-        raise ValueError(f"graph_buckets must be positive batch sizes, got {graph_buckets!r}")
-    for opt, value in (("fuse_norms", fuse_norms), ("fuse_rotary", fuse_rotary), ("fuse_silu_mul", fuse_silu_mul),
-                       ("fuse_kv_write", fuse_kv_write)):
-        if value not in (True, False, "auto"):
-            raise ValueError(f"{opt} must be True, False or 'auto', got {value!r}")
-    if decode_attention not in (True, False, "auto"):
-        raise ValueError(f"decode_attention must be True, False or 'auto', got {decode_attention!r}")
-    state = FastLoRAState(model, backend, fuse, max_loras_per_batch, cuda_graphs, graph_buckets,
-                          decode_attention, fuse_norms, fuse_rotary, fuse_silu_mul, fuse_kv_write)
+    state = FastLoRAState(model, options)
     model.__dict__[_STATE_ATTR] = state
     try:
         report = state.build()

@@ -8,14 +8,22 @@ gate/up group), the stacks the backend reads:
 - ``lora_b``: (num_slots, sum of out, R), module j in rows ``offsets[j]:offsets[j+1]``;
 - ``ranks`` / ``scalings``: (num_slots, c), 0 rank for a module an adapter does not target.
 
-The stacks are copies of PEFT's weights. ``SitePool.stale()`` tells whether PEFT's weights changed
-since the copy (new or deleted adapters, training steps, ``load_adapter``, ``model.to``), by tensor
-identity, storage address and version counter, so a forward never reads a stale copy.
+The stacks are copies of PEFT's weights, kept current in two ways:
+
+- *structure*: ``SitePool.stale()`` tells whether the stacks no longer fit PEFT's layers (adapters
+  added or deleted, a parameter replaced or re-pointed by ``load_adapter``, ``model.to`` or
+  ``param.data = ...``, a scaling changed), by names, tensor identity, storage address and
+  scaling; the stacks are then rebuilt (new tensors: graphs holding the old ones are dropped);
+- *values*: ``SitePool.copies`` lists, per slot, (stack view, PEFT parameter) pairs; the model
+  state copies the values of the adapters a call uses into their views at the start of every call
+  (``torch._foreach_copy_``), whatever changed them: an optimizer step, ``param.data.add_()``,
+  ``copy_`` from a checkpoint. In place, so the stacks keep their addresses and captured graphs
+  stay valid. Nothing relies on version counters, which ``.data`` edits do not bump.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -65,6 +73,7 @@ class SitePool:
         self.scalings: Optional[torch.Tensor] = None
         self.max_rank = 0
         self.unsupported: dict[int, str] = {}  # slot -> why PEFT's own path must serve it here
+        self.copies: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}  # slot -> (view, param)
         self._signature = None
         self._watched = None
         self._registry_names = None
@@ -84,17 +93,17 @@ class SitePool:
                 continue
             entries = []
             for name, (a, b, scaling) in lora_weights(layer).items():
-                entries.append((name, id(a), a.data_ptr(), a._version, id(b), b.data_ptr(),
-                                b._version, scaling))
+                entries.append((name, id(a), a.data_ptr(), tuple(a.shape), id(b), b.data_ptr(),
+                                tuple(b.shape), scaling))
             sig.append(tuple(entries))
         return tuple(sig)
 
     def _watch(self):
-        """What ``stale`` checks on every forward, pre-resolved: per layer, the ``lora_A`` /
-        ``lora_B`` module dicts and their keys, the scaling dict and a copy of it, and each adapter's
-        A / B sub-modules and weights with their address and version. Covers what the signature
-        covers (names, identity, address, version, scaling) with plain dict and attribute reads.
-        None for embedding sites, which keep the signature."""
+        """What ``stale`` checks, pre-resolved: per layer, the ``lora_A`` / ``lora_B`` module dicts
+        and their keys, the scaling dict and a copy of it, and each adapter's A / B sub-modules and
+        weights with their address. Covers what the signature covers (names, identity, address,
+        scaling) with plain dict and attribute reads. None for embedding sites, which keep the
+        signature."""
         if self.embedding:
             return None
         watch = []
@@ -110,7 +119,7 @@ class SitePool:
                 a, b = ma._parameters.get("weight"), mb._parameters.get("weight")
                 if a is None or b is None:
                     return None  # not PEFT's usual layout: keep the signature
-                weights.append((name, ma, a, a.data_ptr(), a._version, mb, b, b.data_ptr(), b._version))
+                weights.append((name, ma, a, a.data_ptr(), mb, b, b.data_ptr()))
             watch.append((mods_a, tuple(mods_a), mods_b, tuple(mods_b), layer.scaling, dict(layer.scaling),
                           weights))
         return watch
@@ -119,12 +128,12 @@ class SitePool:
         for mods_a, keys_a, mods_b, keys_b, scaling, scaling_then, weights in self._watched:
             if tuple(mods_a) != keys_a or tuple(mods_b) != keys_b or scaling != scaling_then:
                 return False
-            for name, ma, a, pa, va, mb, b, pb, vb in weights:
+            for name, ma, a, pa, mb, b, pb in weights:
                 if mods_a[name] is not ma or mods_b[name] is not mb:
                     return False
                 if ma._parameters.get("weight") is not a or mb._parameters.get("weight") is not b:
                     return False
-                if a._version != va or b._version != vb or a.data_ptr() != pa or b.data_ptr() != pb:
+                if a.data_ptr() != pa or b.data_ptr() != pb:
                     return False
         return True
 
@@ -135,9 +144,13 @@ class SitePool:
             return self._registry_names != registry.names or not self._watch_clean()
         return self._signature != self._current_signature(registry)
 
+    # inference_mode(False): a rebuild may run inside a forward under torch.inference_mode(), and
+    # the stacks are updated in place by later calls outside it (PyTorch forbids that on inference
+    # tensors)
     @torch.no_grad()
+    @torch.inference_mode(False)
     def rebuild(self, registry: AdapterRegistry, dtype: torch.dtype, device: torch.device):
-        """Copy every adapter's weights into fresh stacks."""
+        """Fresh stacks for every adapter, and the (view, parameter) pairs that keep them current."""
         c, n_slots = self.stack_num, len(registry)
         per = [lora_weights(layer) if layer is not None else {} for layer in self.layers]
         ranks = [[0] * c for _ in range(n_slots)]
@@ -156,18 +169,66 @@ class SitePool:
         a_shape = (n_slots, r, self.in_features) if self.embedding else (n_slots, c * r, self.in_features)
         lora_a = torch.zeros(a_shape, dtype=dtype, device=device)
         lora_b = torch.zeros(n_slots, self.offsets[-1], r, dtype=dtype, device=device)
+        copies: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
         for j in range(c):
             for name, (a, b, _s) in per[j].items():
                 s, k = registry.slot[name], a.shape[0]
-                lora_a[s, j * r : j * r + k] = a.to(device=device, dtype=dtype)
-                lora_b[s, self.offsets[j] : self.offsets[j + 1], :k] = b.to(device=device, dtype=dtype)
+                views = (lora_a[s, j * r : j * r + k], lora_b[s, self.offsets[j] : self.offsets[j + 1], :k])
+                copies.setdefault(s, []).extend(zip(views, (a, b)))
         self.lora_a, self.lora_b, self.max_rank = lora_a, lora_b, r
+        self.copies = copies
         self.ranks = torch.tensor(ranks, dtype=torch.int32, device=device).reshape(n_slots, c)
         self.scalings = torch.tensor(scal, dtype=torch.float32, device=device).reshape(n_slots, c)
         self._signature = self._current_signature(registry)
         self._watched = self._watch()
         self._registry_names = list(registry.names)
+        copy_values([pair for pairs in copies.values() for pair in pairs])
 
     def slot_ranks_host(self) -> List[int]:
         """Largest rank of each slot over the stacked modules (host list)."""
         return [max(row) for row in self.ranks.tolist()] if self.ranks is not None else []
+
+
+def _grouped(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> Dict[tuple, Tuple[list, list]]:
+    """Pairs grouped so that ``torch._foreach_copy_`` can take its multi-tensor path on CUDA (same
+    device and dtypes, same shapes and strides within a group); other pairs form their own groups
+    and are copied one by one by the same call."""
+    groups: Dict[tuple, Tuple[list, list]] = {}
+    for dst, src in pairs:
+        same_layout = dst.shape == src.shape and dst.stride() == src.stride()
+        dsts, srcs = groups.setdefault((dst.device, dst.dtype, src.dtype, same_layout), ([], []))
+        dsts.append(dst)
+        srcs.append(src)
+    return groups
+
+
+@torch.no_grad()
+def copy_values(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each parameter into its stack view (cast to the stack's dtype)."""
+    for dsts, srcs in _grouped(pairs).values():
+        torch._foreach_copy_(dsts, srcs)
+
+
+class ValueRefresher:
+    """The (stack view, parameter) pairs of every site, per slot, grouped once, so that refreshing
+    the adapters of a call is a few ``torch._foreach_copy_`` calls whatever the number of sites."""
+
+    def __init__(self, pools: Iterable[SitePool]):
+        self.by_slot: Dict[int, Dict[tuple, Tuple[list, list]]] = {}
+        pairs_by_slot: Dict[int, list] = {}
+        for pool in pools:
+            for slot, pairs in pool.copies.items():
+                pairs_by_slot.setdefault(slot, []).extend(pairs)
+        for slot, pairs in pairs_by_slot.items():
+            self.by_slot[slot] = _grouped(pairs)
+
+    @torch.no_grad()
+    def refresh(self, slots: Iterable[int]) -> None:
+        merged: Dict[tuple, Tuple[list, list]] = {}
+        for slot in slots:
+            for key, (dsts, srcs) in self.by_slot.get(slot, {}).items():
+                m = merged.setdefault(key, ([], []))
+                m[0].extend(dsts)
+                m[1].extend(srcs)
+        for dsts, srcs in merged.values():
+            torch._foreach_copy_(dsts, srcs)

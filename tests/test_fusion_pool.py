@@ -240,16 +240,23 @@ def test_pool_stale_detection():
     logits(m)
     state = get_state(m)
     pool = _site(state, "qkv", 0).pool
+    s, R = state.registry.slot["chat"], pool.max_rank
+    weight = layers_of(m)[0].self_attn.v_proj.lora_A["chat"].weight
     assert not pool.stale(state.registry, torch.float32)
     assert pool.stale(state.registry, torch.float16)  # another dtype asked for
+    # new values, same tensor: not stale; the next call boundary copies them into the same stack
     with torch.no_grad():
-        layers_of(m)[0].self_attn.v_proj.lora_A["chat"].weight.mul_(1.5)
-    assert pool.stale(state.registry, torch.float32)
+        weight.mul_(1.5)
+    assert not pool.stale(state.registry, torch.float32)
     old = pool.lora_a
-    logits(m)  # the next forward rebuilds
+    logits(m, ["chat", "sql", "__base__", "chat"])
+    assert pool.lora_a is old and torch.equal(pool.lora_a[s, 2 * R : 2 * R + 8], weight)
+    # the parameter re-pointed at other storage: stale, and the next forward rebuilds
+    weight.data = weight.data * 2.0
+    assert pool.stale(state.registry, torch.float32)
+    logits(m)
     assert pool.lora_a is not old and not pool.stale(state.registry, torch.float32)
-    s, R = state.registry.slot["chat"], pool.max_rank
-    assert torch.equal(pool.lora_a[s, 2 * R : 2 * R + 8], layers_of(m)[0].self_attn.v_proj.lora_A["chat"].weight)
+    assert torch.equal(pool.lora_a[s, 2 * R : 2 * R + 8], weight)
 
 
 def test_registry_slots():
@@ -324,14 +331,21 @@ def _mutations():
     def in_place(v):
         with torch.no_grad():
             v.lora_B["chat"].weight.add_(1.0)
+    def through_data(v):
+        v.lora_B["chat"].weight.data.add_(1.0)
     def deleted(v):
         del v.lora_B["chat"]
-    return {f.__name__: f for f in (scaling, new_parameter, new_module, new_storage, in_place, deleted)}
+    return {f.__name__: f for f in (scaling, new_parameter, new_module, new_storage, in_place,
+                                    through_data, deleted)}
+
+
+VALUE_ONLY = ("in_place", "through_data")  # copied at the next call boundary, no rebuild
 
 
 @pytest.mark.parametrize("mutation", sorted(_mutations()))
 def test_pool_sees_every_kind_of_change(mutation):
-    """The per-forward check (``SitePool._watch``) covers what the full signature covers."""
+    """The per-forward check (``SitePool._watch``) covers what the full signature covers: every
+    change of structure; changed values are not a change of structure."""
     m = build()
     fastlora.patch(m)
     logits(m)
@@ -339,5 +353,6 @@ def test_pool_sees_every_kind_of_change(mutation):
     pool = _site(state, "qkv", 0).pool
     assert pool._watched is not None and not pool.stale(state.registry, torch.float32)
     _mutations()[mutation](layers_of(m)[0].self_attn.v_proj)
-    assert pool.stale(state.registry, torch.float32)
-    assert pool._current_signature(state.registry) != pool._signature  # the slow check agrees
+    structural = mutation not in VALUE_ONLY
+    assert pool.stale(state.registry, torch.float32) == structural
+    assert (pool._current_signature(state.registry) != pool._signature) == structural  # the slow check agrees

@@ -70,20 +70,42 @@ def test_beam_search_decodes_eagerly_with_reason(model):
     assert stats["captures"] == 0 and "beam search reorders the cache" in stats["eager_reasons"]
 
 
-def test_weight_change_between_calls_recaptures(model):
+def _q_lora_b(model, name="a"):
+    return model.base_model.model.model.layers[0].self_attn.q_proj.lora_B[name].weight
+
+
+@pytest.mark.parametrize("how", ["in_place", "dot_data"])
+def test_weight_values_changed_between_calls_keep_the_graph(model, how):
+    # new values land in the stacks in place at the next call: the captured graph stays valid
     kw = _inputs()
     names = ["a", "c", "a", "b"]
     with fastlora.patched(model, cuda_graphs="emulate"):
         model.generate(**kw, adapter_names=names)
         with torch.no_grad():
-            model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["a"].weight.mul_(3.0)
+            (_q_lora_b(model) if how == "in_place" else _q_lora_b(model).data).mul_(3.0)
         out = model.generate(**kw, adapter_names=names)
         stats = fastlora.get_state(model).graph_runner.stats
     ref = model.generate(**kw, adapter_names=names)
     with torch.no_grad():
-        model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["a"].weight.div_(3.0)
+        _q_lora_b(model).div_(3.0)
     assert torch.equal(out, ref)
-    assert stats["captures"] == 2, stats
+    assert stats["captures"] == 1 and stats["replays"] == 18, stats
+
+
+def test_weight_replaced_between_calls_recaptures(model):
+    # a parameter re-pointed at new storage: the stacks are rebuilt, the graph holding them dropped
+    kw = _inputs()
+    names = ["a", "c", "a", "b"]
+    old = _q_lora_b(model).data
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        model.generate(**kw, adapter_names=names)
+        _q_lora_b(model).data = old * 3.0
+        out = model.generate(**kw, adapter_names=names)
+        stats = fastlora.get_state(model).graph_runner.stats
+    ref = model.generate(**kw, adapter_names=names)
+    _q_lora_b(model).data = old
+    assert torch.equal(out, ref)
+    assert stats["captures"] == 2 and stats["graphs"] == 1, stats
 
 
 def test_graph_options(model):
@@ -103,10 +125,10 @@ def test_batch_padded_to_bucket(model, batch):
         out = model.generate(**kw, adapter_names=names)
         runner = fastlora.get_state(model).graph_runner
         stats = dict(runner.stats)
-        caches = list(runner.caches)
+        caches = runner.caches.shapes()
     assert torch.equal(out, ref)
     assert stats["captures"] == 1 and stats["eager_steps"] == 0, stats
-    assert caches[0][0] == (4 if batch <= 4 else 8)
+    assert caches == {(4 if batch <= 4 else 8): 256}
 
 
 def test_one_bucket_graph_serves_two_batch_sizes(model):

@@ -1,10 +1,10 @@
 """The KV-cache write kernel against ``index_copy_`` (the interpreter on CPU), and fastlora's static
-cache layers (``_compat.make_static_cache``) against transformers' own ``StaticLayer.update``."""
+cache layers (``static_cache.make_static_cache``) against transformers' own ``StaticLayer.update``."""
 
 import pytest
 import torch
 
-from peft_fastlora import _compat
+from peft_fastlora.static_cache import make_static_cache
 from peft_fastlora.ops.kv_cache import kv_cache_write
 
 from _helpers import count_calls
@@ -71,8 +71,8 @@ def test_static_cache_layers_match_transformers_update(monkeypatch):
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
     model = LlamaForCausalLM(cfg)
-    ours = _compat.make_static_cache(model, 12, batch_size=4)  # fastlora's: padded rows, kernel writes
-    theirs = _compat.make_static_cache(model, 12, batch_size=3)
+    ours = make_static_cache(model, 12, batch_size=4)  # fastlora's: padded rows, kernel writes
+    theirs = make_static_cache(model, 12, batch_size=3)
     theirs_layer = theirs.layers[0]
     theirs_layer.update = type(theirs_layer).update.__get__(theirs_layer)  # transformers' own update
     for seq in (5, 1, 1):  # a prefill, then two decode steps, for 3 of the 4 rows
@@ -87,9 +87,10 @@ def test_static_cache_layers_match_transformers_update(monkeypatch):
     assert calls["kv_cache_write"] == 3  # every update took the kernel
 
 
-def test_sliding_window_layers_keep_transformers_update():
-    """Gemma 2 alternates sliding and full layers: a sliding layer rolls its window, so only the
-    full ones may take the kernel; generate through the graph runner (emulated) equals PEFT's."""
+def test_sliding_window_models_decode_eagerly_with_the_reason():
+    """Gemma 2 alternates sliding and full layers: its static cache has sliding-window layers, which
+    fastlora's graph caches do not hold, so graphs are off (the report says why) and generate
+    equals PEFT's."""
     import peft_fastlora as fastlora
 
     from _models import build_peft_lm, left_padded_batch
@@ -100,10 +101,11 @@ def test_sliding_window_layers_keep_transformers_update():
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, adapter_names=["a0", "__base__", "a1", "a2"])
     with torch.no_grad():
         ref = model.generate(**batch, **kw)
-        fastlora.patch(model, cuda_graphs="emulate")
+        report = fastlora.patch(model, cuda_graphs="emulate")
         out = model.generate(**batch, **kw)
         fastlora.unpatch(model)
     assert torch.equal(out, ref)
+    assert report.cuda_graphs.startswith("off (its static cache has StaticSlidingWindowLayer layers")
 
 
 @pytest.mark.parametrize("option,expect_kernel", [("auto", True), (False, False)])

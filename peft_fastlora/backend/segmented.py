@@ -69,13 +69,28 @@ class SegmentedLoRABackend(BaseLoRABackend):
         raise NotImplementedError
 
     # ---- batch info ----------------------------------------------------------------------
-    def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int):
+    def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int, *,
+                                   max_slots: int = 0):
+        """Static batch-info buffers for graphs of up to ``max_bs_in_cuda_graph`` rows, shared by
+        every graph (a smaller batch fills the first entries). Kernels size their grids from the
+        buffers' chunk capacity and skip unused chunks, so sizing for the largest batch costs a
+        small batch nothing. Calling this again replaces the buffers: graphs captured before
+        must be dropped. ``max_slots``: adapter slots to leave room for (beyond the default hint).
+        """
+        if max_bs_in_cuda_graph < 1 or num_tokens_per_bs < 1:
+            raise ValueError(f"init_cuda_graph_batch_info needs positive sizes, got "
+                             f"({max_bs_in_cuda_graph}, {num_tokens_per_bs})")
         max_tokens = max_bs_in_cuda_graph * num_tokens_per_bs
         self._graph_buffers = BatchInfoBuffers(
-            max_bs=max_bs_in_cuda_graph, max_tokens=max_tokens, max_slots=self._max_slots_hint(),
+            max_bs=max_bs_in_cuda_graph, max_tokens=max_tokens,
+            max_slots=max(self._max_slots_hint(), _round_up_pow2(max(1, max_slots))),
             max_loras=self.max_loras_per_batch, block_m=choose_block_m(max_tokens),
             device=self.device)
         return self._graph_buffers
+
+    def graph_slot_capacity(self) -> int:
+        """Adapter slots the graph batch-info buffers hold (0 before ``init_cuda_graph_batch_info``)."""
+        return self._graph_buffers.max_slots if self._graph_buffers is not None else 0
 
     def _max_slots_hint(self) -> int:
         # slot tables are small; leave room for adapters added after the graphs were captured

@@ -1,0 +1,214 @@
+"""Soak: many ``generate`` calls as a server would see them, on a patched model, with memory watched.
+
+Each call draws a batch size (1 to --max-rows), left-padded prompts (1 to --max-prompt tokens per
+row), new tokens (1 to --max-new), a random mix of adapters and ``"__base__"``, and samples in a
+quarter of the calls. Half-way one adapter is added and another deleted. The first call is the
+largest shape the soak draws from (what a server's warm-up would run), so that "memory in the
+second half no higher than in the first" tests that nothing accumulates, not the luck of the draw.
+
+With --compare-peft (the tiny fp32 models), every greedy call is also run on an identical
+unpatched model and the tokens compared. Where they differ, the first differing step is looked up
+in PEFT's scores: a flip between two logits closer than --tie-tol is a rounding tie (fp32 sums in
+another order: the fused q/k/v GEMM, rows padded to the graph bucket), anything else a mismatch.
+
+    python benchmarks/soak_graphs.py --model tiny-llama --calls 300 --compare-peft --out benchmarks/results
+    python benchmarks/soak_graphs.py --model 8b --calls 50 --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_generate import add_adapters, build_base, versions  # noqa: E402
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+
+
+def tiny_peft(arch: str, device: str):
+    """A tiny fp32 model with six adapters of ranks 2-32 (half on all projections, half on q/v)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    cfg_cls = {"tiny-llama": transformers.LlamaConfig, "tiny-qwen2": transformers.Qwen2Config}[arch]
+    torch.manual_seed(0)
+    extra = dict(use_sliding_window=False) if arch == "tiny-qwen2" else {}
+    base = transformers.AutoModelForCausalLM.from_config(cfg_cls(**TINY, **extra)).to(device).eval()
+    base.generation_config.eos_token_id = None
+    model = None
+    for i, r in enumerate([2, 4, 8, 16, 32, 8]):
+        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=ALL if i % 2 == 0 else ["q_proj", "v_proj"],
+                         init_lora_weights=False)
+        if model is None:
+            model = get_peft_model(base, cfg, adapter_name=f"a{i}")
+        else:
+            model.add_adapter(f"a{i}", cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(0.05)
+    return model.eval()
+
+
+def draw(rng: random.Random, args, names, first: bool):
+    rows = args.max_rows if first else rng.randint(1, args.max_rows)
+    lengths = [args.max_prompt if first else rng.randint(1, args.max_prompt) for _ in range(rows)]
+    new = args.max_new if first else rng.randint(1, args.max_new)
+    mix = [rng.choice(names + ["__base__"]) for _ in range(rows)]
+    sample = (not first) and rng.random() < 0.25
+    return rows, lengths, new, mix, sample
+
+
+def batch(lengths, vocab, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(3, vocab, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return dict(input_ids=ids.to(device), attention_mask=mask.to(device))
+
+
+def classify(out, want, scores, prompt_width, tie_tol):
+    """(rows equal, rows that part at a rounding tie, rows that part otherwise, smallest gap seen)."""
+    equal = ties = other = 0
+    worst = None
+    for r in range(out.shape[0]):
+        if torch.equal(out[r], want[r]):
+            equal += 1
+            continue
+        diff = (out[r, prompt_width:] != want[r, prompt_width:]).nonzero()
+        step = int(diff[0]) if len(diff) else 0
+        top2 = scores[step][r].float().topk(2).values
+        gap = float(top2[0] - top2[1])
+        worst = gap if worst is None else max(worst, gap)
+        if gap <= tie_tol:
+            ties += 1
+        else:
+            other += 1
+    return equal, ties, other, worst
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-llama", choices=["tiny-llama", "tiny-qwen2", "8b"])
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--max-rows", type=int, default=300)
+    p.add_argument("--max-prompt", type=int, default=600)
+    p.add_argument("--max-new", type=int, default=90)
+    p.add_argument("--compare-peft", action="store_true")
+    p.add_argument("--tie-tol", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--smoke", action="store_true", help="CPU, emulated graphs, tiny sizes: checks the script")
+    args = p.parse_args(argv)
+    import peft_fastlora as fastlora
+    from peft import LoraConfig
+
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("soak_graphs needs a CUDA GPU (or --smoke); nothing run")
+        return 0
+    if args.model == "8b":
+        import bench_generate
+
+        bench_generate.DEVICE = device
+        model = add_adapters(build_base("8b"), 8, 16)
+        vocab, refs = 128256, None
+    else:
+        model = tiny_peft(args.model, device)
+        vocab = TINY["vocab_size"]
+        refs = tiny_peft(args.model, device) if args.compare_peft else None
+    report = fastlora.patch(model, cuda_graphs="emulate" if args.smoke else "auto")
+    print(report, flush=True)
+    rng = random.Random(args.seed)
+    names = sorted(report.adapters)
+    rows_out, errors = [], []
+    cuda = device == "cuda"
+    t_start = time.perf_counter()
+    for i in range(args.calls):
+        if i == args.calls // 2:  # half-way: one adapter added, one deleted
+            for m in [model] + ([refs] if refs is not None else []):
+                torch.manual_seed(99)
+                m.add_adapter("late", LoraConfig(r=12, lora_alpha=24, target_modules=["o_proj", "up_proj", "v_proj"],
+                                                 init_lora_weights=False))
+                m.delete_adapter(names[1])
+                m.eval()
+            names = [n for n in names if n != names[1]] + ["late"]
+        rows, lengths, new, mix, sample = draw(rng, args, names, first=i == 0)
+        inputs = batch(lengths, vocab, device, seed=i)
+        kw = dict(max_new_tokens=new, min_new_tokens=new, pad_token_id=0, adapter_names=mix)
+        kw.update(do_sample=True, top_k=50) if sample else kw.update(do_sample=False)
+        t0 = time.perf_counter()
+        ok, equal, ties, other, gap = True, "", "", "", ""
+        try:
+            with torch.no_grad():
+                if sample:
+                    torch.manual_seed(i)
+                out = model.generate(**inputs, **kw)
+            if cuda:
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - the soak counts every error
+            ok = False
+            errors.append((i, f"{type(e).__name__}: {e}"))
+            print(f"call {i}: ERROR {type(e).__name__}: {e}", flush=True)
+        dt = time.perf_counter() - t0
+        if ok and refs is not None and not sample:
+            with torch.no_grad():
+                ref = refs.generate(**inputs, **kw, output_scores=True, return_dict_in_generate=True)
+            equal, ties, other, gap = classify(out, ref.sequences, ref.scores, inputs["input_ids"].shape[1],
+                                               args.tie_tol)
+        st = fastlora.get_state(model).graph_runner.stats if fastlora.get_state(model).graph_runner else {}
+        row = dict(call=i, rows=rows, prompt_width=max(lengths), new_tokens=new, sampling=int(sample),
+                   ok=int(ok), seconds=round(dt, 3), rows_equal=equal, rows_tie_flip=ties,
+                   rows_mismatch=other, largest_gap_at_flip=gap,
+                   captures=st.get("captures", 0), graphs=st.get("graphs", 0),
+                   capture_failures=st.get("capture_failures", 0), eager_steps=st.get("eager_steps", 0),
+                   cache_mib=round(st.get("cache_bytes", 0) / 2**20, 1),
+                   graph_pool_mib=round((st.get("graph_pool_bytes") or 0) / 2**20, 1),
+                   reserved_mib=round(torch.cuda.memory_reserved() / 2**20, 1) if cuda else 0,
+                   allocated_mib=round(torch.cuda.memory_allocated() / 2**20, 1) if cuda else 0)
+        rows_out.append(row)
+        if i % 10 == 0 or not ok:
+            print(row, flush=True)
+    half = len(rows_out) // 2
+    first = max(r["reserved_mib"] for r in rows_out[:half]) if half else 0
+    second = max(r["reserved_mib"] for r in rows_out[half:]) if rows_out else 0
+    greedy = [r for r in rows_out if r["rows_equal"] != ""]
+    summary = dict(model=args.model, calls=len(rows_out), errors=len(errors),
+                   greedy_calls_compared=len(greedy),
+                   greedy_calls_token_equal=sum(r["rows_tie_flip"] == 0 and r["rows_mismatch"] == 0 for r in greedy),
+                   rows_compared=sum(r["rows"] for r in greedy),
+                   rows_tie_flip=sum(r["rows_tie_flip"] for r in greedy),
+                   rows_mismatch=sum(r["rows_mismatch"] for r in greedy),
+                   reserved_mib_first_half_max=first, reserved_mib_second_half_max=second,
+                   memory_bounded=second <= first, seconds=round(time.perf_counter() - t_start, 1))
+    final = fastlora.get_state(model).graph_runner.stats if fastlora.get_state(model).graph_runner else {}
+    summary.update({f"final_{k}": v for k, v in final.items() if k != "eager_reasons"})
+    summary["eager_reasons"] = final.get("eager_reasons", {})
+    print("SUMMARY", summary, flush=True)
+    for i, e in errors[:20]:
+        print(f"error in call {i}: {e}")
+    os.makedirs(args.out, exist_ok=True)
+    suffix = "smoke" if args.smoke else "h200"
+    with open(os.path.join(args.out, f"soak_{args.model}_{suffix}.csv"), "w", newline="") as f:
+        vers = versions() if not args.smoke else {}
+        w = csv.DictWriter(f, fieldnames=list(vers) + list(rows_out[0]))
+        w.writeheader()
+        for r in rows_out:
+            w.writerow({**vers, **r})
+    return 0 if not errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Capturing one decode step as a CUDA graph, and leaving the process healthy when that fails.
+
+``capture`` warms the step up on a side stream, then captures it into a ``GraphPool`` shared by
+the runner's graphs. Any exception on the way (a layer refusing the static path, an allocator or
+driver error, a kernel that syncs) is re-raised only after the process is put back in order: the
+stream capture ended, the allocator no longer routing to the pool, the CUDA generator's state no
+longer flagged as capturing, the current stream restored. The caller then runs the step eagerly.
+
+``EmulatedGraph`` stands in for ``torch.cuda.CUDAGraph`` without a GPU (``cuda_graphs="emulate"``):
+it re-runs the captured call, so everything around the capture is tested on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from . import _compat
+
+
+class GraphPool:
+    """A private memory pool for a set of graphs, kept alive by this object (not by the graphs), so
+    graphs can be freed one at a time. Dropping the object (after its graphs) frees the pool."""
+
+    def __init__(self):
+        self._owner, self.id = _compat.new_graph_pool()
+
+    def reserved_bytes(self) -> Optional[int]:
+        return _compat.graph_pool_bytes(self.id)
+
+
+class EmulatedGraph:
+    """Re-executes the captured call on replay and copies the logits into the captured output, as
+    a real replay writes into the captured output's memory."""
+
+    def __init__(self):
+        self._fn = None
+        self._output = None
+
+    def capture(self, fn: Callable):
+        self._fn = fn
+        self._output = fn()
+        return self._output
+
+    def replay(self):
+        self._output.logits.copy_(self._fn().logits)
+
+
+def capture(fn: Callable, pool: GraphPool, restore: Callable[[], None], warmup: int = 2):
+    """Capture ``fn()`` (one decode step) into a new CUDA graph sharing ``pool``.
+
+    ``restore`` puts back whatever a run of ``fn`` advances (the cache lengths); it runs before
+    every warm-up run and before the capture. Returns (graph, captured output).
+    """
+    device = torch.cuda.current_device()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):  # Triton compiles, cuBLAS picks its kernels, lazy buffers appear
+            restore()
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    restore()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        try:
+            graph.capture_begin(pool=pool.id)
+            output = fn()
+            graph.capture_end()
+        except BaseException:
+            _abandon(graph, pool, device)
+            raise
+    return graph, output
+
+
+def _abandon(graph, pool: GraphPool, device: int) -> None:
+    """Undo what a failed capture may have left behind (call on the capture stream)."""
+    if torch.cuda.is_current_stream_capturing():
+        try:
+            graph.capture_end()  # ends the stream capture even when it then raises
+        except Exception:  # noqa: BLE001 - an invalidated capture: ended all the same
+            pass
+    _compat.end_allocate_to_pool(device, pool.id)
+    _compat.reset_rng_capture_state(device)
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - a sticky CUDA error: nothing here can recover from it
+        pass
