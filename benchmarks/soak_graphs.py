@@ -3,8 +3,9 @@
 Each call draws a batch size (1 to --max-rows), left-padded prompts (1 to --max-prompt tokens per
 row), new tokens (1 to --max-new), a random mix of adapters and ``"__base__"``, and samples in a
 quarter of the calls. Half-way one adapter is added and another deleted. The first call is the
-largest shape the soak draws from (what a server's warm-up would run), so that "memory in the
-second half no higher than in the first" tests that nothing accumulates, not the luck of the draw.
+largest shape the soak draws from, after ``fastlora.warmup`` has captured every bucket (what a
+server would do), so that "memory in the second half no higher than in the first" tests that
+nothing accumulates, not the luck of the draw.
 
 With --compare-peft (the tiny fp32 models), every greedy call is also run on an identical
 unpatched model and the tokens compared. Where they differ, the first differing step is looked up
@@ -131,6 +132,9 @@ def main(argv=None):
         refs = tiny_peft(args.model, device) if args.compare_peft else None
     report = fastlora.patch(model, cuda_graphs="emulate" if args.smoke else "auto")
     print(report, flush=True)
+    # as a server would: every bucket captured before traffic, caches sized for the longest call
+    warm = fastlora.warmup(model, max_length=args.max_prompt + args.max_new)
+    print(warm, flush=True)
     rng = random.Random(args.seed)
     names = sorted(report.adapters)
     rows_out, errors = [], []
@@ -192,7 +196,8 @@ def main(argv=None):
                    rows_tie_flip=sum(r["rows_tie_flip"] for r in greedy),
                    rows_mismatch=sum(r["rows_mismatch"] for r in greedy),
                    reserved_mib_first_half_max=first, reserved_mib_second_half_max=second,
-                   memory_bounded=second <= first, seconds=round(time.perf_counter() - t_start, 1))
+                   memory_bounded=second <= first, seconds=round(time.perf_counter() - t_start, 1),
+                   warmup_captures=warm.captures, warmup_s=round(warm.seconds, 2))
     final = fastlora.get_state(model).graph_runner.stats if fastlora.get_state(model).graph_runner else {}
     summary.update({f"final_{k}": v for k, v in final.items() if k != "eager_reasons"})
     summary["eager_reasons"] = final.get("eager_reasons", {})

@@ -56,7 +56,7 @@ def test_silu_mul_bf16_within_one_ulp(rows):
 
 
 # Gemma 2: soft-capping keeps HF's attention, and its sliding-window cache layers keep the decode
-# steps eager (the reason is recorded); the rotary and norm kernels still run
+# steps eager (graphs off, the report says why); the rotary kernel still runs
 @pytest.mark.parametrize("arch,attention,graphs,norms", [("llama", "on", True, 5), ("qwen2", "on", True, 5),
                                                          ("gemma2", "off", False, 0)])
 def test_tiny_models_graphs_equal_peft(arch, attention, graphs, norms):
@@ -72,14 +72,15 @@ def test_tiny_models_graphs_equal_peft(arch, attention, graphs, norms):
         ref = model.generate(**batch, **kw)
         report = fastlora.patch(model)
         out = model.generate(**batch, **kw)
-        stats = fastlora.get_state(model).graph_runner.stats
+        runner = fastlora.get_state(model).graph_runner
+        stats = runner.stats if runner is not None else None
         fastlora.unpatch(model)
     assert report.decode_attention.startswith(attention), report.decode_attention
     assert report.fused_rotary == 2 and report.fused_norms == norms  # Gemma's (1 + w) norm is its own
     if graphs:
         assert stats["replays"] >= 40 and stats["eager_steps"] == 0, stats
     else:
-        assert stats["replays"] == 0 and "SlidingWindow" in str(stats["eager_reasons"]), stats
+        assert stats is None and report.cuda_graphs.startswith("off (its static cache has StaticSlidingWindowLayer")
     assert torch.equal(out, ref)
 
 
