@@ -8,9 +8,11 @@
 from contextlib import contextmanager
 
 from .backend import BaseLoRABackend, available_backends, get_backend
-from .generate import WarmupReport, warmup
+from .batch import ForwardBatch, LoRABatchInfo
+from .decode.generate import WarmupReport, warmup
 from .options import PatchOptions
-from .patch import PatchReport, get_state, patch, unpatch
+from .patch import get_state, patch, unpatch
+from .report import PatchReport
 
 __version__ = "0.1.0"
 
@@ -27,11 +29,14 @@ def patched(model, **kwargs):
 
 __all__ = [
     "BaseLoRABackend",
+    "ForwardBatch",
+    "LoRABatchInfo",
     "PatchOptions",
     "PatchReport",
     "WarmupReport",
     "available_backends",
     "get_backend",
+    "get_state",
     "patch",
     "patched",
     "unpatch",

@@ -1,5 +1,13 @@
-"""Every difference between transformers / PEFT versions, and every read of PEFT internals, in one
-place. The rest of the package asks these helpers, never PEFT's private attributes directly."""
+"""Every access to private parts of PEFT, transformers and torch, and every difference between
+their versions, in one place. The rest of the package asks these helpers.
+
+Each helper checks what it relies on (a feature probe) and, where that no longer holds, either
+says so in a clear error naming the version, or answers so that fastlora leaves the feature to
+PEFT / transformers (with the reason in the patch report).
+
+Sections: PEFT's LoRA layers; transformers' decode step, attention registry and static cache;
+torch's CUDA-graph memory pools and generator states; PEFT's forward hooks after an error.
+"""
 
 from __future__ import annotations
 
@@ -7,24 +15,30 @@ import contextlib
 import inspect
 from typing import Dict, Optional, Tuple
 
-import torch
-from torch import nn
-
 import peft
+import torch
 import transformers
 from peft.tuners.lora import layer as _lora_layer
+from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 LoraLayer = _lora_layer.LoraLayer
 LoraLinear = _lora_layer.Linear
 LoraEmbedding = _lora_layer.Embedding
-
-try:
-    from transformers.pytorch_utils import Conv1D
-except ImportError:  # pragma: no cover - very old transformers
-    Conv1D = None
-
-PEFT_VERSION = peft.__version__
 TRANSFORMERS_VERSION = transformers.__version__
+PEFT_VERSION = peft.__version__
+_LORA_ATTRS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "scaling", "use_dora",
+               "merged_adapters", "disable_adapters")
+
+
+# ---- PEFT: LoRA layers ---------------------------------------------------------------------------
+def lora_layer_blocker(layer: nn.Module) -> Optional[str]:
+    """Why fastlora cannot read this LoRA layer (None: it can): the attributes it reads."""
+    missing = [a for a in _LORA_ATTRS if not hasattr(layer, a)]
+    if missing:
+        return (f"PEFT {PEFT_VERSION}'s {type(layer).__name__} has no {', '.join(missing)}: "
+                "fastlora cannot read its adapters")
+    return None
 
 
 def is_lora_layer(module: nn.Module) -> bool:
@@ -46,7 +60,7 @@ def base_layer_of(module: nn.Module) -> nn.Module:
 
 
 def is_conv1d(module: nn.Module) -> bool:
-    return Conv1D is not None and isinstance(module, Conv1D)
+    return isinstance(module, Conv1D)
 
 
 def linear_in_out(base: nn.Module) -> Tuple[int, int]:
@@ -120,6 +134,44 @@ def layer_dropout_active(layer: nn.Module) -> bool:
     return False
 
 
+def watch_lora_layer(layer: nn.Module):
+    """A snapshot of what identifies a LoRA ``Linear``'s adapters, for ``lora_layer_unchanged``:
+    the ``lora_A`` / ``lora_B`` module dicts and their keys, the scaling dict and a copy of it, each
+    adapter's A / B sub-modules and weights with their address. None when the layer is not laid
+    out as PEFT's (the caller then compares full signatures)."""
+    mods_a = getattr(getattr(layer, "lora_A", None), "_modules", None)
+    mods_b = getattr(getattr(layer, "lora_B", None), "_modules", None)
+    scaling = getattr(layer, "scaling", None)
+    if mods_a is None or mods_b is None or not isinstance(scaling, dict):
+        return None
+    weights = []
+    for name in mods_a:
+        if name not in mods_b:
+            continue
+        ma, mb = mods_a[name], mods_b[name]
+        a, b = ma._parameters.get("weight"), mb._parameters.get("weight")
+        if a is None or b is None:
+            return None
+        weights.append((name, ma, a, a.data_ptr(), mb, b, b.data_ptr()))
+    return (mods_a, tuple(mods_a), mods_b, tuple(mods_b), scaling, dict(scaling), weights)
+
+
+def lora_layer_unchanged(watch) -> bool:
+    """Whether the layer ``watch`` (from ``watch_lora_layer``) still holds the same adapters,
+    parameters, storage and scalings (values may have changed: they are copied at each call)."""
+    mods_a, keys_a, mods_b, keys_b, scaling, scaling_then, weights = watch
+    if tuple(mods_a) != keys_a or tuple(mods_b) != keys_b or scaling != scaling_then:
+        return False
+    for name, ma, a, pa, mb, b, pb in weights:
+        if mods_a[name] is not ma or mods_b[name] is not mb:
+            return False
+        if ma._parameters.get("weight") is not a or mb._parameters.get("weight") is not b:
+            return False
+        if a.data_ptr() != pa or b.data_ptr() != pb:
+            return False
+    return True
+
+
 # ---- transformers: decode-step kwargs (used by the CUDA-graph runner) -----------------------
 def forward_accepts(model: nn.Module, name: str) -> bool:
     try:
@@ -143,9 +195,35 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return inner
 
 
-def generate_cache_kwarg(model: nn.Module) -> str:
-    """Name under which ``generate`` takes a user cache (follows the forward's name)."""
-    return cache_kwarg_name(model)
+# ---- transformers: attention implementations -------------------------------------------------
+def attn_implementation(model: nn.Module) -> Optional[str]:
+    """The model's ``config._attn_implementation`` (None for a model without a transformers config)."""
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "_attn_implementation", None) if cfg is not None else None
+
+
+def set_attn_implementation(model: nn.Module, name: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        setter(name)
+    else:  # older transformers: the config attribute is the switch
+        model.config._attn_implementation = name
+
+
+def register_attention_function(name: str, fn) -> None:
+    """Make ``name`` a valid attention implementation running ``fn`` (idempotent, process-wide),
+    with sdpa's mask builder: without a mask function under the same name, transformers builds no
+    mask at all (it assumes a custom kernel that needs none)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, fn)
+    registered = getattr(ALL_MASK_ATTENTION_FUNCTIONS, "_global_mapping", None)
+    if registered is None:
+        raise RuntimeError(f"fastlora: transformers {TRANSFORMERS_VERSION}'s AttentionMaskInterface has no "
+                           "_global_mapping; cannot tell whether a mask function is registered")
+    if name not in registered:
+        AttentionMaskInterface.register(name, sdpa_mask)
 
 
 @contextlib.contextmanager

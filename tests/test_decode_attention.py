@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from peft_fastlora.attention import (  # noqa: E402
+from peft_fastlora.base_ops.attention_registry import (  # noqa: E402
     ATTN_NAME,
     decode_attention_enabled,
     decode_unsupported,

@@ -97,7 +97,7 @@ def test_inside_a_cuda_graph(bsz):
 def test_tiny_llama_generate_on_cuda_equal_tokens():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from peft_fastlora.attention import disable_decode_attention, enable_decode_attention
+    from peft_fastlora.base_ops.attention_registry import disable_decode_attention, enable_decode_attention
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=384, num_hidden_layers=2,

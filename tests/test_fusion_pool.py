@@ -15,10 +15,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import peft_fastlora as fastlora
 from peft_fastlora.backend.segmented import SegmentedLoRABackend
-from peft_fastlora.fusion import FusedGroup
-from peft_fastlora.layers import FusedSite
-from peft_fastlora.patch import get_state
-from peft_fastlora.pool import AdapterRegistry
+from peft_fastlora.lora.fusion import FusedGroup
+from peft_fastlora.lora.sites import FusedSite
+from peft_fastlora import get_state
+from peft_fastlora.lora.pool import AdapterRegistry
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import peft_fastlora as fastlora
-from peft_fastlora.patch import get_state
+from peft_fastlora import get_state
 
 from _models import build_peft_lm, left_padded_batch
 
@@ -125,8 +125,8 @@ def test_random_call_sequence_like_a_server():
 
 
 def test_failed_capture_runs_eagerly_logs_once_and_later_calls_work(monkeypatch, caplog):
-    from peft_fastlora import graphs
-    from peft_fastlora.cuda_graph import EmulatedGraph
+    from peft_fastlora.decode import runner
+    from peft_fastlora.decode.capture import EmulatedGraph
 
     m, ref = _pair()
     fastlora.patch(m, cuda_graphs="emulate", graph_buckets=[4, 8])
@@ -151,7 +151,7 @@ def test_failed_capture_runs_eagerly_logs_once_and_later_calls_work(monkeypatch,
     assert stats["eager_reasons"][reason] == 8 and stats["eager_steps"] == 8
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert sum("injected capture failure" in w for w in warnings) == 2, warnings  # capture + eager, once each
-    assert graphs.DecodeGraphRunner  # the module stays importable after the monkeypatch
+    assert runner.DecodeGraphRunner  # the module stays importable after the monkeypatch
 
 
 def test_cache_budget_sends_large_calls_to_eager():

@@ -12,8 +12,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import peft_fastlora as fastlora
-from peft_fastlora import cuda_graph
-from peft_fastlora.patch import get_state
+from peft_fastlora.decode import capture as cuda_graph
+from peft_fastlora import get_state
 
 pytestmark = pytest.mark.gpu
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -4,7 +4,7 @@ cache layers (``static_cache.make_static_cache``) against transformers' own ``St
 import pytest
 import torch
 
-from peft_fastlora.static_cache import make_static_cache
+from peft_fastlora.decode.static_cache import make_static_cache
 from peft_fastlora.ops.kv_cache import kv_cache_write
 
 from _helpers import count_calls

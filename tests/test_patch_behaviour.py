@@ -19,7 +19,7 @@ from torch import nn
 
 import peft_fastlora as fastlora
 from peft_fastlora.backend.segmented import SegmentedLoRABackend
-from peft_fastlora.patch import get_state
+from peft_fastlora import get_state
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

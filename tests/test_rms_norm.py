@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from peft_fastlora._forwards import remove_instance_forwards
-from peft_fastlora.norms import install_norms
+from peft_fastlora.base_ops.install import remove_instance_forwards
+from peft_fastlora.base_ops.norm_forwards import install_norms
 from peft_fastlora.ops.rms_norm import rms_norm
 
 TOL = {torch.float32: (1e-6, 1e-5), torch.float16: (1e-3, 1e-3)}
@@ -46,8 +46,9 @@ def test_install_only_llama_family_and_undo():
     from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 
     root = torch.nn.ModuleDict({"a": LlamaRMSNorm(16), "g": Gemma2RMSNorm(16)})
-    done = install_norms(root)
+    done, skipped = install_norms(root)
     assert [n for n, _ in done] == ["a"]
+    assert skipped == [("Gemma2RMSNorm", "no variance_epsilon / weight")]  # its (1 + w) norm
     x = torch.randn(2, 16)
     with torch.no_grad():
         out = root["a"](x)
@@ -58,7 +59,7 @@ def test_install_only_llama_family_and_undo():
 
 def test_gradients_take_the_original_forward():
     norm = LlamaRMSNorm(16)
-    done = install_norms(torch.nn.ModuleDict({"n": norm}))
+    done, _ = install_norms(torch.nn.ModuleDict({"n": norm}))
     x = torch.randn(3, 16, requires_grad=True)
     norm(x).sum().backward()  # the kernel has no backward: the original forward must have run
     assert x.grad is not None

@@ -495,7 +495,7 @@ def test_cpu_tensors_rejected_when_not_interpreting(monkeypatch):
     import peft_fastlora.backend.triton as tb
 
     tri, x, a, _ = _setup_bad()
-    monkeypatch.setattr(tb._ops, "interpreting", lambda: False)
+    monkeypatch.setattr(tb, "interpreting", lambda: False)
     with pytest.raises(RuntimeError, match="CUDA tensors"):
         tri.run_lora_a_sgemm(x, a)
 

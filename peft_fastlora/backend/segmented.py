@@ -13,23 +13,26 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..kernel_support import FLOAT_DTYPES
 from ..batch import BatchInfoBuffers, ForwardBatch, LoRABatchInfo, choose_block_m
 from .base import BaseLoRABackend
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _round_up_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def check_input(name: str, t: torch.Tensor, ndim: int, dtype=None):
+def check_input(name: str, t: torch.Tensor, ndim: int, dtype=None, ids: bool = False):
+    """The one validation of a contract method's tensor argument (the kernels below trust it):
+    a contiguous ``ndim``-D tensor of a floating dtype the kernels take (``ids``: int32/int64)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-    if t.dtype not in SUPPORTED_DTYPES and t.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} has unsupported dtype {t.dtype}")
+    allowed = (torch.int32, torch.int64) if ids else FLOAT_DTYPES
+    if t.dtype not in allowed:
+        raise TypeError(f"{name} has unsupported dtype {t.dtype} (expected one of {allowed})")
     if dtype is not None and t.dtype != dtype:
         raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
     if not t.is_contiguous():
@@ -39,7 +42,7 @@ def check_input(name: str, t: torch.Tensor, ndim: int, dtype=None):
 class SegmentedLoRABackend(BaseLoRABackend):
     """Backend skeleton over chunked, slot-sorted batch info (see ``batch.LoRABatchInfo``)."""
 
-    supported_dtypes = SUPPORTED_DTYPES  # the layers leave other dtypes on PEFT's path
+    supported_dtypes = FLOAT_DTYPES  # the layers leave other dtypes on PEFT's path
 
     def __init__(self, max_loras_per_batch: int, device: torch.device):
         super().__init__(max_loras_per_batch, torch.device(device))
@@ -187,6 +190,8 @@ class SegmentedLoRABackend(BaseLoRABackend):
                 f"base_output must be ({x.shape[0]}, {n_total}), got {tuple(base_output.shape)}")
         if base_output.stride(1) != 1:
             raise ValueError("base_output must have unit stride in its last dimension")
+        if base_output.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"base_output has unsupported dtype {base_output.dtype}")
         return base_output
 
     # ---- the contract ----------------------------------------------------------------------
@@ -310,10 +315,8 @@ class SegmentedLoRABackend(BaseLoRABackend):
     def run_lora_a_embedding(self, input_ids, weights, vocab_size, extra_embeddings=None, *,
                              batch_info=None):
         bi = self._bi(batch_info)
-        check_input("input_ids", input_ids, 1)
+        check_input("input_ids", input_ids, 1, ids=True)
         check_input("weights", weights, 3)
-        if input_ids.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"input_ids must be int32 or int64, got {input_ids.dtype}")
         self._check_tokens(input_ids, bi)
         if weights.shape[2] != vocab_size:
             raise ValueError(f"embedding A has vocab dim {weights.shape[2]}, vocab_size={vocab_size}")
@@ -326,7 +329,7 @@ class SegmentedLoRABackend(BaseLoRABackend):
     def run_extra_token_embedding(self, input_ids, output, extra_embeddings, vocab_size, *,
                                   batch_info=None):
         bi = self._bi(batch_info)
-        check_input("input_ids", input_ids, 1)
+        check_input("input_ids", input_ids, 1, ids=True)
         check_input("output", output, 2)
         check_input("extra_embeddings", extra_embeddings, 3, dtype=output.dtype)
         self._check_tokens(input_ids, bi)

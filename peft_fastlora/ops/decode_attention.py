@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernel_support import interpreting, num_sms
+
 _LOG2E = 1.4426950408889634
 
 
@@ -214,21 +216,10 @@ def _decode_attention_combine_kernel(
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def interpreting() -> bool:
-    """True when this module's kernels were built for Triton's interpreter."""
-    return type(_decode_attention_split_kernel).__name__ == "InterpretedFunction"
-
-
-_SM_COUNT = {}
-
-
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: few programs are fastest
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int, head_dim: int,

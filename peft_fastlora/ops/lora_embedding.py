@@ -100,6 +100,7 @@ def lora_embedding_a(
     *,
     block_t: Optional[int] = None,
     num_warps: int = 4,
+    check: bool = True,
 ) -> torch.Tensor:
     """``out[t] = weights[slot_t, :, id_t]`` (or ``extra_embeddings[slot_t, id_t - vocab_size]``).
 
@@ -115,7 +116,7 @@ def lora_embedding_a(
     """
     s = input_ids.shape[0]
     num_slots, rank, vocab = weights.shape
-    if vocab != vocab_size or token_slot.shape[0] < s:
+    if check and (vocab != vocab_size or token_slot.shape[0] < s):
         raise ValueError(f"lora_embedding_a: weights {tuple(weights.shape)}, vocab_size {vocab_size}"
                          f" and token_slot {tuple(token_slot.shape)} do not agree")
     out = torch.empty(s, rank, dtype=weights.dtype, device=weights.device)
@@ -150,6 +151,7 @@ def lora_extra_token_embedding(
     *,
     block_d: Optional[int] = None,
     num_warps: int = 4,
+    check: bool = True,
 ) -> torch.Tensor:
     """``output[t] = extra_embeddings[slot_t, id_t - vocab_size]`` for added tokens of rows with an
     adapter, in place; every other row of ``output`` is left untouched.
@@ -162,7 +164,7 @@ def lora_extra_token_embedding(
     """
     s = input_ids.shape[0]
     num_slots, n_extra, d = extra_embeddings.shape
-    if tuple(output.shape) != (s, d) or token_slot.shape[0] < s:
+    if check and (tuple(output.shape) != (s, d) or token_slot.shape[0] < s):
         raise ValueError(f"lora_extra_token_embedding: output {tuple(output.shape)}, extra "
                          f"{tuple(extra_embeddings.shape)} and {s} ids do not agree")
     if s == 0 or d == 0 or n_extra == 0:

@@ -128,6 +128,7 @@ def lora_expand(
     block_r: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Stacked, segmented expand into ``out`` (in place).
 
@@ -141,6 +142,7 @@ def lora_expand(
         sorted_token_ids, chunk_slot, chunk_start, chunk_len: the chunk plan (int32).
         block_m: rows per chunk.
         block_n, block_r, num_warps, num_stages: override ``expand_config``.
+        check: validate the shapes (False: the caller has).
     Returns:
         ``out``.
     """
@@ -148,14 +150,15 @@ def lora_expand(
     c = len(offsets) - 1
     s = y.shape[0]
     num_slots, n_total, r = weights.shape
-    if y.shape[1] != c * r or offsets[-1] != n_total or tuple(out.shape) != (s, n_total):
-        raise ValueError(f"lora_expand: y {tuple(y.shape)}, weights {tuple(weights.shape)}, out "
-                         f"{tuple(out.shape)} and offsets {offsets} do not agree")
-    if out.stride(1) != 1:
-        raise ValueError("lora_expand: out must have unit column stride")
-    for name, t in (("ranks", ranks), ("scalings", scalings)):
-        if t.dim() != 2 or t.shape[1] != c or t.stride(1) != 1:
-            raise ValueError(f"lora_expand: {name} must be (num_slots, {c}) with unit column stride")
+    if check:
+        if y.shape[1] != c * r or offsets[-1] != n_total or tuple(out.shape) != (s, n_total):
+            raise ValueError(f"lora_expand: y {tuple(y.shape)}, weights {tuple(weights.shape)}, out "
+                             f"{tuple(out.shape)} and offsets {offsets} do not agree")
+        if out.stride(1) != 1:
+            raise ValueError("lora_expand: out must have unit column stride")
+        for name, t in (("ranks", ranks), ("scalings", scalings)):
+            if t.dim() != 2 or t.shape[1] != c or t.stride(1) != 1:
+                raise ValueError(f"lora_expand: {name} must be (num_slots, {c}) with unit column stride")
     max_chunks = chunk_slot.shape[0]
     if s == 0 or max_chunks == 0 or r == 0:
         return out

@@ -28,12 +28,13 @@ not touched; only the first ``rank(slot, j)`` rows of A and columns of B are rea
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
+
+from ..kernel_support import num_sms
 
 MAX_MODULES = 4  # column offsets travel as scalar arguments, as in the expand
 MAX_BLOCK_R = 128  # larger padded ranks take the two-kernel path
@@ -252,11 +253,6 @@ class FusedWorkspace:
         return sum(int(s[1]) for _, s in bufs)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def fused_config(rank: int, k: int, widths: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> dict:
     """Launch parameters for Hopper (no autotuning: graphs need a fixed launch).
 
@@ -308,6 +304,7 @@ def lora_fused(
     max_spin: Optional[int] = None,
     wait_first: bool = False,
     num_warps: Optional[int] = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Stacked, segmented shrink + expand into ``out`` (in place), one launch.
 
@@ -322,6 +319,7 @@ def lora_fused(
         block_m: rows per chunk (16: decode-sized batches; see ``fused_supported``).
         num_programs, block_k, block_n, max_spin, num_warps: override the defaults;
         wait_first: tests only (expand items first: every reader times out).
+        check: validate the shapes (False: the caller has).
     Returns:
         ``out``.
     """
@@ -330,17 +328,18 @@ def lora_fused(
     s, k = x.shape
     n_total, r = lora_b.shape[1:]
     num_slots = min(lora_a.shape[0], lora_b.shape[0])
-    if (tuple(lora_a.shape) != (lora_a.shape[0], c * r, k) or offsets[-1] != n_total
-            or tuple(out.shape) != (s, n_total)):
-        raise ValueError(f"lora_fused: x {tuple(x.shape)}, A {tuple(lora_a.shape)}, B "
-                         f"{tuple(lora_b.shape)}, out {tuple(out.shape)} and offsets {offsets} "
-                         "do not agree")
-    if not fused_supported(c, r, block_m, x.dtype) or out.stride(1) != 1:
-        raise ValueError(f"lora_fused: {c} modules of rank {r}, block_m {block_m} (or a strided "
-                         "out column) are not supported; use lora_shrink + lora_expand")
-    for name, t in (("ranks", ranks), ("scalings", scalings)):
-        if t.dim() != 2 or t.shape[1] != c or t.stride(1) != 1:
-            raise ValueError(f"lora_fused: {name} must be (num_slots, {c}) with unit column stride")
+    if check:
+        if (tuple(lora_a.shape) != (lora_a.shape[0], c * r, k) or offsets[-1] != n_total
+                or tuple(out.shape) != (s, n_total)):
+            raise ValueError(f"lora_fused: x {tuple(x.shape)}, A {tuple(lora_a.shape)}, B "
+                             f"{tuple(lora_b.shape)}, out {tuple(out.shape)} and offsets {offsets} "
+                             "do not agree")
+        if not fused_supported(c, r, block_m, x.dtype) or out.stride(1) != 1:
+            raise ValueError(f"lora_fused: {c} modules of rank {r}, block_m {block_m} (or a strided "
+                             "out column) are not supported; use lora_shrink + lora_expand")
+        for name, t in (("ranks", ranks), ("scalings", scalings)):
+            if t.dim() != 2 or t.shape[1] != c or t.stride(1) != 1:
+                raise ValueError(f"lora_fused: {name} must be (num_slots, {c}) with unit column stride")
     max_chunks = chunk_slot.shape[0]
     widths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
     if s == 0 or max_chunks == 0 or max(widths) == 0:
@@ -358,7 +357,7 @@ def lora_fused(
     if num_programs is None:
         if x.device.type == "cuda":
             index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-            num_programs = cfg["programs_per_sm"] * _num_sms(index)
+            num_programs = cfg["programs_per_sm"] * num_sms(index)
         else:  # the interpreter runs programs one after the other: a few exercise the hand-over
             num_programs = 3
     num_programs = max(1, min(num_programs, max_items))

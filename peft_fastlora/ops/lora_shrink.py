@@ -125,6 +125,7 @@ def lora_shrink(
     block_r: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Stacked, segmented shrink.
 
@@ -138,16 +139,17 @@ def lora_shrink(
         block_m: rows per chunk (a power of two >= 16).
         out: optional (s, c * R) output; allocated (uninitialised) when omitted.
         block_k, block_r, num_warps, num_stages: override ``shrink_config``.
+        check: validate the shapes (False: the caller has).
     Returns:
         (s, c * R) in ``x.dtype``; defined only where the contract says (own rank, adapter rows).
     """
     s, k = x.shape
     num_slots, cr, kw = weights.shape
-    if kw != k or cr % stack_num:
+    if check and (kw != k or cr % stack_num):
         raise ValueError(f"lora_shrink: weights {tuple(weights.shape)} do not match x {tuple(x.shape)}"
                          f" with stack_num={stack_num}")
     r = cr // stack_num
-    if ranks.dim() != 2 or ranks.shape[1] != stack_num or ranks.stride(1) != 1:
+    if check and (ranks.dim() != 2 or ranks.shape[1] != stack_num or ranks.stride(1) != 1):
         raise ValueError(f"lora_shrink: ranks must be (num_slots, {stack_num}) with unit column stride")
     if out is None:
         out = torch.empty(s, cr, dtype=x.dtype, device=x.device)

@@ -20,14 +20,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _compat
+from .. import _compat
+from ..kernel_support import FLOAT_DTYPES, interpreting
 
 logger = logging.getLogger("peft_fastlora")
 
 ATTN_NAME = "fastlora_decode"
 _PREV_ATTR = "_fastlora_prev_attn_implementation"
 _MAX_HEAD_DIM = 256
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # attention kwargs that change the result and that the kernel does not implement
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "head_mask")
 
@@ -37,12 +37,6 @@ def _sdpa():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS["sdpa"]
-
-
-def _interpreting() -> bool:
-    from .ops.decode_attention import interpreting
-
-    return interpreting()
 
 
 def decode_unsupported(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -73,12 +67,12 @@ def decode_unsupported(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         return f"mask {tuple(m.shape)} is not (B, 1, 1, {key.shape[2]})"
     if m.dtype != torch.bool and not m.is_floating_point():
         return f"mask dtype {m.dtype}"
-    if query.dtype not in _DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+    if query.dtype not in FLOAT_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         return "dtypes"
     if query.device.type == "cuda":
-        if _interpreting():
+        if interpreting():
             return "Triton interpreter with CUDA tensors"
-    elif not (query.device.type == "cpu" and _interpreting()):
+    elif not (query.device.type == "cpu" and interpreting()):
         return f"device {query.device.type}"
     return None
 
@@ -101,22 +95,10 @@ def fastlora_decode_attention(
     why = decode_unsupported(module, query, key, value, attention_mask, dropout, **kwargs)
     if why is not None:
         return _sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    from .ops.decode_attention import decode_attention
+    from ..ops.decode_attention import decode_attention
 
     out = decode_attention(query, key, value, attention_mask, scaling=scaling, softcap=kwargs.get("softcap"))
     return out, None
-
-
-def register() -> None:
-    """Make ``ATTN_NAME`` a valid attention implementation (idempotent, process-wide)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTN_NAME, fastlora_decode_attention)
-    # without a mask builder under this name, transformers builds no mask at all (it assumes a
-    # custom kernel that needs none); the kernel reads sdpa's (B, 1, q, L) bool mask
-    if ATTN_NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-        AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 
 
 def _sliding_reason(inner: nn.Module) -> Optional[str]:
@@ -144,9 +126,9 @@ def enable_decode_attention(hf_model: nn.Module) -> Optional[str]:
     """
     inner = _compat.unwrap_peft(hf_model)
     cfg = getattr(inner, "config", None)
-    if cfg is None or not hasattr(cfg, "_attn_implementation"):
+    current = _compat.attn_implementation(inner)
+    if current is None:
         return "not a transformers model"
-    current = cfg._attn_implementation
     if current == ATTN_NAME:
         return None
     if current != "sdpa":
@@ -158,18 +140,19 @@ def enable_decode_attention(hf_model: nn.Module) -> Optional[str]:
         return why
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         return "logit soft-capping (the sdpa path, used for prefill, does not apply it)"
-    register()
+    _compat.register_attention_function(ATTN_NAME, fastlora_decode_attention)
     inner.__dict__[_PREV_ATTR] = current
     try:
-        _set_attn(inner, ATTN_NAME)
+        _compat.set_attn_implementation(inner, ATTN_NAME)
     except Exception as e:  # transformers refused the name: leave the model as it was
-        _set_attn(inner, current)
+        _compat.set_attn_implementation(inner, current)
         inner.__dict__.pop(_PREV_ATTR, None)
         return f"transformers refused {ATTN_NAME!r}: {e}"
-    if cfg._attn_implementation != ATTN_NAME:
-        _set_attn(inner, current)
+    if _compat.attn_implementation(inner) != ATTN_NAME:
+        kept = _compat.attn_implementation(inner)
+        _compat.set_attn_implementation(inner, current)
         inner.__dict__.pop(_PREV_ATTR, None)
-        return f"transformers kept attention implementation {cfg._attn_implementation!r}"
+        return f"transformers kept attention implementation {kept!r}"
     return None
 
 
@@ -179,18 +162,9 @@ def disable_decode_attention(hf_model: nn.Module) -> None:
     prev = inner.__dict__.pop(_PREV_ATTR, None)
     if prev is None:
         return
-    if inner.config._attn_implementation == ATTN_NAME:
-        _set_attn(inner, prev)
+    if _compat.attn_implementation(inner) == ATTN_NAME:
+        _compat.set_attn_implementation(inner, prev)
 
 
 def decode_attention_enabled(hf_model: nn.Module) -> bool:
-    inner = _compat.unwrap_peft(hf_model)
-    return getattr(getattr(inner, "config", None), "_attn_implementation", None) == ATTN_NAME
-
-
-def _set_attn(inner: nn.Module, name: str) -> None:
-    setter = getattr(inner, "set_attn_implementation", None)
-    if setter is not None:
-        setter(name)
-    else:
-        inner.config._attn_implementation = name
+    return _compat.attn_implementation(_compat.unwrap_peft(hf_model)) == ATTN_NAME

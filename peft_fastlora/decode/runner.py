@@ -21,7 +21,7 @@ What it keeps, and for how long:
   (``init_cuda_graph_batch_info``); re-initialised (all graphs dropped) only when the adapter slots
   outgrow them or the backend is replaced.
 
-A capture that fails for any reason leaves the process healthy (``cuda_graph.capture``); the step
+A capture that fails for any reason leaves the process healthy (``capture.capture``); the step
 and every later step of the same shape run eagerly, with the reason recorded in ``stats`` and
 logged once.
 """
@@ -36,16 +36,12 @@ from typing import Dict, Optional
 
 import torch
 
-from . import _compat
-from .batch import ForwardBatch
-from .cuda_graph import EmulatedGraph, GraphPool, capture
+from .. import _compat
+from ..batch import ForwardBatch
+from .capture import EmulatedGraph, GraphPool, GraphUnsafe, capture
 from .static_cache import CacheUnavailable, StaticCacheStore, cache_state_tensors
 
 logger = logging.getLogger("peft_fastlora")
-
-
-class GraphUnsafe(RuntimeError):
-    """Raised inside a capture when a layer would leave the static path."""
 
 
 class DecodeGraphRunner:

@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from ._compat import base_layer_of, is_lora_layer
+from .._compat import base_layer_of, is_lora_layer
 
 FUSIBLE_GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),

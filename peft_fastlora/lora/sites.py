@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from ._compat import (base_layer_of, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
+from .._compat import (base_layer_of, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
                       layer_is_merged)
 from .fusion import FusedGroup
 from .pool import SitePool
@@ -60,7 +60,7 @@ class Site:
         """The batch info when this call can take the fast path, else None."""
         bi = self._fast_path_info(state, x, args, kwargs)
         if bi is None and state.use_cuda_graph and kwargs.get("adapter_names") is not None:
-            from .graphs import GraphUnsafe
+            from ..decode.capture import GraphUnsafe
 
             # PEFT's path indexes rows from host lists: captured, it would replay stale indices
             raise GraphUnsafe(f"{self.name} would leave the static path")

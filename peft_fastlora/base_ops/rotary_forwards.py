@@ -6,75 +6,62 @@ instance, a copy of that same function (same code object, decorators kept) whose
 class and the modeling module are untouched, so other models in the process keep transformers'
 function.
 
-The copy is made only when the model's ``apply_rotary_pos_emb`` and its ``rotate_half`` are, up
-to docstrings and decorators, the Llama-family ones (Llama, Mistral, Qwen2/3, Gemma, Granite, ...):
-partial rotary (Phi-3), interleaved or upcasting variants keep their own function. At call time,
-anything ``ops.rotary`` does not take (gradients, other devices, broadcast shapes) goes to the
-original function.
+The copy is made only when the model's ``apply_rotary_pos_emb`` and its ``rotate_half`` compute
+what the Llama-family ones do (``match.py``: Llama, Mistral, Qwen2/3, Gemma, Granite, ...): partial
+rotary (Phi-3), interleaved or upcasting variants keep their own function, with the reason
+reported. At call time, anything ``ops.rotary`` does not take (gradients, other devices, broadcast
+shapes) goes to the original function.
 """
 
 from __future__ import annotations
 
-import ast
 import inspect
-import textwrap
 import types
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from ._forwards import kernel_runs_on, set_instance_forward
+from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
+from .install import set_instance_forward
+from .match import code_shape, reference_shape
 
 _NAME = "apply_rotary_pos_emb"
 
-_REFERENCE_APPLY = '''
+_APPLY = reference_shape('''
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
     q_embed = (q * cos) + (rotate_half(q) * sin)
     k_embed = (k * cos) + (rotate_half(k) * sin)
     return q_embed, k_embed
-'''
+''')
 
-_REFERENCE_ROTATE_HALF = '''
+_ROTATE_HALF = reference_shape('''
 def rotate_half(x):
     x1 = x[..., : x.shape[-1] // 2]
     x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
-'''
+''')
 
 
-def _shape_of_code(fn: Callable) -> Optional[str]:
-    """The function's syntax tree without docstring and decorators (None if no source)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
-        return None
-    return _strip(tree)
-
-
-def _strip(tree) -> Optional[str]:
-    if not isinstance(tree, ast.FunctionDef):
-        return None
-    tree.decorator_list = []
-    body = tree.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        tree.body = body[1:]
-    return ast.dump(tree)
-
-
-_APPLY_CODE = _strip(ast.parse(_REFERENCE_APPLY).body[0])
-_ROTATE_HALF_CODE = _strip(ast.parse(_REFERENCE_ROTATE_HALF).body[0])
+def rotary_mismatch(fn: Callable) -> Optional[str]:
+    """None when ``fn`` computes Llama's ``q * cos + rotate_half(q) * sin``, else the reason."""
+    raw = inspect.unwrap(fn)
+    scope = getattr(raw, "__globals__", {})
+    rotate_half = scope.get("rotate_half")
+    module = getattr(raw, "__module__", "?")
+    if rotate_half is None or scope.get("torch") is not torch:
+        return f"{module}.{_NAME}: no rotate_half / torch beside it"
+    if code_shape(raw) != _APPLY:
+        return f"{module}.{_NAME} differs from the reference code"
+    if code_shape(rotate_half) != _ROTATE_HALF:
+        return f"{module}.rotate_half differs from the reference code"
+    return None
 
 
 def is_llama_rotary(fn: Callable) -> bool:
-    """``fn`` computes Llama's ``q * cos + rotate_half(q) * sin`` (checked by its code)."""
-    raw = inspect.unwrap(fn)
-    rotate_half = getattr(raw, "__globals__", {}).get("rotate_half")
-    return (rotate_half is not None and raw.__globals__.get("torch") is torch
-            and _shape_of_code(raw) == _APPLY_CODE and _shape_of_code(rotate_half) == _ROTATE_HALF_CODE)
+    return rotary_mismatch(fn) is None
 
 
 def _kernel_applies(q, k, cos, sin) -> bool:
@@ -86,8 +73,7 @@ def _kernel_applies(q, k, cos, sin) -> bool:
         return False
     if cos.shape[1:] != q.shape[2:] or cos.shape[0] not in (1, q.shape[0]):
         return False
-    if len({q.dtype, k.dtype, cos.dtype, sin.dtype}) != 1 or q.dtype not in (torch.float16, torch.bfloat16,
-                                                                            torch.float32):
+    if len({q.dtype, k.dtype, cos.dtype, sin.dtype}) != 1 or q.dtype not in FLOAT_DTYPES:
         return False
     if q.stride(-1) != 1 or k.stride(-1) != 1 or len({t.device for t in (q, k, cos, sin)}) != 1:
         return False
@@ -96,7 +82,7 @@ def _kernel_applies(q, k, cos, sin) -> bool:
 
 def make_fast_apply(original: Callable) -> Callable:
     """A drop-in ``apply_rotary_pos_emb`` that launches ``ops.rotary`` when it can."""
-    from .ops.rotary import apply_rotary
+    from ..ops.rotary import apply_rotary
 
     def fast_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **kwargs):
         if unsqueeze_dim != 1 or kwargs or not _kernel_applies(q, k, cos, sin):
@@ -142,11 +128,14 @@ def _cell_value(cell):
         return None
 
 
-def install_rotary(root: nn.Module) -> List[Tuple[str, nn.Module]]:
+def install_rotary(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]]]:
     """Give every attention module under ``root`` whose forward calls a Llama-family
-    ``apply_rotary_pos_emb`` the one-kernel version; returns the modules changed."""
+    ``apply_rotary_pos_emb`` the one-kernel version.
+
+    Returns (the modules changed, (class, reason) for forwards calling another rotary).
+    """
     copies: Dict[Callable, Optional[Callable]] = {}  # one copy per class forward
-    done = []
+    done, skipped = [], {}
     for name, m in root.named_modules():
         forward = type(m).__dict__.get("forward")
         if forward is None or "forward" in m.__dict__:
@@ -156,9 +145,14 @@ def install_rotary(root: nn.Module) -> List[Tuple[str, nn.Module]]:
             raw = inspect.unwrap(forward)
             code = getattr(raw, "__code__", None)
             original = getattr(raw, "__globals__", {}).get(_NAME)
-            if code is not None and _NAME in code.co_names and callable(original) and is_llama_rotary(original):
-                copies[forward] = rebind_global(forward, _NAME, make_fast_apply(original))
+            if code is not None and _NAME in code.co_names and callable(original):
+                why = rotary_mismatch(original)
+                if why is None:
+                    copies[forward] = rebind_global(forward, _NAME, make_fast_apply(original))
+                    why = None if copies[forward] is not None else "its forward cannot be copied"
+                if why is not None:
+                    skipped[type(m).__name__] = why
         if copies[forward] is not None:
             set_instance_forward(m, copies[forward])
             done.append((name, m))
-    return done
+    return done, sorted(skipped.items())

@@ -26,7 +26,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from . import _compat
+from .. import _compat
+from ..kernel_support import kernel_runs_on
 
 MIN_LENGTH = 256
 
@@ -165,7 +166,7 @@ def _update_first_rows(layer, key_states, value_states, *args, **kwargs):
     increment a second, instead of transformers' five kernels; otherwise transformers' update runs."""
     rows, full_k, full_v = key_states.shape[0], layer.keys, layer.values
     if getattr(layer, "_fastlora_kernel_writes", False) and _kv_kernel_applies(layer, key_states, value_states):
-        from .ops.kv_cache import kv_cache_write
+        from ..ops.kv_cache import kv_cache_write
 
         kv_cache_write(key_states, value_states, full_k, full_v, layer.cumulative_length)
         layer.cumulative_length.add_(key_states.shape[-2])
@@ -198,8 +199,6 @@ def _kv_kernel_applies(layer, key, value) -> bool:
         return False
     if any(t.stride(-1) != 1 for t in (key, value, keys, layer.values)):
         return False
-    from ._forwards import kernel_runs_on
-
     return kernel_runs_on(key, value, keys)
 
 

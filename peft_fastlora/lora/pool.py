@@ -27,7 +27,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ._compat import lora_weights, unsupported_reason
+from .._compat import lora_layer_unchanged, lora_weights, unsupported_reason, watch_lora_layer
 
 
 class AdapterRegistry:
@@ -99,43 +99,23 @@ class SitePool:
         return tuple(sig)
 
     def _watch(self):
-        """What ``stale`` checks, pre-resolved: per layer, the ``lora_A`` / ``lora_B`` module dicts
-        and their keys, the scaling dict and a copy of it, and each adapter's A / B sub-modules and
-        weights with their address. Covers what the signature covers (names, identity, address,
-        scaling) with plain dict and attribute reads. None for embedding sites, which keep the
-        signature."""
+        """What ``stale`` checks on every forward, pre-resolved by ``_compat.watch_lora_layer`` (the
+        same facts as the signature, read with plain dict and attribute reads); None for embedding
+        sites or an unusual layout, which keep the signature."""
         if self.embedding:
             return None
         watch = []
         for layer in self.layers:
             if layer is None:
                 continue
-            mods_a, mods_b = layer.lora_A._modules, layer.lora_B._modules
-            weights = []
-            for name in mods_a:
-                if name not in mods_b:
-                    continue
-                ma, mb = mods_a[name], mods_b[name]
-                a, b = ma._parameters.get("weight"), mb._parameters.get("weight")
-                if a is None or b is None:
-                    return None  # not PEFT's usual layout: keep the signature
-                weights.append((name, ma, a, a.data_ptr(), mb, b, b.data_ptr()))
-            watch.append((mods_a, tuple(mods_a), mods_b, tuple(mods_b), layer.scaling, dict(layer.scaling),
-                          weights))
+            entry = watch_lora_layer(layer)
+            if entry is None:
+                return None
+            watch.append(entry)
         return watch
 
     def _watch_clean(self) -> bool:
-        for mods_a, keys_a, mods_b, keys_b, scaling, scaling_then, weights in self._watched:
-            if tuple(mods_a) != keys_a or tuple(mods_b) != keys_b or scaling != scaling_then:
-                return False
-            for name, ma, a, pa, mb, b, pb in weights:
-                if mods_a[name] is not ma or mods_b[name] is not mb:
-                    return False
-                if ma._parameters.get("weight") is not a or mb._parameters.get("weight") is not b:
-                    return False
-                if a.data_ptr() != pa or b.data_ptr() != pb:
-                    return False
-        return True
+        return all(lora_layer_unchanged(entry) for entry in self._watched)
 
     def stale(self, registry: AdapterRegistry, dtype: torch.dtype) -> bool:
         if self.lora_a is None or self.lora_a.dtype != dtype:

@@ -16,7 +16,12 @@ from typing import Callable, Optional
 
 import torch
 
-from . import _compat
+from .. import _compat
+
+
+class GraphUnsafe(RuntimeError):
+    """Raised inside a capture when a layer would leave the static path (PEFT's own forward indexes
+    rows from host lists: captured, it would replay stale indices)."""
 
 
 class GraphPool:

@@ -1,6 +1,6 @@
 """The ``generate`` of a patched model: one call boundary per call (PEFT's adapters checked and
 their values copied once), and, where the call allows it, decode steps replayed from CUDA graphs
-(see ``graphs.py``). ``warmup`` captures a server's graphs before its first request."""
+(see ``runner.py``). ``warmup`` captures a server's graphs before its first request."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import _compat
-from .graphs import DecodeGraphRunner
+from .. import _compat
+from .runner import DecodeGraphRunner
 from .static_cache import CacheUnavailable
 
 logger = logging.getLogger("peft_fastlora")
@@ -98,33 +98,31 @@ def run_generate(state, generate, args, kwargs, min_cache_len: int = 0):
             runner.note_eager(str(e))
             return generate(*args, **kwargs)
         kwargs = dict(kwargs)
-        kwargs[_compat.generate_cache_kwarg(state.inner)] = cache
+        kwargs[_compat.cache_kwarg_name(state.inner)] = cache
         with armed(state.inner, runner, kwargs.get("adapter_names")):
             return generate(*args, **kwargs)
 
 
-def install_generate(state):
-    model = state.model
-    state._saved_generate = model.__dict__.get("generate")
-    original = model.generate
+class GenerateHook:
+    """The patched ``generate`` of one model: installed on the instance, removed by ``remove``."""
 
-    @functools.wraps(original)
-    def generate(self, *args, **kwargs):
-        return run_generate(state, original, args, kwargs)
+    def __init__(self, state):
+        self.model = state.model
+        self._saved = self.model.__dict__.get("generate")  # an instance-level generate already there
+        self.original = self.model.generate
+        original = self.original
 
-    model.generate = types.MethodType(generate, model)
-    state._original_generate = original
+        @functools.wraps(original)
+        def generate(model, *args, **kwargs):
+            return run_generate(state, original, args, kwargs)
 
+        self.model.generate = types.MethodType(generate, self.model)
 
-def uninstall_generate(state):
-    if getattr(state, "_original_generate", None) is None:
-        return
-    saved = state._saved_generate
-    if saved is None:
-        state.model.__dict__.pop("generate", None)
-    else:
-        state.model.generate = saved
-    state._original_generate = None
+    def remove(self):
+        if self._saved is None:
+            self.model.__dict__.pop("generate", None)
+        else:
+            self.model.generate = self._saved
 
 
 @dataclass
@@ -150,7 +148,7 @@ def warmup(model, batch_sizes: Optional[Sequence[int]] = None, max_length: int =
     these caches and graphs. ``adapter_names``: the adapters of the warm-up rows (cycled; default:
     every registered adapter in turn). Returns a ``WarmupReport``.
     """
-    from .patch import get_state
+    from ..patch import get_state
 
     state = get_state(model)
     if state is None:
@@ -187,7 +185,7 @@ def warmup(model, batch_sizes: Optional[Sequence[int]] = None, max_length: int =
         if state.has_lora:
             kwargs["adapter_names"] = [names[i % len(names)] for i in range(rows)]
         with torch.no_grad():
-            run_generate(state, state._original_generate, (), kwargs, min_cache_len=max_length)
+            run_generate(state, state.generate_hook.original, (), kwargs, min_cache_len=max_length)
     if state.device.type == "cuda":
         torch.cuda.synchronize()
     stats = runner.stats

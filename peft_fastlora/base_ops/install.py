@@ -1,21 +1,11 @@
-"""Instance-level forwards of the small-op kernels (norms, rotary, gated MLPs): installing and
-removing them, and whether a Triton kernel can run on given tensors."""
+"""Instance-level forwards: installing and removing them on one module (never on its class)."""
 
 from __future__ import annotations
 
-import os
 import types
 from typing import Callable, List, Tuple
 
-import torch
 from torch import nn
-
-
-def kernel_runs_on(*tensors: torch.Tensor) -> bool:
-    """All tensors on CUDA, or on the CPU under the Triton interpreter (the CPU tests)."""
-    if all(t.is_cuda for t in tensors):
-        return True
-    return os.environ.get("TRITON_INTERPRET") == "1" and all(t.device.type == "cpu" for t in tensors)
 
 
 def set_instance_forward(module: nn.Module, forward: Callable) -> None:

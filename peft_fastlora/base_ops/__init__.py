@@ -1,0 +1,69 @@
+"""The base model's own decode work in fastlora's kernels: attention (through transformers'
+attention registry), RMSNorms, rotary embedding and SiLU-gated MLPs (instance forwards).
+
+``install_base_ops`` decides from the options and the device what to install, installs it on this
+model instance only, and returns what it did (and why anything was left as it is);
+``BaseOps.remove`` undoes all of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from .attention_registry import disable_decode_attention, enable_decode_attention
+from .install import remove_instance_forwards
+from .mlp_forwards import install_gated_mlps
+from .norm_forwards import install_norms
+from .rotary_forwards import install_rotary
+
+
+@dataclass
+class BaseOps:
+    """What ``install_base_ops`` did to one model."""
+
+    decode_attention: str = "off"  # "on", or "off (why)"
+    installed: Dict[str, List[Tuple[str, nn.Module]]] = field(default_factory=dict)  # option -> modules
+    skipped: List[Tuple[str, str, str]] = field(default_factory=list)  # (option, class, why not)
+
+    def count(self, option: str) -> int:
+        return len(self.installed.get(option, ()))
+
+    def remove(self, model: nn.Module) -> None:
+        disable_decode_attention(model)
+        for modules in self.installed.values():
+            remove_instance_forwards(modules)
+        self.installed = {}
+
+
+def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps:
+    """Install what ``options`` (a ``PatchOptions``) asks for on ``model`` (the transformers model).
+
+    ``"auto"``: decode attention and norms on CUDA; rotary and SiLU-mul on CUDA with graphs on (an
+    eager step pays the host time of each Triton launch, more than the torch ops it replaces).
+    """
+    ops = BaseOps()
+    on_cuda = device.type == "cuda"
+    if options.decode_attention is False:
+        ops.decode_attention = "off (decode_attention=False)"
+    elif options.decode_attention == "auto" and not on_cuda:
+        ops.decode_attention = "off (the model is not on CUDA)"
+    else:
+        why = enable_decode_attention(model)
+        ops.decode_attention = "on" if why is None else f"off ({why})"
+    graphed = on_cuda and options.cuda_graphs in (True, "auto")
+    for option, install, auto in (("fuse_norms", install_norms, on_cuda),
+                                  ("fuse_rotary", install_rotary, graphed),
+                                  ("fuse_silu_mul", install_gated_mlps, graphed)):
+        value = getattr(options, option)
+        if value is True or (value == "auto" and auto):
+            done, skipped = install(model)
+            ops.installed[option] = done
+            ops.skipped.extend((option, cls, why) for cls, why in skipped)
+    return ops
+
+
+__all__ = ["BaseOps", "install_base_ops"]

@@ -1,0 +1,45 @@
+"""Where fastlora's Triton kernels can run, and what they take: one answer for every caller.
+
+Importing this module imports neither Triton nor the kernels (``import peft_fastlora`` stays
+light); ``interpreting`` imports them on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+# the floating dtypes every kernel and backend takes
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_interpreting: Optional[bool] = None
+_sm_counts: Dict[int, int] = {}
+
+
+def interpreting() -> bool:
+    """True when the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` set before
+    they were imported), which runs them on CPU tensors."""
+    global _interpreting
+    if _interpreting is None:
+        try:
+            from .ops import interpreting as kernels_interpreted
+        except ImportError:  # no Triton here
+            _interpreting = False
+        else:
+            _interpreting = kernels_interpreted()
+    return _interpreting
+
+
+def kernel_runs_on(*tensors: torch.Tensor) -> bool:
+    """All tensors on CUDA, or all on the CPU under Triton's interpreter (the CPU tests)."""
+    if all(t.is_cuda for t in tensors):
+        return True
+    return all(t.device.type == "cpu" for t in tensors) and interpreting()
+
+
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached)."""
+    if device_index not in _sm_counts:
+        _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return _sm_counts[device_index]

@@ -1,0 +1,57 @@
+"""``PatchReport``: what ``patch`` did to a model, and why anything was left as it was."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Tuple
+
+
+@dataclass
+class PatchReport:
+    """What ``patch`` did. ``str(report)`` is the one-line summary that is also logged."""
+
+    backend: str
+    device: str
+    adapters: List[str]
+    sites: List[Tuple[str, str, int]] = field(default_factory=list)  # (name, kind, LoRA layers)
+    left_on_peft: List[Tuple[str, str]] = field(default_factory=list)  # (module, reason)
+    adapter_fallbacks: List[Tuple[str, str, str]] = field(default_factory=list)  # (module, adapter, reason)
+    fusion_blocked: List[Tuple[str, str]] = field(default_factory=list)  # (group, reason)
+    stack_bytes: int = 0
+    decode_attention: str = "off"  # "on", or why not
+    fused_norms: int = 0  # RMSNorm modules served by one kernel
+    fused_rotary: int = 0  # attention modules whose rotary embedding is one kernel
+    fused_mlps: int = 0  # gated MLPs whose silu(gate) * up is one kernel
+    cuda_graphs: str = "off"  # "on", "emulated", or "off (why)"
+    base_ops_skipped: List[Tuple[str, str, str]] = field(default_factory=list)  # (option, class, why)
+
+    @property
+    def num_patched_layers(self) -> int:
+        return sum(n for _, _, n in self.sites)
+
+    def counts(self) -> dict:
+        out: dict = {}
+        for _, kind, _n in self.sites:
+            out[kind] = out.get(kind, 0) + 1
+        return out
+
+    def summary(self) -> str:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.counts().items()))
+        if not self.adapters:
+            line = "fastlora: base model only (no LoRA adapters)"
+        else:
+            line = (f"fastlora: patched {self.num_patched_layers} LoRA layers ({kinds}) for "
+                    f"{len(self.adapters)} adapters on backend {self.backend!r}; "
+                    f"{len(self.left_on_peft)} left on PEFT's path; "
+                    f"adapter stacks {self.stack_bytes / 2**20:.1f} MiB")
+        if self.adapter_fallbacks:
+            pairs = sorted({(a, r) for _, a, r in self.adapter_fallbacks})
+            line += "; served by PEFT where used: " + ", ".join(f"{a} ({r})" for a, r in pairs)
+        if self.fusion_blocked:
+            line += f"; {len(self.fusion_blocked)} groups not fused"
+        line += (f"; decode graphs {self.cuda_graphs}; decode attention {self.decode_attention}; "
+                 f"one-kernel RMSNorm x{self.fused_norms}, "
+                 f"rotary x{self.fused_rotary}, SiLU-mul x{self.fused_mlps}")
+        return line
+
+    __str__ = summary

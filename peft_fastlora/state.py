@@ -1,0 +1,371 @@
+"""``FastLoRAState``: everything fastlora keeps on a patched model, built and torn down here.
+
+It owns the LoRA sites and their pools (``lora/``), the backend, the generate hook and graph
+runner (``decode/``) and the base-model kernels (``base_ops/``), and it is the one owner of the
+runtime flags the layers read (``forward_context``, ``call``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from . import _compat
+from ._compat import LoraEmbedding, LoraLinear, base_layer_of, is_conv1d, is_lora_layer, linear_in_out
+from .backend import get_backend, resolve_backend_name
+from .base_ops import BaseOps, install_base_ops
+from .batch import ForwardBatch
+from .lora.fusion import find_groups
+from .lora.pool import AdapterRegistry, SitePool, ValueRefresher
+from .lora.sites import EmbeddingSite, FusedSite, LinearSite, Site
+from .options import PatchOptions
+from .report import PatchReport
+
+logger = logging.getLogger("peft_fastlora")
+
+
+class FastLoRAState:
+    """Everything fastlora keeps on a patched model, and the one owner of its runtime flags.
+
+    The layers read ``use_cuda_graph`` / ``graph_batch_info``, which change only inside
+    ``forward_context`` (entered by the graph runner around a capture or an emulated replay), and
+    skip the per-forward checks inside ``call`` (entered by the patched ``generate``).
+    """
+
+    def __init__(self, model: nn.Module, options: PatchOptions):
+        self.model = model
+        self.inner = _compat.unwrap_peft(model)
+        self.options = options
+        self.registry = AdapterRegistry(())
+        self.device: Optional[torch.device] = None
+        self.backend = None
+        self.report: Optional[PatchReport] = None
+        self.sites: List[Site] = []
+        self.groups = []
+        self.base_ops: Optional[BaseOps] = None
+        self.generate_hook = None  # decode.generate.GenerateHook
+        self.generation = 0  # bumped whenever a stack or fused weight is rebuilt (graphs hold them)
+        self.graph_runner = None
+        self.graph_blocker: Optional[str] = None  # why decode graphs are off (None: on)
+        self.graph_batch_info = None  # set by the graph runner before a capture or replay
+        self.enabled = True
+        self._graph_rows: Optional[int] = None  # inside forward_context: the graphed batch size
+        self._in_call = False
+        self._refresh_pending = False
+        self._refresher: Optional[ValueRefresher] = None
+        self._refresher_generation = -1
+        self._hook = None
+        self._bi_key = None
+        self._bi = None
+        self._slot_ranks = None
+        self._peft_config_keys = self._config_keys()
+
+    def _config_keys(self):
+        cfg = getattr(self.model, "peft_config", None)
+        return tuple(sorted(cfg)) if isinstance(cfg, dict) else None
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        """Whether the layers are being captured (or replayed, emulated) in a decode graph."""
+        return self._graph_rows is not None
+
+    @property
+    def has_lora(self) -> bool:
+        return bool(self.sites)
+
+    @contextlib.contextmanager
+    def forward_context(self, graph: int, emulated: bool = False):
+        """The layers of forwards run inside read the static ``graph_batch_info`` of a graphed
+        batch of ``graph`` rows (a capture, or an emulated replay) and skip the per-forward checks."""
+        previous = self._graph_rows
+        self._graph_rows = graph
+        try:
+            yield
+        finally:
+            self._graph_rows = previous
+
+    @contextlib.contextmanager
+    def call(self, adapter_names: Optional[Sequence[str]]):
+        """One ``generate`` call: PEFT's adapters are checked and the values of the ones the call
+        uses copied into the stacks once, here; the forwards inside skip both."""
+        if self._in_call:
+            yield
+            return
+        self.sync()
+        self.refresh_values(adapter_names)
+        self._in_call = True
+        try:
+            yield
+        finally:
+            self._in_call = False
+
+    # -- building ---------------------------------------------------------------------------
+    def build(self) -> PatchReport:
+        from .decode.generate import GenerateHook
+
+        report = self._build_lora()
+        self._hook = self.inner.register_forward_pre_hook(lambda module, args: self.begin_forward())
+        self.generate_hook = GenerateHook(self)
+        _compat.guard_peft_forward_hooks(self.model)
+        self.base_ops = install_base_ops(self.inner, self.options, self.device)
+        self._report_base_ops(report)
+        self._update_graph_runner()
+        self._log_disabled(report)
+        return report
+
+    def _report_base_ops(self, report: PatchReport):
+        ops = self.base_ops
+        report.decode_attention = ops.decode_attention
+        report.fused_norms = ops.count("fuse_norms")
+        report.fused_rotary = ops.count("fuse_rotary")
+        report.fused_mlps = ops.count("fuse_silu_mul")
+        report.base_ops_skipped = list(ops.skipped)
+
+    def _build_lora(self) -> PatchReport:
+        """Registry, backend, sites and fused groups (everything an adapter change rebuilds)."""
+        model = self.model
+        lora_layers = [(n, m) for n, m in model.named_modules() if is_lora_layer(m)]
+        names = set()
+        for _, m in lora_layers:
+            names |= _compat.adapter_names_of(m)
+        if not names:
+            # qualified names: a LoHa or IA3 layer class is just called "Linear"
+            tuners = sorted({f"{type(m).__module__}.{type(m).__name__}" for m in model.modules()
+                             if _compat.is_tuner_layer(m) and not is_lora_layer(m)})
+            if tuners:
+                cfg = getattr(model, "peft_config", None)
+                kinds = [getattr(c, "peft_type", None) for c in cfg.values()] if isinstance(cfg, dict) else []
+                types_ = sorted({str(getattr(k, "value", k)) for k in kinds if k is not None})
+                raise TypeError(
+                    f"fastlora accelerates LoRA adapters only; this model has "
+                    f"{', '.join(types_) or 'other'} adapters ({', '.join(tuners)})")
+            if lora_layers or _compat.is_peft_model(model):
+                raise ValueError("fastlora.patch: the PEFT model holds no LoRA adapters")
+            return self._build_base_only()
+        self.registry = AdapterRegistry(names)
+        first = next(p for _, m in lora_layers for p in m.parameters())
+        self.device = first.device
+        backend_name = resolve_backend_name(self.options.backend, self.device)
+        max_loras = self.options.max_loras_per_batch or max(16, len(self.registry))
+        if (self.backend is None or getattr(self.backend, "name", None) != backend_name
+                or self.backend.max_loras_per_batch != max_loras):
+            self.backend = get_backend(backend_name)(max_loras, self.device)
+        report = PatchReport(backend=backend_name, device=str(self.device), adapters=list(self.registry.names))
+        name_of = {id(m): n for n, m in model.named_modules()}
+
+        served = set()
+        if self.options.fuse:
+            groups, blocked = find_groups(model)
+            report.fusion_blocked = [(f"{name_of.get(id(model), '')}{g}", why) for g, why in blocked]
+            for g in groups:
+                if any(m.__dict__.get("forward") is not None for m in g.members):
+                    report.fusion_blocked.append((g.parent_name, "a member already has its own forward"))
+                    continue
+                g.fuse()
+                self.groups.append(g)
+                pool = SitePool([m if is_lora_layer(m) else None for m in g.members], g.out_features,
+                                g.in_features)
+                site_name = f"{g.parent_name}.{g.kind}" if g.parent_name else g.kind
+                self.sites.append(FusedSite(site_name, g, pool))
+                served |= {id(m) for m in g.members}
+        for name, m in lora_layers:
+            if id(m) in served:
+                continue
+            base = base_layer_of(m)
+            blocker = _compat.lora_layer_blocker(m)
+            if blocker is not None:
+                report.left_on_peft.append((name, blocker))
+            elif type(m) is LoraLinear and (isinstance(base, nn.Linear) or is_conv1d(base)):
+                i, o = linear_in_out(base)
+                self.sites.append(LinearSite(name, [m], SitePool([m], [o], i)))
+            elif type(m) is LoraEmbedding and isinstance(base, nn.Embedding):
+                self.sites.append(EmbeddingSite(name, [m], SitePool([m], [base.embedding_dim],
+                                                                     base.num_embeddings, embedding=True)))
+            else:
+                report.left_on_peft.append(
+                    (name, f"{type(m).__module__}.{type(m).__name__} over {type(base).__name__} "
+                           "is not handled by fastlora"))
+        for site in self.sites:
+            self._rebuild_pool(site, self._site_dtype(site))
+            site.install(self)
+            for layer in site.lora_layers:
+                for adapter in sorted(_compat.adapter_names_of(layer)):
+                    why = _compat.unsupported_reason(layer, adapter)
+                    if why:
+                        report.adapter_fallbacks.append((name_of.get(id(layer), "?"), adapter, why))
+        report.sites = [(s.name, s.kind, len(s.lora_layers)) for s in self.sites]
+        report.stack_bytes = sum(s.pool.nbytes() for s in self.sites)
+        self.report = report
+        return report
+
+    def _build_base_only(self) -> PatchReport:
+        """A model without PEFT: no LoRA sites, only the base-model decode speedups."""
+        param = next(self.model.parameters(), None)
+        if param is None:
+            raise ValueError("fastlora.patch: the model has no parameters")
+        self.device = param.device
+        self.registry = AdapterRegistry(())
+        self.backend = None
+        self.report = PatchReport(backend="none (no LoRA adapters: base model only)",
+                                  device=str(self.device), adapters=[])
+        return self.report
+
+    def _update_graph_runner(self):
+        """Create, keep or release the decode graph runner as the model now allows."""
+        from .decode.generate import graphs_wanted
+        from .decode.runner import DecodeGraphRunner
+
+        self.graph_blocker = graphs_wanted(self)
+        if self.graph_blocker is not None:
+            if self.graph_runner is not None:
+                self.graph_runner.release()
+                self.graph_runner = None
+            self.report.cuda_graphs = f"off ({self.graph_blocker})"
+            return
+        emulate = self.options.cuda_graphs == "emulate"
+        if self.graph_runner is None:
+            self.graph_runner = DecodeGraphRunner(self, self.inner, emulate=emulate)
+        self.report.cuda_graphs = "emulated" if emulate else "on"
+
+    def _log_disabled(self, report: PatchReport):
+        """Warn once per patch about features that are off on a GPU for a reason other than the
+        user's choice (on the CPU they are off by design: logged at INFO)."""
+        level = logging.WARNING if self.device is not None and self.device.type == "cuda" else logging.INFO
+        for feature, value in (("decode graphs", report.cuda_graphs),
+                               ("decode attention", report.decode_attention)):
+            if value.startswith("off (") and "=False" not in value:
+                logger.log(level, "fastlora: %s %s", feature, value)
+        for option, cls, why in report.base_ops_skipped:
+            logger.log(level, "fastlora: %s left as it is for %s: %s", option, cls, why)
+
+    def _site_dtype(self, site: Site) -> torch.dtype:
+        return base_layer_of(site.members[0]).weight.dtype
+
+    def _rebuild_pool(self, site: Site, dtype):
+        site.pool.rebuild(self.registry, dtype, self.device)
+        self.generation += 1
+        self._slot_ranks = None
+        self._bi_key = None
+
+    def _teardown_lora(self):
+        for site in self.sites:
+            site.uninstall()
+        for g in self.groups:
+            g.unfuse()
+        self.sites, self.groups = [], []
+        self._bi = self._bi_key = None
+        self._refresher = None
+        self.generation += 1
+
+    def teardown(self):
+        if self.base_ops is not None:
+            self.base_ops.remove(self.inner)
+            self.base_ops = None
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = None
+        if self.generate_hook is not None:
+            self.generate_hook.remove()
+            self.generate_hook = None
+        _compat.unguard_peft_forward_hooks(self.model)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._teardown_lora()
+
+    # -- per forward ----------------------------------------------------------------------------
+    def begin_forward(self):
+        """Once per model forward: drop stale stashes; outside a ``generate`` call, follow PEFT's
+        adapters (structure now, values when the first layer knows the batch's adapters)."""
+        for site in self.sites:
+            if isinstance(site, FusedSite):
+                site.clear_stash()
+        if not self.enabled or self.use_cuda_graph or self._in_call:
+            return
+        self.sync()
+        self._refresh_pending = True
+
+    def sync(self):
+        """Rebuild what no longer fits PEFT's adapters (see ``pool.SitePool.stale``)."""
+        if self._config_keys() != self._peft_config_keys or self._adapter_set_changed():
+            self.rescan()
+            return
+        for g in self.groups:
+            if not g.is_intact():
+                g.fuse()  # model.to() or a reload gave the members new storage
+                self.generation += 1
+        for site in self.sites:
+            dtype = site.pool.lora_a.dtype if site.pool.lora_a is not None else self._site_dtype(site)
+            if site.pool.stale(self.registry, dtype):
+                self._rebuild_pool(site, dtype)
+
+    def refresh_values(self, adapter_names: Optional[Sequence[str]]):
+        """Copy the current values of PEFT's weights of these adapters into the stacks (in place)."""
+        if not adapter_names or not self.sites:
+            return
+        slots = {self.registry.slot[n] for n in set(adapter_names) if n in self.registry.slot}
+        if not slots:
+            return
+        if self._refresher is None or self._refresher_generation != self.generation:
+            self._refresher = ValueRefresher(s.pool for s in self.sites)
+            self._refresher_generation = self.generation
+        self._refresher.refresh(slots)
+
+    def _adapter_set_changed(self) -> bool:
+        names = set()
+        for site in self.sites:
+            for layer in site.lora_layers:
+                names |= _compat.adapter_names_of(layer)
+        return sorted(names) != self.registry.names
+
+    def rescan(self):
+        """Adapters were added or deleted: rebuild the LoRA sites from scratch (new LoRA layers may
+        exist); the model-level parts (hooks, generate, decode kernels, graph runner) stay."""
+        self._teardown_lora()
+        self._peft_config_keys = self._config_keys()
+        report = self._build_lora()
+        if self.base_ops is not None:
+            self._report_base_ops(report)
+        self._update_graph_runner()
+        logger.info("%s (after an adapter change)", report)
+
+    def pool_for(self, site: Site, dtype: torch.dtype) -> SitePool:
+        if site.pool.lora_a is None or site.pool.lora_a.dtype != dtype:
+            self._rebuild_pool(site, dtype)
+        return site.pool
+
+    def slot_ranks(self) -> List[int]:
+        if self._slot_ranks is None:
+            ranks = [0] * len(self.registry)
+            for site in self.sites:
+                for s, r in enumerate(site.pool.slot_ranks_host()):
+                    ranks[s] = max(ranks[s], r)
+            self._slot_ranks = ranks
+        return self._slot_ranks
+
+    def batch_info(self, adapter_names: Sequence[str], x: torch.Tensor, site: Site):
+        """The batch info for this forward, built by the first layer that asks."""
+        if self.use_cuda_graph:
+            return self.graph_batch_info  # static buffers, refreshed by the graph runner
+        rows = x.shape[0]
+        tokens_per_row = x.numel() // max(rows, 1)
+        if isinstance(site, LinearSite) or isinstance(site, FusedSite):
+            tokens_per_row //= max(x.shape[-1], 1)
+        if self._refresh_pending:  # a forward outside generate: this is its call boundary
+            self._refresh_pending = False
+            self.refresh_values(adapter_names)
+        # by value, not by list identity: a caller may reuse one list and change it in place
+        key = (tuple(adapter_names), rows, tokens_per_row)
+        if self._bi_key == key:
+            return self._bi
+        slots = self.registry.slots_for(adapter_names)
+        ranks = self.slot_ranks()
+        fb = ForwardBatch.from_shape(rows, tokens_per_row, self.device)
+        self._bi = self.backend.prepare_lora_batch(fb, slots, ranks, [1.0] * len(ranks),
+                                                   use_cuda_graph=False)
+        self._bi_key = key
+        return self._bi
