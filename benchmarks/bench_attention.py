@@ -75,7 +75,7 @@ class _AttnStub(torch.nn.Module):
 def impls(scale):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from peft_fastlora.ops.decode_attention import decode_attention
+    from peft_fastlora.ops import decode_attention
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     stub = _AttnStub().eval()
@@ -102,7 +102,7 @@ def impls(scale):
 
 
 def max_err(out, q, k, v, mask, scale):
-    from peft_fastlora.ops.decode_attention import decode_attention_reference
+    from peft_fastlora.ops import decode_attention_reference
 
     ref = decode_attention_reference(q, k, v, mask, scaling=scale)
     return (out.float() - ref.float()).abs().max().item()
@@ -124,7 +124,7 @@ def sweep_configs():
 
 
 def bench_batch(args, bsz, timer, capture, launch_floor, bandwidth, meta, deadline):
-    from peft_fastlora.ops.decode_attention import decode_attention, decode_attention_config
+    from peft_fastlora.ops import decode_attention, decode_attention_config
 
     scale = HEAD_DIM ** -0.5
     inputs = make_inputs(bsz, args.layers, args.cache_len, args.filled)

@@ -159,9 +159,10 @@ def run_site(backend, site, x, a, b, offsets, out, ranks, scalings):
 
 
 def bench_config(timer, site, rank, rows, seq, n_adapters, weights, bandwidth, floors):
-    from peft_fastlora.backend.torch_native import TorchNativeLoRABackend
-    from peft_fastlora.backend.triton import TritonLoRABackend
-    from peft_fastlora.batch import ForwardBatch
+    from peft_fastlora import ForwardBatch, get_backend
+    from peft_fastlora.ops import fused_supported
+
+    TritonLoRABackend, TorchNativeLoRABackend = get_backend("triton"), get_backend("torch_native")
 
     k, offsets = SITES[site]
     c, n_total, s = len(offsets) - 1, offsets[-1], rows * seq
@@ -187,7 +188,7 @@ def bench_config(timer, site, rank, rows, seq, n_adapters, weights, bandwidth, f
         graph = capture(lambda: run_site(be, site, x, a, b, offsets, out, ranks, scalings))
         times[name], timing[name] = timer(graph.replay), "graph"
         del graph
-    fused = tri._fuses(b, c, tri.batch_info)
+    fused = fused_supported(c, b.shape[2], tri.batch_info.block_m, b.dtype)
     timeouts = tri.fused_timeouts()
     times["torch_native"] = timer(lambda: run_site(ref, site, x, a, b, offsets, out, ranks, scalings))
     timing["torch_native"] = "eager (host syncs)"

@@ -17,9 +17,11 @@ if want tests; then
 fi
 if want soak; then
   for m in tiny-llama tiny-qwen2; do
-    timeout ${SOAK_TIMEOUT:-300} python3 benchmarks/soak_graphs.py --model $m --calls ${SOAK_CALLS:-300} --compare-peft --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/soak_$m.log" | tail -4
+    timeout 400 python3 benchmarks/soak_graphs.py --model $m --calls ${SOAK_CALLS:-300} --compare-peft \
+      --time-limit ${SOAK_LIMIT:-150} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/soak_$m.log" | tail -3
   done
-  timeout ${SOAK8B_TIMEOUT:-300} python3 benchmarks/soak_graphs.py --model 8b --calls ${SOAK8B_CALLS:-50} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/soak_8b.log" | tail -4
+  timeout 400 python3 benchmarks/soak_graphs.py --model 8b --calls ${SOAK8B_CALLS:-50} \
+    --time-limit ${SOAK8B_LIMIT:-170} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/soak_8b.log" | tail -3
 fi
 if want kernels; then
   timeout 240 python3 benchmarks/bench_kernels.py --out "$OUT/kernels_h200.csv" 2>&1 | tee "$OUT/bench_kernels.log" | tail -40

@@ -110,6 +110,8 @@ def main(argv=None):
     p.add_argument("--compare-peft", action="store_true")
     p.add_argument("--tie-tol", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds after which no new call starts (the summary says how many ran)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--smoke", action="store_true", help="CPU, emulated graphs, tiny sizes: checks the script")
     args = p.parse_args(argv)
@@ -141,6 +143,9 @@ def main(argv=None):
     cuda = device == "cuda"
     t_start = time.perf_counter()
     for i in range(args.calls):
+        if args.time_limit is not None and time.perf_counter() - t_start > args.time_limit:
+            print(f"time limit reached after {i} calls", flush=True)
+            break
         if i == args.calls // 2:  # half-way: one adapter added, one deleted
             for m in [model] + ([refs] if refs is not None else []):
                 torch.manual_seed(99)

@@ -59,6 +59,12 @@ def base_layer_of(module: nn.Module) -> nn.Module:
     return module.get_base_layer() if isinstance(module, LoraLayer) else module
 
 
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Forward hooks of torch or accelerate's (offloading) on this module."""
+    return (getattr(module, "_hf_hook", None) is not None or bool(module._forward_hooks)
+            or bool(module._forward_pre_hooks))
+
+
 def is_conv1d(module: nn.Module) -> bool:
     return isinstance(module, Conv1D)
 

@@ -51,9 +51,7 @@ class FastLoRAState:
         self.generation = 0  # bumped whenever a stack or fused weight is rebuilt (graphs hold them)
         self.graph_runner = None
         self.graph_blocker: Optional[str] = None  # why decode graphs are off (None: on)
-        self.graph_batch_info = None  # set by the graph runner before a capture or replay
-        self.enabled = True
-        self._graph_rows: Optional[int] = None  # inside forward_context: the graphed batch size
+        self._graph_batch_info = None  # inside forward_context: the static batch info of the graph
         self._in_call = False
         self._refresh_pending = False
         self._refresher: Optional[ValueRefresher] = None
@@ -71,22 +69,28 @@ class FastLoRAState:
     @property
     def use_cuda_graph(self) -> bool:
         """Whether the layers are being captured (or replayed, emulated) in a decode graph."""
-        return self._graph_rows is not None
+        return self._graph_batch_info is not None
+
+    @property
+    def graph_batch_info(self):
+        """The static batch info of the graph being captured or replayed (None outside)."""
+        return self._graph_batch_info
 
     @property
     def has_lora(self) -> bool:
         return bool(self.sites)
 
     @contextlib.contextmanager
-    def forward_context(self, graph: int, emulated: bool = False):
-        """The layers of forwards run inside read the static ``graph_batch_info`` of a graphed
-        batch of ``graph`` rows (a capture, or an emulated replay) and skip the per-forward checks."""
-        previous = self._graph_rows
-        self._graph_rows = graph
+    def forward_context(self, graph_batch_info):
+        """Forwards run inside are a graphed decode step (a capture, or an emulated replay): the
+        layers read ``graph_batch_info`` (the backend's static buffers, refreshed in place by the
+        runner) and skip the per-forward checks."""
+        previous = self._graph_batch_info
+        self._graph_batch_info = graph_batch_info
         try:
             yield
         finally:
-            self._graph_rows = previous
+            self._graph_batch_info = previous
 
     @contextlib.contextmanager
     def call(self, adapter_names: Optional[Sequence[str]]):
@@ -284,7 +288,7 @@ class FastLoRAState:
         for site in self.sites:
             if isinstance(site, FusedSite):
                 site.clear_stash()
-        if not self.enabled or self.use_cuda_graph or self._in_call:
+        if self.use_cuda_graph or self._in_call:
             return
         self.sync()
         self._refresh_pending = True

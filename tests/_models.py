@@ -6,7 +6,8 @@ modules; one targets only the attention input projections, one includes the toke
 ``init_lora_weights=False`` keeps PEFT's random init of both A and B, so every adapter changes the
 output (a zero B would make every parity test pass trivially).
 
-Used by ``test_parity_models.py``; other test files may import the builders.
+Used by ``test_parity_models.py``; other test files may import the builders, and every test that
+needs a tiny Llama builds it with ``llama_config`` / ``tiny_llama``.
 """
 
 from __future__ import annotations
@@ -42,10 +43,32 @@ def _common(**kw):
     return base
 
 
-def _llama():
+def llama_config(**overrides):
+    """A tiny ``LlamaConfig``; every keyword overrides a default or adds a field.
+
+    Defaults: vocab ``VOCAB``, hidden 32, intermediate 64, 2 layers, 4 heads / 2 KV heads,
+    pad / bos / eos ids 0 / 1 / 2, untied embeddings. ``LlamaConfig``'s own default pad id is
+    ``None``: pass ``pad_token_id=None`` to keep it.
+    """
     from transformers import LlamaConfig
-    return LlamaConfig(**_common(hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=64))
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, pad_token_id=PAD_ID, bos_token_id=1,
+              eos_token_id=2, tie_word_embeddings=False)
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    """``torch.manual_seed(seed)``, then a random ``LlamaForCausalLM(llama_config(**overrides))``
+    in eval mode."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(llama_config(**overrides)).eval()
+
+
+def _llama():
+    return llama_config(**_common(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=64))
 
 
 def _mistral():

@@ -181,13 +181,10 @@ def test_launcher_rejects_bad_shapes():
 
 # ---- the registered function on a tiny Llama --------------------------------------------------
 def _tiny_llama(attn="sdpa", **kw):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from _models import tiny_llama
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
-                      pad_token_id=0, attn_implementation=attn, **kw)
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(0, vocab_size=96, hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                       max_position_embeddings=128, attn_implementation=attn, **kw)
     model.generation_config.eos_token_id = None
     return model
 

@@ -95,15 +95,12 @@ def test_inside_a_cuda_graph(bsz):
 
 
 def test_tiny_llama_generate_on_cuda_equal_tokens():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from _models import tiny_llama
 
     from peft_fastlora.base_ops.attention_registry import disable_decode_attention, enable_decode_attention
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, pad_token_id=0,
-                      attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg).cuda().eval()
+    model = tiny_llama(0, vocab_size=96, hidden_size=256, intermediate_size=384, num_attention_heads=8,
+                       attn_implementation="sdpa").cuda().eval()
     model.generation_config.eos_token_id = None
     ids = torch.randint(1, 96, (4, 11), device="cuda")
     am = torch.ones_like(ids)

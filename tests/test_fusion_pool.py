@@ -25,6 +25,7 @@ peft = pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from _helpers import count_calls  # noqa: E402
+from _models import llama_config  # noqa: E402
 
 VOCAB = 100  # not 2 * INTER: the GEMM count tells widths apart
 HIDDEN, INTER, HEADS, KV_HEADS = 32, 48, 4, 2
@@ -57,7 +58,7 @@ def tiny(arch="llama", seed=0):
                 if isinstance(mod, torch.nn.Linear) and mod.bias is not None:
                     mod.bias.normal_(0.0, 0.5)
         return model
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+    return transformers.LlamaForCausalLM(llama_config(**common)).eval()
 
 
 def build(arch="llama", adapters=ADAPTERS):

@@ -7,19 +7,17 @@ delta differently from PEFT); the bf16 path is compared on logits with a bf16 to
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import peft_fastlora as fastlora
+from _models import tiny_llama
 
 pytestmark = pytest.mark.gpu
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _model(dtype=torch.float32, n_adapters=4):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, pad_token_id=0)
-    base = LlamaForCausalLM(cfg).to("cuda", dtype).eval()
+    base = tiny_llama(0, vocab_size=512, hidden_size=256, intermediate_size=512,
+                      num_attention_heads=8).to("cuda", dtype).eval()
     base.generation_config.eos_token_id = None
     ranks = [8, 16, 4, 32, 8, 16, 64, 1]
     model = get_peft_model(base, LoraConfig(r=ranks[0], lora_alpha=16, target_modules=TARGETS,

@@ -9,11 +9,11 @@ PEFT's own mixed path exactly.
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import peft_fastlora as fastlora
 from peft_fastlora.decode import capture as cuda_graph
 from peft_fastlora import get_state
+from _models import tiny_llama
 
 pytestmark = pytest.mark.gpu
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -22,10 +22,7 @@ NAMES = [f"a{i}" for i in range(len(RANKS))]
 
 
 def _model(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
-    base = LlamaForCausalLM(cfg).to("cuda").eval()
+    base = tiny_llama(seed, vocab_size=512, hidden_size=128, intermediate_size=256).to("cuda").eval()
     base.generation_config.eos_token_id = None
     model = None
     for i, r in enumerate(RANKS):

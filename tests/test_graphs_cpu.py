@@ -5,19 +5,16 @@ each graph re-executed eagerly, so everything but the capture itself is checked 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import peft_fastlora as fastlora
+from _models import tiny_llama
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
-    base = LlamaForCausalLM(cfg).eval()
+    base = tiny_llama(0, vocab_size=128)
     base.generation_config.eos_token_id = None
     m = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False),
                        adapter_name="a")

@@ -8,6 +8,7 @@ from peft_fastlora.decode.static_cache import make_static_cache
 from peft_fastlora.ops.kv_cache import kv_cache_write
 
 from _helpers import count_calls
+from _models import llama_config
 
 
 def states(bsz, heads, seq, dim, dtype):
@@ -62,14 +63,13 @@ def test_bad_inputs():
 
 
 def test_static_cache_layers_match_transformers_update(monkeypatch):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from peft_fastlora.ops import kv_cache
 
     calls = count_calls(monkeypatch, kv_cache, ["kv_cache_write"])
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
+    cfg = llama_config(vocab_size=64, pad_token_id=None)
     model = LlamaForCausalLM(cfg)
     ours = make_static_cache(model, 12, batch_size=4)  # fastlora's: padded rows, kernel writes
     theirs = make_static_cache(model, 12, batch_size=3)

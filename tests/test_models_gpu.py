@@ -10,7 +10,7 @@ import torch
 
 import peft_fastlora as fastlora
 
-from _models import build_peft_lm, left_padded_batch
+from _models import build_peft_lm, left_padded_batch, tiny_llama
 
 pytestmark = pytest.mark.gpu
 
@@ -86,14 +86,11 @@ def test_tiny_models_graphs_equal_peft(arch, attention, graphs, norms):
 
 def test_1b_shape_graphs_equal_peft_over_64_steps():
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
-                      tie_word_embeddings=True, pad_token_id=0)
     with torch.device("cuda"):
-        base = LlamaForCausalLM(cfg).eval()
+        base = tiny_llama(0, vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                          head_dim=64, rope_theta=500000.0, tie_word_embeddings=True)
     base.generation_config.eos_token_id = None
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = None

@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from _helpers import count_calls  # noqa: E402
+from _models import tiny_llama as _tiny_llama  # noqa: E402
 
 VOCAB = 96
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -40,12 +41,7 @@ BACKEND_METHODS = ("run_qkv_lora", "run_gate_up_lora", "run_lora_a_sgemm", "run_
 
 # ---- builders ------------------------------------------------------------------------------------
 def tiny_llama(seed: int = 0):
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return _tiny_llama(seed, vocab_size=VOCAB, intermediate_size=48, max_position_embeddings=64)
 
 
 def lora(targets, r=4, alpha=8, **kw):

@@ -69,13 +69,11 @@ def test_gradients_take_the_original_forward():
 def test_patch_fuse_norms_matches_peft():
     import peft_fastlora as fastlora
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from _models import tiny_llama
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
-    model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                             init_lora_weights=False), adapter_name="x").eval()
+    base = tiny_llama(0, vocab_size=96, pad_token_id=None)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+                           adapter_name="x").eval()
     ids = torch.randint(0, 96, (3, 6))
     names = ["x", "__base__", "x"]
     with torch.no_grad():

@@ -28,13 +28,13 @@ def adapters_dir(tmp_path_factory):
 
 def _tiny_base():
     from _chartok import build_char_tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from _models import llama_config
+    from transformers import LlamaForCausalLM
 
     tok = build_char_tokenizer()
     torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        pad_token_id=tok.pad_token_id))
+    base = LlamaForCausalLM(llama_config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         pad_token_id=tok.pad_token_id))
     return base, tok
 
 

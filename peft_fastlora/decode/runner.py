@@ -42,6 +42,7 @@ from .capture import EmulatedGraph, GraphPool, GraphUnsafe, capture
 from .static_cache import CacheUnavailable, StaticCacheStore, cache_state_tensors
 
 logger = logging.getLogger("peft_fastlora")
+_NO_LORA = object()  # the graphed context of a model without LoRA layers (no batch info to read)
 
 
 class DecodeGraphRunner:
@@ -184,8 +185,11 @@ class DecodeGraphRunner:
         else:
             self.graphs.move_to_end(key)
         self._copy_inputs(entry["static"], inputs, rows)
-        self._refresh_batch_info(padded)
-        with self.state.forward_context(graph=entry["batch_info_rows"], emulated=self.emulate):
+        batch_info = self._refresh_batch_info(padded)
+        if self.emulate:  # the emulated replay runs the layers again, in the captured context
+            with self.state.forward_context(batch_info):
+                entry["graph"].replay()
+        else:
             entry["graph"].replay()
         self._counters["replays"] += 1
         return entry["view"](rows)
@@ -256,15 +260,16 @@ class DecodeGraphRunner:
                         self._copy_one(static[name][k], t, rows)
 
     def _refresh_batch_info(self, batch_size: int):
+        """The step's batch info, written in place into the backend's static buffers (the ones the
+        graphs read); a model without LoRA has none (a placeholder marks the graphed context)."""
         state = self.state
         if not state.has_lora:
-            return
+            return _NO_LORA
         slots = state.registry.slots_for(self.adapter_names)
         slots = slots + [-1] * (batch_size - len(slots))  # padding rows: no adapter
         ranks = state.slot_ranks()
         fb = ForwardBatch.from_shape(batch_size, 1, state.device)
-        state.graph_batch_info = state.backend.prepare_lora_batch(
-            fb, slots, ranks, [1.0] * len(ranks), use_cuda_graph=True)
+        return state.backend.prepare_lora_batch(fb, slots, ranks, [1.0] * len(ranks), use_cuda_graph=True)
 
     @staticmethod
     def _output_view(output, padded):
@@ -292,8 +297,8 @@ class DecodeGraphRunner:
         t0 = time.perf_counter()
         try:
             static = self._clone_inputs(inputs, rows, padded)
-            self._refresh_batch_info(padded)
-            with self.state.forward_context(graph=padded, emulated=self.emulate):
+            batch_info = self._refresh_batch_info(padded)
+            with self.state.forward_context(batch_info):
                 if self.emulate:
                     graph = EmulatedGraph()
                     restore()
@@ -314,7 +319,7 @@ class DecodeGraphRunner:
         restore()  # the emulated capture ran the step once; the replay runs it for real
         self._counters["captures"] += 1
         self._counters["capture_s"] += time.perf_counter() - t0
-        entry = {"graph": graph, "static": static, "output": output, "batch_info_rows": padded,
+        entry = {"graph": graph, "static": static, "output": output,
                  "view": self._output_view(output, padded)}
         self.graphs[key] = entry
         return entry

@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from .._compat import base_layer_of, is_lora_layer
+from .._compat import base_layer_of, has_forward_hooks, is_lora_layer
 
 FUSIBLE_GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -97,7 +97,7 @@ def fusion_blocker(bases: List[nn.Module]) -> Optional[str]:
     for b in bases:
         if type(b) is not nn.Linear:
             return f"base layer is {type(b).__name__}, not nn.Linear (quantized or custom)"
-        if getattr(b, "_hf_hook", None) is not None or b._forward_hooks or b._forward_pre_hooks:
+        if has_forward_hooks(b):
             return "base layer has forward hooks (offloading or similar)"
     first = bases[0].weight
     for b in bases[1:]:

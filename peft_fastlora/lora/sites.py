@@ -68,7 +68,7 @@ class Site:
 
     def _fast_path_info(self, state, x, args, kwargs):
         names = kwargs.get("adapter_names")
-        if names is None or args or not state.enabled:
+        if names is None or args:
             return None
         if any(k != "adapter_names" and not (k in _VARIANT_KWARGS and v is None) for k, v in kwargs.items()):
             return None

@@ -229,9 +229,9 @@ def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int,
     - ``block_h``: the query heads of one kv head, padded to 16 (the smallest ``tl.dot`` M).
     - ``block_n``: 64 cache positions per step (32 for head dims over 128, to bound registers).
     - ``num_splits``: enough (row, kv head, split) programs for ~4 per SM; 1 once rows x kv heads
-      reach one per SM (then the first kernel writes the output and the combine is skipped). On
-      the H200 at 8B shapes, one split at batch 32 (256 pairs, 132 SMs) took 13.5 us against 18.5
-      for three (benchmarks/results/attention_h200.csv); at batch 1, four to eight splits are best.
+      reach one per SM (then the first kernel writes the output and the combine is skipped); the
+      sweep behind this choice is ``benchmarks/bench_attention.py`` (results in
+      ``benchmarks/results/attention_h200.csv``).
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(groups))

@@ -7,7 +7,8 @@ of q and k. Here one program rotates a block of heads of one token, q heads and 
 Numerics reproduce torch's exactly: each product and the sum are rounded to the input dtype, as
 torch's elementwise ops on half-precision tensors do (fp32 math, one rounding per op). The kernel
 is compiled without FP contraction: with it, the compiler folds a product's rounding into an FMA
-with the sum, and on the H200 a quarter of bf16 outputs then differed from torch's by one ulp.
+with the sum, and bf16 outputs then differ from torch's by one ulp (seen on the GPU; the
+interpreter cannot show it).
 """
 
 from __future__ import annotations
