@@ -16,12 +16,12 @@ if want tests; then
   timeout 120 python3 examples/quickstart.py 2>&1 | tee "$OUT/quickstart_gpu.log" | tail -12
 fi
 if want soak; then
-  for m in tiny-llama tiny-qwen2; do
-    timeout 400 python3 benchmarks/soak_graphs.py --model $m --calls ${SOAK_CALLS:-300} --compare-peft \
-      --time-limit ${SOAK_LIMIT:-150} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/soak_$m.log" | tail -3
+  for m in ${SOAK_MODELS:-tiny-llama tiny-qwen2 8b}; do
+    if [[ $m == 8b ]]; then args="--calls ${SOAK8B_CALLS:-50} --time-limit ${SOAK8B_LIMIT:-200}"
+    else args="--calls ${SOAK_CALLS:-300} --compare-peft --time-limit ${SOAK_LIMIT:-200}"; fi
+    timeout 450 python3 benchmarks/soak_graphs.py --model $m $args --out "$OUT" 2>&1 | grep -v -i warn \
+      | tee "$OUT/soak_$m.log" | tail -3
   done
-  timeout 400 python3 benchmarks/soak_graphs.py --model 8b --calls ${SOAK8B_CALLS:-50} \
-    --time-limit ${SOAK8B_LIMIT:-170} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/soak_8b.log" | tail -3
 fi
 if want kernels; then
   timeout 240 python3 benchmarks/bench_kernels.py --out "$OUT/kernels_h200.csv" 2>&1 | tee "$OUT/bench_kernels.log" | tail -40
