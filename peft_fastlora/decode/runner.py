@@ -103,7 +103,8 @@ class DecodeGraphRunner:
         ``CacheUnavailable`` (the call then decodes eagerly)."""
         bucket = self.bucket_for(rows)
         if bucket is None:
-            raise CacheUnavailable(f"batch of {rows} rows exceeds the largest graph bucket {self.buckets[-1]}")
+            # one reason for every such size: it is logged once
+            raise CacheUnavailable(f"batch larger than the largest graph bucket ({self.buckets[-1]} rows)")
         if self.generation != self.state.generation:
             self.drop_graphs()  # they read stacks or fused weights that were rebuilt
             self.generation = self.state.generation
