@@ -140,6 +140,27 @@ class MatmulWidths(TorchDispatchMode):
         return out
 
 
+def test_fused_sites_keep_no_tensor_alive_after_their_siblings_ran():
+    """A fused group's stash (its input and the siblings' outputs) is dropped once every sibling
+    has taken its output: a prefill's inputs must not stay pinned, every layer's, for the rest of
+    the forward and past it (the 8B soak's large prefills ran out of memory that way)."""
+    import weakref
+
+    m = build()
+    fastlora.patch(m)
+    state = get_state(m)
+    seen = []
+    for site in state.sites:
+        if isinstance(site, FusedSite):
+            site.group.members[0].register_forward_pre_hook(
+                lambda mod, args: seen.append(weakref.ref(args[0])))
+    logits(m)
+    fused = [s for s in state.sites if isinstance(s, FusedSite)]
+    assert len(fused) == 4 and len(seen) == 4
+    assert all(s._stash is None for s in fused)
+    assert all(ref() is None for ref in seen)  # the inputs themselves were freed
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_one_gemm_per_fused_group(arch):
     m = build(arch)

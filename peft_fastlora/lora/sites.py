@@ -145,7 +145,8 @@ class FusedSite(Site):
 
     The first member called computes every member's output and leaves the others in a stash keyed
     by the input tensor's identity; each sibling called with that same tensor takes its output from
-    the stash (once). Any other call runs the member's own forward.
+    the stash (once); the stash is dropped when the last sibling has taken its output. Any other
+    call runs the member's own forward.
     """
 
     def __init__(self, name: str, group: FusedGroup, pool: SitePool):
@@ -161,6 +162,10 @@ class FusedSite(Site):
         stash = self._stash
         if stash is not None and stash[0] is x and stash[1][i] is not None and not args:
             out, stash[1][i] = stash[1][i], None
+            if all(o is None for o in stash[1]):
+                # every sibling served: keep neither the input nor the fused output alive (a
+                # prefill's would otherwise stay pinned, every layer's, for the rest of the forward)
+                self._stash = None
             return out
         bi = self.fast_path_info(state, x, args, kwargs)
         if bi is None or not self.group.is_intact():
