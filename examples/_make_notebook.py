@@ -1,12 +1,15 @@
-"""Writes ``fine_tune_then_serve.ipynb`` next to this file, outputs cleared.
+"""Writes ``fine_tune_then_serve.ipynb`` next to this file.
 
 The notebook is generated so that it can be reviewed as plain Python: edit the cells here, then run
 
-    python examples/_make_notebook.py
+    python examples/_make_notebook.py             # cells only, outputs cleared
+    python examples/_make_notebook.py --execute   # and run it (a few CPU minutes), outputs kept
 
+The committed notebook is the executed one, so a reader on a code host sees its tables and plots.
 The char-level tokenizer cell is copied from ``_chartok.py`` (the serving script and the tests use
 that module), so the notebook stays self-contained without a second copy to keep in sync.
-``tests/test_notebook.py`` checks that the committed notebook matches this script's output.
+``tests/test_notebook.py`` checks that the committed notebook's cells are this script's, and
+executes it.
 """
 
 from __future__ import annotations
@@ -139,7 +142,7 @@ for name, (prefix, fn, rank, _) in TASKS.items():
     ("md", "model-md", """\
 ## 3. A tiny base model, pretrained on copying
 
-A 3-layer Llama with hidden size 128 (about 0.6 M parameters), built from a config, so nothing is
+A 3-layer Llama with hidden size 128 (about half a million parameters), built from a config, so nothing is
 downloaded. The training loop is plain PyTorch: AdamW with a one-cycle learning-rate schedule, batches
 of 64 random examples, and a loss on the answer tokens only (the prompt is context). The same loop
 fine-tunes the adapters below.
@@ -223,8 +226,11 @@ train, the base weights stay frozen. The adapters cover all attention and MLP pr
 in one batch. After training, `save_pretrained` writes each adapter (a few hundred KB) into its own
 folder: `workdir/adapters/<name>/`."""),
     ("code", "finetune", """\
-_tmp = tempfile.TemporaryDirectory(prefix="fastlora_demo_")
-workdir = Path(_tmp.name)
+# a temporary folder, deleted by the notebook's last cell; set KEEP_DIR to a folder of yours to keep
+# the saved base model and adapters (section 11 serves them from the command line)
+KEEP_DIR = None
+_tmp = None if KEEP_DIR else tempfile.TemporaryDirectory(prefix="fastlora_demo_")
+workdir = Path(KEEP_DIR) if KEEP_DIR else Path(_tmp.name)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 for i, (name, (prefix, fn, rank, steps)) in enumerate(TASKS.items()):
@@ -372,7 +378,14 @@ adapters and the base model, and each row generates 32 tokens. (This toy model i
 realistic numbers; the benchmarks in `benchmarks/` use real model sizes.)
 
 On a CPU there is nothing meaningful to measure: the cell plots the committed GPU results in
-`benchmarks/results/generate_h200.csv` when they exist."""),
+`benchmarks/results/generate_h200.csv` when they exist (8B and 1B Llama shapes, bf16, 8 adapters of
+rank 16), three of its methods, on a log scale:
+
+- **PEFT mixed batch**: PEFT's own `generate(..., adapter_names=...)`, which loops over the adapters
+  in every LoRA layer;
+- **fastlora**: the same call on the patched model (Triton kernels, fused projections, CUDA graphs);
+- **base model alone**: the model without any adapter, patched by fastlora (same graphs and kernels),
+  the ceiling that serving adapters can approach."""),
     ("code", "throughput", """\
 def measure_tokens_per_s(model, batch_size, new_tokens=32, repeats=3):
     rng = random.Random(SEED)
@@ -422,19 +435,23 @@ elif (csv_path := find_results()) is not None:
     with open(csv_path, newline="") as f:
         records = [r for r in csv.DictReader(f) if r.get("tokens_per_s")]
     models = sorted({r["model"] for r in records})
-    print(f"{len(records)} rows from {csv_path}; models: {', '.join(models)}")
+    shown = {"peft_native": "PEFT mixed batch", "fastlora_graphs": "fastlora",
+             "base_graphs_attn": "base model alone"}
+    print(f"{len(records)} rows from {csv_path} ({records[0].get('gpu', '?')}); models: {', '.join(models)}")
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model_name in zip(axes[0], models):
-        for method in sorted({r["method"] for r in records if r["model"] == model_name}):
+        for method, label in shown.items():
             points = sorted((int(r["batch"]), float(r["tokens_per_s"])) for r in records
                             if r["model"] == model_name and r["method"] == method)
-            ax.plot([b for b, _ in points], [t for _, t in points], marker="o", label=method)
+            if points:
+                ax.plot([b for b, _ in points], [t for _, t in points], marker="o", label=label)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("tokens / s")
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size (rows; adapters mixed round-robin)")
+        ax.set_ylabel("decode tokens / s (log scale)")
         ax.set_title(model_name)
         ax.legend()
-    fig.suptitle("Committed benchmark results (H200)")
+    fig.suptitle("Committed benchmark results")
     plt.show()
 else:
     print("No GPU here and no committed results (benchmarks/results/generate_h200.csv) yet: "
@@ -442,19 +459,21 @@ else:
     ("md", "next-md", """\
 ## 11. Next steps
 
-The folders written above are exactly what the command-line server expects: a base model directory
+The folders written above (in a temporary folder that the next cell deletes: set `KEEP_DIR` in
+section 4 to keep them) are exactly what the command-line server expects: a base model directory
 (model and tokenizer) and one folder per adapter. To answer a JSONL file of requests
 (`{"adapter": ..., "prompt": ...}` per line) in mixed batches:
 
 ```bash
-python examples/serve_many_adapters.py --base WORKDIR/base --adapters WORKDIR/adapters \\
+python examples/serve_many_adapters.py --base KEEP_DIR/base --adapters KEEP_DIR/adapters \\
     --requests requests.jsonl --out answers.jsonl --batch-size 32 --max-new-tokens 14
 ```
 
 With your own models the recipe is the same: train adapters with PEFT as usual, load them into one
 `PeftModel`, call `fastlora.patch(model)`, and pass `adapter_names` to `generate`."""),
     ("code", "cleanup", """\
-_tmp.cleanup()
+if _tmp is not None:
+    _tmp.cleanup()
 print(f"all checks passed; notebook ran in {time.perf_counter() - T_START:.0f} s")"""),
 ]
 
@@ -475,9 +494,28 @@ def build_notebook() -> nbformat.NotebookNode:
     return nb
 
 
-def main() -> None:
-    nbformat.write(build_notebook(), NOTEBOOK)
-    print(f"wrote {NOTEBOOK}")
+def execute(nb: nbformat.NotebookNode) -> None:
+    """Run every cell in place (nbclient, from the test extra), in the examples folder."""
+    import nbclient
+
+    nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
+                            resources={"metadata": {"path": str(HERE)}}).execute()
+    for cell in nb.cells:  # keep what the cells print and plot; drop progress bars and warnings
+        if cell.cell_type == "code":
+            cell.outputs = [o for o in cell.outputs if not (o.output_type == "stream" and o.name == "stderr")]
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--execute", action="store_true", help="run the notebook and keep its outputs")
+    args = p.parse_args(argv)
+    nb = build_notebook()
+    if args.execute:
+        execute(nb)
+    nbformat.write(nb, NOTEBOOK)
+    print(f"wrote {NOTEBOOK}" + (" (executed)" if args.execute else ""))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
 """Answer a JSONL file of requests, each naming its adapter, in mixed-adapter batches.
 
     python examples/serve_many_adapters.py --base BASE_DIR --adapters ADAPTERS_DIR \\
-        --requests requests.jsonl --out answers.jsonl [--batch-size 32] [--max-new-tokens 64]
+        --requests requests.jsonl --out answers.jsonl [--batch-size 32] [--max-new-tokens 32]
+    python examples/serve_many_adapters.py --tiny      # a demo that needs no files at all
 
 ``ADAPTERS_DIR`` holds one PEFT adapter per sub-folder (saved with ``save_pretrained``); the folder
 name is the adapter name. Each request line is ``{"adapter": NAME, "prompt": TEXT}`` (``"__base__"``
-for none); each answer line adds ``"completion"``, in request order. ``--tiny`` builds a random tiny
-Llama and a character tokenizer instead of loading ``--base`` (a demo with no files).
+for none); each answer line adds ``"completion"``, in request order.
+
+``--tiny`` builds a random tiny Llama and a character tokenizer instead of loading ``--base``; what
+it is not given it makes in a temporary folder: three random adapters for that base (saved as PEFT
+saves them), a requests file, and the answers file (its path is printed).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from typing import List
 
 import torch
@@ -37,17 +42,51 @@ def read_requests(path: str) -> List[dict]:
     return requests
 
 
+def tiny_base():
+    """The random tiny Llama and character tokenizer of ``--tiny`` (the same on every call)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _chartok import build_char_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        pad_token_id=tokenizer.pad_token_id))
+    return base, tokenizer
+
+
+TINY_ADAPTERS = {  # name -> (rank, alpha, target modules): different ranks and targets on purpose
+    "upper": (4, 8, ["q_proj", "v_proj"]),
+    "reverse": (8, 32, ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]),
+    "sum": (2, 4, ["gate_proj", "up_proj", "down_proj"]),
+}
+TINY_PROMPTS = ["abc=", "hello=", "12+7=", "xyz", "Fast LoRA!", "q=", "serve=", "a b c"]
+
+
+def make_tiny_files(args, folder: str) -> None:
+    """Fill in what ``--tiny`` was not given: adapters, requests, answers path (in ``folder``)."""
+    from peft import LoraConfig, get_peft_model
+
+    if args.adapters is None:
+        args.adapters = os.path.join(folder, "adapters")
+        for i, (name, (r, alpha, targets)) in enumerate(TINY_ADAPTERS.items()):
+            torch.manual_seed(100 + i)
+            cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
+            get_peft_model(tiny_base()[0], cfg, adapter_name=name).save_pretrained(args.adapters)
+    if args.requests is None:
+        args.requests = os.path.join(folder, "requests.jsonl")
+        names = list(TINY_ADAPTERS) + ["__base__"]
+        with open(args.requests, "w") as f:
+            for i, prompt in enumerate(TINY_PROMPTS * 2):
+                f.write(json.dumps({"adapter": names[i % len(names)], "prompt": prompt}) + "\n")
+    if args.out is None:
+        args.out = os.path.join(folder, "answers.jsonl")
+
+
 def load_model(args):
     if args.tiny:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from _chartok import build_char_tokenizer
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        tokenizer = build_char_tokenizer()
-        torch.manual_seed(0)
-        base = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                            pad_token_id=tokenizer.pad_token_id))
+        base, tokenizer = tiny_base()
     else:
         if not args.base:
             raise SystemExit("--base (a model folder) or --tiny is required")
@@ -90,21 +129,31 @@ def progress(total):
         return Plain()
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and every option's default."""
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     p.add_argument("--base", help="base model folder (save_pretrained)")
     p.add_argument("--tokenizer", help="tokenizer folder (default: --base)")
-    p.add_argument("--tiny", action="store_true", help="a random tiny Llama with a character tokenizer")
-    p.add_argument("--adapters", required=True, help="folder with one PEFT adapter per sub-folder")
-    p.add_argument("--requests", required=True, help="JSONL: {'adapter': ..., 'prompt': ...} per line")
-    p.add_argument("--out", required=True, help="JSONL answers, in request order")
+    p.add_argument("--tiny", action="store_true",
+                   help="a random tiny Llama with a character tokenizer; makes the files it is not given")
+    p.add_argument("--adapters", help="folder with one PEFT adapter per sub-folder (required without --tiny)")
+    p.add_argument("--requests", help="JSONL: {'adapter': ..., 'prompt': ...} per line (required without --tiny)")
+    p.add_argument("--out", help="JSONL answers, in request order (required without --tiny)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--no-fastlora", action="store_true", help="serve through PEFT's own mixed batch")
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise SystemExit("--batch-size and --max-new-tokens must be positive")
+    if args.tiny:
+        make_tiny_files(args, tempfile.mkdtemp(prefix="fastlora_demo_"))
+    missing = [f"--{n}" for n in ("adapters", "requests", "out") if getattr(args, n) is None]
+    if missing:
+        p.error(f"{', '.join(missing)} required (or --tiny, which makes them)")
 
     requests = read_requests(args.requests)
     model, tokenizer, names = load_model(args)
@@ -127,6 +176,7 @@ def main(argv=None) -> int:
                 out.write(json.dumps({"adapter": r["adapter"], "prompt": r["prompt"], "completion": text}) + "\n")
             bar.update(len(group))
     bar.close()
+    print(f"{len(requests)} answers written to {args.out}", file=sys.stderr)
     return 0
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 
 @dataclass
@@ -24,6 +24,7 @@ class PatchReport:
     fused_mlps: int = 0  # gated MLPs whose silu(gate) * up is one kernel
     cuda_graphs: str = "off"  # "on", "emulated", or "off (why)"
     base_ops_skipped: List[Tuple[str, str, str]] = field(default_factory=list)  # (option, class, why)
+    base_ops_off: Dict[str, str] = field(default_factory=dict)  # option -> why it is off
 
     @property
     def num_patched_layers(self) -> int:
@@ -40,18 +41,24 @@ class PatchReport:
         if not self.adapters:
             line = "fastlora: base model only (no LoRA adapters)"
         else:
-            line = (f"fastlora: patched {self.num_patched_layers} LoRA layers ({kinds}) for "
-                    f"{len(self.adapters)} adapters on backend {self.backend!r}; "
-                    f"{len(self.left_on_peft)} left on PEFT's path; "
+            sites = len(self.sites)
+            line = (f"fastlora: patched {self.num_patched_layers} LoRA layers in {sites} "
+                    f"site{'s' if sites != 1 else ''} ({kinds}) for {len(self.adapters)} adapters on backend "
+                    f"{self.backend!r}; {len(self.left_on_peft)} left on PEFT's path; "
                     f"adapter stacks {self.stack_bytes / 2**20:.1f} MiB")
         if self.adapter_fallbacks:
             pairs = sorted({(a, r) for _, a, r in self.adapter_fallbacks})
             line += "; served by PEFT where used: " + ", ".join(f"{a} ({r})" for a, r in pairs)
         if self.fusion_blocked:
-            line += f"; {len(self.fusion_blocked)} groups not fused"
-        line += (f"; decode graphs {self.cuda_graphs}; decode attention {self.decode_attention}; "
-                 f"one-kernel RMSNorm x{self.fused_norms}, "
-                 f"rotary x{self.fused_rotary}, SiLU-mul x{self.fused_mlps}")
-        return line
+            n = len(self.fusion_blocked)
+            line += f"; {n} group{'s' if n != 1 else ''} not fused"
+        line += f"; decode graphs {self.cuda_graphs}; decode attention {self.decode_attention}"
+        ops = []
+        for option, label, count in (("fuse_norms", "RMSNorm", self.fused_norms),
+                                     ("fuse_rotary", "rotary", self.fused_rotary),
+                                     ("fuse_silu_mul", "SiLU-mul", self.fused_mlps)):
+            why = self.base_ops_off.get(option)
+            ops.append(f"{label} off ({why})" if why else f"{label} x{count}")
+        return line + "; one-kernel " + ", ".join(ops)
 
     __str__ = summary

@@ -54,6 +54,7 @@ class FastLoRAState:
         self._graph_batch_info = None  # inside forward_context: the static batch info of the graph
         self._in_call = False
         self._refresh_pending = False
+        self._warned: set = set()
         self._refresher: Optional[ValueRefresher] = None
         self._refresher_generation = -1
         self._hook = None
@@ -128,6 +129,7 @@ class FastLoRAState:
         report.fused_rotary = ops.count("fuse_rotary")
         report.fused_mlps = ops.count("fuse_silu_mul")
         report.base_ops_skipped = list(ops.skipped)
+        report.base_ops_off = dict(ops.off)
 
     def _build_lora(self) -> PatchReport:
         """Registry, backend, sites and fused groups (everything an adapter change rebuilds)."""
@@ -280,6 +282,12 @@ class FastLoRAState:
             self._hook.remove()
             self._hook = None
         self._teardown_lora()
+
+    def warn_once(self, message: str) -> None:
+        """A warning logged once per model and message."""
+        if message not in self._warned:
+            self._warned.add(message)
+            logger.warning("fastlora: %s", message)
 
     # -- per forward ----------------------------------------------------------------------------
     def begin_forward(self):

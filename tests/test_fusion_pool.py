@@ -335,7 +335,7 @@ def test_fusion_blocked_by_a_forward_hook():
     report = fastlora.patch(m)
     assert report.fusion_blocked == [("base_model.model.model.layers.0.self_attn.qkv",
                                       "base layer has forward hooks (offloading or similar)")]
-    assert "1 groups not fused" in str(report)
+    assert "; 1 group not fused;" in str(report)
     assert report.counts() == {"qkv": 1, "gate_up": 2, "linear": 4 + 3}
     torch.testing.assert_close(logits(m), logits(ref), **TOL)
 

@@ -1,6 +1,7 @@
 """The example notebook runs top to bottom on CPU: every cell, every assertion in it."""
 
 import os
+import sys
 
 import pytest
 
@@ -28,3 +29,17 @@ def test_notebook_runs(tmp_path):
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.execution_count is not None for c in code)  # every cell ran
     assert not [o for c in code for o in c.outputs if o.output_type == "error"]
+
+
+def test_committed_notebook_is_the_generators():
+    """The committed notebook's cells are ``_make_notebook.py``'s, and it carries its outputs."""
+    nbformat = pytest.importorskip("nbformat")
+    sys.path.insert(0, os.path.dirname(NOTEBOOK))
+    import _make_notebook
+
+    committed = nbformat.read(NOTEBOOK, as_version=4)
+    built = _make_notebook.build_notebook()
+    assert [(c.cell_type, c.source) for c in committed.cells] == [(c.cell_type, c.source) for c in built.cells]
+    code = [c for c in committed.cells if c.cell_type == "code"]
+    assert all(c.execution_count is not None for c in code)  # committed executed
+    assert any(o.output_type == "display_data" for c in code for o in c.outputs)  # with its plots

@@ -153,6 +153,22 @@ def test_unknown_backend_leaves_the_model_alone():
         fastlora.get_backend("nope")
 
 
+def test_triton_backend_on_cpu_without_the_interpreter(monkeypatch):
+    """Asked for by name where its kernels cannot run: refused at patch time, with the fix named,
+    and not listed by ``available_backends``."""
+    from peft_fastlora import kernel_support
+
+    monkeypatch.setattr(kernel_support, "interpreting", lambda: False)
+    assert fastlora.available_backends("cpu") == ["torch_native"]
+    m = build()
+    with pytest.raises(ValueError, match="backend 'triton' cannot serve this model: its kernels need CUDA "
+                                         "tensors, the model is on cpu.*TRITON_INTERPRET=1.*torch_native"):
+        fastlora.patch(m, backend="triton")
+    assert get_state(m) is None and instance_forwards(m) == []
+    monkeypatch.setattr(kernel_support, "interpreting", lambda: True)  # what the CPU tests run under
+    assert fastlora.available_backends("cpu") == ["torch_native", "triton"]
+
+
 def test_patch_model_without_peft_speeds_up_the_base_model_only():
     model = tiny_llama()
     kw = dict(input_ids=IDS, attention_mask=MASK, max_new_tokens=5, do_sample=False)
@@ -259,8 +275,11 @@ def test_report_summary_and_log(caplog):
         report = fastlora.patch(m)
     text = str(report)
     assert text == report.summary()
-    assert text.startswith("fastlora: patched 14 LoRA layers (2 gate_up, 4 linear, 2 qkv) for 2 adapters "
-                           "on backend 'torch_native'; 0 left on PEFT's path")
+    assert text.startswith("fastlora: patched 14 LoRA layers in 8 sites (2 gate_up, 4 linear, 2 qkv) for 2 "
+                           "adapters on backend 'torch_native'; 0 left on PEFT's path")
+    assert text.endswith("; decode graphs off (the model is not on CUDA); decode attention off (the model is "
+                         "not on CUDA); one-kernel RMSNorm off (the model is not on CUDA), rotary off (the model "
+                         "is not on CUDA), SiLU-mul off (the model is not on CUDA)")
     assert report.counts() == {"qkv": 2, "gate_up": 2, "linear": 4}
     assert report.num_patched_layers == 14 and report.adapters == ["chat", "sql"]
     assert report.backend == "torch_native" and report.device == "cpu"
@@ -581,3 +600,15 @@ def test_save_pretrained_while_patched(tmp_path):
     m.save_pretrained(tmp_path / "patched")
     ref.save_pretrained(tmp_path / "ref")
     assert _files(tmp_path / "patched") == _files(tmp_path / "ref")
+
+
+def test_forgotten_no_grad_is_served_by_peft_and_warned_once(calls, caplog):
+    m, ref = pair()
+    fastlora.patch(m)
+    with caplog.at_level("WARNING", logger="peft_fastlora"):
+        for _ in range(2):
+            got = m(input_ids=IDS, attention_mask=MASK, adapter_names=NAMES).logits  # no torch.no_grad()
+    torch.testing.assert_close(got, logits(ref, NAMES), **TOL)
+    assert sum(calls.values()) == 0  # PEFT's path served it
+    warned = [r.getMessage() for r in caplog.records if "gradients enabled" in r.getMessage()]
+    assert len(warned) == 1 and "torch.no_grad() or torch.inference_mode()" in warned[0]

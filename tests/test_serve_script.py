@@ -72,3 +72,21 @@ def test_malformed_request_line(adapters_dir, tmp_path):
     with pytest.raises(ValueError, match="needs 'adapter' and 'prompt'"):
         serve.main(["--tiny", "--adapters", str(adapters_dir), "--requests", str(tmp_path / "req.jsonl"),
                     "--out", str(tmp_path / "o.jsonl")])
+
+
+def test_tiny_demo_needs_no_files(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # from any folder
+    assert serve.main(["--tiny", "--device", "cpu", "--max-new-tokens", "3", "--batch-size", "5"]) == 0
+    err = capsys.readouterr().err
+    path = err.strip().splitlines()[-1].split(" answers written to ")[1]
+    answers = [json.loads(line) for line in open(path)]
+    assert len(answers) == 2 * len(serve.TINY_PROMPTS)
+    assert {a["adapter"] for a in answers} == set(serve.TINY_ADAPTERS) | {"__base__"}
+    assert all(isinstance(a["completion"], str) for a in answers)
+    assert os.listdir(tmp_path) == []  # everything it made lives in its own temporary folder
+
+
+def test_files_required_without_tiny(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        serve.main(["--base", str(tmp_path), "--out", str(tmp_path / "o.jsonl")])
+    assert "--adapters, --requests required (or --tiny, which makes them)" in capsys.readouterr().err

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -24,17 +24,41 @@ def _triton_usable() -> bool:
     return True
 
 
-def available_backends() -> list[str]:
-    """Backends that can run here (``triton`` needs the triton package)."""
-    return [n for n in _REGISTRY if n != "triton" or _triton_usable()]
+def _triton_runs_on(device: torch.device) -> Optional[str]:
+    """Why the Triton backend cannot serve a model on ``device`` (None: it can)."""
+    if not _triton_usable():
+        return "the triton package is not installed (pip install triton, Linux x86_64)"
+    if device.type == "cuda":
+        return None
+    from ..kernel_support import interpreting
+
+    if device.type == "cpu" and interpreting():
+        return None
+    return (f"its kernels need CUDA tensors, the model is on {device.type} (on a CPU, Triton's "
+            "interpreter runs them, slowly, when TRITON_INTERPRET=1 is set before peft_fastlora is "
+            "imported)")
+
+
+def available_backends(device=None) -> list[str]:
+    """Backends that can serve a model on ``device`` (default: CUDA when there is a GPU, else the
+    CPU): ``torch_native`` everywhere, ``triton`` on CUDA (or on the CPU under Triton's interpreter)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    return [n for n in _REGISTRY if n != "triton" or _triton_runs_on(device) is None]
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """``"auto"`` is ``triton`` on CUDA when Triton is installed, else ``torch_native``."""
+    """``"auto"`` is ``triton`` on CUDA when Triton is installed, else ``torch_native``; a backend
+    named explicitly that cannot run on ``device`` is refused here, at patch time."""
     if name == "auto":
         return "triton" if device.type == "cuda" and _triton_usable() else "torch_native"
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; available: {sorted(_REGISTRY)} or 'auto'")
+    if name == "triton":
+        why = _triton_runs_on(device)
+        if why is not None:
+            raise ValueError(f"backend 'triton' cannot serve this model: {why}; use backend='torch_native'")
     return name
 
 

@@ -28,6 +28,7 @@ class BaseOps:
     decode_attention: str = "off"  # "on", or "off (why)"
     installed: Dict[str, List[Tuple[str, nn.Module]]] = field(default_factory=dict)  # option -> modules
     skipped: List[Tuple[str, str, str]] = field(default_factory=list)  # (option, class, why not)
+    off: Dict[str, str] = field(default_factory=dict)  # option -> why nothing was installed for it
 
     def count(self, option: str) -> int:
         return len(self.installed.get(option, ()))
@@ -55,14 +56,17 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
         why = enable_decode_attention(model)
         ops.decode_attention = "on" if why is None else f"off ({why})"
     graphed = on_cuda and options.cuda_graphs in (True, "auto")
-    for option, install, auto in (("fuse_norms", install_norms, on_cuda),
-                                  ("fuse_rotary", install_rotary, graphed),
-                                  ("fuse_silu_mul", install_gated_mlps, graphed)):
+    not_graphed = "the model is not on CUDA" if not on_cuda else "decode graphs off (eager steps: torch ops are cheaper)"
+    for option, install, auto, why_not in (("fuse_norms", install_norms, on_cuda, "the model is not on CUDA"),
+                                           ("fuse_rotary", install_rotary, graphed, not_graphed),
+                                           ("fuse_silu_mul", install_gated_mlps, graphed, not_graphed)):
         value = getattr(options, option)
         if value is True or (value == "auto" and auto):
             done, skipped = install(model)
             ops.installed[option] = done
             ops.skipped.extend((option, cls, why) for cls, why in skipped)
+        else:
+            ops.off[option] = f"{option}=False" if value is False else why_not
     return ops
 
 

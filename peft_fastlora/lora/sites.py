@@ -72,7 +72,12 @@ class Site:
             return None
         if any(k != "adapter_names" and not (k in _VARIANT_KWARGS and v is None) for k, v in kwargs.items()):
             return None
-        if torch.is_grad_enabled() or not isinstance(x, torch.Tensor):
+        if not isinstance(x, torch.Tensor):
+            return None
+        if torch.is_grad_enabled():
+            state.warn_once(
+                "a forward with adapter_names and gradients enabled runs PEFT's own (slow) mixed-batch "
+                "path; for inference, call the model inside torch.no_grad() or torch.inference_mode()")
             return None
         for layer in self.lora_layers:
             if layer_dropout_active(layer) or layer_is_merged(layer) or layer_adapters_disabled(layer):
