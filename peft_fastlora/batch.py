@@ -98,14 +98,18 @@ class LoRABatchInfo:
     slots_in_batch: tuple = ()
 
 
+# Row tiles by forward size: (block_m, largest token count it serves; None: no limit). 16 (the
+# smallest tensor-core tile) for decode-sized batches, larger for prefill so each adapter's
+# weights are read fewer times.
+BLOCK_M_TIERS = ((16, 256), (32, 2048), (64, None))
+
+
 def choose_block_m(num_tokens: int) -> int:
-    """Row tile for a forward of ``num_tokens`` tokens: 16 (the smallest tensor-core tile) for
-    decode-sized batches, larger for prefill so each adapter's weights are read fewer times."""
-    if num_tokens <= 256:
-        return 16
-    if num_tokens <= 2048:
-        return 32
-    return 64
+    """Row tile for a forward of ``num_tokens`` tokens (see ``BLOCK_M_TIERS``)."""
+    for block_m, limit in BLOCK_M_TIERS:
+        if limit is None or num_tokens <= limit:
+            return block_m
+    raise AssertionError("the last tier has no limit")
 
 
 def max_chunks_for(num_tokens: int, block_m: int, max_loras: int) -> int:

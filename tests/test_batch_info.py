@@ -186,6 +186,27 @@ def test_prepare_lora_batch_reuses_eager_buffers():
     assert bi3.token_slot.tolist() == [0] * 40
 
 
+def _eager_bytes(be):
+    return sum(b.dev.numel() * 4 + b.dev_scalings.numel() * 4 for b in be._eager_buffers.values())
+
+
+def test_eager_buffers_stop_growing_after_the_largest_call():
+    """Each row tile has its own buffers; after the largest forward, a forward of a tile not seen
+    yet must not allocate (a server's memory would creep up with every new shape otherwise)."""
+    be = TorchNativeLoRABackend(4, CPU)
+    slots, scal = [2, 2, 2], [1.0] * 3
+    be.prepare_lora_batch(ForwardBatch.from_shape(39, 119, CPU), [0, 1, 2] * 13, slots, scal, False)
+    high = _eager_bytes(be)
+    ptrs = {b: buf.dev.data_ptr() for b, buf in be._eager_buffers.items()}
+    for rows, length in [(1, 1), (3, 50), (12, 100), (30, 60), (39, 119), (7, 300), (2, 1)]:
+        bi = be.prepare_lora_batch(ForwardBatch.from_shape(rows, length, CPU), [r % 3 for r in range(rows)],
+                                   slots, scal, False)
+        assert bi.block_m == choose_block_m(rows * length)
+        assert bi.token_slot.tolist() == [(t // length) % 3 for t in range(rows * length)]
+    assert _eager_bytes(be) == high
+    assert {b: buf.dev.data_ptr() for b, buf in be._eager_buffers.items()} == ptrs
+
+
 @pytest.mark.parametrize("case, exc, match", [
     ("rows", ValueError, "weight_indices has 2 entries for a batch of 3 rows"),
     ("ranks_vs_scalings", ValueError, "lora_ranks .* and scalings"),

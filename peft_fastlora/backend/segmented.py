@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from ..kernel_support import FLOAT_DTYPES
-from ..batch import BatchInfoBuffers, ForwardBatch, LoRABatchInfo, choose_block_m
+from ..batch import BLOCK_M_TIERS, BatchInfoBuffers, ForwardBatch, LoRABatchInfo, choose_block_m
 from .base import BaseLoRABackend
 
 
@@ -47,6 +47,7 @@ class SegmentedLoRABackend(BaseLoRABackend):
     def __init__(self, max_loras_per_batch: int, device: torch.device):
         super().__init__(max_loras_per_batch, torch.device(device))
         self._eager_buffers: dict[int, BatchInfoBuffers] = {}
+        self._eager_high = (1, 1, 1)  # largest (rows, tokens, slots) an eager forward has had
         self._graph_buffers: Optional[BatchInfoBuffers] = None
 
     # ---- primitives a backend implements -------------------------------------------------
@@ -130,20 +131,33 @@ class SegmentedLoRABackend(BaseLoRABackend):
                 raise RuntimeError("prepare_lora_batch(use_cuda_graph=True) before init_cuda_graph_batch_info")
             buffers = self._graph_buffers
         else:
-            block_m = choose_block_m(num_tokens)
-            buffers = self._eager_buffers.get(block_m)
-            if (buffers is None or buffers.max_bs < forward_batch.batch_size
-                    or buffers.max_tokens < num_tokens or buffers.max_slots < len(lora_ranks)):
-                buffers = BatchInfoBuffers(
-                    max_bs=_round_up_pow2(forward_batch.batch_size),
-                    max_tokens=_round_up_pow2(num_tokens),
-                    max_slots=max(self._max_slots_hint(), _round_up_pow2(len(lora_ranks))),
-                    max_loras=self.max_loras_per_batch, block_m=block_m, device=self.device)
-                self._eager_buffers[block_m] = buffers
+            buffers = self._eager_buffers_for(forward_batch.batch_size, num_tokens, len(lora_ranks))
         self.batch_info = buffers.fill(
             forward_batch.batch_size, num_tokens, list(forward_batch.seq_lens), weight_indices,
             list(lora_ranks), list(scalings))
         return self.batch_info
+
+    def _eager_buffers_for(self, bs: int, num_tokens: int, num_slots: int) -> BatchInfoBuffers:
+        """The eager batch-info buffers of this forward's row tile. When one must grow, every
+        tile's buffers are rebuilt together: the bounded tiles at their limit, the last one at the
+        largest call so far (powers of two). Memory then follows the largest call alone and
+        stops growing after it, whatever order the sizes arrive in."""
+        block_m = choose_block_m(num_tokens)
+        buffers = self._eager_buffers.get(block_m)
+        if (buffers is not None and buffers.max_bs >= bs and buffers.max_tokens >= num_tokens
+                and buffers.max_slots >= num_slots):
+            return buffers
+        high_bs, high_tokens, high_slots = self._eager_high = tuple(
+            max(a, b) for a, b in zip(self._eager_high, (bs, num_tokens, num_slots)))
+        slots = max(self._max_slots_hint(), _round_up_pow2(high_slots))
+        self._eager_buffers = {}
+        for tile, limit in BLOCK_M_TIERS:
+            tokens = limit if limit is not None else _round_up_pow2(high_tokens)
+            rows = limit if limit is not None else _round_up_pow2(high_bs)  # rows <= tokens
+            self._eager_buffers[tile] = BatchInfoBuffers(
+                max_bs=rows, max_tokens=tokens, max_slots=slots,
+                max_loras=self.max_loras_per_batch, block_m=tile, device=self.device)
+        return self._eager_buffers[block_m]
 
     def _bi(self, batch_info: Optional[LoRABatchInfo]) -> LoRABatchInfo:
         bi = batch_info if batch_info is not None else self.batch_info
