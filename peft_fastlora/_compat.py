@@ -424,3 +424,99 @@ def guard_peft_forward_hooks(peft_model: nn.Module) -> bool:
 
 def unguard_peft_forward_hooks(peft_model: nn.Module) -> None:
     peft_model.__dict__.pop(_HOOK_GUARD, None)
+
+
+# ---- transformers: continuous batching ----------------------------------------------------------
+# The engine (``generate_batch`` / ``init_continuous_batching``, transformers >= 5.x) is used as
+# shipped. fastlora reads three things of it: the requests of each step, in the order their tokens
+# sit in the forward's one row, with their token counts (``inputs_and_outputs.requests_in_batch``,
+# ``num_q_tokens``, set by ``prepare_batch_tensors``); a request's status; and the config fields
+# it must turn off. Checked on 5.17 and 5.24.
+CB_CHILD_MARK = "__child#"  # request ids of forked sequences: f"{parent}__child#{i}"
+_CB_OFF = {  # config field -> (value fastlora needs, why)
+    "allow_block_sharing": (False, "prefix sharing would serve one adapter's KV cache to another"),
+    "use_cuda_graph": (False, "fastlora builds each step's LoRA batch on the host"),
+    "use_async_batching": (False, "each step's requests are read just before its forward"),
+    "varlen_compile_config": (None, "torch.compile of the forward is not supported with LoRA batches"),
+    "decode_compile_config": (None, "torch.compile of the forward is not supported with LoRA batches"),
+    "default_compile_level": (0, "torch.compile of the forward is not supported with LoRA batches"),
+}
+
+
+def continuous_batching_blocker(model: nn.Module) -> Optional[str]:
+    """Why transformers' continuous batching cannot take per-request adapters here (None: it can)."""
+    if not callable(getattr(type(model), "init_continuous_batching", None)):
+        return f"transformers {TRANSFORMERS_VERSION} has no continuous batching on this model"
+    try:
+        from transformers import ContinuousBatchingConfig
+        from transformers.generation.continuous_batching import continuous_api, input_outputs, requests
+    except ImportError as e:
+        return f"transformers {TRANSFORMERS_VERSION}: {e}"
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    missing = [f for f in _CB_OFF if f not in fields]
+    if missing:
+        return f"transformers {TRANSFORMERS_VERSION}'s ContinuousBatchingConfig has no {', '.join(missing)}"
+    if not hasattr(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors"):
+        return f"transformers {TRANSFORMERS_VERSION}: unknown continuous-batching inputs"
+    for name in ("_create_batch_processor", "add_request", "add_requests", "cancel_request", "stop"):
+        if not callable(getattr(continuous_api.ContinuousBatchingManager, name, None)):
+            return f"transformers {TRANSFORMERS_VERSION}'s ContinuousBatchingManager has no {name}"
+    if not hasattr(requests, "RequestStatus"):
+        return f"transformers {TRANSFORMERS_VERSION}: no RequestStatus"
+    return None
+
+
+def cb_config_for_lora(config, generation_config) -> Tuple[object, list]:
+    """A copy of the continuous-batching config (the caller's, the one set on the generation
+    config, or the default) with what per-request adapters need; and what was changed, why."""
+    import dataclasses
+
+    from transformers import ContinuousBatchingConfig
+
+    if config is None:
+        config = getattr(generation_config, "continuous_batching_config", None)
+    if not isinstance(config, ContinuousBatchingConfig):
+        config = ContinuousBatchingConfig()
+    changes, values = [], {}
+    for name, (value, why) in _CB_OFF.items():
+        current = getattr(config, name)
+        if current != value:
+            values[name] = value
+            if current is not None:  # None: the engine would decide; no need to report
+                changes.append(f"{name}={value!r} ({why})")
+    if getattr(config, "use_default_compile_configs", None) is not None:
+        values["use_default_compile_configs"] = None  # deprecated alias: it would set the level again
+    return dataclasses.replace(config, **values), changes
+
+
+def cb_step(processor) -> Tuple[list, list, int]:
+    """The step about to run: its requests' states (``.request_id``) and query lengths, in the
+    order of their tokens in the forward's one row, and the forward's token count (padding
+    included)."""
+    ios = processor.inputs_and_outputs
+    reqs = getattr(ios, "requests_in_batch", None)
+    if reqs is None or not hasattr(ios, "num_q_tokens"):
+        raise RuntimeError(f"fastlora: transformers {TRANSFORMERS_VERSION}'s continuous-batching inputs "
+                           "do not list the step's requests (async batching must be off)")
+    return [fs.state for fs in reqs], [int(fs.query_length) for fs in reqs], int(ios.num_q_tokens)
+
+
+def cb_request_done(request_state) -> bool:
+    """Whether a request has finished or failed (it will not be stepped again)."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    return request_state.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+
+
+def cb_new_request_id(manager) -> str:
+    """The id the manager would give a request added without one (its own counter and format)."""
+    lock, counter = getattr(manager, "_request_lock", None), getattr(manager, "_request_counter", None)
+    if lock is None or not isinstance(counter, int):
+        raise RuntimeError(f"fastlora: transformers {TRANSFORMERS_VERSION}'s manager has no request "
+                           "counter; pass request_id= to add_request")
+    with lock:
+        request_id = f"req_{manager._request_counter}"
+        manager._request_counter += 1
+    return request_id

@@ -53,6 +53,53 @@ class ForwardBatch:
         return int(sum(self.seq_lens))
 
 
+@dataclass(eq=False)
+class TokenSegments:
+    """A forward whose one row holds many sequences end to end (continuous batching): the
+    adapter and token count of each, in order, and the forward's token count (the engine may pad
+    the tail; padded tokens belong to no adapter).
+
+    Attributes:
+        names: adapter name of each sequence (``"__base__"``: none).
+        seg_lens: tokens each sequence brings to this forward.
+        num_tokens: tokens of the forward, ``>= sum(seg_lens)``.
+    """
+
+    names: Sequence[str]
+    seg_lens: Sequence[int]
+    num_tokens: int
+
+    def __post_init__(self):
+        if len(self.names) != len(self.seg_lens):
+            raise ValueError(f"{len(self.names)} adapter names for {len(self.seg_lens)} sequences")
+        if sum(self.seg_lens) > self.num_tokens:
+            raise ValueError(f"sequences of {sum(self.seg_lens)} tokens in a forward of {self.num_tokens}")
+        self._token_names = None
+
+    @property
+    def padding(self) -> int:
+        return self.num_tokens - int(sum(self.seg_lens))
+
+    def forward_batch(self, slots: Sequence[int], device) -> tuple:
+        """``(ForwardBatch, weight_indices)`` for ``prepare_lora_batch``; the padded tail is one
+        more segment with no adapter."""
+        lens, slots = list(self.seg_lens), list(slots)
+        if self.padding:
+            lens.append(self.padding)
+            slots.append(NO_ADAPTER)
+        mode = ForwardMode.DECODE if all(n == 1 for n in lens) else ForwardMode.EXTEND
+        return ForwardBatch(len(lens), lens, mode, torch.device(device)), slots
+
+    def token_names(self) -> list:
+        """One adapter name per token (PEFT's per-row path, given one row per token)."""
+        if self._token_names is None:
+            names = []
+            for name, n in zip(self.names, self.seg_lens):
+                names.extend([name] * n)
+            self._token_names = names + ["__base__"] * self.padding
+        return self._token_names
+
+
 @dataclass
 class LoRABatchInfo:
     """Per-forward batch description, on the device.

@@ -23,6 +23,7 @@ class PatchReport:
     fused_rotary: int = 0  # attention modules whose rotary embedding is one kernel
     fused_mlps: int = 0  # gated MLPs whose silu(gate) * up is one kernel
     cuda_graphs: str = "off"  # "on", "emulated", or "off (why)"
+    continuous_batching: str = "off"  # per-request adapters in generate_batch: "on" or "off (why)"
     base_ops_skipped: List[Tuple[str, str, str]] = field(default_factory=list)  # (option, class, why)
     base_ops_off: Dict[str, str] = field(default_factory=dict)  # option -> why it is off
 
@@ -53,6 +54,7 @@ class PatchReport:
             n = len(self.fusion_blocked)
             line += f"; {n} group{'s' if n != 1 else ''} not fused"
         line += f"; decode graphs {self.cuda_graphs}; decode attention {self.decode_attention}"
+        line += f"; continuous batching {self.continuous_batching}"
         ops = []
         for option, label, count in (("fuse_norms", "RMSNorm", self.fused_norms),
                                      ("fuse_rotary", "rotary", self.fused_rotary),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from typing import List, Optional, Sequence
 
 import torch
@@ -18,7 +19,7 @@ from . import _compat
 from ._compat import LoraEmbedding, LoraLinear, base_layer_of, is_conv1d, is_lora_layer, linear_in_out
 from .backend import get_backend, resolve_backend_name
 from .base_ops import BaseOps, install_base_ops
-from .batch import ForwardBatch
+from .batch import ForwardBatch, TokenSegments
 from .lora.fusion import find_groups
 from .lora.pool import AdapterRegistry, SitePool, ValueRefresher
 from .lora.sites import EmbeddingSite, FusedSite, LinearSite, Site
@@ -62,6 +63,9 @@ class FastLoRAState:
         self._bi = None
         self._slot_ranks = None
         self._peft_config_keys = self._config_keys()
+        # per thread: a continuous-batching engine steps in its own thread
+        self._local = threading.local()
+        self.continuous = None  # continuous.engine.ContinuousBatchingHook
 
     def _config_keys(self):
         cfg = getattr(self.model, "peft_config", None)
@@ -108,13 +112,32 @@ class FastLoRAState:
         finally:
             self._in_call = False
 
+    @property
+    def token_segments(self) -> Optional[TokenSegments]:
+        """Inside ``segments``: the sequences of this thread's forward (continuous batching)."""
+        return getattr(self._local, "segments", None)
+
+    @contextlib.contextmanager
+    def segments(self, segments: TokenSegments):
+        """Forwards run inside (in this thread) hold ``segments`` in their one row: each LoRA layer
+        applies each sequence's adapter. One call boundary, as for a ``generate`` call."""
+        previous = self.token_segments
+        with self.call(sorted(set(segments.names))):
+            self._local.segments = segments
+            try:
+                yield
+            finally:
+                self._local.segments = previous
+
     # -- building ---------------------------------------------------------------------------
     def build(self) -> PatchReport:
+        from .continuous.engine import ContinuousBatchingHook
         from .decode.generate import GenerateHook
 
         report = self._build_lora()
         self._hook = self.inner.register_forward_pre_hook(lambda module, args: self.begin_forward())
         self.generate_hook = GenerateHook(self)
+        self.continuous = ContinuousBatchingHook(self)
         _compat.guard_peft_forward_hooks(self.model)
         self.base_ops = install_base_ops(self.inner, self.options, self.device)
         self._report_base_ops(report)
@@ -128,6 +151,9 @@ class FastLoRAState:
         report.fused_norms = ops.count("fuse_norms")
         report.fused_rotary = ops.count("fuse_rotary")
         report.fused_mlps = ops.count("fuse_silu_mul")
+        if self.continuous is not None:
+            why = self.continuous.blocker
+            report.continuous_batching = "on" if why is None else f"off ({why})"
         report.base_ops_skipped = list(ops.skipped)
         report.base_ops_off = dict(ops.off)
 
@@ -277,6 +303,9 @@ class FastLoRAState:
         if self.generate_hook is not None:
             self.generate_hook.remove()
             self.generate_hook = None
+        if self.continuous is not None:
+            self.continuous.remove()
+            self.continuous = None
         _compat.unguard_peft_forward_hooks(self.model)
         if self._hook is not None:
             self._hook.remove()
@@ -380,4 +409,15 @@ class FastLoRAState:
         self._bi = self.backend.prepare_lora_batch(fb, slots, ranks, [1.0] * len(ranks),
                                                    use_cuda_graph=False)
         self._bi_key = key
+        return self._bi
+
+    def segment_batch_info(self, segments: TokenSegments):
+        """The batch info of a continuous-batching forward, built by the first layer that asks."""
+        if self._bi_key is segments:
+            return self._bi
+        fb, slots = segments.forward_batch(self.registry.slots_for(segments.names), self.device)
+        ranks = self.slot_ranks()
+        self._bi = self.backend.prepare_lora_batch(fb, slots, ranks, [1.0] * len(ranks),
+                                                   use_cuda_graph=False)
+        self._bi_key = segments
         return self._bi

@@ -68,7 +68,8 @@ class Site:
 
     def _fast_path_info(self, state, x, args, kwargs):
         names = kwargs.get("adapter_names")
-        if names is None or args:
+        segments = state.token_segments if names is None else None
+        if (names is None and segments is None) or args:
             return None
         if any(k != "adapter_names" and not (k in _VARIANT_KWARGS and v is None) for k, v in kwargs.items()):
             return None
@@ -79,22 +80,53 @@ class Site:
                 "a forward with adapter_names and gradients enabled runs PEFT's own (slow) mixed-batch "
                 "path; for inference, call the model inside torch.no_grad() or torch.inference_mode()")
             return None
-        for layer in self.lora_layers:
-            if layer_dropout_active(layer) or layer_is_merged(layer) or layer_adapters_disabled(layer):
-                return None
+        if segments is not None:
+            return self._segments_info(state, x, segments)
         rows = x.shape[0] if x.dim() >= 1 else -1
         # under graph capture the batch is padded to its bucket (padding rows have no adapter)
         graph_rows = state.graph_batch_info.bs if state.use_cuda_graph and state.graph_batch_info else None
         if rows < 0 or (len(names) != rows and rows != graph_rows) or x.device != state.device:
             return None  # PEFT's forward raises its own error for a length mismatch
-        dtype = x.dtype if x.is_floating_point() else base_layer_of(self.members[0]).weight.dtype
-        supported = getattr(state.backend, "supported_dtypes", None)
-        if supported is not None and dtype not in supported:
-            return None  # e.g. after model.to(torch.float64): PEFT's path serves it
+        if self._blocked(state, x):  # e.g. after model.to(torch.float64): PEFT's path serves it
+            return None
         bi = state.batch_info(names, x, self)
         if bi is None or any(s in self.pool.unsupported for s in bi.slots_in_batch):
             return None
         return bi
+
+    def _segments_info(self, state, x, segments):
+        """Continuous batching: x is one row of ``segments.num_tokens`` tokens."""
+        if x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != segments.num_tokens:
+            raise RuntimeError(
+                f"{self.name}: a continuous-batching forward of {segments.num_tokens} tokens got an "
+                f"input of shape {tuple(x.shape)}")
+        if x.device != state.device or self._blocked(state, x):
+            return None
+        bi = state.segment_batch_info(segments)
+        if any(s in self.pool.unsupported for s in bi.slots_in_batch):
+            return None
+        return bi
+
+    def _blocked(self, state, x) -> bool:
+        """What sends a forward to PEFT's path whatever its adapters (the reason is PEFT's)."""
+        for layer in self.lora_layers:
+            if layer_dropout_active(layer) or layer_is_merged(layer) or layer_adapters_disabled(layer):
+                return True
+        dtype = x.dtype if x.is_floating_point() else base_layer_of(self.members[0]).weight.dtype
+        supported = getattr(state.backend, "supported_dtypes", None)
+        return supported is not None and dtype not in supported
+
+    @staticmethod
+    def peft_forward(state, original, x, args, kwargs):
+        """This member's own (PEFT's) forward. In a continuous-batching forward it gets one row
+        per token and each token's adapter name: PEFT's per-row path, exactly, never the active
+        adapter applied to every sequence."""
+        segments = state.token_segments
+        if segments is None or kwargs.get("adapter_names") is not None:
+            return original(x, *args, **kwargs)
+        rows = x.reshape(segments.num_tokens, 1, *x.shape[2:])
+        out = original(rows, *args, adapter_names=segments.token_names(), **kwargs)
+        return out.reshape(1, segments.num_tokens, *out.shape[2:])
 
     def member_forward(self, state, i, original, x, args, kwargs):
         raise NotImplementedError
@@ -112,7 +144,7 @@ class LinearSite(Site):
     def member_forward(self, state, i, original, x, args, kwargs):
         bi = self.fast_path_info(state, x, args, kwargs)
         if bi is None:
-            return original(x, *args, **kwargs)
+            return self.peft_forward(state, original, x, args, kwargs)
         layer = self.members[0]
         result = base_layer_of(layer)(x)
         pool = state.pool_for(self, x.dtype)
@@ -131,7 +163,7 @@ class EmbeddingSite(Site):
     def member_forward(self, state, i, original, x, args, kwargs):
         bi = self.fast_path_info(state, x, args, kwargs)
         if bi is None:
-            return original(x, *args, **kwargs)
+            return self.peft_forward(state, original, x, args, kwargs)
         layer = self.members[0]
         base = base_layer_of(layer)
         result = base(x)
@@ -174,7 +206,7 @@ class FusedSite(Site):
             return out
         bi = self.fast_path_info(state, x, args, kwargs)
         if bi is None or not self.group.is_intact():
-            return original(x, *args, **kwargs)
+            return self.peft_forward(state, original, x, args, kwargs)
         pool = state.pool_for(self, x.dtype)
         x2 = _as_rows(x, x.shape[-1]).contiguous()
         res = self.group.linear(x2)

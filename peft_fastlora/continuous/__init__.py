@@ -1,0 +1,1 @@
+"""Per-request adapters in transformers' continuous batching (``engine.py``)."""

@@ -1,0 +1,326 @@
+"""Per-request adapters in transformers' continuous batching, on its engine as shipped.
+
+On a patched model, ``generate_batch(inputs, ..., adapter_names=[...])`` and the manager of
+``init_continuous_batching(...)`` (``add_request(..., adapter_name=...)``,
+``add_requests(..., adapter_names=[...])``) take one adapter per request. Each engine step packs
+prefill chunks and decode tokens of many requests into one row; just before its forward,
+fastlora reads the step's requests and token counts (``_compat.cb_step``) and hands the LoRA
+layers a ``TokenSegments``: every layer applies each request's adapter to that request's tokens.
+
+What changes on the engine, and only on the managers fastlora hands out: the config fields in
+``_compat._CB_OFF`` (prefix sharing, CUDA graphs, async batching, compile), logged once; the
+manager's ``add_request`` / ``add_requests`` / ``cancel_request`` / ``stop`` and its batch
+processor's step, wrapped on the instance. fastlora's decode-attention kernel is switched off
+while a manager runs (the engine accepts only its own attention implementations) and back on
+when the last one stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import types
+from typing import Dict, List, Optional, Sequence
+
+from .. import _compat
+from ..base_ops.attention_registry import (decode_attention_enabled, disable_decode_attention,
+                                           enable_decode_attention)
+from ..batch import TokenSegments
+
+BASE = "__base__"
+
+
+class RequestAdapters:
+    """Request id -> adapter name for one manager's requests (added from any thread, read by the
+    engine's). Entries go when their request finishes, fails or is cancelled, or the manager stops."""
+
+    def __init__(self):
+        self._names: Dict[str, str] = {}
+        self._cancelled: set = set()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def assign(self, request_id: str, name: str) -> None:
+        with self._lock:
+            self._names[request_id] = name
+
+    def name_of(self, request_id: str) -> str:
+        with self._lock:
+            name = self._names.get(request_id)
+            if name is None and _compat.CB_CHILD_MARK in request_id:  # a forked sequence
+                name = self._names.get(request_id.split(_compat.CB_CHILD_MARK)[0])
+                if name is not None:
+                    self._names[request_id] = name
+        if name is None:
+            raise RuntimeError(
+                f"fastlora: request {request_id!r} has no adapter on record (was it queued without "
+                "the manager's add_request?)")
+        return name
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancelled.add(request_id)
+
+    def forget(self, request_ids: Sequence[str], running: Sequence[str] = ()) -> None:
+        """Drop these requests, and the cancelled ones not in ``running``."""
+        with self._lock:
+            gone = set(request_ids) | (self._cancelled - set(running))
+            for rid in gone:
+                self._names.pop(rid, None)
+            self._cancelled -= gone
+
+    def clear(self) -> None:
+        with self._lock:
+            self._names.clear()
+            self._cancelled.clear()
+
+
+class ContinuousBatchingHook:
+    """``init_continuous_batching`` and ``generate_batch`` of one patched model, installed on the
+    transformers model instance (a ``PeftModel`` finds them there); removed by ``remove``."""
+
+    _METHODS = ("init_continuous_batching", "generate_batch")
+
+    def __init__(self, state):
+        self.state = state
+        self.inner = state.inner
+        self.blocker = _compat.continuous_batching_blocker(self.inner)
+        self._saved: Dict[str, object] = {}
+        self._local = threading.local()  # adapter names a generate_batch call hands its requests
+        self._running = 0  # managers started and not stopped
+        self._attention_suspended = False
+        self._lock = threading.Lock()
+        if self.blocker is None:
+            self._install()
+
+    # -- installing -------------------------------------------------------------------------
+    def _install(self):
+        for name in self._METHODS:
+            self._saved[name] = self.inner.__dict__.get(name)
+            original = getattr(self.inner, name)
+            wrapper = getattr(self, "_" + name)
+
+            @functools.wraps(original)
+            def method(model, *args, _original=original, _wrapper=wrapper, **kwargs):
+                return _wrapper(_original, *args, **kwargs)
+
+            setattr(self.inner, name, types.MethodType(method, self.inner))
+
+    def remove(self):
+        for name, saved in self._saved.items():
+            if saved is None:
+                self.inner.__dict__.pop(name, None)
+            else:
+                setattr(self.inner, name, saved)
+        self._saved = {}
+        self._resume_attention(force=True)
+
+    @property
+    def active(self) -> bool:
+        return self.state.continuous is self
+
+    # -- adapters ---------------------------------------------------------------------------
+    def default_adapter(self) -> str:
+        """The adapter of a request that names none: PEFT's active adapter, as in a forward
+        without ``adapter_names``."""
+        if not self.state.has_lora:
+            return BASE
+        active = list(getattr(self.state.model, "active_adapters", None) or [])
+        if len(active) != 1:
+            raise ValueError(
+                f"fastlora: {len(active)} adapters are active ({', '.join(active) or 'none'}); name the "
+                "adapter of each request (adapter_name= / adapter_names=)")
+        return active[0]
+
+    def check_names(self, names: Sequence[str]) -> None:
+        """Raise, naming them, for adapters the model does not have (before anything is queued)."""
+        # PEFT's own list too: an adapter added since the last step joins the stacks at the next
+        known = set(self.state.registry.names) | set(getattr(self.state.model, "peft_config", None) or ()) | {BASE}
+        bad = [n for n in names if not isinstance(n, str)]
+        if bad:
+            raise TypeError(f"adapter names must be strings, got {bad[0]!r}")
+        unknown = sorted({n for n in names if n not in known})
+        if unknown:
+            raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(unknown)}")
+
+    def _usable(self):
+        if not self.active:
+            raise RuntimeError("fastlora: this model was unpatched; its continuous batching is transformers' own")
+        if self.state.report is not None and self.state.report.left_on_peft:
+            module, why = self.state.report.left_on_peft[0]
+            raise RuntimeError(
+                f"fastlora: per-request adapters need every LoRA layer on fastlora's path, but "
+                f"{len(self.state.report.left_on_peft)} are on PEFT's (e.g. {module}: {why}), which "
+                "would apply the active adapter to every request; unpatch to use transformers' own "
+                "continuous batching")
+
+    @contextlib.contextmanager
+    def _pending(self, names: Optional[Sequence[str]]):
+        previous = getattr(self._local, "pending", None)
+        self._local.pending = None if names is None else iter(list(names))
+        try:
+            yield
+        finally:
+            self._local.pending = previous
+
+    def _next_pending(self) -> Optional[str]:
+        pending = getattr(self._local, "pending", None)
+        if pending is None:
+            return None
+        name = next(pending, None)
+        if name is None:
+            raise RuntimeError("fastlora: more requests than adapter names")
+        return name
+
+    # -- the model's entry points -------------------------------------------------------------
+    def _generate_batch(self, original, inputs, *args, adapter_names=None, **kwargs):
+        self._usable()
+        if adapter_names is not None:
+            if len(adapter_names) != len(inputs):
+                raise ValueError(
+                    f"Length of `adapter_names` should be the same as the number of inputs, but got "
+                    f"{len(adapter_names)} and {len(inputs)} respectively.")
+            self.check_names(adapter_names)
+        else:
+            adapter_names = [self.default_adapter()] * len(inputs)
+        # transformers' generate_batch logs and swallows errors raised while it adds requests:
+        # everything that can fail was checked above
+        with self._pending(adapter_names):
+            return original(inputs, *args, **kwargs)
+
+    def _init_continuous_batching(self, original, generation_config=None, continuous_batching_config=None,
+                                  workload_hints=None):
+        self._usable()
+        cached = getattr(self.inner, "_cached_continuous_batching_manager", None)
+        if cached is not None and not getattr(cached, "_fastlora_enabled", False):
+            raise RuntimeError(
+                "fastlora: a continuous-batching manager made before fastlora.patch is cached on the "
+                "model; call destroy_cached_continuous_batching_manager() first")
+        gen = generation_config if generation_config is not None else self.inner.generation_config
+        config, changes = _compat.cb_config_for_lora(continuous_batching_config, gen)
+        for change in changes:
+            self.state.warn_once(f"continuous batching with per-request adapters: {change}")
+        hold = cached is None or not cached._fastlora_holds
+        if hold:
+            self._suspend_attention()
+        try:
+            manager = original(generation_config=generation_config, continuous_batching_config=config,
+                               workload_hints=workload_hints)
+        except BaseException:
+            if hold:
+                self._resume_attention()
+            raise
+        if manager is not cached:
+            self._enable(manager)
+        manager._fastlora_holds = True
+        return manager
+
+    # -- decode attention while managers run ----------------------------------------------------
+    def _suspend_attention(self):
+        with self._lock:
+            self._running += 1
+            if decode_attention_enabled(self.inner):
+                disable_decode_attention(self.inner)
+                self._attention_suspended = True
+
+    def _resume_attention(self, force: bool = False):
+        with self._lock:
+            self._running = 0 if force else max(0, self._running - 1)
+            if self._running == 0 and self._attention_suspended:
+                self._attention_suspended = False
+                if self.active and not force:
+                    enable_decode_attention(self.inner)
+
+    # -- one manager --------------------------------------------------------------------------
+    def _enable(self, manager):
+        hook, adapters = self, RequestAdapters()
+        manager._fastlora_enabled = True
+        manager.fastlora_adapters = adapters
+        add_request, add_requests = manager.add_request, manager.add_requests
+        cancel_request, stop, destroy = manager.cancel_request, manager.stop, manager.destroy
+        create = manager._create_batch_processor
+
+        def add_request_(input_ids, request_id=None, *args, adapter_name=None, **kwargs):
+            name = adapter_name if adapter_name is not None else hook._next_pending()
+            if name is None:
+                name = hook.default_adapter()
+            hook.check_names([name])
+            if request_id is None:
+                request_id = _compat.cb_new_request_id(manager)
+            adapters.assign(request_id, name)
+            try:
+                rid = add_request(input_ids, request_id, *args, **kwargs)
+            except BaseException:
+                adapters.forget([request_id])
+                raise
+            if rid is None:  # not accepted (manager stopping): nothing will run
+                adapters.forget([request_id])
+            return rid
+
+        def add_requests_(inputs, *args, adapter_names=None, **kwargs):
+            if adapter_names is not None:
+                if len(adapter_names) != len(inputs):
+                    raise ValueError(f"{len(adapter_names)} adapter names for {len(inputs)} inputs")
+                hook.check_names(adapter_names)
+                with hook._pending(adapter_names):
+                    return add_requests(inputs, *args, **kwargs)
+            return add_requests(inputs, *args, **kwargs)
+
+        def cancel_request_(request_id):
+            adapters.cancel(request_id)
+            return cancel_request(request_id)
+
+        def release():
+            # the manager's thread is gone: its requests are over, and it no longer needs the
+            # engine's attention implementation
+            if getattr(manager, "_fastlora_holds", False) and not manager.is_running():
+                manager._fastlora_holds = False
+                adapters.clear()
+                hook._resume_attention()
+
+        def stop_(*args, **kwargs):
+            try:
+                return stop(*args, **kwargs)
+            finally:
+                release()
+
+        def destroy_():
+            try:
+                return destroy()
+            finally:
+                release()
+
+        def create_():
+            processor = create()
+            if not getattr(processor, "_fastlora_enabled", False):
+                hook._wrap_step(processor, adapters)
+            return processor
+
+        manager.add_request = add_request_
+        manager.add_requests = add_requests_
+        manager.cancel_request = cancel_request_
+        manager.stop = stop_
+        manager.destroy = destroy_
+        manager._create_batch_processor = create_
+
+    def _wrap_step(self, processor, adapters: RequestAdapters):
+        state, step = self.state, processor._generation_step
+        last: List = []
+
+        def generation_step(model):
+            if not self.active:
+                raise RuntimeError("fastlora: the model was unpatched while a continuous-batching "
+                                   "manager ran; start a new manager")
+            requests, lens, num_tokens = _compat.cb_step(processor)
+            ids = [r.request_id for r in requests]
+            adapters.forget([r.request_id for r in last if _compat.cb_request_done(r)], running=ids)
+            last[:] = requests
+            segments = TokenSegments([adapters.name_of(rid) for rid in ids], lens, num_tokens)
+            with state.segments(segments):
+                return step(model)
+
+        processor._generation_step = generation_step
+        processor._fastlora_enabled = True

@@ -1,0 +1,216 @@
+"""Per-request adapters in transformers' continuous batching, on CPU (torch_native backend).
+
+Every request's greedy tokens are compared with PEFT's own ``generate`` for that prompt alone
+with that adapter (float32), through ``generate_batch`` and through the manager's
+``add_request``, with prefill chunks and decode tokens of different adapters in one forward,
+requests arriving while others decode, ``"__base__"`` rows, and bad input.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+import peft_fastlora as fastlora
+from peft_fastlora import get_state
+from peft_fastlora.lora.sites import Site
+
+from _continuous import cb_config, greedy_config, peft_alone, random_prompts
+from _models import build_peft_lm
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(__import__("transformers"), "ContinuousBatchingConfig"),
+    reason="this transformers has no continuous batching")
+
+
+@pytest.fixture
+def pair():
+    m = build_peft_lm("llama")
+    ref = copy.deepcopy(m)
+    fastlora.patch(m)
+    yield m, ref
+    fastlora.unpatch(m)
+
+
+class StepSpy:
+    """Records the segments (per-sequence token counts) of every LoRA batch the backend is asked
+    for, and counts layer calls that went to PEFT's per-token path."""
+
+    def __init__(self, model, monkeypatch):
+        self.segments, self.peft_calls = [], 0
+        backend = get_state(model).backend
+        prepare = backend.prepare_lora_batch
+
+        def spy_prepare(fb, *args, **kwargs):
+            self.segments.append(list(fb.seq_lens))
+            return prepare(fb, *args, **kwargs)
+
+        monkeypatch.setattr(backend, "prepare_lora_batch", spy_prepare)
+        peft_forward = Site.peft_forward
+
+        def spy_peft(state, original, x, args, kwargs):
+            if state.token_segments is not None:
+                self.peft_calls += 1
+            return peft_forward(state, original, x, args, kwargs)
+
+        monkeypatch.setattr(Site, "peft_forward", staticmethod(spy_peft))
+
+    def mixed_forwards(self) -> int:
+        """Forwards that held a decode token and a prefill chunk of different sequences."""
+        return sum(1 for lens in self.segments if 1 in lens and any(n > 1 for n in lens))
+
+
+def _check(ref, prompts, names, outputs, new):
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        assert outputs[i] == peft_alone(ref, prompt, name, new), (i, name, len(prompt))
+
+
+def test_generate_batch_matches_peft_per_request(pair, monkeypatch):
+    m, ref = pair
+    spy = StepSpy(m, monkeypatch)
+    prompts = random_prompts([3, 17, 9, 40, 1, 25, 33, 6], seed=1)
+    names = ["a0", "a1", "__base__", "a2", "a1", "a0", "a2", "__base__"]
+    # 16 tokens per forward: long prompts are cut in chunks that share forwards with decode tokens
+    out = m.generate_batch(prompts, generation_config=greedy_config(8),
+                           continuous_batching_config=cb_config(max_batch_tokens=16), adapter_names=names)
+    assert list(out) == [f"req_{i}" for i in range(len(prompts))]
+    _check(ref, prompts, names, [out[f"req_{i}"].generated_tokens for i in range(len(prompts))], 8)
+    assert spy.mixed_forwards() > 0, spy.segments
+    assert spy.peft_calls == 0
+
+
+def test_manager_requests_arriving_while_others_decode(pair, monkeypatch):
+    m, ref = pair
+    spy = StepSpy(m, monkeypatch)
+    manager = m.init_continuous_batching(generation_config=greedy_config(20), continuous_batching_config=cb_config())
+    manager.start()
+    try:
+        first = manager.add_request(random_prompts([12], seed=2)[0], adapter_name="a2", streaming=True)
+        partial = manager.get_result(request_id=first, timeout=30)
+        assert partial is not None and not partial.is_finished()  # it is decoding now
+        later = random_prompts([5, 30, 2], seed=3)
+        later_names = ["a0", "__base__", "a1"]
+        ids = [manager.add_request(p, adapter_name=n, max_new_tokens=10) for p, n in zip(later, later_names)]
+        results = _collect(manager, [first] + ids)
+    finally:
+        manager.stop(block=True)
+    assert results[first] == peft_alone(ref, random_prompts([12], seed=2)[0], "a2", 20)
+    _check(ref, later, later_names, [results[i] for i in ids], 10)
+    assert spy.mixed_forwards() > 0, spy.segments
+    assert len(manager.fastlora_adapters) == 0  # nothing kept once the manager stopped
+
+
+def _collect(manager, ids, timeout=60.0):
+    finished, deadline = {}, time.monotonic() + timeout
+    while len(finished) < len(ids):
+        assert time.monotonic() < deadline, f"timed out; finished: {sorted(finished)}"
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            assert result.error is None, result.error
+            finished[result.request_id] = list(result.generated_tokens)
+    return finished
+
+
+def test_add_requests_with_adapter_names_and_default_adapter(pair):
+    m, ref = pair
+    m.set_adapter("a1")
+    prompts = random_prompts([4, 11, 7], seed=4)
+    manager = m.init_continuous_batching(generation_config=greedy_config(6), continuous_batching_config=cb_config())
+    manager.start()
+    try:
+        ids = manager.add_requests(prompts[:2], adapter_names=["a2", "__base__"])
+        ids.append(manager.add_request(prompts[2]))  # no adapter named: the active one, as in PEFT
+        results = _collect(manager, ids)
+    finally:
+        manager.stop(block=True)
+    _check(ref, prompts, ["a2", "__base__", "a1"], [results[i] for i in ids], 6)
+
+
+def test_a_layer_left_to_peft_gets_each_tokens_adapter(pair, monkeypatch):
+    """A site that cannot take fastlora's path runs PEFT's per-row path with one row per token,
+    never the active adapter for every request."""
+    m, ref = pair
+    spy = StepSpy(m, monkeypatch)
+    state = get_state(m)
+    blocked = state.sites[len(state.sites) // 2]
+    original = Site._blocked
+    monkeypatch.setattr(Site, "_blocked", lambda self, st, x: self is blocked or original(self, st, x))
+    prompts = random_prompts([6, 19, 3], seed=5)
+    names = ["a1", "a0", "a2"]
+    out = m.generate_batch(prompts, generation_config=greedy_config(5),
+                           continuous_batching_config=cb_config(max_batch_tokens=16), adapter_names=names)
+    _check(ref, prompts, names, [out[f"req_{i}"].generated_tokens for i in range(3)], 5)
+    assert spy.peft_calls > 0
+
+
+@pytest.mark.parametrize("case, exc, match", [
+    ("unknown", ValueError, "non-existing adapter.*nope"),
+    ("length", ValueError, "Length of `adapter_names`"),
+    ("type", TypeError, "adapter names must be strings"),
+])
+def test_generate_batch_bad_adapter_names(pair, case, exc, match):
+    m, _ = pair
+    prompts = random_prompts([3, 4], seed=6)
+    names = {"unknown": ["a0", "nope"], "length": ["a0"], "type": ["a0", 3]}[case]
+    with pytest.raises(exc, match=match):
+        m.generate_batch(prompts, generation_config=greedy_config(2), continuous_batching_config=cb_config(),
+                         adapter_names=names)
+
+
+def test_bad_request_is_refused_and_others_run(pair):
+    m, ref = pair
+    prompts = random_prompts([5, 8], seed=7)
+    manager = m.init_continuous_batching(generation_config=greedy_config(4), continuous_batching_config=cb_config())
+    manager.start()
+    try:
+        good = manager.add_request(prompts[0], adapter_name="a0")
+        with pytest.raises(ValueError, match="non-existing adapter.*missing"):
+            manager.add_request(prompts[1], adapter_name="missing")
+        late = manager.add_request(prompts[1], adapter_name="a1")
+        results = _collect(manager, [good, late])
+    finally:
+        manager.stop(block=True)
+    _check(ref, prompts, ["a0", "a1"], [results[good], results[late]], 4)
+
+
+def test_finished_requests_are_forgotten(pair):
+    m, _ = pair
+    manager = m.init_continuous_batching(generation_config=greedy_config(3), continuous_batching_config=cb_config())
+    manager.start()
+    try:
+        ids = manager.add_requests(random_prompts([4] * 6, seed=8), adapter_names=["a0", "a1", "a2"] * 2)
+        _collect(manager, ids)
+        cancelled = manager.add_request(random_prompts([9], seed=9)[0], adapter_name="a2", max_new_tokens=200)
+        manager.cancel_request(cancelled)
+        last = manager.add_request(random_prompts([4], seed=10)[0], adapter_name="a1")
+        _collect(manager, [last])
+        # the map holds at most the last step's requests (pruned when the next step starts)
+        assert len(manager.fastlora_adapters) <= 1, manager.fastlora_adapters._names
+    finally:
+        manager.stop(block=True)
+    assert len(manager.fastlora_adapters) == 0
+
+
+def test_unpatch_restores_transformers_continuous_batching(pair):
+    m, _ = pair
+    inner = get_state(m).inner
+    assert "generate_batch" in inner.__dict__
+    assert get_state(m).report.continuous_batching == "on"
+    fastlora.unpatch(m)
+    assert "generate_batch" not in inner.__dict__ and "init_continuous_batching" not in inner.__dict__
+    fastlora.patch(m)  # the fixture unpatches
+
+
+def test_config_changes_are_logged_once(pair, caplog):
+    m, _ = pair
+    cfg = cb_config(allow_block_sharing=True)
+    with caplog.at_level("WARNING", logger="peft_fastlora"):
+        for _ in range(2):
+            m.generate_batch(random_prompts([3], seed=11), generation_config=greedy_config(1),
+                             continuous_batching_config=cfg, adapter_names=["a0"])
+    notes = [r.getMessage() for r in caplog.records if "allow_block_sharing=False" in r.getMessage()]
+    assert len(notes) == 1, notes
+    assert cfg.allow_block_sharing is True  # the caller's config is not changed
