@@ -59,6 +59,23 @@ def test_serves_in_order_and_equals_peft(adapters_dir, tmp_path):
     assert len({r["completion"] for r in fast}) > 1  # adapters change what comes out
 
 
+def test_continuous_mode_gives_the_same_answers_with_latencies(adapters_dir, tmp_path):
+    rows = [("upper", "abc="), ("reverse", "hello there="), ("__base__", "xyz"), ("reverse", "ab="),
+            ("upper", "a much longer prompt than the others=")]
+    _requests(tmp_path / "req.jsonl", rows)
+    common = ["--tiny", "--adapters", str(adapters_dir), "--requests", str(tmp_path / "req.jsonl"),
+              "--max-new-tokens", "6", "--device", "cpu"]
+    assert serve.main(common + ["--out", str(tmp_path / "static.jsonl"), "--batch-size", "2"]) == 0
+    assert serve.main(common + ["--out", str(tmp_path / "cont.jsonl"), "--continuous",
+                                "--max-batch-tokens", "16"]) == 0
+    static = [json.loads(line) for line in open(tmp_path / "static.jsonl")]
+    cont = [json.loads(line) for line in open(tmp_path / "cont.jsonl")]
+    assert [r["completion"] for r in cont] == [r["completion"] for r in static]
+    assert all(r["latency_s"] > 0 for r in cont)
+    with pytest.raises(SystemExit, match="--continuous needs fastlora"):
+        serve.main(common + ["--out", str(tmp_path / "x.jsonl"), "--continuous", "--no-fastlora"])
+
+
 def test_unknown_adapter_is_named_before_any_work(adapters_dir, tmp_path):
     _requests(tmp_path / "req.jsonl", [("upper", "a"), ("sql", "b")])
     with pytest.raises(ValueError, match="unknown adapter.*sql"):
