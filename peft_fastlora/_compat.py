@@ -520,3 +520,14 @@ def cb_new_request_id(manager) -> str:
         request_id = f"req_{manager._request_counter}"
         manager._request_counter += 1
     return request_id
+
+
+def cb_drop_result_handler(manager, request_id: str) -> None:
+    """Forget a result handler registered with ``register_result_handler`` for a request that will
+    deliver nothing more (cancelled, or never added): the manager drops one only on a finished
+    output, so a cancelled request's would stay forever."""
+    router = getattr(manager, "output_router", None)
+    handlers, lock = getattr(router, "result_handlers", None), getattr(router, "_lock", None)
+    if isinstance(handlers, dict) and lock is not None:
+        with lock:
+            handlers.pop(request_id, None)
