@@ -214,3 +214,49 @@ def test_config_changes_are_logged_once(pair, caplog):
     notes = [r.getMessage() for r in caplog.records if "allow_block_sharing=False" in r.getMessage()]
     assert len(notes) == 1, notes
     assert cfg.allow_block_sharing is True  # the caller's config is not changed
+
+
+def test_random_traffic_like_a_server(pair):
+    """Requests of random lengths and adapters arrive in random bursts while others decode; some
+    stream, some are cancelled mid-way, some name a bad adapter. Every request that finishes
+    equals PEFT alone; the adapter map is empty at the end."""
+    import random
+
+    m, ref = pair
+    rng = random.Random(12)
+    names = ["a0", "a1", "a2", "__base__"]
+    manager = m.init_continuous_batching(generation_config=greedy_config(12),
+                                         continuous_batching_config=cb_config(max_batch_tokens=24, num_blocks=96))
+    manager.start()
+    expected, cancelled, refused = {}, set(), 0
+    try:
+        for burst in range(8):
+            for _ in range(rng.randint(1, 5)):
+                prompt = random_prompts([rng.randint(1, 40)], seed=rng.randint(0, 10**6))[0]
+                if rng.random() < 0.1:
+                    with pytest.raises(ValueError, match="non-existing adapter"):
+                        manager.add_request(prompt, adapter_name=f"typo{burst}")
+                    refused += 1
+                    continue
+                name, new = rng.choice(names), rng.randint(1, 12)
+                rid = manager.add_request(prompt, adapter_name=name, max_new_tokens=new,
+                                          streaming=rng.random() < 0.3)
+                expected[rid] = (prompt, name, new)
+                if rng.random() < 0.15:
+                    manager.cancel_request(rid)
+                    cancelled.add(rid)
+            time.sleep(rng.random() * 0.05)  # let some steps run before the next burst
+        finished, deadline = {}, time.monotonic() + 120
+        while len(finished) + len(cancelled - set(finished)) < len(expected):
+            assert time.monotonic() < deadline, f"timed out: {len(finished)} of {len(expected)} finished"
+            result = manager.get_result(timeout=0.5)
+            if result is not None and result.is_finished():
+                assert result.error is None, result.error
+                finished[result.request_id] = list(result.generated_tokens)
+    finally:
+        manager.stop(block=True)
+    assert refused > 0 and cancelled and len(finished) >= len(expected) - len(cancelled)
+    for rid, tokens in finished.items():
+        prompt, name, new = expected[rid]
+        assert tokens == peft_alone(ref, prompt, name, new), (rid, name, len(prompt))
+    assert len(manager.fastlora_adapters) == 0
