@@ -53,7 +53,9 @@ class FastLoRAState:
         self.graph_runner = None
         self.graph_blocker: Optional[str] = None  # why decode graphs are off (None: on)
         self._graph_batch_info = None  # inside forward_context: the static batch info of the graph
-        self._in_call = False
+        # one call at a time: a continuous-batching step (engine thread) and a generate call
+        # (caller's thread) share the stacks and the batch-info buffers, so they take turns
+        self._call_lock = threading.RLock()
         self._refresh_pending = False
         self._warned: set = set()
         self._refresher: Optional[ValueRefresher] = None
@@ -99,18 +101,24 @@ class FastLoRAState:
 
     @contextlib.contextmanager
     def call(self, adapter_names: Optional[Sequence[str]]):
-        """One ``generate`` call: PEFT's adapters are checked and the values of the ones the call
-        uses copied into the stacks once, here; the forwards inside skip both."""
+        """One ``generate`` call (or one continuous-batching step): PEFT's adapters are checked and
+        the values of the ones the call uses copied into the stacks once, here; the forwards inside
+        skip both. Calls from different threads run one after the other."""
         if self._in_call:
             yield
             return
-        self.sync()
-        self.refresh_values(adapter_names)
-        self._in_call = True
-        try:
-            yield
-        finally:
-            self._in_call = False
+        with self._call_lock:
+            self.sync()
+            self.refresh_values(adapter_names)
+            self._local.in_call = True
+            try:
+                yield
+            finally:
+                self._local.in_call = False
+
+    @property
+    def _in_call(self) -> bool:
+        return getattr(self._local, "in_call", False)
 
     @property
     def token_segments(self) -> Optional[TokenSegments]:

@@ -260,3 +260,40 @@ def test_random_traffic_like_a_server(pair):
         prompt, name, new = expected[rid]
         assert tokens == peft_alone(ref, prompt, name, new), (rid, name, len(prompt))
     assert len(manager.fastlora_adapters) == 0
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_generate_while_a_manager_serves(pair, attention):
+    """A ``generate`` call in the caller's thread while the engine's thread steps. They share the
+    stacks and batch buffers, so they take turns, and both give PEFT's tokens; unless the engine
+    has put a paged attention implementation on the model (eager models; every model on
+    transformers < 5.24), which gives a plain forward wrong results: then generate is refused."""
+    m, ref = pair
+    for model in (m, ref):
+        model.base_model.model.set_attn_implementation(attention)
+    inner = get_state(m).inner
+    prompts = random_prompts([7, 20, 3, 12], seed=13)
+    names = ["a1", "a2", "a0", "__base__"]
+    batch = {"input_ids": torch.tensor([prompts[1][:10], prompts[3][:10]])}
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
+    kw = dict(adapter_names=["a0", "a2"], max_new_tokens=15, do_sample=False, pad_token_id=0, eos_token_id=None)
+    manager = m.init_continuous_batching(generation_config=greedy_config(30), continuous_batching_config=cb_config())
+    manager.start()
+    try:
+        ids = manager.add_requests(prompts, adapter_names=names)
+        paged = inner.config._attn_implementation != attention
+        with torch.no_grad():
+            if paged:
+                with pytest.raises(RuntimeError, match="paged.*stop the manager first"):
+                    m.generate(**batch, **kw)
+            else:
+                got = [m.generate(**batch, **kw) for _ in range(3)]  # while the manager decodes
+                want = ref.generate(**batch, **kw)
+                for g in got:
+                    assert torch.equal(g, want)
+        results = _collect(manager, ids)
+    finally:
+        manager.stop(block=True)
+    _check(ref, prompts, names, [results[i] for i in ids], 30)
+    with torch.no_grad():  # the manager stopped: generate is back
+        assert torch.equal(m.generate(**batch, **kw), ref.generate(**batch, **kw))

@@ -92,6 +92,7 @@ class ContinuousBatchingHook:
         self._local = threading.local()  # adapter names a generate_batch call hands its requests
         self._running = 0  # managers started and not stopped
         self._attention_suspended = False
+        self._plain_attention: Optional[str] = None  # the model's own, while managers run
         self._lock = threading.Lock()
         if self.blocker is None:
             self._install()
@@ -225,10 +226,26 @@ class ContinuousBatchingHook:
             if decode_attention_enabled(self.inner):
                 disable_decode_attention(self.inner)
                 self._attention_suspended = True
+            if self._plain_attention is None:
+                self._plain_attention = _compat.attn_implementation(self.inner)
+
+    def check_plain_call(self) -> None:
+        """Raise when a manager runs with a paged attention implementation set on the model: a
+        plain ``generate`` would run it too, and transformers' paged implementations give a plain
+        forward wrong results (switching back and forth breaks the engine's requests instead)."""
+        plain, current = self._plain_attention, _compat.attn_implementation(self.inner)
+        if plain is not None and current != plain:
+            raise RuntimeError(
+                f"fastlora: a continuous-batching manager of this model is running with transformers' "
+                f"{current!r} attention, which gives a plain generate wrong results; stop the manager "
+                f"first, or send this work through it (with 'sdpa' on transformers >= 5.24 the engine "
+                f"keeps the model's attention and both can run)")
 
     def _resume_attention(self, force: bool = False):
         with self._lock:
             self._running = 0 if force else max(0, self._running - 1)
+            if self._running == 0:
+                self._plain_attention = None
             if self._running == 0 and self._attention_suspended:
                 self._attention_suspended = False
                 if self.active and not force:

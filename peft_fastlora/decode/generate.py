@@ -82,6 +82,8 @@ def armed(inner, runner: DecodeGraphRunner, adapter_names):
 
 def run_generate(state, generate, args, kwargs, min_cache_len: int = 0):
     """One call of the patched ``generate`` (``generate``: the original bound method)."""
+    if state.continuous is not None:
+        state.continuous.check_plain_call()
     with state.call(kwargs.get("adapter_names")):
         runner = state.graph_runner
         if runner is None:
