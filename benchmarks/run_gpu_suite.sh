@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device machine: GPU tests, soak, kernel
 # benchmark, end-to-end benchmark. Results land in $OUT (and are committed under
-# benchmarks/results/). Parts: all (default) or any of tests soak kernels generate profile attention.
+# benchmarks/results/). Parts: all (default) or any of tests soak kernels generate profile attention
+# continuous.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
@@ -34,4 +35,8 @@ if want profile; then
 fi
 if want attention; then
   timeout 200 python3 benchmarks/bench_attention.py --out "$OUT/attention_h200.csv" 2>&1 | tee "$OUT/bench_attention.log" | tail -30
+fi
+if want continuous; then
+  timeout 560 python3 benchmarks/bench_continuous.py --model ${CB_MODEL:-8b} --requests ${CB_REQUESTS:-2000} \
+    --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_continuous.log" | tail -8
 fi

@@ -1,0 +1,192 @@
+"""Continuous batching with one adapter per request: throughput and latency on a server-like load.
+
+    python benchmarks/bench_continuous.py --model 8b --adapters 32 --requests 2000 --out benchmarks/results
+    python benchmarks/bench_continuous.py --smoke      # CPU: checks the script, measures nothing
+
+Requests have log-normal prompt and output lengths (means ``--prompt-mean`` / ``--output-mean``,
+outputs capped at ``--output-cap``) and adapters drawn from a Zipf distribution over the adapters
+(random weights never emit EOS: every request produces exactly its output length). All are queued
+at once (offline throughput). Modes, each on the same requests:
+
+- ``fastlora``: the patched PeftModel through transformers' continuous batching, one adapter per
+  request (``add_request(..., adapter_name=...)``);
+- ``base``: the base model alone through the same engine (what the adapters cost);
+- ``static``: the patched model through ``generate`` in static batches of ``--static-batch`` rows
+  (left-padded; every row waits for the longest).
+
+Per mode: output tokens/s (the tokens the requests asked for; a static batch computes more),
+request latency p50/p99 (queued to last token), time to first token
+p50/p99 (from the engine's timestamps). One CSV row per mode, with the GPU and package versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_generate as bg  # noqa: E402  (model shapes, builders, versions)
+
+
+def workload(args):
+    rng = random.Random(args.seed)
+    sigma = 0.8  # log-normal spread; mu chosen so the mean is what was asked
+
+    def lognormal(mean, cap):
+        return max(1, min(cap, int(rng.lognormvariate(math.log(mean) - sigma ** 2 / 2, sigma))))
+
+    weights = [1 / (k + 1) ** args.zipf for k in range(args.adapters)]
+    names = [f"a{i}" for i in range(args.adapters)]
+    vocab = bg.SHAPES[args.model]["vocab_size"]
+    reqs = []
+    for _ in range(args.requests):
+        prompt = [rng.randrange(3, vocab) for _ in range(lognormal(args.prompt_mean, args.prompt_cap))]
+        reqs.append((prompt, rng.choices(names, weights)[0], lognormal(args.output_mean, args.output_cap)))
+    return reqs
+
+
+def engine_config(args):
+    from transformers import ContinuousBatchingConfig
+
+    kw = dict(max_batch_tokens=args.max_batch_tokens)
+    if args.cache_tokens:
+        kw["num_blocks"] = max(1, args.cache_tokens // 256)
+    return ContinuousBatchingConfig(**kw)
+
+
+def run_engine(model, reqs, args, with_adapters: bool):
+    """(seconds, [latency], [time to first token]) for every request through one manager."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.output_cap)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=engine_config(args))
+    manager.start()
+    queued, latency, ttft = {}, [], []
+    try:
+        t0 = time.perf_counter()
+        for i, (prompt, name, new) in enumerate(reqs):
+            kw = dict(adapter_name=name) if with_adapters else {}
+            rid = manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=new, record_timestamps=True, **kw)
+            queued[rid] = time.perf_counter()
+        done = 0
+        while done < len(reqs):
+            r = manager.get_result(timeout=5)
+            if r is None:
+                if not manager.is_running():
+                    raise RuntimeError("the engine stopped")
+                continue
+            if not r.is_finished():
+                continue
+            if r.error is not None:
+                raise RuntimeError(f"{r.request_id}: {r.error}")
+            now = time.perf_counter()
+            latency.append(now - queued[r.request_id])
+            stamps = getattr(r, "timestamps", None) or []
+            if stamps:
+                ttft.append(stamps[0] - r.created_time)
+            done += 1
+        seconds = time.perf_counter() - t0
+    finally:
+        manager.stop(block=True)
+    return seconds, latency, ttft
+
+
+def run_static(model, reqs, args):
+    seconds, latency = 0.0, []
+    order = list(range(len(reqs)))
+    t0 = time.perf_counter()
+    for lo in range(0, len(order), args.static_batch):
+        group = [reqs[i] for i in order[lo:lo + args.static_batch]]
+        width = max(len(p) for p, _, _ in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, (p, _, _) in enumerate(group):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        with torch.no_grad():
+            model.generate(input_ids=ids.to(bg.DEVICE), attention_mask=mask.to(bg.DEVICE),
+                           adapter_names=[n for _, n, _ in group], max_new_tokens=max(k for _, _, k in group),
+                           do_sample=False, pad_token_id=0)
+        bg.sync()
+        latency += [time.perf_counter() - t0] * len(group)  # all were queued at t0
+    seconds = time.perf_counter() - t0
+    return seconds, latency, []
+
+
+def pct(values, q):
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="8b", choices=sorted(bg.SHAPES))
+    p.add_argument("--adapters", type=int, default=32)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--prompt-mean", type=float, default=300)
+    p.add_argument("--prompt-cap", type=int, default=4000)
+    p.add_argument("--output-mean", type=float, default=200)
+    p.add_argument("--output-cap", type=int, default=1000)
+    p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--cache-tokens", type=int, default=0, help="0: the engine sizes its cache from free memory")
+    p.add_argument("--static-batch", type=int, default=64)
+    p.add_argument("--modes", nargs="+", default=["fastlora", "base", "static"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="folder for continuous_<gpu>.csv")
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few requests")
+    args = p.parse_args(argv)
+    if args.smoke:
+        bg.DEVICE = "cpu"
+        args.model, args.adapters, args.requests = "tiny", 4, 12
+        args.prompt_mean, args.output_mean, args.output_cap, args.prompt_cap = 20, 6, 12, 60
+        args.max_batch_tokens, args.cache_tokens, args.static_batch = 64, 4096, 4
+    import peft_fastlora as fastlora
+
+    reqs = workload(args)
+    out_tokens = sum(n for _, _, n in reqs)
+    base = bg.build_base(args.model)
+    rows = []
+    if "base" in args.modes:
+        rows.append(("base", *run_engine(base, reqs, args, with_adapters=False)))
+    model = bg.add_adapters(base, args.adapters, args.rank)
+    print(fastlora.patch(model), file=sys.stderr)
+    if "fastlora" in args.modes:
+        rows.append(("fastlora", *run_engine(model, reqs, args, with_adapters=True)))
+    if "static" in args.modes:
+        rows.append(("static", *run_static(model, reqs, args)))
+    info = bg.versions()
+    table = []
+    for mode, seconds, latency, ttft in rows:
+        table.append(dict(mode=mode, model=args.model, adapters=args.adapters, rank=args.rank, requests=len(reqs),
+                          output_tokens=out_tokens, seconds=round(seconds, 3),
+                          tokens_per_s=round(out_tokens / seconds, 1),
+                          latency_p50_s=round(pct(latency, 0.5), 3), latency_p99_s=round(pct(latency, 0.99), 3),
+                          ttft_p50_s=round(pct(ttft, 0.5), 3), ttft_p99_s=round(pct(ttft, 0.99), 3),
+                          mean_prompt=round(statistics.mean(len(q) for q, _, _ in reqs), 1),
+                          **info))
+        print(table[-1], file=sys.stderr)
+    if args.out and not args.smoke:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"continuous_{info['gpu'].split()[-1].lower()}.csv")
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(table[0]))
+            w.writeheader()
+            w.writerows(table)
+        print(f"written {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
