@@ -33,11 +33,69 @@ _LORA_ATTRS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "scal
 
 # ---- PEFT: LoRA layers ---------------------------------------------------------------------------
 def lora_layer_blocker(layer: nn.Module) -> Optional[str]:
-    """Why fastlora cannot read this LoRA layer (None: it can): the attributes it reads."""
+    """Why fastlora cannot read this LoRA layer (None: it can): the attributes it reads, and
+    tensor-parallel weights."""
     missing = [a for a in _LORA_ATTRS if not hasattr(layer, a)]
     if missing:
         return (f"PEFT {PEFT_VERSION}'s {type(layer).__name__} has no {', '.join(missing)}: "
                 "fastlora cannot read its adapters")
+    if any(is_dtensor(p) for p in layer.parameters()) and tp_style(layer) is None:
+        plan = getattr(base_layer_of(layer), "_hf_tp_plan", None)
+        return f"{TP_REASON} (plan {plan!r} on a {type(layer).__name__})"
+    return None
+
+
+# ---- torch / transformers: tensor parallelism -----------------------------------------------------
+# transformers' TP shards a layer's weight as a DTensor and replaces the layer's forward (its
+# collectives inside); PEFT shards each adapter the way its base layer is sharded. fastlora serves
+# LoRA Linears over "colwise" and "rowwise" layers from each rank's shards; other plans, decode
+# graphs and the base-model kernels stay on PEFT's and transformers' own paths (the report says).
+TP_REASON = "tensor parallel: not yet on fastlora's path"  # graphs, base-model kernels, other plans
+
+
+def is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed tensors
+        return False
+    return isinstance(t, DTensor)
+
+
+_TP_SHARD_DIM = {"colwise": 0, "rowwise": 1}  # which dim of the base weight each plan splits
+
+
+def tp_style(layer: nn.Module) -> Optional[str]:
+    """"colwise" or "rowwise" for a LoRA Linear whose base layer transformers' TP shards that way
+    and whose adapters PEFT sharded to match (A whole and B by rows, or A by columns and B whole);
+    None otherwise (not sharded, or a plan fastlora does not serve)."""
+    base = base_layer_of(layer)
+    plan = getattr(base, "_hf_tp_plan", None)
+    if type(layer) is not LoraLinear or type(base) is not nn.Linear or plan not in _TP_SHARD_DIM:
+        return None
+    if not is_dtensor(base.weight) or [getattr(p, "dim", None) for p in base.weight.placements] != [_TP_SHARD_DIM[plan]]:
+        return None
+    sharded = "lora_B" if plan == "colwise" else "lora_A"
+    for name in layer.lora_A.keys():
+        for which in ("lora_A", "lora_B"):
+            if is_dtensor(getattr(layer, which)[name].weight) != (which == sharded):
+                return None
+    return plan
+
+
+def tp_group(layer: nn.Module):
+    """The process group of a tensor-parallel layer's shards."""
+    return base_layer_of(layer).weight.device_mesh.get_group()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def tensor_parallel_reason(model: nn.Module) -> Optional[str]:
+    """TP_REASON when the model is sharded by transformers' tensor parallelism, else None."""
+    if getattr(model, "_device_mesh", None) is not None or any(is_dtensor(p) for p in model.parameters()):
+        return TP_REASON
     return None
 
 
@@ -70,8 +128,10 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def linear_in_out(base: nn.Module) -> Tuple[int, int]:
+    """(in, out) of this rank's weight (a tensor-parallel layer's shard)."""
     if isinstance(base, nn.Linear):
-        return base.in_features, base.out_features
+        out_features, in_features = local(base.weight).shape
+        return in_features, out_features
     if is_conv1d(base):  # GPT-2: weight is (in, out)
         return base.weight.shape[0], base.weight.shape[1]
     raise TypeError(f"not a linear layer: {type(base).__name__}")
@@ -99,7 +159,7 @@ def lora_weights(layer: nn.Module) -> Dict[str, Tuple[torch.Tensor, torch.Tensor
     for name in layer.lora_A.keys():
         if name not in layer.lora_B:
             continue
-        out[name] = (layer.lora_A[name].weight, layer.lora_B[name].weight, float(layer.scaling[name]))
+        out[name] = (local(layer.lora_A[name].weight), local(layer.lora_B[name].weight), float(layer.scaling[name]))
     return out
 
 
@@ -158,7 +218,7 @@ def watch_lora_layer(layer: nn.Module):
         a, b = ma._parameters.get("weight"), mb._parameters.get("weight")
         if a is None or b is None:
             return None
-        weights.append((name, ma, a, a.data_ptr(), mb, b, b.data_ptr()))
+        weights.append((name, ma, a, local(a).data_ptr(), mb, b, local(b).data_ptr()))
     return (mods_a, tuple(mods_a), mods_b, tuple(mods_b), scaling, dict(scaling), weights)
 
 
@@ -173,7 +233,7 @@ def lora_layer_unchanged(watch) -> bool:
             return False
         if ma._parameters.get("weight") is not a or mb._parameters.get("weight") is not b:
             return False
-        if a.data_ptr() != pa or b.data_ptr() != pb:
+        if local(a).data_ptr() != pa or local(b).data_ptr() != pb:
             return False
     return True
 

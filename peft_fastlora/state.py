@@ -161,6 +161,8 @@ class FastLoRAState:
         report.fused_mlps = ops.count("fuse_silu_mul")
         if self.continuous is not None:
             why = self.continuous.blocker
+            if why is None and report.left_on_peft:  # PEFT would apply the active adapter to all
+                why = f"{len(report.left_on_peft)} LoRA layers on PEFT's path"
             report.continuous_batching = "on" if why is None else f"off ({why})"
         report.base_ops_skipped = list(ops.skipped)
         report.base_ops_off = dict(ops.off)
@@ -221,7 +223,7 @@ class FastLoRAState:
                 report.left_on_peft.append((name, blocker))
             elif type(m) is LoraLinear and (isinstance(base, nn.Linear) or is_conv1d(base)):
                 i, o = linear_in_out(base)
-                self.sites.append(LinearSite(name, [m], SitePool([m], [o], i)))
+                self.sites.append(LinearSite(name, [m], SitePool([m], [o], i), tp=_compat.tp_style(m)))
             elif type(m) is LoraEmbedding and isinstance(base, nn.Embedding):
                 self.sites.append(EmbeddingSite(name, [m], SitePool([m], [base.embedding_dim],
                                                                      base.num_embeddings, embedding=True)))

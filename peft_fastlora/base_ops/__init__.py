@@ -14,6 +14,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
+from .. import _compat
 from .attention_registry import disable_decode_attention, enable_decode_attention
 from .install import remove_instance_forwards
 from .mlp_forwards import install_gated_mlps
@@ -48,6 +49,11 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
     """
     ops = BaseOps()
     on_cuda = device.type == "cuda"
+    blocker = _compat.tensor_parallel_reason(model)  # sharded heads and widths: not checked yet
+    if blocker is not None:
+        ops.decode_attention = f"off ({blocker})"
+        ops.off.update({o: blocker for o in ("fuse_norms", "fuse_rotary", "fuse_silu_mul")})
+        return ops
     if options.decode_attention is False:
         ops.decode_attention = "off (decode_attention=False)"
     elif options.decode_attention == "auto" and not on_cuda:

@@ -87,7 +87,8 @@ class ContinuousBatchingHook:
     def __init__(self, state):
         self.state = state
         self.inner = state.inner
-        self.blocker = _compat.continuous_batching_blocker(self.inner)
+        # under TP only the driver rank sees add_request: the other ranks would not know the adapters
+        self.blocker = _compat.continuous_batching_blocker(self.inner) or _compat.tensor_parallel_reason(self.inner)
         self._saved: Dict[str, object] = {}
         self._local = threading.local()  # adapter names a generate_batch call hands its requests
         self._running = 0  # managers started and not stopped

@@ -30,6 +30,9 @@ def graphs_wanted(state) -> Optional[str]:
         return "the model is not on CUDA"
     if not hasattr(state.inner, "get_compiled_call") or not hasattr(state.inner, "config"):
         return "not a transformers generation model"
+    tp = _compat.tensor_parallel_reason(state.inner)
+    if tp is not None:
+        return tp
     if state.report.left_on_peft:
         return "some LoRA layers are left on PEFT's path"
     return _compat.static_cache_blocker(state.inner)

@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from .._compat import base_layer_of, has_forward_hooks, is_lora_layer
+from .._compat import TP_REASON, base_layer_of, has_forward_hooks, is_dtensor, is_lora_layer
 
 FUSIBLE_GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -99,6 +99,8 @@ def fusion_blocker(bases: List[nn.Module]) -> Optional[str]:
             return f"base layer is {type(b).__name__}, not nn.Linear (quantized or custom)"
         if has_forward_hooks(b):
             return "base layer has forward hooks (offloading or similar)"
+    if any(is_dtensor(b.weight) for b in bases):
+        return TP_REASON
     first = bases[0].weight
     for b in bases[1:]:
         if b.in_features != bases[0].in_features:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .._compat import (base_layer_of, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
-                      layer_is_merged)
+                      layer_is_merged, tp_group)
 from .fusion import FusedGroup
 from .pool import SitePool
 
@@ -137,9 +137,20 @@ def _as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class LinearSite(Site):
-    """One PEFT LoRA ``Linear`` (base ``nn.Linear`` or GPT-2 ``Conv1D``)."""
+    """One PEFT LoRA ``Linear`` (base ``nn.Linear`` or GPT-2 ``Conv1D``).
+
+    Under transformers' tensor parallelism (``tp``: "colwise" or "rowwise"), the pool holds this
+    rank's shards. Colwise: the base layer returns this rank's output columns, and B's rows
+    match them. Rowwise: the base layer returns the all-reduced output; the shrink over this
+    rank's input columns is a partial sum, all-reduced (rank-sized) before the expand.
+    """
 
     kind = "linear"
+
+    def __init__(self, name, members, pool, tp: Optional[str] = None):
+        super().__init__(name, members, pool)
+        self.tp = tp
+        self.tp_group = tp_group(members[0]) if tp == "rowwise" else None
 
     def member_forward(self, state, i, original, x, args, kwargs):
         bi = self.fast_path_info(state, x, args, kwargs)
@@ -149,9 +160,15 @@ class LinearSite(Site):
         result = base_layer_of(layer)(x)
         pool = state.pool_for(self, x.dtype)
         out = result.reshape(-1, result.shape[-1])
-        out = state.backend.run_lora(_as_rows(x, x.shape[-1]).contiguous(), pool.lora_a, pool.lora_b,
-                                     base_output=out, layer_ranks=pool.ranks,
-                                     layer_scalings=pool.scalings, batch_info=bi)
+        x2 = _as_rows(x, x.shape[-1]).contiguous()
+        if self.tp == "rowwise":
+            shrunk = state.backend.run_lora_a_sgemm(x2, pool.lora_a, layer_ranks=pool.ranks, batch_info=bi)
+            torch.distributed.all_reduce(shrunk, group=self.tp_group)
+            out = state.backend.run_lora_b_sgemm(shrunk, pool.lora_b, base_output=out, layer_ranks=pool.ranks,
+                                                 layer_scalings=pool.scalings, batch_info=bi)
+        else:
+            out = state.backend.run_lora(x2, pool.lora_a, pool.lora_b, base_output=out, layer_ranks=pool.ranks,
+                                         layer_scalings=pool.scalings, batch_info=bi)
         return out.view(result.shape)
 
 
