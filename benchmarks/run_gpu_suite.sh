@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one call of the device machine: GPU tests, soak, kernel
 # benchmark, end-to-end benchmark. Results land in $OUT (and are committed under
 # benchmarks/results/). Parts: all (default) or any of tests soak kernels generate profile attention
-# continuous.
+# continuous prefill.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
@@ -39,4 +39,8 @@ fi
 if want continuous; then
   timeout 560 python3 benchmarks/bench_continuous.py --model ${CB_MODEL:-8b} --requests ${CB_REQUESTS:-2000} \
     --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_continuous.log" | tail -8
+fi
+if want prefill; then
+  timeout 300 python3 benchmarks/bench_prefill.py --model ${PREFILL_MODEL:-8b} --out "$OUT" 2>&1 | grep -v -i warn \
+    | tee "$OUT/bench_prefill.log" | tail -6
 fi

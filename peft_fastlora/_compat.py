@@ -322,16 +322,41 @@ def static_cache_layout(model: nn.Module) -> list:
     return [(kv_heads, head_dim, head_dim)] * cfg.num_hidden_layers
 
 
+def sliding_window(model: nn.Module) -> Optional[int]:
+    """The smallest attention window of the model's layers (None: every layer attends to all)."""
+    cfg = model.config.get_text_config(decoder=True)
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and not any("sliding" in str(t) or "chunk" in str(t) for t in types):
+        return None  # e.g. Qwen2 with use_sliding_window=False keeps a window it does not use
+    return int(window) if isinstance(window, int) and window > 0 else None
+
+
+def full_attention_config(model: nn.Module):
+    """The text config with every layer full-attention: what a static cache is built from. A call
+    whose sequence fits the window gives the same masks and attention with full layers (no token
+    ever leaves the window), so fastlora's graphs serve sliding-window models up to their window."""
+    import copy
+
+    cfg = copy.deepcopy(model.config.get_text_config(decoder=True))
+    if getattr(cfg, "sliding_window", None) is not None:
+        cfg.sliding_window = None
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = ["full_attention"] * len(cfg.layer_types)
+    return cfg
+
+
 def static_cache_blocker(model: nn.Module) -> Optional[str]:
     """Why decode graphs cannot run over a ``StaticCache`` of this model (None: they can).
 
-    Builds the cache object without allocating it (its layers allocate lazily) and checks that every
-    layer is a plain full-attention static layer that tracks its length on the device.
+    Builds the cache object (from ``full_attention_config``) without allocating it (its layers
+    allocate lazily) and checks that every layer is a plain full-attention static layer that
+    tracks its length on the device.
     """
     from transformers import StaticCache
 
     try:
-        cache = StaticCache(config=model.config, max_cache_len=8)
+        cache = StaticCache(config=full_attention_config(model), max_cache_len=8)
     except Exception as e:  # noqa: BLE001 - any failure means: no static cache for this model
         return f"transformers cannot build a StaticCache for it ({type(e).__name__}: {e})"
     if len(cache.layers) != len(static_cache_layout(model)):
@@ -363,7 +388,7 @@ def static_cache_over(model: nn.Module, max_cache_len: int, views) -> object:
     """
     from transformers import StaticCache
 
-    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    cache = StaticCache(config=full_attention_config(model), max_cache_len=max_cache_len)
     if len(cache.layers) != len(views):
         raise RuntimeError(f"fastlora: StaticCache has {len(cache.layers)} layers, expected {len(views)}")
     for layer, (k, v) in zip(cache.layers, views):

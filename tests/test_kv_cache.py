@@ -87,25 +87,37 @@ def test_static_cache_layers_match_transformers_update(monkeypatch):
     assert calls["kv_cache_write"] == 3  # every update took the kernel
 
 
-def test_sliding_window_models_decode_eagerly_with_the_reason():
-    """Gemma 2 alternates sliding and full layers: its static cache has sliding-window layers, which
-    fastlora's graph caches do not hold, so graphs are off (the report says why) and generate
-    equals PEFT's."""
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+@pytest.mark.parametrize("fits", [True, False])
+def test_sliding_window_models_use_graphs_within_their_window(arch, fits):
+    """Mistral (every layer sliding) and Gemma 2 (alternating sliding and full layers, soft-capped):
+    a call whose sequence fits the window decodes through the graphs over full-attention static
+    layers (no token leaves the window, so masks and attention are the same); a longer one decodes
+    eagerly with the reason logged. Tokens equal PEFT's either way."""
     import peft_fastlora as fastlora
 
     from _models import build_peft_lm, left_padded_batch
 
-    model = build_peft_lm("gemma2")
+    model = build_peft_lm(arch)
     model.generation_config.eos_token_id = None
+    window = 24  # the masks read the config's window
+    model.base_model.model.config.sliding_window = window
     batch = left_padded_batch([5, 9, 3, 7])
-    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, adapter_names=["a0", "__base__", "a1", "a2"])
+    new = window - 9 if fits else window
+    kw = dict(max_new_tokens=new, do_sample=False, pad_token_id=0, adapter_names=["a0", "__base__", "a1", "a2"])
     with torch.no_grad():
         ref = model.generate(**batch, **kw)
         report = fastlora.patch(model, cuda_graphs="emulate")
         out = model.generate(**batch, **kw)
+        stats = fastlora.get_state(model).graph_runner.stats
         fastlora.unpatch(model)
     assert torch.equal(out, ref)
-    assert report.cuda_graphs.startswith("off (its static cache has StaticSlidingWindowLayer layers")
+    assert report.cuda_graphs == "emulated", report.cuda_graphs
+    if fits:
+        assert stats["replays"] == new - 1 and stats["eager_steps"] == 0, stats
+    else:
+        assert stats["replays"] == 0, stats
+        assert any("past the model's 24-token sliding window" in r for r in stats["eager_reasons"]), stats
 
 
 @pytest.mark.parametrize("option,expect_kernel", [("auto", True), (False, False)])

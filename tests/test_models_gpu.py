@@ -55,8 +55,8 @@ def test_silu_mul_bf16_within_one_ulp(rows):
     assert (diff > 0).float().mean() < 0.01
 
 
-# Gemma 2: soft-capping keeps HF's attention, and its sliding-window cache layers keep the decode
-# steps eager (graphs off, the report says why); the rotary kernel still runs
+# Gemma 2: soft-capping keeps HF's attention; its 6-token sliding window is shorter than these calls,
+# so their decode steps are eager (graphs serve calls within the window); the rotary kernel still runs
 @pytest.mark.parametrize("arch,attention,graphs,norms", [("llama", "on", True, 5), ("qwen2", "on", True, 5),
                                                          ("gemma2", "off", False, 0)])
 def test_tiny_models_graphs_equal_peft(arch, attention, graphs, norms):
@@ -80,7 +80,7 @@ def test_tiny_models_graphs_equal_peft(arch, attention, graphs, norms):
     if graphs:
         assert stats["replays"] >= 40 and stats["eager_steps"] == 0, stats
     else:
-        assert stats is None and report.cuda_graphs.startswith("off (its static cache has StaticSlidingWindowLayer")
+        assert stats["replays"] == 0 and any("sliding window" in r for r in stats["eager_reasons"]), stats
     assert torch.equal(out, ref)
 
 

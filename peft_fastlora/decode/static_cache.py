@@ -65,6 +65,7 @@ class StaticCacheStore:
         self.kernel_writes = kernel_writes
         self.budget_bytes = budget_bytes
         self.layout = _compat.static_cache_layout(model)  # per layer: (kv heads, k dim, v dim)
+        self.window = _compat.sliding_window(model)  # longest call the graphs serve (None: any)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.capacity_tokens = 0  # rows x length the shared buffers hold
@@ -98,6 +99,10 @@ class StaticCacheStore:
     # -- the caches ---------------------------------------------------------------------------
     def cache_for(self, rows: int, needed_len: int, reset: bool = True):
         """A static cache holding ``rows`` rows of at least ``needed_len`` tokens (reset)."""
+        if self.window is not None and needed_len > self.window:
+            # full-attention layers equal sliding ones only while no token leaves the window
+            raise CacheUnavailable(f"the call needs {needed_len} tokens, past the model's "
+                                   f"{self.window}-token sliding window")
         entry = self._entries.get(rows)
         if entry is not None and entry.length >= needed_len:
             if reset:
