@@ -83,8 +83,23 @@ def tp_style(layer: nn.Module) -> Optional[str]:
 
 
 def tp_group(layer: nn.Module):
-    """The process group of a tensor-parallel layer's shards."""
-    return base_layer_of(layer).weight.device_mesh.get_group()
+    """The process group of a tensor-parallel layer's shards (transformers' choice of group)."""
+    mesh = base_layer_of(layer).weight.device_mesh
+    return mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp")
+
+
+def tp_rowwise_partial(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """This rank's partial sum of a rowwise layer's output: its input columns times its weight
+    shard, no bias (transformers' local inference path adds the bias once, after the reduce)."""
+    return torch.nn.functional.linear(x, local(base.weight))
+
+
+def tp_rowwise_finish(base: nn.Module, partial: torch.Tensor, group) -> torch.Tensor:
+    """The rowwise layer's output from the ranks' partial sums: transformers' local inference path
+    (all-reduce, then the replicated bias), the same on transformers 5.17 and 5.24."""
+    torch.distributed.all_reduce(partial, group=group)
+    bias = base._parameters.get("bias")
+    return partial if bias is None else partial + local(bias)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 A tiny Llama loaded with transformers' tensor parallelism, two LoRA adapters whose weights are
 those of an unsharded reference (sharded the way PEFT sharded them), then ``fastlora.patch``:
 every LoRA Linear runs on fastlora's path from this rank's shards (colwise: B's rows; rowwise: A's
-columns, the shrink all-reduced), graphs and base-model kernels stay off, and mixed batches and
-``generate`` give PEFT's results on the unsharded model.
+columns, the delta added to the base layer's partial sums before its one all-reduce), graphs and
+base-model kernels stay off, and mixed batches and ``generate`` give PEFT's results on the
+unsharded model.
 """
 
 import sys
@@ -63,9 +64,22 @@ def main(path):
     assert _compat.TP_REASON in report.decode_attention and report.continuous_batching.startswith("off"), report
     calls = []
     backend = state.backend
-    shrink = backend.run_lora_a_sgemm
-    backend.run_lora_a_sgemm = lambda *a, **k: (calls.append(1), shrink(*a, **k))[1]
+    run_lora = backend.run_lora
+    backend.run_lora = lambda *a, **k: (calls.append(1), run_lora(*a, **k))[1]
     ids = torch.tensor([[1, 5, 9, 33, 70, 101, 7, 3], [2, 44, 8, 90, 11, 12, 64, 100], [4, 4, 8, 9, 10, 11, 2, 3]])
+    # one all-reduce per rowwise layer, as without LoRA (the delta joins the base partial sums)
+    reduces, all_reduce = [], dist.all_reduce
+    dist.all_reduce = lambda *a, **k: (reduces.append(1), all_reduce(*a, **k))[1]
+    try:
+        with torch.no_grad():
+            tp(ids, adapter_names=["default", "other", "__base__"])
+            with_lora = len(reduces)
+            with tp.disable_adapter():
+                tp(ids)
+            without = len(reduces) - with_lora
+    finally:
+        dist.all_reduce = all_reduce
+    assert with_lora == without > 0, (with_lora, without)
     for names in (["default", "other", "__base__"], ["other", "other", "default"]):
         with torch.no_grad():
             got = tp(ids, adapter_names=names).logits
@@ -76,7 +90,7 @@ def main(path):
               max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         assert torch.equal(tp.generate(input_ids=ids, **kw), ref.generate(input_ids=ids, **kw))
-    assert calls  # the rowwise layers ran fastlora's path
+    assert calls  # the layers ran fastlora's path
     fastlora.unpatch(tp)
     print(f"rank {dist.get_rank()}: ok", flush=True)
     dist.destroy_process_group()

@@ -14,8 +14,8 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from .._compat import (base_layer_of, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
-                      layer_is_merged, tp_group)
+from .._compat import (base_layer_of, is_dtensor, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
+                      layer_is_merged, tp_group, tp_rowwise_finish, tp_rowwise_partial)
 from .fusion import FusedGroup
 from .pool import SitePool
 
@@ -109,6 +109,8 @@ class Site:
 
     def _blocked(self, state, x) -> bool:
         """What sends a forward to PEFT's path whatever its adapters (the reason is PEFT's)."""
+        if is_dtensor(x):  # tensor parallelism off its local inference path
+            return True
         for layer in self.lora_layers:
             if layer_dropout_active(layer) or layer_is_merged(layer) or layer_adapters_disabled(layer):
                 return True
@@ -141,8 +143,9 @@ class LinearSite(Site):
 
     Under transformers' tensor parallelism (``tp``: "colwise" or "rowwise"), the pool holds this
     rank's shards. Colwise: the base layer returns this rank's output columns, and B's rows
-    match them. Rowwise: the base layer returns the all-reduced output; the shrink over this
-    rank's input columns is a partial sum, all-reduced (rank-sized) before the expand.
+    match them. Rowwise: this rank's input columns give a partial sum of the base output and,
+    through A's columns, of the LoRA delta (the expand is linear); both are added before the one
+    all-reduce the layer makes without LoRA, then the bias.
     """
 
     kind = "linear"
@@ -157,18 +160,16 @@ class LinearSite(Site):
         if bi is None:
             return self.peft_forward(state, original, x, args, kwargs)
         layer = self.members[0]
-        result = base_layer_of(layer)(x)
+        base = base_layer_of(layer)
+        rowwise = self.tp == "rowwise"
+        result = tp_rowwise_partial(base, x) if rowwise else base(x)
         pool = state.pool_for(self, x.dtype)
         out = result.reshape(-1, result.shape[-1])
-        x2 = _as_rows(x, x.shape[-1]).contiguous()
-        if self.tp == "rowwise":
-            shrunk = state.backend.run_lora_a_sgemm(x2, pool.lora_a, layer_ranks=pool.ranks, batch_info=bi)
-            torch.distributed.all_reduce(shrunk, group=self.tp_group)
-            out = state.backend.run_lora_b_sgemm(shrunk, pool.lora_b, base_output=out, layer_ranks=pool.ranks,
-                                                 layer_scalings=pool.scalings, batch_info=bi)
-        else:
-            out = state.backend.run_lora(x2, pool.lora_a, pool.lora_b, base_output=out, layer_ranks=pool.ranks,
-                                         layer_scalings=pool.scalings, batch_info=bi)
+        out = state.backend.run_lora(_as_rows(x, x.shape[-1]).contiguous(), pool.lora_a, pool.lora_b,
+                                     base_output=out, layer_ranks=pool.ranks,
+                                     layer_scalings=pool.scalings, batch_info=bi)
+        if rowwise:
+            out = tp_rowwise_finish(base, out, self.tp_group)
         return out.view(result.shape)
 
 
