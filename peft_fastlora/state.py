@@ -161,9 +161,12 @@ class FastLoRAState:
         report.fused_mlps = ops.count("fuse_silu_mul")
         if self.continuous is not None:
             why = self.continuous.blocker
-            if why is None and report.left_on_peft:  # PEFT would apply the active adapter to all
-                why = f"{len(report.left_on_peft)} LoRA layers on PEFT's path"
-            report.continuous_batching = "on" if why is None else f"off ({why})"
+            if why is not None:
+                report.continuous_batching = f"off ({why})"
+            elif report.left_on_peft:  # PEFT applies the active adapter to every token there
+                report.continuous_batching = f"active adapter only ({len(report.left_on_peft)} LoRA layers on PEFT's path)"
+            else:
+                report.continuous_batching = "on"
         report.base_ops_skipped = list(ops.skipped)
         report.base_ops_off = dict(ops.off)
 

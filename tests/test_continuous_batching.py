@@ -297,3 +297,30 @@ def test_generate_while_a_manager_serves(pair, attention):
     _check(ref, prompts, names, [results[i] for i in ids], 30)
     with torch.no_grad():  # the manager stopped: generate is back
         assert torch.equal(m.generate(**batch, **kw), ref.generate(**batch, **kw))
+
+
+def test_layers_left_on_peft_serve_only_the_active_adapter(monkeypatch):
+    """A LoRA layer left on PEFT's path applies PEFT's active adapter to every token: requests for
+    it are served (and equal PEFT), any other adapter is refused with the reason."""
+    from peft_fastlora import _compat
+
+    m = build_peft_lm("llama")
+    ref = copy.deepcopy(m)
+    original = _compat.lora_layer_blocker
+    monkeypatch.setattr(_compat, "lora_layer_blocker",
+                        lambda layer: "kept on PEFT for this test" if getattr(layer, "_left", False) else original(layer))
+    m.base_model.model.model.layers[1].mlp.down_proj._left = True
+    report = fastlora.patch(m)
+    try:
+        assert len(report.left_on_peft) == 1
+        assert report.continuous_batching.startswith("active adapter only"), report.continuous_batching
+        m.set_adapter("a1")
+        prompts = random_prompts([5, 12], seed=14)
+        out = m.generate_batch(prompts, generation_config=greedy_config(5), continuous_batching_config=cb_config(),
+                               adapter_names=["a1", "a1"])
+        _check(ref, prompts, ["a1", "a1"], [out[f"req_{i}"].generated_tokens for i in range(2)], 5)
+        with pytest.raises(ValueError, match="on PEFT's path.*requests for __base__, a0 cannot"):
+            m.generate_batch(prompts, generation_config=greedy_config(2), continuous_batching_config=cb_config(),
+                             adapter_names=["a0", "__base__"])
+    finally:
+        fastlora.unpatch(m)

@@ -151,13 +151,21 @@ class ContinuousBatchingHook:
     def _usable(self):
         if not self.active:
             raise RuntimeError("fastlora: this model was unpatched; its continuous batching is transformers' own")
-        if self.state.report is not None and self.state.report.left_on_peft:
-            module, why = self.state.report.left_on_peft[0]
-            raise RuntimeError(
-                f"fastlora: per-request adapters need every LoRA layer on fastlora's path, but "
-                f"{len(self.state.report.left_on_peft)} are on PEFT's (e.g. {module}: {why}), which "
-                "would apply the active adapter to every request; unpatch to use transformers' own "
-                "continuous batching")
+
+    def _check_servable(self, names: Sequence[str]) -> None:
+        """LoRA layers left on PEFT's path apply PEFT's active adapter to every token: only requests
+        for that adapter can be served with them."""
+        left = self.state.report.left_on_peft if self.state.report is not None else []
+        if not left:
+            return
+        active = set(getattr(self.state.model, "active_adapters", None) or [])
+        other = sorted({n for n in names if n not in active})
+        if other:
+            module, why = left[0]
+            raise ValueError(
+                f"fastlora: {len(left)} LoRA layers are on PEFT's path (e.g. {module}: {why}), which "
+                f"applies the active adapter to every request; requests for {', '.join(other)} cannot "
+                "be served in continuous batching")
 
     @contextlib.contextmanager
     def _pending(self, names: Optional[Sequence[str]]):
@@ -188,6 +196,7 @@ class ContinuousBatchingHook:
             self.check_names(adapter_names)
         else:
             adapter_names = [self.default_adapter()] * len(inputs)
+        self._check_servable(adapter_names)
         # transformers' generate_batch logs and swallows errors raised while it adds requests:
         # everything that can fail was checked above
         with self._pending(adapter_names):
@@ -266,6 +275,7 @@ class ContinuousBatchingHook:
             if name is None:
                 name = hook.default_adapter()
             hook.check_names([name])
+            hook._check_servable([name])
             if request_id is None:
                 request_id = _compat.cb_new_request_id(manager)
             adapters.assign(request_id, name)
@@ -283,6 +293,7 @@ class ContinuousBatchingHook:
                 if len(adapter_names) != len(inputs):
                     raise ValueError(f"{len(adapter_names)} adapter names for {len(inputs)} inputs")
                 hook.check_names(adapter_names)
+                hook._check_servable(adapter_names)
                 with hook._pending(adapter_names):
                     return add_requests(inputs, *args, **kwargs)
             return add_requests(inputs, *args, **kwargs)
