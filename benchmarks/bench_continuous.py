@@ -22,7 +22,6 @@ p50/p99 (from the engine's timestamps). One CSV row per mode, with the GPU and p
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import random
@@ -130,9 +129,7 @@ def pct(values, q):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="8b", choices=sorted(bg.SHAPES))
-    p.add_argument("--adapters", type=int, default=32)
-    p.add_argument("--rank", type=int, default=16)
+    bg.add_model_args(p, adapters=32)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--prompt-mean", type=float, default=300)
     p.add_argument("--prompt-cap", type=int, default=4000)
@@ -178,12 +175,7 @@ def main(argv=None) -> int:
                           **info))
         print(table[-1], file=sys.stderr)
     if args.out and not args.smoke:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"continuous_{info['gpu'].split()[-1].lower()}.csv")
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(table[0]))
-            w.writeheader()
-            w.writerows(table)
+        path = bg.write_csv(table, args.out, f"continuous_{info['gpu'].split()[-1].lower()}.csv")
         print(f"written {path}", file=sys.stderr)
     return 0
 

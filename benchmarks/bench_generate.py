@@ -35,6 +35,24 @@ SHAPES = {
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def add_model_args(parser, adapters: int):
+    """--model, --adapters, --rank: the arguments every single-model benchmark shares."""
+    parser.add_argument("--model", default="8b", choices=sorted(SHAPES))
+    parser.add_argument("--adapters", type=int, default=adapters)
+    parser.add_argument("--rank", type=int, default=16)
+
+
+def write_csv(rows, folder: str, name: str) -> str:
+    """The rows (dicts with the same keys) as ``folder/name``; the path written."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
 DEVICE = "cuda"
 
 
@@ -303,11 +321,7 @@ def main(argv=None):
     rows = []
     for shape in args.models:
         run_model(shape, args.batches, args, bw, vers, rows)
-        path = os.path.join(args.out, "generate_h200.csv")
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(rows, args.out, "generate_h200.csv")
     plot(rows, os.path.join(args.out, "generate_h200.png"))
     cols = ["model", "batch", "method", "prefill_ms", "decode_ms_per_step", "tokens_per_s",
             "ratio_to_base_graphs", "ratio_to_floor", "speedup_vs_peft", "greedy_match_vs_peft"]

@@ -17,7 +17,6 @@ Floors: weight bytes / copy bandwidth, and 2 x parameters x tokens / the bf16 de
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
@@ -29,11 +28,9 @@ import bench_generate as bg  # noqa: E402  (shapes, builders, timing, versions)
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="8b", choices=sorted(bg.SHAPES))
+    bg.add_model_args(p, adapters=8)
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--adapters", type=int, default=8)
-    p.add_argument("--rank", type=int, default=16)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the GPU (H100/H200 SXM)")
     p.add_argument("--out", default=None)
@@ -80,13 +77,7 @@ def main(argv=None) -> int:
     for r in rows:
         print({k: r[k] for k in ("method", "prefill_ms", "ratio_to_base", "ratio_to_flop_floor")}, file=sys.stderr)
     if args.out and not args.smoke:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "prefill_h200.csv")
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-        print(f"written {path}", file=sys.stderr)
+        print(f"written {bg.write_csv(rows, args.out, 'prefill_h200.csv')}", file=sys.stderr)
     return 0
 
 

@@ -138,7 +138,27 @@ def _as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t.reshape(-1, width)
 
 
-class LinearSite(Site):
+class _OneLayerSite(Site):
+    """A site of one LoRA layer: its base output, then the LoRA delta added in place."""
+
+    def member_forward(self, state, i, original, x, args, kwargs):
+        bi = self.fast_path_info(state, x, args, kwargs)
+        if bi is None:
+            return self.peft_forward(state, original, x, args, kwargs)
+        base = base_layer_of(self.members[0])
+        result = self._base_output(base, x)
+        pool = state.pool_for(self, x.dtype if x.is_floating_point() else result.dtype)
+        out = self._add_lora(state, base, x, result.reshape(-1, result.shape[-1]), pool, bi)
+        return out.view(result.shape)
+
+    def _base_output(self, base, x):
+        return base(x)
+
+    def _add_lora(self, state, base, x, out, pool, bi):
+        raise NotImplementedError
+
+
+class LinearSite(_OneLayerSite):
     """One PEFT LoRA ``Linear`` (base ``nn.Linear`` or GPT-2 ``Conv1D``).
 
     Under transformers' tensor parallelism (``tp``: "colwise" or "rowwise"), the pool holds this
@@ -155,44 +175,27 @@ class LinearSite(Site):
         self.tp = tp
         self.tp_group = tp_group(members[0]) if tp == "rowwise" else None
 
-    def member_forward(self, state, i, original, x, args, kwargs):
-        bi = self.fast_path_info(state, x, args, kwargs)
-        if bi is None:
-            return self.peft_forward(state, original, x, args, kwargs)
-        layer = self.members[0]
-        base = base_layer_of(layer)
-        rowwise = self.tp == "rowwise"
-        result = tp_rowwise_partial(base, x) if rowwise else base(x)
-        pool = state.pool_for(self, x.dtype)
-        out = result.reshape(-1, result.shape[-1])
+    def _base_output(self, base, x):
+        return tp_rowwise_partial(base, x) if self.tp == "rowwise" else base(x)
+
+    def _add_lora(self, state, base, x, out, pool, bi):
         out = state.backend.run_lora(_as_rows(x, x.shape[-1]).contiguous(), pool.lora_a, pool.lora_b,
                                      base_output=out, layer_ranks=pool.ranks,
                                      layer_scalings=pool.scalings, batch_info=bi)
-        if rowwise:
-            out = tp_rowwise_finish(base, out, self.tp_group)
-        return out.view(result.shape)
+        return tp_rowwise_finish(base, out, self.tp_group) if self.tp == "rowwise" else out
 
 
-class EmbeddingSite(Site):
+class EmbeddingSite(_OneLayerSite):
     """One PEFT LoRA ``Embedding``: a lookup in A, then the expand."""
 
     kind = "embedding"
 
-    def member_forward(self, state, i, original, x, args, kwargs):
-        bi = self.fast_path_info(state, x, args, kwargs)
-        if bi is None:
-            return self.peft_forward(state, original, x, args, kwargs)
-        layer = self.members[0]
-        base = base_layer_of(layer)
-        result = base(x)
-        pool = state.pool_for(self, result.dtype)
-        out = result.reshape(-1, result.shape[-1])
+    def _add_lora(self, state, base, x, out, pool, bi):
         after_a = state.backend.run_lora_a_embedding(x.reshape(-1).contiguous(), pool.lora_a,
                                                      base.num_embeddings, batch_info=bi)
-        out = state.backend.run_lora_b_sgemm(after_a, pool.lora_b, base_output=out,
-                                             layer_ranks=pool.ranks, layer_scalings=pool.scalings,
-                                             batch_info=bi)
-        return out.view(result.shape)
+        return state.backend.run_lora_b_sgemm(after_a, pool.lora_b, base_output=out,
+                                              layer_ranks=pool.ranks, layer_scalings=pool.scalings,
+                                              batch_info=bi)
 
 
 class FusedSite(Site):
