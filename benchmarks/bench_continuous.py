@@ -139,7 +139,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--cache-tokens", type=int, default=0, help="0: the engine sizes its cache from free memory")
     p.add_argument("--static-batch", type=int, default=64)
-    p.add_argument("--modes", nargs="+", default=["fastlora", "base", "static"])
+    p.add_argument("--static-requests", type=int, default=0,
+                   help="static mode on the first N requests only (0: all); its tokens/s is over those")
+    p.add_argument("--modes", nargs="+", default=["base", "fastlora", "static"], choices=["base", "fastlora", "static"],
+                   help="the CSV is rewritten after each mode, so a cut-off run keeps what finished")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for continuous_<gpu>.csv")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few requests")
@@ -152,31 +155,35 @@ def main(argv=None) -> int:
     import peft_fastlora as fastlora
 
     reqs = workload(args)
-    out_tokens = sum(n for _, _, n in reqs)
-    base = bg.build_base(args.model)
-    rows = []
-    if "base" in args.modes:
-        rows.append(("base", *run_engine(base, reqs, args, with_adapters=False)))
-    model = bg.add_adapters(base, args.adapters, args.rank)
-    print(fastlora.patch(model), file=sys.stderr)
-    if "fastlora" in args.modes:
-        rows.append(("fastlora", *run_engine(model, reqs, args, with_adapters=True)))
-    if "static" in args.modes:
-        rows.append(("static", *run_static(model, reqs, args)))
     info = bg.versions()
+    base = bg.build_base(args.model)
+    model = None
     table = []
-    for mode, seconds, latency, ttft in rows:
-        table.append(dict(mode=mode, model=args.model, adapters=args.adapters, rank=args.rank, requests=len(reqs),
+    # base first: adding adapters changes the base model's modules in place
+    for mode in sorted(set(args.modes), key=["base", "fastlora", "static"].index):
+        if mode == "base":
+            used, (seconds, latency, ttft) = reqs, run_engine(base, reqs, args, with_adapters=False)
+        else:
+            if model is None:
+                model = bg.add_adapters(base, args.adapters, args.rank)
+                print(fastlora.patch(model), file=sys.stderr)
+            if mode == "fastlora":
+                used, (seconds, latency, ttft) = reqs, run_engine(model, reqs, args, with_adapters=True)
+            else:
+                used = reqs[:args.static_requests or len(reqs)]
+                seconds, latency, ttft = run_static(model, used, args)
+        out_tokens = sum(n for _, _, n in used)
+        table.append(dict(mode=mode, model=args.model, adapters=args.adapters, rank=args.rank, requests=len(used),
                           output_tokens=out_tokens, seconds=round(seconds, 3),
                           tokens_per_s=round(out_tokens / seconds, 1),
                           latency_p50_s=round(pct(latency, 0.5), 3), latency_p99_s=round(pct(latency, 0.99), 3),
                           ttft_p50_s=round(pct(ttft, 0.5), 3), ttft_p99_s=round(pct(ttft, 0.99), 3),
-                          mean_prompt=round(statistics.mean(len(q) for q, _, _ in reqs), 1),
-                          **info))
+                          mean_prompt=round(statistics.mean(len(q) for q, _, _ in used), 1),
+                          max_batch_tokens=args.max_batch_tokens, **info))
         print(table[-1], file=sys.stderr)
-    if args.out and not args.smoke:
-        path = bg.write_csv(table, args.out, f"continuous_{info['gpu'].split()[-1].lower()}.csv")
-        print(f"written {path}", file=sys.stderr)
+        if args.out and not args.smoke:
+            path = bg.write_csv(table, args.out, f"continuous_{info['gpu'].split()[-1].lower()}.csv")
+            print(f"written {path}", file=sys.stderr)
     return 0
 
 
