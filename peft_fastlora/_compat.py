@@ -107,6 +107,45 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
+def multi_device_reason(model: nn.Module) -> Optional[str]:
+    """Why a model split over several devices (accelerate's ``device_map``) cannot take the decode
+    graphs and base-model kernels (None: its parameters are on one device)."""
+    devices = sorted({str(p.device) for p in model.parameters()})
+    if len(devices) > 1:
+        return f"the model spans {', '.join(devices)} (accelerate's device_map)"
+    return None
+
+
+def on_device(device: Optional[torch.device]):
+    """Make ``device`` the current CUDA device inside the block (Triton launches on the current
+    device, not on its tensors'); a no-op for other devices."""
+    if device is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def tp_size(model: nn.Module) -> int:
+    """How many ranks transformers' tensor parallelism split this model over (1: not split)."""
+    size = getattr(model, "_tp_size", None)
+    if size:
+        return int(size)
+    mesh = getattr(model, "_device_mesh", None)
+    return int(mesh.size()) if mesh is not None else 1
+
+
+def tp_graph_blocker(model: nn.Module) -> Optional[str]:
+    """Why decode graphs cannot serve this tensor-parallel model (None: they can, or it is not
+    sharded): the cache layout assumes k/v heads split evenly over the ranks."""
+    size = tp_size(model)
+    if size == 1:
+        return None
+    cfg = model.config.get_text_config(decoder=True)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    if kv_heads % size:
+        return f"tensor parallel: {kv_heads} key/value heads do not split over {size} ranks"
+    return None
+
+
 def tensor_parallel_reason(model: nn.Module) -> Optional[str]:
     """TP_REASON when the model is sharded by transformers' tensor parallelism, else None."""
     if getattr(model, "_device_mesh", None) is not None or any(is_dtensor(p) for p in model.parameters()):
@@ -330,11 +369,12 @@ def compiled_call_override(model: nn.Module, step):
 
 
 def static_cache_layout(model: nn.Module) -> list:
-    """Per decoder layer: (kv heads, key head dim, value head dim) of its cache, from the config."""
+    """Per decoder layer: (kv heads, key head dim, value head dim) of its cache, from the config;
+    under tensor parallelism, this rank's heads (k/v are column-sharded by whole heads)."""
     cfg = model.config.get_text_config(decoder=True)
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return [(kv_heads, head_dim, head_dim)] * cfg.num_hidden_layers
+    return [(kv_heads // tp_size(model), head_dim, head_dim)] * cfg.num_hidden_layers
 
 
 def sliding_window(model: nn.Module) -> Optional[int]:

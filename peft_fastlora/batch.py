@@ -13,6 +13,7 @@ chunk instead of once per row. Rows with no adapter (slot -1) are in no chunk an
 from __future__ import annotations
 
 import enum
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -143,6 +144,12 @@ class LoRABatchInfo:
     chunk_start: torch.Tensor
     chunk_len: torch.Tensor
     slots_in_batch: tuple = ()
+
+    def to(self, device) -> "LoRABatchInfo":
+        """A copy whose tensors are on ``device`` (a layer of a model split over devices)."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **moved)
 
 
 # Row tiles by forward size: (block_m, largest token count it serves; None: no limit). 16 (the

@@ -32,9 +32,11 @@ def interpreting() -> bool:
 
 
 def kernel_runs_on(*tensors: torch.Tensor) -> bool:
-    """All tensors on CUDA, or all on the CPU under Triton's interpreter (the CPU tests)."""
+    """All tensors on the current CUDA device (Triton launches there, whatever the tensors'
+    device), or all on the CPU under Triton's interpreter (the CPU tests)."""
     if all(t.is_cuda for t in tensors):
-        return True
+        index = torch.cuda.current_device()
+        return all(t.device.index == index for t in tensors)
     return all(t.device.type == "cpu" for t in tensors) and interpreting()
 
 

@@ -63,6 +63,7 @@ class FastLoRAState:
         self._hook = None
         self._bi_key = None
         self._bi = None
+        self._bi_copies: dict = {}  # device -> (batch info, its copy there): models split by device_map
         self._slot_ranks = None
         self._peft_config_keys = self._config_keys()
         # per thread: a continuous-batching engine steps in its own thread
@@ -112,7 +113,8 @@ class FastLoRAState:
             self.refresh_values(adapter_names)
             self._local.in_call = True
             try:
-                yield
+                with _compat.on_device(self.device):
+                    yield
             finally:
                 self._local.in_call = False
 
@@ -291,7 +293,7 @@ class FastLoRAState:
         return base_layer_of(site.members[0]).weight.dtype
 
     def _rebuild_pool(self, site: Site, dtype):
-        site.pool.rebuild(self.registry, dtype, self.device)
+        site.pool.rebuild(self.registry, dtype, site.device)
         self.generation += 1
         self._slot_ranks = None
         self._bi_key = None
@@ -423,6 +425,16 @@ class FastLoRAState:
                                                    use_cuda_graph=False)
         self._bi_key = key
         return self._bi
+
+    def batch_info_on(self, bi, device: torch.device):
+        """``bi`` on ``device``: a layer of a model split over devices (accelerate's device_map)
+        reads the forward's batch info from its own device; copied once per batch info."""
+        if device == self.device:
+            return bi
+        cached = self._bi_copies.get(device)
+        if cached is None or cached[0] is not bi:
+            cached = self._bi_copies[device] = (bi, bi.to(device))
+        return cached[1]
 
     def segment_batch_info(self, segments: TokenSegments):
         """The batch info of a continuous-batching forward, built by the first layer that asks."""

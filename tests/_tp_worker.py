@@ -1,13 +1,17 @@
-"""One rank of ``test_tensor_parallel_cpu.py`` (run by torchrun, 2 processes, gloo on CPU).
+"""One rank of the tensor-parallel tests (run by torchrun, 2 processes).
 
-A tiny Llama loaded with transformers' tensor parallelism, two LoRA adapters whose weights are
-those of an unsharded reference (sharded the way PEFT sharded them), then ``fastlora.patch``:
-every LoRA Linear runs on fastlora's path from this rank's shards (colwise: B's rows; rowwise: A's
-columns, the delta added to the base layer's partial sums before its one all-reduce), graphs and
-base-model kernels stay off, and mixed batches and ``generate`` give PEFT's results on the
+    _tp_worker.py PATH ARCH DEVICE GRAPHS      e.g. /tmp/x llama cpu emulate  |  /tmp/x qwen2 cuda auto
+
+A tiny model of ``ARCH`` (``tests/_models.py``) loaded with transformers' tensor parallelism (gloo on
+the CPU, NCCL on GPUs), two LoRA adapters whose weights are those of an unsharded reference (sharded
+the way PEFT sharded them), then ``fastlora.patch(cuda_graphs=GRAPHS)``: every LoRA Linear runs on
+fastlora's path from this rank's shards (colwise: B's rows; rowwise: A's columns, the delta added to
+the base layer's partial sums before its one all-reduce), decode steps run through the graph
+runner with the collectives inside, and mixed batches and ``generate`` give PEFT's results on the
 unsharded model.
 """
 
+import os
 import sys
 
 import torch
@@ -19,14 +23,17 @@ from transformers import AutoModelForCausalLM
 import peft_fastlora as fastlora
 from peft_fastlora import _compat
 
-from _models import llama_config
+from _models import build_causal_lm
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def build(path, tp: bool):
+def build(path, tp: bool, device):
     kw = dict(tp_plan="auto") if tp else {}
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    if not tp:
+        base = base.to(device)
+    base.generation_config.pad_token_id, base.generation_config.eos_token_id = 0, None
     torch.manual_seed(1)
     model = get_peft_model(base, LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False))
     torch.manual_seed(2)
@@ -35,15 +42,17 @@ def build(path, tp: bool):
     return model.eval()
 
 
-def main(path):
-    dist.init_process_group("gloo")
-    if dist.get_rank() == 0:
-        from transformers import LlamaForCausalLM
-
-        torch.manual_seed(0)
-        LlamaForCausalLM(llama_config(hidden_size=64, intermediate_size=128)).save_pretrained(path)
+def main(path, arch, device_type, graphs):
+    cuda = device_type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if rank == 0:
+        build_causal_lm(arch).save_pretrained(path)
     dist.barrier()
-    tp, ref = build(path, True), build(path, False)
+    tp, ref = build(path, True, device), build(path, False, device)
     ref_params = dict(ref.named_parameters())
     with torch.no_grad():  # the same adapter weights on both (PEFT's TP init draws other numbers)
         for name, p in tp.named_parameters():
@@ -53,9 +62,10 @@ def main(path):
                     p.to_local().copy_(distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None).to_local())
                 else:
                     p.copy_(src)
-    report = fastlora.patch(tp)
+    report = fastlora.patch(tp, cuda_graphs=graphs)
     # every LoRA Linear served from this rank's shards (unfused: fusion of sharded weights is not done)
     assert report.num_patched_layers == 14 and not report.left_on_peft, report
+    assert report.cuda_graphs == ("emulated" if graphs == "emulate" else "on"), report.cuda_graphs
     state = fastlora.get_state(tp)
     styles = sorted({(s.name.rsplit(".", 1)[-1], s.tp) for s in state.sites})
     assert styles == [("down_proj", "rowwise"), ("gate_proj", "colwise"), ("k_proj", "colwise"),
@@ -66,7 +76,8 @@ def main(path):
     backend = state.backend
     run_lora = backend.run_lora
     backend.run_lora = lambda *a, **k: (calls.append(1), run_lora(*a, **k))[1]
-    ids = torch.tensor([[1, 5, 9, 33, 70, 101, 7, 3], [2, 44, 8, 90, 11, 12, 64, 100], [4, 4, 8, 9, 10, 11, 2, 3]])
+    ids = torch.tensor([[1, 5, 9, 33, 70, 101, 7, 3], [2, 44, 8, 90, 11, 12, 64, 100], [4, 4, 8, 9, 10, 11, 2, 3]],
+                       device=device)
     # one all-reduce per rowwise layer, as without LoRA (the delta joins the base partial sums)
     reduces, all_reduce = [], dist.all_reduce
     dist.all_reduce = lambda *a, **k: (reduces.append(1), all_reduce(*a, **k))[1]
@@ -86,15 +97,24 @@ def main(path):
             want = ref(ids, adapter_names=names).logits
         got = got.full_tensor() if isinstance(got, DTensor) else got
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    kw = dict(attention_mask=torch.ones_like(ids), adapter_names=["other", "default", "__base__"],
-              max_new_tokens=6, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        assert torch.equal(tp.generate(input_ids=ids, **kw), ref.generate(input_ids=ids, **kw))
+    # generate: greedy tokens equal to PEFT's on the unsharded model, decode steps through the graphs
+    # (a second call with more rows takes another bucket)
+    for rows, names, new in ((3, ["other", "default", "__base__"], 6),
+                             (5, ["default", "__base__", "other", "other", "default"], 9)):
+        prompt = torch.cat([ids, ids.flip(0)])[:rows]
+        kw = dict(attention_mask=torch.ones_like(prompt), adapter_names=names, max_new_tokens=new,
+                  do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            got, want = tp.generate(input_ids=prompt, **kw), ref.generate(input_ids=prompt, **kw)
+        assert torch.equal(got, want), (rows, got, want)
+    stats = state.graph_runner.stats
+    assert stats["replays"] > 0 and stats["eager_steps"] == 0 and stats["capture_failures"] == 0, stats
     assert calls  # the layers ran fastlora's path
     fastlora.unpatch(tp)
-    print(f"rank {dist.get_rank()}: ok", flush=True)
+    print(f"rank {rank}: ok {arch} {device_type} graphs={graphs} captures={stats['captures']} "
+          f"replays={stats['replays']}", flush=True)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:5])

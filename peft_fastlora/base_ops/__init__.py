@@ -49,7 +49,8 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
     """
     ops = BaseOps()
     on_cuda = device.type == "cuda"
-    blocker = _compat.tensor_parallel_reason(model)  # sharded heads and widths: not checked yet
+    # sharded heads and widths: not checked yet; several devices: kept to what graphs need
+    blocker = _compat.tensor_parallel_reason(model) or _compat.multi_device_reason(model)
     if blocker is not None:
         ops.decode_attention = f"off ({blocker})"
         ops.off.update({o: blocker for o in ("fuse_norms", "fuse_rotary", "fuse_silu_mul")})

@@ -72,6 +72,8 @@ def decode_unsupported(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     if query.device.type == "cuda":
         if interpreting():
             return "Triton interpreter with CUDA tensors"
+        if query.device.index != torch.cuda.current_device():
+            return "not on the current CUDA device (Triton launches there)"
     elif not (query.device.type == "cpu" and interpreting()):
         return f"device {query.device.type}"
     return None

@@ -30,7 +30,10 @@ def graphs_wanted(state) -> Optional[str]:
         return "the model is not on CUDA"
     if not hasattr(state.inner, "get_compiled_call") or not hasattr(state.inner, "config"):
         return "not a transformers generation model"
-    tp = _compat.tensor_parallel_reason(state.inner)
+    split = _compat.multi_device_reason(state.inner)
+    if split is not None:
+        return f"{split}: a CUDA graph captures one device"
+    tp = _compat.tp_graph_blocker(state.inner)  # a sharded model's collectives are captured too
     if tp is not None:
         return tp
     if state.report.left_on_peft:

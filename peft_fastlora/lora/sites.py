@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .._compat import (base_layer_of, is_dtensor, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
-                      layer_is_merged, tp_group, tp_rowwise_finish, tp_rowwise_partial)
+                      layer_is_merged, local, tp_group, tp_rowwise_finish, tp_rowwise_partial)
 from .fusion import FusedGroup
 from .pool import SitePool
 
@@ -32,6 +32,9 @@ class Site:
         self.members = members
         self.pool = pool
         self.lora_layers = [m for m in members if is_lora_layer(m)]
+        # where its pool lives and its kernels launch (layers of one model may sit on several
+        # GPUs under accelerate's device_map)
+        self.device = local(base_layer_of(members[0]).weight).device
         self._saved: List[Optional[object]] = []
 
     # -- installing -------------------------------------------------------------------------
@@ -43,6 +46,9 @@ class Site:
             original = m.forward
 
             def patched(module, x, *args, _i=i, _orig=original, **kwargs):
+                if self.device.type == "cuda" and self.device.index != torch.cuda.current_device():
+                    with torch.cuda.device(self.device):  # Triton launches on the current device
+                        return self.member_forward(state, _i, _orig, x, args, kwargs)
                 return self.member_forward(state, _i, _orig, x, args, kwargs)
 
             m.forward = types.MethodType(patched, m)
@@ -85,14 +91,14 @@ class Site:
         rows = x.shape[0] if x.dim() >= 1 else -1
         # under graph capture the batch is padded to its bucket (padding rows have no adapter)
         graph_rows = state.graph_batch_info.bs if state.use_cuda_graph and state.graph_batch_info else None
-        if rows < 0 or (len(names) != rows and rows != graph_rows) or x.device != state.device:
+        if rows < 0 or (len(names) != rows and rows != graph_rows) or x.device != self.device:
             return None  # PEFT's forward raises its own error for a length mismatch
         if self._blocked(state, x):  # e.g. after model.to(torch.float64): PEFT's path serves it
             return None
         bi = state.batch_info(names, x, self)
         if bi is None or any(s in self.pool.unsupported for s in bi.slots_in_batch):
             return None
-        return bi
+        return state.batch_info_on(bi, self.device)
 
     def _segments_info(self, state, x, segments):
         """Continuous batching: x is one row of ``segments.num_tokens`` tokens."""
@@ -100,12 +106,12 @@ class Site:
             raise RuntimeError(
                 f"{self.name}: a continuous-batching forward of {segments.num_tokens} tokens got an "
                 f"input of shape {tuple(x.shape)}")
-        if x.device != state.device or self._blocked(state, x):
+        if x.device != self.device or self._blocked(state, x):
             return None
         bi = state.segment_batch_info(segments)
         if any(s in self.pool.unsupported for s in bi.slots_in_batch):
             return None
-        return bi
+        return state.batch_info_on(bi, self.device)
 
     def _blocked(self, state, x) -> bool:
         """What sends a forward to PEFT's path whatever its adapters (the reason is PEFT's)."""
