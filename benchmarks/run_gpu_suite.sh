@@ -2,11 +2,13 @@
 # Everything that needs the GPU, in one call of the device machine: GPU tests, soak, kernel
 # benchmark, end-to-end benchmark. Results land in $OUT (and are committed under
 # benchmarks/results/). Parts: all (default) or any of tests soak kernels generate profile attention
-# continuous prefill.
+# continuous prefill; and, on the two-GPU machine only (never part of all), multigpu.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# NVLink multicast stays off in every process (the device machines' rule; torchrun's ranks inherit it)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 parts=" ${*:-all} "
 want() { [[ $parts == *" all "* || $parts == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
@@ -43,4 +45,11 @@ fi
 if want prefill; then
   timeout 300 python3 benchmarks/bench_prefill.py --model ${PREFILL_MODEL:-8b} --out "$OUT" 2>&1 | grep -v -i warn \
     | tee "$OUT/bench_prefill.log" | tail -6
+fi
+if [[ $parts == *" multigpu "* ]]; then
+  nvidia-smi topo -m | tee "$OUT/multi_gpu_topology.txt" | head -5
+  timeout 260 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_multi_gpu.py 2>&1 \
+    | tee "$OUT/multi_gpu_tests.log" | tail -30
+  PYTHONHASHSEED=0 timeout 300 torchrun --standalone --nproc_per_node 2 benchmarks/bench_tp.py \
+    --model ${TP_MODEL:-8b} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_tp.log" | tail -14
 fi
