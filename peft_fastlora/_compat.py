@@ -65,21 +65,59 @@ _TP_SHARD_DIM = {"colwise": 0, "rowwise": 1}  # which dim of the base weight eac
 
 
 def tp_style(layer: nn.Module) -> Optional[str]:
-    """"colwise" or "rowwise" for a LoRA Linear whose base layer transformers' TP shards that way
-    and whose adapters PEFT sharded to match (A whole and B by rows, or A by columns and B whole);
-    None otherwise (not sharded, or a plan fastlora does not serve)."""
+    """"colwise" or "rowwise" for a LoRA Linear whose base ``nn.Linear`` transformers' TP shards
+    by output rows or input columns, and whose adapters fastlora can serve from this rank's
+    shards; None otherwise (not sharded, or a layout fastlora does not serve).
+
+    Adapters come two ways: sharded by PEFT to match the base layer (B by rows, or A by columns,
+    as DTensors: PEFT >= 0.21.2), or whole on every rank (older PEFT, whose own forward then fails
+    on the sharded base); ``lora_weights`` then takes this rank's slice."""
     base = base_layer_of(layer)
-    plan = getattr(base, "_hf_tp_plan", None)
-    if type(layer) is not LoraLinear or type(base) is not nn.Linear or plan not in _TP_SHARD_DIM:
+    if type(layer) is not LoraLinear or type(base) is not nn.Linear or not is_dtensor(base.weight):
         return None
-    if not is_dtensor(base.weight) or [getattr(p, "dim", None) for p in base.weight.placements] != [_TP_SHARD_DIM[plan]]:
+    dims = [getattr(p, "dim", None) for p in base.weight.placements]
+    plan = {0: "colwise", 1: "rowwise"}.get(dims[0]) if len(dims) == 1 else None
+    declared = getattr(base, "_hf_tp_plan", None)
+    if plan is None or (declared is not None and declared != plan):
         return None
     sharded = "lora_B" if plan == "colwise" else "lora_A"
     for name in layer.lora_A.keys():
         for which in ("lora_A", "lora_B"):
-            if is_dtensor(getattr(layer, which)[name].weight) != (which == sharded):
+            w = getattr(layer, which)[name].weight
+            if is_dtensor(w) and which != sharded:
                 return None
+            if which == sharded and not is_dtensor(w) and w.shape[_TP_SHARD_DIM[plan]] != base.weight.shape[_TP_SHARD_DIM[plan]]:
+                return None
+    if tp_shard_range(base.weight) is None:
+        return None
     return plan
+
+
+def tp_shard_range(weight) -> Optional[Tuple[int, int]]:
+    """(start, length) of this rank's shard along a ``Shard(d)`` DTensor's sharded dim (torch's
+    chunking: ceil(n / ranks) each, the last ones shorter); None if the local shard disagrees."""
+    (placement,) = weight.placements
+    d = placement.dim
+    n, ranks = weight.shape[d], weight.device_mesh.size()
+    chunk = -(-n // ranks)
+    start = min(weight.device_mesh.get_local_rank() * chunk, n)
+    length = weight.to_local().shape[d]
+    return (start, length) if length == min(chunk, n - start) else None
+
+
+def _tp_local_adapter(layer: nn.Module, which: str, w: torch.Tensor) -> torch.Tensor:
+    """This rank's part of an adapter weight: a DTensor's shard, or the slice of a whole weight
+    matching the base layer's shard (B's rows for colwise, A's columns for rowwise)."""
+    if is_dtensor(w):
+        return w.to_local()
+    base_w = getattr(base_layer_of(layer), "weight", None)
+    if not is_dtensor(base_w):
+        return w
+    plan = tp_style(layer)
+    if (plan, which) not in (("colwise", "B"), ("rowwise", "A")):
+        return w
+    start, length = tp_shard_range(base_w)
+    return w.narrow(_TP_SHARD_DIM[plan], start, length)
 
 
 def tp_group(layer: nn.Module):
@@ -213,7 +251,8 @@ def lora_weights(layer: nn.Module) -> Dict[str, Tuple[torch.Tensor, torch.Tensor
     for name in layer.lora_A.keys():
         if name not in layer.lora_B:
             continue
-        out[name] = (local(layer.lora_A[name].weight), local(layer.lora_B[name].weight), float(layer.scaling[name]))
+        out[name] = (_tp_local_adapter(layer, "A", layer.lora_A[name].weight),
+                     _tp_local_adapter(layer, "B", layer.lora_B[name].weight), float(layer.scaling[name]))
     return out
 
 

@@ -1,6 +1,6 @@
 """One rank of the tensor-parallel tests (run by torchrun, 2 processes).
 
-    _tp_worker.py PATH ARCH DEVICE GRAPHS      e.g. /tmp/x llama cpu emulate  |  /tmp/x qwen2 cuda auto
+    _tp_worker.py PATH ARCH DEVICE GRAPHS [LAYOUT]   e.g. /tmp/x llama cpu emulate  |  /tmp/x qwen2 cuda auto whole
 
 A tiny model of ``ARCH`` (``tests/_models.py``) loaded with transformers' tensor parallelism (gloo on
 the CPU, NCCL on GPUs), two LoRA adapters whose weights are those of an unsharded reference (sharded
@@ -9,6 +9,9 @@ fastlora's path from this rank's shards (colwise: B's rows; rowwise: A's columns
 the base layer's partial sums before its one all-reduce), decode steps run through the graph
 runner with the collectives inside, and mixed batches and ``generate`` give PEFT's results on the
 unsharded model.
+
+LAYOUT: "peft" keeps the adapters as this PEFT made them (sharded DTensors since PEFT 0.21.2);
+"whole" replaces them by whole plain weights on every rank, as older PEFT leaves them.
 """
 
 import os
@@ -42,7 +45,7 @@ def build(path, tp: bool, device):
     return model.eval()
 
 
-def main(path, arch, device_type, graphs):
+def main(path, arch, device_type, graphs, layout="peft"):
     cuda = device_type == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
@@ -58,10 +61,15 @@ def main(path, arch, device_type, graphs):
         for name, p in tp.named_parameters():
             if "lora_" in name:
                 src = ref_params[name].detach()
-                if isinstance(p, DTensor):
+                if isinstance(p, DTensor) and layout == "whole":
+                    owner, attr = name.rsplit(".", 1)
+                    setattr(tp.get_submodule(owner), attr, torch.nn.Parameter(src.clone()))
+                elif isinstance(p, DTensor):
                     p.to_local().copy_(distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=None).to_local())
                 else:
                     p.copy_(src)
+    if layout == "whole":
+        assert not any(isinstance(p, DTensor) for n, p in tp.named_parameters() if "lora_" in n)
     report = fastlora.patch(tp, cuda_graphs=graphs)
     # every LoRA Linear served from this rank's shards (unfused: fusion of sharded weights is not done)
     assert report.num_patched_layers == 14 and not report.left_on_peft, report
@@ -111,10 +119,10 @@ def main(path, arch, device_type, graphs):
     assert stats["replays"] > 0 and stats["eager_steps"] == 0 and stats["capture_failures"] == 0, stats
     assert calls  # the layers ran fastlora's path
     fastlora.unpatch(tp)
-    print(f"rank {rank}: ok {arch} {device_type} graphs={graphs} captures={stats['captures']} "
+    print(f"rank {rank}: ok {arch} {device_type} graphs={graphs} layout={layout} captures={stats['captures']} "
           f"replays={stats['replays']}", flush=True)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:])

@@ -11,7 +11,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, nproc: int = 2):
+def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, layout: str = "peft", nproc: int = 2):
     """torchrun ``_tp_worker.py`` on ``nproc`` ranks; asserts every rank reported ok."""
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
                # PEFT's mixed batch walks a set of adapter names; its order must be the same on
@@ -20,7 +20,7 @@ def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, nproc: int = 2)
                # NVLink multicast stays off in every process (the device machines' rule)
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           os.path.join(HERE, "_tp_worker.py"), str(tmp_path / arch), arch, device, graphs]
+           os.path.join(HERE, "_tp_worker.py"), str(tmp_path / arch), arch, device, graphs, layout]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     for rank in range(nproc):
@@ -28,7 +28,8 @@ def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, nproc: int = 2)
     return run.stdout
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tensor_parallel_lora_equals_peft_unsharded(tmp_path, arch):
+# "whole": adapters left whole on every rank, as PEFT before 0.21.2 leaves them (fastlora slices them)
+@pytest.mark.parametrize("arch,layout", [("llama", "peft"), ("qwen2", "peft"), ("llama", "whole")])
+def test_tensor_parallel_lora_equals_peft_unsharded(tmp_path, arch, layout):
     pytest.importorskip("torch.distributed.tensor")
-    run_tp_worker(tmp_path, arch, "cpu", "emulate")
+    run_tp_worker(tmp_path, arch, "cpu", "emulate", layout)
