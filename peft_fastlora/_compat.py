@@ -682,6 +682,30 @@ def cb_step(processor) -> Tuple[list, list, int]:
     return [fs.state for fs in reqs], [int(fs.query_length) for fs in reqs], int(ios.num_q_tokens)
 
 
+def cb_request_ids(processor) -> list:
+    """Ids of the engine's requests that will be stepped again (active, then waiting)."""
+    sched = processor.scheduler
+    return list(sched.active_requests) + list(sched.waiting_requests)
+
+
+def cb_fail_requests(processor, errors: Dict[str, Exception]) -> None:
+    """Fail these requests (active or waiting) between steps, each delivered with its error as the
+    engine delivers its own; the engine's other requests keep running. The engine's own paths: its
+    per-request error delivery, then its cancellation, which frees the request's cache (and any
+    copy offloaded to the CPU)."""
+    sched = processor.scheduler
+    for rid, error in errors.items():
+        state = sched.active_requests.get(rid) or sched.waiting_requests.get(rid)
+        if state is None:
+            continue
+        processor._handle_request_error(error, state)
+        sched.set_request_cancellation(rid)
+    offload = getattr(processor, "offloading_manager", None)
+    for state in sched.clear_cancelled_requests():
+        if offload is not None:
+            offload.free_request_cpu_cache(state)
+
+
 def cb_request_done(request_state) -> bool:
     """Whether a request has finished or failed (it will not be stepped again)."""
     from transformers.generation.continuous_batching.requests import RequestStatus

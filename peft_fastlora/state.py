@@ -49,6 +49,7 @@ class FastLoRAState:
         self.groups = []
         self.base_ops: Optional[BaseOps] = None
         self.generate_hook = None  # decode.generate.GenerateHook
+        self.mutation_lock = None  # lora.mutations.AdapterMutationLock
         self.generation = 0  # bumped whenever a stack or fused weight is rebuilt (graphs hold them)
         self.graph_runner = None
         self.graph_blocker: Optional[str] = None  # why decode graphs are off (None: on)
@@ -143,10 +144,12 @@ class FastLoRAState:
     def build(self) -> PatchReport:
         from .continuous.engine import ContinuousBatchingHook
         from .decode.generate import GenerateHook
+        from .lora.mutations import AdapterMutationLock
 
         report = self._build_lora()
         self._hook = self.inner.register_forward_pre_hook(lambda module, args: self.begin_forward())
         self.generate_hook = GenerateHook(self)
+        self.mutation_lock = AdapterMutationLock(self)
         self.continuous = ContinuousBatchingHook(self)
         _compat.guard_peft_forward_hooks(self.model)
         self.base_ops = install_base_ops(self.inner, self.options, self.device)
@@ -318,6 +321,9 @@ class FastLoRAState:
         if self.generate_hook is not None:
             self.generate_hook.remove()
             self.generate_hook = None
+        if self.mutation_lock is not None:
+            self.mutation_lock.remove()
+            self.mutation_lock = None
         if self.continuous is not None:
             self.continuous.remove()
             self.continuous = None

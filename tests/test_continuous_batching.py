@@ -176,6 +176,60 @@ def test_bad_request_is_refused_and_others_run(pair):
     _check(ref, prompts, ["a0", "a1"], [results[good], results[late]], 4)
 
 
+def test_adapter_deleted_in_flight_fails_only_its_requests(pair):
+    m, ref = pair
+    doomed_prompt, waiting_prompt = random_prompts([10, 7], seed=21)
+    others, other_names = random_prompts([6, 14, 3], seed=22), ["a0", "__base__", "a1"]
+    # one request decoding at a time: the second a2 request is still waiting when a2 goes
+    manager = m.init_continuous_batching(generation_config=greedy_config(300),
+                                         continuous_batching_config=cb_config(max_requests_per_batch=1))
+    manager.start()
+    try:
+        doomed = manager.add_request(doomed_prompt, adapter_name="a2", streaming=True)
+        partial = manager.get_result(request_id=doomed, timeout=30)
+        assert partial is not None and not partial.is_finished()  # decoding now
+        waiting = manager.add_request(waiting_prompt, adapter_name="a2")
+        ids = [manager.add_request(p, adapter_name=n, max_new_tokens=12) for p, n in zip(others, other_names)]
+        m.delete_adapter("a2")  # waits for the step in progress
+        finished, deadline = {}, time.monotonic() + 60
+        while len(finished) < 2 + len(ids):
+            assert time.monotonic() < deadline, f"timed out; finished: {sorted(finished)}"
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                finished[r.request_id] = r
+        late = manager.add_request(others[0], adapter_name="a0", max_new_tokens=12)  # still serving
+        finished[late] = _collect(manager, [late])[late]
+        assert manager.is_running()
+    finally:
+        manager.stop(block=True)
+    for rid in (doomed, waiting):
+        assert finished[rid].error is not None and "'a2'" in finished[rid].error and "deleted" in finished[rid].error
+    for rid, prompt, name in zip(ids, others, other_names):
+        assert finished[rid].error is None, finished[rid].error
+        assert list(finished[rid].generated_tokens) == peft_alone(ref, prompt, name, 12), name
+    assert finished[late] == peft_alone(ref, others[0], "a0", 12)
+
+
+def test_adapter_changes_wait_for_the_call_in_progress(pair):
+    """PEFT's add/delete/load/set_adapter take fastlora's call lock: they never run half-way
+    through a step or a generate call of another thread."""
+    import threading
+
+    m, _ = pair
+    state = get_state(m)
+    done = threading.Event()
+    with state._call_lock:
+        t = threading.Thread(target=lambda: (m.delete_adapter("a1"), done.set()))
+        t.start()
+        assert not done.wait(0.3)  # blocked while a call holds the lock
+        assert "a1" in m.peft_config
+    t.join(10)
+    assert done.is_set() and "a1" not in m.peft_config
+    fastlora.unpatch(m)
+    assert "delete_adapter" not in m.__dict__  # the wrappers go with the patch
+    fastlora.patch(m)
+
+
 def test_finished_requests_are_forgotten(pair):
     m, _ = pair
     manager = m.init_continuous_batching(generation_config=greedy_config(3), continuous_batching_config=cb_config())

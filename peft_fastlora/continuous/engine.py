@@ -47,6 +47,13 @@ class RequestAdapters:
         with self._lock:
             self._names[request_id] = name
 
+    def lookup(self, request_id: str) -> Optional[str]:
+        """The request's adapter, or None when it has none on record."""
+        try:
+            return self.name_of(request_id)
+        except RuntimeError:
+            return None
+
     def name_of(self, request_id: str) -> str:
         with self._lock:
             name = self._names.get(request_id)
@@ -336,20 +343,67 @@ class ContinuousBatchingHook:
         manager._create_batch_processor = create_
 
     def _wrap_step(self, processor, adapters: RequestAdapters):
-        state, step = self.state, processor._generation_step
+        """The engine thread's side: from the moment the next batch is scheduled to the end of its
+        forward it holds fastlora's call lock, so no adapter is added or deleted in between (PEFT's
+        adapter methods take the lock); requests whose adapter went are failed before scheduling."""
+        state, step, prepare = self.state, processor._generation_step, processor.prepare_next_batch
+        schedule = processor.scheduler.schedule_batch
+        lock, held = state._call_lock, [0]
         last: List = []
 
+        def release():
+            while held[0]:
+                held[0] -= 1
+                lock.release()
+
+        def schedule_batch(*args, **kwargs):
+            # new requests and cancellations are in; the batch is not formed yet
+            lock.acquire()
+            held[0] += 1
+            self._fail_orphans(processor, adapters)
+            return schedule(*args, **kwargs)
+
+        def prepare_next_batch(*args, **kwargs):
+            try:
+                ready = prepare(*args, **kwargs)
+            except BaseException:
+                release()
+                raise
+            if not ready:  # no step follows
+                release()
+            return ready
+
         def generation_step(model):
-            if not self.active:
-                raise RuntimeError("fastlora: the model was unpatched while a continuous-batching "
-                                   "manager ran; start a new manager")
-            requests, lens, num_tokens = _compat.cb_step(processor)
-            ids = [r.request_id for r in requests]
-            adapters.forget([r.request_id for r in last if _compat.cb_request_done(r)], running=ids)
-            last[:] = requests
-            segments = TokenSegments([adapters.name_of(rid) for rid in ids], lens, num_tokens)
-            with state.segments(segments):
-                return step(model)
+            try:
+                if not self.active:
+                    raise RuntimeError("fastlora: the model was unpatched while a continuous-batching "
+                                       "manager ran; start a new manager")
+                requests, lens, num_tokens = _compat.cb_step(processor)
+                ids = [r.request_id for r in requests]
+                adapters.forget([r.request_id for r in last if _compat.cb_request_done(r)], running=ids)
+                last[:] = requests
+                segments = TokenSegments([adapters.name_of(rid) for rid in ids], lens, num_tokens)
+                with state.segments(segments):
+                    return step(model)
+            finally:
+                release()
 
         processor._generation_step = generation_step
+        processor.prepare_next_batch = prepare_next_batch
+        processor.scheduler.schedule_batch = schedule_batch
         processor._fastlora_enabled = True
+
+    def _fail_orphans(self, processor, adapters: RequestAdapters) -> None:
+        """Fail, one by one, the requests whose adapter was deleted since they were added; the
+        others keep running (a step with an unknown adapter would fail them all)."""
+        config = getattr(self.state.model, "peft_config", None)  # PEFT's adapters as they are now
+        known = set(config) if isinstance(config, dict) else set(self.state.registry.names)
+        errors = {}
+        for rid in _compat.cb_request_ids(processor):
+            name = adapters.lookup(rid)
+            if name is not None and name != BASE and name not in known:
+                errors[rid] = RuntimeError(f"fastlora: adapter {name!r} of request {rid!r} was deleted "
+                                           "while the request was in flight")
+        if errors:
+            _compat.cb_fail_requests(processor, errors)
+            adapters.forget(list(errors))
