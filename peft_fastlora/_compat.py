@@ -140,6 +140,21 @@ def tp_rowwise_finish(base: nn.Module, partial: torch.Tensor, group) -> torch.Te
     return partial if bias is None else partial + local(bias)
 
 
+def repoint_local(param: torch.Tensor, storage: torch.Tensor) -> None:
+    """Make a parameter (or a DTensor parameter's local shard, in place: transformers' TP forward
+    reads it there) use ``storage`` (same shape and dtype)."""
+    target = param._local_tensor if is_dtensor(param) else param
+    target.data = storage
+
+
+def tp_colwise_mesh(weight):
+    """The device mesh of a weight column-sharded by TP (Shard(0) over one mesh dim), else None."""
+    if not is_dtensor(weight) or not hasattr(weight, "_local_tensor"):
+        return None
+    dims = [getattr(p, "dim", None) for p in weight.placements]
+    return weight.device_mesh if dims == [0] else None
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (the tensor itself otherwise)."""
     return t.to_local() if is_dtensor(t) else t

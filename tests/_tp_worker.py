@@ -71,14 +71,15 @@ def main(path, arch, device_type, graphs, layout="peft"):
     if layout == "whole":
         assert not any(isinstance(p, DTensor) for n, p in tp.named_parameters() if "lora_" in n)
     report = fastlora.patch(tp, cuda_graphs=graphs)
-    # every LoRA Linear served from this rank's shards (unfused: fusion of sharded weights is not done)
-    assert report.num_patched_layers == 14 and not report.left_on_peft, report
+    # every LoRA Linear served from this rank's shards; q/k/v and gate/up fused within the rank
+    assert report.num_patched_layers == 14 and not report.left_on_peft and not report.fusion_blocked, report
     assert report.cuda_graphs == ("emulated" if graphs == "emulate" else "on"), report.cuda_graphs
     state = fastlora.get_state(tp)
-    styles = sorted({(s.name.rsplit(".", 1)[-1], s.tp) for s in state.sites})
-    assert styles == [("down_proj", "rowwise"), ("gate_proj", "colwise"), ("k_proj", "colwise"),
-                      ("o_proj", "rowwise"), ("q_proj", "colwise"), ("up_proj", "colwise"),
-                      ("v_proj", "colwise")], styles
+    styles = sorted({(s.name.rsplit(".", 1)[-1], s.kind, getattr(s, "tp", None)) for s in state.sites})
+    assert styles == [("down_proj", "linear", "rowwise"), ("gate_up", "gate_up", None),
+                      ("o_proj", "linear", "rowwise"), ("qkv", "qkv", None)], styles
+    for g in state.groups:  # each rank's shards are views of its fused weight
+        assert g.is_intact() and g.weight.shape[0] == sum(b.weight.to_local().shape[0] for b in g.bases)
     assert _compat.TP_REASON in report.decode_attention and report.continuous_batching.startswith("off"), report
     calls = []
     backend = state.backend

@@ -5,6 +5,9 @@ Groups are found by structure: a parent module whose children named ``q_proj``, 
 wrapping one, with the same input width, dtype and device. The fused weight is one new tensor
 and each original parameter becomes a view of it (same Parameter object, new storage), so there
 is no second copy of the base weights and ``state_dict()`` still shows the original names.
+
+Under transformers' tensor parallelism the siblings are column-sharded alike: each rank fuses its
+own shards (its q, k and v output rows), and each DTensor's local shard becomes the view.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
-from .._compat import TP_REASON, base_layer_of, has_forward_hooks, is_dtensor, is_lora_layer
+from .._compat import (TP_REASON, base_layer_of, has_forward_hooks, is_dtensor, is_lora_layer, local, repoint_local,
+                       tp_colwise_mesh)
 
 FUSIBLE_GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -36,11 +40,11 @@ class FusedGroup:
 
     @property
     def out_features(self) -> List[int]:
-        return [b.out_features for b in self.bases]
+        return [local(b.weight).shape[0] for b in self.bases]  # this rank's rows under TP
 
     @property
     def in_features(self) -> int:
-        return self.bases[0].in_features
+        return local(self.bases[0].weight).shape[1]
 
     def is_intact(self) -> bool:
         """Still views of the fused tensor (``model.to()`` or a reload replaces the storage)."""
@@ -48,9 +52,10 @@ class FusedGroup:
             return False
         base_ptr, esize = self.weight.data_ptr(), self.weight.element_size()
         for b, lo in zip(self.bases, self.offsets):
-            if b.weight.data_ptr() != base_ptr + lo * self.in_features * esize:
+            w = local(b.weight)
+            if w.data_ptr() != base_ptr + lo * self.in_features * esize:
                 return False
-            if b.weight.dtype != self.weight.dtype or b.weight.device != self.weight.device:
+            if w.dtype != self.weight.dtype or w.device != self.weight.device:
                 return False
         return True
 
@@ -64,17 +69,17 @@ class FusedGroup:
             self.offsets.append(self.offsets[-1] + n)
         # cat allocates the fused copy; the parameters are repointed right after, so the old
         # storages are freed and peak memory grows by one group at a time
-        self.weight = torch.cat([b.weight.detach() for b in self.bases], dim=0)
+        self.weight = torch.cat([local(b.weight).detach() for b in self.bases], dim=0)
         for b, lo, hi in zip(self.bases, self.offsets[:-1], self.offsets[1:]):
-            b.weight.data = self.weight[lo:hi]
+            repoint_local(b.weight, self.weight[lo:hi])
         if any(b.bias is not None for b in self.bases):
-            parts = [b.bias.detach() if b.bias is not None
-                     else torch.zeros(b.out_features, dtype=self.weight.dtype, device=self.weight.device)
-                     for b in self.bases]
+            parts = [local(b.bias).detach() if b.bias is not None
+                     else torch.zeros(hi - lo, dtype=self.weight.dtype, device=self.weight.device)
+                     for b, lo, hi in zip(self.bases, self.offsets[:-1], self.offsets[1:])]
             self.bias = torch.cat(parts)
             for b, lo, hi in zip(self.bases, self.offsets[:-1], self.offsets[1:]):
                 if b.bias is not None:
-                    b.bias.data = self.bias[lo:hi]
+                    repoint_local(b.bias, self.bias[lo:hi])
         else:
             self.bias = None
 
@@ -83,9 +88,9 @@ class FusedGroup:
     def unfuse(self):
         """Give every parameter its own storage again; the fused tensor is dropped."""
         for b in self.bases:
-            b.weight.data = b.weight.data.clone()
+            repoint_local(b.weight, local(b.weight).detach().clone())
             if b.bias is not None:
-                b.bias.data = b.bias.data.clone()
+                repoint_local(b.bias, local(b.bias).detach().clone())
         self.weight = self.bias = None
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,12 +105,17 @@ def fusion_blocker(bases: List[nn.Module]) -> Optional[str]:
         if has_forward_hooks(b):
             return "base layer has forward hooks (offloading or similar)"
     if any(is_dtensor(b.weight) for b in bases):
-        return TP_REASON
-    first = bases[0].weight
+        meshes = [tp_colwise_mesh(b.weight) for b in bases]
+        biases = [b.bias for b in bases if b.bias is not None]
+        if (any(m is None for m in meshes) or any(m != meshes[0] for m in meshes)
+                or any(tp_colwise_mesh(t) is None for t in biases)):
+            return f"{TP_REASON} (siblings not all column-sharded alike)"
+    first = local(bases[0].weight)
     for b in bases[1:]:
-        if b.in_features != bases[0].in_features:
+        w = local(b.weight)
+        if w.shape[1] != first.shape[1]:
             return "different input widths"
-        if b.weight.dtype != first.dtype or b.weight.device != first.device:
+        if w.dtype != first.dtype or w.device != first.device:
             return "different dtypes or devices"
     if first.device.type == "meta":
         return "weights on the meta device"
