@@ -47,10 +47,11 @@ def lora_layer_blocker(layer: nn.Module) -> Optional[str]:
 
 # ---- torch / transformers: tensor parallelism -----------------------------------------------------
 # transformers' TP shards a layer's weight as a DTensor and replaces the layer's forward (its
-# collectives inside); PEFT shards each adapter the way its base layer is sharded. fastlora serves
-# LoRA Linears over "colwise" and "rowwise" layers from each rank's shards; other plans, decode
-# graphs and the base-model kernels stay on PEFT's and transformers' own paths (the report says).
-TP_REASON = "tensor parallel: not yet on fastlora's path"  # graphs, base-model kernels, other plans
+# collectives inside); PEFT (>= 0.21.2) shards each adapter the way its base layer is sharded.
+# fastlora serves LoRA Linears over column- and row-sharded layers from each rank's shards, fuses
+# siblings within a rank and captures the collectives in its decode graphs; other plans and
+# per-request continuous batching stay on PEFT's and transformers' own paths (the report says).
+TP_REASON = "tensor parallel: not yet on fastlora's path"  # other plans, continuous batching
 
 
 def is_dtensor(t) -> bool:

@@ -70,7 +70,9 @@ def main(path, arch, device_type, graphs, layout="peft"):
                     p.copy_(src)
     if layout == "whole":
         assert not any(isinstance(p, DTensor) for n, p in tp.named_parameters() if "lora_" in n)
-    report = fastlora.patch(tp, cuda_graphs=graphs)
+    # the base-model kernels too (on the CPU they run in Triton's interpreter only when asked for)
+    kernels = dict(decode_attention=True, fuse_norms=True, fuse_rotary=True, fuse_silu_mul=True)
+    report = fastlora.patch(tp, cuda_graphs=graphs, **kernels)
     # every LoRA Linear served from this rank's shards; q/k/v and gate/up fused within the rank
     assert report.num_patched_layers == 14 and not report.left_on_peft and not report.fusion_blocked, report
     assert report.cuda_graphs == ("emulated" if graphs == "emulate" else "on"), report.cuda_graphs
@@ -80,7 +82,8 @@ def main(path, arch, device_type, graphs, layout="peft"):
                       ("o_proj", "linear", "rowwise"), ("qkv", "qkv", None)], styles
     for g in state.groups:  # each rank's shards are views of its fused weight
         assert g.is_intact() and g.weight.shape[0] == sum(b.weight.to_local().shape[0] for b in g.bases)
-    assert _compat.TP_REASON in report.decode_attention and report.continuous_batching.startswith("off"), report
+    assert report.decode_attention == "on" and report.continuous_batching.startswith("off"), report
+    assert report.fused_norms and report.fused_rotary and report.fused_mlps, report
     calls = []
     backend = state.backend
     run_lora = backend.run_lora
@@ -106,6 +109,12 @@ def main(path, arch, device_type, graphs, layout="peft"):
             want = ref(ids, adapter_names=names).logits
         got = got.full_tensor() if isinstance(got, DTensor) else got
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    import importlib
+
+    attention_op = importlib.import_module("peft_fastlora.ops.decode_attention")  # the module, not the function
+
+    attention_calls, decode_attention = [], attention_op.decode_attention
+    attention_op.decode_attention = lambda *a, **k: (attention_calls.append(1), decode_attention(*a, **k))[1]
     # generate: greedy tokens equal to PEFT's on the unsharded model, decode steps through the graphs
     # (a second call with more rows takes another bucket)
     for rows, names, new in ((3, ["other", "default", "__base__"], 6),
@@ -116,6 +125,8 @@ def main(path, arch, device_type, graphs, layout="peft"):
         with torch.no_grad():
             got, want = tp.generate(input_ids=prompt, **kw), ref.generate(input_ids=prompt, **kw)
         assert torch.equal(got, want), (rows, got, want)
+    attention_op.decode_attention = decode_attention
+    assert attention_calls  # fastlora's decode attention over this rank's heads
     stats = state.graph_runner.stats
     assert stats["replays"] > 0 and stats["eager_steps"] == 0 and stats["capture_failures"] == 0, stats
     assert calls  # the layers ran fastlora's path

@@ -49,8 +49,9 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
     """
     ops = BaseOps()
     on_cuda = device.type == "cuda"
-    # sharded heads and widths: not checked yet; several devices: kept to what graphs need
-    blocker = _compat.tensor_parallel_reason(model) or _compat.multi_device_reason(model)
+    # several devices: kept to what graphs need. Under tensor parallelism every kernel takes its
+    # sizes from the tensors it gets (this rank's heads and widths)
+    blocker = _compat.multi_device_reason(model)
     if blocker is not None:
         ops.decode_attention = f"off ({blocker})"
         ops.off.update({o: blocker for o in ("fuse_norms", "fuse_rotary", "fuse_silu_mul")})
