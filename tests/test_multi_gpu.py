@@ -2,7 +2,8 @@
 accelerate's device_map across both GPUs. fp32 tiny models; PEFT on one GPU is the oracle.
 
 - TP=2 (NCCL): ``_tp_worker.py`` with real CUDA graphs (the all-reduces captured inside), Llama
-  and Qwen2 (q/k/v biases: the colwise shards carry them);
+  and Qwen2 (q/k/v biases: the colwise shards carry them), fused within each rank, with and
+  without the base-model kernels, then random traffic with an adapter deleted half-way;
 - device_map: a tiny Llama split layer by layer over cuda:0 and cuda:1: each LoRA layer's pool
   and kernels on its own GPU, graphs off with the reason, tokens equal to PEFT's;
 - a model on cuda:1 while cuda:0 is current: the kernels launch on the model's GPU.
@@ -26,10 +27,10 @@ pytestmark = [pytest.mark.gpu,
 NAMES = ["a0", "__base__", "a2", "a1", "a0"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tensor_parallel_two_gpus_graphs_equal_peft(tmp_path, arch):
-    out = run_tp_worker(tmp_path, arch, "cuda", "auto")
-    assert "graphs=auto" in out
+@pytest.mark.parametrize("arch,ops", [("llama", "kernels"), ("qwen2", "kernels"), ("qwen2", "torch")])
+def test_tensor_parallel_two_gpus_graphs_equal_peft(tmp_path, arch, ops):
+    out = run_tp_worker(tmp_path, arch, "cuda", "auto", ops=ops)
+    assert "graphs=auto" in out and f"ops={ops}" in out
 
 
 def _generate(model, batch, names, new=8):

@@ -11,7 +11,8 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, layout: str = "peft", nproc: int = 2):
+def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, layout: str = "peft", ops: str = "kernels",
+                  nproc: int = 2):
     """torchrun ``_tp_worker.py`` on ``nproc`` ranks; asserts every rank reported ok."""
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
                # PEFT's mixed batch walks a set of adapter names; its order must be the same on
@@ -20,7 +21,7 @@ def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, layout: str = "
                # NVLink multicast stays off in every process (the device machines' rule)
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           os.path.join(HERE, "_tp_worker.py"), str(tmp_path / arch), arch, device, graphs, layout]
+           os.path.join(HERE, "_tp_worker.py"), str(tmp_path / arch), arch, device, graphs, layout, ops]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     for rank in range(nproc):
@@ -28,8 +29,10 @@ def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, layout: str = "
     return run.stdout
 
 
-# "whole": adapters left whole on every rank, as PEFT before 0.21.2 leaves them (fastlora slices them)
-@pytest.mark.parametrize("arch,layout", [("llama", "peft"), ("qwen2", "peft"), ("llama", "whole")])
-def test_tensor_parallel_lora_equals_peft_unsharded(tmp_path, arch, layout):
+# "whole": adapters left whole on every rank, as PEFT before 0.21.2 leaves them (fastlora slices them);
+# "kernels": fastlora's base-model kernels in Triton's interpreter (slow: once)
+@pytest.mark.parametrize("arch,layout,ops", [("llama", "peft", "kernels"), ("qwen2", "peft", "torch"),
+                                             ("llama", "whole", "torch")])
+def test_tensor_parallel_lora_equals_peft_unsharded(tmp_path, arch, layout, ops):
     pytest.importorskip("torch.distributed.tensor")
-    run_tp_worker(tmp_path, arch, "cpu", "emulate", layout)
+    run_tp_worker(tmp_path, arch, "cpu", "emulate", layout, ops)
