@@ -36,3 +36,15 @@ def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, layout: str = "
 def test_tensor_parallel_lora_equals_peft_unsharded(tmp_path, arch, layout, ops):
     pytest.importorskip("torch.distributed.tensor")
     run_tp_worker(tmp_path, arch, "cpu", "emulate", layout, ops)
+
+
+def test_serve_tp_example(tmp_path):
+    """examples/serve_tp.py as the README runs it: 2 ranks, adapters loaded from folders by PEFT."""
+    pytest.importorskip("torch.distributed.tensor")
+    env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(os.path.dirname(HERE), "examples", "serve_tp.py"), "--folder", str(tmp_path)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert "tokens equal to PEFT on the whole model: True" in run.stdout, run.stdout[-3000:]
+
