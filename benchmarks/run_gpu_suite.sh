@@ -50,6 +50,8 @@ if [[ $parts == *" multigpu "* ]]; then
   nvidia-smi topo -m | tee "$OUT/multi_gpu_topology.txt" | head -5
   timeout 260 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_multi_gpu.py 2>&1 \
     | tee "$OUT/multi_gpu_tests.log" | tail -30
+  PYTHONHASHSEED=0 timeout 120 torchrun --standalone --nproc_per_node 2 examples/serve_tp.py 2>&1 \
+    | grep -v -i warn | tee "$OUT/serve_tp_gpu.log" | tail -7
   PYTHONHASHSEED=0 timeout 300 torchrun --standalone --nproc_per_node 2 benchmarks/bench_tp.py \
     --model ${TP_MODEL:-8b} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_tp.log" | tail -14
 fi
