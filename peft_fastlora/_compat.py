@@ -272,6 +272,11 @@ def lora_weights(layer: nn.Module) -> Dict[str, Tuple[torch.Tensor, torch.Tensor
     return out
 
 
+def adapter_count(layer: nn.Module) -> int:
+    """How many adapters a LoRA layer holds (Linear and Embedding kinds together)."""
+    return len(layer.lora_A) + len(layer.lora_embedding_A)
+
+
 def adapter_names_of(layer: nn.Module):
     return set(layer.lora_A.keys()) | set(layer.lora_embedding_A.keys())
 
@@ -319,7 +324,7 @@ def watch_lora_layer(layer: nn.Module):
     scaling = getattr(layer, "scaling", None)
     if mods_a is None or mods_b is None or not isinstance(scaling, dict):
         return None
-    weights = []
+    weights = {}
     for name in mods_a:
         if name not in mods_b:
             continue
@@ -327,17 +332,22 @@ def watch_lora_layer(layer: nn.Module):
         a, b = ma._parameters.get("weight"), mb._parameters.get("weight")
         if a is None or b is None:
             return None
-        weights.append((name, ma, a, local(a).data_ptr(), mb, b, local(b).data_ptr()))
+        weights[name] = (ma, a, local(a).data_ptr(), mb, b, local(b).data_ptr())
     return (mods_a, tuple(mods_a), mods_b, tuple(mods_b), scaling, dict(scaling), weights)
 
 
-def lora_layer_unchanged(watch) -> bool:
-    """Whether the layer ``watch`` (from ``watch_lora_layer``) still holds the same adapters,
-    parameters, storage and scalings (values may have changed: they are copied at each call)."""
+def lora_layer_unchanged(watch, names=None) -> bool:
+    """Whether the layer ``watch`` (from ``watch_lora_layer``) still holds the same adapters and
+    scalings, and the adapters ``names`` (None: all) the same parameters and storage (values may
+    have changed: they are copied at each call)."""
     mods_a, keys_a, mods_b, keys_b, scaling, scaling_then, weights = watch
     if tuple(mods_a) != keys_a or tuple(mods_b) != keys_b or scaling != scaling_then:
         return False
-    for name, ma, a, pa, mb, b, pb in weights:
+    for name in weights if names is None else names:
+        entry = weights.get(name)
+        if entry is None:
+            continue
+        ma, a, pa, mb, b, pb = entry
         if mods_a[name] is not ma or mods_b[name] is not mb:
             return False
         if ma._parameters.get("weight") is not a or mb._parameters.get("weight") is not b:

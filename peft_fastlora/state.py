@@ -67,13 +67,15 @@ class FastLoRAState:
         self._bi_copies: dict = {}  # device -> (batch info, its copy there): models split by device_map
         self._slot_ranks = None
         self._peft_config_keys = self._config_keys()
+        self._adapter_count = None  # LoRA adapters summed over the sites' layers, at the last check
         # per thread: a continuous-batching engine steps in its own thread
         self._local = threading.local()
         self.continuous = None  # continuous.engine.ContinuousBatchingHook
 
     def _config_keys(self):
+        # the config objects too: an adapter deleted and added again under its name is a new one
         cfg = getattr(self.model, "peft_config", None)
-        return tuple(sorted(cfg)) if isinstance(cfg, dict) else None
+        return tuple(sorted((k, id(v)) for k, v in cfg.items())) if isinstance(cfg, dict) else None
 
     @property
     def use_cuda_graph(self) -> bool:
@@ -110,7 +112,7 @@ class FastLoRAState:
             yield
             return
         with self._call_lock:
-            self.sync()
+            self.sync(adapter_names)
             self.refresh_values(adapter_names)
             self._local.in_call = True
             try:
@@ -348,11 +350,15 @@ class FastLoRAState:
                 site.clear_stash()
         if self.use_cuda_graph or self._in_call:
             return
-        self.sync()
+        self.sync(())  # the adapters' own parameters: once the first layer knows the batch's
         self._refresh_pending = True
 
-    def sync(self):
-        """Rebuild what no longer fits PEFT's adapters (see ``pool.SitePool.stale``)."""
+    def sync(self, adapter_names: Optional[Sequence[str]] = None):
+        """Rebuild what no longer fits PEFT's adapters (see ``pool.SitePool.stale``).
+
+        ``adapter_names``: check the parameters of these adapters only (None: all). The others are
+        checked when a call uses them, so the cost follows the adapters a call uses, not the
+        number loaded."""
         if self._config_keys() != self._peft_config_keys or self._adapter_set_changed():
             self.rescan()
             return
@@ -360,9 +366,13 @@ class FastLoRAState:
             if not g.is_intact():
                 g.fuse()  # model.to() or a reload gave the members new storage
                 self.generation += 1
+        self._sync_pools(adapter_names)
+
+    def _sync_pools(self, adapter_names: Optional[Sequence[str]]):
+        names = None if adapter_names is None else set(adapter_names)
         for site in self.sites:
             dtype = site.pool.lora_a.dtype if site.pool.lora_a is not None else self._site_dtype(site)
-            if site.pool.stale(self.registry, dtype):
+            if site.pool.stale(self.registry, dtype, names):
                 self._rebuild_pool(site, dtype)
 
     def refresh_values(self, adapter_names: Optional[Sequence[str]]):
@@ -378,6 +388,11 @@ class FastLoRAState:
         self._refresher.refresh(slots)
 
     def _adapter_set_changed(self) -> bool:
+        # adapters per layer, counted (cheap); the names compared only when the count moved
+        count = sum(_compat.adapter_count(layer) for site in self.sites for layer in site.lora_layers)
+        if count == self._adapter_count:
+            return False
+        self._adapter_count = count
         names = set()
         for site in self.sites:
             for layer in site.lora_layers:
@@ -419,6 +434,7 @@ class FastLoRAState:
             tokens_per_row //= max(x.shape[-1], 1)
         if self._refresh_pending:  # a forward outside generate: this is its call boundary
             self._refresh_pending = False
+            self._sync_pools(adapter_names)
             self.refresh_values(adapter_names)
         # by value, not by list identity: a caller may reuse one list and change it in place
         key = (tuple(adapter_names), rows, tokens_per_row)

@@ -552,6 +552,35 @@ def test_weights_changed_through_dot_data_are_used(which):
     assert_same_as(m, ref)
 
 
+def test_parameters_are_checked_for_the_adapters_a_call_uses():
+    """A call checks the parameters of its own adapters only (the cost follows the adapters used,
+    not the number loaded); an adapter re-pointed while unused is caught by the first call that
+    uses it."""
+    m, ref = pair()
+    fastlora.patch(m)
+    state = get_state(m)
+    logits(m, ["sql", "__base__", "sql", "sql"])
+    generation = state.generation
+    for model in (m, ref):
+        w = _q_layer(model).lora_B["chat"].weight
+        w.data = w.data + 0.5  # new storage: the stacks' copy of it is stale
+    assert_same_as(m, ref, ["sql", "__base__", "sql", "sql"])  # chat unused: not checked, not rebuilt
+    assert state.generation == generation
+    assert_same_as(m, ref, ["chat", "sql", "__base__", "chat"])  # chat used: noticed, rebuilt
+    assert state.generation > generation
+
+
+def test_adapter_deleted_and_added_again_under_its_name():
+    m, ref = pair()
+    fastlora.patch(m)
+    assert_same_as(m, ref)
+    for model in (m, ref):
+        model.delete_adapter("chat")
+        torch.manual_seed(3)
+        model.add_adapter("chat", LoraConfig(r=2, target_modules=["o_proj", "down_proj"], init_lora_weights=False))
+    assert_same_as(m, ref)
+
+
 # ---- unpatch ----------------------------------------------------------------------------------
 def _files(root):
     out = {}

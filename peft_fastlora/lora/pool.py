@@ -114,14 +114,16 @@ class SitePool:
             watch.append(entry)
         return watch
 
-    def _watch_clean(self) -> bool:
-        return all(lora_layer_unchanged(entry) for entry in self._watched)
+    def _watch_clean(self, names) -> bool:
+        return all(lora_layer_unchanged(entry, names) for entry in self._watched)
 
-    def stale(self, registry: AdapterRegistry, dtype: torch.dtype) -> bool:
+    def stale(self, registry: AdapterRegistry, dtype: torch.dtype, names=None) -> bool:
+        """Whether the stacks no longer fit PEFT's adapters. ``names``: of the adapters' own
+        parameters, check only these (None: all); the adapter set and scalings always."""
         if self.lora_a is None or self.lora_a.dtype != dtype:
             return True
         if self._watched is not None:
-            return self._registry_names != registry.names or not self._watch_clean()
+            return self._registry_names != registry.names or not self._watch_clean(names)
         return self._signature != self._current_signature(registry)
 
     # inference_mode(False): a rebuild may run inside a forward under torch.inference_mode(), and
