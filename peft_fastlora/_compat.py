@@ -590,14 +590,19 @@ def reset_rng_capture_state(device_index: int) -> None:
 _HOOK_GUARD = "_enable_peft_forward_hooks"
 
 
-def guard_peft_forward_hooks(peft_model: nn.Module) -> bool:
-    """Make PEFT remove its per-call ``adapter_names`` hooks when the call raises.
+def guard_peft_forward_hooks(peft_model: nn.Module, serve=None) -> bool:
+    """Make PEFT remove its per-call ``adapter_names`` hooks when the call raises, and let
+    fastlora take the call instead where it serves every layer that would get them.
 
     PEFT registers forward pre-hooks on every LoRA layer for a call with ``adapter_names`` and
     removes them only when the call returns (its context manager has no ``finally``:
     huggingface/peft#3475), so after any error inside the call (an unknown adapter, too many
     adapters for fastlora's batch) the stale hooks break every later call. This wraps the context
     manager on this model instance: on an exception, hooks added during the call are removed.
+
+    ``serve(kwargs)``: a context manager that takes the call's adapter names in PEFT's place, or
+    None to let PEFT do it. PEFT walks every module of the model to check the names and to hook
+    every LoRA layer, at each call: its cost grows with the adapters loaded.
     Returns False when the model has no such context manager (nothing to guard).
     """
     import contextlib
@@ -609,6 +614,11 @@ def guard_peft_forward_hooks(peft_model: nn.Module) -> bool:
 
     @contextlib.contextmanager
     def guarded(*args, **kwargs):
+        scope = serve(kwargs) if serve is not None else None
+        if scope is not None:
+            with scope:
+                yield
+            return
         before = [(m, set(m._forward_pre_hooks), set(m._forward_hooks)) for m in layers]
         try:
             with original(*args, **kwargs):
@@ -625,6 +635,15 @@ def guard_peft_forward_hooks(peft_model: nn.Module) -> bool:
 
     peft_model.__dict__[_HOOK_GUARD] = guarded
     return True
+
+
+def has_auxiliary_wrappers(model: nn.Module) -> bool:
+    """PEFT's ``modules_to_save`` / trainable-token wrappers (they take ``adapter_names`` too)."""
+    try:
+        from peft.utils.other import AuxiliaryTrainingWrapper
+    except ImportError:  # a PEFT without them
+        return False
+    return any(isinstance(m, AuxiliaryTrainingWrapper) for m in model.modules())
 
 
 def unguard_peft_forward_hooks(peft_model: nn.Module) -> None:

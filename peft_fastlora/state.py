@@ -68,6 +68,7 @@ class FastLoRAState:
         self._slot_ranks = None
         self._peft_config_keys = self._config_keys()
         self._adapter_count = None  # LoRA adapters summed over the sites' layers, at the last check
+        self._takes_adapter_names = False  # see serve_adapter_names
         # per thread: a continuous-batching engine steps in its own thread
         self._local = threading.local()
         self.continuous = None  # continuous.engine.ContinuousBatchingHook
@@ -126,6 +127,36 @@ class FastLoRAState:
         return getattr(self._local, "in_call", False)
 
     @property
+    def call_names(self) -> Optional[List[str]]:
+        """The adapter names of this thread's call, where fastlora took them in PEFT's place."""
+        return getattr(self._local, "call_names", None)
+
+    def serve_adapter_names(self, kwargs):
+        """In place of PEFT's per-call hooks (``_compat.guard_peft_forward_hooks``): a context in
+        which the LoRA layers read the call's ``adapter_names`` from here, or None where PEFT must
+        hook them itself (beam search, aLoRA, training mode, layers or wrappers fastlora does not
+        serve). Unknown names raise PEFT's error."""
+        names = kwargs.get("adapter_names")
+        if (names is None or not self._takes_adapter_names or kwargs.get("alora_offsets") is not None
+                or int(kwargs.get("num_beams", 1) or 1) > 1 or self.model.training
+                or not isinstance(names, (list, tuple))):
+            return None
+        config = getattr(self.model, "peft_config", None) or {}
+        unknown = {n for n in names if n != "__base__"} - set(self.registry.names) - set(config)
+        if unknown:  # PEFT's message
+            raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unknown))}")
+        return self._call_names_scope(list(names))
+
+    @contextlib.contextmanager
+    def _call_names_scope(self, names: List[str]):
+        previous = self.call_names
+        self._local.call_names = names
+        try:
+            yield
+        finally:
+            self._local.call_names = previous
+
+    @property
     def token_segments(self) -> Optional[TokenSegments]:
         """Inside ``segments``: the sequences of this thread's forward (continuous batching)."""
         return getattr(self._local, "segments", None)
@@ -153,7 +184,7 @@ class FastLoRAState:
         self.generate_hook = GenerateHook(self)
         self.mutation_lock = AdapterMutationLock(self)
         self.continuous = ContinuousBatchingHook(self)
-        _compat.guard_peft_forward_hooks(self.model)
+        _compat.guard_peft_forward_hooks(self.model, serve=self.serve_adapter_names)
         self.base_ops = install_base_ops(self.inner, self.options, self.device)
         self._report_base_ops(report)
         self._update_graph_runner()
@@ -251,6 +282,9 @@ class FastLoRAState:
                         report.adapter_fallbacks.append((name_of.get(id(layer), "?"), adapter, why))
         report.sites = [(s.name, s.kind, len(s.lora_layers)) for s in self.sites]
         report.stack_bytes = sum(s.pool.nbytes() for s in self.sites)
+        # every module PEFT would hand adapter_names to is a site: fastlora takes the names itself
+        self._takes_adapter_names = (bool(self.sites) and not report.left_on_peft
+                                     and not _compat.has_auxiliary_wrappers(model))
         self.report = report
         return report
 

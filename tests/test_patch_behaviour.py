@@ -570,6 +570,55 @@ def test_parameters_are_checked_for_the_adapters_a_call_uses():
     assert state.generation > generation
 
 
+def _names_seen_by(layer):
+    """Wrap a patched layer's forward: records (PEFT hooks on it, adapter_names it got) per call."""
+    seen, patched = [], layer.forward
+
+    def spy(*args, **kwargs):
+        seen.append((len(layer._forward_pre_hooks), kwargs.get("adapter_names")))
+        return patched(*args, **kwargs)
+
+    layer.forward = spy
+    return seen, patched
+
+
+def test_fastlora_takes_adapter_names_in_place_of_peft_hooks():
+    # PEFT walks every module and hooks every LoRA layer at each call: a cost that grows with the
+    # adapters loaded. Where every such layer is fastlora's, fastlora holds the call's names instead.
+    m, ref = pair()
+    fastlora.patch(m)
+    layer = _q_layer(m)
+    seen, patched = _names_seen_by(layer)
+    assert_same_as(m, ref)
+    kw = dict(input_ids=IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(m.generate(**kw, adapter_names=NAMES), ref.generate(**kw, adapter_names=NAMES))
+    layer.forward = patched
+    assert seen and all(hooks == 0 and names is None for hooks, names in seen), seen
+    assert_raises_like_peft(m, ref, ["sql", "nope", "__base__", "sql"], "non-existing adapter")
+
+
+def test_modules_to_save_keep_peft_hooks():
+    # a wrapper fastlora does not serve needs the names from PEFT's hooks: PEFT's way, unchanged
+    def build_mts():
+        torch.manual_seed(7)
+        model = get_peft_model(tiny_llama(), lora(("q_proj", "v_proj"), modules_to_save=["lm_head"]), adapter_name="sql")
+        model.add_adapter("chat", lora(("q_proj", "o_proj"), modules_to_save=["lm_head"]))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "modules_to_save" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
+        return model.eval()
+
+    m, ref = build_mts(), build_mts()
+    fastlora.patch(m)
+    layer = _q_layer(m)
+    seen, patched = _names_seen_by(layer)
+    assert_same_as(m, ref)
+    layer.forward = patched
+    assert seen and all(hooks == 1 and names == NAMES for hooks, names in seen), seen
+
+
 def test_adapter_deleted_and_added_again_under_its_name():
     m, ref = pair()
     fastlora.patch(m)

@@ -65,7 +65,7 @@ class Site:
     def fast_path_info(self, state, x, args, kwargs):
         """The batch info when this call can take the fast path, else None."""
         bi = self._fast_path_info(state, x, args, kwargs)
-        if bi is None and state.use_cuda_graph and kwargs.get("adapter_names") is not None:
+        if bi is None and state.use_cuda_graph and _names(state, kwargs) is not None:
             from ..decode.capture import GraphUnsafe
 
             # PEFT's path indexes rows from host lists: captured, it would replay stale indices
@@ -73,7 +73,7 @@ class Site:
         return bi
 
     def _fast_path_info(self, state, x, args, kwargs):
-        names = kwargs.get("adapter_names")
+        names = _names(state, kwargs)
         segments = state.token_segments if names is None else None
         if (names is None and segments is None) or args:
             return None
@@ -129,6 +129,9 @@ class Site:
         """This member's own (PEFT's) forward. In a continuous-batching forward it gets one row
         per token and each token's adapter name: PEFT's per-row path, exactly, never the active
         adapter applied to every sequence."""
+        if kwargs.get("adapter_names") is None and state.call_names is not None:
+            # the call's names, which PEFT's hooks would have passed (fastlora took them instead)
+            return original(x, *args, adapter_names=state.call_names, **kwargs)
         segments = state.token_segments
         if segments is None or kwargs.get("adapter_names") is not None:
             return original(x, *args, **kwargs)
@@ -138,6 +141,13 @@ class Site:
 
     def member_forward(self, state, i, original, x, args, kwargs):
         raise NotImplementedError
+
+
+def _names(state, kwargs):
+    """The forward's adapter names: PEFT's hooks pass them to every LoRA layer, or fastlora holds
+    them for the call (``ModelState.serve_adapter_names``)."""
+    names = kwargs.get("adapter_names")
+    return names if names is not None else state.call_names
 
 
 def _as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
