@@ -99,6 +99,10 @@ def main(argv=None) -> int:
     for b, (prefill, step) in time_decode(model, args.batches, args, names_for).items():
         rows.append((f"tp{world}", world, b, prefill, step))
     stats = fastlora.get_state(model).graph_runner.stats if fastlora.get_state(model).graph_runner else {}
+    stats = dict(stats)
+    # release the graphs (and the collectives captured in them) before the process group goes: the
+    # last run's processes outlived the device call after writing their results
+    fastlora.unpatch(model)
     if rank == 0:
         print("graph runner:", stats, flush=True)
         table, one = [], {(r[0], r[2]): r[4] for r in rows}

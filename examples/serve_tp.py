@@ -81,6 +81,7 @@ def main(argv=None) -> int:
         ok = torch.equal(tokens, want)
         print(f"{dist.get_world_size()} ranks on {device.type}, decode graphs {report.cuda_graphs}: "
               f"tokens equal to PEFT on the whole model: {ok}")
+    fastlora.unpatch(model)  # its decode graphs (and the collectives in them) go before the process group
     dist.barrier()
     if rank == 0 and args.folder is None:
         shutil.rmtree(folder, ignore_errors=True)
