@@ -354,15 +354,11 @@ class FastLoRAState:
         if self.graph_runner is not None:
             self.graph_runner.release()
             self.graph_runner = None
-        if self.generate_hook is not None:
-            self.generate_hook.remove()
-            self.generate_hook = None
-        if self.mutation_lock is not None:
-            self.mutation_lock.remove()
-            self.mutation_lock = None
-        if self.continuous is not None:
-            self.continuous.remove()
-            self.continuous = None
+        for attr in ("generate_hook", "mutation_lock", "continuous"):  # the instance-method wrappers
+            hook = getattr(self, attr)
+            if hook is not None:
+                hook.remove()
+                setattr(self, attr, None)
         _compat.unguard_peft_forward_hooks(self.model)
         if self._hook is not None:
             self._hook.remove()

@@ -18,15 +18,14 @@ when the last one stops.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
-import types
 from typing import Dict, List, Optional, Sequence
 
 from .. import _compat
 from ..base_ops.attention_registry import (decode_attention_enabled, disable_decode_attention,
                                            enable_decode_attention)
 from ..batch import TokenSegments
+from ..instance_methods import InstanceMethods
 
 BASE = "__base__"
 
@@ -96,7 +95,7 @@ class ContinuousBatchingHook:
         self.inner = state.inner
         # under TP only the driver rank sees add_request: the other ranks would not know the adapters
         self.blocker = _compat.continuous_batching_blocker(self.inner) or _compat.tensor_parallel_reason(self.inner)
-        self._saved: Dict[str, object] = {}
+        self._methods = InstanceMethods(self.inner)
         self._local = threading.local()  # adapter names a generate_batch call hands its requests
         self._running = 0  # managers started and not stopped
         self._attention_suspended = False
@@ -108,23 +107,12 @@ class ContinuousBatchingHook:
     # -- installing -------------------------------------------------------------------------
     def _install(self):
         for name in self._METHODS:
-            self._saved[name] = self.inner.__dict__.get(name)
-            original = getattr(self.inner, name)
             wrapper = getattr(self, "_" + name)
-
-            @functools.wraps(original)
-            def method(model, *args, _original=original, _wrapper=wrapper, **kwargs):
-                return _wrapper(_original, *args, **kwargs)
-
-            setattr(self.inner, name, types.MethodType(method, self.inner))
+            self._methods.wrap(name, lambda original, _wrapper=wrapper:
+                               lambda model, *args, **kwargs: _wrapper(original, *args, **kwargs))
 
     def remove(self):
-        for name, saved in self._saved.items():
-            if saved is None:
-                self.inner.__dict__.pop(name, None)
-            else:
-                setattr(self.inner, name, saved)
-        self._saved = {}
+        self._methods.restore()
         self._resume_attention(force=True)
 
     @property

@@ -5,16 +5,15 @@ their values copied once), and, where the call allows it, decode steps replayed 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
-import types
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from .. import _compat
+from ..instance_methods import InstanceMethods
 from .runner import DecodeGraphRunner
 from .static_cache import CacheUnavailable
 
@@ -116,21 +115,12 @@ class GenerateHook:
 
     def __init__(self, state):
         self.model = state.model
-        self._saved = self.model.__dict__.get("generate")  # an instance-level generate already there
-        self.original = self.model.generate
-        original = self.original
-
-        @functools.wraps(original)
-        def generate(model, *args, **kwargs):
-            return run_generate(state, original, args, kwargs)
-
-        self.model.generate = types.MethodType(generate, self.model)
+        self._methods = InstanceMethods(self.model)
+        self.original = self._methods.wrap(
+            "generate", lambda original: lambda model, *args, **kwargs: run_generate(state, original, args, kwargs))
 
     def remove(self):
-        if self._saved is None:
-            self.model.__dict__.pop("generate", None)
-        else:
-            self.model.generate = self._saved
+        self._methods.restore()
 
 
 @dataclass

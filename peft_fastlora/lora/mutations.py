@@ -9,9 +9,7 @@ change whole.
 
 from __future__ import annotations
 
-import functools
-import types
-from typing import Dict
+from ..instance_methods import InstanceMethods
 
 METHODS = ("add_adapter", "delete_adapter", "load_adapter", "set_adapter")
 
@@ -20,26 +18,19 @@ class AdapterMutationLock:
     """Installs the wrappers on ``state.model``; ``remove`` restores what was there."""
 
     def __init__(self, state):
-        self.model = state.model
-        self._saved: Dict[str, object] = {}
+        self._methods = InstanceMethods(state.model)
         lock = state._call_lock
         for name in METHODS:
-            original = getattr(self.model, name, None)
-            if not callable(original):
+            if not callable(getattr(state.model, name, None)):
                 continue
-            self._saved[name] = self.model.__dict__.get(name)
 
-            @functools.wraps(original)
-            def locked(model, *args, _original=original, **kwargs):
-                with lock:
-                    return _original(*args, **kwargs)
+            def make(original):
+                def locked(model, *args, **kwargs):
+                    with lock:
+                        return original(*args, **kwargs)
+                return locked
 
-            setattr(self.model, name, types.MethodType(locked, self.model))
+            self._methods.wrap(name, make)
 
     def remove(self):
-        for name, saved in self._saved.items():
-            if saved is None:
-                self.model.__dict__.pop(name, None)
-            else:
-                setattr(self.model, name, saved)
-        self._saved = {}
+        self._methods.restore()
