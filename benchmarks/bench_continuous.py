@@ -11,6 +11,8 @@ at once (offline throughput). Modes, each on the same requests:
 - ``fastlora``: the patched PeftModel through transformers' continuous batching, one adapter per
   request (``add_request(..., adapter_name=...)``);
 - ``base``: the base model alone through the same engine (what the adapters cost);
+- ``base_graphs`` / ``fastlora_graphs``: the same two with the engine's CUDA graphs on
+  (``use_cuda_graph=True``; warmed up before the clock starts, as a server would be);
 - ``static``: the patched model through ``generate`` in static batches of ``--static-batch`` rows
   (left-padded; every row waits for the longest).
 
@@ -52,21 +54,27 @@ def workload(args):
     return reqs
 
 
-def engine_config(args):
+def engine_config(args, graphs: bool):
     from transformers import ContinuousBatchingConfig
 
-    kw = dict(max_batch_tokens=args.max_batch_tokens)
+    kw = dict(max_batch_tokens=args.max_batch_tokens, use_cuda_graph=graphs)
     if args.cache_tokens:
         kw["num_blocks"] = max(1, args.cache_tokens // 256)
     return ContinuousBatchingConfig(**kw)
 
 
-def run_engine(model, reqs, args, with_adapters: bool):
-    """(seconds, [latency], [time to first token]) for every request through one manager."""
+def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
+    """(seconds, [latency], [time to first token], graph stats) for every request through one
+    manager; with graphs, the engine's warm-up captures run before the clock starts."""
     from transformers import GenerationConfig
 
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.output_cap)
-    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=engine_config(args))
+    manager = model.init_continuous_batching(generation_config=gen,
+                                             continuous_batching_config=engine_config(args, graphs))
+    if graphs:
+        t = time.perf_counter()
+        manager.warmup()
+        print(f"warm-up {time.perf_counter() - t:.1f} s", file=sys.stderr)
     manager.start()
     queued, latency, ttft = {}, [], []
     try:
@@ -95,7 +103,8 @@ def run_engine(model, reqs, args, with_adapters: bool):
         seconds = time.perf_counter() - t0
     finally:
         manager.stop(block=True)
-    return seconds, latency, ttft
+    lora_graphs = getattr(manager, "fastlora_graphs", None)
+    return seconds, latency, ttft, dict(lora_graphs.stats) if lora_graphs is not None else {}
 
 
 def run_static(model, reqs, args):
@@ -117,7 +126,7 @@ def run_static(model, reqs, args):
         bg.sync()
         latency += [time.perf_counter() - t0] * len(group)  # all were queued at t0
     seconds = time.perf_counter() - t0
-    return seconds, latency, []
+    return seconds, latency, [], {}
 
 
 def pct(values, q):
@@ -125,6 +134,9 @@ def pct(values, q):
         return float("nan")
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+MODES = ["base", "base_graphs", "fastlora", "fastlora_graphs", "static"]
 
 
 def main(argv=None) -> int:
@@ -141,7 +153,7 @@ def main(argv=None) -> int:
     p.add_argument("--static-batch", type=int, default=64)
     p.add_argument("--static-requests", type=int, default=0,
                    help="static mode on the first N requests only (0: all); its tokens/s is over those")
-    p.add_argument("--modes", nargs="+", default=["base", "fastlora", "static"], choices=["base", "fastlora", "static"],
+    p.add_argument("--modes", nargs="+", default=["base", "fastlora", "static"], choices=MODES,
                    help="the CSV is rewritten after each mode, so a cut-off run keeps what finished")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for continuous_<gpu>.csv")
@@ -160,18 +172,19 @@ def main(argv=None) -> int:
     model = None
     table = []
     # base first: adding adapters changes the base model's modules in place
-    for mode in sorted(set(args.modes), key=["base", "fastlora", "static"].index):
-        if mode == "base":
-            used, (seconds, latency, ttft) = reqs, run_engine(base, reqs, args, with_adapters=False)
+    for mode in sorted(set(args.modes), key=MODES.index):
+        graphs = mode.endswith("_graphs")
+        if mode.startswith("base"):
+            used, (seconds, latency, ttft, stats) = reqs, run_engine(base, reqs, args, False, graphs)
         else:
             if model is None:
                 model = bg.add_adapters(base, args.adapters, args.rank)
                 print(fastlora.patch(model), file=sys.stderr)
-            if mode == "fastlora":
-                used, (seconds, latency, ttft) = reqs, run_engine(model, reqs, args, with_adapters=True)
+            if mode.startswith("fastlora"):
+                used, (seconds, latency, ttft, stats) = reqs, run_engine(model, reqs, args, True, graphs)
             else:
                 used = reqs[:args.static_requests or len(reqs)]
-                seconds, latency, ttft = run_static(model, used, args)
+                seconds, latency, ttft, stats = run_static(model, used, args)
         out_tokens = sum(n for _, _, n in used)
         table.append(dict(mode=mode, model=args.model, adapters=args.adapters, rank=args.rank, requests=len(used),
                           output_tokens=out_tokens, seconds=round(seconds, 3),
@@ -179,7 +192,13 @@ def main(argv=None) -> int:
                           latency_p50_s=round(pct(latency, 0.5), 3), latency_p99_s=round(pct(latency, 0.99), 3),
                           ttft_p50_s=round(pct(ttft, 0.5), 3), ttft_p99_s=round(pct(ttft, 0.99), 3),
                           mean_prompt=round(statistics.mean(len(q) for q, _, _ in used), 1),
-                          max_batch_tokens=args.max_batch_tokens, **info))
+                          max_batch_tokens=args.max_batch_tokens,
+                          lora_graphed_steps=stats.get("graphed_steps", ""),
+                          lora_eager_steps=stats.get("eager_steps", ""), time_per_token_vs_base="", **info))
+        same = {"fastlora": "base", "fastlora_graphs": "base_graphs"}.get(mode)
+        for row in table:
+            if row["mode"] == same:  # time per output token against the adapter-free engine
+                table[-1]["time_per_token_vs_base"] = round(row["tokens_per_s"] / table[-1]["tokens_per_s"], 3)
         print(table[-1], file=sys.stderr)
         if args.out and not args.smoke:
             path = bg.write_csv(table, args.out, f"continuous_{info['gpu'].split()[-1].lower()}.csv")

@@ -14,7 +14,7 @@ want() { [[ $parts == *" all "* || $parts == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
 if want tests; then
-  files=$(ls tests/*_gpu.py)
+  files=${GPU_TESTS:-$(ls tests/*_gpu.py)}
   timeout 360 python3 -m pytest -m gpu -q -p no:cacheprovider $files 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
   timeout 120 python3 examples/quickstart.py 2>&1 | tee "$OUT/quickstart_gpu.log" | tail -12
 fi
@@ -40,7 +40,7 @@ if want attention; then
 fi
 if want continuous; then
   timeout 560 python3 benchmarks/bench_continuous.py --model ${CB_MODEL:-8b} --requests ${CB_REQUESTS:-2000} \
-    --static-requests ${CB_STATIC_REQUESTS:-0} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_continuous.log" | tail -8
+    --static-requests ${CB_STATIC_REQUESTS:-0} --modes ${CB_MODES:-base fastlora static} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_continuous.log" | tail -8
 fi
 if want prefill; then
   timeout 300 python3 benchmarks/bench_prefill.py --model ${PREFILL_MODEL:-8b} --out "$OUT" 2>&1 | grep -v -i warn \

@@ -178,6 +178,11 @@ def on_device(device: Optional[torch.device]):
     return torch.cuda.device(device)
 
 
+def on_stream(stream):
+    """Make ``stream`` the current CUDA stream inside the block; a no-op for None."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 def tp_size(model: nn.Module) -> int:
     """How many ranks transformers' tensor parallelism split this model over (1: not split)."""
     size = getattr(model, "_tp_size", None)
@@ -659,7 +664,6 @@ def unguard_peft_forward_hooks(peft_model: nn.Module) -> None:
 CB_CHILD_MARK = "__child#"  # request ids of forked sequences: f"{parent}__child#{i}"
 _CB_OFF = {  # config field -> (value fastlora needs, why)
     "allow_block_sharing": (False, "prefix sharing would serve one adapter's KV cache to another"),
-    "use_cuda_graph": (False, "fastlora builds each step's LoRA batch on the host"),
     "use_async_batching": (False, "each step's requests are read just before its forward"),
     "varlen_compile_config": (None, "torch.compile of the forward is not supported with LoRA batches"),
     "decode_compile_config": (None, "torch.compile of the forward is not supported with LoRA batches"),
@@ -679,7 +683,7 @@ def continuous_batching_blocker(model: nn.Module) -> Optional[str]:
     import dataclasses
 
     fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
-    missing = [f for f in _CB_OFF if f not in fields]
+    missing = [f for f in (*_CB_OFF, "use_cuda_graph") if f not in fields]
     if missing:
         return f"transformers {TRANSFORMERS_VERSION}'s ContinuousBatchingConfig has no {', '.join(missing)}"
     if not hasattr(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors"):
@@ -692,9 +696,11 @@ def continuous_batching_blocker(model: nn.Module) -> Optional[str]:
     return None
 
 
-def cb_config_for_lora(config, generation_config) -> Tuple[object, list]:
+def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] = None) -> Tuple[object, list]:
     """A copy of the continuous-batching config (the caller's, the one set on the generation
-    config, or the default) with what per-request adapters need; and what was changed, why."""
+    config, or the default) with what per-request adapters need; and what was changed, why.
+    ``graphs_blocker``: why the engine's CUDA graphs cannot carry this model's LoRA batches
+    (None: the engine keeps its own choice)."""
     import dataclasses
 
     from transformers import ContinuousBatchingConfig
@@ -703,8 +709,11 @@ def cb_config_for_lora(config, generation_config) -> Tuple[object, list]:
         config = getattr(generation_config, "continuous_batching_config", None)
     if not isinstance(config, ContinuousBatchingConfig):
         config = ContinuousBatchingConfig()
+    off = dict(_CB_OFF)
+    if graphs_blocker is not None:
+        off["use_cuda_graph"] = (False, graphs_blocker)
     changes, values = [], {}
-    for name, (value, why) in _CB_OFF.items():
+    for name, (value, why) in off.items():
         current = getattr(config, name)
         if current != value:
             values[name] = value
@@ -779,3 +788,71 @@ def cb_drop_result_handler(manager, request_id: str) -> None:
     if isinstance(handlers, dict) and lock is not None:
         with lock:
             handlers.pop(request_id, None)
+
+
+# The engine's CUDA graphs (``model_runner``: ``compute_batch`` captures or replays a graph per
+# padded step shape, ``_get_forward_fn`` says whether this step is graphed; the graphs live in
+# ``inputs_and_outputs.graphs``). Checked on 5.17 and 5.24.
+def cb_graphs_blocker_of_engine(processor) -> Optional[str]:
+    """Why fastlora cannot follow this engine's graphs (None: it can)."""
+    runner, ios = getattr(processor, "model_runner", None), getattr(processor, "inputs_and_outputs", None)
+    for obj, attr in ((runner, "_get_forward_fn"), (runner, "use_cuda_graph_varlen"), (runner, "pad_inputs"),
+                      (runner, "cache"), (ios, "graphs"), (ios, "use_block_table")):
+        if not hasattr(obj, attr):
+            return f"transformers {TRANSFORMERS_VERSION}'s continuous-batching engine has no {attr}"
+    return None
+
+
+def cb_engine_uses_graphs(processor) -> bool:
+    """Whether the engine captures any of its steps in CUDA graphs."""
+    runner = processor.model_runner
+    return bool(getattr(runner, "use_cuda_graph_varlen", False) or getattr(runner, "use_cuda_graph_decode", False))
+
+
+def cb_capacity(processor) -> Tuple[int, int]:
+    """(most tokens, most requests) of one engine step."""
+    runner = processor.model_runner
+    return int(runner.cache.max_batch_tokens), int(runner.cb_config.max_requests_per_batch)
+
+
+def cb_graphed_step(processor) -> bool:
+    """Whether the engine's step about to run is captured or replayed in a CUDA graph."""
+    runner, ios = processor.model_runner, processor.inputs_and_outputs
+    return bool(runner._get_forward_fn(use_block_table=ios.use_block_table)[1])
+
+
+def cb_stream(processor):
+    """The stream the engine computes (and replays its graphs) on; None off CUDA."""
+    return getattr(processor.inputs_and_outputs, "compute_stream", None)
+
+
+def cb_drop_graphs(processor) -> None:
+    """Drop the engine's captured graphs (each is recaptured at its next use)."""
+    ios = processor.inputs_and_outputs
+    ios.graphs = type(ios.graphs)()  # the old buffer resets its graphs when collected
+
+
+def cb_disable_graphs(processor) -> None:
+    """The engine's steps eager from now on (still padded: harmless)."""
+    runner = processor.model_runner
+    runner.use_cuda_graph_varlen = runner.use_cuda_graph_decode = False
+
+
+@contextlib.contextmanager
+def cb_graphs_suspended(processor):
+    """The engine runs its graphed step's forward eagerly inside (emulated graphs)."""
+    runner = processor.model_runner
+    saved = runner.use_cuda_graph_varlen, runner.use_cuda_graph_decode
+    runner.use_cuda_graph_varlen = runner.use_cuda_graph_decode = False
+    try:
+        yield
+    finally:
+        runner.use_cuda_graph_varlen, runner.use_cuda_graph_decode = saved
+
+
+def cb_emulate_graphs(processor) -> None:
+    """Off CUDA (tests): the engine pads its steps and marks them graphed as it would with graphs;
+    ``cb_graphs_suspended`` then runs each one eagerly."""
+    runner = processor.model_runner
+    runner.pad_inputs = True
+    runner.use_cuda_graph_varlen = runner.use_cuda_graph_decode = True

@@ -20,6 +20,9 @@ from typing import Optional, Sequence
 import torch
 
 NO_ADAPTER = -1
+# the graphed context of a model without LoRA layers: no batch info to read, but the layers and
+# base-model kernels still see that they are being captured
+NO_LORA_BATCH = object()
 
 
 class ForwardMode(enum.Enum):

@@ -489,7 +489,10 @@ class FastLoRAState:
         return cached[1]
 
     def segment_batch_info(self, segments: TokenSegments):
-        """The batch info of a continuous-batching forward, built by the first layer that asks."""
+        """The batch info of a continuous-batching forward, built by the first layer that asks
+        (in the engine's graphs: the static buffers, filled before the step)."""
+        if self.use_cuda_graph:
+            return self.graph_batch_info
         if self._bi_key is segments:
             return self._bi
         fb, slots = segments.forward_batch(self.registry.slots_for(segments.names), self.device)

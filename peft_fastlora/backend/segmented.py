@@ -9,6 +9,7 @@ here on top of them. A backend with a one-kernel shrink + expand for some batche
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -16,7 +17,6 @@ import torch
 from ..kernel_support import FLOAT_DTYPES
 from ..batch import BLOCK_M_TIERS, BatchInfoBuffers, ForwardBatch, LoRABatchInfo, choose_block_m
 from .base import BaseLoRABackend
-
 
 
 def _round_up_pow2(n: int) -> int:
@@ -84,13 +84,30 @@ class SegmentedLoRABackend(BaseLoRABackend):
         if max_bs_in_cuda_graph < 1 or num_tokens_per_bs < 1:
             raise ValueError(f"init_cuda_graph_batch_info needs positive sizes, got "
                              f"({max_bs_in_cuda_graph}, {num_tokens_per_bs})")
-        max_tokens = max_bs_in_cuda_graph * num_tokens_per_bs
-        self._graph_buffers = BatchInfoBuffers(
-            max_bs=max_bs_in_cuda_graph, max_tokens=max_tokens,
+        self._graph_buffers = self.new_graph_buffers(max_bs_in_cuda_graph,
+                                                     max_bs_in_cuda_graph * num_tokens_per_bs,
+                                                     max_slots=max_slots)
+        return self._graph_buffers
+
+    def new_graph_buffers(self, max_bs: int, max_tokens: int, *, max_slots: int = 0) -> BatchInfoBuffers:
+        """Static batch-info buffers for graphs of up to ``max_bs`` rows and ``max_tokens`` tokens,
+        row tile chosen from ``max_tokens``. ``init_cuda_graph_batch_info`` makes the backend's
+        own; an owner of several graph families (the continuous-batching engine's) makes one per
+        family and fills it through ``using_graph_buffers``."""
+        return BatchInfoBuffers(
+            max_bs=max_bs, max_tokens=max_tokens,
             max_slots=max(self._max_slots_hint(), _round_up_pow2(max(1, max_slots))),
             max_loras=self.max_loras_per_batch, block_m=choose_block_m(max_tokens),
             device=self.device)
-        return self._graph_buffers
+
+    @contextlib.contextmanager
+    def using_graph_buffers(self, buffers: BatchInfoBuffers):
+        """``prepare_lora_batch(..., use_cuda_graph=True)`` inside fills ``buffers``."""
+        previous, self._graph_buffers = self._graph_buffers, buffers
+        try:
+            yield buffers
+        finally:
+            self._graph_buffers = previous
 
     def graph_slot_capacity(self) -> int:
         """Adapter slots the graph batch-info buffers hold (0 before ``init_cuda_graph_batch_info``)."""

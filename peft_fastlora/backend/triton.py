@@ -45,10 +45,8 @@ class TritonLoRABackend(SegmentedLoRABackend):
             ws = self._workspaces[device] = _ops.FusedWorkspace(device)
         return ws
 
-    def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int, *,
-                                   max_slots: int = 0):
-        buffers = super().init_cuda_graph_batch_info(max_bs_in_cuda_graph, num_tokens_per_bs,
-                                                     max_slots=max_slots)
+    def new_graph_buffers(self, max_bs: int, max_tokens: int, *, max_slots: int = 0):
+        buffers = super().new_graph_buffers(max_bs, max_tokens, max_slots=max_slots)
         if self.fused_decode and buffers.block_m <= 16:
             # sized for any site now, so that no capture has to allocate it
             self._workspace(self.device).reserve(buffers.max_chunks, _ops.FUSED_MAX_MODULES,

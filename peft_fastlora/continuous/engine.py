@@ -25,7 +25,9 @@ from .. import _compat
 from ..base_ops.attention_registry import (decode_attention_enabled, disable_decode_attention,
                                            enable_decode_attention)
 from ..batch import TokenSegments
+from ..decode.capture import GraphUnsafe
 from ..instance_methods import InstanceMethods
+from .graphs import EngineGraphs
 
 BASE = "__base__"
 
@@ -147,6 +149,19 @@ class ContinuousBatchingHook:
         if not self.active:
             raise RuntimeError("fastlora: this model was unpatched; its continuous batching is transformers' own")
 
+    def graphs_blocker(self) -> Optional[str]:
+        """Why the engine's CUDA graphs cannot carry this model's LoRA batches (None: they can,
+        where the engine turns them on)."""
+        state = self.state
+        if state.options.cuda_graphs is False:
+            return "cuda_graphs=False"
+        split = _compat.multi_device_reason(self.inner)
+        if split is not None:
+            return f"{split}: a CUDA graph captures one device"
+        if state.report is not None and state.report.left_on_peft:
+            return "some LoRA layers are left on PEFT's path, which a graph would replay with stale indices"
+        return None
+
     def _check_servable(self, names: Sequence[str]) -> None:
         """LoRA layers left on PEFT's path apply PEFT's active adapter to every token: only requests
         for that adapter can be served with them."""
@@ -206,7 +221,7 @@ class ContinuousBatchingHook:
                 "fastlora: a continuous-batching manager made before fastlora.patch is cached on the "
                 "model; call destroy_cached_continuous_batching_manager() first")
         gen = generation_config if generation_config is not None else self.inner.generation_config
-        config, changes = _compat.cb_config_for_lora(continuous_batching_config, gen)
+        config, changes = _compat.cb_config_for_lora(continuous_batching_config, gen, self.graphs_blocker())
         for change in changes:
             self.state.warn_once(f"continuous batching with per-request adapters: {change}")
         hold = cached is None or not cached._fastlora_holds
@@ -321,6 +336,7 @@ class ContinuousBatchingHook:
             processor = create()
             if not getattr(processor, "_fastlora_enabled", False):
                 hook._wrap_step(processor, adapters)
+                manager.fastlora_graphs = processor._fastlora_graphs
             return processor
 
         manager.add_request = add_request_
@@ -330,14 +346,32 @@ class ContinuousBatchingHook:
         manager.destroy = destroy_
         manager._create_batch_processor = create_
 
+    def _engine_graphs(self, processor) -> Optional[EngineGraphs]:
+        """The LoRA side of the engine's graphs, where the engine runs any (or emulated ones)."""
+        if self.graphs_blocker() is not None:
+            return None
+        emulate = self.state.options.cuda_graphs == "emulate"
+        if not emulate and not _compat.cb_engine_uses_graphs(processor):
+            return None
+        why = _compat.cb_graphs_blocker_of_engine(processor)
+        if why is not None:
+            self.state.warn_once(f"continuous batching runs eagerly: {why}")
+            _compat.cb_disable_graphs(processor)
+            return None
+        return EngineGraphs(self.state, processor, emulate=emulate)
+
     def _wrap_step(self, processor, adapters: RequestAdapters):
         """The engine thread's side: from the moment the next batch is scheduled to the end of its
         forward it holds fastlora's call lock, so no adapter is added or deleted in between (PEFT's
-        adapter methods take the lock); requests whose adapter went are failed before scheduling."""
+        adapter methods take the lock); requests whose adapter went are failed before scheduling.
+        Each forward (a step's, or a warm-up's from the caller's thread) runs with its requests'
+        adapters, through the engine's graphs where it uses them."""
         state, step, prepare = self.state, processor._generation_step, processor.prepare_next_batch
-        schedule = processor.scheduler.schedule_batch
+        schedule, compute = processor.scheduler.schedule_batch, processor.model_runner.compute_batch
         lock, held = state._call_lock, [0]
         last: List = []
+        graphs = self._engine_graphs(processor)
+        local = threading.local()  # the segments of the step the engine thread is running
 
         def release():
             while held[0]:
@@ -370,15 +404,34 @@ class ContinuousBatchingHook:
                 ids = [r.request_id for r in requests]
                 adapters.forget([r.request_id for r in last if _compat.cb_request_done(r)], running=ids)
                 last[:] = requests
-                segments = TokenSegments([adapters.name_of(rid) for rid in ids], lens, num_tokens)
-                with state.segments(segments):
-                    return step(model)
+                local.segments = TokenSegments([adapters.name_of(rid) for rid in ids], lens, num_tokens)
+                return step(model)
             finally:
+                local.segments = None
                 release()
+
+        def compute_batch(model, batch_data):
+            segments = getattr(local, "segments", None)
+            if segments is None:  # a warm-up forward: made-up requests, no adapter
+                _, lens, num_tokens = _compat.cb_step(processor)
+                segments = TokenSegments([BASE] * len(lens), lens, num_tokens)
+            with _compat.on_stream(_compat.cb_stream(processor)), state.segments(segments):
+                if graphs is not None and graphs.graphed():
+                    try:
+                        with graphs.step(segments):
+                            return compute(model, batch_data)
+                    except GraphUnsafe as e:  # raised before any capture began: run it eagerly
+                        graphs.give_up(str(e))
+                        state.warn_once(f"continuous batching runs eagerly from now on: {e}")
+                if graphs is not None:
+                    graphs.stats["eager_steps"] += 1
+                return compute(model, batch_data)
 
         processor._generation_step = generation_step
         processor.prepare_next_batch = prepare_next_batch
         processor.scheduler.schedule_batch = schedule_batch
+        processor.model_runner.compute_batch = compute_batch
+        processor._fastlora_graphs = graphs
         processor._fastlora_enabled = True
 
     def _fail_orphans(self, processor, adapters: RequestAdapters) -> None:

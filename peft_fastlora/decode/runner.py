@@ -37,12 +37,11 @@ from typing import Dict, Optional
 import torch
 
 from .. import _compat
-from ..batch import ForwardBatch
+from ..batch import NO_LORA_BATCH, ForwardBatch
 from .capture import EmulatedGraph, GraphPool, GraphUnsafe, capture
 from .static_cache import CacheUnavailable, StaticCacheStore, cache_state_tensors
 
 logger = logging.getLogger("peft_fastlora")
-_NO_LORA = object()  # the graphed context of a model without LoRA layers (no batch info to read)
 
 
 class DecodeGraphRunner:
@@ -265,7 +264,7 @@ class DecodeGraphRunner:
         graphs read); a model without LoRA has none (a placeholder marks the graphed context)."""
         state = self.state
         if not state.has_lora:
-            return _NO_LORA
+            return NO_LORA_BATCH
         slots = state.registry.slots_for(self.adapter_names)
         slots = slots + [-1] * (batch_size - len(slots))  # padding rows: no adapter
         ranks = state.slot_ranks()

@@ -65,7 +65,8 @@ class Site:
     def fast_path_info(self, state, x, args, kwargs):
         """The batch info when this call can take the fast path, else None."""
         bi = self._fast_path_info(state, x, args, kwargs)
-        if bi is None and state.use_cuda_graph and _names(state, kwargs) is not None:
+        if bi is None and state.use_cuda_graph and (_names(state, kwargs) is not None
+                                                   or state.token_segments is not None):
             from ..decode.capture import GraphUnsafe
 
             # PEFT's path indexes rows from host lists: captured, it would replay stale indices

@@ -1,0 +1,109 @@
+"""The LoRA side of the continuous-batching engine's own CUDA graphs.
+
+transformers' engine pads each step to a size it captured a graph for (or captures one) and
+replays it. A captured LoRA layer reads its batch description from addresses fixed at capture,
+so each step's per-request adapters are written in place, before the replay, into static
+batch-info buffers: one set per row tile (``batch.BLOCK_M_TIERS``), so a small decode-sized
+step keeps the small tile and the one-launch decode kernel while a long prefill step gets a
+large tile. The engine keys its graphs by step shape; the buffers do not depend on the shape
+beyond the tier, so one fill serves any graph of that tier.
+
+Graphs read the stacks and the buffers: when fastlora rebuilds either (an adapter added or
+deleted, more slots than the buffers hold, a new backend), every graph of the engine is dropped
+and recaptured at its next use.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Dict, Optional
+
+from .. import _compat
+from ..batch import BLOCK_M_TIERS, NO_LORA_BATCH, BatchInfoBuffers, TokenSegments, choose_block_m
+
+
+class EngineGraphs:
+    """Static LoRA batch info for one batch processor's graphs, and when to drop them.
+
+    Args:
+        state: the model's ``FastLoRAState``.
+        processor: the engine's batch processor.
+        emulate: no CUDA graphs: the engine pads as for graphs and each graphed step runs its
+            forward eagerly over the static buffers (tests on CPU).
+    """
+
+    def __init__(self, state, processor, emulate: bool = False):
+        self.state, self.processor, self.emulate = state, processor, emulate
+        self.blocker: Optional[str] = None  # set when a step could not be captured
+        self.stats = collections.Counter(graphed_steps=0, eager_steps=0, graphs_dropped=0)
+        self._buffers: Dict[int, BatchInfoBuffers] = {}
+        self._generation = state.generation
+        self._backend = state.backend
+        self._max_tokens, self._max_requests = _compat.cb_capacity(processor)
+        if emulate:
+            _compat.cb_emulate_graphs(processor)
+
+    def graphed(self) -> bool:
+        """Whether the step about to run goes through one of the engine's graphs."""
+        return self.blocker is None and _compat.cb_graphed_step(self.processor)
+
+    @contextlib.contextmanager
+    def step(self, segments: TokenSegments):
+        """Around the engine's forward of a graphed step: the step's LoRA batch written into the
+        static buffers (on the stream the graph runs on), and the layers told to read them."""
+        state = self.state
+        self._drop_if_stale()
+        with _compat.on_stream(_compat.cb_stream(self.processor)):
+            bi = self._fill(segments)
+        with state.forward_context(bi):
+            if self.emulate:
+                with _compat.cb_graphs_suspended(self.processor):
+                    yield
+            else:
+                yield
+        self.stats["graphed_steps"] += 1
+
+    def give_up(self, reason: str) -> None:
+        """A step could not be captured: the engine's graphs go off for good (eager from now on)."""
+        self.blocker = reason
+        self.drop()
+        _compat.cb_disable_graphs(self.processor)
+
+    def drop(self) -> None:
+        """Forget every graph the engine holds and the buffers they read."""
+        _compat.cb_drop_graphs(self.processor)
+        self.stats["graphs_dropped"] += 1  # invalidations (the engine may have held none yet)
+        self._buffers.clear()
+        self._generation, self._backend = self.state.generation, self.state.backend
+
+    def _drop_if_stale(self) -> None:
+        state = self.state
+        slots = len(state.registry)
+        if (state.generation != self._generation or state.backend is not self._backend
+                or any(b.max_slots < slots for b in self._buffers.values())):
+            self.drop()
+
+    def _buffers_for(self, num_tokens: int) -> BatchInfoBuffers:
+        block_m = choose_block_m(num_tokens)
+        buffers = self._buffers.get(block_m)
+        if buffers is None:
+            limit = dict(BLOCK_M_TIERS)[block_m]
+            tokens = limit if limit is not None else max(self._max_tokens, num_tokens)
+            rows = min(tokens, self._max_requests) + 1  # one more: the padded tail
+            buffers = self._buffers[block_m] = self.state.backend.new_graph_buffers(
+                rows, tokens, max_slots=len(self.state.registry))
+        if num_tokens > buffers.max_tokens:  # the engine padded past what it said it would
+            raise RuntimeError(f"fastlora: an engine step of {num_tokens} tokens exceeds the graph "
+                               f"buffers' {buffers.max_tokens}")
+        return buffers
+
+    def _fill(self, segments: TokenSegments):
+        state = self.state
+        if not state.has_lora:
+            return NO_LORA_BATCH
+        fb, slots = segments.forward_batch(state.registry.slots_for(segments.names), state.device)
+        ranks = state.slot_ranks()
+        with state.backend.using_graph_buffers(self._buffers_for(segments.num_tokens)):
+            return state.backend.prepare_lora_batch(fb, slots, ranks, [1.0] * len(ranks), use_cuda_graph=True)
+
