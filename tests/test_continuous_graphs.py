@@ -164,3 +164,26 @@ def test_graphs_stay_off_where_fastlora_cannot_follow_them(monkeypatch):
         assert manager.fastlora_graphs is None
     finally:
         fastlora.unpatch(m)
+
+
+def test_a_stopped_manager_lets_its_engine_go(pair):
+    """fastlora's wrappers close reference cycles over the batch processor (its KV cache and
+    graphs): once the manager stops, the processor is freed by reference counting alone, before
+    any garbage collection, as it is without fastlora (a benchmark that served through the engine
+    and then ran generate went out of memory)."""
+    import gc
+    import weakref
+
+    m, _ = pair
+    manager = m.init_continuous_batching(generation_config=greedy_config(3),
+                                         continuous_batching_config=cb_config(max_batch_tokens=32))
+    manager.start()
+    gc.disable()
+    try:
+        _run(manager, _requests([4, 6], ["a0", "a1"], 3, seed=7))
+        processor = weakref.ref(manager.batch_processor)
+        manager.stop(block=True)
+        assert processor() is None
+        assert manager.fastlora_graphs.stats["graphed_steps"] > 0  # the stats stay
+    finally:
+        gc.enable()

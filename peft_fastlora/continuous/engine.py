@@ -312,6 +312,8 @@ class ContinuousBatchingHook:
             adapters.cancel(request_id)
             return cancel_request(request_id)
 
+        made: List = []  # batch processors this manager made (fastlora's wrappers on each)
+
         def release():
             # the manager's thread is gone: its requests are over, and it no longer needs the
             # engine's attention implementation
@@ -319,6 +321,12 @@ class ContinuousBatchingHook:
                 manager._fastlora_holds = False
                 adapters.clear()
                 hook._resume_attention()
+            if manager.batch_processor is None:  # not kept for a next session
+                # the wrappers close reference cycles over the processor (and its KV cache and
+                # graphs): break them, so the memory goes when transformers lets it go
+                for processor in made:
+                    hook._unwrap_step(processor)
+                made.clear()
 
         def stop_(*args, **kwargs):
             try:
@@ -337,6 +345,7 @@ class ContinuousBatchingHook:
             if not getattr(processor, "_fastlora_enabled", False):
                 hook._wrap_step(processor, adapters)
                 manager.fastlora_graphs = processor._fastlora_graphs
+                made.append(processor)
             return processor
 
         manager.add_request = add_request_
@@ -433,6 +442,17 @@ class ContinuousBatchingHook:
         processor.model_runner.compute_batch = compute_batch
         processor._fastlora_graphs = graphs
         processor._fastlora_enabled = True
+
+    @staticmethod
+    def _unwrap_step(processor) -> None:
+        """Take fastlora's wrappers off a processor that will not run again."""
+        for obj, name in ((processor, "_generation_step"), (processor, "prepare_next_batch"),
+                          (processor.scheduler, "schedule_batch"), (processor.model_runner, "compute_batch")):
+            obj.__dict__.pop(name, None)
+        graphs = processor.__dict__.pop("_fastlora_graphs", None)
+        if graphs is not None:
+            graphs.close()
+        processor._fastlora_enabled = False
 
     def _fail_orphans(self, processor, adapters: RequestAdapters) -> None:
         """Fail, one by one, the requests whose adapter was deleted since they were added; the

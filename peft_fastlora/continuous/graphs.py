@@ -77,6 +77,11 @@ class EngineGraphs:
         self._buffers.clear()
         self._generation, self._backend = self.state.generation, self.state.backend
 
+    def close(self) -> None:
+        """The processor will not run again: let go of it and of the buffers (the stats stay)."""
+        self.processor = None
+        self._buffers.clear()
+
     def _drop_if_stale(self) -> None:
         state = self.state
         slots = len(state.registry)
