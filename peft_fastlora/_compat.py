@@ -341,6 +341,25 @@ def watch_lora_layer(layer: nn.Module):
     return (mods_a, tuple(mods_a), mods_b, tuple(mods_b), scaling, dict(scaling), weights)
 
 
+_REGISTRATIONS = [0]
+_REGISTRATION_HOOKS: list = []
+
+
+def registration_epoch() -> int:
+    """A counter of module and parameter registrations anywhere in the process (PyTorch's global
+    registration hooks, installed at the first call): a module or parameter of a model can be
+    replaced only by registering another, so while it stays the same nothing was replaced."""
+    if not _REGISTRATION_HOOKS:
+        from torch.nn.modules import module as torch_module
+
+        def bump(module, name, value):  # returns None: the registered value is kept
+            _REGISTRATIONS[0] += 1
+
+        _REGISTRATION_HOOKS.append(torch_module.register_module_parameter_registration_hook(bump))
+        _REGISTRATION_HOOKS.append(torch_module.register_module_module_registration_hook(bump))
+    return _REGISTRATIONS[0]
+
+
 def lora_layer_unchanged(watch, names=None) -> bool:
     """Whether the layer ``watch`` (from ``watch_lora_layer``) still holds the same adapters and
     scalings, and the adapters ``names`` (None: all) the same parameters and storage (values may

@@ -22,6 +22,7 @@ from .base_ops import BaseOps, install_base_ops
 from .batch import ForwardBatch, TokenSegments
 from .lora.fusion import find_groups
 from .lora.pool import AdapterRegistry, SitePool, ValueRefresher
+from .lora.watch import AdapterWatch
 from .lora.sites import EmbeddingSite, FusedSite, LinearSite, Site
 from .options import PatchOptions
 from .report import PatchReport
@@ -66,6 +67,7 @@ class FastLoRAState:
         self._bi = None
         self._bi_copies: dict = {}  # device -> (batch info, its copy there): models split by device_map
         self._slot_ranks = None
+        self._watches: dict = {}  # adapter name -> lora.watch.AdapterWatch (the per-call check)
         self._peft_config_keys = self._config_keys()
         self._adapter_count = None  # LoRA adapters summed over the sites' layers, at the last check
         self._takes_adapter_names = False  # see serve_adapter_names
@@ -333,6 +335,7 @@ class FastLoRAState:
 
     def _rebuild_pool(self, site: Site, dtype):
         site.pool.rebuild(self.registry, dtype, site.device)
+        self._watches = {}
         self.generation += 1
         self._slot_ranks = None
         self._bi_key = None
@@ -345,6 +348,7 @@ class FastLoRAState:
         self.sites, self.groups = [], []
         self._bi = self._bi_key = None
         self._refresher = None
+        self._watches = {}
         self.generation += 1
 
     def teardown(self):
@@ -396,7 +400,28 @@ class FastLoRAState:
             if not g.is_intact():
                 g.fuse()  # model.to() or a reload gave the members new storage
                 self.generation += 1
-        self._sync_pools(adapter_names)
+        if adapter_names is None:
+            self._sync_pools(None)
+            return
+        self._sync_pools(())  # every layer's adapters and scalings; the adapters' own facts below
+        self._check_adapters(adapter_names)
+
+    def _check_adapters(self, adapter_names: Sequence[str]):
+        """Rebuild the stacks of these adapters if their modules, parameters or storage changed
+        (``lora.watch``: flat, C-speed checks; the layer-by-layer one only for a suspect)."""
+        epoch = _compat.registration_epoch()
+        suspect = [n for n in set(adapter_names) if n in self.registry.slot and not self._unchanged(n, epoch)]
+        if suspect:
+            self._sync_pools(suspect)  # finds the pools that no longer fit and rebuilds them
+
+    def _unchanged(self, name: str, epoch: int) -> bool:
+        watch = self._watches.get(name)
+        if watch is None:
+            layers = [w for site in self.sites for w in (site.pool.watched_layers() or ())]
+            if any(site.pool.watched_layers() is None for site in self.sites):
+                return False  # a site without the flat facts: its full check serves it
+            watch = self._watches[name] = AdapterWatch(name, layers)
+        return watch.unchanged(epoch)
 
     def _sync_pools(self, adapter_names: Optional[Sequence[str]]):
         names = None if adapter_names is None else set(adapter_names)
@@ -464,7 +489,7 @@ class FastLoRAState:
             tokens_per_row //= max(x.shape[-1], 1)
         if self._refresh_pending:  # a forward outside generate: this is its call boundary
             self._refresh_pending = False
-            self._sync_pools(adapter_names)
+            self._check_adapters(adapter_names)
             self.refresh_values(adapter_names)
         # by value, not by list identity: a caller may reuse one list and change it in place
         key = (tuple(adapter_names), rows, tokens_per_row)

@@ -575,6 +575,34 @@ def test_parameters_are_checked_for_the_adapters_a_call_uses():
     assert state.generation > generation
 
 
+def test_a_parameter_replaced_in_its_module_is_noticed():
+    """The per-call check compares storage addresses every call and module / parameter identity
+    only after a registration (PyTorch's global hooks). A new Parameter sharing the old one's
+    storage, whose storage is then swapped, keeps the old object's address: only the identity
+    check, armed by the registration, notices it."""
+    m, ref = pair()
+    fastlora.patch(m)
+    state = get_state(m)
+    names = ["chat", "sql", "__base__", "chat"]
+    assert_same_as(m, ref, names)
+    generation = state.generation
+    for model in (m, ref):
+        module = _q_layer(model).lora_B["chat"]
+        module.weight = torch.nn.Parameter(module.weight.detach())  # same storage, a new object
+        module.weight.data = module.weight.data + 0.5  # then new storage, for the new object only
+    assert_same_as(m, ref, names)
+    assert state.generation > generation
+    generation = state.generation
+    for model in (m, ref):  # a new module in the ModuleDict
+        layer = _q_layer(model)
+        new = torch.nn.Linear(layer.lora_A["sql"].weight.shape[0], layer.lora_B["sql"].weight.shape[0], bias=False)
+        with torch.no_grad():
+            new.weight.copy_(layer.lora_B["sql"].weight * -2.0)
+        layer.lora_B["sql"] = new
+    assert_same_as(m, ref, names)
+    assert state.generation > generation
+
+
 def _names_seen_by(layer):
     """Wrap a patched layer's forward: records (PEFT hooks on it, adapter_names it got) per call."""
     seen, patched = [], layer.forward

@@ -13,7 +13,9 @@ The stacks are copies of PEFT's weights, kept current in two ways:
 - *structure*: ``SitePool.stale()`` tells whether the stacks no longer fit PEFT's layers (adapters
   added or deleted, a parameter replaced or re-pointed by ``load_adapter``, ``model.to`` or
   ``param.data = ...``, a scaling changed), by names, tensor identity, storage address and
-  scaling; the stacks are then rebuilt (new tensors: graphs holding the old ones are dropped);
+  scaling; the stacks are then rebuilt (new tensors: graphs holding the old ones are dropped).
+  Per call, the adapters the call uses are checked through ``lora.watch`` (the same facts in flat
+  lists), the layer-by-layer check only for an adapter found changed;
 - *values*: ``SitePool.copies`` lists, per slot, (stack view, PEFT parameter) pairs; the model
   state copies the values of the adapters a call uses into their views at the start of every call
   (``torch._foreach_copy_``), whatever changed them: an optimizer step, ``param.data.add_()``,
@@ -114,6 +116,10 @@ class SitePool:
             watch.append(entry)
         return watch
 
+    def watched_layers(self) -> Optional[list]:
+        """The per-layer facts ``stale`` checks (None: this site compares full signatures)."""
+        return self._watched if self.lora_a is not None else None
+
     def _watch_clean(self, names) -> bool:
         return all(lora_layer_unchanged(entry, names) for entry in self._watched)
 
@@ -203,14 +209,23 @@ class ValueRefresher:
                 pairs_by_slot.setdefault(slot, []).extend(pairs)
         for slot, pairs in pairs_by_slot.items():
             self.by_slot[slot] = _grouped(pairs)
+        self._merged: Dict[tuple, list] = {}  # slot set -> its groups' (dsts, srcs), recent ones
 
     @torch.no_grad()
     def refresh(self, slots: Iterable[int]) -> None:
-        merged: Dict[tuple, Tuple[list, list]] = {}
-        for slot in slots:
-            for key, (dsts, srcs) in self.by_slot.get(slot, {}).items():
-                m = merged.setdefault(key, ([], []))
-                m[0].extend(dsts)
-                m[1].extend(srcs)
-        for dsts, srcs in merged.values():
+        key = tuple(sorted(set(slots)))
+        merged = self._merged.get(key)
+        if merged is None:
+            # the same sets recur (a server's steps): their merged lists are kept, a few of them
+            merged = {}
+            for slot in key:
+                for group, (dsts, srcs) in self.by_slot.get(slot, {}).items():
+                    m = merged.setdefault(group, ([], []))
+                    m[0].extend(dsts)
+                    m[1].extend(srcs)
+            merged = list(merged.values())
+            if len(self._merged) >= 8:
+                self._merged.pop(next(iter(self._merged)))
+            self._merged[key] = merged
+        for dsts, srcs in merged:
             torch._foreach_copy_(dsts, srcs)
