@@ -13,6 +13,10 @@ at once (offline throughput). Modes, each on the same requests:
 - ``base``: the base model alone through the same engine (what the adapters cost);
 - ``base_graphs`` / ``fastlora_graphs``: the same two with the engine's CUDA graphs on
   (``use_cuda_graph=True``; warmed up before the clock starts, as a server would be);
+- ``base_varlen`` / ``fastlora_varlen``: graphs on, and the engine's attention replaced by
+  ``paged|fastlora_varlen`` (each request's queries against its own keys, PyTorch's flash varlen
+  kernel) instead of its masked attention over the whole step (the other modes set
+  ``engine_attention="engine"``);
 - ``static``: the patched model through ``generate`` in static batches of ``--static-batch`` rows
   (left-padded; every row waits for the longest).
 
@@ -136,7 +140,20 @@ def pct(values, q):
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-MODES = ["base", "base_graphs", "fastlora", "fastlora_graphs", "static"]
+MODES = ["base", "base_graphs", "base_varlen", "fastlora", "fastlora_graphs", "fastlora_varlen", "static"]
+
+
+def varlen_attention_on(model, on: bool):
+    """The base model's engine attention: fastlora's varlen one (on) or the engine's own."""
+    from peft_fastlora import _compat
+    from peft_fastlora.base_ops.paged_attention import PAGED_NAME, paged_varlen_attention
+
+    if on:
+        model.__dict__["_bench_attn"] = _compat.attn_implementation(model)
+        _compat.register_paged_attention(PAGED_NAME, paged_varlen_attention)
+        _compat.set_attn_implementation(model, PAGED_NAME)
+    elif "_bench_attn" in model.__dict__:
+        _compat.set_attn_implementation(model, model.__dict__.pop("_bench_attn"))
 
 
 def main(argv=None) -> int:
@@ -173,13 +190,20 @@ def main(argv=None) -> int:
     table = []
     # base first: adding adapters changes the base model's modules in place
     for mode in sorted(set(args.modes), key=MODES.index):
-        graphs = mode.endswith("_graphs")
+        graphs, varlen = mode.endswith(("_graphs", "_varlen")), mode.endswith("_varlen")
         if mode.startswith("base"):
+            varlen_attention_on(base, varlen)
             used, (seconds, latency, ttft, stats) = reqs, run_engine(base, reqs, args, False, graphs)
+            varlen_attention_on(base, False)
         else:
+            attention = "varlen" if varlen else "engine"
             if model is None:
                 model = bg.add_adapters(base, args.adapters, args.rank)
-                print(fastlora.patch(model), file=sys.stderr)
+            state = fastlora.get_state(model)
+            if state is None or state.options.engine_attention != attention:
+                if state is not None:
+                    fastlora.unpatch(model)
+                print(fastlora.patch(model, engine_attention=attention), file=sys.stderr)
             if mode.startswith("fastlora"):
                 used, (seconds, latency, ttft, stats) = reqs, run_engine(model, reqs, args, True, graphs)
             else:
@@ -195,7 +219,7 @@ def main(argv=None) -> int:
                           max_batch_tokens=args.max_batch_tokens,
                           lora_graphed_steps=stats.get("graphed_steps", ""),
                           lora_eager_steps=stats.get("eager_steps", ""), time_per_token_vs_base="", **info))
-        same = {"fastlora": "base", "fastlora_graphs": "base_graphs"}.get(mode)
+        same = {"fastlora": "base", "fastlora_graphs": "base_graphs", "fastlora_varlen": "base_varlen"}.get(mode)
         for row in table:
             if row["mode"] == same:  # time per output token against the adapter-free engine
                 table[-1]["time_per_token_vs_base"] = round(row["tokens_per_s"] / table[-1]["tokens_per_s"], 3)

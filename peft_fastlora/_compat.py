@@ -435,6 +435,42 @@ def register_attention_function(name: str, fn) -> None:
         AttentionMaskInterface.register(name, sdpa_mask)
 
 
+def register_paged_attention(name: str, fn) -> None:
+    """Make ``name`` (a ``paged|`` implementation) valid, running ``fn``, with no mask function: the
+    engine builds masks only for its own ``paged|sdpa`` / ``paged|eager``, and a model forward
+    builds none for a name without one."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, fn)
+
+
+# ---- torch: the flash-attention varlen kernel bundled with PyTorch ---------------------------
+def _flash_forward_schema():
+    op = getattr(getattr(torch.ops, "aten", None), "_flash_attention_forward", None)
+    try:
+        return {a.name for a in op.default._schema.arguments} if op is not None else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def has_flash_varlen() -> bool:
+    args = _flash_forward_schema()
+    return args is not None and {"cum_seq_q", "cum_seq_k", "scale"} <= args
+
+
+def flash_varlen_has_window() -> bool:
+    args = _flash_forward_schema()
+    return args is not None and "window_size_left" in args
+
+
+def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, window_left: int = -1):
+    """``aten._flash_attention_forward`` over packed requests, causal (aligned to the end of each
+    request's keys); q (Tq, H, D), k / v (Tk, KVH, D) -> (Tq, H, D)."""
+    window = dict(window_size_left=window_left, window_size_right=0) if window_left >= 0 else {}
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                                   scale=scale, **window)[0]
+
+
 @contextlib.contextmanager
 def compiled_call_override(model: nn.Module, step):
     """Within the block, HF ``generate`` runs its decode steps through ``step``.
@@ -713,6 +749,30 @@ def continuous_batching_blocker(model: nn.Module) -> Optional[str]:
     if not hasattr(requests, "RequestStatus"):
         return f"transformers {TRANSFORMERS_VERSION}: no RequestStatus"
     return None
+
+
+def cb_engine_attention_blocker() -> Optional[str]:
+    """Why this transformers' engine cannot run ``paged|fastlora_varlen`` (None: it can): the
+    function calls the engine's ``PagedAttentionCache.update`` with its read and write indices
+    (5.17's form; 5.24 passes the kwargs instead)."""
+    import inspect
+
+    try:
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+        params = inspect.signature(PagedAttentionCache.update).parameters
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        return f"transformers {TRANSFORMERS_VERSION}: {e}"
+    if not {"read_index", "write_index"} <= set(params):
+        return f"transformers {TRANSFORMERS_VERSION}'s paged cache takes another update call"
+    return None
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (float32 when it has none)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
 
 
 def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] = None) -> Tuple[object, list]:

@@ -27,7 +27,7 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
           graph_buckets: Optional[Sequence[int]] = None, max_graphs: Optional[int] = None,
           cache_budget_bytes: Optional[int] = None, decode_attention="auto",
           fuse_norms="auto", fuse_rotary="auto", fuse_silu_mul="auto",
-          fuse_kv_write="auto") -> PatchReport:
+          fuse_kv_write="auto", engine_attention: str = "auto") -> PatchReport:
     """Serve the LoRA adapters of ``model`` (a ``PeftModel``) through a fastlora backend.
 
     Args:
@@ -57,6 +57,11 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             kernel (inference only): ``"auto"`` (on CUDA with graphs on), ``True`` or ``False``.
         fuse_kv_write: the static caches fastlora owns for its graphs write a step's keys and
             values in one Triton kernel (full-attention layers): ``"auto"``/``True`` or ``False``.
+        engine_attention: the attention of transformers' continuous-batching engine while a
+            manager runs: ``"auto"`` (``paged|fastlora_varlen``, PyTorch's flash varlen kernel over
+            each request's own keys, where it applies: CUDA, fp16 / bf16, transformers 5.17's
+            engine; else the engine's own), ``"varlen"`` (always; off CUDA or in fp32 a slow
+            per-request reference, for tests) or ``"engine"`` (the engine's own).
     Returns:
         the ``PatchReport``. Patching a patched model with the same options returns its report;
         with other options it raises ``ValueError`` (``unpatch`` first).
@@ -65,7 +70,8 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         backend=backend, fuse=fuse, max_loras_per_batch=max_loras_per_batch, cuda_graphs=cuda_graphs,
         graph_buckets=DEFAULT_BUCKETS if graph_buckets is None else graph_buckets, max_graphs=max_graphs,
         cache_budget_bytes=cache_budget_bytes, decode_attention=decode_attention, fuse_norms=fuse_norms,
-        fuse_rotary=fuse_rotary, fuse_silu_mul=fuse_silu_mul, fuse_kv_write=fuse_kv_write)
+        fuse_rotary=fuse_rotary, fuse_silu_mul=fuse_silu_mul, fuse_kv_write=fuse_kv_write,
+        engine_attention=engine_attention)
     state = get_state(model)
     if state is not None:
         diffs = state.options.differences(options)

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Sequence
 from .. import _compat
 from ..base_ops.attention_registry import (decode_attention_enabled, disable_decode_attention,
                                            enable_decode_attention)
+from ..base_ops.paged_attention import PAGED_NAME, paged_varlen_attention, varlen_blocker
 from ..batch import TokenSegments
 from ..decode.capture import GraphUnsafe
 from ..instance_methods import InstanceMethods
@@ -160,6 +161,9 @@ class ContinuousBatchingHook:
             return f"{split}: a CUDA graph captures one device"
         if state.report is not None and state.report.left_on_peft:
             return "some LoRA layers are left on PEFT's path, which a graph would replay with stale indices"
+        if (state.options.engine_attention == "varlen" and state.device is not None
+                and varlen_blocker(self.inner, _compat.model_dtype(self.inner), state.device) is not None):
+            return "engine_attention='varlen' off fp16 / bf16 CUDA runs a per-request reference that syncs with the host"
         return None
 
     def _check_servable(self, names: Sequence[str]) -> None:
@@ -248,6 +252,28 @@ class ContinuousBatchingHook:
                 self._attention_suspended = True
             if self._plain_attention is None:
                 self._plain_attention = _compat.attn_implementation(self.inner)
+                self._use_varlen_attention()
+
+    def varlen_blocker(self) -> Optional[str]:
+        """Why the engine keeps its own attention instead of ``paged|fastlora_varlen`` (None: it
+        takes it; see ``base_ops.paged_attention``)."""
+        choice = self.state.options.engine_attention
+        if choice == "engine":
+            return "engine_attention='engine'"
+        why = _compat.cb_engine_attention_blocker()
+        if why is None and choice == "auto":
+            why = varlen_blocker(self.inner, _compat.model_dtype(self.inner), self.state.device)
+        return why
+
+    def _use_varlen_attention(self):
+        why = self.varlen_blocker()
+        if why is not None:
+            if self.state.options.engine_attention == "varlen":
+                raise ValueError(f"fastlora: engine_attention='varlen' cannot be served: {why}")
+            self.state.warn_once(f"continuous batching keeps the engine's attention: {why}")
+            return
+        _compat.register_paged_attention(PAGED_NAME, paged_varlen_attention)
+        _compat.set_attn_implementation(self.inner, PAGED_NAME)
 
     def check_plain_call(self) -> None:
         """Raise when a manager runs with a paged attention implementation set on the model: a
@@ -265,6 +291,8 @@ class ContinuousBatchingHook:
         with self._lock:
             self._running = 0 if force else max(0, self._running - 1)
             if self._running == 0:
+                if self._plain_attention is not None and _compat.attn_implementation(self.inner) == PAGED_NAME:
+                    _compat.set_attn_implementation(self.inner, self._plain_attention)
                 self._plain_attention = None
             if self._running == 0 and self._attention_suspended:
                 self._attention_suspended = False

@@ -1,0 +1,113 @@
+"""Variable-length attention for transformers' continuous-batching engine.
+
+The engine packs the prefill chunks and decode tokens of many requests into one row. With
+``paged|sdpa`` (what it runs when flash-attention is not installed) it attends every query of
+the row to every key read for the step through one masked attention: the cost grows with the
+square of the requests in flight, and it builds that mask on the host at every step. The engine
+also hands each attention call the packed layout (``cu_seq_lens_q`` / ``cu_seq_lens_k``), which
+is all a variable-length kernel needs: each request's queries against its own keys only.
+
+``paged|fastlora_varlen`` is that attention: the engine's own cache update (``cache.update``
+with its read and write indices), then PyTorch's bundled flash-attention varlen kernel
+(``aten._flash_attention_forward``: causal aligned to the end of each request's keys, grouped
+query heads, sliding windows) on CUDA in fp16 / bf16. Nothing is copied from the model code;
+the engine keeps its scheduler, cache and graphs, and builds no mask for this implementation.
+Elsewhere (tests on CPU) a per-request torch reference computes the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import _compat
+
+PAGED_NAME = "paged|fastlora_varlen"
+_MAX_HEAD_DIM = 256
+
+
+def varlen_blocker(inner: nn.Module, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why the engine of this model keeps its own attention (None: the flash varlen kernel applies)."""
+    if device.type != "cuda":
+        return "the model is not on CUDA"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"{dtype} (the flash kernel takes fp16 / bf16)"
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return "a GPU older than sm80"
+    return _model_blocker(inner, sliding_needs_window=not _compat.flash_varlen_has_window())
+
+
+def _model_blocker(inner: nn.Module, sliding_needs_window: bool) -> Optional[str]:
+    cfg = getattr(inner, "config", None)
+    current = _compat.attn_implementation(inner)
+    if current not in ("sdpa", "eager"):
+        return f"attention implementation {current!r}"
+    if getattr(cfg, "sub_configs", None):
+        return "composite model (sub-configs)"
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return "logit soft-capping"
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim > _MAX_HEAD_DIM or head_dim % 8:
+        return f"head dim {head_dim}"
+    if not _compat.has_flash_varlen():
+        return f"torch {torch.__version__} has no aten._flash_attention_forward"
+    if sliding_needs_window and any(getattr(m, "sliding_window", None) for m in inner.modules()):
+        return "sliding windows (this torch's flash varlen kernel takes no window)"
+    return None
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, scale: float, window_left: int = -1) -> torch.Tensor:
+    """Per request: its queries (the last ones of its keys) against its own keys, causal, with an
+    optional left window; q (Tq, H, D), k / v (Tk, KVH, D). Rows past ``cu_q[-1]`` are zero."""
+    out = torch.zeros_like(q)
+    groups = q.shape[1] // k.shape[1]
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cq) - 1):
+        qs, ks = q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]]
+        lq, lk = qs.shape[0], ks.shape[0]
+        if lq == 0:
+            continue
+        kv = ks.repeat_interleave(groups, dim=1), v[ck[i]:ck[i + 1]].repeat_interleave(groups, dim=1)
+        pos_q = torch.arange(lk - lq, lk, device=q.device)[:, None]
+        pos_k = torch.arange(lk, device=q.device)[None, :]
+        allowed = pos_k <= pos_q
+        if window_left >= 0:
+            allowed &= pos_k >= pos_q - window_left
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs.transpose(0, 1), kv[0].transpose(0, 1), kv[1].transpose(0, 1), attn_mask=allowed, scale=scale)
+        out[cq[i]:cq[i + 1]] = o.transpose(0, 1)
+    return out
+
+
+def paged_varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask, dropout: float = 0.0, scaling: Optional[float] = None, **kwargs):
+    """An attention function for ``AttentionInterface`` under a ``paged|`` name: called by the
+    engine's forwards with query (1, H, Tq, D), key / value (1, KVH, Tq, D) of the step's new
+    tokens and the engine's paged-attention kwargs. Returns ((Tq, H, D), None)."""
+    cache = kwargs.get("cache")
+    if cache is None or kwargs.get("cu_seq_lens_q") is None:
+        raise ValueError(f"{PAGED_NAME!r} serves transformers' continuous-batching engine (it needs its paged "
+                         "cache and packed layout); a plain forward uses the model's own attention")
+    if kwargs.get("block_table") is not None:
+        raise ValueError(f"{PAGED_NAME!r} does not take the engine's block-table decode path")
+    if dropout:
+        raise ValueError(f"{PAGED_NAME!r} is for inference (dropout {dropout})")
+    sliding = getattr(module, "sliding_window", None)
+    layer_type = "sliding_attention" if sliding else "full_attention"
+    cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_k"]
+    if isinstance(cu_k, dict):
+        cu_k, max_k = cu_k[layer_type], max_k[layer_type]
+    k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                        read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    q = query.transpose(1, 2).squeeze(0)
+    scale = scaling if scaling is not None else module.scaling
+    window_left = int(sliding) - 1 if sliding else -1
+    cu_q = kwargs["cu_seq_lens_q"]
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        out = _compat.flash_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_q.to(torch.int32),
+                                   cu_k.to(torch.int32), int(kwargs["max_seqlen_q"]), int(max_k), scale, window_left)
+    else:
+        out = varlen_reference(q, k, v, cu_q, cu_k, scale, window_left)
+    return out, None

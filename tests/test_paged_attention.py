@@ -1,0 +1,119 @@
+"""``paged|fastlora_varlen``, the engine's attention over each request's own keys (CPU).
+
+The per-request torch reference against a plain per-query softmax (grouped heads, queries shorter
+than keys, windows, padded rows); the engine serving through it (``engine_attention="varlen"``,
+the reference on CPU) gives PEFT's tokens per request; where this transformers' engine cannot
+take it, "auto" keeps the engine's attention and "varlen" is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import peft_fastlora as fastlora
+from peft_fastlora import _compat, get_state
+from peft_fastlora.base_ops.paged_attention import PAGED_NAME, varlen_reference
+
+from _continuous import cb_config, greedy_config, peft_alone, random_prompts
+from _models import build_peft_lm
+
+cb = pytest.mark.skipif(not hasattr(__import__("transformers"), "ContinuousBatchingConfig"),
+                        reason="this transformers has no continuous batching")
+ENGINE_WHY = _compat.cb_engine_attention_blocker()
+
+
+def _per_query(q, k, v, cu_q, cu_k, scale, window):
+    """One query at a time: the keys it may see, a softmax, a weighted sum."""
+    out = torch.zeros_like(q)
+    groups = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        lq, lk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+        for j in range(lq):
+            pos = lk - lq + j
+            lo = 0 if window < 0 else max(0, pos - window)
+            for h in range(q.shape[1]):
+                keys = k[cu_k[i] + lo:cu_k[i] + pos + 1, h // groups]
+                vals = v[cu_k[i] + lo:cu_k[i] + pos + 1, h // groups]
+                w = torch.softmax(keys @ q[cu_q[i] + j, h] * scale, dim=0)
+                out[cu_q[i] + j, h] = w @ vals
+    return out
+
+
+@pytest.mark.parametrize("heads, kv_heads, window", [(4, 4, -1), (8, 2, -1), (6, 3, 3)])
+def test_reference_matches_a_per_query_softmax(heads, kv_heads, window):
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    q_lens, k_lens = [1, 5, 3, 1, 7], [9, 5, 12, 1, 7]  # decode rows, prefills, chunks with history
+    cu_q = [0] + list(torch.tensor(q_lens).cumsum(0).tolist())
+    cu_k = [0] + list(torch.tensor(k_lens).cumsum(0).tolist())
+    pad = 3  # padded query rows past the last request
+    q = torch.randn(cu_q[-1] + pad, heads, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(cu_k[-1], kv_heads, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(cu_k[-1], kv_heads, 16, generator=g, dtype=torch.float64)
+    scale = 1 / math.sqrt(16)
+    got = varlen_reference(q, k, v, torch.tensor(cu_q), torch.tensor(cu_k), scale, window)
+    want = _per_query(q, k, v, cu_q, cu_k, scale, window)
+    torch.testing.assert_close(got, want)
+    assert torch.count_nonzero(got[cu_q[-1]:]) == 0
+
+
+@cb
+def test_options_validate():
+    with pytest.raises(ValueError, match="engine_attention"):
+        fastlora.patch(build_peft_lm("llama"), engine_attention="flash")
+
+
+@cb
+@pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
+def test_engine_through_varlen_attention_equals_peft_per_request():
+    m = build_peft_lm("llama")
+    ref = copy.deepcopy(m)
+    fastlora.patch(m, engine_attention="varlen")
+    seen = []
+    try:
+        inner = get_state(m).inner
+        manager = m.init_continuous_batching(generation_config=greedy_config(6),
+                                             continuous_batching_config=cb_config(max_batch_tokens=16))
+        seen.append(_compat.attn_implementation(inner))
+        manager.start()
+        prompts = random_prompts([3, 17, 9, 30, 1], seed=11)
+        names = ["a0", "a1", "__base__", "a2", "a1"]
+        ids = [manager.add_request(p, adapter_name=n) for p, n in zip(prompts, names)]
+        done = {}
+        while len(done) < len(ids):
+            r = manager.get_result(timeout=30)
+            assert r is not None
+            if r.is_finished():
+                assert r.error is None, r.error
+                done[r.request_id] = list(r.generated_tokens)
+        manager.stop(block=True)
+        seen.append(_compat.attn_implementation(inner))
+    finally:
+        fastlora.unpatch(m)
+    assert seen == [PAGED_NAME, "eager"]  # on while the manager ran, the model's own after
+    for rid, p, n in zip(ids, prompts, names):
+        assert done[rid] == peft_alone(ref, p, n, 6), (n, len(p))
+
+
+@cb
+@pytest.mark.skipif(ENGINE_WHY is None, reason="this transformers' engine takes the varlen attention")
+def test_an_engine_that_cannot_take_it_keeps_its_attention():
+    m = build_peft_lm("llama")
+    fastlora.patch(m, engine_attention="varlen")
+    try:
+        with pytest.raises(ValueError, match="engine_attention='varlen' cannot be served"):
+            m.init_continuous_batching(generation_config=greedy_config(2), continuous_batching_config=cb_config())
+        assert _compat.attn_implementation(get_state(m).inner) == "eager"
+    finally:
+        fastlora.unpatch(m)
+    m = build_peft_lm("llama")
+    fastlora.patch(m)  # auto: the engine's own, no error
+    try:
+        out = m.generate_batch(random_prompts([4], seed=1), generation_config=greedy_config(2),
+                               continuous_batching_config=cb_config(), adapter_names=["a0"])
+        assert len(out) == 1
+    finally:
+        fastlora.unpatch(m)
