@@ -117,3 +117,17 @@ def test_an_engine_that_cannot_take_it_keeps_its_attention():
         assert len(out) == 1
     finally:
         fastlora.unpatch(m)
+
+
+def test_a_model_on_fastlora_decode_attention_counts_as_its_own(monkeypatch):
+    """A patched CUDA model runs fastlora's decode attention; the engine's attention is decided
+    on the model's own (the first 8B bench run turned the engine's graphs off over this)."""
+    from peft_fastlora.base_ops import paged_attention
+    from peft_fastlora.base_ops.attention_registry import ATTN_NAME, _PREV_ATTR
+
+    inner = build_peft_lm("llama").base_model.model
+    monkeypatch.setattr(_compat, "attn_implementation", lambda model: ATTN_NAME)
+    monkeypatch.setattr(_compat, "has_flash_varlen", lambda: True)
+    assert "fastlora_decode" in paged_attention._model_blocker(inner, False)
+    inner.__dict__[_PREV_ATTR] = "sdpa"
+    assert paged_attention._model_blocker(inner, False) is None
