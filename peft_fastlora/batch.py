@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 

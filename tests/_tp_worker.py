@@ -26,7 +26,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoModelForCausalLM
 
 import peft_fastlora as fastlora
-from peft_fastlora import _compat
 
 from _models import build_causal_lm
 

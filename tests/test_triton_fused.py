@@ -4,9 +4,8 @@ under the Triton interpreter; shared helpers and tolerances come from test_trito
 from __future__ import annotations
 import pytest
 import torch
-from peft_fastlora.backend.torch_native import TorchNativeLoRABackend  # noqa: E402
 from peft_fastlora.backend.triton import TritonLoRABackend  # noqa: E402
-from peft_fastlora.batch import NO_ADAPTER, ForwardBatch, ForwardMode  # noqa: E402
+from peft_fastlora.batch import NO_ADAPTER, ForwardBatch  # noqa: E402
 
 from test_triton_kernels import (  # noqa: E402
     TOLERANCES,

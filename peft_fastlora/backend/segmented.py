@@ -10,7 +10,7 @@ here on top of them. A backend with a one-kernel shrink + expand for some batche
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence
 
 import torch
 
