@@ -198,3 +198,45 @@ def test_engine_graphs_bf16_runs():
             assert len(tokens) == 20 and all(0 <= t < 512 for t in tokens)
     finally:
         fastlora.unpatch(m)
+
+
+def test_engine_graphs_random_traffic_like_a_server(pair):
+    """Random bursts of requests (random lengths, adapters, token budgets), some cancelled, some
+    naming a bad adapter, through the engine's real graphs, in fp32: every finished request equals
+    PEFT alone, no step falls back to eager."""
+    import random
+
+    m, ref = pair
+    rng = random.Random(31)
+    pool = NAMES + ["__base__"]
+    manager = _graph_manager(m, 16, max_batch_tokens=96)
+    expected, cancelled = {}, set()
+    try:
+        for burst in range(10):
+            for _ in range(rng.randint(1, 6)):
+                prompt = _prompts(1, seed=rng.randint(0, 10**6))[0][0]
+                if rng.random() < 0.1:
+                    with pytest.raises(ValueError, match="non-existing adapter"):
+                        manager.add_request(prompt, adapter_name=f"typo{burst}")
+                    continue
+                name, new = rng.choice(pool), rng.randint(1, 16)
+                rid = manager.add_request(prompt, adapter_name=name, max_new_tokens=new)
+                expected[rid] = (prompt, name, new)
+                if rng.random() < 0.15:
+                    manager.cancel_request(rid)
+                    cancelled.add(rid)
+            time.sleep(rng.random() * 0.03)
+        finished, deadline = {}, time.monotonic() + 180
+        while len(finished) + len(cancelled - set(finished)) < len(expected):
+            assert time.monotonic() < deadline, f"timed out: {len(finished)} of {len(expected)}"
+            r = manager.get_result(timeout=0.5)
+            if r is not None and r.is_finished():
+                assert r.error is None, r.error
+                finished[r.request_id] = list(r.generated_tokens)
+    finally:
+        manager.stop(block=True)
+    stats = manager.fastlora_graphs.stats
+    assert stats["graphed_steps"] > 0 and stats["eager_steps"] == 0, stats
+    for rid, tokens in finished.items():
+        prompt, name, new = expected[rid]
+        assert tokens == peft_alone(ref, prompt, name, new), (rid, name, len(prompt))

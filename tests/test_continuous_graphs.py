@@ -187,3 +187,11 @@ def test_a_stopped_manager_lets_its_engine_go(pair):
         assert manager.fastlora_graphs.stats["graphed_steps"] > 0  # the stats stay
     finally:
         gc.enable()
+
+
+def test_random_traffic_through_emulated_graphs(pair):
+    """The server-like random traffic of the eager tests (bursts, streaming, cancellations, bad
+    names), every step through the graphed path: each finished request equals PEFT alone."""
+    from test_continuous_batching import test_random_traffic_like_a_server
+
+    test_random_traffic_like_a_server(pair)
