@@ -1,14 +1,43 @@
-"""Shared by the continuous-batching tests (CPU and GPU): a small engine config and PEFT's own
-answer for one prompt alone, the oracle every request is compared with."""
+"""Shared by the continuous-batching tests (CPU and GPU): a small engine config, serving
+requests through a started manager, and PEFT's own answer for one prompt alone, the oracle every
+request is compared with."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Sequence
+import time
+from typing import Collection, Dict, List, Sequence
 
+import pytest
 import torch
 
 from _models import VOCAB
+
+
+requires_cb = pytest.mark.skipif(
+    not hasattr(__import__("transformers"), "ContinuousBatchingConfig"),
+    reason="this transformers has no continuous batching")
+
+
+def collect(manager, ids: Collection[str], timeout: float = 60.0,
+            cancelled: Collection[str] = ()) -> Dict[str, List[int]]:
+    """Tokens of the requests ``ids`` by id, once every one has finished without error (a
+    cancelled one may deliver nothing)."""
+    finished, deadline, cancelled = {}, time.monotonic() + timeout, set(cancelled)
+    while len(finished) + len(cancelled - set(finished)) < len(ids):
+        assert time.monotonic() < deadline, f"timed out: {len(finished)} of {len(ids)} finished"
+        result = manager.get_result(timeout=0.5)
+        if result is not None and result.is_finished():
+            assert result.error is None, result.error
+            finished[result.request_id] = list(result.generated_tokens)
+    return finished
+
+
+def serve(manager, requests, timeout: float = 120.0) -> List[List[int]]:
+    """Add (prompt, adapter name, new tokens) requests to a started manager; their tokens in order."""
+    ids = [manager.add_request(p, adapter_name=n, max_new_tokens=k) for p, n, k in requests]
+    finished = collect(manager, ids, timeout)
+    return [finished[i] for i in ids]
 
 
 def cb_config(**overrides):

@@ -18,12 +18,10 @@ import peft_fastlora as fastlora
 from peft_fastlora import get_state
 from peft_fastlora.lora.sites import Site
 
-from _continuous import cb_config, greedy_config, peft_alone, random_prompts
+from _continuous import cb_config, collect as _collect, greedy_config, peft_alone, random_prompts, requires_cb
 from _models import build_peft_lm
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(__import__("transformers"), "ContinuousBatchingConfig"),
-    reason="this transformers has no continuous batching")
+pytestmark = requires_cb
 
 
 @pytest.fixture
@@ -101,17 +99,6 @@ def test_manager_requests_arriving_while_others_decode(pair, monkeypatch):
     _check(ref, later, later_names, [results[i] for i in ids], 10)
     assert spy.mixed_forwards() > 0, spy.segments
     assert len(manager.fastlora_adapters) == 0  # nothing kept once the manager stopped
-
-
-def _collect(manager, ids, timeout=60.0):
-    finished, deadline = {}, time.monotonic() + timeout
-    while len(finished) < len(ids):
-        assert time.monotonic() < deadline, f"timed out; finished: {sorted(finished)}"
-        result = manager.get_result(timeout=1)
-        if result is not None and result.is_finished():
-            assert result.error is None, result.error
-            finished[result.request_id] = list(result.generated_tokens)
-    return finished
 
 
 def test_add_requests_with_adapter_names_and_default_adapter(pair):
@@ -300,13 +287,7 @@ def test_random_traffic_like_a_server(pair):
                     manager.cancel_request(rid)
                     cancelled.add(rid)
             time.sleep(rng.random() * 0.05)  # let some steps run before the next burst
-        finished, deadline = {}, time.monotonic() + 120
-        while len(finished) + len(cancelled - set(finished)) < len(expected):
-            assert time.monotonic() < deadline, f"timed out: {len(finished)} of {len(expected)} finished"
-            result = manager.get_result(timeout=0.5)
-            if result is not None and result.is_finished():
-                assert result.error is None, result.error
-                finished[result.request_id] = list(result.generated_tokens)
+        finished = _collect(manager, list(expected), 120, cancelled)
     finally:
         manager.stop(block=True)
     assert refused > 0 and cancelled and len(finished) >= len(expected) - len(cancelled)

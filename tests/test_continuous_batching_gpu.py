@@ -18,7 +18,7 @@ import peft_fastlora as fastlora
 from peft_fastlora import get_state
 from peft_fastlora.base_ops.attention_registry import decode_attention_enabled
 
-from _continuous import cb_config, greedy_config, peft_alone, random_prompts
+from _continuous import cb_config, collect, greedy_config, peft_alone, random_prompts, serve as _serve
 from test_graph_traffic_gpu import NAMES, _inputs, _model
 
 pytestmark = pytest.mark.gpu
@@ -97,19 +97,6 @@ def test_generate_batch_bf16_runs():
             assert all(0 <= t < 512 for t in r.generated_tokens)
     finally:
         fastlora.unpatch(m)
-
-
-def _serve(manager, requests, timeout=120.0):
-    """Add (prompt, name, new tokens) requests to a started manager; their tokens in order."""
-    ids = [manager.add_request(p, adapter_name=n, max_new_tokens=k) for p, n, k in requests]
-    finished, deadline = {}, time.monotonic() + timeout
-    while len(finished) < len(ids):
-        assert time.monotonic() < deadline, f"timed out: {len(finished)} of {len(ids)}"
-        r = manager.get_result(timeout=1)
-        if r is not None and r.is_finished():
-            assert r.error is None, r.error
-            finished[r.request_id] = list(r.generated_tokens)
-    return [finished[i] for i in ids]
 
 
 def _graph_manager(m, new, **overrides):
@@ -226,13 +213,7 @@ def test_engine_graphs_random_traffic_like_a_server(pair):
                     manager.cancel_request(rid)
                     cancelled.add(rid)
             time.sleep(rng.random() * 0.03)
-        finished, deadline = {}, time.monotonic() + 180
-        while len(finished) + len(cancelled - set(finished)) < len(expected):
-            assert time.monotonic() < deadline, f"timed out: {len(finished)} of {len(expected)}"
-            r = manager.get_result(timeout=0.5)
-            if r is not None and r.is_finished():
-                assert r.error is None, r.error
-                finished[r.request_id] = list(r.generated_tokens)
+        finished = collect(manager, list(expected), 180, cancelled)
     finally:
         manager.stop(block=True)
     stats = manager.fastlora_graphs.stats

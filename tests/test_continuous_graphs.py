@@ -10,7 +10,6 @@ engine's graphs off for good and the step runs eagerly. Real graphs: test_contin
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 
@@ -19,12 +18,10 @@ from peft_fastlora import get_state
 from peft_fastlora.batch import NO_ADAPTER
 from peft_fastlora.lora.sites import Site
 
-from _continuous import cb_config, greedy_config, peft_alone, random_prompts
+from _continuous import cb_config, greedy_config, peft_alone, random_prompts, requires_cb, serve as _run
 from _models import build_peft_lm, lora_configs, ARCHS
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(__import__("transformers"), "ContinuousBatchingConfig"),
-    reason="this transformers has no continuous batching")
+pytestmark = requires_cb
 
 
 @pytest.fixture
@@ -52,19 +49,6 @@ class GraphFills:
             return prepare(fb, slots, *args, use_cuda_graph=use_cuda_graph, **kwargs)
 
         monkeypatch.setattr(backend, "prepare_lora_batch", spy)
-
-
-def _run(manager, requests, timeout=120.0):
-    """Add (prompt, name, new tokens) requests to a started manager; their tokens by request id."""
-    ids = [manager.add_request(p, adapter_name=n, max_new_tokens=k) for p, n, k in requests]
-    finished, deadline = {}, time.monotonic() + timeout
-    while len(finished) < len(ids):
-        assert time.monotonic() < deadline, f"timed out: {len(finished)} of {len(ids)}"
-        r = manager.get_result(timeout=0.5)
-        if r is not None and r.is_finished():
-            assert r.error is None, r.error
-            finished[r.request_id] = list(r.generated_tokens)
-    return [finished[i] for i in ids]
 
 
 def _requests(lengths, names, new, seed):

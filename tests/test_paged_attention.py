@@ -18,11 +18,10 @@ import peft_fastlora as fastlora
 from peft_fastlora import _compat, get_state
 from peft_fastlora.base_ops.paged_attention import PAGED_NAME, varlen_reference
 
-from _continuous import cb_config, greedy_config, peft_alone, random_prompts
+from _continuous import cb_config, greedy_config, peft_alone, random_prompts, requires_cb
 from _models import build_peft_lm
 
-cb = pytest.mark.skipif(not hasattr(__import__("transformers"), "ContinuousBatchingConfig"),
-                        reason="this transformers has no continuous batching")
+cb = requires_cb
 ENGINE_WHY = _compat.cb_engine_attention_blocker()
 
 

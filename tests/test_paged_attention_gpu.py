@@ -12,8 +12,8 @@ import peft_fastlora as fastlora
 from peft_fastlora import _compat, get_state
 from peft_fastlora.base_ops.paged_attention import PAGED_NAME, varlen_reference
 
-from _continuous import cb_config, greedy_config, peft_alone
-from test_continuous_batching_gpu import _prompts, _serve
+from _continuous import cb_config, greedy_config, peft_alone, serve as _serve
+from test_continuous_batching_gpu import _prompts
 from test_graph_traffic_gpu import _model
 
 pytestmark = pytest.mark.gpu
