@@ -18,7 +18,9 @@ at once (offline throughput). Modes, each on the same requests:
   kernel) instead of its masked attention over the whole step (the other modes set
   ``engine_attention="engine"``);
 - ``static``: the patched model through ``generate`` in static batches of ``--static-batch`` rows
-  (left-padded; every row waits for the longest).
+  (left-padded; every row waits for the longest);
+- ``peft``: PEFT's own mixed-batch ``generate`` (unpatched) in the same static batches, on a sample:
+  the first ``--peft-requests`` requests with outputs capped at ``--peft-tokens`` (it is far slower).
 
 Per mode: output tokens/s (the tokens the requests asked for; a static batch computes more),
 request latency p50/p99 (queued to last token), time to first token
@@ -112,6 +114,7 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
 
 
 def run_static(model, reqs, args):
+    """Static ``generate`` batches, in arrival order; ``reqs`` carry each request's output length."""
     seconds, latency = 0.0, []
     order = list(range(len(reqs)))
     t0 = time.perf_counter()
@@ -140,7 +143,7 @@ def pct(values, q):
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-MODES = ["base", "base_graphs", "base_varlen", "fastlora", "fastlora_graphs", "fastlora_varlen", "static"]
+MODES = ["base", "base_graphs", "base_varlen", "fastlora", "fastlora_graphs", "fastlora_varlen", "static", "peft"]
 
 
 def varlen_attention_on(model, on: bool):
@@ -167,9 +170,11 @@ def main(argv=None) -> int:
     p.add_argument("--zipf", type=float, default=1.1)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--cache-tokens", type=int, default=0, help="0: the engine sizes its cache from free memory")
-    p.add_argument("--static-batch", type=int, default=64)
+    p.add_argument("--static-batch", type=int, default=32)
     p.add_argument("--static-requests", type=int, default=0,
                    help="static mode on the first N requests only (0: all); its tokens/s is over those")
+    p.add_argument("--peft-requests", type=int, default=32)
+    p.add_argument("--peft-tokens", type=int, default=16)
     p.add_argument("--modes", nargs="+", default=["base", "fastlora", "static"], choices=MODES,
                    help="the CSV is rewritten after each mode, so a cut-off run keeps what finished")
     p.add_argument("--seed", type=int, default=0)
@@ -200,15 +205,21 @@ def main(argv=None) -> int:
             if model is None:
                 model = bg.add_adapters(base, args.adapters, args.rank)
             state = fastlora.get_state(model)
-            if state is None or state.options.engine_attention != attention:
+            if mode == "peft":  # PEFT's own path: unpatched, on a capped sample
                 if state is not None:
                     fastlora.unpatch(model)
-                print(fastlora.patch(model, engine_attention=attention), file=sys.stderr)
-            if mode.startswith("fastlora"):
-                used, (seconds, latency, ttft, stats) = reqs, run_engine(model, reqs, args, True, graphs)
-            else:
-                used = reqs[:args.static_requests or len(reqs)]
+                used = [(q, n, min(k, args.peft_tokens)) for q, n, k in reqs[:args.peft_requests]]
                 seconds, latency, ttft, stats = run_static(model, used, args)
+            else:
+                if state is None or state.options.engine_attention != attention:
+                    if state is not None:
+                        fastlora.unpatch(model)
+                    print(fastlora.patch(model, engine_attention=attention), file=sys.stderr)
+                if mode.startswith("fastlora"):
+                    used, (seconds, latency, ttft, stats) = reqs, run_engine(model, reqs, args, True, graphs)
+                else:
+                    used = reqs[:args.static_requests or len(reqs)]
+                    seconds, latency, ttft, stats = run_static(model, used, args)
         out_tokens = sum(n for _, _, n in used)
         table.append(dict(mode=mode, model=args.model, adapters=args.adapters, rank=args.rank, requests=len(used),
                           output_tokens=out_tokens, seconds=round(seconds, 3),

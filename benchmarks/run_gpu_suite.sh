@@ -40,7 +40,7 @@ if want attention; then
 fi
 if want continuous; then
   timeout 560 python3 benchmarks/bench_continuous.py --model ${CB_MODEL:-8b} --requests ${CB_REQUESTS:-2000} \
-    --static-requests ${CB_STATIC_REQUESTS:-0} --modes ${CB_MODES:-base fastlora static} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_continuous.log" | tail -8
+    --static-requests ${CB_STATIC_REQUESTS:-0} --static-batch ${CB_STATIC_BATCH:-32} --modes ${CB_MODES:-base fastlora static} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_continuous.log" | tail -8
 fi
 if want prefill; then
   timeout 300 python3 benchmarks/bench_prefill.py --model ${PREFILL_MODEL:-8b} --out "$OUT" 2>&1 | grep -v -i warn \

@@ -130,3 +130,44 @@ def test_a_model_on_fastlora_decode_attention_counts_as_its_own(monkeypatch):
     assert "fastlora_decode" in paged_attention._model_blocker(inner, False)
     inner.__dict__[_PREV_ATTR] = "sdpa"
     assert paged_attention._model_blocker(inner, False) is None
+
+
+def test_graphs_are_judged_on_the_kernel_not_on_the_running_attention(monkeypatch):
+    """While a manager runs, the model's attention is ``paged|fastlora_varlen`` itself: whether
+    the engine's graphs can carry the LoRA batches depends on the kernel's dtype and device only
+    (the 8B bench run judged it on the attention's name and served without fastlora's graphs)."""
+    from peft_fastlora.continuous import engine
+
+    m = build_peft_lm("llama")
+    fastlora.patch(m, engine_attention="varlen")
+    try:
+        hook = get_state(m).continuous
+        assert "reference" in hook.graphs_blocker()  # CPU fp32: the reference runs
+        monkeypatch.setattr(engine, "kernel_blocker", lambda dtype, device: None)
+        monkeypatch.setattr(_compat, "attn_implementation", lambda model: PAGED_NAME)
+        assert hook.graphs_blocker() is None
+    finally:
+        fastlora.unpatch(m)
+
+
+class _Runner:
+    use_cuda_graph_varlen = use_cuda_graph_decode = True
+
+
+class _Processor:
+    model_runner = _Runner()
+
+
+def test_engine_graphs_go_off_when_fastlora_cannot_follow_them(monkeypatch):
+    """A graph replaying LoRA batches nobody refreshes would serve stale adapters: where
+    fastlora's side of the graphs is refused, the engine's graphs are turned off too."""
+    m = build_peft_lm("llama")
+    fastlora.patch(m)
+    try:
+        hook = get_state(m).continuous
+        monkeypatch.setattr(type(hook), "graphs_blocker", lambda self: "a reason")
+        processor = _Processor()
+        assert hook._engine_graphs(processor) is None
+        assert not processor.model_runner.use_cuda_graph_varlen and not processor.model_runner.use_cuda_graph_decode
+    finally:
+        fastlora.unpatch(m)

@@ -62,9 +62,10 @@ def test_engine_through_the_reference_fp32_equals_peft():
 
 
 @pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
-def test_engine_bf16_through_the_kernel_and_graphs():
+@pytest.mark.parametrize("choice", ["auto", "varlen"])
+def test_engine_bf16_through_the_kernel_and_graphs(choice):
     m = _model(seed=6).to(torch.bfloat16)
-    fastlora.patch(m)
+    fastlora.patch(m, engine_attention=choice)
     try:
         inner = get_state(m).inner
         prompts, names = _prompts(24, seed=22)

@@ -31,13 +31,20 @@ _MAX_HEAD_DIM = 256
 
 def varlen_blocker(inner: nn.Module, dtype: torch.dtype, device: torch.device) -> Optional[str]:
     """Why the engine of this model keeps its own attention (None: the flash varlen kernel applies)."""
+    return kernel_blocker(dtype, device) or _model_blocker(
+        inner, sliding_needs_window=not _compat.flash_varlen_has_window())
+
+
+def kernel_blocker(dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why ``paged|fastlora_varlen`` runs its torch reference here (None: the flash kernel), which
+    syncs with the host and so cannot be captured in a CUDA graph."""
     if device.type != "cuda":
         return "the model is not on CUDA"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"{dtype} (the flash kernel takes fp16 / bf16)"
     if torch.cuda.get_device_capability(device)[0] < 8:
         return "a GPU older than sm80"
-    return _model_blocker(inner, sliding_needs_window=not _compat.flash_varlen_has_window())
+    return None
 
 
 def _model_blocker(inner: nn.Module, sliding_needs_window: bool) -> Optional[str]:

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence
 from .. import _compat
 from ..base_ops.attention_registry import (decode_attention_enabled, disable_decode_attention,
                                            enable_decode_attention)
-from ..base_ops.paged_attention import PAGED_NAME, paged_varlen_attention, varlen_blocker
+from ..base_ops.paged_attention import PAGED_NAME, kernel_blocker, paged_varlen_attention, varlen_blocker
 from ..batch import TokenSegments
 from ..decode.capture import GraphUnsafe
 from ..instance_methods import InstanceMethods
@@ -161,8 +161,10 @@ class ContinuousBatchingHook:
             return f"{split}: a CUDA graph captures one device"
         if state.report is not None and state.report.left_on_peft:
             return "some LoRA layers are left on PEFT's path, which a graph would replay with stale indices"
+        # judged on the dtype and device alone: while a manager runs, the model's attention is the
+        # varlen one itself (a model that cannot take it never gets a manager with "varlen")
         if (state.options.engine_attention == "varlen" and state.device is not None
-                and varlen_blocker(self.inner, _compat.model_dtype(self.inner), state.device) is not None):
+                and kernel_blocker(_compat.model_dtype(self.inner), state.device) is not None):
             return "engine_attention='varlen' off fp16 / bf16 CUDA runs a per-request reference that syncs with the host"
         return None
 
@@ -384,13 +386,13 @@ class ContinuousBatchingHook:
         manager._create_batch_processor = create_
 
     def _engine_graphs(self, processor) -> Optional[EngineGraphs]:
-        """The LoRA side of the engine's graphs, where the engine runs any (or emulated ones)."""
-        if self.graphs_blocker() is not None:
-            return None
+        """The LoRA side of the engine's graphs, where the engine runs any (or emulated ones).
+        Where fastlora cannot follow them, the engine's graphs go off: a graph replaying LoRA
+        batches nobody refreshes would serve every request a stale step's adapters."""
         emulate = self.state.options.cuda_graphs == "emulate"
         if not emulate and not _compat.cb_engine_uses_graphs(processor):
             return None
-        why = _compat.cb_graphs_blocker_of_engine(processor)
+        why = self.graphs_blocker() or _compat.cb_graphs_blocker_of_engine(processor)
         if why is not None:
             self.state.warn_once(f"continuous batching runs eagerly: {why}")
             _compat.cb_disable_graphs(processor)
