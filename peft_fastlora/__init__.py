@@ -12,6 +12,7 @@ from .batch import ForwardBatch, LoRABatchInfo
 from .decode.generate import WarmupReport, warmup
 from .options import PatchOptions
 from .patch import get_state, patch, unpatch
+from .registration import register_adapter, register_adapters, unregister_adapter
 from .report import PatchReport
 
 __version__ = "0.1.0"
@@ -39,6 +40,9 @@ __all__ = [
     "get_state",
     "patch",
     "patched",
+    "register_adapter",
+    "register_adapters",
     "unpatch",
+    "unregister_adapter",
     "warmup",
 ]

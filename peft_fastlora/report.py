@@ -18,6 +18,9 @@ class PatchReport:
     adapter_fallbacks: List[Tuple[str, str, str]] = field(default_factory=list)  # (module, adapter, reason)
     fusion_blocked: List[Tuple[str, str]] = field(default_factory=list)  # (group, reason)
     stack_bytes: int = 0
+    gpu_slots: str = "all adapters"  # what the stacks hold: every adapter, or N slots loaded on demand
+    registered: int = 0  # adapters registered by name (fastlora.register_adapter), held in CPU memory
+    store_bytes: int = 0  # their bytes there
     decode_attention: str = "off"  # "on", or why not
     fused_norms: int = 0  # RMSNorm modules served by one kernel
     fused_rotary: int = 0  # attention modules whose rotary embedding is one kernel
@@ -47,6 +50,10 @@ class PatchReport:
                     f"site{'s' if sites != 1 else ''} ({kinds}) for {len(self.adapters)} adapters on backend "
                     f"{self.backend!r}; {len(self.left_on_peft)} left on PEFT's path; "
                     f"adapter stacks {self.stack_bytes / 2**20:.1f} MiB")
+            if self.gpu_slots != "all adapters":
+                line += f" in GPU slots ({self.gpu_slots})"
+            if self.registered:
+                line += f"; {self.registered} registered in CPU memory ({self.store_bytes / 2**20:.1f} MiB)"
         if self.adapter_fallbacks:
             pairs = sorted({(a, r) for _, a, r in self.adapter_fallbacks})
             line += "; served by PEFT where used: " + ", ".join(f"{a} ({r})" for a, r in pairs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from typing import List, Optional, Sequence
 
 import torch
@@ -67,6 +68,7 @@ class FastLoRAState:
         self._bi = None
         self._bi_copies: dict = {}  # device -> (batch info, its copy there): models split by device_map
         self._slot_ranks = None
+        self._slot_loads = 0  # adapters put in slots so far (the value refresher's lists follow)
         self._watches: dict = {}  # adapter name -> lora.watch.AdapterWatch (the per-call check)
         self._peft_config_keys = self._config_keys()
         self._adapter_count = None  # LoRA adapters summed over the sites' layers, at the last check
@@ -74,6 +76,10 @@ class FastLoRAState:
         # per thread: a continuous-batching engine steps in its own thread
         self._local = threading.local()
         self.continuous = None  # continuous.engine.ContinuousBatchingHook
+        # adapters registered by name (``fastlora.register_adapter``): kept across rebuilds
+        self.stored: dict = {}  # name -> lora.store.StoredAdapter
+        self._peft_names: List[str] = []  # the adapters PEFT's layers hold, at the last build
+        self._layer_names: dict = {}  # id(LoRA layer) -> its module name in the model
 
     def _config_keys(self):
         # the config objects too: an adapter deleted and added again under its name is a new one
@@ -144,7 +150,7 @@ class FastLoRAState:
                 or not isinstance(names, (list, tuple))):
             return None
         config = getattr(self.model, "peft_config", None) or {}
-        unknown = {n for n in names if n != "__base__"} - set(self.registry.names) - set(config)
+        unknown = {n for n in names if n != "__base__"} - set(self.registry.names) - set(config) - set(self.stored)
         if unknown:  # PEFT's message
             raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unknown))}")
         return self._call_names_scope(list(names))
@@ -231,7 +237,7 @@ class FastLoRAState:
             if lora_layers or _compat.is_peft_model(model):
                 raise ValueError("fastlora.patch: the PEFT model holds no LoRA adapters")
             return self._build_base_only()
-        self.registry = AdapterRegistry(names)
+        self._peft_names = sorted(names)
         first = next(p for _, m in lora_layers for p in m.parameters())
         self.device = first.device
         backend_name = resolve_backend_name(self.options.backend, self.device)
@@ -239,8 +245,13 @@ class FastLoRAState:
         if (self.backend is None or getattr(self.backend, "name", None) != backend_name
                 or self.backend.max_loras_per_batch != max_loras):
             self.backend = get_backend(backend_name)(max_loras, self.device)
-        report = PatchReport(backend=backend_name, device=str(self.device), adapters=list(self.registry.names))
         name_of = {id(m): n for n, m in model.named_modules()}
+        self._layer_names = {id(m): n for n, m in lora_layers}
+        names |= self._servable_stored(names)
+        self.registry = AdapterRegistry(names, num_slots=self.options.max_loras_per_batch)
+        report = PatchReport(backend=backend_name, device=str(self.device), adapters=list(self.registry.names),
+                             gpu_slots=self.registry.describe(), registered=len(self.stored),
+                             store_bytes=sum(a.nbytes() for a in self.stored.values()))
 
         served = set()
         if self.options.fuse:
@@ -282,6 +293,7 @@ class FastLoRAState:
                     why = _compat.unsupported_reason(layer, adapter)
                     if why:
                         report.adapter_fallbacks.append((name_of.get(id(layer), "?"), adapter, why))
+        self._drop_unservable_stored(report)
         report.sites = [(s.name, s.kind, len(s.lora_layers)) for s in self.sites]
         report.stack_bytes = sum(s.pool.nbytes() for s in self.sites)
         # every module PEFT would hand adapter_names to is a site: fastlora takes the names itself
@@ -330,11 +342,55 @@ class FastLoRAState:
         for option, cls, why in report.base_ops_skipped:
             logger.log(level, "fastlora: %s left as it is for %s: %s", option, cls, why)
 
+    def served_layers(self) -> dict:
+        """Module name -> LoRA layer, for every layer a site serves."""
+        return {self._layer_names[id(layer)]: layer for site in self.sites for layer in site.lora_layers
+                if id(layer) in self._layer_names}
+
+    def _servable_stored(self, peft_names) -> set:
+        """The registered adapters to serve: a name PEFT now holds too is PEFT's (the registered one
+        is dropped, with a warning)."""
+        for name in sorted(set(self.stored) & set(peft_names)):
+            del self.stored[name]
+            self.warn_once(f"registered adapter {name!r} dropped: PEFT now holds an adapter of that name")
+        return set(self.stored)
+
+    def _drop_unservable_stored(self, report: PatchReport):
+        """A registered adapter whose modules lost their LoRA layer (PEFT's adapters deleted) cannot be
+        served: it is dropped, with a warning, and the stacks rebuilt without it."""
+        served = set(self.served_layers())
+        gone = [a.name for a in self.stored.values() if not set(a.modules) <= served]
+        if not gone:
+            return
+        for name in gone:
+            del self.stored[name]
+            self.warn_once(f"registered adapter {name!r} dropped: the model no longer has a LoRA layer "
+                           f"fastlora serves for every module it targets")
+        self.registry = AdapterRegistry(set(self._peft_names) | set(self.stored),
+                                        num_slots=self.options.max_loras_per_batch)
+        report.adapters = list(self.registry.names)
+        report.registered = len(self.stored)
+        report.store_bytes = sum(a.nbytes() for a in self.stored.values())
+        for site in self.sites:
+            self._rebuild_pool(site, self._site_dtype(site))
+
+    def _stored_for(self, site: Site) -> dict:
+        """The registered adapters' weights for this site's stacked modules (adapter -> index -> (A, B, s))."""
+        out: dict = {}
+        if not self.stored:
+            return out
+        for j, layer in enumerate(site.pool.layers):
+            module = self._layer_names.get(id(layer)) if layer is not None else None
+            for adapter in self.stored.values():
+                if module in adapter.modules:
+                    out.setdefault(adapter.name, {})[j] = adapter.modules[module]
+        return out
+
     def _site_dtype(self, site: Site) -> torch.dtype:
         return base_layer_of(site.members[0]).weight.dtype
 
     def _rebuild_pool(self, site: Site, dtype):
-        site.pool.rebuild(self.registry, dtype, site.device)
+        site.pool.rebuild(self.registry, dtype, site.device, stored=self._stored_for(site))
         self._watches = {}
         self.generation += 1
         self._slot_ranks = None
@@ -410,7 +466,8 @@ class FastLoRAState:
         """Rebuild the stacks of these adapters if their modules, parameters or storage changed
         (``lora.watch``: flat, C-speed checks; the layer-by-layer one only for a suspect)."""
         epoch = _compat.registration_epoch()
-        suspect = [n for n in set(adapter_names) if n in self.registry.slot and not self._unchanged(n, epoch)]
+        suspect = [n for n in set(adapter_names)
+                   if n in self.registry.index and n not in self.stored and not self._unchanged(n, epoch)]
         if suspect:
             self._sync_pools(suspect)  # finds the pools that no longer fit and rebuilds them
 
@@ -431,16 +488,33 @@ class FastLoRAState:
                 self._rebuild_pool(site, dtype)
 
     def refresh_values(self, adapter_names: Optional[Sequence[str]]):
-        """Copy the current values of PEFT's weights of these adapters into the stacks (in place)."""
+        """Put these adapters in GPU slots (where the model has fewer slots than adapters), then
+        copy the current values of PEFT's weights of them into the stacks (in place)."""
         if not adapter_names or not self.sites:
             return
+        placed = self.registry.assign(adapter_names)
+        if placed:
+            self._load_slots(placed)
         slots = {self.registry.slot[n] for n in set(adapter_names) if n in self.registry.slot}
         if not slots:
             return
-        if self._refresher is None or self._refresher_generation != self.generation:
+        key = (self.generation, self._slot_loads)
+        if self._refresher is None or self._refresher_generation != key:
             self._refresher = ValueRefresher(s.pool for s in self.sites)
-            self._refresher_generation = self.generation
+            self._refresher_generation = key
         self._refresher.refresh(slots)
+
+    def _load_slots(self, placed):
+        """Adapters newly given slots: every site loads them there (stacks keep their addresses:
+        graphs stay valid; the batch info and ranks read from the slots are rebuilt)."""
+        t = time.perf_counter()
+        for slot, name in placed:
+            for site in self.sites:
+                site.pool.load(slot, name)
+        self.registry.stats["load_seconds"] += time.perf_counter() - t
+        self._slot_loads += 1
+        self._slot_ranks = None
+        self._bi_key = None
 
     def _adapter_set_changed(self) -> bool:
         # adapters per layer, counted (cheap); the names compared only when the count moved
@@ -452,7 +526,7 @@ class FastLoRAState:
         for site in self.sites:
             for layer in site.lora_layers:
                 names |= _compat.adapter_names_of(layer)
-        return sorted(names) != self.registry.names
+        return sorted(names) != self._peft_names
 
     def rescan(self):
         """Adapters were added or deleted: rebuild the LoRA sites from scratch (new LoRA layers may
@@ -472,7 +546,7 @@ class FastLoRAState:
 
     def slot_ranks(self) -> List[int]:
         if self._slot_ranks is None:
-            ranks = [0] * len(self.registry)
+            ranks = [0] * self.registry.num_slots
             for site in self.sites:
                 for s, r in enumerate(site.pool.slot_ranks_host()):
                     ranks[s] = max(ranks[s], r)

@@ -138,7 +138,8 @@ class ContinuousBatchingHook:
     def check_names(self, names: Sequence[str]) -> None:
         """Raise, naming them, for adapters the model does not have (before anything is queued)."""
         # PEFT's own list too: an adapter added since the last step joins the stacks at the next
-        known = set(self.state.registry.names) | set(getattr(self.state.model, "peft_config", None) or ()) | {BASE}
+        known = (set(self.state.registry.names) | set(getattr(self.state.model, "peft_config", None) or ())
+                 | set(self.state.stored) | {BASE})
         bad = [n for n in names if not isinstance(n, str)]
         if bad:
             raise TypeError(f"adapter names must be strings, got {bad[0]!r}")
@@ -149,6 +150,12 @@ class ContinuousBatchingHook:
     def _usable(self):
         if not self.active:
             raise RuntimeError("fastlora: this model was unpatched; its continuous batching is transformers' own")
+        registry = self.state.registry
+        if not registry.all_resident:  # the engine's scheduler does not know the slots
+            raise ValueError(
+                f"fastlora: continuous batching needs every adapter in a GPU slot; this model holds "
+                f"{registry.num_slots} slots for {len(registry)} adapters (max_loras_per_batch="
+                f"{registry.num_slots}): patch it with max_loras_per_batch >= {len(registry)} (not yet supported)")
 
     def graphs_blocker(self) -> Optional[str]:
         """Why the engine's CUDA graphs cannot carry this model's LoRA batches (None: they can,
@@ -488,7 +495,7 @@ class ContinuousBatchingHook:
         """Fail, one by one, the requests whose adapter was deleted since they were added; the
         others keep running (a step with an unknown adapter would fail them all)."""
         config = getattr(self.state.model, "peft_config", None)  # PEFT's adapters as they are now
-        known = set(config) if isinstance(config, dict) else set(self.state.registry.names)
+        known = (set(config) if isinstance(config, dict) else set(self.state.registry.names)) | set(self.state.stored)
         errors = {}
         for rid in _compat.cb_request_ids(processor):
             name = adapters.lookup(rid)

@@ -84,7 +84,7 @@ class EngineGraphs:
 
     def _drop_if_stale(self) -> None:
         state = self.state
-        slots = len(state.registry)
+        slots = state.registry.num_slots
         if (state.generation != self._generation or state.backend is not self._backend
                 or any(b.max_slots < slots for b in self._buffers.values())):
             self.drop()
@@ -97,7 +97,7 @@ class EngineGraphs:
             tokens = limit if limit is not None else max(self._max_tokens, num_tokens)
             rows = min(tokens, self._max_requests) + 1  # one more: the padded tail
             buffers = self._buffers[block_m] = self.state.backend.new_graph_buffers(
-                rows, tokens, max_slots=len(self.state.registry))
+                rows, tokens, max_slots=self.state.registry.num_slots)
         if num_tokens > buffers.max_tokens:  # the engine padded past what it said it would
             raise RuntimeError(f"fastlora: an engine step of {num_tokens} tokens exceeds the graph "
                                f"buffers' {buffers.max_tokens}")

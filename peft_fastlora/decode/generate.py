@@ -144,7 +144,7 @@ def warmup(model, batch_sizes: Optional[Sequence[int]] = None, max_length: int =
     two-token ``generate`` whose static cache holds ``max_length`` tokens: the shared cache
     buffer is sized once for the largest bucket, and later calls up to ``max_length`` tokens reuse
     these caches and graphs. ``adapter_names``: the adapters of the warm-up rows (cycled; default:
-    every registered adapter in turn). Returns a ``WarmupReport``.
+    every adapter in turn, or the first ones that fill the GPU slots). Returns a ``WarmupReport``.
     """
     from ..patch import get_state
 
@@ -166,8 +166,9 @@ def warmup(model, batch_sizes: Optional[Sequence[int]] = None, max_length: int =
                 raise ValueError(f"fastlora.warmup: batch size {b} exceeds the largest graph bucket "
                                  f"{runner.buckets[-1]}")
             buckets.append(bucket)
-    names = list(adapter_names) if adapter_names else (list(state.registry.names) or ["__base__"])
-    unknown = sorted({n for n in names if n != "__base__" and n not in state.registry.slot})
+    # default: as many adapters as the GPU slots hold (all, unless the model has fewer slots)
+    names = list(adapter_names) if adapter_names else (state.registry.names[:state.registry.num_slots] or ["__base__"])
+    unknown = sorted({n for n in names if n != "__base__" and n not in state.registry.index and n not in state.stored})
     if unknown:
         raise ValueError(f"fastlora.warmup: unknown adapter(s): {', '.join(unknown)}")
     gc = state.inner.generation_config

@@ -118,7 +118,7 @@ class DecodeGraphRunner:
         backend = self.state.backend
         if backend is None:
             return
-        slots = len(self.state.registry)
+        slots = self.state.registry.num_slots
         if backend is self._batch_info_backend and slots <= backend.graph_slot_capacity():
             return
         self.drop_graphs()  # they read the buffers about to be replaced

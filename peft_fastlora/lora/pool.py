@@ -1,8 +1,8 @@
 """Adapter weights stacked per layer, so one kernel launch serves every adapter of a batch.
 
-``AdapterRegistry`` maps adapter names to slots for the whole model (a row's slot is the same in
-every layer). ``SitePool`` holds, for one LoRA *site* (a single LoRA layer, or a fused q/k/v or
-gate/up group), the stacks the backend reads:
+``AdapterRegistry`` (``lora.slots``) maps adapter names to the stacks' GPU slots for the whole
+model. ``SitePool`` holds, for one LoRA *site* (a single LoRA layer, or a fused q/k/v or gate/up
+group), the stacks the backend reads:
 
 - ``lora_a``: (num_slots, c * R, in), module j of slot s in rows ``j*R : j*R + rank``;
 - ``lora_b``: (num_slots, sum of out, R), module j in rows ``offsets[j]:offsets[j+1]``;
@@ -16,6 +16,8 @@ The stacks are copies of PEFT's weights, kept current in two ways:
   scaling; the stacks are then rebuilt (new tensors: graphs holding the old ones are dropped).
   Per call, the adapters the call uses are checked through ``lora.watch`` (the same facts in flat
   lists), the layer-by-layer check only for an adapter found changed;
+- *slots*: with fewer slots than adapters, ``SitePool.load`` puts an adapter in a slot (its
+  views, ranks and scalings), in place;
 - *values*: ``SitePool.copies`` lists, per slot, (stack view, PEFT parameter) pairs; the model
   state copies the values of the adapters a call uses into their views at the start of every call
   (``torch._foreach_copy_``), whatever changed them: an optimizer step, ``param.data.add_()``,
@@ -30,23 +32,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from .._compat import lora_layer_unchanged, lora_weights, unsupported_reason, watch_lora_layer
+from .slots import AdapterRegistry
 
-
-class AdapterRegistry:
-    """Adapter name <-> slot, shared by every site of one model."""
-
-    def __init__(self, names: Sequence[str]):
-        self.names: List[str] = sorted(names)
-        self.slot = {n: i for i, n in enumerate(self.names)}
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def slots_for(self, adapter_names: Sequence[str]) -> List[int]:
-        unknown = sorted({n for n in adapter_names if n != "__base__" and n not in self.slot})
-        if unknown:
-            raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(unknown)}")
-        return [-1 if n == "__base__" else self.slot[n] for n in adapter_names]
+__all__ = ["AdapterRegistry", "SitePool", "ValueRefresher", "copy_values"]
 
 
 class SitePool:
@@ -76,6 +64,13 @@ class SitePool:
         self.max_rank = 0
         self.unsupported: dict[int, str] = {}  # slot -> why PEFT's own path must serve it here
         self.copies: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}  # slot -> (view, param)
+        self._fixed: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}  # slot -> registered adapter's pairs
+        # per adapter: its modules' (index, A, B, registered?), ranks and scalings, and why PEFT must serve it
+        self._sources: Dict[str, List[Tuple[int, torch.Tensor, torch.Tensor, bool]]] = {}
+        self._ranks_of: Dict[str, List[int]] = {}
+        self._scalings_of: Dict[str, List[float]] = {}
+        self._unsupported_of: Dict[str, str] = {}
+        self._slot_ranks: List[List[int]] = []  # host copy of ``ranks``
         self._signature = None
         self._watched = None
         self._registry_names = None
@@ -137,44 +132,82 @@ class SitePool:
     # tensors)
     @torch.no_grad()
     @torch.inference_mode(False)
-    def rebuild(self, registry: AdapterRegistry, dtype: torch.dtype, device: torch.device):
-        """Fresh stacks for every adapter, and the (view, parameter) pairs that keep them current."""
-        c, n_slots = self.stack_num, len(registry)
-        per = [lora_weights(layer) if layer is not None else {} for layer in self.layers]
-        ranks = [[0] * c for _ in range(n_slots)]
-        scal = [[0.0] * c for _ in range(n_slots)]
-        self.unsupported = {}
+    def rebuild(self, registry: AdapterRegistry, dtype: torch.dtype, device: torch.device,
+                stored: Optional[Dict[str, Dict[int, Tuple[torch.Tensor, torch.Tensor, float]]]] = None):
+        """Fresh stacks with a slot for each of ``registry.num_slots``, the adapters in slots loaded,
+        and the (view, parameter) pairs that keep them current. ``stored``: the registered adapters'
+        (A, B, scaling) by stacked module index (``lora.store``; immutable, copied when loaded)."""
+        c, n_slots = self.stack_num, registry.num_slots
+        self._sources, self._ranks_of, self._scalings_of, self._unsupported_of = {}, {}, {}, {}
+
+        def add(name, j, a, b, scaling, fixed):
+            self._sources.setdefault(name, []).append((j, a, b, fixed))
+            self._ranks_of.setdefault(name, [0] * c)[j] = a.shape[0]
+            self._scalings_of.setdefault(name, [0.0] * c)[j] = scaling
+
         for j, layer in enumerate(self.layers):
-            for name, (a, _b, scaling) in per[j].items():
-                s = registry.slot[name]
+            if layer is None:
+                continue
+            for name, (a, b, scaling) in lora_weights(layer).items():
                 reason = unsupported_reason(layer, name)
                 if reason:
-                    self.unsupported[s] = reason
-                ranks[s][j] = a.shape[0]
-                scal[s][j] = scaling
-        r = max([1] + [x for row in ranks for x in row])
+                    self._unsupported_of[name] = reason
+                add(name, j, a, b, scaling, False)
+        for name, by_module in (stored or {}).items():
+            for j, (a, b, scaling) in by_module.items():
+                add(name, j, a, b, scaling, True)
+        # every slot fits the largest rank of any adapter: any adapter may take any slot
+        r = max([1] + [x for row in self._ranks_of.values() for x in row])
         # for an embedding, "in" is the vocabulary and A is stored (rank, vocab) as PEFT does
         a_shape = (n_slots, r, self.in_features) if self.embedding else (n_slots, c * r, self.in_features)
-        lora_a = torch.zeros(a_shape, dtype=dtype, device=device)
-        lora_b = torch.zeros(n_slots, self.offsets[-1], r, dtype=dtype, device=device)
-        copies: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
-        for j in range(c):
-            for name, (a, b, _s) in per[j].items():
-                s, k = registry.slot[name], a.shape[0]
-                views = (lora_a[s, j * r : j * r + k], lora_b[s, self.offsets[j] : self.offsets[j + 1], :k])
-                copies.setdefault(s, []).extend(zip(views, (a, b)))
-        self.lora_a, self.lora_b, self.max_rank = lora_a, lora_b, r
-        self.copies = copies
-        self.ranks = torch.tensor(ranks, dtype=torch.int32, device=device).reshape(n_slots, c)
-        self.scalings = torch.tensor(scal, dtype=torch.float32, device=device).reshape(n_slots, c)
+        self.lora_a = torch.zeros(a_shape, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(n_slots, self.offsets[-1], r, dtype=dtype, device=device)
+        self.max_rank = r
+        self.copies, self._fixed, self.unsupported = {}, {}, {}
+        self._slot_ranks = [[0] * c for _ in range(n_slots)]
+        scalings = [[0.0] * c for _ in range(n_slots)]
+        for slot, name in enumerate(registry.resident):
+            if name is not None:
+                self._place(slot, name)
+                scalings[slot] = list(self._scalings_of.get(name, scalings[slot]))
+        self.ranks = torch.tensor(self._slot_ranks, dtype=torch.int32, device=device).reshape(n_slots, c)
+        self.scalings = torch.tensor(scalings, dtype=torch.float32, device=device).reshape(n_slots, c)
         self._signature = self._current_signature(registry)
         self._watched = self._watch()
         self._registry_names = list(registry.names)
-        copy_values([pair for pairs in copies.values() for pair in pairs])
+        copy_values([pair for table in (self.copies, self._fixed) for pairs in table.values() for pair in pairs])
+
+    def _place(self, slot: int, name: str) -> None:
+        """Slot ``slot`` holds adapter ``name`` from now on (host side: views, ranks, reasons)."""
+        r, pairs, fixed = self.max_rank, [], []
+        for j, a, b, registered in self._sources.get(name, ()):
+            k = a.shape[0]
+            views = (self.lora_a[slot, j * r: j * r + k], self.lora_b[slot, self.offsets[j]: self.offsets[j + 1], :k])
+            (fixed if registered else pairs).extend(zip(views, (a, b)))
+        self.copies[slot] = pairs  # PEFT's parameters: copied again at every call that uses them
+        self._fixed[slot] = fixed
+        self._slot_ranks[slot] = list(self._ranks_of.get(name, [0] * self.stack_num))
+        reason = self._unsupported_of.get(name)
+        if reason:
+            self.unsupported[slot] = reason
+        else:
+            self.unsupported.pop(slot, None)
+
+    @torch.no_grad()
+    @torch.inference_mode(False)
+    def load(self, slot: int, name: str) -> None:
+        """Put adapter ``name`` in slot ``slot`` (replacing what it held), in place: the stacks keep
+        their addresses, so graphs that read them stay valid. Modules the adapter does not target
+        get rank 0 (the kernels read nothing of them)."""
+        self._place(slot, name)
+        c = self.stack_num
+        self.ranks[slot].copy_(torch.tensor(self._slot_ranks[slot], dtype=torch.int32))
+        self.scalings[slot].copy_(torch.tensor(self._scalings_of.get(name, [0.0] * c), dtype=torch.float32))
+        copy_values(self.copies[slot] + self._fixed[slot])
 
     def slot_ranks_host(self) -> List[int]:
         """Largest rank of each slot over the stacked modules (host list)."""
-        return [max(row) for row in self.ranks.tolist()] if self.ranks is not None else []
+        return [max(row) for row in self._slot_ranks] if self.ranks is not None else []
 
 
 def _grouped(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> Dict[tuple, Tuple[list, list]]:

@@ -1,0 +1,80 @@
+"""``AdapterRegistry``: the adapters fastlora serves, and the GPU slot of the stacks that holds each.
+
+A row's slot is the same in every layer. With as many slots as adapters (the default) adapter i
+lives in slot i for good. With fewer (``patch(max_loras_per_batch=M)``) the stacks hold M
+adapters: before a call's forwards, ``assign`` puts the call's adapters in slots, taking the
+least recently used others' slots when none is free, and the pools copy the newcomers in
+(``SitePool.load``). The stacks keep their shapes and addresses, so captured graphs stay valid
+across swaps; only slot contents, ranks and scalings change, in place.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Dict, List, Optional, Sequence, Tuple
+
+BASE = "__base__"
+
+
+class AdapterRegistry:
+    """Adapter names <-> GPU slots, shared by every site of one model."""
+
+    def __init__(self, names: Sequence[str], num_slots: Optional[int] = None):
+        self.names: List[str] = sorted(names)
+        self.index: Dict[str, int] = {n: i for i, n in enumerate(self.names)}
+        n = len(self.names)
+        self.num_slots = n if num_slots is None else min(n, int(num_slots))
+        self.all_resident = self.num_slots == n
+        # slot -> adapter name (None: free), and name -> slot for the adapters in a slot
+        self.resident: List[Optional[str]] = list(self.names) if self.all_resident else [None] * self.num_slots
+        self.slot: Dict[str, int] = {name: s for s, name in enumerate(self.resident) if name is not None}
+        self._recent = collections.OrderedDict.fromkeys(self.slot)  # least recently used first
+        self.stats = collections.Counter(loads=0, evictions=0)
+        self.stats["load_seconds"] = 0.0
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def assign(self, adapter_names: Sequence[str]) -> List[Tuple[int, str]]:
+        """Put these adapters in slots (names fastlora does not serve are left to the caller's
+        checks); returns the (slot, name) pairs newly placed, whose weights must be loaded."""
+        wanted = [n for n in dict.fromkeys(adapter_names) if n in self.index]
+        if self.all_resident:
+            return []
+        if len(wanted) > self.num_slots:
+            raise ValueError(
+                f"{len(wanted)} distinct adapters in one batch exceed max_loras_per_batch={self.num_slots} "
+                f"(the GPU slots): split the batch, or patch with a larger max_loras_per_batch")
+        keep, placed = set(wanted), []
+        for name in wanted:
+            if name in self.slot:
+                self._recent.move_to_end(name)
+                continue
+            free = next((s for s, held in enumerate(self.resident) if held is None), None)
+            if free is None:
+                victim = next(v for v in self._recent if v not in keep)
+                free = self.slot.pop(victim)
+                del self._recent[victim]
+                self.stats["evictions"] += 1
+            self.resident[free] = name
+            self.slot[name] = free
+            self._recent[name] = None
+            self.stats["loads"] += 1
+            placed.append((free, name))
+        return placed
+
+    def slots_for(self, adapter_names: Sequence[str]) -> List[int]:
+        """Each row's slot (-1: no adapter)."""
+        unknown = sorted({n for n in adapter_names if n != BASE and n not in self.index})
+        if unknown:
+            raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(unknown)}")
+        try:
+            return [-1 if n == BASE else self.slot[n] for n in adapter_names]
+        except KeyError as e:
+            raise RuntimeError(f"fastlora: adapter {e.args[0]!r} is not in a GPU slot (assign first)") from None
+
+    def describe(self) -> str:
+        """For the report: how the adapters are held."""
+        if self.all_resident:
+            return "all adapters"
+        return f"{self.num_slots} for {len(self.names)} adapters, loaded on demand"

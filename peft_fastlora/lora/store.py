@@ -1,0 +1,162 @@
+"""Adapters registered by name (``fastlora.register_adapter``), held in CPU memory.
+
+A saved PEFT adapter folder (``adapter_config.json`` and ``adapter_model.safetensors`` or
+``adapter_model.bin``) or a state dict with its ``LoraConfig`` becomes a ``StoredAdapter``: each
+targeted module's A, B and scaling, in the model's dtype, in pinned memory where the model is on
+CUDA. No PEFT module is built for it; the pools copy it into a GPU slot when a call uses it
+(``SitePool.load``). Everything is validated before anything is kept: the config (LoRA only; no
+DoRA, ``lora_bias``, other variants, ``modules_to_save``, rank or alpha patterns), every key (the
+format PEFT saves: ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``, and
+``lora_embedding_A`` / ``lora_embedding_B`` for an embedding), that each targeted module is a LoRA
+layer fastlora serves, and every shape against that layer's base.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .._compat import LoraEmbedding, base_layer_of, embed_scale, linear_in_out
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_embedding_A": "A", ".lora_embedding_B": "B"}
+# LoraConfig fields whose non-default values fastlora's kernels do not compute
+_REFUSED = {"use_dora": "DoRA", "lora_bias": "lora_bias", "modules_to_save": "modules_to_save",
+            "rank_pattern": "rank_pattern", "alpha_pattern": "alpha_pattern",
+            "trainable_token_indices": "trainable_token_indices",
+            "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)", "use_qalora": "QALoRA",
+            "layer_replication": "layer_replication"}
+
+
+@dataclass
+class StoredAdapter:
+    """One registered adapter: module name (as in the PeftModel) -> (A (r, in), B (out, r), scaling)."""
+
+    name: str
+    source: str
+    modules: Dict[str, Tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for a, b, _ in self.modules.values() for t in (a, b))
+
+
+def read_folder(path: str):
+    """(LoraConfig, state dict, weight file) of a saved PEFT adapter folder."""
+    from peft import LoraConfig
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"fastlora.register_adapter: {path!r} is not a folder (a saved PEFT adapter)")
+    config_file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"fastlora.register_adapter: {path!r} has no {CONFIG_FILE}")
+    with open(config_file) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"fastlora.register_adapter: {config_file}: not valid JSON ({e})") from None
+    if str(raw.get("peft_type", "LORA")).upper() != "LORA":
+        raise ValueError(f"fastlora.register_adapter: {config_file}: peft_type {raw.get('peft_type')!r}; "
+                         "fastlora serves LoRA adapters only")
+    try:
+        config = LoraConfig.from_pretrained(path)
+    except Exception as e:  # PEFT's own validation of the fields
+        raise ValueError(f"fastlora.register_adapter: {config_file}: {e}") from None
+    for name in WEIGHT_FILES:
+        weight_file = os.path.join(path, name)
+        if os.path.isfile(weight_file):
+            break
+    else:
+        raise FileNotFoundError(f"fastlora.register_adapter: {path!r} has none of {', '.join(WEIGHT_FILES)}")
+    try:
+        if weight_file.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state_dict = load_file(weight_file)
+        else:
+            state_dict = torch.load(weight_file, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"fastlora.register_adapter: {weight_file}: cannot be read ({e})") from None
+    return config, state_dict, weight_file
+
+
+def _refused(config) -> Optional[str]:
+    if str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", "LORA"))).upper() != "LORA":
+        return f"peft_type {config.peft_type!r} (LoRA only)"
+    for attr, label in _REFUSED.items():
+        if getattr(config, attr, None):
+            return label
+    return None
+
+
+def _check_saved_base(key: str, tensor: torch.Tensor, layer: nn.Module, source: str) -> None:
+    """PEFT saves a targeted embedding's base weights with the adapter (``save_embedding_layers``);
+    loading them would change the base model under every adapter, so they must be the model's own."""
+    weight = base_layer_of(layer).weight
+    if tensor.shape != weight.shape or not torch.equal(tensor.to("cpu", weight.dtype), weight.detach().cpu()):
+        raise ValueError(f"fastlora.register_adapter: {source}: {key!r} differs from the model's own weights "
+                         f"(an adapter saved with its own embedding layer would change the base model for "
+                         f"every adapter)")
+
+
+def build_stored(name: str, config, state_dict: Mapping[str, torch.Tensor], source: str,
+                 layers: Mapping[str, nn.Module], dtype: torch.dtype, pin: bool) -> StoredAdapter:
+    """Validate ``state_dict`` against the LoRA layers fastlora serves (module name -> layer) and
+    return the adapter, copied to CPU in ``dtype``; raises ``ValueError`` naming ``source``."""
+    why = _refused(config)
+    if why is not None:
+        raise ValueError(f"fastlora.register_adapter: {source}: {why} is not supported")
+    pieces: Dict[str, Dict[str, torch.Tensor]] = {}
+    for key, tensor in state_dict.items():
+        if key.endswith(".base_layer.weight") and key[: -len(".base_layer.weight")] in layers:
+            _check_saved_base(key, tensor, layers[key[: -len(".base_layer.weight")]], source)
+            continue
+        suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
+        if suffix is None:
+            raise ValueError(f"fastlora.register_adapter: {source}: unexpected key {key!r} (expected PEFT's "
+                             f"saved format: <module>.lora_A.weight / <module>.lora_B.weight)")
+        module = key[: -len(suffix)]
+        if module not in layers:
+            raise ValueError(f"fastlora.register_adapter: {source}: {key!r} targets {module!r}, which is not a "
+                             f"LoRA layer fastlora serves in this model (its PEFT adapters must target every "
+                             f"module a registered adapter targets)")
+        embedding = isinstance(layers[module], LoraEmbedding)
+        if embedding != suffix.startswith(".lora_embedding"):
+            raise ValueError(f"fastlora.register_adapter: {source}: {key!r} does not fit {module!r} "
+                             f"({'an embedding' if embedding else 'a linear layer'})")
+        pieces.setdefault(module, {})[_SUFFIXES[suffix]] = tensor
+    if not pieces:
+        raise ValueError(f"fastlora.register_adapter: {source}: no LoRA weights")
+    modules = {}
+    for module, ab in sorted(pieces.items()):
+        missing = {"A", "B"} - set(ab)
+        if missing:
+            raise ValueError(f"fastlora.register_adapter: {source}: {module!r} has no lora_{missing.pop()} weight")
+        layer = layers[module]
+        a, b = ab["A"], ab["B"]
+        base = base_layer_of(layer)
+        if isinstance(layer, LoraEmbedding):
+            fan_in, fan_out = base.num_embeddings, base.embedding_dim
+        else:
+            fan_in, fan_out = linear_in_out(base)
+        r = a.shape[0] if a.dim() == 2 else -1
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r) or r < 1:
+            raise ValueError(
+                f"fastlora.register_adapter: {source}: {module!r} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
+                f"its base layer takes A (r, {fan_in}) and B ({fan_out}, r)")
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise ValueError(f"fastlora.register_adapter: {source}: {module!r} holds {a.dtype} / {b.dtype} weights")
+        scaling = config.lora_alpha / (math.sqrt(r) if getattr(config, "use_rslora", False) else r)
+        if isinstance(layer, LoraEmbedding):
+            scaling *= embed_scale(layer) or 1.0
+        a, b = (t.detach().to("cpu", dtype).contiguous() for t in (a, b))
+        if pin:
+            a, b = a.pin_memory(), b.pin_memory()
+        modules[module] = (a, b, float(scaling))
+    return StoredAdapter(name, source, modules)

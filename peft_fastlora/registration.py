@@ -1,0 +1,95 @@
+"""``register_adapter`` / ``unregister_adapter``: adapters served by name without PEFT modules.
+
+A registered adapter lives in CPU memory (``lora.store``) and reaches the GPU only in a slot of the
+stacks, when a call uses it; ``generate(..., adapter_names=[...])``, ``generate_batch`` and
+``add_request`` accept its name like a PEFT adapter's. It must target modules that the model's PEFT
+adapters already made LoRA layers (those layers are the sites the stacks serve).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping, Optional
+
+import torch
+
+from . import _compat
+from .lora.slots import BASE
+from .lora.store import build_stored, read_folder
+
+logger = logging.getLogger("peft_fastlora")
+
+
+def _patched_state(model, what: str):
+    from .patch import get_state
+
+    state = get_state(model)
+    if state is None:
+        raise ValueError(f"fastlora.{what}: the model is not patched (call fastlora.patch first)")
+    return state
+
+
+def register_adapter(model, name: str, path: Optional[str] = None, *,
+                     state_dict: Optional[Mapping[str, torch.Tensor]] = None, config=None) -> None:
+    """Serve a saved LoRA adapter under ``name`` on a patched model.
+
+    ``path``: a folder written by PEFT's ``save_pretrained`` (``adapter_config.json`` and the
+    weights); or ``state_dict`` (PEFT's saved key format, as ``get_peft_model_state_dict`` returns
+    it) with its ``config`` (a ``LoraConfig``). Everything is checked before the model is touched:
+    a bad file, key or shape, or an unsupported variant raises ``ValueError`` (or
+    ``FileNotFoundError``) naming it, and the model serves as before.
+    """
+    if (path is None) == (state_dict is None):
+        raise ValueError("fastlora.register_adapter: give either a folder path or a state_dict (with its config)")
+    if state_dict is not None and config is None:
+        raise ValueError("fastlora.register_adapter: a state_dict needs its LoraConfig (config=...)")
+    register_adapters(model, {name: path if path is not None else (state_dict, config)})
+
+
+def register_adapters(model, adapters: Mapping[str, object]) -> None:
+    """``register_adapter`` for many at once, with one rebuild of the stacks: ``adapters`` maps
+    each name to a folder path or to a ``(state_dict, LoraConfig)`` pair. All are checked first;
+    if one is bad, none is registered."""
+    state = _patched_state(model, "register_adapter")
+    why = _compat.tensor_parallel_reason(state.inner)
+    if why is not None:
+        raise ValueError(f"fastlora.register_adapter: not under tensor parallelism yet ({why})")
+    if not state.sites or not state._takes_adapter_names:
+        raise ValueError("fastlora.register_adapter: this model has LoRA layers on PEFT's path or no LoRA "
+                         "layer fastlora serves (see the patch report); registered adapters need fastlora's "
+                         "path for every LoRA layer")
+    peft_config = getattr(state.model, "peft_config", None) or {}
+    layers, dtype = state.served_layers(), _compat.model_dtype(state.inner)
+    pin = state.device.type == "cuda" and torch.cuda.is_available()
+    ready = {}
+    for name, source in adapters.items():
+        if not isinstance(name, str) or not name or name == BASE:
+            raise ValueError(f"fastlora.register_adapter: invalid adapter name {name!r}")
+        if name in peft_config or name in state.stored:
+            raise ValueError(f"fastlora.register_adapter: an adapter named {name!r} already exists")
+        if isinstance(source, (str, os.PathLike)):
+            config, state_dict, where = read_folder(os.fspath(source))
+        elif isinstance(source, tuple) and len(source) == 2:
+            (state_dict, config), where = source, f"the state_dict of {name!r}"
+        else:
+            raise ValueError(f"fastlora.register_adapter: {name!r}: give a folder path or a (state_dict, "
+                             f"LoraConfig) pair, got {type(source).__name__}")
+        ready[name] = build_stored(name, config, state_dict, where, layers, dtype=dtype, pin=pin)
+    with state._call_lock:  # not while a generate call or an engine step runs
+        state.stored.update(ready)
+        state.rescan()
+    for stored in ready.values():
+        logger.info("fastlora: registered adapter %r from %s (%d modules, %.1f MiB in CPU memory)",
+                    stored.name, stored.source, len(stored.modules), stored.nbytes() / 2**20)
+
+
+def unregister_adapter(model, name: str) -> None:
+    """Stop serving a registered adapter (requests still using it in a continuous-batching
+    manager fail with an error naming it)."""
+    state = _patched_state(model, "unregister_adapter")
+    if name not in state.stored:
+        raise ValueError(f"fastlora.unregister_adapter: no registered adapter named {name!r}")
+    with state._call_lock:
+        del state.stored[name]
+        state.rescan()  # now: the name must stop being served at once

@@ -1,0 +1,159 @@
+"""Fewer GPU slots than adapters (``patch(max_loras_per_batch=M)``), on the CPU.
+
+The stacks hold M adapters; each call's adapters are put in slots before its forwards, the least
+recently used others giving theirs up. Every call is compared with PEFT's own mixed batch on an
+identical model: adapters of different ranks and targets (q/v only, the MLP only, the embedding)
+take slots that others held, so a stale rank, scaling or view of the previous tenant shows up.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import peft_fastlora as fastlora
+from peft_fastlora import get_state
+
+from _continuous import cb_config, greedy_config, requires_cb
+from test_patch_behaviour import ALL, VOCAB, build, logits
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+ADAPTERS = (("sql", ALL, 4, {}), ("chat", ("q_proj", "v_proj"), 8, {}), ("mlp", ("gate_proj", "down_proj"), 2, {}),
+            ("wide", ("o_proj", "up_proj"), 16, {}), ("emb", ("embed_tokens", "q_proj"), 4, {}),
+            ("kv", ("k_proj", "v_proj"), 6, {}))
+NAMES = sorted(a[0] for a in ADAPTERS)
+
+
+def _pair():
+    return build(adapters=ADAPTERS), build(adapters=ADAPTERS)
+
+
+def _ids(rows, seed):
+    return torch.randint(3, VOCAB, (rows, 5), generator=torch.Generator().manual_seed(seed))
+
+
+def _same(m, ref, names, seed=0):
+    ids = _ids(len(names), seed)
+    torch.testing.assert_close(logits(m, names, ids), logits(ref, names, ids), **TOL)
+
+
+def test_stacks_hold_the_slots_and_every_call_equals_peft():
+    m, ref = _pair()
+    report = fastlora.patch(m, max_loras_per_batch=3)
+    state = get_state(m)
+    assert "GPU slots (3 for 6 adapters, loaded on demand)" in str(report)
+    assert all(site.pool.lora_a.shape[0] == 3 and site.pool.lora_b.shape[0] == 3 for site in state.sites)
+    rng = random.Random(0)
+    for call in range(25):
+        used = rng.sample(NAMES, rng.randint(1, 3))
+        names = [rng.choice(used + ["__base__"]) for _ in range(rng.randint(1, 6))]
+        _same(m, ref, names, seed=call)
+    stats = state.registry.stats
+    assert stats["loads"] > 6 and stats["evictions"] > 0 and stats["load_seconds"] > 0, stats
+
+
+def test_the_least_recently_used_adapter_gives_up_its_slot():
+    m, ref = _pair()
+    fastlora.patch(m, max_loras_per_batch=3)
+    registry = get_state(m).registry
+    for names in (["sql"], ["chat", "sql"], ["mlp"]):
+        _same(m, ref, names)
+    assert registry.resident == ["sql", "chat", "mlp"]
+    _same(m, ref, ["sql"])  # sql used again: chat is now the least recent
+    _same(m, ref, ["wide", "__base__"])
+    assert registry.resident == ["sql", "wide", "mlp"] and registry.stats["evictions"] == 1
+    _same(m, ref, ["emb", "kv", "wide"])  # sql and mlp go (mlp before sql? both older than wide)
+    assert set(registry.resident) == {"emb", "kv", "wide"} and registry.slot["wide"] == 1
+    _same(m, ref, ["chat", "emb", "__base__", "chat"])
+
+
+def test_more_distinct_adapters_than_slots_is_refused_and_the_model_still_serves():
+    m, ref = _pair()
+    fastlora.patch(m, max_loras_per_batch=2)
+    with pytest.raises(ValueError, match="3 distinct adapters in one batch exceed max_loras_per_batch=2"):
+        logits(m, ["sql", "chat", "mlp"], _ids(3, 1))
+    with torch.no_grad(), pytest.raises(ValueError, match="GPU slots"):
+        m.generate(input_ids=_ids(3, 2), attention_mask=torch.ones(3, 5, dtype=torch.long),
+                   adapter_names=["kv", "chat", "emb"], max_new_tokens=2, do_sample=False)
+    _same(m, ref, ["kv", "emb", "__base__"])
+
+
+def test_emulated_decode_graphs_stay_valid_across_swaps():
+    m, ref = _pair()
+    for model in (m, ref):
+        model.generation_config.eos_token_id = None
+    fastlora.patch(m, max_loras_per_batch=2, cuda_graphs="emulate")
+    state = get_state(m)
+    calls = [["sql", "chat", "sql"], ["mlp", "__base__", "wide"], ["emb", "emb", "kv"], ["chat", "wide", "chat"],
+             ["kv", "sql", "__base__"]]
+    captures = None
+    for i, names in enumerate(calls):
+        ids = _ids(3, 10 + i)
+        mask = torch.ones_like(ids)
+        mask[0, :2] = mask[2, :1] = 0  # left padding
+        batch = dict(input_ids=ids * mask, attention_mask=mask)
+        kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, adapter_names=names)
+        with torch.no_grad():
+            out, want = m.generate(**batch, **kw), ref.generate(**batch, **kw)
+        assert torch.equal(out, want), (i, names)
+        if captures is None:
+            captures = state.graph_runner.stats["captures"]
+    stats = state.graph_runner.stats
+    assert stats["captures"] == captures and stats["eager_steps"] == 0, stats  # swaps recaptured nothing
+    assert state.registry.stats["evictions"] >= 6
+
+
+def test_values_edited_in_place_are_followed_in_a_slot():
+    m, ref = _pair()
+    fastlora.patch(m, max_loras_per_batch=2)
+    _same(m, ref, ["chat", "sql"])
+    for model in (m, ref):
+        layer = model.base_model.model.model.layers[0].self_attn.q_proj
+        with torch.no_grad():
+            layer.lora_B["chat"].weight.mul_(3.0)
+    _same(m, ref, ["chat", "__base__"])
+    _same(m, ref, ["mlp", "wide"])  # chat leaves its slot, then comes back: loaded again
+    _same(m, ref, ["chat", "kv"])
+
+
+def test_an_adapter_added_through_peft_joins_the_slots():
+    m, ref = _pair()
+    fastlora.patch(m, max_loras_per_batch=2)
+    _same(m, ref, ["sql", "chat"])
+    from test_patch_behaviour import lora
+
+    for model in (m, ref):
+        torch.manual_seed(7)
+        model.add_adapter("new", lora(("v_proj", "down_proj"), 12, 24))
+    _same(m, ref, ["new", "sql", "new"])
+    assert get_state(m).registry.num_slots == 2 and len(get_state(m).registry) == 7
+
+
+def test_an_adapter_peft_must_serve_takes_a_slot_and_falls_back():
+    adapters = ADAPTERS[:3] + (("biased", ("q_proj", "down_proj"), 4, {"lora_bias": True}),)
+    m, ref = build(adapters=adapters), build(adapters=adapters)
+    fastlora.patch(m, max_loras_per_batch=2)
+    _same(m, ref, ["biased", "sql"])  # PEFT's path for the layers the lora_bias adapter touches
+    assert get_state(m).registry.slot["biased"] == 0
+    _same(m, ref, ["chat", "mlp"])  # the slot it held serves plain adapters again, on fastlora's path
+    assert not any(site.pool.unsupported for site in get_state(m).sites)
+    _same(m, ref, ["biased", "__base__"])
+
+
+def test_by_default_every_adapter_keeps_its_slot():
+    m, ref = _pair()
+    report = fastlora.patch(m)
+    registry = get_state(m).registry
+    assert registry.all_resident and registry.resident == NAMES and "GPU slots" not in str(report)
+    _same(m, ref, ["sql", "chat", "mlp", "wide", "emb", "kv"])
+    assert registry.stats["loads"] == 0
+
+
+@requires_cb
+def test_continuous_batching_asks_for_a_slot_per_adapter():
+    m, _ = _pair()
+    fastlora.patch(m, max_loras_per_batch=2)
+    with pytest.raises(ValueError, match="every adapter in a GPU slot.*2 slots for 6 adapters"):
+        m.init_continuous_batching(generation_config=greedy_config(2), continuous_batching_config=cb_config())

@@ -1,0 +1,245 @@
+"""``fastlora.register_adapter``: adapters served by name from saved PEFT folders or state dicts,
+held in CPU memory, with no PEFT module built for them (CPU).
+
+The oracle: the same folder loaded into PEFT (``load_adapter``) on an identical model, served by
+PEFT's own mixed batch. Every bad input raises an error naming the problem and leaves the model
+serving exactly as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import save_file
+
+import peft_fastlora as fastlora
+from peft_fastlora import get_state
+
+from _continuous import cb_config, greedy_config, peft_alone, requires_cb
+from test_patch_behaviour import ALL, VOCAB, build, logits, tiny_llama
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+PEFT_ADAPTERS = (("sql", ALL + ["embed_tokens"], 4, {}), ("chat", ("q_proj", "v_proj"), 8, {}))
+
+
+def _ids(rows, seed):
+    return torch.randint(3, VOCAB, (rows, 5), generator=torch.Generator().manual_seed(seed))
+
+
+def _save(folder, targets, r, seed, **kw):
+    """A LoRA adapter of random weights saved by PEFT's ``save_pretrained`` into ``folder``."""
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=r, lora_alpha=3 * r, target_modules=list(targets), init_lora_weights=False, **kw)
+    model = get_peft_model(tiny_llama(), cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or "lora_embedding_B" in n:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed + len(n)))
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "ql": _save(str(root / "ql"), ("q_proj", "v_proj", "down_proj"), 16, seed=1),
+        "emb": _save(str(root / "emb"), ("embed_tokens", "o_proj"), 2, seed=2),
+        "rs": _save(str(root / "rs"), ("gate_proj", "up_proj", "k_proj"), 6, seed=3, use_rslora=True),
+        "wide": _save(str(root / "wide"), ALL, 32, seed=4),  # a larger rank than the PEFT adapters'
+    }
+
+
+def _pair(folders, names, **patch_kw):
+    """(patched model with ``names`` registered, PEFT reference with them loaded)."""
+    m, ref = build(adapters=PEFT_ADAPTERS), build(adapters=PEFT_ADAPTERS)
+    fastlora.patch(m, **patch_kw)
+    for name in names:
+        fastlora.register_adapter(m, name, folders[name])
+        ref.load_adapter(folders[name], adapter_name=name)
+    ref.eval()
+    return m, ref
+
+
+def _same(m, ref, names, seed=0):
+    ids = _ids(len(names), seed)
+    torch.testing.assert_close(logits(m, names, ids), logits(ref, names, ids), **TOL)
+
+
+def test_registered_folders_equal_the_same_folders_loaded_into_peft(folders):
+    m, ref = _pair(folders, ["ql", "emb", "rs", "wide"])
+    state = get_state(m)
+    assert set(state.registry.names) == {"sql", "chat", "ql", "emb", "rs", "wide"}
+    assert "ql" not in m.peft_config and not any(".ql." in n for n, _ in m.named_parameters())  # no PEFT module
+    assert "4 registered in CPU memory" in str(state.report)
+    _same(m, ref, ["ql", "sql", "__base__", "emb", "rs", "wide", "chat", "ql"])
+    for names in (["wide"] * 3, ["emb", "__base__"], ["rs", "chat"]):
+        _same(m, ref, names, seed=len(names))
+    ids = _ids(3, 9)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, pad_token_id=0,
+              adapter_names=["emb", "ql", "__base__"])
+    with torch.no_grad():
+        assert torch.equal(m.generate(input_ids=ids, **kw), ref.generate(input_ids=ids, **kw))
+
+
+def test_a_state_dict_with_its_config(folders):
+    m, ref = build(adapters=PEFT_ADAPTERS), build(adapters=PEFT_ADAPTERS)
+    fastlora.patch(m)
+    source = build(adapters=(("x", ("q_proj", "up_proj"), 4, {}),))
+    sd = get_peft_model_state_dict(source, adapter_name="x")
+    fastlora.register_adapter(m, "x", state_dict=sd, config=source.peft_config["x"])
+    ref.add_adapter("x", source.peft_config["x"])
+    ref.load_state_dict({k.replace(".weight", ".x.weight"): v for k, v in sd.items()}, strict=False)
+    _same(m, ref, ["x", "sql", "__base__", "x"])
+
+
+def test_more_registered_adapters_than_gpu_slots(folders):
+    m, ref = _pair(folders, ["ql", "emb", "rs", "wide"], max_loras_per_batch=2)
+    state = get_state(m)
+    assert "GPU slots (2 for 6 adapters" in str(state.report)
+    rng = random.Random(3)
+    names_all = ["sql", "chat", "ql", "emb", "rs", "wide"]
+    for call in range(16):
+        used = rng.sample(names_all, rng.randint(1, 2))
+        _same(m, ref, [rng.choice(used + ["__base__"]) for _ in range(rng.randint(1, 5))], seed=call)
+    assert state.registry.stats["evictions"] > 0
+
+
+def test_unregister(folders):
+    m, ref = _pair(folders, ["ql"])
+    fastlora.unregister_adapter(m, "ql")
+    with pytest.raises(ValueError, match="non-existing adapter.*ql"):
+        logits(m, ["ql", "sql"], _ids(2, 0))
+    _same(m, ref, ["sql", "chat"])
+    with pytest.raises(ValueError, match="no registered adapter named 'ql'"):
+        fastlora.unregister_adapter(m, "ql")
+
+
+def _edited(folders, tmp_path, name, config=None, weights=None):
+    """A copy of a saved folder with its config and / or weights edited."""
+    src, dst = folders[name], str(tmp_path / f"bad_{name}")
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    from safetensors.torch import load_file
+
+    sd = load_file(os.path.join(src, "adapter_model.safetensors"))
+    if config:
+        cfg.update(config)
+    if weights:
+        sd = weights(sd)
+    with open(os.path.join(dst, "adapter_config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file(sd, os.path.join(dst, "adapter_model.safetensors"))
+    return dst
+
+
+def _first(sd, suffix):
+    return next(k for k in sorted(sd) if k.endswith(suffix))
+
+
+BAD = {
+    "dora": (dict(config={"use_dora": True}), "DoRA is not supported"),
+    "lora_bias": (dict(config={"lora_bias": True}), "lora_bias is not supported"),
+    "rank_pattern": (dict(config={"rank_pattern": {"q_proj": 4}}), "rank_pattern is not supported"),
+    "ia3": (dict(config={"peft_type": "IA3"}), "peft_type 'IA3'.*LoRA adapters only"),
+    "extra key": (dict(weights=lambda sd: {**sd, "base_model.model.model.norm.weight": torch.ones(64)}),
+                  "unexpected key 'base_model.model.model.norm.weight'"),
+    "missing B": (dict(weights=lambda sd: {k: v for k, v in sd.items() if k != _first(sd, "lora_B.weight")}),
+                  "has no lora_B weight"),
+    "wrong shape": (dict(weights=lambda sd: {**sd, _first(sd, "lora_A.weight"): torch.zeros(16, 7)}),
+                    r"down_proj. has A \(16, 7\) and B \(32, 16\); its base layer takes A \(r, 48\)"),
+    "not served": (dict(weights=lambda sd: {**sd, "base_model.model.lm_head.lora_A.weight": torch.zeros(16, 64),
+                                            "base_model.model.lm_head.lora_B.weight": torch.zeros(VOCAB, 16)}),
+                   "targets 'base_model.model.lm_head', which is not a LoRA layer fastlora serves"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_bad_folder_is_refused_naming_it_and_nothing_changes(folders, tmp_path, case):
+    edit, match = BAD[case]
+    bad = _edited(folders, tmp_path, "ql", **edit)
+    m, ref = _pair(folders, ["emb"])
+    state = get_state(m)
+    before = (list(state.registry.names), str(state.report), state.generation)
+    with pytest.raises(ValueError, match=match) as e:
+        fastlora.register_adapter(m, "bad", bad)
+    assert "bad_ql" in str(e.value)  # the file or folder is named
+    assert (list(state.registry.names), str(state.report), state.generation) == before
+    _same(m, ref, ["emb", "sql", "__base__"])
+
+
+def test_bad_calls_are_refused(folders, tmp_path):
+    m, ref = _pair(folders, ["ql"])
+    with pytest.raises(ValueError, match="already exists"):
+        fastlora.register_adapter(m, "sql", folders["emb"])
+    with pytest.raises(ValueError, match="already exists"):
+        fastlora.register_adapter(m, "ql", folders["emb"])
+    with pytest.raises(ValueError, match="invalid adapter name '__base__'"):
+        fastlora.register_adapter(m, "__base__", folders["emb"])
+    with pytest.raises(ValueError, match="either a folder path or a state_dict"):
+        fastlora.register_adapter(m, "z")
+    with pytest.raises(ValueError, match="needs its LoraConfig"):
+        fastlora.register_adapter(m, "z", state_dict={})
+    with pytest.raises(FileNotFoundError, match="is not a folder"):
+        fastlora.register_adapter(m, "z", str(tmp_path / "missing"))
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="has no adapter_config.json"):
+        fastlora.register_adapter(m, "z", str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="not patched"):
+        fastlora.register_adapter(build(adapters=PEFT_ADAPTERS), "z", folders["emb"])
+    _same(m, ref, ["ql", "sql", "__base__"])
+
+
+@requires_cb
+def test_continuous_batching_serves_registered_adapters(folders):
+    m, ref = _pair(folders, ["ql", "emb"])
+    prompts = [[int(t) for t in _ids(1, s)[0][: 3 + s]] for s in range(4)]
+    names = ["ql", "emb", "sql", "__base__"]
+    out = m.generate_batch(prompts, generation_config=greedy_config(4), continuous_batching_config=cb_config(),
+                           adapter_names=names)
+    got = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+    for tokens, p, n in zip(got, prompts, names):
+        assert tokens == peft_alone(ref, p, n, 4), n
+
+
+def test_many_at_once_all_or_none(folders, tmp_path):
+    m, ref = build(adapters=PEFT_ADAPTERS), build(adapters=PEFT_ADAPTERS)
+    fastlora.patch(m)
+    bad = _edited(folders, tmp_path, "rs", config={"use_dora": True})
+    with pytest.raises(ValueError, match="bad_rs.*DoRA"):
+        fastlora.register_adapters(m, {"ql": folders["ql"], "rs": bad})
+    assert get_state(m).stored == {} and get_state(m).registry.names == ["chat", "sql"]
+    fastlora.register_adapters(m, {"ql": folders["ql"], "emb": folders["emb"]})
+    for name in ("ql", "emb"):
+        ref.load_adapter(folders[name], adapter_name=name)
+    ref.eval()
+    _same(m, ref, ["emb", "ql", "chat", "__base__"])
+
+
+def test_registered_adapters_outlive_the_peft_adapters_that_made_their_layers(folders):
+    m, ref = _pair(folders, ["ql", "emb"])
+    for model in (m, ref):
+        model.set_adapter("chat")
+        model.delete_adapter("sql")  # PEFT keeps the (now empty) LoRA layers: the sites stay
+    _same(m, ref, ["emb", "ql", "chat", "__base__"])
+
+
+def test_a_registered_adapter_whose_layers_go_is_dropped(folders, caplog, monkeypatch):
+    m, ref = _pair(folders, ["ql", "emb"])
+    state = get_state(m)
+    layers = state.served_layers()
+    monkeypatch.setattr(type(state), "served_layers", lambda self: {k: v for k, v in layers.items() if "o_proj" not in k})
+    with caplog.at_level("WARNING", logger="peft_fastlora"):
+        state.rescan()  # as after a PEFT change that took the o_proj LoRA layers away
+    assert "registered adapter 'emb' dropped" in caplog.text and "'ql'" not in caplog.text
+    assert set(state.registry.names) == {"chat", "sql", "ql"} and set(state.stored) == {"ql"}
+    _same(m, ref, ["ql", "sql", "__base__"])
+    with pytest.raises(ValueError, match="non-existing adapter.*emb"):
+        logits(m, ["emb"], _ids(1, 0))
