@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one call of the device machine: GPU tests, soak, kernel
 # benchmark, end-to-end benchmark. Results land in $OUT (and are committed under
 # benchmarks/results/). Parts: all (default) or any of tests soak kernels generate profile attention
-# continuous prefill; and, on the two-GPU machine only (never part of all), multigpu.
+# continuous prefill many; and, on the two-GPU machine only (never part of all), multigpu.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
@@ -45,6 +45,10 @@ fi
 if want prefill; then
   timeout 300 python3 benchmarks/bench_prefill.py --model ${PREFILL_MODEL:-8b} --out "$OUT" 2>&1 | grep -v -i warn \
     | tee "$OUT/bench_prefill.log" | tail -6
+fi
+if want many; then
+  timeout 400 python3 benchmarks/bench_many_adapters.py --model ${MANY_MODEL:-8b} --adapters ${MANY_ADAPTERS:-512} \
+    --slots ${MANY_SLOTS:-64} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_many_adapters.log" | tail -6
 fi
 if [[ $parts == *" multigpu "* ]]; then
   nvidia-smi topo -m | tee "$OUT/multi_gpu_topology.txt" | head -5

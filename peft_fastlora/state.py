@@ -22,7 +22,7 @@ from .backend import get_backend, resolve_backend_name
 from .base_ops import BaseOps, install_base_ops
 from .batch import ForwardBatch, TokenSegments
 from .lora.fusion import find_groups
-from .lora.pool import AdapterRegistry, SitePool, ValueRefresher
+from .lora.pool import AdapterRegistry, SitePool, ValueRefresher, copy_values
 from .lora.watch import AdapterWatch
 from .lora.sites import EmbeddingSite, FusedSite, LinearSite, Site
 from .options import PatchOptions
@@ -241,14 +241,11 @@ class FastLoRAState:
         first = next(p for _, m in lora_layers for p in m.parameters())
         self.device = first.device
         backend_name = resolve_backend_name(self.options.backend, self.device)
-        max_loras = self.options.max_loras_per_batch or max(16, len(self.registry))
-        if (self.backend is None or getattr(self.backend, "name", None) != backend_name
-                or self.backend.max_loras_per_batch != max_loras):
-            self.backend = get_backend(backend_name)(max_loras, self.device)
         name_of = {id(m): n for n, m in model.named_modules()}
         self._layer_names = {id(m): n for n, m in lora_layers}
         names |= self._servable_stored(names)
         self.registry = AdapterRegistry(names, num_slots=self.options.max_loras_per_batch)
+        self._ensure_backend(backend_name)
         report = PatchReport(backend=backend_name, device=str(self.device), adapters=list(self.registry.names),
                              gpu_slots=self.registry.describe(), registered=len(self.stored),
                              store_bytes=sum(a.nbytes() for a in self.stored.values()))
@@ -342,6 +339,13 @@ class FastLoRAState:
         for option, cls, why in report.base_ops_skipped:
             logger.log(level, "fastlora: %s left as it is for %s: %s", option, cls, why)
 
+    def _ensure_backend(self, backend_name: str):
+        """A backend taking as many distinct adapters per batch as asked (default: every adapter, at least 16)."""
+        max_loras = self.options.max_loras_per_batch or max(16, len(self.registry))
+        if (self.backend is None or getattr(self.backend, "name", None) != backend_name
+                or self.backend.max_loras_per_batch != max_loras):
+            self.backend = get_backend(backend_name)(max_loras, self.device)
+
     def served_layers(self) -> dict:
         """Module name -> LoRA layer, for every layer a site serves."""
         return {self._layer_names[id(layer)]: layer for site in self.sites for layer in site.lora_layers
@@ -368,6 +372,7 @@ class FastLoRAState:
                            f"fastlora serves for every module it targets")
         self.registry = AdapterRegistry(set(self._peft_names) | set(self.stored),
                                         num_slots=self.options.max_loras_per_batch)
+        self._ensure_backend(self.backend.name)
         report.adapters = list(self.registry.names)
         report.registered = len(self.stored)
         report.store_bytes = sum(a.nbytes() for a in self.stored.values())
@@ -508,9 +513,7 @@ class FastLoRAState:
         """Adapters newly given slots: every site loads them there (stacks keep their addresses:
         graphs stay valid; the batch info and ranks read from the slots are rebuilt)."""
         t = time.perf_counter()
-        for slot, name in placed:
-            for site in self.sites:
-                site.pool.load(slot, name)
+        copy_values([pair for site in self.sites for pair in site.pool.load(placed)])
         self.registry.stats["load_seconds"] += time.perf_counter() - t
         self._slot_loads += 1
         self._slot_ranks = None

@@ -243,3 +243,19 @@ def test_a_registered_adapter_whose_layers_go_is_dropped(folders, caplog, monkey
     _same(m, ref, ["ql", "sql", "__base__"])
     with pytest.raises(ValueError, match="non-existing adapter.*emb"):
         logits(m, ["emb"], _ids(1, 0))
+
+
+def test_a_batch_of_more_distinct_registered_adapters_than_the_first_build_had(folders):
+    """The default limit of distinct adapters per batch follows the adapters registered later
+    (the 8B benchmark's first run met 'exceed max_loras_per_batch=16' with 512 registered)."""
+    m = build(adapters=PEFT_ADAPTERS[1:])
+    ref = build(adapters=PEFT_ADAPTERS[1:])
+    fastlora.patch(m)
+    source = build(adapters=(("x", ("q_proj", "v_proj"), 4, {}),))
+    sd, cfg = get_peft_model_state_dict(source, adapter_name="x"), source.peft_config["x"]
+    fastlora.register_adapters(m, {f"x{i}": ({k: v * (1 + i / 10) for k, v in sd.items()}, cfg) for i in range(20)})
+    for i in range(20):
+        ref.add_adapter(f"x{i}", cfg)
+        ref.load_state_dict({k.replace(".weight", f".x{i}.weight"): v * (1 + i / 10) for k, v in sd.items()},
+                            strict=False)
+    _same(m, ref, [f"x{i}" for i in range(20)] + ["chat", "__base__"])

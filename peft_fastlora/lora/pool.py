@@ -70,7 +70,8 @@ class SitePool:
         self._ranks_of: Dict[str, List[int]] = {}
         self._scalings_of: Dict[str, List[float]] = {}
         self._unsupported_of: Dict[str, str] = {}
-        self._slot_ranks: List[List[int]] = []  # host copy of ``ranks``
+        self._slot_ranks: List[List[int]] = []  # host copies of ``ranks`` and ``scalings``
+        self._slot_scalings: List[List[float]] = []
         self._signature = None
         self._watched = None
         self._registry_names = None
@@ -165,13 +166,12 @@ class SitePool:
         self.max_rank = r
         self.copies, self._fixed, self.unsupported = {}, {}, {}
         self._slot_ranks = [[0] * c for _ in range(n_slots)]
-        scalings = [[0.0] * c for _ in range(n_slots)]
+        self._slot_scalings = [[0.0] * c for _ in range(n_slots)]
         for slot, name in enumerate(registry.resident):
             if name is not None:
                 self._place(slot, name)
-                scalings[slot] = list(self._scalings_of.get(name, scalings[slot]))
         self.ranks = torch.tensor(self._slot_ranks, dtype=torch.int32, device=device).reshape(n_slots, c)
-        self.scalings = torch.tensor(scalings, dtype=torch.float32, device=device).reshape(n_slots, c)
+        self.scalings = torch.tensor(self._slot_scalings, dtype=torch.float32, device=device).reshape(n_slots, c)
         self._signature = self._current_signature(registry)
         self._watched = self._watch()
         self._registry_names = list(registry.names)
@@ -187,6 +187,7 @@ class SitePool:
         self.copies[slot] = pairs  # PEFT's parameters: copied again at every call that uses them
         self._fixed[slot] = fixed
         self._slot_ranks[slot] = list(self._ranks_of.get(name, [0] * self.stack_num))
+        self._slot_scalings[slot] = list(self._scalings_of.get(name, [0.0] * self.stack_num))
         reason = self._unsupported_of.get(name)
         if reason:
             self.unsupported[slot] = reason
@@ -195,15 +196,18 @@ class SitePool:
 
     @torch.no_grad()
     @torch.inference_mode(False)
-    def load(self, slot: int, name: str) -> None:
-        """Put adapter ``name`` in slot ``slot`` (replacing what it held), in place: the stacks keep
-        their addresses, so graphs that read them stay valid. Modules the adapter does not target
-        get rank 0 (the kernels read nothing of them)."""
-        self._place(slot, name)
-        c = self.stack_num
-        self.ranks[slot].copy_(torch.tensor(self._slot_ranks[slot], dtype=torch.int32))
-        self.scalings[slot].copy_(torch.tensor(self._scalings_of.get(name, [0.0] * c), dtype=torch.float32))
-        copy_values(self.copies[slot] + self._fixed[slot])
+    def load(self, placed: Sequence[Tuple[int, str]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """Put each adapter ``name`` in its slot (replacing what the slot held): ranks and scalings
+        are written in place (the stacks keep their addresses, so graphs that read them stay
+        valid; a module the adapter does not target gets rank 0 and is not read). Returns the
+        (view, weight) pairs whose values the caller copies in, for all pools at once."""
+        pairs = []
+        for slot, name in placed:
+            self._place(slot, name)
+            pairs += self.copies[slot] + self._fixed[slot]
+        self.ranks.copy_(torch.tensor(self._slot_ranks, dtype=torch.int32))
+        self.scalings.copy_(torch.tensor(self._slot_scalings, dtype=torch.float32))
+        return pairs
 
     def slot_ranks_host(self) -> List[int]:
         """Largest rank of each slot over the stacked modules (host list)."""

@@ -156,7 +156,7 @@ def build_stored(name: str, config, state_dict: Mapping[str, torch.Tensor], sour
         if isinstance(layer, LoraEmbedding):
             scaling *= embed_scale(layer) or 1.0
         a, b = (t.detach().to("cpu", dtype).contiguous() for t in (a, b))
-        if pin:
-            a, b = a.pin_memory(), b.pin_memory()
+        if pin:  # tensors passed in pinned already are kept as they are (no second copy)
+            a, b = (t if t.is_pinned() else t.pin_memory() for t in (a, b))
         modules[module] = (a, b, float(scaling))
     return StoredAdapter(name, source, modules)

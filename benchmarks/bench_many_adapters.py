@@ -1,0 +1,195 @@
+"""Hundreds of registered adapters served from M GPU slots (#14), against all of them resident.
+
+    python benchmarks/bench_many_adapters.py --model 8b --adapters 512 --slots 64 --out benchmarks/results
+    python benchmarks/bench_many_adapters.py --smoke      # CPU: checks the script, measures nothing
+
+Random-weight Llama shape in bf16. One PEFT adapter (rank 8) makes the LoRA layers; ``--adapters``
+more, of ranks drawn from 8-64, are registered by name from state dicts
+(``fastlora.register_adapters``: pinned CPU memory, no PEFT modules). Batches of ``--batch`` rows
+draw their adapters from a Zipf distribution over the registered ones. Per mode (``slots``: the
+stacks hold ``--slots`` adapters, loaded on demand; ``resident``: every adapter in the stacks):
+
+- time to first token of a fresh batch, loads included (``generate`` with one new token), p50 / p99;
+- steady-state decode: output tokens/s over batches of ``--new`` tokens each (loads included);
+- the decode step (ms) with ``--batch`` distinct adapters in the batch, and with none (the base
+  step), from (time of T new tokens - time of 1) / (T - 1);
+- GPU memory allocated, the stacks' bytes, the CPU store's bytes and the process's resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_generate as bg  # noqa: E402
+
+
+def rss_gb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def make_adapters(model, n: int, ranks, targets, seed: int, pin: bool):
+    """n (state dict, LoraConfig) pairs in PEFT's saved key format, random weights, in bf16."""
+    from peft import LoraConfig
+
+    shapes = {}
+    for name, module in model.named_modules():
+        if name.endswith(tuple(f".{t}" for t in targets)) and hasattr(module, "base_layer"):
+            base = module.base_layer
+            shapes[name] = (base.in_features, base.out_features)
+    rng, gen = random.Random(seed), torch.Generator(device=bg.DEVICE).manual_seed(seed)
+    out = {}
+    for i in range(n):
+        r = rng.choice(ranks)
+        layout = [(f"{name}.lora_{ab}.weight", shape) for name, (fan_in, fan_out) in shapes.items()
+                  for ab, shape in (("A", (r, fan_in)), ("B", (fan_out, r)))]
+        total = sum(a * b for _, (a, b) in layout)
+        # one random draw and one (pinned) host buffer per adapter; its tensors are views of it
+        flat = torch.randn(total, generator=gen, device=bg.DEVICE, dtype=torch.bfloat16).mul_(0.02)
+        host = torch.empty(total, dtype=torch.bfloat16, pin_memory=pin)
+        host.copy_(flat)
+        sd, at = {}, 0
+        for key, (a, b) in layout:
+            sd[key] = host[at:at + a * b].view(a, b)
+            at += a * b
+        out[f"r{i}"] = (sd, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets)))
+    return out
+
+
+def zipf_batch(rng, names, rows, s):
+    weights = [1 / (k + 1) ** s for k in range(len(names))]
+    return rng.choices(names, weights, k=rows)
+
+
+def decode_ms(model, ids, names, new):
+    def gen(k):
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names,
+                           max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
+
+    _, step, _ = bg.measure(lambda k: gen(k), new, reps=3)
+    return step
+
+
+def run_mode(model, adapters, args, slots, rows_out, info):
+    import peft_fastlora as fastlora
+
+    fastlora.patch(model, max_loras_per_batch=slots)
+    t = time.perf_counter()
+    fastlora.register_adapters(model, adapters)
+    bg.sync()
+    register_s = time.perf_counter() - t
+    state = fastlora.get_state(model)
+    mode = "slots" if slots else "resident"
+    names = sorted(adapters, key=lambda n: int(n[1:]))
+    rng = random.Random(args.seed)
+    vocab = bg.SHAPES[args.model]["vocab_size"]
+
+    def batch_ids(k):
+        g = torch.Generator().manual_seed(k)
+        return torch.randint(3, vocab, (args.batch, args.prompt), generator=g).to(bg.DEVICE)
+
+    fastlora.warmup(model, batch_sizes=[args.batch], max_length=args.prompt + args.new + 2)
+    with torch.no_grad():  # the prefill's kernels compiled before the clock starts
+        model.generate(input_ids=batch_ids(-1), attention_mask=torch.ones_like(batch_ids(-1)),
+                       adapter_names=names[:1] * args.batch, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    ttft = []
+    for k in range(args.ttft_batches):  # fresh batches: loads of adapters not in slots included
+        ids, batch = batch_ids(k), zipf_batch(rng, names, args.batch, args.zipf)
+        bg.sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=batch,
+                           max_new_tokens=1, do_sample=False, pad_token_id=0)
+        bg.sync()
+        ttft.append(time.perf_counter() - t0)
+    tokens, t0 = 0, time.perf_counter()
+    distinct = []
+    for k in range(args.decode_batches):
+        ids, batch = batch_ids(100 + k), zipf_batch(rng, names, args.batch, args.zipf)
+        distinct.append(len(set(batch)))
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=batch,
+                           max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+        tokens += args.batch * args.new
+    bg.sync()
+    decode_tps = tokens / (time.perf_counter() - t0)
+    ids = batch_ids(999)
+    spread = [names[(k * 7) % len(names)] for k in range(args.batch)]  # --batch distinct adapters
+    mixed = decode_ms(model, ids, spread, args.step_tokens)
+    base = decode_ms(model, ids, ["__base__"] * args.batch, args.step_tokens)
+    stats = dict(state.registry.stats)
+    ttft.sort()
+    row = dict(mode=mode, model=args.model, registered=len(adapters), slots=slots or len(adapters),
+               batch=args.batch, prompt=args.prompt, new=args.new, zipf=args.zipf,
+               mean_distinct_per_batch=round(sum(distinct) / len(distinct), 1),
+               register_s=round(register_s, 2),
+               ttft_p50_s=round(ttft[len(ttft) // 2], 4), ttft_p99_s=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 4),
+               decode_tokens_per_s=round(decode_tps, 1), mixed_step_ms=round(mixed, 3), base_step_ms=round(base, 3),
+               mixed_vs_base=round(mixed / base, 3), loads=stats["loads"], evictions=stats["evictions"],
+               load_s=round(stats["load_seconds"], 3),
+               stack_gb=round(state.report.stack_bytes / 2**30, 2),
+               cpu_store_gb=round(state.report.store_bytes / 2**30, 2),
+               gpu_allocated_gb=round(torch.cuda.memory_allocated() / 2**30, 2) if bg.DEVICE == "cuda" else 0,
+               process_rss_gb=round(rss_gb(), 2), **info)
+    print(row, file=sys.stderr)
+    rows_out.append(row)
+    fastlora.unpatch(model)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="8b", choices=sorted(bg.SHAPES))
+    p.add_argument("--adapters", type=int, default=512)
+    p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64])
+    p.add_argument("--targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj"])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--ttft-batches", type=int, default=30)
+    p.add_argument("--decode-batches", type=int, default=6)
+    p.add_argument("--step-tokens", type=int, default=32)
+    p.add_argument("--modes", nargs="+", default=["slots", "resident"], choices=["slots", "resident"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few adapters")
+    args = p.parse_args(argv)
+    if args.smoke:
+        bg.DEVICE = "cpu"
+        args.model, args.adapters, args.slots, args.ranks = "tiny", 12, 6, [2, 4, 8]
+        args.batch, args.prompt, args.new, args.ttft_batches, args.decode_batches, args.step_tokens = 6, 8, 4, 3, 2, 4
+    from peft import LoraConfig, get_peft_model
+
+    info = bg.versions()
+    base = bg.build_base(args.model)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=args.targets), adapter_name="seed",
+                           autocast_adapter_dtype=False).eval()
+    t = time.perf_counter()
+    adapters = make_adapters(model, args.adapters, args.ranks, args.targets, args.seed, pin=bg.DEVICE == "cuda")
+    print(f"{args.adapters} adapters made in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    rows = []
+    for mode in args.modes:
+        run_mode(model, adapters, args, args.slots if mode == "slots" else None, rows, info)
+        if args.out and not args.smoke:
+            path = bg.write_csv(rows, args.out, f"many_adapters_{info['gpu'].split()[-1].lower()}.csv")
+            print(f"written {path}", file=sys.stderr)
+    if len(rows) == 2:
+        print(f"slots / resident decode time per token: {rows[1]['decode_tokens_per_s'] / rows[0]['decode_tokens_per_s']:.3f}",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
