@@ -513,7 +513,7 @@ class FastLoRAState:
         """Adapters newly given slots: every site loads them there (stacks keep their addresses:
         graphs stay valid; the batch info and ranks read from the slots are rebuilt)."""
         t = time.perf_counter()
-        copy_values([pair for site in self.sites for pair in site.pool.load(placed)])
+        copy_values([pair for site in self.sites for pair in site.pool.load(placed)], non_blocking=True)
         self.registry.stats["load_seconds"] += time.perf_counter() - t
         self._slot_loads += 1
         self._slot_ranks = None

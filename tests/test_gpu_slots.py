@@ -16,7 +16,7 @@ import torch
 import peft_fastlora as fastlora
 from peft_fastlora import get_state
 
-from _continuous import cb_config, greedy_config, requires_cb
+from _continuous import cb_config, greedy_config, peft_alone, requires_cb
 from test_patch_behaviour import ALL, VOCAB, build, logits
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -152,8 +152,19 @@ def test_by_default_every_adapter_keeps_its_slot():
 
 
 @requires_cb
-def test_continuous_batching_asks_for_a_slot_per_adapter():
-    m, _ = _pair()
+def test_continuous_batching_with_fewer_slots_than_adapters(caplog):
+    """Each engine step holds at most as many requests as slots (so as many adapters); every
+    request gets PEFT's tokens for its prompt alone, while adapters come and go from the slots."""
+    m, ref = _pair()
     fastlora.patch(m, max_loras_per_batch=2)
-    with pytest.raises(ValueError, match="every adapter in a GPU slot.*2 slots for 6 adapters"):
-        m.init_continuous_batching(generation_config=greedy_config(2), continuous_batching_config=cb_config())
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 9))] for _ in range(10)]
+    names = [NAMES[i % len(NAMES)] for i in range(9)] + ["__base__"]
+    with caplog.at_level("WARNING", logger="peft_fastlora"):
+        out = m.generate_batch(prompts, generation_config=greedy_config(4), continuous_batching_config=cb_config(),
+                               adapter_names=names)
+    assert "max_requests_per_batch=2 (each step's adapters must fit the GPU slots)" in caplog.text
+    got = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+    for tokens, p, n in zip(got, prompts, names):
+        assert tokens == peft_alone(ref, p, n, 4), n
+    assert get_state(m).registry.stats["evictions"] > 0

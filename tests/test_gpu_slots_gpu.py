@@ -116,3 +116,30 @@ def test_registered_adapters_swapped_through_graphs_equal_peft(tmp_path):
         assert state.registry.stats["evictions"] > 0
     finally:
         fastlora.unpatch(m)
+
+
+def test_continuous_batching_through_engine_graphs_with_fewer_slots():
+    """Three slots for six adapters in the engine: at most three requests per step, adapters
+    loaded into slots between the engine's graphed steps; every request equals PEFT alone."""
+    from _continuous import cb_config, greedy_config, peft_alone, serve
+    from test_continuous_batching_gpu import _prompts
+
+    m, ref = _model(), _model()
+    fastlora.patch(m, max_loras_per_batch=3)
+    try:
+        prompts, names = _prompts(12, seed=31)
+        manager = m.init_continuous_batching(generation_config=greedy_config(12),
+                                             continuous_batching_config=cb_config(num_blocks=128, use_cuda_graph=True))
+        manager.warmup()
+        manager.start()
+        try:
+            out = serve(manager, list(zip(prompts, names, [12] * len(prompts))))
+        finally:
+            manager.stop(block=True)
+        stats = manager.fastlora_graphs.stats
+        assert stats["graphed_steps"] > 0 and stats["eager_steps"] == 0, stats
+        assert get_state(m).registry.stats["evictions"] > 0
+    finally:
+        fastlora.unpatch(m)
+    for tokens, p, n in zip(out, prompts, names):
+        assert tokens == peft_alone(ref, p, n, 12), n

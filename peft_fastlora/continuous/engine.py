@@ -150,12 +150,6 @@ class ContinuousBatchingHook:
     def _usable(self):
         if not self.active:
             raise RuntimeError("fastlora: this model was unpatched; its continuous batching is transformers' own")
-        registry = self.state.registry
-        if not registry.all_resident:  # the engine's scheduler does not know the slots
-            raise ValueError(
-                f"fastlora: continuous batching needs every adapter in a GPU slot; this model holds "
-                f"{registry.num_slots} slots for {len(registry)} adapters (max_loras_per_batch="
-                f"{registry.num_slots}): patch it with max_loras_per_batch >= {len(registry)} (not yet supported)")
 
     def graphs_blocker(self) -> Optional[str]:
         """Why the engine's CUDA graphs cannot carry this model's LoRA batches (None: they can,
@@ -234,7 +228,9 @@ class ContinuousBatchingHook:
                 "fastlora: a continuous-batching manager made before fastlora.patch is cached on the "
                 "model; call destroy_cached_continuous_batching_manager() first")
         gen = generation_config if generation_config is not None else self.inner.generation_config
-        config, changes = _compat.cb_config_for_lora(continuous_batching_config, gen, self.graphs_blocker())
+        registry = self.state.registry  # fewer slots than adapters: no step may need more than the slots
+        config, changes = _compat.cb_config_for_lora(continuous_batching_config, gen, self.graphs_blocker(),
+                                                     None if registry.all_resident else registry.num_slots)
         for change in changes:
             self.state.warn_once(f"continuous batching with per-request adapters: {change}")
         hold = cached is None or not cached._fastlora_holds

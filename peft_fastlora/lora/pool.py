@@ -228,10 +228,12 @@ def _grouped(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> Dict[tuple, 
 
 
 @torch.no_grad()
-def copy_values(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each parameter into its stack view (cast to the stack's dtype)."""
+def copy_values(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]], non_blocking: bool = False) -> None:
+    """Copy each parameter into its stack view (cast to the stack's dtype). ``non_blocking``: the
+    host does not wait for copies from pinned memory (sources that nobody changes: registered
+    adapters); the kernels that read the stacks follow them on the same stream."""
     for dsts, srcs in _grouped(pairs).values():
-        torch._foreach_copy_(dsts, srcs)
+        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
 
 class ValueRefresher:
