@@ -14,6 +14,11 @@ request is queued at once with its adapter, a finished request leaves the batch 
 waiting one takes its place; each answer line then also has ``"latency_s"`` (from queueing to the
 last token), and the summary gives the median and 95th percentile.
 
+``--register`` loads no adapter into PEFT: a rank-1 adapter of zeros over every module the
+folders target makes the LoRA layers, and each folder is registered by name
+(``fastlora.register_adapters``): held in CPU memory, copied into one of ``--slots`` GPU slots when
+a batch uses it (hundreds of adapters on one GPU; a batch may use at most ``--slots`` of them).
+
 ``--tiny`` builds a random tiny Llama and a character tokenizer instead of loading ``--base``; what
 it is not given it makes in a temporary folder: three random adapters for that base (saved as PEFT
 saves them), a requests file, and the answers file (its path is printed).
@@ -104,11 +109,37 @@ def load_model(args):
     names = sorted(d for d in os.listdir(args.adapters) if os.path.isdir(os.path.join(args.adapters, d)))
     if not names:
         raise SystemExit(f"no adapter folders in {args.adapters}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if getattr(args, "register", False):
+        return layers_for(base, args.adapters, names).to(device).eval(), tokenizer, names
     model = PeftModel.from_pretrained(base, os.path.join(args.adapters, names[0]), adapter_name=names[0])
     for name in names[1:]:
         model.load_adapter(os.path.join(args.adapters, name), adapter_name=name)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device).eval(), tokenizer, names
+
+
+SCAFFOLD = "_layers"  # --register: the PEFT adapter of zeros that makes the LoRA layers
+
+
+def layers_for(base, folder: str, names):
+    """A PeftModel whose one adapter (rank 1, B = 0: no effect) targets every module the saved
+    adapters target, so that fastlora has a LoRA layer wherever one of them needs it."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = set()
+    for name in names:
+        targets |= set(LoraConfig.from_pretrained(os.path.join(folder, name)).target_modules)
+    return get_peft_model(base, LoraConfig(r=1, target_modules=sorted(targets)), adapter_name=SCAFFOLD)
+
+
+def patch_and_register(model, args, names):
+    """``fastlora.patch``, and with ``--register`` every adapter folder registered by name."""
+    slots = getattr(args, "slots", None) if getattr(args, "register", False) else None
+    report = fastlora.patch(model, max_loras_per_batch=slots)
+    if getattr(args, "register", False):
+        fastlora.register_adapters(model, {n: os.path.join(args.adapters, n) for n in names})
+        report = fastlora.get_state(model).report
+    return report
 
 
 def batches(items, size):
@@ -190,11 +221,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--no-fastlora", action="store_true", help="serve through PEFT's own mixed batch")
+    p.add_argument("--register", action="store_true",
+                   help="register the adapters by name (CPU memory, GPU slots on demand) instead of loading them into PEFT")
+    p.add_argument("--slots", type=int, default=None, help="--register: GPU slots (default: one per adapter)")
     p.add_argument("--continuous", action="store_true",
                    help="continuous batching (transformers' engine, one adapter per request)")
     p.add_argument("--max-batch-tokens", type=int, default=256, help="--continuous: tokens per forward")
     p.add_argument("--cache-tokens", type=int, default=16384, help="--continuous: KV-cache size in tokens")
     args = p.parse_args(argv)
+    if args.register and args.no_fastlora:
+        raise SystemExit("--register needs fastlora: PEFT does not know registered adapters")
     if args.continuous and args.no_fastlora:
         raise SystemExit("--continuous needs fastlora: PEFT's own path has no per-request adapters "
                          "in continuous batching")
@@ -212,7 +248,7 @@ def main(argv=None) -> int:
     if unknown:  # before any work: a typo must not cost a whole run
         raise ValueError(f"requests name unknown adapter(s) {', '.join(unknown)}; loaded: {', '.join(names)}")
     if not args.no_fastlora:
-        print(fastlora.patch(model), file=sys.stderr)
+        print(patch_and_register(model, args, names), file=sys.stderr)
 
     if args.continuous:
         answers = serve_continuously(model, tokenizer, requests, args)

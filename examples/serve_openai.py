@@ -22,9 +22,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import serve_many_adapters as files  # noqa: E402  (the same model loading and --tiny files)
-
-import peft_fastlora as fastlora  # noqa: E402
+import serve_many_adapters as files  # noqa: E402  (the same model loading, patching and --tiny files)
 
 
 # the character tokenizer of --tiny has no chat template: "role: content " per message, then the
@@ -45,7 +43,7 @@ def build_app(args):
     model, tokenizer, names = files.load_model(args)
     if args.tiny and tokenizer.chat_template is None:
         tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    print(fastlora.patch(model), file=sys.stderr)
+    print(files.patch_and_register(model, args, names), file=sys.stderr)
     gen = GenerationConfig(do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     cb = ContinuousBatchingConfig(num_blocks=max(1, args.cache_tokens // 256), max_batch_tokens=args.max_batch_tokens)
     app = create_app(model, tokenizer, generation_config=gen, continuous_batching_config=cb,
@@ -59,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer", help="tokenizer folder (default: --base)")
     p.add_argument("--adapters", help="folder with one PEFT adapter per sub-folder")
     p.add_argument("--tiny", action="store_true", help="a random tiny Llama with a character tokenizer")
+    p.add_argument("--register", action="store_true",
+                   help="register the adapters by name (CPU memory, GPU slots on demand) instead of loading them into PEFT")
+    p.add_argument("--slots", type=int, default=None, help="--register: GPU slots (default: one per adapter)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

@@ -107,3 +107,21 @@ def test_files_required_without_tiny(tmp_path, capsys):
     with pytest.raises(SystemExit):
         serve.main(["--base", str(tmp_path), "--out", str(tmp_path / "o.jsonl")])
     assert "--adapters, --requests required (or --tiny, which makes them)" in capsys.readouterr().err
+
+
+def test_registered_adapters_in_gpu_slots_give_the_same_answers(adapters_dir, tmp_path):
+    """--register: the folders are registered by name (CPU memory) and served from two GPU slots,
+    statically and continuously; the answers equal loading them into PEFT."""
+    rows = [("upper", "abc="), ("reverse", "hello="), ("__base__", "xyz"), ("reverse", "ab="), ("upper", "q")]
+    _requests(tmp_path / "req.jsonl", rows)
+    common = ["--tiny", "--adapters", str(adapters_dir), "--requests", str(tmp_path / "req.jsonl"),
+              "--batch-size", "2", "--max-new-tokens", "6", "--device", "cpu"]
+    assert serve.main(common + ["--out", str(tmp_path / "peft.jsonl")]) == 0
+    assert serve.main(common + ["--out", str(tmp_path / "reg.jsonl"), "--register", "--slots", "2"]) == 0
+    assert serve.main(common + ["--out", str(tmp_path / "regc.jsonl"), "--register", "--slots", "2",
+                                "--continuous", "--max-batch-tokens", "16"]) == 0
+    want = [json.loads(line)["completion"] for line in open(tmp_path / "peft.jsonl")]
+    assert [json.loads(line)["completion"] for line in open(tmp_path / "reg.jsonl")] == want
+    assert [json.loads(line)["completion"] for line in open(tmp_path / "regc.jsonl")] == want
+    with pytest.raises(SystemExit, match="--register needs fastlora"):
+        serve.main(common + ["--out", str(tmp_path / "x.jsonl"), "--register", "--no-fastlora"])

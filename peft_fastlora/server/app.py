@@ -144,7 +144,11 @@ class _Server:
         self.manager = None
 
     def adapters(self):
-        return sorted(getattr(self.model, "peft_config", None) or ())
+        from ..patch import get_state
+
+        state = get_state(self.model)
+        registered = state.stored if state is not None else ()
+        return sorted(set(getattr(self.model, "peft_config", None) or ()) | set(registered))
 
     def adapter_of(self, name) -> str:
         if name == self.base_name:
