@@ -513,7 +513,17 @@ class FastLoRAState:
         """Adapters newly given slots: every site loads them there (stacks keep their addresses:
         graphs stay valid; the batch info and ranks read from the slots are rebuilt)."""
         t = time.perf_counter()
-        copy_values([pair for site in self.sites for pair in site.pool.load(placed)], non_blocking=True)
+        peft_pairs, host_pairs = [], []
+        for site in self.sites:
+            pairs, fixed = site.pool.load(placed)
+            peft_pairs += pairs
+            host_pairs += fixed
+        copy_values(peft_pairs)
+        if host_pairs:  # from CPU memory: one copy each whatever the grouping, so none is made;
+            # pinned and never changed, so the host need not wait for them
+            dsts, srcs = zip(*host_pairs)
+            with torch.no_grad():
+                torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
         self.registry.stats["load_seconds"] += time.perf_counter() - t
         self._slot_loads += 1
         self._slot_ranks = None

@@ -72,6 +72,7 @@ class SitePool:
         self._unsupported_of: Dict[str, str] = {}
         self._slot_ranks: List[List[int]] = []  # host copies of ``ranks`` and ``scalings``
         self._slot_scalings: List[List[float]] = []
+        self._view_cache: Dict[Tuple[int, int, int], Tuple[torch.Tensor, torch.Tensor]] = {}  # of these stacks
         self._signature = None
         self._watched = None
         self._registry_names = None
@@ -164,7 +165,7 @@ class SitePool:
         self.lora_a = torch.zeros(a_shape, dtype=dtype, device=device)
         self.lora_b = torch.zeros(n_slots, self.offsets[-1], r, dtype=dtype, device=device)
         self.max_rank = r
-        self.copies, self._fixed, self.unsupported = {}, {}, {}
+        self.copies, self._fixed, self.unsupported, self._view_cache = {}, {}, {}, {}
         self._slot_ranks = [[0] * c for _ in range(n_slots)]
         self._slot_scalings = [[0.0] * c for _ in range(n_slots)]
         for slot, name in enumerate(registry.resident):
@@ -179,10 +180,13 @@ class SitePool:
 
     def _place(self, slot: int, name: str) -> None:
         """Slot ``slot`` holds adapter ``name`` from now on (host side: views, ranks, reasons)."""
-        r, pairs, fixed = self.max_rank, [], []
+        pairs, fixed = [], []
         for j, a, b, registered in self._sources.get(name, ()):
-            k = a.shape[0]
-            views = (self.lora_a[slot, j * r: j * r + k], self.lora_b[slot, self.offsets[j]: self.offsets[j + 1], :k])
+            views = self._view_cache.get((slot, j, a.shape[0]))
+            if views is None:  # the same (slot, module, rank) views serve every adapter that comes
+                r, k = self.max_rank, a.shape[0]
+                views = self._view_cache[(slot, j, k)] = (
+                    self.lora_a[slot, j * r: j * r + k], self.lora_b[slot, self.offsets[j]: self.offsets[j + 1], :k])
             (fixed if registered else pairs).extend(zip(views, (a, b)))
         self.copies[slot] = pairs  # PEFT's parameters: copied again at every call that uses them
         self._fixed[slot] = fixed
@@ -196,18 +200,20 @@ class SitePool:
 
     @torch.no_grad()
     @torch.inference_mode(False)
-    def load(self, placed: Sequence[Tuple[int, str]]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    def load(self, placed: Sequence[Tuple[int, str]]) -> Tuple[list, list]:
         """Put each adapter ``name`` in its slot (replacing what the slot held): ranks and scalings
         are written in place (the stacks keep their addresses, so graphs that read them stay
         valid; a module the adapter does not target gets rank 0 and is not read). Returns the
-        (view, weight) pairs whose values the caller copies in, for all pools at once."""
-        pairs = []
+        (view, weight) pairs whose values the caller copies in, for all pools at once: PEFT's
+        parameters, and the registered adapters' (host) tensors."""
+        pairs, fixed = [], []
         for slot, name in placed:
             self._place(slot, name)
-            pairs += self.copies[slot] + self._fixed[slot]
+            pairs += self.copies[slot]
+            fixed += self._fixed[slot]
         self.ranks.copy_(torch.tensor(self._slot_ranks, dtype=torch.int32))
         self.scalings.copy_(torch.tensor(self._slot_scalings, dtype=torch.float32))
-        return pairs
+        return pairs, fixed
 
     def slot_ranks_host(self) -> List[int]:
         """Largest rank of each slot over the stacked modules (host list)."""
@@ -228,12 +234,10 @@ def _grouped(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> Dict[tuple, 
 
 
 @torch.no_grad()
-def copy_values(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]], non_blocking: bool = False) -> None:
-    """Copy each parameter into its stack view (cast to the stack's dtype). ``non_blocking``: the
-    host does not wait for copies from pinned memory (sources that nobody changes: registered
-    adapters); the kernels that read the stacks follow them on the same stream."""
+def copy_values(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each parameter into its stack view (cast to the stack's dtype)."""
     for dsts, srcs in _grouped(pairs).values():
-        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+        torch._foreach_copy_(dsts, srcs)
 
 
 class ValueRefresher:
