@@ -47,7 +47,7 @@ def build_app(args):
     gen = GenerationConfig(do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     cb = ContinuousBatchingConfig(num_blocks=max(1, args.cache_tokens // 256), max_batch_tokens=args.max_batch_tokens)
     app = create_app(model, tokenizer, generation_config=gen, continuous_batching_config=cb,
-                     base_name=args.base_name)
+                     base_name=args.base_name, adapters=names)  # the folders (not --register's scaffold)
     return app, names
 
 

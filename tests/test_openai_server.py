@@ -26,12 +26,19 @@ import serve_openai  # noqa: E402
 ADAPTERS = ["reverse", "sum", "upper"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    args = serve_openai.parse_args(["--tiny", "--device", "cpu", "--max-batch-tokens", "32"])
+@pytest.fixture(scope="module", params=["peft", "registered"])
+def server(tmp_path_factory, request):
+    """The adapters loaded into PEFT, or registered by name into two GPU slots (``--register``)."""
+    extra = ["--register", "--slots", "2"] if request.param == "registered" else []
+    args = serve_openai.parse_args(["--tiny", "--device", "cpu", "--max-batch-tokens", "32"] + extra)
     files.make_tiny_files(args, str(tmp_path_factory.mktemp("adapters")))
     app, names = serve_openai.build_app(args)
     assert names == ADAPTERS
+    # the reference is built before the server starts: its random weights come from the global RNG
+    # (seeded), which the engine's thread could otherwise draw from in between (a flaky mismatch)
+    register, args.register = args.register, False
+    ref, tokenizer, _ = files.load_model(args)  # unpatched: PEFT's own path, the same folders loaded
+    args.register = register
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -41,7 +48,6 @@ def server(tmp_path_factory):
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
     port = srv.servers[0].sockets[0].getsockname()[1]
-    ref, tokenizer, _ = files.load_model(args)  # unpatched: PEFT's own path
     yield dict(url=f"http://127.0.0.1:{port}/v1", app=app, ref=ref, tokenizer=tokenizer)
     srv.should_exit = True
     thread.join(timeout=30)

@@ -38,7 +38,7 @@ class RequestError(Exception):
 
 
 def create_app(model, tokenizer, *, generation_config=None, continuous_batching_config=None,
-               base_name: str = "base", max_tokens_default: int = 16):
+               base_name: str = "base", max_tokens_default: int = 16, adapters=None):
     """The app serving a ``fastlora.patch``-ed PeftModel's adapters.
 
     Args:
@@ -48,6 +48,8 @@ def create_app(model, tokenizer, *, generation_config=None, continuous_batching_
         continuous_batching_config: the engine's sizes (see transformers' ``ContinuousBatchingConfig``).
         base_name: the ``"model"`` that means no adapter.
         max_tokens_default: ``max_tokens`` of a request that sets none (OpenAI's default is 16).
+        adapters: the adapter names served (default: every adapter of the model, PEFT's and the
+            registered ones); others are answered like unknown ones.
     """
     try:
         from fastapi import FastAPI, Request
@@ -63,7 +65,7 @@ def create_app(model, tokenizer, *, generation_config=None, continuous_batching_
     gen = generation_config if generation_config is not None else model.generation_config
     if getattr(gen, "eos_token_id", None) is None:
         gen.eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
-    server = _Server(model, tokenizer, gen, base_name, max_tokens_default)
+    server = _Server(model, tokenizer, gen, base_name, max_tokens_default, adapters)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -138,14 +140,17 @@ async def _json(request) -> dict:
 class _Server:
     """The manager and everything a request needs besides the HTTP layer."""
 
-    def __init__(self, model, tokenizer, gen, base_name, max_tokens_default):
+    def __init__(self, model, tokenizer, gen, base_name, max_tokens_default, adapters=None):
         self.model, self.tokenizer, self.gen = model, tokenizer, gen
         self.base_name, self.max_tokens_default = base_name, max_tokens_default
+        self.served = None if adapters is None else sorted(adapters)
         self.manager = None
 
     def adapters(self):
         from ..patch import get_state
 
+        if self.served is not None:
+            return self.served
         state = get_state(self.model)
         registered = state.stored if state is not None else ()
         return sorted(set(getattr(self.model, "peft_config", None) or ()) | set(registered))
