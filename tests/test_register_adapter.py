@@ -259,3 +259,46 @@ def test_a_batch_of_more_distinct_registered_adapters_than_the_first_build_had(f
         ref.load_state_dict({k.replace(".weight", f".x{i}.weight"): v * (1 + i / 10) for k, v in sd.items()},
                             strict=False)
     _same(m, ref, [f"x{i}" for i in range(20)] + ["chat", "__base__"])
+
+
+@requires_cb
+def test_registered_and_unregistered_while_a_manager_serves(folders):
+    """A server adds a tenant while serving, then removes one: the new name is served at once,
+    requests of the removed one fail one by one naming it, the others go on."""
+    import time
+
+    from _continuous import collect
+
+    m, ref = _pair(folders, ["ql"])
+    ref.load_adapter(folders["rs"], adapter_name="rs")
+    ref.eval()
+    prompts = [[int(t) for t in _ids(1, s)[0][: 3 + s % 3]] for s in range(5)]
+    manager = m.init_continuous_batching(generation_config=greedy_config(300),
+                                         continuous_batching_config=cb_config(max_requests_per_batch=1))
+    manager.start()
+    try:
+        first = manager.add_request(prompts[0], adapter_name="sql", max_new_tokens=6)
+        fastlora.register_adapter(m, "rs", folders["rs"])  # while the engine serves
+        added = manager.add_request(prompts[1], adapter_name="rs", max_new_tokens=6)
+        done = collect(manager, [first, added])
+        doomed = manager.add_request(prompts[2], adapter_name="ql", streaming=True)
+        partial = manager.get_result(request_id=doomed, timeout=30)
+        assert partial is not None and not partial.is_finished()  # decoding now
+        others = [manager.add_request(prompts[3], adapter_name="chat", max_new_tokens=6),
+                  manager.add_request(prompts[4], adapter_name="rs", max_new_tokens=6)]
+        fastlora.unregister_adapter(m, "ql")
+        finished, deadline = {}, time.monotonic() + 60
+        while len(finished) < 3:
+            assert time.monotonic() < deadline, f"timed out; finished: {sorted(finished)}"
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                finished[r.request_id] = r
+        assert manager.is_running()
+    finally:
+        manager.stop(block=True)
+    assert done[first] == peft_alone(ref, prompts[0], "sql", 6)
+    assert done[added] == peft_alone(ref, prompts[1], "rs", 6)
+    assert finished[doomed].error is not None and "'ql'" in finished[doomed].error
+    for rid, p, n in zip(others, prompts[3:], ["chat", "rs"]):
+        assert finished[rid].error is None, finished[rid].error
+        assert list(finished[rid].generated_tokens) == peft_alone(ref, p, n, 6), n
