@@ -302,3 +302,29 @@ def test_registered_and_unregistered_while_a_manager_serves(folders):
     for rid, p, n in zip(others, prompts[3:], ["chat", "rs"]):
         assert finished[rid].error is None, finished[rid].error
         assert list(finished[rid].generated_tokens) == peft_alone(ref, p, n, 6), n
+
+
+def test_other_saved_forms_and_unreadable_files(folders, tmp_path):
+    m, ref = _pair(folders, [])
+    torch.manual_seed(5)
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["v_proj"], init_lora_weights=False))
+    model.save_pretrained(str(tmp_path / "bin"), safe_serialization=False)  # adapter_model.bin
+    fastlora.register_adapter(m, "bin", str(tmp_path / "bin"))
+    ref.load_adapter(str(tmp_path / "bin"), adapter_name="bin")
+    ref.eval()
+    _same(m, ref, ["bin", "sql", "__base__"])
+    broken = _edited(folders, tmp_path, "emb")
+    with open(os.path.join(broken, "adapter_model.safetensors"), "wb") as f:
+        f.write(b"not a safetensors file")
+    with pytest.raises(ValueError, match="adapter_model.safetensors: cannot be read"):
+        fastlora.register_adapter(m, "broken", broken)
+    with open(os.path.join(broken, "adapter_config.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="adapter_config.json: not valid JSON"):
+        fastlora.register_adapter(m, "broken", broken)
+    os.remove(os.path.join(broken, "adapter_model.safetensors"))
+    with open(os.path.join(broken, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"]}, f)
+    with pytest.raises(FileNotFoundError, match="has none of adapter_model.safetensors, adapter_model.bin"):
+        fastlora.register_adapter(m, "broken", broken)
+    _same(m, ref, ["bin", "chat"])
