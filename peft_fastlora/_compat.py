@@ -54,12 +54,18 @@ def lora_layer_blocker(layer: nn.Module) -> Optional[str]:
 TP_REASON = "tensor parallel: not yet on fastlora's path"  # other plans, continuous batching
 
 
+_DTENSOR = None  # the DTensor class, imported once (checked on every LoRA forward)
+
+
 def is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without distributed tensors
-        return False
-    return isinstance(t, DTensor)
+    global _DTENSOR
+    if _DTENSOR is None:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # torch without distributed tensors: nothing is one
+            DTensor = ()
+        _DTENSOR = DTensor
+    return isinstance(t, _DTENSOR)
 
 
 _TP_SHARD_DIM = {"colwise": 0, "rowwise": 1}  # which dim of the base weight each plan splits

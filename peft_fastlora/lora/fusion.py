@@ -37,6 +37,7 @@ class FusedGroup:
     weight: Optional[torch.Tensor] = None  # (sum out, in), the only copy of the base weights
     bias: Optional[torch.Tensor] = None
     offsets: List[int] = field(default_factory=list)
+    _member_ptrs: List[int] = field(default_factory=list)  # where each member's weight starts in ``weight``
 
     @property
     def out_features(self) -> List[int]:
@@ -47,15 +48,14 @@ class FusedGroup:
         return local(self.bases[0].weight).shape[1]
 
     def is_intact(self) -> bool:
-        """Still views of the fused tensor (``model.to()`` or a reload replaces the storage)."""
+        """Still views of the fused tensor (``model.to()`` or a reload replaces the storage); checked
+        on every forward, so against the addresses ``fuse`` recorded."""
         if self.weight is None:
             return False
-        base_ptr, esize = self.weight.data_ptr(), self.weight.element_size()
-        for b, lo in zip(self.bases, self.offsets):
+        dtype, device = self.weight.dtype, self.weight.device
+        for b, ptr in zip(self.bases, self._member_ptrs):
             w = local(b.weight)
-            if w.data_ptr() != base_ptr + lo * self.in_features * esize:
-                return False
-            if w.dtype != self.weight.dtype or w.device != self.weight.device:
+            if w.data_ptr() != ptr or w.dtype != dtype or w.device != device:
                 return False
         return True
 
@@ -72,6 +72,7 @@ class FusedGroup:
         self.weight = torch.cat([local(b.weight).detach() for b in self.bases], dim=0)
         for b, lo, hi in zip(self.bases, self.offsets[:-1], self.offsets[1:]):
             repoint_local(b.weight, self.weight[lo:hi])
+        self._member_ptrs = [self.weight[lo:hi].data_ptr() for lo, hi in zip(self.offsets[:-1], self.offsets[1:])]
         if any(b.bias is not None for b in self.bases):
             parts = [local(b.bias).detach() if b.bias is not None
                      else torch.zeros(hi - lo, dtype=self.weight.dtype, device=self.weight.device)
