@@ -456,8 +456,39 @@ elif (csv_path := find_results()) is not None:
 else:
     print("No GPU here and no committed results (benchmarks/results/generate_h200.csv) yet: "
           "nothing to plot.")"""),
+    ("md", "slots-md", """\
+## 11. Many adapters: registered by name, served from GPU slots
+
+With hundreds of adapters, loading each into PEFT (one set of modules per adapter, all on the GPU)
+stops scaling. `fastlora.register_adapters` reads saved adapter folders into CPU memory instead, with
+no PEFT module built for them, and `patch(..., max_loras_per_batch=M)` gives the stacks M GPU slots:
+before each call, the adapters it uses are copied into slots (the least recently used others give
+theirs up). The LoRA layers themselves still come from PEFT: here a rank-1 adapter of zeros over
+every module the folders target. Two slots for three adapters, so each batch below uses at most
+two of them; the tokens must equal the model above, which loaded the same folders into PEFT."""),
+    ("code", "slots", """\
+folders = {name: workdir / "adapters" / name for name in TASKS}
+targets = sorted({t for f in folders.values() for t in LoraConfig.from_pretrained(f).target_modules})
+layers = get_peft_model(LlamaForCausalLM.from_pretrained(workdir / "base"),
+                        LoraConfig(r=1, target_modules=targets), adapter_name="layers")  # B = 0: no effect
+layers = layers.to(SERVE_DEVICE).eval()
+fastlora.patch(layers, max_loras_per_batch=2)   # two GPU slots
+fastlora.register_adapters(layers, folders)      # CPU memory, loaded into a slot when a batch uses it
+print(fastlora.get_state(layers).report)
+
+for pair in [("reverse", "upper"), ("upper", "repeat"), ("repeat", "reverse"), ("reverse", "upper")]:
+    rows = [(a, w, task) for a, w, task in requests if a in pair or a == "__base__"]
+    pair_prompts = [make_example(TASKS[task][0], TASKS[task][1], w)[0] for _, w, task in rows]
+    row_adapters = [a for a, _, _ in rows]
+    got, texts = generate(layers, pair_prompts, adapter_names=row_adapters)
+    want, _ = generate(model, pair_prompts, adapter_names=row_adapters)
+    assert torch.equal(got, want), pair
+    print(f"{' + '.join(pair):16s}", texts)
+print("slots:", dict(fastlora.get_state(layers).registry.stats))
+fastlora.unpatch(layers)
+del layers"""),
     ("md", "next-md", """\
-## 11. Next steps
+## 12. Next steps
 
 The folders written above (in a temporary folder that the next cell deletes: set `KEEP_DIR` in
 section 4 to keep them) are exactly what the command-line server expects: a base model directory

@@ -168,3 +168,29 @@ def test_continuous_batching_with_fewer_slots_than_adapters(caplog):
     for tokens, p, n in zip(got, prompts, names):
         assert tokens == peft_alone(ref, p, n, 4), n
     assert get_state(m).registry.stats["evictions"] > 0
+
+
+def test_what_slots_keep_stays_bounded_over_many_swaps():
+    """A server swaps adapters for days: the views, pairs and lists kept for the slots must not
+    grow with the number of calls (only with slots, modules and ranks)."""
+    m, _ = _pair()
+    fastlora.patch(m, max_loras_per_batch=2)
+    state = get_state(m)
+    rng = random.Random(9)
+    ranks = {r for _, _, r, _ in ADAPTERS}
+
+    def kept():
+        pools = [site.pool for site in state.sites]
+        for p in pools:  # views: one per (slot, module, rank) at most
+            assert len(p._view_cache) <= 2 * p.stack_num * len(ranks), len(p._view_cache)
+        return (sum(len(p.copies) + len(p._fixed) for p in pools), len(state._watches),
+                len(state._refresher._merged), tuple(state.registry._recent) != (), len(state.registry.slot))
+
+    for k in range(400):
+        used = rng.sample(NAMES, 2)
+        logits(m, [rng.choice(used + ["__base__"]) for _ in range(3)], _ids(3, k % 7))
+        if k == 100:
+            early = kept()
+    late = kept()
+    assert late == early and late[2] <= 8 and late[4] == 2, (early, late)
+    assert state.registry.stats["loads"] > 300
