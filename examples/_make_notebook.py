@@ -463,17 +463,14 @@ With hundreds of adapters, loading each into PEFT (one set of modules per adapte
 stops scaling. `fastlora.register_adapters` reads saved adapter folders into CPU memory instead, with
 no PEFT module built for them, and `patch(..., max_loras_per_batch=M)` gives the stacks M GPU slots:
 before each call, the adapters it uses are copied into slots (the least recently used others give
-theirs up). The LoRA layers themselves still come from PEFT: here a rank-1 adapter of zeros over
-every module the folders target. Two slots for three adapters, so each batch below uses at most
-two of them; the tokens must equal the model above, which loaded the same folders into PEFT."""),
+theirs up). `fastlora.from_folders` does all of it from a base model: the LoRA layers come from a
+PEFT adapter of rank 1 and zero weights over every module the folders target (`fastlora_layers`:
+it changes nothing), then `patch`, then `register_adapters`. Two slots for three adapters, so each
+batch below uses at most two of them; the tokens must equal the model above, which loaded the same
+folders into PEFT."""),
     ("code", "slots", """\
-folders = {name: workdir / "adapters" / name for name in TASKS}
-targets = sorted({t for f in folders.values() for t in LoraConfig.from_pretrained(f).target_modules})
-layers = get_peft_model(LlamaForCausalLM.from_pretrained(workdir / "base"),
-                        LoraConfig(r=1, target_modules=targets), adapter_name="layers")  # B = 0: no effect
-layers = layers.to(SERVE_DEVICE).eval()
-fastlora.patch(layers, max_loras_per_batch=2)   # two GPU slots
-fastlora.register_adapters(layers, folders)      # CPU memory, loaded into a slot when a batch uses it
+layers = fastlora.from_folders(LlamaForCausalLM.from_pretrained(workdir / "base").to(SERVE_DEVICE),
+                               workdir / "adapters", max_loras_per_batch=2)  # two GPU slots
 print(fastlora.get_state(layers).report)
 
 for pair in [("reverse", "upper"), ("upper", "repeat"), ("repeat", "reverse"), ("reverse", "upper")]:

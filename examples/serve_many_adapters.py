@@ -14,10 +14,9 @@ request is queued at once with its adapter, a finished request leaves the batch 
 waiting one takes its place; each answer line then also has ``"latency_s"`` (from queueing to the
 last token), and the summary gives the median and 95th percentile.
 
-``--register`` loads no adapter into PEFT: a rank-1 adapter of zeros over every module the
-folders target makes the LoRA layers, and each folder is registered by name
-(``fastlora.register_adapters``): held in CPU memory, copied into one of ``--slots`` GPU slots when
-a batch uses it (hundreds of adapters on one GPU; a batch may use at most ``--slots`` of them).
+``--register`` loads no adapter into PEFT: ``fastlora.from_folders`` registers each folder by name,
+held in CPU memory and copied into one of ``--slots`` GPU slots when a batch uses it (hundreds of
+adapters on one GPU; a batch may use at most ``--slots`` of them).
 
 ``--tiny`` builds a random tiny Llama and a character tokenizer instead of loading ``--base``; what
 it is not given it makes in a temporary folder: three random adapters for that base (saved as PEFT
@@ -110,36 +109,21 @@ def load_model(args):
     if not names:
         raise SystemExit(f"no adapter folders in {args.adapters}")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if getattr(args, "register", False):
-        return layers_for(base, args.adapters, names).to(device).eval(), tokenizer, names
+    if getattr(args, "register", False):  # patched here: the folders are registered by name
+        folders = {n: os.path.join(args.adapters, n) for n in names}
+        model = fastlora.from_folders(base.to(device).eval(), folders, max_loras_per_batch=args.slots)
+        return model, tokenizer, names
     model = PeftModel.from_pretrained(base, os.path.join(args.adapters, names[0]), adapter_name=names[0])
     for name in names[1:]:
         model.load_adapter(os.path.join(args.adapters, name), adapter_name=name)
     return model.to(device).eval(), tokenizer, names
 
 
-SCAFFOLD = "_layers"  # --register: the PEFT adapter of zeros that makes the LoRA layers
-
-
-def layers_for(base, folder: str, names):
-    """A PeftModel whose one adapter (rank 1, B = 0: no effect) targets every module the saved
-    adapters target, so that fastlora has a LoRA layer wherever one of them needs it."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = set()
-    for name in names:
-        targets |= set(LoraConfig.from_pretrained(os.path.join(folder, name)).target_modules)
-    return get_peft_model(base, LoraConfig(r=1, target_modules=sorted(targets)), adapter_name=SCAFFOLD)
-
-
 def patch_and_register(model, args, names):
-    """``fastlora.patch``, and with ``--register`` every adapter folder registered by name."""
-    slots = getattr(args, "slots", None) if getattr(args, "register", False) else None
-    report = fastlora.patch(model, max_loras_per_batch=slots)
+    """``fastlora.patch`` (a ``--register`` model is patched already, by ``from_folders``)."""
     if getattr(args, "register", False):
-        fastlora.register_adapters(model, {n: os.path.join(args.adapters, n) for n in names})
-        report = fastlora.get_state(model).report
-    return report
+        return fastlora.get_state(model).report
+    return fastlora.patch(model)
 
 
 def batches(items, size):

@@ -12,7 +12,7 @@ from .batch import ForwardBatch, LoRABatchInfo
 from .decode.generate import WarmupReport, warmup
 from .options import PatchOptions
 from .patch import get_state, patch, unpatch
-from .registration import register_adapter, register_adapters, unregister_adapter
+from .registration import from_folders, register_adapter, register_adapters, unregister_adapter
 from .report import PatchReport
 
 __version__ = "0.1.0"
@@ -36,6 +36,7 @@ __all__ = [
     "PatchReport",
     "WarmupReport",
     "available_backends",
+    "from_folders",
     "get_backend",
     "get_state",
     "patch",

@@ -84,6 +84,44 @@ def register_adapters(model, adapters: Mapping[str, object]) -> None:
                     stored.name, stored.source, len(stored.modules), stored.nbytes() / 2**20)
 
 
+LAYERS_ADAPTER = "fastlora_layers"  # from_folders: the PEFT adapter of zeros that makes the LoRA layers
+
+
+def from_folders(base_model, adapters, **patch_kwargs):
+    """A patched ``PeftModel`` over ``base_model`` serving saved LoRA adapters by name, none of
+    them loaded into PEFT.
+
+    ``adapters``: a folder holding one saved adapter per sub-folder (the sub-folder's name is the
+    adapter's), or a mapping name -> folder. A PEFT adapter of rank 1 and zero weights
+    (``"fastlora_layers"``: it changes nothing) over every module the adapters target makes the
+    LoRA layers; ``fastlora.patch(model, **patch_kwargs)`` (``max_loras_per_batch=M`` for M GPU
+    slots); then ``register_adapters``. Everything is validated as there, before it returns."""
+    from peft import LoraConfig, get_peft_model
+
+    if isinstance(adapters, (str, os.PathLike)):
+        root = os.fspath(adapters)
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"fastlora.from_folders: {root!r} is not a folder")
+        adapters = {d: os.path.join(root, d) for d in sorted(os.listdir(root))
+                    if os.path.isfile(os.path.join(root, d, "adapter_config.json"))}
+        if not adapters:
+            raise ValueError(f"fastlora.from_folders: {root!r} has no sub-folder with an adapter_config.json")
+    targets = set()
+    for name, folder in adapters.items():
+        found = LoraConfig.from_pretrained(os.fspath(folder)).target_modules
+        if isinstance(found, str):
+            raise ValueError(f"fastlora.from_folders: {name!r} targets modules by the pattern {found!r}; list "
+                             f"them, or build the PeftModel yourself and call register_adapters")
+        targets |= set(found)
+    model = get_peft_model(base_model, LoraConfig(r=1, target_modules=sorted(targets)), adapter_name=LAYERS_ADAPTER)
+    model.eval()
+    from .patch import patch
+
+    patch(model, **patch_kwargs)
+    register_adapters(model, dict(adapters))
+    return model
+
+
 def unregister_adapter(model, name: str) -> None:
     """Stop serving a registered adapter (requests still using it in a continuous-batching
     manager fail with an error naming it)."""

@@ -328,3 +328,28 @@ def test_other_saved_forms_and_unreadable_files(folders, tmp_path):
     with pytest.raises(FileNotFoundError, match="has none of adapter_model.safetensors, adapter_model.bin"):
         fastlora.register_adapter(m, "broken", broken)
     _same(m, ref, ["bin", "chat"])
+
+
+def test_from_folders_serves_a_folder_of_adapters(folders, tmp_path):
+    import shutil
+
+    from peft import PeftModel
+
+    root = tmp_path / "all"
+    for name in ("ql", "rs", "wide", "emb"):
+        shutil.copytree(folders[name], root / name)
+    (root / "notes").mkdir()  # a sub-folder without an adapter is not one
+    m = fastlora.from_folders(tiny_llama(), str(root), max_loras_per_batch=2)
+    state = get_state(m)
+    assert sorted(state.stored) == ["emb", "ql", "rs", "wide"] and list(m.peft_config) == ["fastlora_layers"]
+    ref = PeftModel.from_pretrained(tiny_llama(), folders["ql"], adapter_name="ql")
+    for name in ("rs", "wide", "emb"):
+        ref.load_adapter(folders[name], adapter_name=name)
+    ref.eval()
+    for names in (["ql", "rs", "__base__"], ["wide", "emb"], ["emb", "ql", "emb"], ["rs"]):
+        _same(m, ref, names, seed=len(names))
+    with pytest.raises(ValueError, match="has no sub-folder with an adapter_config.json"):
+        fastlora.from_folders(tiny_llama(), str(root / "notes"))
+    pattern = _edited(folders, tmp_path, "ql", config={"target_modules": ".*proj"})
+    with pytest.raises(ValueError, match="targets modules by the pattern"):
+        fastlora.from_folders(tiny_llama(), {"p": pattern})
