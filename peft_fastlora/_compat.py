@@ -425,12 +425,13 @@ def set_attn_implementation(model: nn.Module, name: str) -> None:
         model.config._attn_implementation = name
 
 
-def register_attention_function(name: str, fn) -> None:
+def register_attention_function(name: str, fn, mask: str = "sdpa") -> None:
     """Make ``name`` a valid attention implementation running ``fn`` (idempotent, process-wide),
-    with sdpa's mask builder: without a mask function under the same name, transformers builds no
-    mask at all (it assumes a custom kernel that needs none)."""
+    with the mask builder of ``mask`` ("sdpa": boolean masks; "eager": additive float masks, which
+    the models' eager attention functions add to their scores): without a mask function under the
+    same name, transformers builds no mask at all (it assumes a custom kernel that needs none)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask, sdpa_mask
 
     AttentionInterface.register(name, fn)
     registered = getattr(ALL_MASK_ATTENTION_FUNCTIONS, "_global_mapping", None)
@@ -438,7 +439,7 @@ def register_attention_function(name: str, fn) -> None:
         raise RuntimeError(f"fastlora: transformers {TRANSFORMERS_VERSION}'s AttentionMaskInterface has no "
                            "_global_mapping; cannot tell whether a mask function is registered")
     if name not in registered:
-        AttentionMaskInterface.register(name, sdpa_mask)
+        AttentionMaskInterface.register(name, {"sdpa": sdpa_mask, "eager": eager_mask}[mask])
 
 
 def register_paged_attention(name: str, fn) -> None:

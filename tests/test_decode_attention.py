@@ -253,25 +253,89 @@ def test_generate_greedy_tokens_equal_with_and_without():
     disable_decode_attention(model)  # a no-op now
 
 
-def test_enable_refuses_what_it_does_not_implement():
-    from transformers import (Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+def _small(**kw):
+    return dict(dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2), **kw)
 
-    assert "eager" in enable_decode_attention(_tiny_llama(attn="eager"))
-    small = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
-    mistral = MistralForCausalLM(MistralConfig(sliding_window=6, **small))
-    assert "sliding" in enable_decode_attention(mistral)
-    small.pop("attn_implementation")
-    gemma = Gemma2ForCausalLM(Gemma2Config(head_dim=8, **small))  # sliding, soft-capped
-    before = gemma.config._attn_implementation  # eager on 5.2x, sdpa on 5.17
-    assert enable_decode_attention(gemma) is not None
-    assert mistral.config._attn_implementation == "sdpa" and gemma.config._attn_implementation == before
-    qwen2 = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, attn_implementation="sdpa", **small))
+
+def test_enable_refuses_what_it_does_not_implement():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    capped = _tiny_llama()
+    capped.config.attn_logit_softcapping = 2.0  # an sdpa model whose config asks for soft-capping
+    assert "soft-capping with sdpa" in enable_decode_attention(capped)
+    assert capped.config._attn_implementation == "sdpa"
+    flex = _tiny_llama(attn="flex_attention") if _has_flex() else None
+    if flex is not None:
+        assert "only sdpa and eager" in enable_decode_attention(flex)
+    qwen2 = Qwen2ForCausalLM(Qwen2Config(use_sliding_window=False, **_small(attn_implementation="sdpa")))
     assert enable_decode_attention(qwen2) is None  # a window in the config, but not used
     disable_decode_attention(qwen2)
     assert qwen2.config._attn_implementation == "sdpa"
     assert enable_decode_attention(torch.nn.Linear(2, 2)) == "not a transformers model"
+
+
+def _has_flex():
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return "flex_attention" in ALL_ATTENTION_FUNCTIONS
+    except ImportError:
+        return False
+
+
+def _sliding_and_softcapped(arch):
+    """Mistral (sdpa, a window shorter than the prompts) and Gemma 2 (eager: alternating sliding
+    layers, logit soft-capping, a query scale of its own), tiny, fp32."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(3)
+    if arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(sliding_window=5, **_small(vocab_size=96, attn_implementation="sdpa")))
+    elif arch == "gemma2":
+        model = Gemma2ForCausalLM(Gemma2Config(head_dim=8, sliding_window=5, attn_logit_softcapping=0.05,
+                                               query_pre_attn_scalar=6, **_small(vocab_size=96, attn_implementation="eager")))
+    else:
+        model = _tiny_llama(attn="eager")
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "llama-eager"])
+def test_sliding_windows_soft_capping_and_eager_models_give_their_own_tokens(arch):
+    """The kernel serves their decode steps (windows from the masks, soft-capping as eager applies
+    it) and their own function the rest: greedy tokens equal the model's own attention, through a
+    static and a dynamic cache, with prompts and outputs longer than the window."""
+    model = _sliding_and_softcapped(arch)
+    own = model.config._attn_implementation
+    ids, mask = _prompts(length=9)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    calls = []
+    import sys
+
+    ops = sys.modules["peft_fastlora.ops.decode_attention"]
+    real = ops.decode_attention
+
+    def counted(*a, **k):
+        calls.append(k.get("softcap"))
+        return real(*a, **k)
+
+    with torch.no_grad():
+        want = {c: model.generate(**kw, cache_implementation=c) for c in ("static", None)}
+        assert enable_decode_attention(model) is None and decode_attention_enabled(model)
+        ops.decode_attention = counted
+        try:
+            got = {c: model.generate(**kw, cache_implementation=c) for c in ("static", None)}
+        finally:
+            ops.decode_attention = real
+        disable_decode_attention(model)
+    assert model.config._attn_implementation == own
+    assert not any("_fastlora_prefill_attention" in m.__dict__ for m in model.modules())
+    for c in want:
+        assert torch.equal(got[c], want[c]), (arch, c, got[c], want[c])
+    assert len(calls) >= 2 * 5 * model.config.num_hidden_layers  # every decode step of both calls
+    assert set(calls) == ({0.05} if arch == "gemma2" else {None})
 
 
 def test_fallback_reasons():
@@ -280,9 +344,48 @@ def test_fallback_reasons():
     mask = torch.ones(2, 1, 1, 20, dtype=torch.bool)
     assert decode_unsupported(module, q.expand(2, 4, 3, 8), k, v, mask) == "not a one-token step"
     assert decode_unsupported(module, q, k, v, None) == "no 4-D attention mask"
-    assert decode_unsupported(module, q, k, v, mask, sliding_window=4) == "sliding window"
+    assert decode_unsupported(module, q, k, v, mask, sliding_window=4) is None  # the mask holds the window
     assert decode_unsupported(module, q, k, v, mask, dropout=0.1) == "training or dropout"
     assert "mask" in decode_unsupported(module, q, k, v, mask[..., :19])
     assert decode_unsupported(module, q, k, v, mask, s_aux=torch.zeros(4)) == "attention kwarg 's_aux'"
     module.train()
     assert decode_unsupported(module, q, k, v, mask) == "training or dropout"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_every_attention_call_matches_the_models_own_function(arch):
+    """Each attention call of a generate is run by the model's own function and by fastlora's on
+    the same inputs (greedy tokens alone can miss a soft-capping or window error on a tiny model)."""
+    import sys
+
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    model = _sliding_and_softcapped(arch)
+    eager = model.config._attn_implementation == "eager"
+    own_fn = sys.modules[type(model.model.layers[0].self_attn).__module__].eager_attention_forward if eager \
+        else sdpa_attention_forward
+    assert enable_decode_attention(model) is None  # sets the modules' prefill function
+    served, diffs = [], []
+
+    def both(module, query, key, value, attention_mask, **kwargs):
+        ref = own_fn(module, query, key, value, attention_mask, **kwargs)[0]
+        out, w = fastlora_decode_attention(module, query, key, value, attention_mask, **kwargs)
+        served.append(decode_unsupported(module, query, key, value, attention_mask, **kwargs))
+        diffs.append((out.float() - ref.float()).abs().max().item())
+        return out, w
+
+    name = f"fastlora_test_both_{arch}"
+    AttentionInterface.register(name, both)
+    AttentionMaskInterface.register(name, eager_mask if eager else sdpa_mask)
+    model.set_attn_implementation(name)
+    ids, mask = _prompts(length=9)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                       cache_implementation="static")
+    disable_decode_attention(model)
+    n = model.config.num_hidden_layers
+    assert served[n:] == [None] * (5 * n), served  # every decode step through the kernel
+    assert max(diffs) < 1e-5, diffs

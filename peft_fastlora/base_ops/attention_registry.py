@@ -1,20 +1,24 @@
 """Decode attention through transformers' attention-function registry.
 
-``enable_decode_attention(model)`` registers the function ``fastlora_decode`` (and, for mask
-creation, the sdpa mask builder under the same name) and switches the model's
+``enable_decode_attention(model)`` registers the function ``fastlora_decode`` (with, for mask
+creation, the sdpa mask builder under the same name) for an sdpa model, or
+``fastlora_decode_eager`` (with the eager mask builder) for an eager one, and switches the model's
 ``config._attn_implementation`` to it; ``disable_decode_attention`` switches back. The model code
 is not copied or changed: every attention module keeps calling
 ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)``.
 
 The function runs ``ops.decode_attention`` for one-token steps over a 4-D mask as long as the
 cache (the static cache of the graph path, or any cache whose keys have the mask's length) and
-for everything else (prefill, training, sliding windows, unsupported head dims or devices) calls
-transformers' own ``sdpa`` function unchanged. Results are those of sdpa up to rounding.
+for everything else (prefill, training, unsupported head dims or devices) calls the model's own
+function unchanged: transformers' ``sdpa``, or the eager function of the model's own code. Like
+them, the kernel reads sliding windows from the mask, and applies the logit soft-capping the
+eager functions apply. Results are those of the model's own attention up to rounding.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Optional
 
 import torch
@@ -25,8 +29,11 @@ from ..kernel_support import FLOAT_DTYPES, interpreting
 
 logger = logging.getLogger("peft_fastlora")
 
-ATTN_NAME = "fastlora_decode"
+ATTN_NAME = "fastlora_decode"  # an sdpa model's
+EAGER_ATTN_NAME = "fastlora_decode_eager"  # an eager model's (its masks are additive)
+ATTN_NAMES = (ATTN_NAME, EAGER_ATTN_NAME)
 _PREV_ATTR = "_fastlora_prev_attn_implementation"
+_PREFILL_ATTR = "_fastlora_prefill_attention"  # on an eager model's attention modules: their eager function
 _MAX_HEAD_DIM = 256
 # attention kwargs that change the result and that the kernel does not implement
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "head_mask")
@@ -46,8 +53,6 @@ def decode_unsupported(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         return "not a one-token step"
     if getattr(module, "training", False) or dropout:
         return "training or dropout"
-    if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None:
-        return "sliding window"
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             return f"attention kwarg {name!r}"
@@ -96,26 +101,37 @@ def fastlora_decode_attention(
     """
     why = decode_unsupported(module, query, key, value, attention_mask, dropout, **kwargs)
     if why is not None:
-        return _sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        own = module.__dict__.get(_PREFILL_ATTR) or _sdpa()
+        return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     from ..ops.decode_attention import decode_attention
 
     out = decode_attention(query, key, value, attention_mask, scaling=scaling, softcap=kwargs.get("softcap"))
     return out, None
 
 
-def _sliding_reason(inner: nn.Module) -> Optional[str]:
+def _chunked_reason(inner: nn.Module) -> Optional[str]:
+    """Sliding windows are in the masks the kernel reads; chunked attention is not known to be."""
     cfg = inner.config
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if any("sliding" in str(t) or "chunked" in str(t) for t in layer_types):
-        return "sliding-window attention layers"
-    if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
-        return "sliding-window attention (config.sliding_window)"
+    if any("chunked" in str(t) for t in getattr(cfg, "layer_types", None) or []):
+        return "chunked attention layers"
     if getattr(cfg, "attention_chunk_size", None) is not None:
         return "chunked attention"
-    for m in inner.modules():
-        if getattr(m, "sliding_window", None) is not None and hasattr(m, "layer_idx"):
-            return "sliding-window attention layers"
     return None
+
+
+def _eager_functions(inner: nn.Module):
+    """Each attention module's eager function (the one its model code falls back to), or why not."""
+    found = {}
+    for m in inner.modules():
+        if not (hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")):
+            continue
+        fn = getattr(sys.modules.get(type(m).__module__), "eager_attention_forward", None)
+        if not callable(fn):
+            return None, f"{type(m).__name__} has no eager_attention_forward in its model code"
+        found[m] = fn
+    if not found:
+        return None, "no attention module found"
+    return found, None
 
 
 def enable_decode_attention(hf_model: nn.Module) -> Optional[str]:
@@ -131,31 +147,44 @@ def enable_decode_attention(hf_model: nn.Module) -> Optional[str]:
     current = _compat.attn_implementation(inner)
     if current is None:
         return "not a transformers model"
-    if current == ATTN_NAME:
+    if current in ATTN_NAMES:
         return None
-    if current != "sdpa":
-        return f"attention implementation {current!r} (only sdpa models are switched)"
+    if current not in ("sdpa", "eager"):
+        return f"attention implementation {current!r} (only sdpa and eager models are switched)"
     if getattr(cfg, "sub_configs", None):
         return "composite model (sub-configs)"
-    why = _sliding_reason(inner)
+    why = _chunked_reason(inner)
     if why:
         return why
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        return "logit soft-capping (the sdpa path, used for prefill, does not apply it)"
-    _compat.register_attention_function(ATTN_NAME, fastlora_decode_attention)
+    if current == "sdpa" and getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return "logit soft-capping with sdpa (which does not apply it)"
+    eager = None
+    if current == "eager":
+        eager, why = _eager_functions(inner)
+        if why:
+            return why
+    name = EAGER_ATTN_NAME if current == "eager" else ATTN_NAME
+    _compat.register_attention_function(name, fastlora_decode_attention, mask=current)
     inner.__dict__[_PREV_ATTR] = current
+    for m, fn in (eager or {}).items():
+        m.__dict__[_PREFILL_ATTR] = fn
     try:
-        _compat.set_attn_implementation(inner, ATTN_NAME)
+        _compat.set_attn_implementation(inner, name)
     except Exception as e:  # transformers refused the name: leave the model as it was
-        _compat.set_attn_implementation(inner, current)
-        inner.__dict__.pop(_PREV_ATTR, None)
-        return f"transformers refused {ATTN_NAME!r}: {e}"
-    if _compat.attn_implementation(inner) != ATTN_NAME:
+        _undo(inner, current)
+        return f"transformers refused {name!r}: {e}"
+    if _compat.attn_implementation(inner) != name:
         kept = _compat.attn_implementation(inner)
-        _compat.set_attn_implementation(inner, current)
-        inner.__dict__.pop(_PREV_ATTR, None)
+        _undo(inner, current)
         return f"transformers kept attention implementation {kept!r}"
     return None
+
+
+def _undo(inner: nn.Module, current: str) -> None:
+    _compat.set_attn_implementation(inner, current)
+    inner.__dict__.pop(_PREV_ATTR, None)
+    for m in inner.modules():
+        m.__dict__.pop(_PREFILL_ATTR, None)
 
 
 def disable_decode_attention(hf_model: nn.Module) -> None:
@@ -164,9 +193,11 @@ def disable_decode_attention(hf_model: nn.Module) -> None:
     prev = inner.__dict__.pop(_PREV_ATTR, None)
     if prev is None:
         return
-    if _compat.attn_implementation(inner) == ATTN_NAME:
+    if _compat.attn_implementation(inner) in ATTN_NAMES:
         _compat.set_attn_implementation(inner, prev)
+    for m in inner.modules():
+        m.__dict__.pop(_PREFILL_ATTR, None)
 
 
 def decode_attention_enabled(hf_model: nn.Module) -> bool:
-    return _compat.attn_implementation(_compat.unwrap_peft(hf_model)) == ATTN_NAME
+    return _compat.attn_implementation(_compat.unwrap_peft(hf_model)) in ATTN_NAMES

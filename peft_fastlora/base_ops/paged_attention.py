@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import _compat
-from .attention_registry import _PREV_ATTR as DECODE_PREV_ATTR, ATTN_NAME as DECODE_NAME
+from .attention_registry import _PREV_ATTR as DECODE_PREV_ATTR, ATTN_NAMES as DECODE_NAMES
 
 PAGED_NAME = "paged|fastlora_varlen"
 _MAX_HEAD_DIM = 256
@@ -50,7 +50,7 @@ def kernel_blocker(dtype: torch.dtype, device: torch.device) -> Optional[str]:
 def _model_blocker(inner: nn.Module, sliding_needs_window: bool) -> Optional[str]:
     cfg = getattr(inner, "config", None)
     current = _compat.attn_implementation(inner)
-    if current == DECODE_NAME:  # fastlora's decode attention: the engine runs the model's own
+    if current in DECODE_NAMES:  # fastlora's decode attention: the engine runs the model's own
         current = inner.__dict__.get(DECODE_PREV_ATTR, current)
     if current not in ("sdpa", "eager"):
         return f"attention implementation {current!r}"
