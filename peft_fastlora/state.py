@@ -499,7 +499,12 @@ class FastLoRAState:
             return
         placed = self.registry.assign(adapter_names)
         if placed:
-            self._load_slots(placed)
+            try:
+                self._load_slots(placed)
+            except BaseException:
+                self.registry.release(placed)
+                self._bi_key = None
+                raise
         slots = {self.registry.slot[n] for n in set(adapter_names) if n in self.registry.slot}
         if not slots:
             return

@@ -194,3 +194,29 @@ def test_what_slots_keep_stays_bounded_over_many_swaps():
     late = kept()
     assert late == early and late[2] <= 8 and late[4] == 2, (early, late)
     assert state.registry.stats["loads"] > 300
+
+
+def test_a_load_that_fails_leaves_no_half_written_slot(monkeypatch):
+    """An error while adapters are copied into slots (out of memory, say) fails that call; the
+    adapters are not taken for loaded, so the next call loads them again and equals PEFT."""
+    from peft_fastlora.lora import pool as pool_module
+
+    m, ref = _pair()
+    fastlora.patch(m, max_loras_per_batch=2)
+    _same(m, ref, ["sql", "chat"])
+    real, failures = pool_module.SitePool.load, [0]
+
+    def failing(self, placed):
+        if failures[0] == 0:
+            failures[0] += 1
+            self._place(*placed[0])  # the first pool's slot is half rewritten, then the error
+            raise RuntimeError("injected: out of memory while loading")
+        return real(self, placed)
+
+    monkeypatch.setattr(pool_module.SitePool, "load", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        logits(m, ["mlp", "sql"], _ids(2, 3))
+    registry = get_state(m).registry
+    assert "mlp" not in registry.slot and None in registry.resident
+    _same(m, ref, ["mlp", "sql", "__base__"])  # loaded again, whole
+    _same(m, ref, ["chat", "mlp"])

@@ -63,6 +63,15 @@ class AdapterRegistry:
             placed.append((free, name))
         return placed
 
+    def release(self, placed: Sequence[Tuple[int, str]]) -> None:
+        """Forget placements whose loading failed: their slots are free again, and the adapters
+        will be loaded anew by the next call that uses them (never served from a half-written slot)."""
+        for slot, name in placed:
+            if self.slot.get(name) == slot:
+                del self.slot[name]
+                self._recent.pop(name, None)
+                self.resident[slot] = None
+
     def slots_for(self, adapter_names: Sequence[str]) -> List[int]:
         """Each row's slot (-1: no adapter)."""
         unknown = sorted({n for n in adapter_names if n != BASE and n not in self.index})
