@@ -78,7 +78,13 @@ def register_adapters(model, adapters: Mapping[str, object]) -> None:
         ready[name] = build_stored(name, config, state_dict, where, layers, dtype=dtype, pin=pin)
     with state._call_lock:  # not while a generate call or an engine step runs
         state.stored.update(ready)
-        state.rescan()
+        try:
+            state.rescan()
+        except BaseException:  # out of memory for the larger stacks, say: serve as before
+            for name in ready:
+                state.stored.pop(name, None)
+            state.rescan()
+            raise
     for stored in ready.values():
         logger.info("fastlora: registered adapter %r from %s (%d modules, %.1f MiB in CPU memory)",
                     stored.name, stored.source, len(stored.modules), stored.nbytes() / 2**20)

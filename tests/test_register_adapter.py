@@ -353,3 +353,22 @@ def test_from_folders_serves_a_folder_of_adapters(folders, tmp_path):
     pattern = _edited(folders, tmp_path, "ql", config={"target_modules": ".*proj"})
     with pytest.raises(ValueError, match="targets modules by the pattern"):
         fastlora.from_folders(tiny_llama(), {"p": pattern})
+
+
+def test_a_rebuild_that_fails_while_registering_leaves_the_model_serving(folders, monkeypatch):
+    from peft_fastlora.lora import pool as pool_module
+
+    m, ref = _pair(folders, ["ql"])
+    real, failures = pool_module.SitePool.rebuild, [0]
+
+    def failing(self, *a, **k):
+        if failures[0] == 0:
+            failures[0] += 1
+            raise RuntimeError("injected: out of memory for the stacks")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pool_module.SitePool, "rebuild", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        fastlora.register_adapter(m, "wide", folders["wide"])
+    assert sorted(get_state(m).stored) == ["ql"]
+    _same(m, ref, ["ql", "sql", "__base__"])
