@@ -18,6 +18,7 @@ class PatchReport:
     adapter_fallbacks: List[Tuple[str, str, str]] = field(default_factory=list)  # (module, adapter, reason)
     fusion_blocked: List[Tuple[str, str]] = field(default_factory=list)  # (group, reason)
     stack_bytes: int = 0
+    adapter_bytes: int = 0  # the adapters' own weights in the stacks' dtype (stack_bytes adds the padding)
     gpu_slots: str = "all adapters"  # what the stacks hold: every adapter, or N slots loaded on demand
     registered: int = 0  # adapters registered by name (fastlora.register_adapter), held in CPU memory
     store_bytes: int = 0  # their bytes there
@@ -49,7 +50,8 @@ class PatchReport:
             line = (f"fastlora: patched {self.num_patched_layers} LoRA layers in {sites} "
                     f"site{'s' if sites != 1 else ''} ({kinds}) for {len(self.adapters)} adapters on backend "
                     f"{self.backend!r}; {len(self.left_on_peft)} left on PEFT's path; "
-                    f"adapter stacks {self.stack_bytes / 2**20:.1f} MiB")
+                    f"adapter stacks {self.stack_bytes / 2**20:.1f} MiB "
+                    f"(adapters' own weights {self.adapter_bytes / 2**20:.1f} MiB)")
             if self.gpu_slots != "all adapters":
                 line += f" in GPU slots ({self.gpu_slots})"
             if self.registered:

@@ -293,6 +293,7 @@ class FastLoRAState:
         self._drop_unservable_stored(report)
         report.sites = [(s.name, s.kind, len(s.lora_layers)) for s in self.sites]
         report.stack_bytes = sum(s.pool.nbytes() for s in self.sites)
+        report.adapter_bytes = sum(s.pool.adapter_nbytes() for s in self.sites)
         # every module PEFT would hand adapter_names to is a site: fastlora takes the names itself
         self._takes_adapter_names = (bool(self.sites) and not report.left_on_peft
                                      and not _compat.has_auxiliary_wrappers(model))

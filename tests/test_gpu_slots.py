@@ -220,3 +220,11 @@ def test_a_load_that_fails_leaves_no_half_written_slot(monkeypatch):
     assert "mlp" not in registry.slot and None in registry.resident
     _same(m, ref, ["mlp", "sql", "__base__"])  # loaded again, whole
     _same(m, ref, ["chat", "mlp"])
+
+
+def test_the_report_shows_the_adapters_own_bytes_beside_the_padded_stacks():
+    m, _ = _pair()
+    report = fastlora.patch(m)
+    own = sum(p.numel() * 4 for n, p in m.named_parameters() if "lora_" in n)  # fp32
+    assert report.adapter_bytes == own and report.stack_bytes > own  # ranks 2-16, targets vary
+    assert f"adapters' own weights {own / 2**20:.1f} MiB" in str(report)

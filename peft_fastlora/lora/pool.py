@@ -84,6 +84,14 @@ class SitePool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b) if t is not None)
 
+    def adapter_nbytes(self) -> int:
+        """The adapters' own weights for this site, in the stacks' dtype: what the stacks would
+        hold without padding (each slot is padded to the largest rank and to every stacked module)."""
+        if self.lora_a is None:
+            return 0
+        esize = self.lora_a.element_size()
+        return sum((a.numel() + b.numel()) * esize for pairs in self._sources.values() for _, a, b, _ in pairs)
+
     def _current_signature(self, registry: AdapterRegistry):
         sig = [tuple(registry.names)]
         for layer in self.layers:
