@@ -219,8 +219,13 @@ class SitePool:
             self._place(slot, name)
             pairs += self.copies[slot]
             fixed += self._fixed[slot]
-        self.ranks.copy_(torch.tensor(self._slot_ranks, dtype=torch.int32))
-        self.scalings.copy_(torch.tensor(self._slot_scalings, dtype=torch.float32))
+        for dst, rows, dtype in ((self.ranks, self._slot_ranks, torch.int32),
+                                 (self.scalings, self._slot_scalings, torch.float32)):
+            src = torch.tensor(rows, dtype=dtype)
+            if dst.is_cuda:  # from pinned memory: the host does not wait for the copy
+                dst.copy_(src.pin_memory(), non_blocking=True)
+            else:
+                dst.copy_(src)
         return pairs, fixed
 
     def slot_ranks_host(self) -> List[int]:
