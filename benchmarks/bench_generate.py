@@ -31,7 +31,31 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=1024),  # --smoke on CPU: checks the script, measures nothing
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    # #13's coverage shapes: sliding windows (Mistral), alternating windows and soft-capping (Gemma 2,
+    # eager attention, as transformers runs it)
+    "mistral7b": dict(arch="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, sliding_window=4096),
+    "gemma2-9b": dict(arch="gemma2", hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=256000,
+                      sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                      final_logit_softcapping=30.0, tie_word_embeddings=True),
+    "tiny-gemma2": dict(arch="gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024,
+                        sliding_window=16, attn_logit_softcapping=50.0, tie_word_embeddings=True),
 }
+ARCHS = {  # arch -> (config class, model class, attention implementation)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", None),
+    "mistral": ("MistralConfig", "MistralForCausalLM", None),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "eager"),
+}
+
+
+def shape_of(shape: str) -> dict:
+    """The config fields of a shape, with its head dim and arch filled in."""
+    s = dict(SHAPES[shape])
+    s.setdefault("arch", "llama")
+    s.setdefault("head_dim", s["hidden_size"] // s["num_attention_heads"])
+    return s
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -90,15 +114,19 @@ def copy_bandwidth() -> float:
 
 
 def build_base(shape: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    cfg = LlamaConfig(**SHAPES[shape], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    fields = dict(SHAPES[shape])
+    config_cls, model_cls, attn = ARCHS[fields.pop("arch", "llama")]
+    cfg = getattr(transformers, config_cls)(**fields, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if attn is not None:
+        cfg._attn_implementation = attn
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(DEVICE):
-            model = LlamaForCausalLM(cfg)
+            model = getattr(transformers, model_cls)(cfg)
     finally:
         torch.set_default_dtype(prev)
     model.generation_config.eos_token_id = None  # random weights: never stop early
@@ -129,17 +157,16 @@ def weight_bytes(model) -> int:
 
 
 def lora_bytes_per_adapter(shape: str, rank: int, esize: int = 2) -> int:
-    s = SHAPES[shape]
+    s = shape_of(shape)
     h, i, L = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
-    kv = s["num_key_value_heads"] * h // s["num_attention_heads"]
-    in_out = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
+    q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
+    in_out = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
     return L * sum(rank * (a + b) for a, b in in_out) * esize
 
 
 def kv_bytes(shape: str, batch: int, ctx: float, esize: int = 2) -> float:
-    s = SHAPES[shape]
-    head_dim = s["hidden_size"] // s["num_attention_heads"]
-    return 2 * s["num_hidden_layers"] * batch * s["num_key_value_heads"] * head_dim * ctx * esize
+    s = shape_of(shape)
+    return 2 * s["num_hidden_layers"] * batch * s["num_key_value_heads"] * s["head_dim"] * ctx * esize
 
 
 def timed(fn, reps: int) -> float:
@@ -251,7 +278,7 @@ def run_model(shape, batches, args, bw, vers, rows):
             k = min(toks.shape[1], peft_toks.shape[1])
             match = "" if "base" in method else f"{(toks[:, prompt:k] == peft_toks[:, prompt:k]).float().mean().item():.3f}"
             mrow = results.get((method, "mem"), {})
-            rows.append(dict(**vers, model=f"llama-{shape}", batch=b, adapters=args.adapters if "base" not in method else 0,
+            rows.append(dict(**vers, model=shape if "arch" in SHAPES[shape] else f"llama-{shape}", batch=b, adapters=args.adapters if "base" not in method else 0,
                              rank=args.rank, method=method, new_tokens=n, prefill_ms=round(prefill, 2),
                              decode_ms_per_step=round(decode, 3), tokens_per_s=round(1e3 * b / decode, 1),
                              ratio_to_base_graphs=round(decode / results[(base_ref, b)][1], 3),
