@@ -372,3 +372,19 @@ def test_a_rebuild_that_fails_while_registering_leaves_the_model_serving(folders
         fastlora.register_adapter(m, "wide", folders["wide"])
     assert sorted(get_state(m).stored) == ["ql"]
     _same(m, ref, ["ql", "sql", "__base__"])
+
+
+def test_a_forward_that_cannot_take_fastloras_path_is_refused_for_registered_adapters(folders):
+    m, ref = _pair(folders, ["ql"])
+    ids = _ids(2, 0)
+    with pytest.raises(ValueError, match=r"registered adapter\(s\) ql .*gradients are enabled"):
+        m(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=["ql", "sql"])
+    m.train()  # training mode: PEFT's own error, as for any adapter
+    with pytest.raises(ValueError, match="training mode"):
+        m(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=["ql", "sql"])
+    m.eval()
+    _same(m, ref, ["ql", "sql"])
+    with torch.enable_grad():  # PEFT's adapters keep PEFT's (slow) path with gradients
+        out = m(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=["chat", "sql"]).logits
+        want = ref(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=["chat", "sql"]).logits
+    torch.testing.assert_close(out, want, **TOL)

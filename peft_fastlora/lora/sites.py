@@ -65,6 +65,8 @@ class Site:
     def fast_path_info(self, state, x, args, kwargs):
         """The batch info when this call can take the fast path, else None."""
         bi = self._fast_path_info(state, x, args, kwargs)
+        if bi is None and state.stored:
+            self._refuse_registered(state, kwargs)
         if bi is None and state.use_cuda_graph and (_names(state, kwargs) is not None
                                                    or state.token_segments is not None):
             from ..decode.capture import GraphUnsafe
@@ -100,6 +102,21 @@ class Site:
         if bi is None or any(s in self.pool.unsupported for s in bi.slots_in_batch):
             return None
         return state.batch_info_on(bi, self.device)
+
+    def _refuse_registered(self, state, kwargs):
+        """Adapters registered by name exist only on fastlora's path: a forward that cannot take it
+        is refused with the reason, instead of PEFT's path failing on a name it does not know."""
+        segments = state.token_segments
+        names = _names(state, kwargs) or (segments.names if segments is not None else ())
+        used = sorted({n for n in names if n in state.stored})
+        if not used:
+            return
+        why = ("gradients are enabled (call it under torch.no_grad() or torch.inference_mode())"
+               if torch.is_grad_enabled() else
+               "it cannot take fastlora's path here (dropout in training mode, merged or disabled adapters, "
+               "or an input dtype or device the backend does not take)")
+        raise ValueError(f"fastlora: registered adapter(s) {', '.join(used)} are served only by fastlora's "
+                         f"path, and this forward of {self.name} cannot take it: {why}")
 
     def _segments_info(self, state, x, segments):
         """Continuous batching: x is one row of ``segments.num_tokens`` tokens."""
