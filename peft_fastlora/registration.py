@@ -1,4 +1,5 @@
-"""``register_adapter`` / ``unregister_adapter``: adapters served by name without PEFT modules.
+"""``register_adapter(s)`` / ``unregister_adapter``: adapters served by name without PEFT modules;
+``from_folders``: a base model and a folder of saved adapters to a patched model serving them.
 
 A registered adapter lives in CPU memory (``lora.store``) and reaches the GPU only in a slot of the
 stacks, when a call uses it; ``generate(..., adapter_names=[...])``, ``generate_batch`` and
