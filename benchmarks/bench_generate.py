@@ -333,6 +333,8 @@ def main(argv=None):
     p.add_argument("--short-tokens", type=int, default=8, help="new tokens for the slow eager methods")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--csv", default="generate_h200.csv",
+                   help="file name in --out (the PNG takes the same stem): another for other shapes")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU: exercises the script only")
     args = p.parse_args(argv)
     global DEVICE
@@ -348,8 +350,8 @@ def main(argv=None):
     rows = []
     for shape in args.models:
         run_model(shape, args.batches, args, bw, vers, rows)
-        write_csv(rows, args.out, "generate_h200.csv")
-    plot(rows, os.path.join(args.out, "generate_h200.png"))
+        write_csv(rows, args.out, args.csv)
+    plot(rows, os.path.join(args.out, os.path.splitext(args.csv)[0] + ".png"))
     cols = ["model", "batch", "method", "prefill_ms", "decode_ms_per_step", "tokens_per_s",
             "ratio_to_base_graphs", "ratio_to_floor", "speedup_vs_peft", "greedy_match_vs_peft"]
     print(" | ".join(cols))

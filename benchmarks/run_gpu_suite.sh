@@ -30,7 +30,7 @@ if want kernels; then
   timeout 240 python3 benchmarks/bench_kernels.py --out "$OUT/kernels_h200.csv" 2>&1 | tee "$OUT/bench_kernels.log" | tail -40
 fi
 if want generate; then
-  timeout 420 python3 benchmarks/bench_generate.py --models ${MODELS:-1b 8b} --out "$OUT" 2>&1 | tee "$OUT/bench_generate.log" | grep -v -i warn | tail -45
+  timeout 420 python3 benchmarks/bench_generate.py --models ${MODELS:-1b 8b} --csv ${GEN_CSV:-generate_h200.csv} --out "$OUT" 2>&1 | tee "$OUT/bench_generate.log" | grep -v -i warn | tail -45
 fi
 if want profile; then
   timeout 150 python3 benchmarks/profile_step.py --model 8b --batch 32 --out "$OUT/profile_step_h200.csv" 2>&1 | grep -v -i warn | tail -40
