@@ -352,39 +352,49 @@ def test_fallback_reasons():
     assert decode_unsupported(module, q, k, v, mask) == "training or dropout"
 
 
-@needs_interpreter
-@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
-def test_every_attention_call_matches_the_models_own_function(arch):
-    """Each attention call of a generate is run by the model's own function and by fastlora's on
-    the same inputs (greedy tokens alone can miss a soft-capping or window error on a tiny model)."""
+def call_by_call(model, own: str, label: str, **generate_kw):
+    """Generate with every attention call run both by the model's own function (``own``: "sdpa" or
+    "eager", the implementation before ``enable_decode_attention``, which must have run: it sets
+    the eager prefill functions) and by fastlora's, on the same inputs. Returns fastlora's fallback
+    reason per call (None: the kernel) and the largest difference per call."""
     import sys
 
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-    model = _sliding_and_softcapped(arch)
-    eager = model.config._attn_implementation == "eager"
+    eager = own == "eager"
     own_fn = sys.modules[type(model.model.layers[0].self_attn).__module__].eager_attention_forward if eager \
         else sdpa_attention_forward
-    assert enable_decode_attention(model) is None  # sets the modules' prefill function
     served, diffs = [], []
 
     def both(module, query, key, value, attention_mask, **kwargs):
-        ref = own_fn(module, query, key, value, attention_mask, **kwargs)[0]
-        out, w = fastlora_decode_attention(module, query, key, value, attention_mask, **kwargs)
+        want = own_fn(module, query, key, value, attention_mask, **kwargs)[0]
+        got, w = fastlora_decode_attention(module, query, key, value, attention_mask, **kwargs)
         served.append(decode_unsupported(module, query, key, value, attention_mask, **kwargs))
-        diffs.append((out.float() - ref.float()).abs().max().item())
-        return out, w
+        diffs.append((got.float() - want.float()).abs().max().item())
+        return got, w
 
-    name = f"fastlora_test_both_{arch}"
+    name = f"fastlora_test_both_{label}"
     AttentionInterface.register(name, both)
     AttentionMaskInterface.register(name, eager_mask if eager else sdpa_mask)
     model.set_attn_implementation(name)
-    ids, mask = _prompts(length=9)
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
-                       cache_implementation="static")
+        model.generate(**generate_kw)
+    return served, diffs
+
+
+@needs_interpreter
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_every_attention_call_matches_the_models_own_function(arch):
+    """Each attention call of a generate is run by the model's own function and by fastlora's on
+    the same inputs (greedy tokens alone can miss a soft-capping or window error on a tiny model)."""
+    model = _sliding_and_softcapped(arch)
+    own = model.config._attn_implementation
+    assert enable_decode_attention(model) is None
+    ids, mask = _prompts(length=9)
+    served, diffs = call_by_call(model, own, arch, input_ids=ids, attention_mask=mask, max_new_tokens=6,
+                                 do_sample=False, cache_implementation="static")
     disable_decode_attention(model)
     n = model.config.num_hidden_layers
     assert served[n:] == [None] * (5 * n), served  # every decode step through the kernel

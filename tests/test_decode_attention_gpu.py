@@ -121,17 +121,11 @@ def test_sliding_window_and_soft_capped_models_call_by_call_on_cuda(arch):
     """fp32 Mistral (sdpa, a window shorter than the prompts) and Gemma 2 (eager: alternating
     windows, soft-capping): every attention call of a static-cache generate through the kernel
     matches the model's own function on the same inputs, and the greedy tokens are the model's."""
-    import sys
-
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
-
-    from peft_fastlora.base_ops.attention_registry import (decode_unsupported, disable_decode_attention,
-                                                           enable_decode_attention, fastlora_decode_attention)
-    from test_decode_attention import _prompts, _sliding_and_softcapped
+    from peft_fastlora.base_ops.attention_registry import disable_decode_attention, enable_decode_attention
+    from test_decode_attention import _prompts, _sliding_and_softcapped, call_by_call
 
     model = _sliding_and_softcapped(arch).cuda()
+    own = model.config._attn_implementation
     ids, mask = (t.cuda() for t in _prompts(length=9))
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static",
               disable_compile=True)
@@ -139,24 +133,7 @@ def test_sliding_window_and_soft_capped_models_call_by_call_on_cuda(arch):
         ref = model.generate(**kw)
         assert enable_decode_attention(model) is None
         out = model.generate(**kw)
-    eager = "eager" in str(model.config._attn_implementation)
-    own_fn = sys.modules[type(model.model.layers[0].self_attn).__module__].eager_attention_forward if eager \
-        else sdpa_attention_forward
-    served, diffs = [], []
-
-    def both(module, query, key, value, attention_mask, **kwargs):
-        want = own_fn(module, query, key, value, attention_mask, **kwargs)[0]
-        got, w = fastlora_decode_attention(module, query, key, value, attention_mask, **kwargs)
-        served.append(decode_unsupported(module, query, key, value, attention_mask, **kwargs))
-        diffs.append((got.float() - want.float()).abs().max().item())
-        return got, w
-
-    name = f"fastlora_gpu_both_{arch}"
-    AttentionInterface.register(name, both)
-    AttentionMaskInterface.register(name, eager_mask if eager else sdpa_mask)
-    model.set_attn_implementation(name)
-    with torch.no_grad():
-        model.generate(**kw)
+    served, diffs = call_by_call(model, own, f"gpu_{arch}", **kw)
     disable_decode_attention(model)
     n = model.config.num_hidden_layers
     assert torch.equal(out, ref)
