@@ -17,6 +17,7 @@ import torch
 from ..kernel_support import FLOAT_DTYPES
 from ..batch import BLOCK_M_TIERS, BatchInfoBuffers, ForwardBatch, LoRABatchInfo, choose_block_m
 from .base import BaseLoRABackend
+from .packed import PackedWeights
 
 
 def _round_up_pow2(n: int) -> int:
@@ -61,6 +62,10 @@ class SegmentedLoRABackend(BaseLoRABackend):
         raise NotImplementedError
 
     def _extra_token_embedding(self, input_ids, output, extra, vocab_size, bi) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _packed(self, x, weights: PackedWeights, ranks, scalings, out, bi: LoRABatchInfo) -> torch.Tensor:
+        """Shrink and expand of packed weights (``backend.packed``), out (s, N_total) in place."""
         raise NotImplementedError
 
     def _fuses(self, lora_b, stack_num, bi: LoRABatchInfo) -> bool:
@@ -307,6 +312,29 @@ class SegmentedLoRABackend(BaseLoRABackend):
             output_offset = (0, lora_b.shape[1])
         return self._stacked(x, lora_a, lora_b, [int(o) for o in output_offset], base_output,
                              layer_ranks, layer_scalings, bi)
+
+    def run_packed_lora(self, x, weights: PackedWeights, *, base_output=None, layer_ranks=None,
+                        layer_scalings=None, batch_info=None):
+        """fastlora's own storage, beside the contract: ``run_stacked_lora`` on packed weights
+        (each adapter at its own rank, only for the modules it targets; see ``backend.packed``).
+
+        Args:
+            x: (s, input_dim).
+            weights: the site's ``PackedWeights`` (its ``offsets`` give the output's columns).
+            base_output, layer_ranks, layer_scalings, batch_info: as ``run_stacked_lora``.
+        Returns:
+            (s, output_dim), ``base_output`` when given.
+        """
+        bi = self._bi(batch_info)
+        check_input("x", x, 2)
+        self._check_tokens(x, bi)
+        weights.check(x)
+        if bi.slots_in_batch and max(bi.slots_in_batch) >= weights.num_slots:
+            raise ValueError(f"the batch uses slot {max(bi.slots_in_batch)} but the packed weights hold "
+                             f"{weights.num_slots} slots")
+        base_output = self._checked_base_output(base_output, x, weights.offsets[-1])
+        ranks, scalings = self._tables(bi, weights.stack_num, layer_ranks, layer_scalings, weights.num_slots)
+        return self._packed(x, weights, ranks, scalings, base_output, bi)
 
     @staticmethod
     def _join_b(parts, n):

@@ -51,6 +51,23 @@ class TorchNativeLoRABackend(SegmentedLoRABackend):
                 out[rows, lo:hi] = (out[rows, lo:hi].float() + delta).to(out.dtype)
         return out
 
+    def _packed(self, x, weights, ranks, scalings, out, bi):
+        ranks_host, scal_host = ranks.tolist(), scalings.tolist()
+        a_rows, b_offs = weights.a_rows.tolist(), weights.b_offs.tolist()
+        for slot in bi.slots_in_batch:
+            rows = self._rows_of(bi, slot)
+            xs = x[rows].float()
+            for j in range(weights.stack_num):
+                rank = ranks_host[slot][j]
+                lo, hi = weights.offsets[j], weights.offsets[j + 1]
+                if rank == 0 or hi == lo:
+                    continue
+                # rounded to the input dtype between the two products, as the kernels' shrink output is
+                y = (xs @ weights.a_view(a_rows[slot][j], rank).float().T).to(x.dtype).float()
+                delta = (y @ weights.b_view(b_offs[slot][j], j, rank).float().T) * scal_host[slot][j]
+                out[rows, lo:hi] = (out[rows, lo:hi].float() + delta).to(out.dtype)
+        return out
+
     def _embedding_a(self, input_ids, weights, vocab_size, extra, bi):
         rank = weights.shape[1]
         out = torch.zeros(input_ids.shape[0], rank, dtype=weights.dtype, device=weights.device)

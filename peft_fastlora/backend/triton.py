@@ -113,6 +113,21 @@ class TritonLoRABackend(SegmentedLoRABackend):
             bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len,
             self._workspace(x.device), block_m=bi.block_m, check=False)
 
+    def _packed(self, x, weights, ranks, scalings, out, bi):
+        """Packed weights: the fused kernel for decode-sized batches, else shrink and expand."""
+        w = weights
+        self._check_place("packed lora A and B", bi, x, w.a, w.b, w.a_rows, w.b_offs, ranks, scalings, out)
+        self._check_slots("packed lora A and B", bi, w.num_slots)
+        plan = (bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len)
+        if self.fused_decode and _ops.fused_supported(w.stack_num, w.max_rank, bi.block_m, x.dtype):
+            return _ops.lora_fused(x, w.a, w.b, w.offsets, ranks, scalings, out, *plan,
+                                   self._workspace(x.device), block_m=bi.block_m, check=False,
+                                   a_rows=w.a_rows, b_offs=w.b_offs, max_rank=w.max_rank)
+        y = _ops.lora_shrink(x, w.a, w.stack_num, ranks, *plan, block_m=bi.block_m, check=False,
+                             a_rows=w.a_rows, max_rank=w.max_rank)
+        return _ops.lora_expand(y, w.b, w.offsets, ranks, scalings, out, *plan, block_m=bi.block_m,
+                                check=False, b_offs=w.b_offs)
+
     def _embedding_a(self, input_ids, weights, vocab_size, extra, bi):
         """input_ids (s,), weights (num_slots, rank, vocab) -> (s, rank); ids in neither table
         give zeros (the torch backend raises; a kernel cannot without a host sync)."""

@@ -5,6 +5,11 @@ One program owns one (chunk, column block, module): it reads the chunk's rows of
 ``out`` once, adds the delta in float32 and stores once, so the base output takes one read and
 one write and no extra pass. Only the first ``rank(slot, j)`` columns of ``y`` and of ``B`` are
 read: the shrink leaves the rest of ``y`` undefined and padded ranks may hold anything.
+
+B comes padded, ``(num_slots, N_total, R)`` (the contract's), or *packed*: a flat arena with a
+``(num_slots, c)`` table of element offsets, (slot, module j) stored as ``(width_j, rs)`` with
+``rs`` = its rank rounded up to 8 (``backend.packed``), so each adapter takes its
+own rank and only the modules it targets. Packed offsets are multiples of 8 elements.
 """
 
 from __future__ import annotations
@@ -19,11 +24,18 @@ MAX_MODULES_PER_LAUNCH = 4  # column offsets travel as scalar arguments (no devi
 
 
 @triton.jit
+def packed_row_stride(rank):
+    """Row stride of a packed B block: the rank rounded up to 8 (``backend.packed.packed_rows``)."""
+    return (rank + 7) // 8 * 8
+
+
+@triton.jit
 def _lora_expand_kernel(
     # pointers
     y_ptr,  # (s, c * R)
-    b_ptr,  # (num_slots, N_total, R)
+    b_ptr,  # padded: (num_slots, N_total, R); packed: flat arena
     out_ptr,  # (s, N_total), any row stride
+    b_offs_ptr,  # packed: (>= num_slots, c) int64 element offset of each (slot, module)
     # dimensions
     R,  # padded rank of one module in y and B
     num_slots,
@@ -36,8 +48,10 @@ def _lora_expand_kernel(
     # batch info
     ranks_ptr, stride_rl,  # (>= num_slots, c) int32, unit column stride
     scalings_ptr, stride_sl,  # (>= num_slots, c) float32, unit column stride
+    stride_tl,  # row stride of the packed offset table
     sorted_ids_ptr, chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr,
     # meta-parameters
+    PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -74,7 +88,13 @@ def _lora_expand_kernel(
     cols = lo + offs_n
 
     y_row = y_ptr + tok[:, None] * stride_ys + (j * R) * stride_yr
-    b_base = b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn
+    if PACKED:  # (width, rank rounded up to 8), on a multiple of 8 elements
+        b_off = tl.multiple_of(tl.load(b_offs_ptr + slot * stride_tl + j), 8)
+        b_base = b_ptr + b_off + offs_n[None, :] * packed_row_stride(rank)
+        b_rstride = 1
+    else:
+        b_base = b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn
+        b_rstride = stride_br
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
@@ -82,7 +102,7 @@ def _lora_expand_kernel(
         yt = tl.load(y_row + offs_r[None, :] * stride_yr,
                      mask=row_mask[:, None] & r_mask[None, :], other=0.0)
         # B read transposed, (BLOCK_R, BLOCK_N)
-        bt = tl.load(b_base + offs_r[:, None] * stride_br,
+        bt = tl.load(b_base + offs_r[:, None] * b_rstride,
                      mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(yt, bt, acc, input_precision=DOT_PRECISION)
 
@@ -129,12 +149,14 @@ def lora_expand(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     check: bool = True,
+    b_offs: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Stacked, segmented expand into ``out`` (in place).
 
     Args:
         y: (s, c * R), the shrink's output.
-        weights: (num_slots, N_total, R), same dtype as ``y``.
+        weights: padded (num_slots, N_total, R), same dtype as ``y``; or, with ``b_offs``, a packed
+            flat arena.
         offsets: c + 1 host ints; module j writes columns ``offsets[j]:offsets[j+1]`` of ``out``
             and reads rows ``offsets[j]:offsets[j+1]`` of ``weights``.
         ranks: (>= num_slots, c) int32; scalings: (>= num_slots, c) float32.
@@ -143,13 +165,23 @@ def lora_expand(
         block_m: rows per chunk.
         block_n, block_r, num_warps, num_stages: override ``expand_config``.
         check: validate the shapes (False: the caller has).
+        b_offs: packed layout: (num_slots, c) int64, where (slot, j)'s ``(width_j, rs)`` block
+            starts in ``weights``, a multiple of 8 (read only where its rank is not 0).
     Returns:
         ``out``.
     """
     offsets = [int(o) for o in offsets]
     c = len(offsets) - 1
     s = y.shape[0]
-    num_slots, n_total, r = weights.shape
+    packed = b_offs is not None
+    if packed:
+        num_slots, n_total, r = b_offs.shape[0], offsets[-1], y.shape[1] // c
+        if check and (weights.dim() != 1 or b_offs.dim() != 2 or b_offs.shape[1] != c
+                      or b_offs.stride(1) != 1 or b_offs.dtype != torch.int64):
+            raise ValueError(f"lora_expand: a packed B must be flat with an int64 (num_slots, {c}) "
+                             "offset table")
+    else:
+        num_slots, n_total, r = weights.shape
     if check:
         if y.shape[1] != c * r or offsets[-1] != n_total or tuple(out.shape) != (s, n_total):
             raise ValueError(f"lora_expand: y {tuple(y.shape)}, weights {tuple(weights.shape)}, out "
@@ -163,6 +195,7 @@ def lora_expand(
     if s == 0 or max_chunks == 0 or r == 0:
         return out
     dot_precision = "ieee" if y.dtype == torch.float32 else "tf32"  # Triton's fp32 default is tf32
+    b_strides = (0, 0, 0) if packed else weights.stride()
     for j0 in range(0, c, MAX_MODULES_PER_LAUNCH):
         offs = offsets[j0 : j0 + MAX_MODULES_PER_LAUNCH + 1]
         n_mod = len(offs) - 1
@@ -174,14 +207,16 @@ def lora_expand(
         offs = offs + [offs[-1]] * (MAX_MODULES_PER_LAUNCH + 1 - len(offs))
         grid = (max_chunks, triton.cdiv(widest, bn), n_mod)
         _lora_expand_kernel[grid](
-            y, weights, out,
+            y, weights, out, b_offs if packed else ranks,
             r, num_slots, j0, *offs,
             y.stride(0), y.stride(1),
-            weights.stride(0), weights.stride(1), weights.stride(2),
+            *b_strides,
             out.stride(0), out.stride(1),
             ranks, ranks.stride(0),
             scalings, scalings.stride(0),
+            b_offs.stride(0) if packed else 0,
             sorted_token_ids, chunk_slot, chunk_start, chunk_len,
+            PACKED=packed,
             BLOCK_M=block_m,
             BLOCK_N=bn,
             BLOCK_R=block_r or cfg["block_r"],

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ..kernel_support import num_sms
+from .lora_expand import packed_row_stride
 
 MAX_MODULES = 4  # column offsets travel as scalar arguments, as in the expand
 MAX_BLOCK_R = 128  # larger padded ranks take the two-kernel path
@@ -45,20 +46,28 @@ _SYNC_HEAD = tl.constexpr(SYNC_HEAD)
 
 
 @triton.jit
-def _x_a_tiles(x_ptr, a_ptr, tok, row_mask, slot, j, rank, k0, K, R,
-               stride_xs, stride_xk, stride_al, stride_ar, stride_ak,
+def _x_a_tiles(x_ptr, a_base, tok, row_mask, rank, k0, K, stride_xs, stride_xk, stride_ar, stride_ak,
                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The tiles of x[tok, k0:k0+BLOCK_K] @ A[slot, j*R : j*R+rank, k0:k0+BLOCK_K].T."""
+    """The tiles of x[tok, k0:k0+BLOCK_K] @ A_module[:rank, k0:k0+BLOCK_K].T, ``a_base`` pointing
+    at the module's first row of A."""
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
     xt = tl.load(x_ptr + tok[:, None] * stride_xs + offs_k[None, :] * stride_xk,
                  mask=row_mask[:, None] & k_mask[None, :], other=0.0)
     # A read transposed, (BLOCK_K, BLOCK_R); rows past the rank (padding, maybe NaN) are not read
-    at = tl.load(a_ptr + slot.to(tl.int64) * stride_al + (j * R + offs_r)[None, :] * stride_ar
-                 + offs_k[:, None] * stride_ak,
+    at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
                  mask=k_mask[:, None] & (offs_r < rank)[None, :], other=0.0)
     return xt, at
+
+
+@triton.jit
+def _a_module(a_ptr, a_rows_ptr, slot, j, R, stride_tl, stride_al, stride_ar, PACKED: tl.constexpr):
+    """Where module j of ``slot`` starts in A: its row in the packed table, or ``j * R`` of the
+    slot's padded stack."""
+    if PACKED:
+        return a_ptr + tl.load(a_rows_ptr + slot * stride_tl + j).to(tl.int64) * stride_ar
+    return a_ptr + slot.to(tl.int64) * stride_al + (j * R) * stride_ar
 
 
 @triton.jit
@@ -76,9 +85,11 @@ def _finish(cnt_ptr, add, total, acc_tile_ptrs, BLOCK_M: tl.constexpr, BLOCK_R: 
 def _lora_fused_decode_kernel(
     # pointers
     x_ptr,  # (s, K)
-    a_ptr,  # (num_slots, c * R, K)
-    b_ptr,  # (num_slots, N_total, R)
+    a_ptr,  # padded: (num_slots, c * R, K); packed: (rows, K)
+    b_ptr,  # padded: (num_slots, N_total, R); packed: flat
     out_ptr,  # (s, N_total), any row stride
+    a_rows_ptr,  # packed: (>= num_slots, c) int32 first row in A of each (slot, module)
+    b_offs_ptr,  # packed: (>= num_slots, c) int64 element offset in B of each (slot, module)
     acc_ptr,  # fp32 workspace, (>= max_chunks * c, BLOCK_M, BLOCK_R); zero between calls
     sync_ptr,  # int32 workspace: ticket, timeouts, then one counter per (chunk, module)
     # dimensions
@@ -98,9 +109,11 @@ def _lora_fused_decode_kernel(
     # batch info
     ranks_ptr, stride_rl,  # (>= num_slots, c) int32, unit column stride
     scalings_ptr, stride_sl,  # (>= num_slots, c) float32, unit column stride
+    stride_tl,  # row stride of the packed tables
     sorted_ids_ptr, chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr,
     max_chunks,
     # meta-parameters
+    PACKED: tl.constexpr,
     MAX_CHUNKS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -160,9 +173,9 @@ def _lora_fused_decode_kernel(
             acc_ptrs = acc_ptr + ((chunk * C + j) * BLOCK_M + offs_m[:, None]) * BLOCK_R + offs_r[None, :]
             total = NSPLIT + nb_j * _READER
             if is_shrink:
-                xt, at = _x_a_tiles(x_ptr, a_ptr, tok, row_mask, slot, j, rank,
-                                    (item % NSPLIT) * BLOCK_K, K, R,
-                                    stride_xs, stride_xk, stride_al, stride_ar, stride_ak,
+                a_base = _a_module(a_ptr, a_rows_ptr, slot, j, R, stride_tl, stride_al, stride_ar, PACKED)
+                xt, at = _x_a_tiles(x_ptr, a_base, tok, row_mask, rank, (item % NSPLIT) * BLOCK_K, K,
+                                    stride_xs, stride_xk, stride_ar, stride_ak,
                                     BLOCK_M, BLOCK_R, BLOCK_K)
                 part = tl.dot(xt, at, input_precision=DOT_PRECISION)
                 # (drawn before the dot, it would keep both tiles live across the draw: ~100
@@ -176,12 +189,20 @@ def _lora_fused_decode_kernel(
                 offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < hi - lo
                 cols = lo + offs_n
-                # independent of the shrink: issued before the wait. All R columns are read (a
-                # (BLOCK_N, R) block of B is contiguous: 16-byte loads), those past the rank
-                # (padding, maybe NaN) are then zeroed
-                bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn
-                             + offs_r[:, None] * stride_br,
-                             mask=(offs_r < R)[:, None] & n_mask[None, :], other=0.0)
+                # independent of the shrink: issued before the wait
+                if PACKED:
+                    # (width, rs) at a multiple of 8, rs the rank rounded up to 8: rows of rs
+                    # columns are read whole (16-byte loads), those past the rank zeroed below
+                    b_off = tl.multiple_of(tl.load(b_offs_ptr + slot * stride_tl + j), 8)
+                    rs = packed_row_stride(rank)
+                    bt = tl.load(b_ptr + b_off + offs_n[None, :] * rs + offs_r[:, None],
+                                 mask=(offs_r < rs)[:, None] & n_mask[None, :], other=0.0)
+                else:
+                    # all R columns are read (a (BLOCK_N, R) block of B is contiguous: 16-byte
+                    # loads), those past the rank (padding, maybe NaN) are then zeroed
+                    bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn
+                                 + offs_r[:, None] * stride_br,
+                                 mask=(offs_r < R)[:, None] & n_mask[None, :], other=0.0)
                 out_ptrs = out_ptr + tok[:, None] * stride_os + cols[None, :] * stride_on
                 mask = row_mask[:, None] & n_mask[None, :]
                 base = tl.load(out_ptrs, mask=mask, other=0.0)
@@ -202,10 +223,11 @@ def _lora_fused_decode_kernel(
                 else:  # the safety net: this item's rows of x @ A.T, here
                     tl.atomic_add(sync_ptr + 1, 1, sem="relaxed")
                     y = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                    a_base = _a_module(a_ptr, a_rows_ptr, slot, j, R, stride_tl, stride_al, stride_ar, PACKED)
                     # small K tiles: this path must not raise the kernel's register count
                     for k0 in range(0, K, 32):
-                        xf, af = _x_a_tiles(x_ptr, a_ptr, tok, row_mask, slot, j, rank, k0, K, R,
-                                            stride_xs, stride_xk, stride_al, stride_ar, stride_ak,
+                        xf, af = _x_a_tiles(x_ptr, a_base, tok, row_mask, rank, k0, K,
+                                            stride_xs, stride_xk, stride_ar, stride_ak,
                                             BLOCK_M, BLOCK_R, 32)
                         y = tl.dot(xf, af, y, input_precision=DOT_PRECISION)
                 # rounded to the input dtype, as the two-kernel path stores the shrink output
@@ -305,12 +327,17 @@ def lora_fused(
     wait_first: bool = False,
     num_warps: Optional[int] = None,
     check: bool = True,
+    a_rows: Optional[torch.Tensor] = None,
+    b_offs: Optional[torch.Tensor] = None,
+    max_rank: Optional[int] = None,
 ) -> torch.Tensor:
     """Stacked, segmented shrink + expand into ``out`` (in place), one launch.
 
     Args:
         x: (s, K).
-        lora_a: (num_slots, c * R, K); lora_b: (num_slots, N_total, R); both in ``x.dtype``.
+        lora_a: (num_slots, c * R, K); lora_b: (num_slots, N_total, R); both in ``x.dtype``. Or
+            packed (``a_rows``, ``b_offs`` and ``max_rank`` = R given, see ``lora_shrink`` and
+            ``lora_expand``): A a (rows, K) arena, B a flat one.
         offsets: c + 1 host ints (c <= 4); module j writes columns ``offsets[j]:offsets[j+1]``.
         ranks: (>= num_slots, c) int32; scalings: (>= num_slots, c) float32.
         out: (s, N_total), unit column stride; rows of tokens in no chunk are not touched.
@@ -326,10 +353,20 @@ def lora_fused(
     offsets = [int(o) for o in offsets]
     c = len(offsets) - 1
     s, k = x.shape
-    n_total, r = lora_b.shape[1:]
-    num_slots = min(lora_a.shape[0], lora_b.shape[0])
+    packed = a_rows is not None
+    if packed:
+        n_total, r, num_slots = offsets[-1], int(max_rank), a_rows.shape[0]
+        if check and (b_offs is None or lora_a.dim() != 2 or lora_a.shape[1] != k or lora_b.dim() != 1
+                      or tuple(a_rows.shape) != (num_slots, c) or tuple(b_offs.shape) != (num_slots, c)
+                      or a_rows.dtype != torch.int32 or b_offs.dtype != torch.int64
+                      or a_rows.stride() != b_offs.stride() or a_rows.stride(1) != 1):
+            raise ValueError(f"lora_fused: packed A {tuple(lora_a.shape)} / B {tuple(lora_b.shape)} and "
+                             f"their tables do not agree with x {tuple(x.shape)} and {c} modules")
+    else:
+        n_total, r = lora_b.shape[1:]
+        num_slots = min(lora_a.shape[0], lora_b.shape[0])
     if check:
-        if (tuple(lora_a.shape) != (lora_a.shape[0], c * r, k) or offsets[-1] != n_total
+        if ((not packed and tuple(lora_a.shape) != (lora_a.shape[0], c * r, k)) or offsets[-1] != n_total
                 or tuple(out.shape) != (s, n_total)):
             raise ValueError(f"lora_fused: x {tuple(x.shape)}, A {tuple(lora_a.shape)}, B "
                              f"{tuple(lora_b.shape)}, out {tuple(out.shape)} and offsets {offsets} "
@@ -364,17 +401,21 @@ def lora_fused(
     if max_spin is None:
         # waits are short (the shrink items are all running); the limit only guards against a hang
         max_spin = 1 << 16 if x.device.type == "cuda" else 2
+    a_strides = (0,) + lora_a.stride() if packed else lora_a.stride()
+    b_strides = (0, 0, 0) if packed else lora_b.stride()
     _lora_fused_decode_kernel[(num_programs,)](
-        x, lora_a, lora_b, out, acc, sync,
+        x, lora_a, lora_b, out, a_rows if packed else ranks, b_offs if packed else ranks, acc, sync,
         k, r, num_slots, c, nsplit, *offs, *nbs, num_programs,
         x.stride(0), x.stride(1),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        *a_strides,
+        *b_strides,
         out.stride(0), out.stride(1),
         ranks, ranks.stride(0),
         scalings, scalings.stride(0),
+        a_rows.stride(0) if packed else 0,
         sorted_token_ids, chunk_slot, chunk_start, chunk_len,
         max_chunks,
+        PACKED=packed,
         MAX_CHUNKS_P2=max(16, triton.next_power_of_2(max_chunks)),
         BLOCK_M=block_m,
         BLOCK_R=br,

@@ -1,5 +1,9 @@
 """Segmented LoRA shrink: ``y[t, j*R : j*R + rank] = x[t] @ A[slot(t), j*R : j*R + rank].T``.
 
+A comes in one of two layouts: *padded* stacks ``(num_slots, c * R, K)`` (the contract's), or a
+*packed* arena ``(rows, K)`` with a ``(num_slots, c)`` table of each (slot, module)'s first row, so
+each adapter takes its own rank's rows and only for the modules it targets (``lora.packed``).
+
 Tokens arrive grouped by adapter slot in chunks of at most ``block_m`` rows (see the chunk arrays
 below); one program computes one (module, rank block) of one chunk, so a tile never mixes two
 adapters and each adapter's A is streamed once per chunk. Only the first ``rank(slot, j)`` rows
@@ -20,8 +24,9 @@ import triton.language as tl
 def _lora_shrink_kernel(
     # pointers
     x_ptr,  # (s, K)
-    a_ptr,  # (num_slots, c * R, K)
+    a_ptr,  # padded: (num_slots, c * R, K); packed: (rows, K)
     y_ptr,  # (s, c * R)
+    a_rows_ptr,  # packed: (>= num_slots, c) int32 first row of each (slot, module); unit column stride
     # dimensions
     K,
     R,  # padded rank of one module in A and y
@@ -33,8 +38,10 @@ def _lora_shrink_kernel(
     # batch info
     ranks_ptr,  # (>= num_slots, c) int32, unit column stride
     stride_rl,
+    stride_tl,  # row stride of the packed row table
     sorted_ids_ptr, chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr,
     # meta-parameters
+    PACKED: tl.constexpr,
     NUM_RB: tl.constexpr,  # rank blocks per module
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -71,8 +78,12 @@ def _lora_shrink_kernel(
 
     x_ptrs = x_ptr + tok[:, None] * stride_xs + offs_k[None, :] * stride_xk
     # A is read transposed, (BLOCK_K, BLOCK_R), so the dot needs no permute
-    a_ptrs = (a_ptr + slot.to(tl.int64) * stride_al + (j * R + offs_r)[None, :] * stride_ar
-              + offs_k[:, None] * stride_ak)
+    if PACKED:
+        row0 = tl.load(a_rows_ptr + slot * stride_tl + j).to(tl.int64)
+        a_ptrs = a_ptr + (row0 + offs_r)[None, :] * stride_ar + offs_k[:, None] * stride_ak
+    else:
+        a_ptrs = (a_ptr + slot.to(tl.int64) * stride_al + (j * R + offs_r)[None, :] * stride_ar
+                  + offs_k[:, None] * stride_ak)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -126,12 +137,15 @@ def lora_shrink(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     check: bool = True,
+    a_rows: Optional[torch.Tensor] = None,
+    max_rank: Optional[int] = None,
 ) -> torch.Tensor:
     """Stacked, segmented shrink.
 
     Args:
         x: (s, K).
-        weights: (num_slots, stack_num * R, K), same dtype as ``x``.
+        weights: padded (num_slots, stack_num * R, K), same dtype as ``x``; or, with ``a_rows``, a
+            packed (rows, K) arena.
         stack_num: c, modules stacked along dim 1 of ``weights``.
         ranks: (>= num_slots, c) int32, rank of each slot in each module (0: nothing to do).
         sorted_token_ids, chunk_slot, chunk_start, chunk_len: the chunk plan (int32); the grid
@@ -140,11 +154,21 @@ def lora_shrink(
         out: optional (s, c * R) output; allocated (uninitialised) when omitted.
         block_k, block_r, num_warps, num_stages: override ``shrink_config``.
         check: validate the shapes (False: the caller has).
+        a_rows: packed layout: (num_slots, c) int32, the first row in ``weights`` of each (slot,
+            module) (read only where its rank is not 0); ``max_rank`` then gives R.
     Returns:
         (s, c * R) in ``x.dtype``; defined only where the contract says (own rank, adapter rows).
     """
     s, k = x.shape
-    num_slots, cr, kw = weights.shape
+    packed = a_rows is not None
+    if packed:
+        num_slots, cr, kw = a_rows.shape[0], stack_num * int(max_rank), weights.shape[1]
+        if check and (weights.dim() != 2 or a_rows.dim() != 2 or a_rows.shape[1] != stack_num
+                      or a_rows.stride(1) != 1 or a_rows.dtype != torch.int32):
+            raise ValueError(f"lora_shrink: a packed A must be (rows, K) with an int32 (num_slots, "
+                             f"{stack_num}) row table")
+    else:
+        num_slots, cr, kw = weights.shape
     if check and (kw != k or cr % stack_num):
         raise ValueError(f"lora_shrink: weights {tuple(weights.shape)} do not match x {tuple(x.shape)}"
                          f" with stack_num={stack_num}")
@@ -163,14 +187,16 @@ def lora_shrink(
     if s == 0 or max_chunks == 0 or r == 0:
         return out
     grid = (stack_num * num_rb, max_chunks)
+    a_strides = (0,) + weights.stride() if packed else weights.stride()
     _lora_shrink_kernel[grid](
-        x, weights, out,
+        x, weights, out, a_rows if packed else ranks,
         k, r, num_slots,
         x.stride(0), x.stride(1),
-        weights.stride(0), weights.stride(1), weights.stride(2),
+        *a_strides,
         out.stride(0), out.stride(1),
-        ranks, ranks.stride(0),
+        ranks, ranks.stride(0), a_rows.stride(0) if packed else 0,
         sorted_token_ids, chunk_slot, chunk_start, chunk_len,
+        PACKED=packed,
         NUM_RB=num_rb,
         BLOCK_M=block_m,
         BLOCK_R=block_r,

@@ -1,0 +1,78 @@
+"""The packed layout of a site's LoRA weights: each adapter at its own rank, only for the modules
+it targets (the contract's stacks pad every slot to the largest rank and to every module).
+
+- ``a``: a ``(rows, K)`` arena; module j of slot s is rows ``a_rows[s, j] : a_rows[s, j] + rank``.
+- ``b``: a flat arena; module j of slot s is the ``(width_j, rs)`` matrix at element ``b_offs[s, j]``
+  (B as PEFT stores it, ``(out, rank)``, with rows of ``rs`` = the rank rounded up to 8, so that
+  16-bit rows load 16 bytes at a time); every offset is a multiple of 8.
+- entries of modules with rank 0 are never read.
+
+``lora.pool`` allocates it; the kernels (``ops.lora_shrink``, ``lora_expand``, ``lora_fused`` with
+``a_rows`` / ``b_offs``) and ``TorchNativeLoRABackend`` read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+ROW_ALIGN = 8  # the kernels' ``packed_row_stride`` rounds ranks the same way
+
+
+def packed_rows(rank: int) -> int:
+    """Rows of A (and columns of B) a module of this rank takes in the arenas."""
+    return -(-int(rank) // ROW_ALIGN) * ROW_ALIGN
+
+
+@dataclass
+class PackedWeights:
+    """One site's packed arenas and their (num_slots, c) tables (see the module docstring).
+
+    ``max_rank``: R, the width per module of the shrink output ``(s, c * R)`` (the largest rank).
+    ``offsets``: c + 1 column offsets of the stacked modules in the output.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    a_rows: torch.Tensor
+    b_offs: torch.Tensor
+    max_rank: int
+    offsets: Tuple[int, ...]
+
+    @property
+    def stack_num(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_slots(self) -> int:
+        return self.a_rows.shape[0]
+
+    def width(self, j: int) -> int:
+        return self.offsets[j + 1] - self.offsets[j]
+
+    def a_view(self, row: int, rank: int) -> torch.Tensor:
+        """Module j's A, (rank, K), starting at arena row ``row``."""
+        return self.a[row: row + rank]
+
+    def b_view(self, offset: int, j: int, rank: int) -> torch.Tensor:
+        """Module j's B, (width_j, rank), starting at element ``offset`` of the flat arena."""
+        rs = packed_rows(rank)
+        return self.b[offset: offset + self.width(j) * rs].view(self.width(j), rs)[:, :rank]
+
+    def check(self, x: torch.Tensor) -> None:
+        """That ``x`` (s, K) can be multiplied by these weights (the kernels trust the rest)."""
+        c = self.stack_num
+        if self.a.dim() != 2 or self.b.dim() != 1 or self.a.shape[1] != x.shape[1]:
+            raise ValueError(f"packed weights: A {tuple(self.a.shape)} / B {tuple(self.b.shape)} do not "
+                             f"fit an input of width {x.shape[1]}")
+        if self.a.dtype != x.dtype or self.b.dtype != x.dtype:
+            raise TypeError(f"packed weights are {self.a.dtype}, the input {x.dtype}")
+        for name, t, dtype in (("a_rows", self.a_rows, torch.int32), ("b_offs", self.b_offs, torch.int64)):
+            if t.dtype != dtype or t.dim() != 2 or t.shape[1] != c or not t.is_contiguous():
+                raise ValueError(f"packed weights: {name} must be a contiguous (num_slots, {c}) {dtype} table")
+        if self.b_offs.shape[0] != self.a_rows.shape[0]:
+            raise ValueError("packed weights: a_rows and b_offs hold different slot counts")
+        if not self.a.is_contiguous() or not self.b.is_contiguous():
+            raise ValueError("packed weights: the arenas must be contiguous")

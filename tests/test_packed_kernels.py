@@ -1,0 +1,141 @@
+"""Packed weights (each adapter at its own rank, only for the modules it targets): the Triton
+kernels (fused decode launch, and shrink + expand) and the torch backend against the torch
+backend on the same weights stored padded. Under the Triton interpreter, as test_triton_kernels.
+
+The arenas are filled with NaN outside the placed blocks and the blocks placed in shuffled order
+with gaps, so a read of another slot's block, past a rank or outside an extent shows as a NaN.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from peft_fastlora.backend.packed import PackedWeights, packed_rows  # noqa: E402
+
+from test_triton_fused import FUSED_SITES, fused_calls, run_fused_site, site_inputs  # noqa: E402,F401
+from test_triton_kernels import (  # noqa: E402
+    COMPOSITIONS,
+    DTYPE_IDS,
+    K,
+    TOLERANCES,
+    assert_close,
+    check_untouched,
+    make_backends,
+    token_slots,
+)
+
+
+def pack(a, b, offsets, ranks, seed=0) -> PackedWeights:
+    """The padded stacks ``a`` (num_slots, c*R, K) and ``b`` (num_slots, N, R) as packed arenas:
+    blocks in a shuffled order, a gap of one aligned block after each, NaN everywhere else."""
+    c, k = len(offsets) - 1, a.shape[2]
+    r_max = b.shape[2]
+    blocks = [(s, j) for s in range(a.shape[0]) for j in range(c) if int(ranks[s, j]) > 0]
+    random.Random(seed).shuffle(blocks)
+    a_rows = torch.zeros(a.shape[0], c, dtype=torch.int32)
+    b_offs = torch.zeros(a.shape[0], c, dtype=torch.int64)
+    row, off, place = 0, 0, []
+    for s, j in blocks:
+        rs = packed_rows(int(ranks[s, j]))
+        width = offsets[j + 1] - offsets[j]
+        a_rows[s, j], b_offs[s, j] = row, off
+        place.append((s, j, row, off))
+        row += rs + 8
+        off += width * rs + 8
+    arena_a = torch.full((row, k), float("nan"), dtype=a.dtype)
+    arena_b = torch.full((off,), float("nan"), dtype=a.dtype)
+    w = PackedWeights(arena_a, arena_b, a_rows, b_offs, r_max, tuple(offsets))
+    for s, j, row, off in place:
+        rank = int(ranks[s, j])
+        w.a_view(row, rank).copy_(a[s, j * r_max: j * r_max + rank])
+        w.b_view(off, j, rank).copy_(b[s, offsets[j]: offsets[j + 1], :rank])
+    return w
+
+
+def run_packed(be, w, x, base, ranks, scalings):
+    return be.run_packed_lora(x, w, base_output=base, layer_ranks=ranks, layer_scalings=scalings)
+
+
+@pytest.mark.parametrize("path", ["fused", "two_kernels", "prefill"])
+@pytest.mark.parametrize("comp", ["mixed", "skewed", "all_base"])
+@pytest.mark.parametrize("site", list(FUSED_SITES))
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=DTYPE_IDS)
+def test_packed_equals_padded(dtype, atol, rtol, site, comp, path, fused_calls):
+    """Mixed ranks (1 to 64, one module of rank 0), rows with no adapter, NaN outside the blocks:
+    the packed result equals the padded one, by the kernels and by the torch backend."""
+    seq_lens = [3, 17, 1, 9, 6] if path == "prefill" else [1] * 20
+    wi = COMPOSITIONS[comp](len(seq_lens))
+    tri, ref = make_backends(wi, seq_lens)
+    tri.fused_decode = path == "fused"
+    tok = token_slots(wi, seq_lens)
+    x, a, b, base, ranks, scalings = site_inputs(site, tok, dtype)
+    w = pack(a, b, FUSED_SITES[site], ranks, seed=len(site))
+    want = run_fused_site(ref, site, x, a, b, base.clone(), ranks, scalings)  # padded, torch
+    got = run_packed(tri, w, x, base.clone(), ranks, scalings)
+    assert fused_calls == ([16] if path == "fused" else [])
+    assert not got.isnan().any(), "read outside a block (another slot, past a rank, a gap)"
+    check_untouched(got, base, tok)
+    assert_close(got, want, atol, rtol, f"triton packed {site} ({comp}, {path})")
+    ref_packed = run_packed(ref, w, x, base.clone(), ranks, scalings)
+    assert_close(ref_packed, want, atol, rtol, f"torch packed {site} ({comp})")
+
+
+def test_packed_k_not_a_tile_multiple_and_wide_rank():
+    """K of 300 (5 splits of 64 in the fused kernel, the last partial) and rank 64 blocks."""
+    from peft_fastlora.ops import lora_fused
+
+    dtype, atol, rtol = TOLERANCES[0]
+    seq_lens = [1] * 12
+    wi = COMPOSITIONS["skewed"](12)
+    tri, ref = make_backends(wi, seq_lens)
+    bi = tri.batch_info
+    x, a, b, base, ranks, scalings = site_inputs("qkv", token_slots(wi, seq_lens), dtype, k=300)
+    w = pack(a, b, FUSED_SITES["qkv"], ranks, seed=3)
+    got = lora_fused(x, w.a, w.b, w.offsets, ranks, scalings, base.clone(),
+                     bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len,
+                     tri._workspace(torch.device("cpu")), block_m=bi.block_m, block_k=64, block_n=16,
+                     num_programs=4, a_rows=w.a_rows, b_offs=w.b_offs, max_rank=w.max_rank)
+    want = ref.run_qkv_lora(x, a, b, output_offset=FUSED_SITES["qkv"], base_output=base.clone(),
+                            layer_ranks=ranks, layer_scalings=scalings)
+    assert_close(got, want, atol, rtol, "fused packed, small tiles")
+
+
+def test_packed_views_and_rounding():
+    """Blocks take their rank rounded up to 8; views read back what was written."""
+    assert [packed_rows(r) for r in (1, 8, 9, 16, 64)] == [8, 8, 16, 16, 64]
+    a = torch.zeros(40, 5)
+    b = torch.zeros(3 * 16 + 2 * 8)
+    w = PackedWeights(a, b, torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int64),
+                      16, (0, 3, 5))
+    w.b_view(8, 1, 5).copy_(torch.arange(10.0).view(2, 5))
+    assert torch.equal(b[8:24].view(2, 8)[:, :5], torch.arange(10.0).view(2, 5))
+    assert not b[8:24].view(2, 8)[:, 5:].any() and not b[:8].any() and not b[24:].any()
+    assert w.a_view(3, 5).shape == (5, 5) and w.a_view(3, 5).data_ptr() == a[3].data_ptr()
+
+
+@pytest.mark.parametrize("case", ["dtype", "width", "table_dtype", "table_shape", "slots"])
+def test_packed_bad_inputs(case):
+    dtype = torch.float32
+    seq_lens, wi = [1] * 4, [0, 1, -1, 3]
+    tri, ref = make_backends(wi, seq_lens)
+    x, a, b, base, ranks, scalings = site_inputs("qkv", token_slots(wi, seq_lens), dtype)
+    w = pack(a, b, FUSED_SITES["qkv"], ranks)
+    error = ValueError
+    if case == "dtype":
+        w.a, error = w.a.half(), TypeError
+    elif case == "width":
+        x = torch.randn(4, K + 1)
+    elif case == "table_dtype":
+        w.a_rows = w.a_rows.long()
+    elif case == "table_shape":
+        w.b_offs = w.b_offs[:, :2].contiguous()
+    else:
+        w.a_rows, w.b_offs = w.a_rows[:2].contiguous(), w.b_offs[:2].contiguous()  # batch uses slot 3
+    for be in (tri, ref):
+        with pytest.raises(error):
+            run_packed(be, w, x, base.clone(), ranks, scalings)
