@@ -91,8 +91,8 @@ def main(path, arch, device_type, graphs, layout="peft", ops="kernels"):
         assert report.fused_norms and report.fused_rotary and report.fused_mlps, report
     calls = []
     backend = state.backend
-    run_lora = backend.run_lora
-    backend.run_lora = lambda *a, **k: (calls.append(1), run_lora(*a, **k))[1]
+    run_lora = backend.run_packed_lora
+    backend.run_packed_lora = lambda *a, **k: (calls.append(1), run_lora(*a, **k))[1]
     ids = torch.tensor([[1, 5, 9, 33, 70, 101, 7, 3], [2, 44, 8, 90, 11, 12, 64, 100], [4, 4, 8, 9, 10, 11, 2, 3]],
                        device=device)
     # one all-reduce per rowwise layer, as without LoRA (the delta joins the base partial sums)

@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import peft_fastlora as fastlora
+from peft_fastlora.backend.packed import packed_rows
 from peft_fastlora.backend.segmented import SegmentedLoRABackend
 from peft_fastlora.lora.fusion import FusedGroup
 from peft_fastlora.lora.sites import FusedSite
@@ -24,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
-from _helpers import count_calls  # noqa: E402
+from _helpers import count_backend_calls  # noqa: E402
 from _models import llama_config  # noqa: E402
 
 VOCAB = 100  # not 2 * INTER: the GEMM count tells widths apart
@@ -98,7 +99,7 @@ def layers_of(model):
 
 @pytest.fixture
 def calls(monkeypatch):
-    return count_calls(monkeypatch, SegmentedLoRABackend, ("run_qkv_lora", "run_gate_up_lora", "run_lora_b_sgemm"))
+    return count_backend_calls(monkeypatch, SegmentedLoRABackend, ("run_packed_lora",))
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,7 @@ def test_fused_and_unfused_match_peft(fuse, reference, calls):
         assert report.counts() == {"linear": 14}
     torch.testing.assert_close(logits(m), ref_logits, **TOL)
     assert torch.equal(greedy(m), ref_tokens)
-    assert (calls["run_qkv_lora"] > 0) == fuse and calls["run_lora_b_sgemm"] > 0
+    assert calls["run_packed_lora"] > 0
 
 
 class MatmulWidths(TorchDispatchMode):
@@ -208,7 +209,7 @@ def test_mixed_targets_and_ranks_in_one_batch(calls):
     names = ["mlp", "chat", "__base__", "sql", "chat", "mlp"]
     ids = torch.cat([IDS, IDS[:2]])
     torch.testing.assert_close(logits(m, names, ids), logits(ref, names, ids), **TOL)
-    assert calls["run_qkv_lora"] == 2 and calls["run_gate_up_lora"] == 2
+    assert calls["run_packed_lora"] == 8  # 2 layers x (qkv, gate_up, o, down): one call per site
 
 
 def _site(state, kind, layer):
@@ -229,9 +230,11 @@ def test_pool_holds_peft_weights_ranks_and_scalings(layer):
         site = _site(state, kind, layer)
         assert isinstance(site, FusedSite)
         pool = site.pool
-        R = pool.max_rank
-        assert pool.lora_a.shape == (3, len(names) * R, HIDDEN)
-        assert pool.lora_b.shape == (3, pool.offsets[-1], R)
+        # packed: every adapter at its own rank (rounded up to 8), only for its modules
+        blocks = [(j, packed_rows(int(pool.ranks[s, j]))) for s in range(3) for j in range(len(names))
+                  if int(pool.ranks[s, j])]
+        assert pool.lora_a.shape == (sum(rows for _, rows in blocks), HIDDEN)
+        assert pool.lora_b.shape == (sum(rows * (pool.offsets[j + 1] - pool.offsets[j]) for j, rows in blocks),)
         for j, mod_name in enumerate(names):
             mod = getattr(parent, mod_name)
             lo, hi = pool.offsets[j], pool.offsets[j + 1]
@@ -244,11 +247,9 @@ def test_pool_holds_peft_weights_ranks_and_scalings(layer):
                 a, b = mod.lora_A[adapter].weight, mod.lora_B[adapter].weight
                 assert rank == a.shape[0]
                 assert float(pool.scalings[s, j]) == pytest.approx(mod.scaling[adapter])
-                assert torch.equal(pool.lora_a[s, j * R : j * R + rank], a)
-                assert torch.equal(pool.lora_b[s, lo:hi, :rank], b)
-                # padding beyond the rank stays zero
-                assert not pool.lora_a[s, j * R + rank : (j + 1) * R].any()
-                assert not pool.lora_b[s, lo:hi, rank:].any()
+                assert torch.equal(pool.packed_view_a(s, j, rank), a)
+                assert torch.equal(pool.packed_view_b(s, j, rank), b)
+                assert hi - lo == b.shape[0]
     # the rank/alpha pattern reached layer 1's gate_proj only
     gate = _site(state, "gate_up", layer).pool
     assert int(gate.ranks[slot["mlp"], 0]) == (6 if layer == 1 else 2)
@@ -262,7 +263,7 @@ def test_pool_stale_detection():
     logits(m)
     state = get_state(m)
     pool = _site(state, "qkv", 0).pool
-    s, R = state.registry.slot["chat"], pool.max_rank
+    s = state.registry.slot["chat"]
     weight = layers_of(m)[0].self_attn.v_proj.lora_A["chat"].weight
     assert not pool.stale(state.registry, torch.float32)
     assert pool.stale(state.registry, torch.float16)  # another dtype asked for
@@ -272,13 +273,13 @@ def test_pool_stale_detection():
     assert not pool.stale(state.registry, torch.float32)
     old = pool.lora_a
     logits(m, ["chat", "sql", "__base__", "chat"])
-    assert pool.lora_a is old and torch.equal(pool.lora_a[s, 2 * R : 2 * R + 8], weight)
+    assert pool.lora_a is old and torch.equal(pool.packed_view_a(s, 2, 8), weight)
     # the parameter re-pointed at other storage: stale, and the next forward rebuilds
     weight.data = weight.data * 2.0
     assert pool.stale(state.registry, torch.float32)
     logits(m)
     assert pool.lora_a is not old and not pool.stale(state.registry, torch.float32)
-    assert torch.equal(pool.lora_a[s, 2 * R : 2 * R + 8], weight)
+    assert torch.equal(pool.packed_view_a(s, 2, 8), weight)
 
 
 def test_registry_slots():
@@ -303,7 +304,7 @@ def test_qwen2_biases_fused(calls):
     assert all(b.untyped_storage().data_ptr() == group.bias.untyped_storage().data_ptr() for b in biases)
     assert group.bias.abs().sum() > 0
     torch.testing.assert_close(logits(m), logits(ref), **TOL)
-    assert calls["run_qkv_lora"] == 2
+    assert calls["qkv"] == 2
     assert torch.equal(greedy(m), greedy(ref))
 
 
@@ -324,7 +325,7 @@ def test_dtype_change_after_patch(calls):
     for model in (m, ref):
         model.to(torch.float32)
     torch.testing.assert_close(logits(m), logits(ref), **TOL)
-    assert calls["run_qkv_lora"] == 2  # back on the fast path
+    assert calls["qkv"] == 2  # back on the fast path
     assert all(g.is_intact() and g.weight.dtype == torch.float32 for g in state.groups)
     assert storage_bytes(m) == storage_bytes(ref)
 

@@ -63,13 +63,13 @@ def test_device_map_across_two_gpus_equals_peft():
     for s in state.sites:
         assert s.pool.lora_a.device == s.device, (s.name, s.pool.lora_a.device, s.device)
     launched = []
-    run_lora = state.backend.run_lora
+    run_lora = state.backend.run_packed_lora
 
     def counting(x, *a, **k):
         launched.append((str(x.device), torch.cuda.current_device()))
         return run_lora(x, *a, **k)
 
-    state.backend.run_lora = counting
+    state.backend.run_packed_lora = counting
     got = _generate(model, {k: v.to("cuda:0") for k, v in batch.items()}, NAMES)
     assert torch.equal(got.cpu(), want.cpu()), (got, want)
     # layers on both GPUs took fastlora's path, each with its own GPU current

@@ -29,6 +29,7 @@ from peft.tuners.lora import layer as lora_layer
 
 import peft_fastlora as fastlora
 
+from _helpers import SITE_KINDS
 from _models import ARCHS, build_peft_lm, build_peft_mlp, left_padded_batch
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -40,8 +41,7 @@ LENGTHS = [5, 9, 3, 9, 7, 6, 4, 8]
 # a second mix for the same shape: the batch info must follow the names, not stay cached
 NAMES_2 = ["a2", "a2", "__base__", "a0", "a1", "a0", "__base__", "a1"]
 
-BACKEND_METHODS = ("run_qkv_lora", "run_gate_up_lora", "run_lora_a_sgemm", "run_lora_b_sgemm",
-                   "run_lora_a_embedding")
+BACKEND_METHODS = ("run_packed_lora", "run_lora_a_sgemm", "run_lora_b_sgemm", "run_lora_a_embedding")
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma2"}
 
 
@@ -76,6 +76,8 @@ def _patched_with_counters(model, counts):
 
             def wrapper(*args, _m=method, _n=name, **kwargs):
                 counts[_n] += 1
+                if _n == "run_packed_lora":  # also by the kind of site served
+                    counts[SITE_KINDS[args[1].stack_num]] += 1
                 return _m(*args, **kwargs)
 
             setattr(backend, name, wrapper)  # instance attribute: dropped with the state on unpatch
@@ -94,13 +96,14 @@ def assert_fast_path(arch: str, report, counts: collections.Counter, forwards: i
     else:
         assert sites["qkv"] == sites["gate_up"] == 0, sites
     expected = {
-        "run_qkv_lora": sites["qkv"],
-        "run_gate_up_lora": sites["gate_up"],
+        # one packed call per linear site, fused or not
+        "qkv": sites["qkv"],
+        "gate_up": sites["gate_up"],
+        "linear": sites["linear"],
+        # embeddings keep the contract's calls
         "run_lora_a_embedding": sites["embedding"],
-        # plain layers, plus the shrink inside every fused call
-        "run_lora_a_sgemm": sites["linear"] + sites["qkv"] + sites["gate_up"],
-        # plain layers and embeddings (fused calls expand on their own)
-        "run_lora_b_sgemm": sites["linear"] + sites["embedding"],
+        "run_lora_b_sgemm": sites["embedding"],
+        "run_lora_a_sgemm": 0,
     }
     got = {k: counts[k] for k in expected}
     assert got == {k: v * forwards for k, v in expected.items()}, (got, expected, forwards)
@@ -223,7 +226,7 @@ def test_generate_parity(lm, mode):
         assert counts["peft_mixed"] == 0
         assert counts["run_lora_a_embedding"] >= 2, counts  # prefill and at least one decode step
         if arch in LLAMA_LIKE:
-            assert counts["run_qkv_lora"] > 0 and counts["run_gate_up_lora"] > 0, counts
+            assert counts["qkv"] > 0 and counts["gate_up"] > 0, counts
     assert torch.equal(out, ref), f"{mode}: patched tokens\n{out[:, prompt_len:]}\nPEFT's\n{ref[:, prompt_len:]}"
 
     if mode == "greedy":
@@ -274,7 +277,7 @@ def test_interleaved_batch_oracle(shape):
         assert report.counts() == {"linear": 2}
         out = model(x, adapter_names=names)
         assert counts["peft_mixed"] == 0
-        assert counts["run_lora_a_sgemm"] == 2 and counts["run_lora_b_sgemm"] == 2, counts
+        assert counts["linear"] == 2 and counts["run_packed_lora"] == 2, counts
     for k, name in enumerate(("__base__", "adapter0", "adapter1")):
         torch.testing.assert_close(out[k::3], refs[name], atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(peft_mixed[k::3], refs[name], atol=ATOL, rtol=RTOL)

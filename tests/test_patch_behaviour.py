@@ -25,7 +25,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
-from _helpers import count_calls  # noqa: E402
+from _helpers import count_backend_calls  # noqa: E402
 from _models import tiny_llama as _tiny_llama  # noqa: E402
 
 VOCAB = 96
@@ -35,8 +35,8 @@ MASK = torch.ones_like(IDS)
 NAMES = ["sql", "chat", "__base__", "sql"]
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32; the fused GEMM may sum in another order than q/k/v alone
 
-BACKEND_METHODS = ("run_qkv_lora", "run_gate_up_lora", "run_lora_a_sgemm", "run_lora_b_sgemm",
-                   "run_lora_a_embedding", "prepare_lora_batch")
+BACKEND_METHODS = ("run_packed_lora", "run_lora_a_sgemm", "run_lora_b_sgemm", "run_lora_a_embedding",
+                   "prepare_lora_batch")
 
 
 # ---- builders ------------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def base_logits(ids=IDS):
 @pytest.fixture
 def calls(monkeypatch):
     """Counts backend calls (class level, so it survives a re-scan that builds a new backend)."""
-    return count_calls(monkeypatch, SegmentedLoRABackend, BACKEND_METHODS)
+    return count_backend_calls(monkeypatch, SegmentedLoRABackend, BACKEND_METHODS)
 
 
 def instance_forwards(model):
@@ -214,7 +214,7 @@ def test_dora_adapter_raises_like_peft(calls):
     assert "dora (DoRA)" in str(report)
     # a batch without the DoRA adapter is served by fastlora
     assert_same_as(m, ref, ["sql", "__base__", "sql", "__base__"])
-    assert calls["run_qkv_lora"] == 2
+    assert calls["qkv"] == 2
     bad = ["dora", "sql", "__base__", "sql"]
     assert_raises_like_peft(m, ref, bad, "DoRA")
 
@@ -230,11 +230,11 @@ def test_lora_bias_adapter_served_by_peft(calls):
     names = ["biased", "sql", "__base__", "biased"]
     assert_same_as(m, ref, names)
     # the sites holding a lora_bias adapter went to PEFT's path, the others stayed fast
-    assert calls["run_qkv_lora"] == 0 and calls["run_gate_up_lora"] == 2
+    assert calls["qkv"] == 0 and calls["gate_up"] == 2
     assert not torch.allclose(logits(ref, names)[0], logits(ref, ["sql"] * 4)[0])  # the bias matters
     calls.clear()
     assert_same_as(m, ref, ["sql", "__base__", "sql", "sql"])
-    assert calls["run_qkv_lora"] == 2
+    assert calls["qkv"] == 2
 
 
 class ConvNet(nn.Module):
@@ -266,7 +266,7 @@ def test_conv2d_left_on_peft(calls):
     names = ["sql", "chat", "__base__"]
     with torch.no_grad():
         torch.testing.assert_close(m(x, adapter_names=names), ref(x, adapter_names=names), **TOL)
-    assert calls["run_lora_b_sgemm"] == 1
+    assert calls["linear"] == 1
 
 
 def test_report_summary_and_log(caplog):
@@ -323,9 +323,9 @@ def test_disable_adapter_wins_over_adapter_names(calls):
     with m.disable_adapter():
         got = logits(m, NAMES)
     torch.testing.assert_close(got, base_logits(), **TOL)
-    assert calls["run_qkv_lora"] == 0
+    assert calls["qkv"] == 0
     assert_same_as(m, ref)  # enabled again after the block
-    assert calls["run_qkv_lora"] == 2
+    assert calls["qkv"] == 2
 
 
 def test_training_step_then_serving(calls):
@@ -347,12 +347,12 @@ def test_training_step_then_serving(calls):
             opt.zero_grad()
         losses.append(loss.item())
         model.eval()
-    assert calls["run_qkv_lora"] == 0  # training forwards ran PEFT's path
+    assert calls["qkv"] == 0  # training forwards ran PEFT's path
     assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-6)
     after = logits(m, NAMES)
     assert not torch.allclose(after, before, atol=1e-4)  # the step changed the served outputs
     torch.testing.assert_close(after, logits(ref, NAMES), **TOL)
-    assert calls["run_qkv_lora"] == 2
+    assert calls["qkv"] == 2
     # PEFT refuses adapter_names in training mode; so does the patched model
     m.train()
     with pytest.raises(ValueError, match="training mode"):
@@ -391,7 +391,7 @@ def test_merged_adapter(calls):
     for model in (m, ref):
         model.unmerge_adapter()
     assert_same_as(m, ref)
-    assert calls["run_qkv_lora"] == 2
+    assert calls["qkv"] == 2
     for model in (m, ref):
         model.merge_adapter(["chat"])
     assert_raises_like_peft(m, ref, NAMES, "merged adapters")
@@ -446,7 +446,7 @@ def test_patched_context_manager(calls):
     with fastlora.patched(m) as report:
         assert isinstance(report, fastlora.PatchReport) and get_state(m) is not None
         assert_same_as(m, ref)
-    assert calls["run_qkv_lora"] == 2
+    assert calls["qkv"] == 2
     assert get_state(m) is None and instance_forwards(m) == []
     calls.clear()
     assert_same_as(m, ref)
@@ -470,7 +470,7 @@ def test_add_adapter_on_new_modules_after_patch(calls):
     report = fastlora.patch(m)
     assert report.adapters == ["chat", "new", "sql"]
     assert report.counts() == {"qkv": 2, "gate_up": 2, "linear": 2}
-    assert calls["run_gate_up_lora"] == 2 and calls["run_qkv_lora"] == 2
+    assert calls["gate_up"] == 2 and calls["qkv"] == 2
     assert not torch.allclose(logits(m, names)[0], logits(m, ["__base__"] * 4)[0], atol=1e-4)
 
 
@@ -483,12 +483,12 @@ def test_added_adapter_with_live_dropout_stays_on_peft(calls):
         torch.manual_seed(7)
         model.add_adapter("noisy", lora(["q_proj", "v_proj"], r=2, alpha=4, lora_dropout=0.5))
     logits(m, ["noisy", "sql", "__base__", "sql"])
-    assert calls["run_qkv_lora"] == 0 and calls["run_gate_up_lora"] == 2
+    assert calls["qkv"] == 0 and calls["gate_up"] == 2
     for model in (m, ref):
         model.eval()
     calls.clear()
     assert_same_as(m, ref, ["noisy", "sql", "__base__", "chat"])
-    assert calls["run_qkv_lora"] == 2
+    assert calls["qkv"] == 2
 
 
 def test_delete_adapter_after_patch():
@@ -520,7 +520,7 @@ def test_load_adapter_from_disk_after_patch(tmp_path, calls):
     calls.clear()
     names = ["loaded", "sql", "loaded", "__base__"]
     assert_same_as(m, ref, names)
-    assert calls["run_qkv_lora"] == 2
+    assert calls["qkv"] == 2
     assert "loaded" in fastlora.patch(m).adapters
     donor_out = logits(donor, ["default"] * 4)
     torch.testing.assert_close(logits(m, names)[[0, 2]], donor_out[[0, 2]], **TOL)

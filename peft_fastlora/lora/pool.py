@@ -4,8 +4,13 @@
 model. ``SitePool`` holds, for one LoRA *site* (a single LoRA layer, or a fused q/k/v or gate/up
 group), the stacks the backend reads:
 
-- ``lora_a``: (num_slots, c * R, in), module j of slot s in rows ``j*R : j*R + rank``;
-- ``lora_b``: (num_slots, sum of out, R), module j in rows ``offsets[j]:offsets[j+1]``;
+- linear sites: ``packed``, each adapter at its own rank and only for the modules it targets
+  (``backend.packed``): ``lora_a`` a (rows, in) arena, ``lora_b`` a flat one, and tables of where
+  each (slot, module) block starts. Module j has its own region of both arenas, sized for the
+  largest blocks that can be resident at once (all adapters, or the ``num_slots`` largest), and
+  a ``RowArena`` places blocks in it as adapters take slots;
+- embedding sites keep padded stacks: ``lora_a`` (num_slots, R, vocab), ``lora_b``
+  (num_slots, out, R);
 - ``ranks`` / ``scalings``: (num_slots, c), 0 rank for a module an adapter does not target.
 
 The stacks are copies of PEFT's weights, kept current in two ways:
@@ -32,6 +37,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from .._compat import lora_layer_unchanged, lora_weights, unsupported_reason, watch_lora_layer
+from ..backend.packed import PackedWeights, packed_rows
+from .arena import RowArena
 from .slots import AdapterRegistry
 
 __all__ = ["AdapterRegistry", "SitePool", "ValueRefresher", "copy_values"]
@@ -73,6 +80,14 @@ class SitePool:
         self._slot_ranks: List[List[int]] = []  # host copies of ``ranks`` and ``scalings``
         self._slot_scalings: List[List[float]] = []
         self._view_cache: Dict[Tuple[int, int, int], Tuple[torch.Tensor, torch.Tensor]] = {}  # of these stacks
+        # packed (linear sites): the arenas' layout, the tables the kernels read, host copies
+        self.packed: Optional[PackedWeights] = None
+        self._arenas: List[RowArena] = []
+        self._a_base: List[int] = []  # module j's first row in lora_a / element in lora_b
+        self._b_base: List[int] = []
+        self._slot_a_rows: List[List[int]] = []
+        self._slot_b_offs: List[List[int]] = []
+        self._slot_name: Dict[int, str] = {}  # slot -> adapter whose blocks it holds
         self._signature = None
         self._watched = None
         self._registry_names = None
@@ -81,12 +96,17 @@ class SitePool:
     def stack_num(self) -> int:
         return len(self.layers)
 
+    @property
+    def num_slots(self) -> int:
+        """GPU slots the stacks hold (0 before the first build)."""
+        return self.ranks.shape[0] if self.ranks is not None else 0
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b) if t is not None)
 
     def adapter_nbytes(self) -> int:
-        """The adapters' own weights for this site, in the stacks' dtype: what the stacks would
-        hold without padding (each slot is padded to the largest rank and to every stacked module)."""
+        """The adapters' own weights for this site, in the stacks' dtype (every adapter fastlora
+        serves, resident or not; the stacks hold the resident ones, embedding stacks padded)."""
         if self.lora_a is None:
             return 0
         esize = self.lora_a.element_size()
@@ -166,38 +186,67 @@ class SitePool:
         for name, by_module in (stored or {}).items():
             for j, (a, b, scaling) in by_module.items():
                 add(name, j, a, b, scaling, True)
-        # every slot fits the largest rank of any adapter: any adapter may take any slot
+        # R: the shrink output's width per module (and the padded embedding stacks' rank)
         r = max([1] + [x for row in self._ranks_of.values() for x in row])
-        # for an embedding, "in" is the vocabulary and A is stored (rank, vocab) as PEFT does
-        a_shape = (n_slots, r, self.in_features) if self.embedding else (n_slots, c * r, self.in_features)
-        self.lora_a = torch.zeros(a_shape, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(n_slots, self.offsets[-1], r, dtype=dtype, device=device)
         self.max_rank = r
         self.copies, self._fixed, self.unsupported, self._view_cache = {}, {}, {}, {}
         self._slot_ranks = [[0] * c for _ in range(n_slots)]
         self._slot_scalings = [[0.0] * c for _ in range(n_slots)]
+        self._slot_a_rows = [[0] * c for _ in range(n_slots)]
+        self._slot_b_offs = [[0] * c for _ in range(n_slots)]
+        self._slot_name = {}
+        if self.embedding:  # A is stored (rank, vocab) as PEFT does: padded stacks
+            self.lora_a = torch.zeros(n_slots, r, self.in_features, dtype=dtype, device=device)
+            self.lora_b = torch.zeros(n_slots, self.offsets[-1], r, dtype=dtype, device=device)
+        else:
+            self._allocate_packed(n_slots, dtype, device)
         for slot, name in enumerate(registry.resident):
             if name is not None:
                 self._place(slot, name)
+        for slot in self._slot_name:
+            self._views_of(slot)
         self.ranks = torch.tensor(self._slot_ranks, dtype=torch.int32, device=device).reshape(n_slots, c)
         self.scalings = torch.tensor(self._slot_scalings, dtype=torch.float32, device=device).reshape(n_slots, c)
+        if not self.embedding:
+            self.packed = PackedWeights(
+                self.lora_a, self.lora_b,
+                torch.tensor(self._slot_a_rows, dtype=torch.int32, device=device).reshape(n_slots, c),
+                torch.tensor(self._slot_b_offs, dtype=torch.int64, device=device).reshape(n_slots, c),
+                r, tuple(self.offsets))
         self._signature = self._current_signature(registry)
         self._watched = self._watch()
         self._registry_names = list(registry.names)
         copy_values([pair for table in (self.copies, self._fixed) for pairs in table.values() for pair in pairs])
 
-    def _place(self, slot: int, name: str) -> None:
-        """Slot ``slot`` holds adapter ``name`` from now on (host side: views, ranks, reasons)."""
-        pairs, fixed = [], []
-        for j, a, b, registered in self._sources.get(name, ()):
-            views = self._view_cache.get((slot, j, a.shape[0]))
-            if views is None:  # the same (slot, module, rank) views serve every adapter that comes
-                r, k = self.max_rank, a.shape[0]
-                views = self._view_cache[(slot, j, k)] = (
-                    self.lora_a[slot, j * r: j * r + k], self.lora_b[slot, self.offsets[j]: self.offsets[j + 1], :k])
-            (fixed if registered else pairs).extend(zip(views, (a, b)))
-        self.copies[slot] = pairs  # PEFT's parameters: copied again at every call that uses them
-        self._fixed[slot] = fixed
+    def _allocate_packed(self, n_slots: int, dtype: torch.dtype, device) -> None:
+        """Arenas with a region per module, each sized for the ``n_slots`` largest blocks any
+        adapter has there (all of them when every adapter has a slot): whichever adapters hold
+        the slots, their blocks fit."""
+        c = self.stack_num
+        self._arenas, self._a_base, self._b_base = [], [], []
+        rows_total = elems_total = 0
+        for j in range(c):
+            blocks = sorted((packed_rows(ranks[j]) for ranks in self._ranks_of.values() if ranks[j] > 0),
+                            reverse=True)
+            capacity = sum(blocks[:n_slots])
+            self._arenas.append(RowArena(capacity))
+            self._a_base.append(rows_total)
+            self._b_base.append(elems_total)  # capacity is a multiple of 8: so is every offset
+            rows_total += capacity
+            elems_total += capacity * self.out_features[j]
+        self.lora_a = torch.zeros(max(rows_total, 1), self.in_features, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(max(elems_total, 8), dtype=dtype, device=device)
+
+    def _place(self, slot: int, name: str) -> set:
+        """Slot ``slot`` holds adapter ``name`` from now on (host side: blocks, ranks, reasons).
+        Returns the other slots whose packed blocks moved to make room (their views are stale)."""
+        moved = set()
+        self._slot_name[slot] = name
+        if not self.embedding:
+            for arena in self._arenas:
+                arena.free(slot)
+            for j, a, _, _ in self._sources.get(name, ()):
+                moved |= self._arenas[j].alloc(slot, packed_rows(a.shape[0]))
         self._slot_ranks[slot] = list(self._ranks_of.get(name, [0] * self.stack_num))
         self._slot_scalings[slot] = list(self._scalings_of.get(name, [0.0] * self.stack_num))
         reason = self._unsupported_of.get(name)
@@ -205,6 +254,42 @@ class SitePool:
             self.unsupported[slot] = reason
         else:
             self.unsupported.pop(slot, None)
+        return moved
+
+    def _views_of(self, slot: int) -> None:
+        """The (view, weight) pairs of the adapter in ``slot``, where its blocks are now; the
+        packed tables' host copies follow."""
+        pairs, fixed = [], []
+        for j, a, b, registered in self._sources.get(self._slot_name[slot], ()):
+            k = a.shape[0]
+            if self.embedding:
+                start = slot
+            else:
+                start = self._arenas[j].start_of(slot)
+                self._slot_a_rows[slot][j] = self._a_base[j] + start
+                self._slot_b_offs[slot][j] = self._b_base[j] + start * self.out_features[j]
+            views = self._view_cache.get((j, start, k))
+            if views is None:  # the same (module, place, rank) views serve every adapter that comes
+                if len(self._view_cache) > 4096:
+                    self._view_cache.clear()
+                if self.embedding:
+                    views = (self.lora_a[slot, :k], self.lora_b[slot, :, :k])
+                else:
+                    views = (self.packed_view_a(slot, j, k), self.packed_view_b(slot, j, k))
+                self._view_cache[(j, start, k)] = views
+            (fixed if registered else pairs).extend(zip(views, (a, b)))
+        self.copies[slot] = pairs  # PEFT's parameters: copied again at every call that uses them
+        self._fixed[slot] = fixed
+
+    def packed_view_a(self, slot: int, j: int, rank: int) -> torch.Tensor:
+        """Module j's A of ``slot`` in the packed arena, (rank, in)."""
+        row = self._slot_a_rows[slot][j]
+        return self.lora_a[row: row + rank]
+
+    def packed_view_b(self, slot: int, j: int, rank: int) -> torch.Tensor:
+        """Module j's B of ``slot`` in the packed arena, (out_j, rank) (rows of ``packed_rows(rank)``)."""
+        off, width, rs = self._slot_b_offs[slot][j], self.out_features[j], packed_rows(rank)
+        return self.lora_b[off: off + width * rs].view(width, rs)[:, :rank]
 
     @torch.no_grad()
     @torch.inference_mode(False)
@@ -214,13 +299,18 @@ class SitePool:
         valid; a module the adapter does not target gets rank 0 and is not read). Returns the
         (view, weight) pairs whose values the caller copies in, for all pools at once: PEFT's
         parameters, and the registered adapters' (host) tensors."""
-        pairs, fixed = [], []
+        pairs, fixed, dirty = [], [], set()
         for slot, name in placed:
-            self._place(slot, name)
+            dirty |= self._place(slot, name) | {slot}
+        for slot in sorted(dirty):  # the placed slots, and those whose blocks moved: copied anew
+            self._views_of(slot)
             pairs += self.copies[slot]
             fixed += self._fixed[slot]
-        for dst, rows, dtype in ((self.ranks, self._slot_ranks, torch.int32),
-                                 (self.scalings, self._slot_scalings, torch.float32)):
+        tables = [(self.ranks, self._slot_ranks, torch.int32), (self.scalings, self._slot_scalings, torch.float32)]
+        if self.packed is not None:
+            tables += [(self.packed.a_rows, self._slot_a_rows, torch.int32),
+                       (self.packed.b_offs, self._slot_b_offs, torch.int64)]
+        for dst, rows, dtype in tables:
             src = torch.tensor(rows, dtype=dtype)
             if dst.is_cuda:  # from pinned memory: the host does not wait for the copy
                 dst.copy_(src.pin_memory(), non_blocking=True)

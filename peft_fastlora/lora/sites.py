@@ -213,9 +213,9 @@ class LinearSite(_OneLayerSite):
         return tp_rowwise_partial(base, x) if self.tp == "rowwise" else base(x)
 
     def _add_lora(self, state, base, x, out, pool, bi):
-        out = state.backend.run_lora(_as_rows(x, x.shape[-1]).contiguous(), pool.lora_a, pool.lora_b,
-                                     base_output=out, layer_ranks=pool.ranks,
-                                     layer_scalings=pool.scalings, batch_info=bi)
+        out = state.backend.run_packed_lora(_as_rows(x, x.shape[-1]).contiguous(), pool.packed,
+                                            base_output=out, layer_ranks=pool.ranks,
+                                            layer_scalings=pool.scalings, batch_info=bi)
         return tp_rowwise_finish(base, out, self.tp_group) if self.tp == "rowwise" else out
 
 
@@ -265,12 +265,8 @@ class FusedSite(Site):
         pool = state.pool_for(self, x.dtype)
         x2 = _as_rows(x, x.shape[-1]).contiguous()
         res = self.group.linear(x2)
-        common = dict(base_output=res, layer_ranks=pool.ranks, layer_scalings=pool.scalings,
-                      batch_info=bi)
-        if self.kind == "qkv":
-            state.backend.run_qkv_lora(x2, pool.lora_a, pool.lora_b, output_offset=pool.offsets, **common)
-        else:
-            state.backend.run_gate_up_lora(x2, pool.lora_a, pool.lora_b, **common)
+        state.backend.run_packed_lora(x2, pool.packed, base_output=res, layer_ranks=pool.ranks,
+                                      layer_scalings=pool.scalings, batch_info=bi)
         res = res.view(*x.shape[:-1], res.shape[-1])
         outs = [res[..., lo:hi] for lo, hi in zip(pool.offsets[:-1], pool.offsets[1:])]
         mine = outs[i]

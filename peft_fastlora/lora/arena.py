@@ -1,0 +1,55 @@
+"""``RowArena``: where each slot's block of one stacked module lives in a site's packed arenas.
+
+Units are rows of A (a block of rank r takes ``packed_rows(r)`` rows, a multiple of 8, and the
+same number of B columns per output row). First fit; when no gap is large enough but the free
+total is, the arena is compacted (blocks slid down in address order) and the slots whose blocks
+moved are returned, so their weights can be copied again from their sources. The capacity is the
+sum of the largest blocks that could be resident at once, so a fit always exists after compaction.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Set, Tuple
+
+
+class RowArena:
+    def __init__(self, capacity: int):
+        self.capacity = int(capacity)
+        self.blocks: Dict[int, Tuple[int, int]] = {}  # slot -> (start, rows)
+
+    def used(self) -> int:
+        return sum(rows for _, rows in self.blocks.values())
+
+    def free(self, slot: int) -> None:
+        self.blocks.pop(slot, None)
+
+    def start_of(self, slot: int) -> int:
+        return self.blocks[slot][0]
+
+    def _first_fit(self, rows: int):
+        at = 0
+        for start, size in sorted(self.blocks.values()):
+            if start - at >= rows:
+                return at
+            at = max(at, start + size)
+        return at if self.capacity - at >= rows else None
+
+    def alloc(self, slot: int, rows: int) -> Set[int]:
+        """Give ``slot`` (which must hold no block) ``rows`` rows; returns the *other* slots whose
+        blocks moved to make room (empty unless the arena had to be compacted)."""
+        if slot in self.blocks:
+            raise RuntimeError(f"RowArena: slot {slot} already holds a block")
+        if rows > self.capacity - self.used():
+            raise RuntimeError(f"RowArena: {rows} rows do not fit ({self.used()} of {self.capacity} used)")
+        start = self._first_fit(rows)
+        moved: Set[int] = set()
+        if start is None:
+            at = 0
+            for other, (old, size) in sorted(self.blocks.items(), key=lambda kv: kv[1][0]):
+                if old != at:
+                    self.blocks[other] = (at, size)
+                    moved.add(other)
+                at += size
+            start = at
+        self.blocks[slot] = (start, rows)
+        return moved
