@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from typing import Iterable
+
+import torch
+
+from peft_fastlora.backend.packed import PackedWeights, block_align
 
 
 def count_calls(monkeypatch, owner, names: Iterable[str]) -> Counter:
@@ -37,3 +42,32 @@ def count_backend_calls(monkeypatch, owner, names: Iterable[str]) -> Counter:
 
     monkeypatch.setattr(owner, "run_packed_lora", counted)
     return counter
+
+
+def pack(a, b, offsets, ranks, seed=0) -> PackedWeights:
+    """The padded stacks ``a`` (num_slots, c*R, K) and ``b`` (num_slots, N, R) as packed arenas:
+    blocks in a shuffled order, a gap of 8 elements after each, NaN everywhere else; aligned to 8
+    where every rank is a multiple of 8, as the pool does."""
+    c, k = len(offsets) - 1, a.shape[2]
+    r_max = b.shape[2]
+    blocks = [(s, j) for s in range(a.shape[0]) for j in range(c) if int(ranks[s, j]) > 0]
+    random.Random(seed).shuffle(blocks)
+    a_rows = torch.zeros(a.shape[0], c, dtype=torch.int32, device=a.device)
+    b_offs = torch.zeros(a.shape[0], c, dtype=torch.int64, device=a.device)
+    row, off, place = 0, 0, []
+    for s, j in blocks:
+        rank = int(ranks[s, j])
+        width = offsets[j + 1] - offsets[j]
+        a_rows[s, j], b_offs[s, j] = row, off
+        place.append((s, j, row, off))
+        row += rank + 8
+        off += width * rank + 8
+    arena_a = torch.full((row, k), float("nan"), dtype=a.dtype, device=a.device)
+    arena_b = torch.full((off,), float("nan"), dtype=a.dtype, device=a.device)
+    w = PackedWeights(arena_a, arena_b, a_rows, b_offs, r_max, tuple(offsets),
+                      align=block_align(r for r in ranks.flatten().tolist() if r))
+    for s, j, row, off in place:
+        rank = int(ranks[s, j])
+        w.a_view(row, rank).copy_(a[s, j * r_max: j * r_max + rank])
+        w.b_view(off, j, rank).copy_(b[s, offsets[j]: offsets[j + 1], :rank])
+    return w

@@ -14,7 +14,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import peft_fastlora as fastlora
-from peft_fastlora.backend.packed import packed_rows
 from peft_fastlora.backend.segmented import SegmentedLoRABackend
 from peft_fastlora.lora.fusion import FusedGroup
 from peft_fastlora.lora.sites import FusedSite
@@ -230,9 +229,8 @@ def test_pool_holds_peft_weights_ranks_and_scalings(layer):
         site = _site(state, kind, layer)
         assert isinstance(site, FusedSite)
         pool = site.pool
-        # packed: every adapter at its own rank (rounded up to 8), only for its modules
-        blocks = [(j, packed_rows(int(pool.ranks[s, j]))) for s in range(3) for j in range(len(names))
-                  if int(pool.ranks[s, j])]
+        # packed: every adapter at its own rank, only for its modules
+        blocks = [(j, int(pool.ranks[s, j])) for s in range(3) for j in range(len(names)) if int(pool.ranks[s, j])]
         assert pool.lora_a.shape == (sum(rows for _, rows in blocks), HIDDEN)
         assert pool.lora_b.shape == (sum(rows * (pool.offsets[j + 1] - pool.offsets[j]) for j, rows in blocks),)
         for j, mod_name in enumerate(names):

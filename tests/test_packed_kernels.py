@@ -8,15 +8,14 @@ with gaps, so a read of another slot's block, past a rank or outside an extent s
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from peft_fastlora.backend.packed import PackedWeights, packed_rows  # noqa: E402
+from peft_fastlora.backend.packed import PackedWeights, block_align  # noqa: E402
 
+from _helpers import pack  # noqa: E402
 from test_triton_fused import FUSED_SITES, fused_calls, run_fused_site, site_inputs  # noqa: E402,F401
 from test_triton_kernels import (  # noqa: E402
     COMPOSITIONS,
@@ -28,33 +27,6 @@ from test_triton_kernels import (  # noqa: E402
     make_backends,
     token_slots,
 )
-
-
-def pack(a, b, offsets, ranks, seed=0) -> PackedWeights:
-    """The padded stacks ``a`` (num_slots, c*R, K) and ``b`` (num_slots, N, R) as packed arenas:
-    blocks in a shuffled order, a gap of one aligned block after each, NaN everywhere else."""
-    c, k = len(offsets) - 1, a.shape[2]
-    r_max = b.shape[2]
-    blocks = [(s, j) for s in range(a.shape[0]) for j in range(c) if int(ranks[s, j]) > 0]
-    random.Random(seed).shuffle(blocks)
-    a_rows = torch.zeros(a.shape[0], c, dtype=torch.int32)
-    b_offs = torch.zeros(a.shape[0], c, dtype=torch.int64)
-    row, off, place = 0, 0, []
-    for s, j in blocks:
-        rs = packed_rows(int(ranks[s, j]))
-        width = offsets[j + 1] - offsets[j]
-        a_rows[s, j], b_offs[s, j] = row, off
-        place.append((s, j, row, off))
-        row += rs + 8
-        off += width * rs + 8
-    arena_a = torch.full((row, k), float("nan"), dtype=a.dtype)
-    arena_b = torch.full((off,), float("nan"), dtype=a.dtype)
-    w = PackedWeights(arena_a, arena_b, a_rows, b_offs, r_max, tuple(offsets))
-    for s, j, row, off in place:
-        rank = int(ranks[s, j])
-        w.a_view(row, rank).copy_(a[s, j * r_max: j * r_max + rank])
-        w.b_view(off, j, rank).copy_(b[s, offsets[j]: offsets[j + 1], :rank])
-    return w
 
 
 def run_packed(be, w, x, base, ranks, scalings):
@@ -105,17 +77,37 @@ def test_packed_k_not_a_tile_multiple_and_wide_rank():
     assert_close(got, want, atol, rtol, "fused packed, small tiles")
 
 
-def test_packed_views_and_rounding():
-    """Blocks take their rank rounded up to 8; views read back what was written."""
-    assert [packed_rows(r) for r in (1, 8, 9, 16, 64)] == [8, 8, 16, 16, 64]
+def test_packed_views_and_alignment():
+    """Blocks take exactly their rank; views read back what was written; 16-byte alignment only
+    where every rank is a multiple of 8."""
+    assert block_align([8, 16, 64]) == 8 and block_align([8, 12]) == 1 and block_align([1]) == 1
     a = torch.zeros(40, 5)
     b = torch.zeros(3 * 16 + 2 * 8)
     w = PackedWeights(a, b, torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int64),
                       16, (0, 3, 5))
     w.b_view(8, 1, 5).copy_(torch.arange(10.0).view(2, 5))
-    assert torch.equal(b[8:24].view(2, 8)[:, :5], torch.arange(10.0).view(2, 5))
-    assert not b[8:24].view(2, 8)[:, 5:].any() and not b[:8].any() and not b[24:].any()
+    assert torch.equal(b[8:18], torch.arange(10.0)) and not b[:8].any() and not b[18:].any()
     assert w.a_view(3, 5).shape == (5, 5) and w.a_view(3, 5).data_ptr() == a[3].data_ptr()
+
+
+@pytest.mark.parametrize("path", ["fused", "two_kernels"])
+def test_packed_aligned_ranks(path, fused_calls):
+    """Every rank a multiple of 8 (align 8: the kernels load B's rows 16 bytes at a time)."""
+    dtype, atol, rtol = TOLERANCES[1]
+    seq_lens = [1] * 20
+    wi = COMPOSITIONS["mixed"](20)
+    tri, ref = make_backends(wi, seq_lens)
+    tri.fused_decode = path == "fused"
+    tok = token_slots(wi, seq_lens)
+    x, a, b, base, ranks, scalings = site_inputs("qkv", tok, dtype)
+    ranks = torch.where(ranks > 0, (ranks + 7) // 8 * 8, ranks).int().contiguous()
+    a, b = a.nan_to_num(), b.nan_to_num()  # the rows the rounding added are zeros, not NaN
+    w = pack(a, b, FUSED_SITES["qkv"], ranks, seed=5)
+    assert w.align == 8 and not (w.b_offs % 8).any()
+    want = run_fused_site(ref, "qkv", x, a, b, base.clone(), ranks, scalings)
+    got = run_packed(tri, w, x, base.clone(), ranks, scalings)
+    assert fused_calls == ([16] if path == "fused" else [])
+    assert_close(got, want, atol, rtol, f"packed aligned ({path})")
 
 
 @pytest.mark.parametrize("case", ["dtype", "width", "table_dtype", "table_shape", "slots"])

@@ -111,6 +111,30 @@ def test_more_registered_adapters_than_gpu_slots(folders):
     assert state.registry.stats["evictions"] > 0
 
 
+def test_blocks_moved_by_compaction_are_copied_again_from_the_cpu_store(folders, tmp_path, monkeypatch):
+    """Registered adapters are copied into their slot once, not at every call: when compaction
+    slides a resident block to make room, its weights must be copied again to the new place."""
+    from peft_fastlora.lora import arena as arena_module
+
+    folders = dict(folders, r8=_save(str(tmp_path / "r8"), ("q_proj", "v_proj"), 8, seed=5),
+                   r24=_save(str(tmp_path / "r24"), ("q_proj", "v_proj"), 24, seed=6))
+    registered = ["ql", "emb", "rs", "wide", "r8", "r24"]
+    m, ref = _pair(folders, registered, max_loras_per_batch=2)
+    moves, alloc = [], arena_module.RowArena.alloc
+
+    def counted(self, slot, rows):
+        moved = alloc(self, slot, rows)
+        moves.extend(moved)
+        return moved
+
+    monkeypatch.setattr(arena_module.RowArena, "alloc", counted)
+    rng = random.Random(11)
+    for call in range(40):
+        used = rng.sample(registered, 2)
+        _same(m, ref, used + [rng.choice(used + ["__base__"])], seed=call)
+    assert moves, "no compaction happened: the test exercised nothing"
+
+
 def test_unregister(folders):
     m, ref = _pair(folders, ["ql"])
     fastlora.unregister_adapter(m, "ql")

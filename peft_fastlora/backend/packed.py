@@ -2,9 +2,10 @@
 it targets (the contract's stacks pad every slot to the largest rank and to every module).
 
 - ``a``: a ``(rows, K)`` arena; module j of slot s is rows ``a_rows[s, j] : a_rows[s, j] + rank``.
-- ``b``: a flat arena; module j of slot s is the ``(width_j, rs)`` matrix at element ``b_offs[s, j]``
-  (B as PEFT stores it, ``(out, rank)``, with rows of ``rs`` = the rank rounded up to 8, so that
-  16-bit rows load 16 bytes at a time); every offset is a multiple of 8.
+- ``b``: a flat arena; module j of slot s is the ``(width_j, rank)`` matrix at element
+  ``b_offs[s, j]`` (B as PEFT stores it, so values are copied in with one multi-tensor copy).
+- ``align``: 8 when every rank of the site is a multiple of 8; the arenas then place every block
+  at a multiple of 8 elements and the kernels read B's rows 16 bytes at a time. Else 1.
 - entries of modules with rank 0 are never read.
 
 ``lora.pool`` allocates it; the kernels (``ops.lora_shrink``, ``lora_expand``, ``lora_fused`` with
@@ -18,12 +19,9 @@ from typing import Tuple
 
 import torch
 
-ROW_ALIGN = 8  # the kernels' ``packed_row_stride`` rounds ranks the same way
-
-
-def packed_rows(rank: int) -> int:
-    """Rows of A (and columns of B) a module of this rank takes in the arenas."""
-    return -(-int(rank) // ROW_ALIGN) * ROW_ALIGN
+def block_align(ranks) -> int:
+    """The ``align`` of a site whose adapters have these ranks (see the module docstring)."""
+    return 8 if all(int(r) % 8 == 0 for r in ranks) else 1
 
 
 @dataclass
@@ -32,6 +30,7 @@ class PackedWeights:
 
     ``max_rank``: R, the width per module of the shrink output ``(s, c * R)`` (the largest rank).
     ``offsets``: c + 1 column offsets of the stacked modules in the output.
+    ``align``: 8 or 1, the alignment every block and rank of the site keeps (elements).
     """
 
     a: torch.Tensor
@@ -40,6 +39,7 @@ class PackedWeights:
     b_offs: torch.Tensor
     max_rank: int
     offsets: Tuple[int, ...]
+    align: int = 1
 
     @property
     def stack_num(self) -> int:
@@ -58,8 +58,7 @@ class PackedWeights:
 
     def b_view(self, offset: int, j: int, rank: int) -> torch.Tensor:
         """Module j's B, (width_j, rank), starting at element ``offset`` of the flat arena."""
-        rs = packed_rows(rank)
-        return self.b[offset: offset + self.width(j) * rs].view(self.width(j), rs)[:, :rank]
+        return self.b[offset: offset + self.width(j) * rank].view(self.width(j), rank)
 
     def check(self, x: torch.Tensor) -> None:
         """That ``x`` (s, K) can be multiplied by these weights (the kernels trust the rest)."""
@@ -74,5 +73,7 @@ class PackedWeights:
                 raise ValueError(f"packed weights: {name} must be a contiguous (num_slots, {c}) {dtype} table")
         if self.b_offs.shape[0] != self.a_rows.shape[0]:
             raise ValueError("packed weights: a_rows and b_offs hold different slot counts")
+        if self.align not in (1, 8):
+            raise ValueError(f"packed weights: align must be 1 or 8, got {self.align}")
         if not self.a.is_contiguous() or not self.b.is_contiguous():
             raise ValueError("packed weights: the arenas must be contiguous")

@@ -122,11 +122,11 @@ class TritonLoRABackend(SegmentedLoRABackend):
         if self.fused_decode and _ops.fused_supported(w.stack_num, w.max_rank, bi.block_m, x.dtype):
             return _ops.lora_fused(x, w.a, w.b, w.offsets, ranks, scalings, out, *plan,
                                    self._workspace(x.device), block_m=bi.block_m, check=False,
-                                   a_rows=w.a_rows, b_offs=w.b_offs, max_rank=w.max_rank)
+                                   a_rows=w.a_rows, b_offs=w.b_offs, max_rank=w.max_rank, b_align=w.align)
         y = _ops.lora_shrink(x, w.a, w.stack_num, ranks, *plan, block_m=bi.block_m, check=False,
                              a_rows=w.a_rows, max_rank=w.max_rank)
         return _ops.lora_expand(y, w.b, w.offsets, ranks, scalings, out, *plan, block_m=bi.block_m,
-                                check=False, b_offs=w.b_offs)
+                                check=False, b_offs=w.b_offs, b_align=w.align)
 
     def _embedding_a(self, input_ids, weights, vocab_size, extra, bi):
         """input_ids (s,), weights (num_slots, rank, vocab) -> (s, rank); ids in neither table

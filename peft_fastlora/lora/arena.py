@@ -1,7 +1,7 @@
 """``RowArena``: where each slot's block of one stacked module lives in a site's packed arenas.
 
-Units are rows of A (a block of rank r takes ``packed_rows(r)`` rows, a multiple of 8, and the
-same number of B columns per output row). First fit; when no gap is large enough but the free
+Units are rows of A (a block of rank r takes r rows, and r columns of B per output row, so
+where every rank is a multiple of 8 every place is one too). First fit; when no gap is large enough but the free
 total is, the arena is compacted (blocks slid down in address order) and the slots whose blocks
 moved are returned, so their weights can be copied again from their sources. The capacity is the
 sum of the largest blocks that could be resident at once, so a fit always exists after compaction.

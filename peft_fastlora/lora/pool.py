@@ -37,7 +37,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from .._compat import lora_layer_unchanged, lora_weights, unsupported_reason, watch_lora_layer
-from ..backend.packed import PackedWeights, packed_rows
+from ..backend.packed import PackedWeights, block_align
 from .arena import RowArena
 from .slots import AdapterRegistry
 
@@ -212,7 +212,10 @@ class SitePool:
                 self.lora_a, self.lora_b,
                 torch.tensor(self._slot_a_rows, dtype=torch.int32, device=device).reshape(n_slots, c),
                 torch.tensor(self._slot_b_offs, dtype=torch.int64, device=device).reshape(n_slots, c),
-                r, tuple(self.offsets))
+                r, tuple(self.offsets),
+                # all ranks multiples of 8: so is every block's place (sums of ranks), and B's rows
+                # load 16 bytes at a time
+                align=block_align(x for row in self._ranks_of.values() for x in row))
         self._signature = self._current_signature(registry)
         self._watched = self._watch()
         self._registry_names = list(registry.names)
@@ -226,8 +229,7 @@ class SitePool:
         self._arenas, self._a_base, self._b_base = [], [], []
         rows_total = elems_total = 0
         for j in range(c):
-            blocks = sorted((packed_rows(ranks[j]) for ranks in self._ranks_of.values() if ranks[j] > 0),
-                            reverse=True)
+            blocks = sorted((ranks[j] for ranks in self._ranks_of.values() if ranks[j] > 0), reverse=True)
             capacity = sum(blocks[:n_slots])
             self._arenas.append(RowArena(capacity))
             self._a_base.append(rows_total)
@@ -246,7 +248,7 @@ class SitePool:
             for arena in self._arenas:
                 arena.free(slot)
             for j, a, _, _ in self._sources.get(name, ()):
-                moved |= self._arenas[j].alloc(slot, packed_rows(a.shape[0]))
+                moved |= self._arenas[j].alloc(slot, a.shape[0])
         self._slot_ranks[slot] = list(self._ranks_of.get(name, [0] * self.stack_num))
         self._slot_scalings[slot] = list(self._scalings_of.get(name, [0.0] * self.stack_num))
         reason = self._unsupported_of.get(name)
@@ -287,9 +289,9 @@ class SitePool:
         return self.lora_a[row: row + rank]
 
     def packed_view_b(self, slot: int, j: int, rank: int) -> torch.Tensor:
-        """Module j's B of ``slot`` in the packed arena, (out_j, rank) (rows of ``packed_rows(rank)``)."""
-        off, width, rs = self._slot_b_offs[slot][j], self.out_features[j], packed_rows(rank)
-        return self.lora_b[off: off + width * rs].view(width, rs)[:, :rank]
+        """Module j's B of ``slot`` in the packed arena, (out_j, rank)."""
+        off, width = self._slot_b_offs[slot][j], self.out_features[j]
+        return self.lora_b[off: off + width * rank].view(width, rank)
 
     @torch.no_grad()
     @torch.inference_mode(False)

@@ -7,9 +7,8 @@ one write and no extra pass. Only the first ``rank(slot, j)`` columns of ``y`` a
 read: the shrink leaves the rest of ``y`` undefined and padded ranks may hold anything.
 
 B comes padded, ``(num_slots, N_total, R)`` (the contract's), or *packed*: a flat arena with a
-``(num_slots, c)`` table of element offsets, (slot, module j) stored as ``(width_j, rs)`` with
-``rs`` = its rank rounded up to 8 (``backend.packed``), so each adapter takes its
-own rank and only the modules it targets. Packed offsets are multiples of 8 elements.
+``(num_slots, c)`` table of element offsets, (slot, module j) stored as ``(width_j, rank)``
+(``backend.packed``), so each adapter takes its own rank and only the modules it targets.
 """
 
 from __future__ import annotations
@@ -24,9 +23,10 @@ MAX_MODULES_PER_LAUNCH = 4  # column offsets travel as scalar arguments (no devi
 
 
 @triton.jit
-def packed_row_stride(rank):
-    """Row stride of a packed B block: the rank rounded up to 8 (``backend.packed.packed_rows``)."""
-    return (rank + 7) // 8 * 8
+def packed_row_stride(rank, ALIGN: tl.constexpr):
+    """Row stride of a packed B block: its rank, which the site keeps a multiple of ``ALIGN``
+    (written so that the compiler knows it, and loads 16 bytes at a time where ALIGN is 8)."""
+    return (rank + ALIGN - 1) // ALIGN * ALIGN
 
 
 @triton.jit
@@ -52,6 +52,7 @@ def _lora_expand_kernel(
     sorted_ids_ptr, chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr,
     # meta-parameters
     PACKED: tl.constexpr,
+    B_ALIGN: tl.constexpr,  # packed: every B offset and rank is a multiple of this (1 or 8)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -88,9 +89,9 @@ def _lora_expand_kernel(
     cols = lo + offs_n
 
     y_row = y_ptr + tok[:, None] * stride_ys + (j * R) * stride_yr
-    if PACKED:  # (width, rank rounded up to 8), on a multiple of 8 elements
-        b_off = tl.multiple_of(tl.load(b_offs_ptr + slot * stride_tl + j), 8)
-        b_base = b_ptr + b_off + offs_n[None, :] * packed_row_stride(rank)
+    if PACKED:  # (width, rank)
+        b_off = tl.multiple_of(tl.load(b_offs_ptr + slot * stride_tl + j), B_ALIGN)
+        b_base = b_ptr + b_off + offs_n[None, :] * packed_row_stride(rank, B_ALIGN)
         b_rstride = 1
     else:
         b_base = b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn
@@ -150,6 +151,7 @@ def lora_expand(
     num_stages: Optional[int] = None,
     check: bool = True,
     b_offs: Optional[torch.Tensor] = None,
+    b_align: int = 1,
 ) -> torch.Tensor:
     """Stacked, segmented expand into ``out`` (in place).
 
@@ -165,8 +167,9 @@ def lora_expand(
         block_m: rows per chunk.
         block_n, block_r, num_warps, num_stages: override ``expand_config``.
         check: validate the shapes (False: the caller has).
-        b_offs: packed layout: (num_slots, c) int64, where (slot, j)'s ``(width_j, rs)`` block
-            starts in ``weights``, a multiple of 8 (read only where its rank is not 0).
+        b_offs: packed layout: (num_slots, c) int64, where (slot, j)'s ``(width_j, rank)`` block
+            starts in ``weights`` (read only where its rank is not 0); ``b_align``: 8 where
+            every offset and rank is a multiple of 8 (16-byte loads), else 1.
     Returns:
         ``out``.
     """
@@ -217,6 +220,7 @@ def lora_expand(
             b_offs.stride(0) if packed else 0,
             sorted_token_ids, chunk_slot, chunk_start, chunk_len,
             PACKED=packed,
+            B_ALIGN=b_align,
             BLOCK_M=block_m,
             BLOCK_N=bn,
             BLOCK_R=block_r or cfg["block_r"],

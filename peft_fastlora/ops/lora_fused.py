@@ -114,6 +114,7 @@ def _lora_fused_decode_kernel(
     max_chunks,
     # meta-parameters
     PACKED: tl.constexpr,
+    B_ALIGN: tl.constexpr,  # packed: every B offset and rank is a multiple of this (1 or 8)
     MAX_CHUNKS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -190,11 +191,9 @@ def _lora_fused_decode_kernel(
                 n_mask = offs_n < hi - lo
                 cols = lo + offs_n
                 # independent of the shrink: issued before the wait
-                if PACKED:
-                    # (width, rs) at a multiple of 8, rs the rank rounded up to 8: rows of rs
-                    # columns are read whole (16-byte loads), those past the rank zeroed below
-                    b_off = tl.multiple_of(tl.load(b_offs_ptr + slot * stride_tl + j), 8)
-                    rs = packed_row_stride(rank)
+                if PACKED:  # (width, rank): rows of rank columns, 16-byte loads where aligned
+                    b_off = tl.multiple_of(tl.load(b_offs_ptr + slot * stride_tl + j), B_ALIGN)
+                    rs = packed_row_stride(rank, B_ALIGN)
                     bt = tl.load(b_ptr + b_off + offs_n[None, :] * rs + offs_r[:, None],
                                  mask=(offs_r < rs)[:, None] & n_mask[None, :], other=0.0)
                 else:
@@ -330,14 +329,15 @@ def lora_fused(
     a_rows: Optional[torch.Tensor] = None,
     b_offs: Optional[torch.Tensor] = None,
     max_rank: Optional[int] = None,
+    b_align: int = 1,
 ) -> torch.Tensor:
     """Stacked, segmented shrink + expand into ``out`` (in place), one launch.
 
     Args:
         x: (s, K).
         lora_a: (num_slots, c * R, K); lora_b: (num_slots, N_total, R); both in ``x.dtype``. Or
-            packed (``a_rows``, ``b_offs`` and ``max_rank`` = R given, see ``lora_shrink`` and
-            ``lora_expand``): A a (rows, K) arena, B a flat one.
+            packed (``a_rows``, ``b_offs``, ``max_rank`` = R and ``b_align`` given, see
+            ``lora_shrink`` and ``lora_expand``): A a (rows, K) arena, B a flat one.
         offsets: c + 1 host ints (c <= 4); module j writes columns ``offsets[j]:offsets[j+1]``.
         ranks: (>= num_slots, c) int32; scalings: (>= num_slots, c) float32.
         out: (s, N_total), unit column stride; rows of tokens in no chunk are not touched.
@@ -416,6 +416,7 @@ def lora_fused(
         sorted_token_ids, chunk_slot, chunk_start, chunk_len,
         max_chunks,
         PACKED=packed,
+        B_ALIGN=b_align,
         MAX_CHUNKS_P2=max(16, triton.next_power_of_2(max_chunks)),
         BLOCK_M=block_m,
         BLOCK_R=br,
