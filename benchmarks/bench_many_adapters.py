@@ -13,7 +13,8 @@ stacks hold ``--slots`` adapters, loaded on demand; ``resident``: every adapter 
 - steady-state decode: output tokens/s over batches of ``--new`` tokens each (loads included);
 - the decode step (ms) with ``--batch`` distinct adapters in the batch, and with none (the base
   step), from (time of T new tokens - time of 1) / (T - 1);
-- GPU memory allocated, the stacks' bytes, the CPU store's bytes and the process's resident memory.
+- GPU memory allocated, the stacks' bytes (beside all the adapters' own bytes), the CPU store's
+  bytes and the process's resident memory.
 """
 
 from __future__ import annotations
@@ -137,8 +138,10 @@ def run_mode(model, adapters, args, slots, rows_out, info):
                ttft_p50_s=round(ttft[len(ttft) // 2], 4), ttft_p99_s=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 4),
                decode_tokens_per_s=round(decode_tps, 1), mixed_step_ms=round(mixed, 3), base_step_ms=round(base, 3),
                mixed_vs_base=round(mixed / base, 3), loads=stats["loads"], evictions=stats["evictions"],
-               load_s=round(stats["load_seconds"], 3),
+               load_s=round(stats["load_seconds"], 3), block_moves=stats["block_moves"],
                stack_gb=round(state.report.stack_bytes / 2**30, 2),
+               # every registered adapter's own weights (the stacks hold the resident ones)
+               adapter_gb=round(state.report.adapter_bytes / 2**30, 2),
                cpu_store_gb=round(state.report.store_bytes / 2**30, 2),
                gpu_allocated_gb=round(torch.cuda.memory_allocated() / 2**30, 2) if bg.DEVICE == "cuda" else 0,
                process_rss_gb=round(rss_gb(), 2), **info)

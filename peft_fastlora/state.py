@@ -531,6 +531,7 @@ class FastLoRAState:
             with torch.no_grad():
                 torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
         self.registry.stats["load_seconds"] += time.perf_counter() - t
+        self.registry.stats["block_moves"] = sum(site.pool.block_moves for site in self.sites)
         self._slot_loads += 1
         self._slot_ranks = None
         self._bi_key = None

@@ -113,7 +113,7 @@ def test_more_registered_adapters_than_gpu_slots(folders):
 
 def test_blocks_moved_by_compaction_are_copied_again_from_the_cpu_store(folders, tmp_path, monkeypatch):
     """Registered adapters are copied into their slot once, not at every call: when compaction
-    slides a resident block to make room, its weights must be copied again to the new place."""
+    slides a resident block to make room, its weights must move with it (on the device)."""
     from peft_fastlora.lora import arena as arena_module
 
     folders = dict(folders, r8=_save(str(tmp_path / "r8"), ("q_proj", "v_proj"), 8, seed=5),

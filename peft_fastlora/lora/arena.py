@@ -2,14 +2,14 @@
 
 Units are rows of A (a block of rank r takes r rows, and r columns of B per output row, so
 where every rank is a multiple of 8 every place is one too). First fit; when no gap is large enough but the free
-total is, the arena is compacted (blocks slid down in address order) and the slots whose blocks
-moved are returned, so their weights can be copied again from their sources. The capacity is the
+total is, the arena is compacted (blocks slid down in address order) and the moves are returned,
+so the pool can move those blocks' weights on the device. The capacity is the
 sum of the largest blocks that could be resident at once, so a fit always exists after compaction.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Set, Tuple
+from typing import Dict, Tuple
 
 
 class RowArena:
@@ -34,21 +34,23 @@ class RowArena:
             at = max(at, start + size)
         return at if self.capacity - at >= rows else None
 
-    def alloc(self, slot: int, rows: int) -> Set[int]:
+    def alloc(self, slot: int, rows: int) -> Dict[int, Tuple[int, int, int]]:
         """Give ``slot`` (which must hold no block) ``rows`` rows; returns the *other* slots whose
-        blocks moved to make room (empty unless the arena had to be compacted)."""
+        blocks moved to make room, as slot -> (old start, new start, rows), in address order
+        (empty unless the arena had to be compacted). Blocks only move down: moved in that order,
+        none lands on a block not yet moved."""
         if slot in self.blocks:
             raise RuntimeError(f"RowArena: slot {slot} already holds a block")
         if rows > self.capacity - self.used():
             raise RuntimeError(f"RowArena: {rows} rows do not fit ({self.used()} of {self.capacity} used)")
         start = self._first_fit(rows)
-        moved: Set[int] = set()
+        moved: Dict[int, Tuple[int, int, int]] = {}
         if start is None:
             at = 0
             for other, (old, size) in sorted(self.blocks.items(), key=lambda kv: kv[1][0]):
                 if old != at:
                     self.blocks[other] = (at, size)
-                    moved.add(other)
+                    moved[other] = (old, at, size)
                 at += size
             start = at
         self.blocks[slot] = (start, rows)

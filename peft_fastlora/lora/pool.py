@@ -88,6 +88,7 @@ class SitePool:
         self._slot_a_rows: List[List[int]] = []
         self._slot_b_offs: List[List[int]] = []
         self._slot_name: Dict[int, str] = {}  # slot -> adapter whose blocks it holds
+        self.block_moves = 0  # blocks compaction has moved, over the pool's life
         self._signature = None
         self._watched = None
         self._registry_names = None
@@ -240,15 +241,18 @@ class SitePool:
         self.lora_b = torch.zeros(max(elems_total, 8), dtype=dtype, device=device)
 
     def _place(self, slot: int, name: str) -> set:
-        """Slot ``slot`` holds adapter ``name`` from now on (host side: blocks, ranks, reasons).
-        Returns the other slots whose packed blocks moved to make room (their views are stale)."""
+        """Slot ``slot`` holds adapter ``name`` from now on (blocks, ranks, reasons; its weights
+        are copied in by the caller). Returns the other slots whose packed blocks moved to make
+        room: their weights are moved on the device here, their views are stale."""
         moved = set()
         self._slot_name[slot] = name
         if not self.embedding:
             for arena in self._arenas:
                 arena.free(slot)
             for j, a, _, _ in self._sources.get(name, ()):
-                moved |= self._arenas[j].alloc(slot, a.shape[0])
+                moves = self._arenas[j].alloc(slot, a.shape[0])
+                self._move_blocks(j, moves)
+                moved |= set(moves)
         self._slot_ranks[slot] = list(self._ranks_of.get(name, [0] * self.stack_num))
         self._slot_scalings[slot] = list(self._scalings_of.get(name, [0.0] * self.stack_num))
         reason = self._unsupported_of.get(name)
@@ -257,6 +261,21 @@ class SitePool:
         else:
             self.unsupported.pop(slot, None)
         return moved
+
+    @torch.no_grad()
+    def _move_blocks(self, j: int, moves) -> None:
+        """Compaction slid blocks of module j down: move their A rows and B blocks on the device,
+        in address order (a block never lands on one not yet moved; where it overlaps its own old
+        place, through a copy). A block whose slot is being loaded in the same call moves
+        garbage: its weights are copied to its new place afterwards."""
+        width = self.out_features[j]
+        self.block_moves += len(moves)
+        for old, new, rows in moves.values():
+            a0, b0 = self._a_base[j], self._b_base[j]
+            for src, dst in ((self.lora_a[a0 + old: a0 + old + rows], self.lora_a[a0 + new: a0 + new + rows]),
+                             (self.lora_b[b0 + old * width: b0 + (old + rows) * width],
+                              self.lora_b[b0 + new * width: b0 + (new + rows) * width])):
+                dst.copy_(src.clone() if old - new < rows else src)
 
     def _views_of(self, slot: int) -> None:
         """The (view, weight) pairs of the adapter in ``slot``, where its blocks are now; the
@@ -301,10 +320,12 @@ class SitePool:
         valid; a module the adapter does not target gets rank 0 and is not read). Returns the
         (view, weight) pairs whose values the caller copies in, for all pools at once: PEFT's
         parameters, and the registered adapters' (host) tensors."""
-        pairs, fixed, dirty = [], [], set()
+        pairs, fixed, moved = [], [], set()
         for slot, name in placed:
-            dirty |= self._place(slot, name) | {slot}
-        for slot in sorted(dirty):  # the placed slots, and those whose blocks moved: copied anew
+            moved |= self._place(slot, name)
+        for slot in moved:  # moved on the device: new views and places, same weights
+            self._views_of(slot)
+        for slot, _ in placed:
             self._views_of(slot)
             pairs += self.copies[slot]
             fixed += self._fixed[slot]
