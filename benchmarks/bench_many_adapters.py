@@ -138,7 +138,7 @@ def run_mode(model, adapters, args, slots, rows_out, info):
                ttft_p50_s=round(ttft[len(ttft) // 2], 4), ttft_p99_s=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 4),
                decode_tokens_per_s=round(decode_tps, 1), mixed_step_ms=round(mixed, 3), base_step_ms=round(base, 3),
                mixed_vs_base=round(mixed / base, 3), loads=stats["loads"], evictions=stats["evictions"],
-               load_s=round(stats["load_seconds"], 3), block_moves=stats["block_moves"],
+               load_s=round(stats["load_seconds"], 3), block_moves=stats.get("block_moves", 0),
                stack_gb=round(state.report.stack_bytes / 2**30, 2),
                # every registered adapter's own weights (the stacks hold the resident ones)
                adapter_gb=round(state.report.adapter_bytes / 2**30, 2),

@@ -82,6 +82,9 @@ class SitePool:
         self._view_cache: Dict[Tuple[int, int, int], Tuple[torch.Tensor, torch.Tensor]] = {}  # of these stacks
         # packed (linear sites): the arenas' layout, the tables the kernels read, host copies
         self.packed: Optional[PackedWeights] = None
+        self._tables: Optional[torch.Tensor] = None  # the device tables' one buffer, and its staging
+        self._stage: Optional[torch.Tensor] = None
+        self._stage_event = None
         self._arenas: List[RowArena] = []
         self._a_base: List[int] = []  # module j's first row in lora_a / element in lora_b
         self._b_base: List[int] = []
@@ -206,14 +209,13 @@ class SitePool:
                 self._place(slot, name)
         for slot in self._slot_name:
             self._views_of(slot)
-        self.ranks = torch.tensor(self._slot_ranks, dtype=torch.int32, device=device).reshape(n_slots, c)
-        self.scalings = torch.tensor(self._slot_scalings, dtype=torch.float32, device=device).reshape(n_slots, c)
+        self._tables = torch.empty(self._table_words(), dtype=torch.int32, device=device)
+        self._stage, self._stage_event = None, None
+        self.ranks, self.scalings, a_rows, b_offs = self._table_views(self._tables)
+        self._write_tables()
         if not self.embedding:
             self.packed = PackedWeights(
-                self.lora_a, self.lora_b,
-                torch.tensor(self._slot_a_rows, dtype=torch.int32, device=device).reshape(n_slots, c),
-                torch.tensor(self._slot_b_offs, dtype=torch.int64, device=device).reshape(n_slots, c),
-                r, tuple(self.offsets),
+                self.lora_a, self.lora_b, a_rows, b_offs, r, tuple(self.offsets),
                 # all ranks multiples of 8: so is every block's place (sums of ranks), and B's rows
                 # load 16 bytes at a time
                 align=block_align(x for row in self._ranks_of.values() for x in row))
@@ -329,17 +331,41 @@ class SitePool:
             self._views_of(slot)
             pairs += self.copies[slot]
             fixed += self._fixed[slot]
-        tables = [(self.ranks, self._slot_ranks, torch.int32), (self.scalings, self._slot_scalings, torch.float32)]
-        if self.packed is not None:
-            tables += [(self.packed.a_rows, self._slot_a_rows, torch.int32),
-                       (self.packed.b_offs, self._slot_b_offs, torch.int64)]
-        for dst, rows, dtype in tables:
-            src = torch.tensor(rows, dtype=dtype)
-            if dst.is_cuda:  # from pinned memory: the host does not wait for the copy
-                dst.copy_(src.pin_memory(), non_blocking=True)
-            else:
-                dst.copy_(src)
+        self._write_tables()
         return pairs, fixed
+
+    # the (num_slots, c) tables the kernels read live in one int32 buffer, written in place by one
+    # copy: ranks, scalings (float32 bits), A rows, B offsets (int64, 8-byte aligned)
+    def _table_words(self) -> int:
+        n = len(self._slot_ranks) * self.stack_num
+        return 3 * n + (3 * n) % 2 + 2 * n
+
+    def _table_views(self, buf: torch.Tensor):
+        n_slots, c = len(self._slot_ranks), self.stack_num
+        n = n_slots * c
+        b0 = 3 * n + (3 * n) % 2
+        return (buf[:n].view(n_slots, c), buf[n:2 * n].view(torch.float32).view(n_slots, c),
+                buf[2 * n:3 * n].view(n_slots, c), buf[b0:b0 + 2 * n].view(torch.int64).view(n_slots, c))
+
+    def _write_tables(self) -> None:
+        """The host copies of the tables into the device buffer, in place (graphs keep reading it).
+        On CUDA through a pinned staging buffer kept for the pool: the host does not wait for the
+        copy, only (rarely) for the previous one before it rewrites the staging buffer."""
+        host = torch.empty(self._table_words(), dtype=torch.int32)
+        for view, rows in zip(self._table_views(host),
+                              (self._slot_ranks, self._slot_scalings, self._slot_a_rows, self._slot_b_offs)):
+            view.copy_(torch.tensor(rows, dtype=view.dtype).reshape(view.shape))
+        if not self._tables.is_cuda:
+            self._tables.copy_(host)
+            return
+        if self._stage is None:
+            self._stage = host.pin_memory()
+            self._stage_event = torch.cuda.Event()
+        else:
+            self._stage_event.synchronize()
+            self._stage.copy_(host)
+        self._tables.copy_(self._stage, non_blocking=True)
+        self._stage_event.record()
 
     def slot_ranks_host(self) -> List[int]:
         """Largest rank of each slot over the stacked modules (host list)."""
