@@ -82,9 +82,7 @@ class SitePool:
         self._view_cache: Dict[Tuple[int, int, int], Tuple[torch.Tensor, torch.Tensor]] = {}  # of these stacks
         # packed (linear sites): the arenas' layout, the tables the kernels read, host copies
         self.packed: Optional[PackedWeights] = None
-        self._tables: Optional[torch.Tensor] = None  # the device tables' one buffer, and its staging
-        self._stage: Optional[torch.Tensor] = None
-        self._stage_event = None
+        self._tables: Optional[torch.Tensor] = None  # the device tables' one buffer
         self._arenas: List[RowArena] = []
         self._a_base: List[int] = []  # module j's first row in lora_a / element in lora_b
         self._b_base: List[int] = []
@@ -210,7 +208,6 @@ class SitePool:
         for slot in self._slot_name:
             self._views_of(slot)
         self._tables = torch.empty(self._table_words(), dtype=torch.int32, device=device)
-        self._stage, self._stage_event = None, None
         self.ranks, self.scalings, a_rows, b_offs = self._table_views(self._tables)
         self._write_tables()
         if not self.embedding:
@@ -335,7 +332,7 @@ class SitePool:
         return pairs, fixed
 
     # the (num_slots, c) tables the kernels read live in one int32 buffer, written in place by one
-    # copy: ranks, scalings (float32 bits), A rows, B offsets (int64, 8-byte aligned)
+    # copy per load: ranks, scalings (float32 bits), A rows, B offsets (int64, 8-byte aligned)
     def _table_words(self) -> int:
         n = len(self._slot_ranks) * self.stack_num
         return 3 * n + (3 * n) % 2 + 2 * n
@@ -349,23 +346,16 @@ class SitePool:
 
     def _write_tables(self) -> None:
         """The host copies of the tables into the device buffer, in place (graphs keep reading it).
-        On CUDA through a pinned staging buffer kept for the pool: the host does not wait for the
-        copy, only (rarely) for the previous one before it rewrites the staging buffer."""
+        On CUDA from pinned memory (PyTorch's pinned allocator recycles the block once the copy is
+        done): the host never waits for the GPU here."""
         host = torch.empty(self._table_words(), dtype=torch.int32)
         for view, rows in zip(self._table_views(host),
                               (self._slot_ranks, self._slot_scalings, self._slot_a_rows, self._slot_b_offs)):
             view.copy_(torch.tensor(rows, dtype=view.dtype).reshape(view.shape))
-        if not self._tables.is_cuda:
-            self._tables.copy_(host)
-            return
-        if self._stage is None:
-            self._stage = host.pin_memory()
-            self._stage_event = torch.cuda.Event()
+        if self._tables.is_cuda:
+            self._tables.copy_(host.pin_memory(), non_blocking=True)
         else:
-            self._stage_event.synchronize()
-            self._stage.copy_(host)
-        self._tables.copy_(self._stage, non_blocking=True)
-        self._stage_event.record()
+            self._tables.copy_(host)
 
     def slot_ranks_host(self) -> List[int]:
         """Largest rank of each slot over the stacked modules (host list)."""
