@@ -1,4 +1,5 @@
-"""The one-kernel RMSNorm against transformers' own Llama RMSNorm (the interpreter on CPU)."""
+"""The one-kernel RMSNorm against transformers' own Llama and Gemma 2 RMSNorms (the interpreter on
+CPU)."""
 
 import pytest
 import torch
@@ -25,6 +26,24 @@ def test_matches_hf_rms_norm(dtype, shape):
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 5, 96), (7, 33)])
+def test_matches_hf_gemma2_rms_norm(dtype, shape):
+    """Gemma's form: (1 + w) and the product in float32, one rounding."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    norm = Gemma2RMSNorm(shape[-1], eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1]) * 0.5)
+    x = (torch.randn(shape) * 3).to(dtype)
+    ref = norm(x)
+    out = rms_norm(x, norm.weight, norm.eps, unit_offset=True)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    # the Llama form on the same weight is another function: the flag is what makes it equal
+    assert not torch.allclose(rms_norm(x, norm.weight, norm.eps).float(), ref.float(), atol=1e-2)
+
+
 def test_strided_rows():
     x = torch.randn(4, 130)[:, :64]  # rows 130 apart, last dim contiguous
     w = torch.randn(64)
@@ -42,19 +61,31 @@ def test_bad_inputs():
         rms_norm(torch.randn(8, 2).T, torch.randn(8), 1e-6)
 
 
-def test_install_only_llama_family_and_undo():
+def test_install_llama_and_gemma_forms_and_undo():
     from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 
-    root = torch.nn.ModuleDict({"a": LlamaRMSNorm(16), "g": Gemma2RMSNorm(16)})
+    class OtherGemmaRMSNorm(Gemma2RMSNorm):  # Gemma's forward, another _norm: not the kernel's function
+        def _norm(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 2 * self.eps)
+
+        def forward(self, x):
+            output = self._norm(x.float())
+            output = output * (1.0 + self.weight.float())
+            return output.type_as(x)
+
+    root = torch.nn.ModuleDict({"a": LlamaRMSNorm(16), "g": Gemma2RMSNorm(16), "o": OtherGemmaRMSNorm(16)})
+    with torch.no_grad():
+        root["g"].weight.normal_()
     done, skipped = install_norms(root)
-    assert [n for n, _ in done] == ["a"]
-    assert skipped == [("Gemma2RMSNorm", "no variance_epsilon / weight")]  # its (1 + w) norm
+    assert [n for n, _ in done] == ["a", "g"]
+    assert skipped == [("OtherGemmaRMSNorm", "OtherGemmaRMSNorm._norm differs from the reference code")]
     x = torch.randn(2, 16)
     with torch.no_grad():
-        out = root["a"](x)
+        outs = {k: root[k](x) for k in ("a", "g")}
     remove_instance_forwards(done)
-    assert "forward" not in root["a"].__dict__
-    torch.testing.assert_close(out, root["a"](x), atol=1e-6, rtol=1e-5)
+    assert "forward" not in root["a"].__dict__ and "forward" not in root["g"].__dict__
+    for k, out in outs.items():
+        torch.testing.assert_close(out, root[k](x), atol=1e-6, rtol=1e-5)
 
 
 def test_gradients_take_the_original_forward():

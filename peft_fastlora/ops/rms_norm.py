@@ -1,8 +1,9 @@
 """RMSNorm in one launch (HF's eager RMSNorm is five or six small kernels).
 
-Numerics follow transformers' Llama-family RMSNorm exactly: the row is upcast to float32, scaled by
-rsqrt(mean(x^2) + eps), rounded to the input dtype, then multiplied by the weight and rounded
-again (what ``weight * normed.to(input_dtype)`` does in torch).
+Numerics follow transformers' RMSNorms: the row is upcast to float32 and scaled by
+rsqrt(mean(x^2) + eps); then either (Llama family) rounded to the input dtype, multiplied by the
+weight and rounded again (what ``weight * normed.to(input_dtype)`` does in torch), or (Gemma,
+``unit_offset``) multiplied by ``1 + weight`` in float32 and rounded once.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def _rms_norm_kernel(
     # parameters
     eps,
     # meta-parameters
+    UNIT_OFFSET: tl.constexpr,  # Gemma: x * rsqrt(...) * (1 + w), all in float32, one rounding
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -29,14 +31,18 @@ def _rms_norm_kernel(
     # every load upcast: the interpreter keeps bf16 as raw bits otherwise
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     var = tl.sum(x * x, axis=0) / n_cols
-    normed = (x * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+    normed = x * tl.math.rsqrt(var + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = w * normed.to(tl.float32)
+    if UNIT_OFFSET:
+        y = normed * (1.0 + w)
+    else:
+        y = w * normed.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dimension.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dimension; with
+    ``unit_offset`` (Gemma), ``(x.float() * rsqrt(...) * (1 + weight.float())).to(x.dtype)``.
 
     Args:
         x: (..., n) float32 / float16 / bfloat16; the last dimension must be contiguous.
@@ -57,5 +63,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, n, rows.stride(0), out.stride(0), float(eps),
-                                  BLOCK=block, num_warps=num_warps)
+                                  UNIT_OFFSET=unit_offset, BLOCK=block, num_warps=num_warps)
     return out.view(x.shape)
