@@ -24,7 +24,9 @@ from test_triton_kernels import (  # noqa: E402
     TOLERANCES,
     assert_close,
     check_untouched,
+    layer_tables,
     make_backends,
+    poisoned_base,
     token_slots,
 )
 
@@ -131,3 +133,39 @@ def test_packed_bad_inputs(case):
     for be in (tri, ref):
         with pytest.raises(error):
             run_packed(be, w, x, base.clone(), ranks, scalings)
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=DTYPE_IDS)
+def test_packed_embedding_equals_padded(dtype, atol, rtol, mode):
+    """A LoRA embedding on packed weights (blocks of (rank, vocab) rows, shuffled, NaN around
+    them; mixed ranks, a slot that does not target it): the lookup and the expand equal the
+    contract's two calls on the same weights padded, ids past the vocabulary included."""
+    seq_lens = [1] * 9 if mode == "decode" else [3, 17, 1, 9, 6]
+    wi = COMPOSITIONS["mixed"](len(seq_lens))
+    tri, ref = make_backends(wi, seq_lens)
+    tok = token_slots(wi, seq_lens)
+    vocab, width = 101, 45
+    ranks, scalings = layer_tables(1)
+    ranks[2, 0] = 0  # an adapter that does not target the embedding
+    a = torch.randn(len(ranks), 64, vocab).to(dtype)  # padded (num_slots, R, vocab)
+    b = torch.randn(len(ranks), width, 64).to(dtype) / 4
+    for s in range(len(ranks)):
+        a[s, int(ranks[s, 0]):] = float("nan")
+        b[s, :, int(ranks[s, 0]):] = float("nan")
+    # packed: A blocks (rank, vocab) as rows; reuse pack() with the lookup's A as the "A" of a
+    # one-module site whose K is the vocabulary
+    w = pack(a, b, [0, width], ranks, seed=9)
+    ids = torch.randint(0, vocab, (len(tok),))
+    ids[-1] = vocab + 3  # past the vocabulary: no delta (the padded kernel reads zeros)
+    base = poisoned_base(tok, width, dtype)
+    got = tri.run_packed_embedding_lora(ids, w, vocab, base_output=base.clone(), layer_ranks=ranks,
+                                        layer_scalings=scalings)
+    y = tri.run_lora_a_embedding(ids, a.nan_to_num(), vocab)  # padded lookup, then the padded expand
+    want = ref.run_lora_b_sgemm(y, b, base_output=base.clone(), layer_ranks=ranks, layer_scalings=scalings)
+    assert not got.isnan().any(), "read outside a block"
+    check_untouched(got, base, tok)
+    assert_close(got, want, atol, rtol, f"packed embedding ({mode})")
+    ref_packed = ref.run_packed_embedding_lora(ids, w, vocab, base_output=base.clone(), layer_ranks=ranks,
+                                               layer_scalings=scalings)
+    assert_close(ref_packed, want, atol, rtol, f"torch packed embedding ({mode})")

@@ -35,7 +35,8 @@ MASK = torch.ones_like(IDS)
 NAMES = ["sql", "chat", "__base__", "sql"]
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32; the fused GEMM may sum in another order than q/k/v alone
 
-BACKEND_METHODS = ("run_packed_lora", "run_lora_a_sgemm", "run_lora_b_sgemm", "run_lora_a_embedding",
+BACKEND_METHODS = ("run_packed_lora", "run_packed_embedding_lora", "run_lora_a_sgemm", "run_lora_b_sgemm",
+                   "run_lora_a_embedding",
                    "prepare_lora_batch")
 
 

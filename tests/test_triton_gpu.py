@@ -307,3 +307,33 @@ def test_packed_llama_shapes(site, rank, mode):
     atol, rtol = TOLERANCES[dtype]
     assert_close(got, want, atol, rtol, f"packed {site} rank {rank} {mode}")
     assert tri.fused_timeouts() == 0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_packed_embedding_llama_vocab(mode):
+    """A LoRA embedding on packed weights at Llama 3's vocabulary and width, bf16: the lookup and
+    expand kernels against the torch backend on the same weights padded."""
+    from _helpers import pack
+
+    torch.manual_seed(0)
+    dtype, vocab, rank = torch.bfloat16, 128256, 64
+    seq_lens = MODES[mode]
+    wi = mixed_indices(len(seq_lens), NUM_ADAPTERS)
+    ranks, scalings = slot_tables(rank, 1)
+    tri, ref = backends(seq_lens, wi, ranks, scalings)
+    a = torch.randn(NUM_ADAPTERS, rank, vocab, device="cuda").to(dtype)
+    b = (torch.randn(NUM_ADAPTERS, HIDDEN, rank, device="cuda") / rank ** 0.5).to(dtype)
+    for s_, r in enumerate(ranks[:, 0].tolist()):
+        a[s_, r:] = 0
+        b[s_, :, r:] = float("nan")
+    w = pack(a, b, [0, HIDDEN], ranks.cpu(), seed=1)
+    s = sum(seq_lens)
+    ids = torch.randint(0, vocab, (s,), device="cuda")
+    base = torch.randn(s, HIDDEN, device="cuda", dtype=dtype)
+    got = tri.run_packed_embedding_lora(ids, w, vocab, base_output=base.clone(), layer_ranks=ranks,
+                                        layer_scalings=scalings)
+    y = ref.run_lora_a_embedding(ids, a, vocab)
+    want = ref.run_lora_b_sgemm(y, b, base_output=base.clone(), layer_ranks=ranks, layer_scalings=scalings)
+    assert not got.isnan().any(), "read outside a packed block"
+    atol, rtol = TOLERANCES[dtype]
+    assert_close(got, want, atol, rtol, f"packed embedding {mode}")

@@ -68,6 +68,11 @@ class SegmentedLoRABackend(BaseLoRABackend):
         """Shrink and expand of packed weights (``backend.packed``), out (s, N_total) in place."""
         raise NotImplementedError
 
+    def _packed_embedding(self, input_ids, weights: PackedWeights, vocab_size, ranks, scalings, out,
+                          bi: LoRABatchInfo) -> torch.Tensor:
+        """A LoRA embedding on packed weights: lookup in A, expand by B into out (s, D) in place."""
+        raise NotImplementedError
+
     def _fuses(self, lora_b, stack_num, bi: LoRABatchInfo) -> bool:
         """Whether ``_fused`` serves this site (host-side, static per batch info): no by default."""
         return False
@@ -335,6 +340,34 @@ class SegmentedLoRABackend(BaseLoRABackend):
         base_output = self._checked_base_output(base_output, x, weights.offsets[-1])
         ranks, scalings = self._tables(bi, weights.stack_num, layer_ranks, layer_scalings, weights.num_slots)
         return self._packed(x, weights, ranks, scalings, base_output, bi)
+
+    def run_packed_embedding_lora(self, input_ids, weights: PackedWeights, vocab_size: int, *,
+                                  base_output=None, layer_ranks=None, layer_scalings=None, batch_info=None):
+        """fastlora's own storage for a LoRA embedding: ``run_lora_a_embedding`` then
+        ``run_lora_b_sgemm`` on packed weights (A blocks ``(rank, vocab)``, B ``(D, rank)``).
+
+        Args:
+            input_ids: (s,) int32 / int64; ids at or past ``vocab_size`` get no delta.
+            weights: the site's ``PackedWeights`` (one module: ``offsets`` (0, D)).
+        Returns:
+            (s, D), ``base_output`` when given.
+        """
+        bi = self._bi(batch_info)
+        check_input("input_ids", input_ids, 1, ids=True)
+        self._check_tokens(input_ids, bi)
+        if weights.stack_num != 1 or weights.a.dim() != 2 or weights.a.shape[1] != vocab_size:
+            raise ValueError(f"packed embedding weights: A {tuple(weights.a.shape)} with {weights.stack_num} "
+                             f"modules does not fit a vocabulary of {vocab_size}")
+        if bi.slots_in_batch and max(bi.slots_in_batch) >= weights.num_slots:
+            raise ValueError(f"the batch uses slot {max(bi.slots_in_batch)} but the packed weights hold "
+                             f"{weights.num_slots} slots")
+        out = torch.zeros(input_ids.shape[0], weights.offsets[-1], dtype=weights.a.dtype, device=weights.a.device) \
+            if base_output is None else base_output
+        if out.dim() != 2 or tuple(out.shape) != (input_ids.shape[0], weights.offsets[-1]) or out.stride(1) != 1:
+            raise ValueError(f"base_output must be ({input_ids.shape[0]}, {weights.offsets[-1]}) with unit "
+                             f"column stride, got {tuple(out.shape)}")
+        ranks, scalings = self._tables(bi, 1, layer_ranks, layer_scalings, weights.num_slots)
+        return self._packed_embedding(input_ids, weights, vocab_size, ranks, scalings, out, bi)
 
     @staticmethod
     def _join_b(parts, n):

@@ -68,6 +68,22 @@ class TorchNativeLoRABackend(SegmentedLoRABackend):
                 out[rows, lo:hi] = (out[rows, lo:hi].float() + delta).to(out.dtype)
         return out
 
+    def _packed_embedding(self, input_ids, weights, vocab_size, ranks, scalings, out, bi):
+        ranks_host, scal_host = ranks.tolist(), scalings.tolist()
+        a_rows, b_offs = weights.a_rows.tolist(), weights.b_offs.tolist()
+        for slot in bi.slots_in_batch:
+            rank = ranks_host[slot][0]
+            if rank == 0:
+                continue
+            rows = self._rows_of(bi, slot)
+            ids = input_ids[rows].long()
+            rows = rows[ids < vocab_size]  # added tokens get no delta here (as the kernel)
+            a = weights.a_view(a_rows[slot][0], rank)
+            y = a[:, ids[ids < vocab_size]].T.float()
+            delta = (y @ weights.b_view(b_offs[slot][0], 0, rank).float().T) * scal_host[slot][0]
+            out[rows] = (out[rows].float() + delta).to(out.dtype)
+        return out
+
     def _embedding_a(self, input_ids, weights, vocab_size, extra, bi):
         rank = weights.shape[1]
         out = torch.zeros(input_ids.shape[0], rank, dtype=weights.dtype, device=weights.device)

@@ -128,6 +128,16 @@ class TritonLoRABackend(SegmentedLoRABackend):
         return _ops.lora_expand(y, w.b, w.offsets, ranks, scalings, out, *plan, block_m=bi.block_m,
                                 check=False, b_offs=w.b_offs, b_align=w.align)
 
+    def _packed_embedding(self, input_ids, weights, vocab_size, ranks, scalings, out, bi):
+        w = weights
+        self._check_place("packed embedding A and B", bi, input_ids, w.a, w.b, w.a_rows, w.b_offs, ranks,
+                          scalings, out)
+        y = _ops.lora_embedding_a(input_ids, w.a, bi.token_slot, vocab_size, check=False,
+                                  a_rows=w.a_rows, ranks=ranks, max_rank=w.max_rank)
+        return _ops.lora_expand(y, w.b, w.offsets, ranks, scalings, out, bi.sorted_token_ids, bi.chunk_slot,
+                                bi.chunk_start, bi.chunk_len, block_m=bi.block_m, check=False,
+                                b_offs=w.b_offs, b_align=w.align)
+
     def _embedding_a(self, input_ids, weights, vocab_size, extra, bi):
         """input_ids (s,), weights (num_slots, rank, vocab) -> (s, rank); ids in neither table
         give zeros (the torch backend raises; a kernel cannot without a host sync)."""

@@ -4,13 +4,11 @@
 model. ``SitePool`` holds, for one LoRA *site* (a single LoRA layer, or a fused q/k/v or gate/up
 group), the stacks the backend reads:
 
-- linear sites: ``packed``, each adapter at its own rank and only for the modules it targets
-  (``backend.packed``): ``lora_a`` a (rows, in) arena, ``lora_b`` a flat one, and tables of where
-  each (slot, module) block starts. Module j has its own region of both arenas, sized for the
-  largest blocks that can be resident at once (all adapters, or the ``num_slots`` largest), and
-  a ``RowArena`` places blocks in it as adapters take slots;
-- embedding sites keep padded stacks: ``lora_a`` (num_slots, R, vocab), ``lora_b``
-  (num_slots, out, R);
+- ``packed``: each adapter at its own rank and only for the modules it targets
+  (``backend.packed``): ``lora_a`` a (rows, in) arena (in: the vocabulary for an embedding),
+  ``lora_b`` a flat one, and tables of where each (slot, module) block starts. Module j has its own
+  region of both arenas, sized for the largest blocks that can be resident at once (all adapters,
+  or the ``num_slots`` largest), and a ``RowArena`` places blocks in it as adapters take slots;
 - ``ranks`` / ``scalings``: (num_slots, c), 0 rank for a module an adapter does not target.
 
 The stacks are copies of PEFT's weights, kept current in two ways:
@@ -108,7 +106,7 @@ class SitePool:
 
     def adapter_nbytes(self) -> int:
         """The adapters' own weights for this site, in the stacks' dtype (every adapter fastlora
-        serves, resident or not; the stacks hold the resident ones, embedding stacks padded)."""
+        serves, resident or not; the stacks hold the resident ones)."""
         if self.lora_a is None:
             return 0
         esize = self.lora_a.element_size()
@@ -188,7 +186,7 @@ class SitePool:
         for name, by_module in (stored or {}).items():
             for j, (a, b, scaling) in by_module.items():
                 add(name, j, a, b, scaling, True)
-        # R: the shrink output's width per module (and the padded embedding stacks' rank)
+        # R: the width per module of the shrink output (or of an embedding lookup)
         r = max([1] + [x for row in self._ranks_of.values() for x in row])
         self.max_rank = r
         self.copies, self._fixed, self.unsupported, self._view_cache = {}, {}, {}, {}
@@ -197,11 +195,8 @@ class SitePool:
         self._slot_a_rows = [[0] * c for _ in range(n_slots)]
         self._slot_b_offs = [[0] * c for _ in range(n_slots)]
         self._slot_name = {}
-        if self.embedding:  # A is stored (rank, vocab) as PEFT does: padded stacks
-            self.lora_a = torch.zeros(n_slots, r, self.in_features, dtype=dtype, device=device)
-            self.lora_b = torch.zeros(n_slots, self.offsets[-1], r, dtype=dtype, device=device)
-        else:
-            self._allocate_packed(n_slots, dtype, device)
+        # for an embedding, "in" is the vocabulary and A blocks are (rank, vocab) as PEFT stores them
+        self._allocate_packed(n_slots, dtype, device)
         for slot, name in enumerate(registry.resident):
             if name is not None:
                 self._place(slot, name)
@@ -210,12 +205,11 @@ class SitePool:
         self._tables = torch.empty(self._table_words(), dtype=torch.int32, device=device)
         self.ranks, self.scalings, a_rows, b_offs = self._table_views(self._tables)
         self._write_tables()
-        if not self.embedding:
-            self.packed = PackedWeights(
-                self.lora_a, self.lora_b, a_rows, b_offs, r, tuple(self.offsets),
-                # all ranks multiples of 8: so is every block's place (sums of ranks), and B's rows
-                # load 16 bytes at a time
-                align=block_align(x for row in self._ranks_of.values() for x in row))
+        self.packed = PackedWeights(
+            self.lora_a, self.lora_b, a_rows, b_offs, r, tuple(self.offsets),
+            # all ranks multiples of 8: so is every block's place (sums of ranks), and B's rows
+            # load 16 bytes at a time
+            align=block_align(x for row in self._ranks_of.values() for x in row))
         self._signature = self._current_signature(registry)
         self._watched = self._watch()
         self._registry_names = list(registry.names)
@@ -245,13 +239,12 @@ class SitePool:
         room: their weights are moved on the device here, their views are stale."""
         moved = set()
         self._slot_name[slot] = name
-        if not self.embedding:
-            for arena in self._arenas:
-                arena.free(slot)
-            for j, a, _, _ in self._sources.get(name, ()):
-                moves = self._arenas[j].alloc(slot, a.shape[0])
-                self._move_blocks(j, moves)
-                moved |= set(moves)
+        for arena in self._arenas:
+            arena.free(slot)
+        for j, a, _, _ in self._sources.get(name, ()):
+            moves = self._arenas[j].alloc(slot, a.shape[0])
+            self._move_blocks(j, moves)
+            moved |= set(moves)
         self._slot_ranks[slot] = list(self._ranks_of.get(name, [0] * self.stack_num))
         self._slot_scalings[slot] = list(self._scalings_of.get(name, [0.0] * self.stack_num))
         reason = self._unsupported_of.get(name)
@@ -282,21 +275,15 @@ class SitePool:
         pairs, fixed = [], []
         for j, a, b, registered in self._sources.get(self._slot_name[slot], ()):
             k = a.shape[0]
-            if self.embedding:
-                start = slot
-            else:
-                start = self._arenas[j].start_of(slot)
-                self._slot_a_rows[slot][j] = self._a_base[j] + start
-                self._slot_b_offs[slot][j] = self._b_base[j] + start * self.out_features[j]
+            start = self._arenas[j].start_of(slot)
+            self._slot_a_rows[slot][j] = self._a_base[j] + start
+            self._slot_b_offs[slot][j] = self._b_base[j] + start * self.out_features[j]
             views = self._view_cache.get((j, start, k))
             if views is None:  # the same (module, place, rank) views serve every adapter that comes
                 if len(self._view_cache) > 4096:
                     self._view_cache.clear()
-                if self.embedding:
-                    views = (self.lora_a[slot, :k], self.lora_b[slot, :, :k])
-                else:
-                    views = (self.packed_view_a(slot, j, k), self.packed_view_b(slot, j, k))
-                self._view_cache[(j, start, k)] = views
+                views = self._view_cache[(j, start, k)] = (self.packed_view_a(slot, j, k),
+                                                           self.packed_view_b(slot, j, k))
             (fixed if registered else pairs).extend(zip(views, (a, b)))
         self.copies[slot] = pairs  # PEFT's parameters: copied again at every call that uses them
         self._fixed[slot] = fixed

@@ -225,11 +225,9 @@ class EmbeddingSite(_OneLayerSite):
     kind = "embedding"
 
     def _add_lora(self, state, base, x, out, pool, bi):
-        after_a = state.backend.run_lora_a_embedding(x.reshape(-1).contiguous(), pool.lora_a,
-                                                     base.num_embeddings, batch_info=bi)
-        return state.backend.run_lora_b_sgemm(after_a, pool.lora_b, base_output=out,
-                                              layer_ranks=pool.ranks, layer_scalings=pool.scalings,
-                                              batch_info=bi)
+        return state.backend.run_packed_embedding_lora(
+            x.reshape(-1).contiguous(), pool.packed, base.num_embeddings, base_output=out,
+            layer_ranks=pool.ranks, layer_scalings=pool.scalings, batch_info=bi)
 
 
 class FusedSite(Site):

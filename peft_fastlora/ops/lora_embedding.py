@@ -1,7 +1,9 @@
 """LoRA of an embedding layer: a per-token column lookup of A, and the rows of added tokens.
 
 Both read each token's slot from ``token_slot`` (-1: no adapter) rather than from the chunk plan:
-a lookup has no tile to share between tokens, so one program simply takes a block of tokens.
+a lookup has no tile to share between tokens, so one program simply takes a block of tokens. The
+lookup's A comes padded, ``(num_slots, rank, vocab)``, or packed (``backend.packed``): a
+``(rows, vocab)`` arena with each slot's first row and rank in tables.
 """
 
 from __future__ import annotations
@@ -17,18 +19,21 @@ import triton.language as tl
 def _lora_embedding_a_kernel(
     # pointers
     ids_ptr,  # (s,) int32 / int64
-    w_ptr,  # (num_slots, rank, vocab)
+    w_ptr,  # padded: (num_slots, rank, vocab); packed: (rows, vocab)
     extra_ptr,  # (num_slots, n_extra, rank); ignored unless HAS_EXTRA
     out_ptr,  # (s, rank)
+    a_rows_ptr, ranks_ptr,  # packed: each slot's first row and rank (column 0 of (num_slots, c) tables)
     # dimensions
     s, rank, vocab, n_extra, num_slots,
     # strides
     stride_wl, stride_wr, stride_wv,
     stride_el, stride_ee, stride_er,
     stride_os, stride_or,
+    stride_tl,  # row stride of the packed tables
     # batch info
     token_slot_ptr,  # (s,) int32
     # meta-parameters
+    PACKED: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -42,9 +47,15 @@ def _lora_embedding_a_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     in_vocab = has & (ids >= 0) & (ids < vocab)
-    w = tl.load(w_ptr + slot64[:, None] * stride_wl + offs_r[None, :] * stride_wr
-                + ids[:, None] * stride_wv,
-                mask=in_vocab[:, None] & r_mask[None, :], other=0.0)
+    if PACKED:  # rows past the slot's own rank belong to another block: not read
+        row0 = tl.load(a_rows_ptr + slot64 * stride_tl, mask=has, other=0).to(tl.int64)
+        rk = tl.load(ranks_ptr + slot64 * stride_tl, mask=has, other=0)
+        w = tl.load(w_ptr + (row0[:, None] + offs_r[None, :]) * stride_wr + ids[:, None] * stride_wv,
+                    mask=in_vocab[:, None] & r_mask[None, :] & (offs_r[None, :] < rk[:, None]), other=0.0)
+    else:
+        w = tl.load(w_ptr + slot64[:, None] * stride_wl + offs_r[None, :] * stride_wr
+                    + ids[:, None] * stride_wv,
+                    mask=in_vocab[:, None] & r_mask[None, :], other=0.0)
     if HAS_EXTRA:
         e_idx = ids - vocab
         is_extra = has & (e_idx >= 0) & (e_idx < n_extra)
@@ -101,12 +112,17 @@ def lora_embedding_a(
     block_t: Optional[int] = None,
     num_warps: int = 4,
     check: bool = True,
+    a_rows: Optional[torch.Tensor] = None,
+    ranks: Optional[torch.Tensor] = None,
+    max_rank: Optional[int] = None,
 ) -> torch.Tensor:
     """``out[t] = weights[slot_t, :, id_t]`` (or ``extra_embeddings[slot_t, id_t - vocab_size]``).
 
     Args:
         input_ids: (s,) int32 or int64.
-        weights: (num_slots, rank, vocab_size).
+        weights: (num_slots, rank, vocab_size); or packed, (rows, vocab_size) with ``a_rows`` and
+            ``ranks`` ((num_slots, c) tables, column 0 read: int32 first rows and ranks; columns
+            past a slot's rank are zero) and ``max_rank`` (the output's width).
         token_slot: (s,) int32, -1 for tokens with no adapter.
         vocab_size: ids at or past it are added tokens.
         extra_embeddings: (num_slots, n_extra, rank) or None.
@@ -115,7 +131,15 @@ def lora_embedding_a(
         neither table (the kernel cannot raise without a host sync).
     """
     s = input_ids.shape[0]
-    num_slots, rank, vocab = weights.shape
+    packed = a_rows is not None
+    if packed:
+        num_slots, rank, vocab = a_rows.shape[0], int(max_rank), weights.shape[1]
+        if check and (weights.dim() != 2 or ranks is None or a_rows.stride() != ranks.stride()
+                      or a_rows.dtype != torch.int32 or ranks.dtype != torch.int32):
+            raise ValueError("lora_embedding_a: packed A must be (rows, vocab) with int32 row and rank "
+                             "tables of one layout")
+    else:
+        num_slots, rank, vocab = weights.shape
     if check and (vocab != vocab_size or token_slot.shape[0] < s):
         raise ValueError(f"lora_embedding_a: weights {tuple(weights.shape)}, vocab_size {vocab_size}"
                          f" and token_slot {tuple(token_slot.shape)} do not agree")
@@ -127,13 +151,16 @@ def lora_embedding_a(
     n_extra = extra_embeddings.shape[1] if has_extra else 0
     es = extra.stride() if has_extra else (0, 0, 0)
     block_t = block_t or (16 if s <= 256 else 64)
+    ws = (0,) + weights.stride() if packed else weights.stride()
     _lora_embedding_a_kernel[(triton.cdiv(s, block_t),)](
-        input_ids, weights, extra, out,
+        input_ids, weights, extra, out, a_rows if packed else token_slot, ranks if packed else token_slot,
         s, rank, vocab, n_extra, num_slots,
-        weights.stride(0), weights.stride(1), weights.stride(2),
+        *ws,
         es[0], es[1], es[2],
         out.stride(0), out.stride(1),
+        a_rows.stride(0) if packed else 0,
         token_slot,
+        PACKED=packed,
         HAS_EXTRA=has_extra,
         BLOCK_T=block_t,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),
