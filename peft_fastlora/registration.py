@@ -17,7 +17,7 @@ import torch
 
 from . import _compat
 from .lora.slots import BASE
-from .lora.store import build_stored, read_folder
+from .lora.store import SCAFFOLD_ADAPTER, build_stored, read_folder
 
 logger = logging.getLogger("peft_fastlora")
 
@@ -91,7 +91,7 @@ def register_adapters(model, adapters: Mapping[str, object]) -> None:
                     stored.name, stored.source, len(stored.modules), stored.nbytes() / 2**20)
 
 
-LAYERS_ADAPTER = "fastlora_layers"  # from_folders: the PEFT adapter of zeros that makes the LoRA layers
+LAYERS_ADAPTER = SCAFFOLD_ADAPTER  # from_folders: the PEFT adapter of zeros that makes the LoRA layers
 
 
 def from_folders(base_model, adapters, **patch_kwargs):

@@ -23,6 +23,7 @@ from .base_ops import BaseOps, install_base_ops
 from .batch import ForwardBatch, TokenSegments
 from .lora.fusion import find_groups
 from .lora.pool import AdapterRegistry, SitePool, ValueRefresher, copy_values
+from .lora.store import SCAFFOLD_ADAPTER
 from .lora.watch import AdapterWatch
 from .lora.sites import EmbeddingSite, FusedSite, LinearSite, Site
 from .options import PatchOptions
@@ -246,7 +247,7 @@ class FastLoRAState:
         names |= self._servable_stored(names)
         self.registry = AdapterRegistry(names, num_slots=self.options.max_loras_per_batch)
         self._ensure_backend(backend_name)
-        report = PatchReport(backend=backend_name, device=str(self.device), adapters=list(self.registry.names),
+        report = PatchReport(backend=backend_name, device=str(self.device), adapters=self._users_adapters(),
                              gpu_slots=self.registry.describe(), registered=len(self.stored),
                              store_bytes=sum(a.nbytes() for a in self.stored.values()))
 
@@ -374,7 +375,7 @@ class FastLoRAState:
         self.registry = AdapterRegistry(set(self._peft_names) | set(self.stored),
                                         num_slots=self.options.max_loras_per_batch)
         self._ensure_backend(self.backend.name)
-        report.adapters = list(self.registry.names)
+        report.adapters = self._users_adapters()
         report.registered = len(self.stored)
         report.store_bytes = sum(a.nbytes() for a in self.stored.values())
         for site in self.sites:
@@ -492,6 +493,10 @@ class FastLoRAState:
             dtype = site.pool.lora_a.dtype if site.pool.lora_a is not None else self._site_dtype(site)
             if site.pool.stale(self.registry, dtype, names):
                 self._rebuild_pool(site, dtype)
+
+    def _users_adapters(self) -> list:
+        """The adapters served, for reports: without ``from_folders``' layer-making adapter of zeros."""
+        return [n for n in self.registry.names if n != SCAFFOLD_ADAPTER]
 
     def refresh_values(self, adapter_names: Optional[Sequence[str]]):
         """Put these adapters in GPU slots (where the model has fewer slots than adapters), then

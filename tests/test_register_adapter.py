@@ -366,6 +366,8 @@ def test_from_folders_serves_a_folder_of_adapters(folders, tmp_path):
     m = fastlora.from_folders(tiny_llama(), str(root), max_loras_per_batch=2)
     state = get_state(m)
     assert sorted(state.stored) == ["emb", "ql", "rs", "wide"] and list(m.peft_config) == ["fastlora_layers"]
+    # the layer-making adapter of zeros is served (it changes nothing) but not reported as the user's
+    assert state.report.adapters == ["emb", "ql", "rs", "wide"] and "for 4 adapters" in str(state.report)
     ref = PeftModel.from_pretrained(tiny_llama(), folders["ql"], adapter_name="ql")
     for name in ("rs", "wide", "emb"):
         ref.load_adapter(folders[name], adapter_name=name)

@@ -25,6 +25,9 @@ from torch import nn
 from .._compat import LoraEmbedding, base_layer_of, embed_scale, linear_in_out
 
 CONFIG_FILE = "adapter_config.json"
+# ``from_folders``' PEFT adapter of rank 1 and zero weights that makes the LoRA layers: served (it
+# changes nothing) but not one of the user's adapters, so reports leave it out
+SCAFFOLD_ADAPTER = "fastlora_layers"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_embedding_A": "A", ".lora_embedding_B": "B"}
 # LoraConfig fields whose non-default values fastlora's kernels do not compute
