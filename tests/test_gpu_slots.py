@@ -177,12 +177,11 @@ def test_what_slots_keep_stays_bounded_over_many_swaps():
     fastlora.patch(m, max_loras_per_batch=2)
     state = get_state(m)
     rng = random.Random(9)
-    ranks = {r for _, _, r, _ in ADAPTERS}
 
     def kept():
         pools = [site.pool for site in state.sites]
-        for p in pools:  # views: one per (slot, module, rank) at most
-            assert len(p._view_cache) <= 2 * p.stack_num * len(ranks), len(p._view_cache)
+        for p in pools:  # views: a bounded cache, whatever the places and ranks seen
+            assert len(p._view_cache) <= 4 * p.num_slots * p.stack_num, len(p._view_cache)
         return (sum(len(p.copies) + len(p._fixed) for p in pools), len(state._watches),
                 len(state._refresher._merged), tuple(state.registry._recent) != (), len(state.registry.slot))
 

@@ -280,8 +280,8 @@ class SitePool:
             self._slot_b_offs[slot][j] = self._b_base[j] + start * self.out_features[j]
             views = self._view_cache.get((j, start, k))
             if views is None:  # the same (module, place, rank) views serve every adapter that comes
-                if len(self._view_cache) > 4096:
-                    self._view_cache.clear()
+                if len(self._view_cache) >= 4 * len(self._slot_ranks) * self.stack_num:
+                    self._view_cache.clear()  # bounded: places and ranks vary with the traffic
                 views = self._view_cache[(j, start, k)] = (self.packed_view_a(slot, j, k),
                                                            self.packed_view_b(slot, j, k))
             (fixed if registered else pairs).extend(zip(views, (a, b)))
