@@ -128,10 +128,13 @@ def test_blocks_moved_by_compaction_are_copied_again_from_the_cpu_store(folders,
         return moved
 
     monkeypatch.setattr(arena_module.RowArena, "alloc", counted)
+    from test_gpu_slots import _check_pool_invariants
+
     rng = random.Random(11)
     for call in range(40):
         used = rng.sample(registered, 2)
         _same(m, ref, used + [rng.choice(used + ["__base__"])], seed=call)
+        _check_pool_invariants(get_state(m))
     assert moves, "no compaction happened: the test exercised nothing"
 
 
