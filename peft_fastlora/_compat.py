@@ -68,35 +68,53 @@ def is_dtensor(t) -> bool:
     return isinstance(t, _DTENSOR)
 
 
-_TP_SHARD_DIM = {"colwise": 0, "rowwise": 1}  # which dim of the base weight each plan splits
+# which dim of the sharded adapter weight each plan splits (B's rows, A's columns), and of the base
+# weight (the embedding's weight is (vocab, dim))
+_TP_SHARD_DIM = {"colwise": 0, "rowwise": 1, "colwise_gather": 0, "vocab": 1}
+_TP_BASE_DIM = {"colwise": 0, "rowwise": 1, "colwise_gather": 0, "vocab": 0}
 
 
 def tp_style(layer: nn.Module) -> Optional[str]:
-    """"colwise" or "rowwise" for a LoRA Linear whose base ``nn.Linear`` transformers' TP shards
-    by output rows or input columns, and whose adapters fastlora can serve from this rank's
-    shards; None otherwise (not sharded, or a layout fastlora does not serve).
+    """How transformers' TP shards this LoRA layer's base, where fastlora can serve its adapters
+    from this rank's shards; None otherwise (not sharded, or a layout fastlora does not serve):
 
-    Adapters come two ways: sharded by PEFT to match the base layer (B by rows, or A by columns,
-    as DTensors: PEFT >= 0.21.2), or whole on every rank (older PEFT, whose own forward then fails
-    on the sharded base); ``lora_weights`` then takes this rank's slice."""
+    - "colwise" / "rowwise": an ``nn.Linear`` sharded by output rows / input columns;
+    - "colwise_gather": an ``nn.Linear`` sharded by output rows whose output is gathered
+      (``colwise_gather_output``: the LM head);
+    - "vocab": an ``nn.Embedding`` sharded by vocabulary rows (each rank looks up its ids, the
+      ranks' lookups are summed).
+
+    Adapters come sharded by PEFT to match the base layer (B by rows, or A by columns, as DTensors
+    or plain local tensors: PEFT >= 0.21.2), or whole on every rank (older PEFT, whose own forward
+    then fails on the sharded base); ``lora_weights`` then takes this rank's slice."""
     base = base_layer_of(layer)
-    if type(layer) is not LoraLinear or type(base) is not nn.Linear or not is_dtensor(base.weight):
+    if not is_dtensor(getattr(base, "weight", None)):
         return None
     dims = [getattr(p, "dim", None) for p in base.weight.placements]
-    plan = {0: "colwise", 1: "rowwise"}.get(dims[0]) if len(dims) == 1 else None
     declared = getattr(base, "_hf_tp_plan", None)
-    if plan is None or (declared is not None and declared != plan):
+    if type(layer) is LoraEmbedding and type(base) is nn.Embedding:
+        plain = base.max_norm is None and not base.sparse and embed_scale(layer) is None
+        plan, sharded = ("vocab", "lora_embedding_A") if dims == [0] and plain else (None, None)
+    elif type(layer) is LoraLinear and type(base) is nn.Linear:
+        plan = {0: "colwise", 1: "rowwise"}.get(dims[0]) if len(dims) == 1 else None
+        if plan == "colwise" and declared == "colwise_gather_output":
+            plan = "colwise_gather"
+        elif declared is not None and declared != plan:
+            plan = None
+        sharded = "lora_B" if plan in ("colwise", "colwise_gather") else "lora_A"
+    else:
         return None
-    sharded = "lora_B" if plan == "colwise" else "lora_A"
-    for name in layer.lora_A.keys():
-        for which in ("lora_A", "lora_B"):
-            w = getattr(layer, which)[name].weight
+    if plan is None or tp_shard_range(base.weight) is None:
+        return None
+    d = _TP_SHARD_DIM[plan]
+    full, mine = base.weight.shape[_TP_BASE_DIM[plan]], local(base.weight).shape[_TP_BASE_DIM[plan]]
+    for which in (("lora_embedding_A", "lora_embedding_B") if plan == "vocab" else ("lora_A", "lora_B")):
+        for name, entry in getattr(layer, which).items():
+            w = entry if isinstance(entry, torch.Tensor) else entry.weight
             if is_dtensor(w) and which != sharded:
                 return None
-            if which == sharded and not is_dtensor(w) and w.shape[_TP_SHARD_DIM[plan]] != base.weight.shape[_TP_SHARD_DIM[plan]]:
+            if which == sharded and not is_dtensor(w) and w.shape[d] not in (full, mine):
                 return None
-    if tp_shard_range(base.weight) is None:
-        return None
     return plan
 
 
@@ -113,18 +131,20 @@ def tp_shard_range(weight) -> Optional[Tuple[int, int]]:
 
 
 def _tp_local_adapter(layer: nn.Module, which: str, w: torch.Tensor) -> torch.Tensor:
-    """This rank's part of an adapter weight: a DTensor's shard, or the slice of a whole weight
-    matching the base layer's shard (B's rows for colwise, A's columns for rowwise)."""
+    """This rank's part of an adapter weight: a DTensor's shard, a local shard as PEFT left it, or
+    the slice of a whole weight matching the base layer's shard (B's rows for colwise plans, A's
+    columns for rowwise and the embedding's vocabulary)."""
     if is_dtensor(w):
         return w.to_local()
     base_w = getattr(base_layer_of(layer), "weight", None)
     if not is_dtensor(base_w):
         return w
     plan = tp_style(layer)
-    if (plan, which) not in (("colwise", "B"), ("rowwise", "A")):
+    if (plan, which) not in (("colwise", "B"), ("colwise_gather", "B"), ("rowwise", "A"), ("vocab", "A")):
         return w
     start, length = tp_shard_range(base_w)
-    return w.narrow(_TP_SHARD_DIM[plan], start, length)
+    d = _TP_SHARD_DIM[plan]
+    return w if w.shape[d] == length and base_w.shape[_TP_BASE_DIM[plan]] != length else w.narrow(d, start, length)
 
 
 def tp_group(layer: nn.Module):
@@ -145,6 +165,49 @@ def tp_rowwise_finish(base: nn.Module, partial: torch.Tensor, group) -> torch.Te
     torch.distributed.all_reduce(partial, group=group)
     bias = base._parameters.get("bias")
     return partial if bias is None else partial + local(bias)
+
+
+def tp_gather_partial(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """This rank's output columns of a ``colwise_gather_output`` layer (its rows of the weight and
+    of the bias), before the gather."""
+    bias = base._parameters.get("bias")
+    return torch.nn.functional.linear(x, local(base.weight), None if bias is None else local(bias))
+
+
+def tp_gather_finish(base: nn.Module, partial: torch.Tensor, group) -> torch.Tensor:
+    """The full output of a ``colwise_gather_output`` layer from the ranks' columns (torch's
+    chunking: equal chunks, the last ones shorter, padded for the all-gather)."""
+    start, length = tp_shard_range(base.weight)
+    full = base.weight.shape[0]
+    ranks = torch.distributed.get_world_size(group)
+    chunk = -(-full // ranks)
+    if length < chunk:
+        partial = torch.nn.functional.pad(partial, (0, chunk - length))
+    parts = [torch.empty_like(partial) for _ in range(ranks)]
+    torch.distributed.all_gather(parts, partial.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)[..., :full]
+
+
+def tp_vocab_ids(base: nn.Module, ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """(this rank's local ids, which of them it holds, its vocabulary length) for an embedding
+    sharded by vocabulary rows; ids it does not hold become the length (past its shard)."""
+    start, length = tp_shard_range(base.weight)
+    loc = ids - start
+    inside = (loc >= 0) & (loc < length)
+    return torch.where(inside, loc, torch.full_like(loc, length)), inside, length
+
+
+def tp_vocab_partial(base: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a vocabulary-sharded embedding's output: its rows for the ids it holds,
+    zeros for the others (the ranks' parts are then summed)."""
+    loc, inside, length = tp_vocab_ids(base, ids)
+    rows = torch.nn.functional.embedding(loc.clamp_max(length - 1), local(base.weight))
+    return rows * inside.unsqueeze(-1).to(rows.dtype)
+
+
+def tp_sum(partial: torch.Tensor, group) -> torch.Tensor:
+    torch.distributed.all_reduce(partial, group=group)
+    return partial
 
 
 def repoint_local(param: torch.Tensor, storage: torch.Tensor) -> None:
@@ -272,8 +335,8 @@ def lora_weights(layer: nn.Module) -> Dict[str, Tuple[torch.Tensor, torch.Tensor
     if isinstance(layer, LoraEmbedding):
         scale = embed_scale(layer) or 1.0
         for name in layer.lora_embedding_A.keys():
-            out[name] = (layer.lora_embedding_A[name], layer.lora_embedding_B[name],
-                         float(layer.scaling[name]) * scale)
+            out[name] = (_tp_local_adapter(layer, "A", layer.lora_embedding_A[name]),
+                         layer.lora_embedding_B[name], float(layer.scaling[name]) * scale)
         return out
     for name in layer.lora_A.keys():
         if name not in layer.lora_B:

@@ -277,8 +277,9 @@ class FastLoRAState:
                 i, o = linear_in_out(base)
                 self.sites.append(LinearSite(name, [m], SitePool([m], [o], i), tp=_compat.tp_style(m)))
             elif type(m) is LoraEmbedding and isinstance(base, nn.Embedding):
-                self.sites.append(EmbeddingSite(name, [m], SitePool([m], [base.embedding_dim],
-                                                                     base.num_embeddings, embedding=True)))
+                vocab = _compat.local(base.weight).shape[0]  # this rank's rows under TP
+                self.sites.append(EmbeddingSite(name, [m], SitePool([m], [base.embedding_dim], vocab, embedding=True),
+                                                tp=_compat.tp_style(m)))
             else:
                 report.left_on_peft.append(
                     (name, f"{type(m).__module__}.{type(m).__name__} over {type(base).__name__} "

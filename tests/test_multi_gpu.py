@@ -27,9 +27,12 @@ pytestmark = [pytest.mark.gpu,
 NAMES = ["a0", "__base__", "a2", "a1", "a0"]
 
 
-@pytest.mark.parametrize("arch,ops", [("llama", "kernels"), ("qwen2", "kernels"), ("qwen2", "torch")])
-def test_tensor_parallel_two_gpus_graphs_equal_peft(tmp_path, arch, ops):
-    out = run_tp_worker(tmp_path, arch, "cuda", "auto", ops=ops)
+@pytest.mark.parametrize("arch,ops,heads", [("llama", "kernels", ""), ("qwen2", "kernels", ""), ("qwen2", "torch", ""),
+                                            ("llama", "kernels", "heads")])
+def test_tensor_parallel_two_gpus_graphs_equal_peft(tmp_path, arch, ops, heads):
+    """heads: an adapter on the vocabulary-sharded embedding and the gathered LM head too (their
+    collectives captured in the decode graphs)."""
+    out = run_tp_worker(tmp_path, arch, "cuda", "auto", ops=ops, heads=heads)
     assert "graphs=auto" in out and f"ops={ops}" in out
 
 

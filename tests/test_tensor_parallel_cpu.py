@@ -12,7 +12,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, layout: str = "peft", ops: str = "kernels",
-                  nproc: int = 2):
+                  nproc: int = 2, heads: str = ""):
     """torchrun ``_tp_worker.py`` on ``nproc`` ranks; asserts every rank reported ok."""
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
                # PEFT's mixed batch walks a set of adapter names; its order must be the same on
@@ -21,7 +21,7 @@ def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, layout: str = "
                # NVLink multicast stays off in every process (the device machines' rule)
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           os.path.join(HERE, "_tp_worker.py"), str(tmp_path / arch), arch, device, graphs, layout, ops]
+           os.path.join(HERE, "_tp_worker.py"), str(tmp_path / arch), arch, device, graphs, layout, ops, heads]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     for rank in range(nproc):
@@ -36,6 +36,14 @@ def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, layout: str = "
 def test_tensor_parallel_lora_equals_peft_unsharded(tmp_path, arch, layout, ops):
     pytest.importorskip("torch.distributed.tensor")
     run_tp_worker(tmp_path, arch, "cpu", "emulate", layout, ops)
+
+
+@pytest.mark.parametrize("layout", ["peft", "whole"])
+def test_lora_on_the_embedding_and_lm_head_under_tensor_parallelism(tmp_path, layout):
+    """An adapter on the vocabulary-sharded embedding and the gathered LM head too: PEFT's own
+    mixed batch fails there under TP; fastlora's path gives the unsharded model's results."""
+    pytest.importorskip("torch.distributed.tensor")
+    run_tp_worker(tmp_path, "llama", "cpu", "emulate", layout, "torch", heads="heads")
 
 
 def test_serve_tp_example(tmp_path):

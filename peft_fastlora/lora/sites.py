@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from .._compat import (base_layer_of, is_dtensor, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
-                      layer_is_merged, local, tp_group, tp_rowwise_finish, tp_rowwise_partial)
+                      layer_is_merged, local, tp_gather_finish, tp_gather_partial, tp_group, tp_rowwise_finish,
+                      tp_rowwise_partial, tp_sum, tp_vocab_ids, tp_vocab_partial)
 from .fusion import FusedGroup
 from .pool import SitePool
 
@@ -183,7 +184,7 @@ class _OneLayerSite(Site):
         result = self._base_output(base, x)
         pool = state.pool_for(self, x.dtype if x.is_floating_point() else result.dtype)
         out = self._add_lora(state, base, x, result.reshape(-1, result.shape[-1]), pool, bi)
-        return out.view(result.shape)
+        return out.view(*result.shape[:-1], out.shape[-1])  # (a gathered layer returns more columns)
 
     def _base_output(self, base, x):
         return base(x)
@@ -199,7 +200,8 @@ class LinearSite(_OneLayerSite):
     rank's shards. Colwise: the base layer returns this rank's output columns, and B's rows
     match them. Rowwise: this rank's input columns give a partial sum of the base output and,
     through A's columns, of the LoRA delta (the expand is linear); both are added before the one
-    all-reduce the layer makes without LoRA, then the bias.
+    all-reduce the layer makes without LoRA, then the bias. "colwise_gather" (the LM head): this
+    rank's output columns and their delta, then the one all-gather.
     """
 
     kind = "linear"
@@ -207,27 +209,51 @@ class LinearSite(_OneLayerSite):
     def __init__(self, name, members, pool, tp: Optional[str] = None):
         super().__init__(name, members, pool)
         self.tp = tp
-        self.tp_group = tp_group(members[0]) if tp == "rowwise" else None
+        self.tp_group = tp_group(members[0]) if tp in ("rowwise", "colwise_gather") else None
 
     def _base_output(self, base, x):
-        return tp_rowwise_partial(base, x) if self.tp == "rowwise" else base(x)
+        if self.tp == "rowwise":
+            return tp_rowwise_partial(base, x)
+        if self.tp == "colwise_gather":
+            return tp_gather_partial(base, x)
+        return base(x)
 
     def _add_lora(self, state, base, x, out, pool, bi):
         out = state.backend.run_packed_lora(_as_rows(x, x.shape[-1]).contiguous(), pool.packed,
                                             base_output=out, layer_ranks=pool.ranks,
                                             layer_scalings=pool.scalings, batch_info=bi)
-        return tp_rowwise_finish(base, out, self.tp_group) if self.tp == "rowwise" else out
+        if self.tp == "rowwise":
+            return tp_rowwise_finish(base, out, self.tp_group)
+        if self.tp == "colwise_gather":
+            return tp_gather_finish(base, out, self.tp_group)
+        return out
 
 
 class EmbeddingSite(_OneLayerSite):
-    """One PEFT LoRA ``Embedding``: a lookup in A, then the expand."""
+    """One PEFT LoRA ``Embedding``: a lookup in A, then the expand.
+
+    Under transformers' tensor parallelism (``tp`` "vocab": the vocabulary rows sharded), each rank
+    looks up the ids it holds in its rows of the base weight and of A (zeros for the others), adds
+    the delta, and the ranks' parts are summed: one all-reduce, as without LoRA."""
 
     kind = "embedding"
 
+    def __init__(self, name, members, pool, tp: Optional[str] = None):
+        super().__init__(name, members, pool)
+        self.tp = tp
+        self.tp_group = tp_group(members[0]) if tp == "vocab" else None
+
+    def _base_output(self, base, x):
+        return tp_vocab_partial(base, x) if self.tp == "vocab" else base(x)
+
     def _add_lora(self, state, base, x, out, pool, bi):
-        return state.backend.run_packed_embedding_lora(
-            x.reshape(-1).contiguous(), pool.packed, base.num_embeddings, base_output=out,
+        ids, vocab = x.reshape(-1), base.num_embeddings
+        if self.tp == "vocab":  # ids this rank does not hold are past its vocabulary: no delta
+            ids, _, vocab = tp_vocab_ids(base, ids)
+        out = state.backend.run_packed_embedding_lora(
+            ids.contiguous(), pool.packed, vocab, base_output=out,
             layer_ranks=pool.ranks, layer_scalings=pool.scalings, batch_info=bi)
+        return tp_sum(out, self.tp_group) if self.tp == "vocab" else out
 
 
 class FusedSite(Site):
