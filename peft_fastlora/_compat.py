@@ -74,7 +74,28 @@ _TP_SHARD_DIM = {"colwise": 0, "rowwise": 1, "colwise_gather": 0, "vocab": 1}
 _TP_BASE_DIM = {"colwise": 0, "rowwise": 1, "colwise_gather": 0, "vocab": 0}
 
 
-def tp_style(layer: nn.Module) -> Optional[str]:
+def declared_tp_plans(model: nn.Module) -> Dict[int, str]:
+    """id(module) -> the style the model's ``tp_plan`` declares for it (patterns with ``*`` for a
+    layer index, names relative to the transformers model). transformers 5.24 also marks each
+    sharded module (``_hf_tp_plan``); 5.17 does not, and only the plan tells a gathered LM head
+    from a plain column-sharded layer."""
+    import re
+
+    inner = unwrap_peft(model)
+    plan = getattr(inner, "tp_plan", None) or {}
+    if not isinstance(plan, dict) or not plan:
+        return {}
+    rules = [(re.compile(re.escape(p).replace(r"\*", r"[^.]+") + r"$"), style) for p, style in plan.items()]
+    out = {}
+    for name, m in inner.named_modules():
+        for rule, style in rules:
+            if rule.match(name):
+                out[id(m)] = style
+                break
+    return out
+
+
+def tp_style(layer: nn.Module, declared: Optional[str] = None) -> Optional[str]:
     """How transformers' TP shards this LoRA layer's base, where fastlora can serve its adapters
     from this rank's shards; None otherwise (not sharded, or a layout fastlora does not serve):
 
@@ -86,12 +107,13 @@ def tp_style(layer: nn.Module) -> Optional[str]:
 
     Adapters come sharded by PEFT to match the base layer (B by rows, or A by columns, as DTensors
     or plain local tensors: PEFT >= 0.21.2), or whole on every rank (older PEFT, whose own forward
-    then fails on the sharded base); ``lora_weights`` then takes this rank's slice."""
+    then fails on the sharded base); ``lora_weights`` then takes this rank's slice. ``declared``:
+    the model's plan for the layer (``declared_tp_plans``) where its base does not carry one."""
     base = base_layer_of(layer)
     if not is_dtensor(getattr(base, "weight", None)):
         return None
     dims = [getattr(p, "dim", None) for p in base.weight.placements]
-    declared = getattr(base, "_hf_tp_plan", None)
+    declared = getattr(base, "_hf_tp_plan", None) or declared
     if type(layer) is LoraEmbedding and type(base) is nn.Embedding:
         plain = base.max_norm is None and not base.sparse and embed_scale(layer) is None
         plan, sharded = ("vocab", "lora_embedding_A") if dims == [0] and plain else (None, None)

@@ -266,6 +266,7 @@ class FastLoRAState:
                 site_name = f"{g.parent_name}.{g.kind}" if g.parent_name else g.kind
                 self.sites.append(FusedSite(site_name, g, pool))
                 served |= {id(m) for m in g.members}
+        declared = _compat.declared_tp_plans(model)
         for name, m in lora_layers:
             if id(m) in served:
                 continue
@@ -275,7 +276,8 @@ class FastLoRAState:
                 report.left_on_peft.append((name, blocker))
             elif type(m) is LoraLinear and (isinstance(base, nn.Linear) or is_conv1d(base)):
                 i, o = linear_in_out(base)
-                self.sites.append(LinearSite(name, [m], SitePool([m], [o], i), tp=_compat.tp_style(m)))
+                self.sites.append(LinearSite(name, [m], SitePool([m], [o], i),
+                                             tp=_compat.tp_style(m, declared.get(id(m)))))
             elif type(m) is LoraEmbedding and isinstance(base, nn.Embedding):
                 vocab = _compat.local(base.weight).shape[0]  # this rank's rows under TP
                 self.sites.append(EmbeddingSite(name, [m], SitePool([m], [base.embedding_dim], vocab, embedding=True),
