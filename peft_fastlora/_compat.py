@@ -189,6 +189,36 @@ def tp_rowwise_finish(base: nn.Module, partial: torch.Tensor, group) -> torch.Te
     return partial if bias is None else partial + local(bias)
 
 
+def full_shape_in_out(base: nn.Module) -> Tuple[int, int]:
+    """(in, out) of the whole layer, sharded by TP or not (a registered adapter is saved whole)."""
+    if isinstance(base, nn.Linear) and is_dtensor(base.weight):
+        out_features, in_features = base.weight.shape
+        return in_features, out_features
+    if isinstance(base, nn.Embedding):
+        return base.weight.shape[0], base.weight.shape[1]
+    return linear_in_out(base)
+
+
+def full_weight(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a TP-sharded weight (a collective: every rank must call it)."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def tp_local_stored(layer: nn.Module, plan: Optional[str], a: torch.Tensor, b: torch.Tensor):
+    """This rank's part of a whole adapter (A, B) registered for a layer TP shards with ``plan``
+    (``tp_style``): B's rows for column-sharded layers, A's columns for row-sharded ones and the
+    vocabulary-sharded embedding; contiguous copies (pinned where the whole was)."""
+    if plan is None:
+        return a, b
+    start, length = tp_shard_range(base_layer_of(layer).weight)
+    if plan in ("colwise", "colwise_gather"):
+        b = b.narrow(0, start, length)
+    else:
+        a = a.narrow(1, start, length)
+    return tuple(t.contiguous().pin_memory() if t.is_pinned() and not t.is_contiguous() else t.contiguous()
+                 for t in (a, b))
+
+
 def tp_gather_partial(base: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """This rank's output columns of a ``colwise_gather_output`` layer (its rows of the weight and
     of the bias), before the gather."""

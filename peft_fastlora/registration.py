@@ -53,9 +53,6 @@ def register_adapters(model, adapters: Mapping[str, object]) -> None:
     each name to a folder path or to a ``(state_dict, LoraConfig)`` pair. All are checked first;
     if one is bad, none is registered."""
     state = _patched_state(model, "register_adapter")
-    why = _compat.tensor_parallel_reason(state.inner)
-    if why is not None:
-        raise ValueError(f"fastlora.register_adapter: not under tensor parallelism yet ({why})")
     if not state.sites or not state._takes_adapter_names:
         raise ValueError("fastlora.register_adapter: this model has LoRA layers on PEFT's path or no LoRA "
                          "layer fastlora serves (see the patch report); registered adapters need fastlora's "

@@ -79,6 +79,7 @@ class FastLoRAState:
         self.continuous = None  # continuous.engine.ContinuousBatchingHook
         # adapters registered by name (``fastlora.register_adapter``): kept across rebuilds
         self.stored: dict = {}  # name -> lora.store.StoredAdapter
+        self._stored_slices: dict = {}  # (id(adapter), module) -> this rank's (A, B) under TP
         self._peft_names: List[str] = []  # the adapters PEFT's layers hold, at the last build
         self._layer_names: dict = {}  # id(LoRA layer) -> its module name in the model
 
@@ -389,11 +390,21 @@ class FastLoRAState:
         out: dict = {}
         if not self.stored:
             return out
+        live = {id(a) for a in self.stored.values()}
+        for key in [k for k in self._stored_slices if k[0] not in live]:  # unregistered: forgotten
+            del self._stored_slices[key]
         for j, layer in enumerate(site.pool.layers):
             module = self._layer_names.get(id(layer)) if layer is not None else None
+            plan = getattr(site, "tp", None) if len(site.pool.layers) == 1 else _compat.tp_style(layer)
             for adapter in self.stored.values():
                 if module in adapter.modules:
-                    out.setdefault(adapter.name, {})[j] = adapter.modules[module]
+                    a, b, scaling = adapter.modules[module]
+                    if plan is not None:  # this rank's part, sliced once per adapter and module
+                        key = (id(adapter), module)
+                        if key not in self._stored_slices:
+                            self._stored_slices[key] = _compat.tp_local_stored(layer, plan, a, b)
+                        a, b = self._stored_slices[key]
+                    out.setdefault(adapter.name, {})[j] = (a, b, scaling)
         return out
 
     def _site_dtype(self, site: Site) -> torch.dtype:

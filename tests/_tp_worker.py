@@ -175,6 +175,20 @@ def main(path, arch, device_type, graphs, layout="peft", ops="kernels", heads=""
     stats = state.graph_runner.stats
     assert stats["replays"] > 0 and stats["eager_steps"] == 0 and stats["capture_failures"] == 0, stats
     assert calls  # the layers ran fastlora's path
+    # an adapter registered by name from a folder saved whole: each rank serves its part of it
+    torch.manual_seed(3)
+    ref.add_adapter("reg", LoraConfig(r=6, target_modules=TARGETS, init_lora_weights=False))
+    folder = os.path.join(path + "_saved", "reg")
+    if rank == 0:
+        ref.save_pretrained(path + "_saved", selected_adapters=["reg"])
+    dist.barrier()
+    fastlora.register_adapter(tp, "reg", folder)
+    for names in (["reg", "default", "__base__"], ["reg", "reg", "reg"]):
+        with torch.no_grad():
+            got = tp(ids, adapter_names=names).logits
+            want = ref(ids, adapter_names=names).logits
+        got = got.full_tensor() if isinstance(got, DTensor) else got
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     fastlora.unpatch(tp)
     print(f"rank {rank}: ok {arch} {device_type} graphs={graphs} layout={layout} ops={ops} heads={heads} "
           f"captures={stats['captures']} "

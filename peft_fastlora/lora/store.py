@@ -22,7 +22,7 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from .._compat import LoraEmbedding, base_layer_of, embed_scale, linear_in_out
+from .._compat import LoraEmbedding, base_layer_of, embed_scale, full_shape_in_out, full_weight
 
 CONFIG_FILE = "adapter_config.json"
 # ``from_folders``' PEFT adapter of rank 1 and zero weights that makes the LoRA layers: served (it
@@ -101,8 +101,8 @@ def _refused(config) -> Optional[str]:
 def _check_saved_base(key: str, tensor: torch.Tensor, layer: nn.Module, source: str) -> None:
     """PEFT saves a targeted embedding's base weights with the adapter (``save_embedding_layers``);
     loading them would change the base model under every adapter, so they must be the model's own."""
-    weight = base_layer_of(layer).weight
-    if tensor.shape != weight.shape or not torch.equal(tensor.to("cpu", weight.dtype), weight.detach().cpu()):
+    weight = full_weight(base_layer_of(layer).weight.detach())
+    if tensor.shape != weight.shape or not torch.equal(tensor.to("cpu", weight.dtype), weight.cpu()):
         raise ValueError(f"fastlora.register_adapter: {source}: {key!r} differs from the model's own weights "
                          f"(an adapter saved with its own embedding layer would change the base model for "
                          f"every adapter)")
@@ -143,11 +143,7 @@ def build_stored(name: str, config, state_dict: Mapping[str, torch.Tensor], sour
             raise ValueError(f"fastlora.register_adapter: {source}: {module!r} has no lora_{missing.pop()} weight")
         layer = layers[module]
         a, b = ab["A"], ab["B"]
-        base = base_layer_of(layer)
-        if isinstance(layer, LoraEmbedding):
-            fan_in, fan_out = base.num_embeddings, base.embedding_dim
-        else:
-            fan_in, fan_out = linear_in_out(base)
+        fan_in, fan_out = full_shape_in_out(base_layer_of(layer))  # the whole layer's, under TP too
         r = a.shape[0] if a.dim() == 2 else -1
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r) or r < 1:
             raise ValueError(
