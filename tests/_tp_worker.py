@@ -48,6 +48,16 @@ def build(path, tp: bool, device, heads: bool = False):
     return model.eval()
 
 
+def same_logits(tp, ref, ids, mixes):
+    """For each adapter mix, the sharded model's logits equal PEFT's on the unsharded one."""
+    for names in mixes:
+        with torch.no_grad():
+            got = tp(ids, adapter_names=names).logits
+            want = ref(ids, adapter_names=names).logits
+        got = got.full_tensor() if isinstance(got, DTensor) else got
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def main(path, arch, device_type, graphs, layout="peft", ops="kernels", heads=""):
     cuda = device_type == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -127,12 +137,7 @@ def main(path, arch, device_type, graphs, layout="peft", ops="kernels", heads=""
     # (with the embedding sharded: fastlora sums its ranks' lookups with one all_reduce where
     # transformers' own path makes its one reduction through a DTensor collective, not counted here)
     assert with_lora == without + emb_sharded and without > 0, (with_lora, without)
-    for names in (["default", "other", "__base__"], ["other", "other", "default"]):
-        with torch.no_grad():
-            got = tp(ids, adapter_names=names).logits
-            want = ref(ids, adapter_names=names).logits
-        got = got.full_tensor() if isinstance(got, DTensor) else got
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    same_logits(tp, ref, ids, (["default", "other", "__base__"], ["other", "other", "default"]))
     import importlib
 
     attention_op = importlib.import_module("peft_fastlora.ops.decode_attention")  # the module, not the function
@@ -183,12 +188,7 @@ def main(path, arch, device_type, graphs, layout="peft", ops="kernels", heads=""
         ref.save_pretrained(path + "_saved", selected_adapters=["reg"])
     dist.barrier()
     fastlora.register_adapter(tp, "reg", folder)
-    for names in (["reg", "default", "__base__"], ["reg", "reg", "reg"]):
-        with torch.no_grad():
-            got = tp(ids, adapter_names=names).logits
-            want = ref(ids, adapter_names=names).logits
-        got = got.full_tensor() if isinstance(got, DTensor) else got
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    same_logits(tp, ref, ids, (["reg", "default", "__base__"], ["reg", "reg", "reg"]))
     fastlora.unpatch(tp)
     print(f"rank {rank}: ok {arch} {device_type} graphs={graphs} layout={layout} ops={ops} heads={heads} "
           f"captures={stats['captures']} "
