@@ -56,6 +56,8 @@ if [[ $parts == *" multigpu "* ]]; then
     | tee "$OUT/multi_gpu_tests.log" | tail -30
   PYTHONHASHSEED=0 timeout 120 torchrun --standalone --nproc_per_node 2 examples/serve_tp.py 2>&1 \
     | grep -v -i warn | tee "$OUT/serve_tp_gpu.log" | tail -7
-  PYTHONHASHSEED=0 timeout 300 torchrun --standalone --nproc_per_node 2 benchmarks/bench_tp.py \
-    --model ${TP_MODEL:-8b} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_tp.log" | tail -14
+  if [[ ${TP_BENCH:-1} == 1 ]]; then
+    PYTHONHASHSEED=0 timeout 300 torchrun --standalone --nproc_per_node 2 benchmarks/bench_tp.py \
+      --model ${TP_MODEL:-8b} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_tp.log" | tail -14
+  fi
 fi

@@ -30,6 +30,7 @@ class PatchOptions:
     fuse_silu_mul: Tristate = "auto"
     fuse_kv_write: Tristate = "auto"
     engine_attention: str = "auto"  # "auto", "varlen" or "engine"
+    fold_shrink: Tristate = "auto"
 
     def __post_init__(self):
         if not isinstance(self.backend, str):
@@ -55,7 +56,8 @@ class PatchOptions:
             raise ValueError(f"cache_budget_bytes must be a non-negative int or None, got {self.cache_budget_bytes!r}")
         if self.engine_attention not in ("auto", "varlen", "engine"):
             raise ValueError(f"engine_attention must be 'auto', 'varlen' or 'engine', got {self.engine_attention!r}")
-        for name in ("decode_attention", "fuse_norms", "fuse_rotary", "fuse_silu_mul", "fuse_kv_write"):
+        for name in ("decode_attention", "fuse_norms", "fuse_rotary", "fuse_silu_mul", "fuse_kv_write",
+                     "fold_shrink"):
             if getattr(self, name) not in _TRISTATE:
                 raise ValueError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
 

@@ -27,7 +27,7 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
           graph_buckets: Optional[Sequence[int]] = None, max_graphs: Optional[int] = None,
           cache_budget_bytes: Optional[int] = None, decode_attention="auto",
           fuse_norms="auto", fuse_rotary="auto", fuse_silu_mul="auto",
-          fuse_kv_write="auto", engine_attention: str = "auto") -> PatchReport:
+          fuse_kv_write="auto", engine_attention: str = "auto", fold_shrink="auto") -> PatchReport:
     """Serve the LoRA adapters of ``model`` (a ``PeftModel``) through a fastlora backend.
 
     Args:
@@ -64,6 +64,11 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             each request's own keys, where it applies: CUDA, fp16 / bf16, transformers 5.17's
             engine; else the engine's own), ``"varlen"`` (always; off CUDA or in fp32 a slow
             per-request reference, for tests) or ``"engine"`` (the engine's own).
+        fold_shrink: store each site's LoRA A under its base weight, so that decode-sized
+            forwards get every adapter's shrink from the base GEMM itself and run only the expand
+            after it: ``"auto"`` (on CUDA), ``True`` or ``False``. A site folds while its A rows
+            add at most 1/8 of the base weight's rows (with many GPU slots of large rank, the
+            shrink kernel reads less); no folding under tensor parallelism yet.
     Returns:
         the ``PatchReport``. Patching a patched model with the same options returns its report;
         with other options it raises ``ValueError`` (``unpatch`` first).
@@ -73,7 +78,7 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         graph_buckets=DEFAULT_BUCKETS if graph_buckets is None else graph_buckets, max_graphs=max_graphs,
         cache_budget_bytes=cache_budget_bytes, decode_attention=decode_attention, fuse_norms=fuse_norms,
         fuse_rotary=fuse_rotary, fuse_silu_mul=fuse_silu_mul, fuse_kv_write=fuse_kv_write,
-        engine_attention=engine_attention)
+        engine_attention=engine_attention, fold_shrink=fold_shrink)
     state = get_state(model)
     if state is not None:
         diffs = state.options.differences(options)

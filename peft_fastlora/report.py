@@ -30,6 +30,7 @@ class PatchReport:
     continuous_batching: str = "off"  # per-request adapters in generate_batch: "on" or "off (why)"
     base_ops_skipped: List[Tuple[str, str, str]] = field(default_factory=list)  # (option, class, why)
     base_ops_off: Dict[str, str] = field(default_factory=dict)  # option -> why it is off
+    shrink_folded: str = "off"  # "N of M sites" whose decode shrink the base GEMM computes, or "off (why)"
 
     @property
     def num_patched_layers(self) -> int:
@@ -64,6 +65,8 @@ class PatchReport:
             line += f"; {n} group{'s' if n != 1 else ''} not fused"
         line += f"; decode graphs {self.cuda_graphs}; decode attention {self.decode_attention}"
         line += f"; continuous batching {self.continuous_batching}"
+        if self.adapters:
+            line += f"; shrink folded into the base GEMM: {self.shrink_folded}"
         ops = []
         for option, label, count in (("fuse_norms", "RMSNorm", self.fused_norms),
                                      ("fuse_rotary", "rotary", self.fused_rotary),

@@ -21,7 +21,7 @@ from ._compat import LoraEmbedding, LoraLinear, base_layer_of, is_conv1d, is_lor
 from .backend import get_backend, resolve_backend_name
 from .base_ops import BaseOps, install_base_ops
 from .batch import ForwardBatch, TokenSegments
-from .lora.fusion import find_groups
+from .lora.fusion import FusedGroup, find_groups, fusion_blocker
 from .lora.pool import AdapterRegistry, SitePool, ValueRefresher, copy_values
 from .lora.store import SCAFFOLD_ADAPTER
 from .lora.watch import AdapterWatch
@@ -253,6 +253,7 @@ class FastLoRAState:
                              store_bytes=sum(a.nbytes() for a in self.stored.values()))
 
         served = set()
+        fold_off = self._fold_blocker()
         if self.options.fuse:
             groups, blocked = find_groups(model)
             report.fusion_blocked = [(f"{name_of.get(id(model), '')}{g}", why) for g, why in blocked]
@@ -264,6 +265,8 @@ class FastLoRAState:
                 self.groups.append(g)
                 pool = SitePool([m if is_lora_layer(m) else None for m in g.members], g.out_features,
                                 g.in_features)
+                if fold_off is None and not any(_compat.is_dtensor(b.weight) for b in g.bases):
+                    pool.fold = g
                 site_name = f"{g.parent_name}.{g.kind}" if g.parent_name else g.kind
                 self.sites.append(FusedSite(site_name, g, pool))
                 served |= {id(m) for m in g.members}
@@ -277,8 +280,10 @@ class FastLoRAState:
                 report.left_on_peft.append((name, blocker))
             elif type(m) is LoraLinear and (isinstance(base, nn.Linear) or is_conv1d(base)):
                 i, o = linear_in_out(base)
-                self.sites.append(LinearSite(name, [m], SitePool([m], [o], i),
-                                             tp=_compat.tp_style(m, declared.get(id(m)))))
+                site = LinearSite(name, [m], SitePool([m], [o], i), tp=_compat.tp_style(m, declared.get(id(m))))
+                if fold_off is None and site.tp is None and fusion_blocker([base]) is None:
+                    site.pool.fold = FusedGroup("linear", name, (name,), [m], [base])
+                self.sites.append(site)
             elif type(m) is LoraEmbedding and isinstance(base, nn.Embedding):
                 vocab = _compat.local(base.weight).shape[0]  # this rank's rows under TP
                 self.sites.append(EmbeddingSite(name, [m], SitePool([m], [base.embedding_dim], vocab, embedding=True),
@@ -297,6 +302,8 @@ class FastLoRAState:
                         report.adapter_fallbacks.append((name_of.get(id(layer), "?"), adapter, why))
         self._drop_unservable_stored(report)
         report.sites = [(s.name, s.kind, len(s.lora_layers)) for s in self.sites]
+        folded = sum(s.pool.folded() for s in self.sites)
+        report.shrink_folded = fold_off or f"{folded} of {len(self.sites)} sites"
         report.stack_bytes = sum(s.pool.nbytes() for s in self.sites)
         report.adapter_bytes = sum(s.pool.adapter_nbytes() for s in self.sites)
         # every module PEFT would hand adapter_names to is a site: fastlora takes the names itself
@@ -407,6 +414,15 @@ class FastLoRAState:
                     out.setdefault(adapter.name, {})[j] = (a, b, scaling)
         return out
 
+    def _fold_blocker(self) -> Optional[str]:
+        """None where sites may store their A arena under the base weight, else why not."""
+        option = self.options.fold_shrink
+        if option is False:
+            return "off (fold_shrink=False)"
+        if option == "auto" and self.device.type != "cuda":
+            return "off (not on CUDA)"
+        return None
+
     def _site_dtype(self, site: Site) -> torch.dtype:
         return base_layer_of(site.members[0]).weight.dtype
 
@@ -420,6 +436,9 @@ class FastLoRAState:
     def _teardown_lora(self):
         for site in self.sites:
             site.uninstall()
+            fold = site.pool.fold
+            if fold is not None and fold.kind == "linear" and fold.weight is not None:
+                fold.unfuse()  # a single layer fused only to fold its pool: its own storage again
         for g in self.groups:
             g.unfuse()
         self.sites, self.groups = [], []
@@ -477,6 +496,9 @@ class FastLoRAState:
             if not g.is_intact():
                 g.fuse()  # model.to() or a reload gave the members new storage
                 self.generation += 1
+        for site in self.sites:
+            if site.pool.fold_lost():  # its A arena under a base weight the layers no longer use
+                self._rebuild_pool(site, site.pool.lora_a.dtype)
         if adapter_names is None:
             self._sync_pools(None)
             return

@@ -169,3 +169,46 @@ def test_packed_embedding_equals_padded(dtype, atol, rtol, mode):
     ref_packed = ref.run_packed_embedding_lora(ids, w, vocab, base_output=base.clone(), layer_ranks=ranks,
                                                layer_scalings=scalings)
     assert_close(ref_packed, want, atol, rtol, f"torch packed embedding ({mode})")
+
+
+@pytest.mark.parametrize("comp", ["mixed", "skewed", "all_base"])
+@pytest.mark.parametrize("site", list(FUSED_SITES))
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=DTYPE_IDS)
+def test_packed_expand_from_folded_gemm_columns(dtype, atol, rtol, site, comp):
+    """The expand alone, reading each (slot, module)'s shrink from the columns of its A rows in a
+    GEMM over [W; A] (a strided view, NaN in the columns of gaps and unused rows): equals the
+    padded shrink + expand, by the kernel and by the torch backend."""
+    seq_lens = [1] * 20
+    wi = COMPOSITIONS[comp](len(seq_lens))
+    tri, ref = make_backends(wi, seq_lens)
+    tok = token_slots(wi, seq_lens)
+    x, a, b, base, ranks, scalings = site_inputs(site, tok, dtype)
+    w = pack(a, b, FUSED_SITES[site], ranks, seed=len(site) + 1)
+    want = run_fused_site(ref, site, x, a, b, base.clone(), ranks, scalings)
+    n = base.shape[1]
+    w_base = torch.randn(n, x.shape[1], dtype=dtype)
+    full = (x.float() @ torch.cat([w_base, w.a]).float().T).to(dtype)  # rounded, as the GEMM's output
+    y = full[:, n:]
+    assert y.isnan().any() and not y.is_contiguous()
+    for be, who in ((tri, "triton"), (ref, "torch")):
+        got = be.run_packed_expand(y, w, base_output=base.clone(), layer_ranks=ranks, layer_scalings=scalings)
+        assert not got.isnan().any(), f"{who}: read a column outside the slot's A rows"
+        check_untouched(got, base, tok)
+        assert_close(got, want, atol, rtol, f"{who} folded expand {site} ({comp})")
+
+
+def test_packed_expand_bad_inputs():
+    seq_lens = [1] * 4
+    wi = COMPOSITIONS["mixed"](4)
+    tri, _ = make_backends(wi, seq_lens)
+    x, a, b, base, ranks, scalings = site_inputs("qkv", token_slots(wi, seq_lens), TOLERANCES[0][0])
+    w = pack(a, b, FUSED_SITES["qkv"], ranks)
+    y = torch.zeros(x.shape[0], w.a.shape[0], dtype=x.dtype)
+    kw = dict(base_output=base.clone(), layer_ranks=ranks, layer_scalings=scalings)
+    with pytest.raises(ValueError, match="one .* column per row of the packed A arena"):
+        tri.run_packed_expand(y[:, :-1], w, **kw)
+    with pytest.raises(ValueError, match="input has 3 tokens"):
+        tri.run_packed_expand(y[:3], w, **kw)
+    column_major = y.t().contiguous().t()
+    with pytest.raises(ValueError, match="unit column stride"):
+        tri.run_packed_expand(column_major, w, **kw)

@@ -279,7 +279,8 @@ def test_report_summary_and_log(caplog):
     assert text.startswith("fastlora: patched 14 LoRA layers in 8 sites (2 gate_up, 4 linear, 2 qkv) for 2 "
                            "adapters on backend 'torch_native'; 0 left on PEFT's path")
     assert text.endswith("; decode graphs off (the model is not on CUDA); decode attention off (the model is "
-                         "not on CUDA); continuous batching on; one-kernel RMSNorm off (the model is not on CUDA), rotary off (the model "
+                         "not on CUDA); continuous batching on; shrink folded into the base GEMM: off (not on CUDA); "
+                         "one-kernel RMSNorm off (the model is not on CUDA), rotary off (the model "
                          "is not on CUDA), SiLU-mul off (the model is not on CUDA)")
     assert report.counts() == {"qkv": 2, "gate_up": 2, "linear": 4}
     assert report.num_patched_layers == 14 and report.adapters == ["chat", "sql"]

@@ -68,6 +68,11 @@ class SegmentedLoRABackend(BaseLoRABackend):
         """Shrink and expand of packed weights (``backend.packed``), out (s, N_total) in place."""
         raise NotImplementedError
 
+    def _packed_expand(self, y, weights: PackedWeights, ranks, scalings, out, bi: LoRABatchInfo) -> torch.Tensor:
+        """The expand of packed weights from ``y`` (s, rows of A): module j of a slot reads the
+        columns of its A rows, ``y[:, a_rows[slot, j] : + rank]``; out (s, N_total) in place."""
+        raise NotImplementedError
+
     def _packed_embedding(self, input_ids, weights: PackedWeights, vocab_size, ranks, scalings, out,
                           bi: LoRABatchInfo) -> torch.Tensor:
         """A LoRA embedding on packed weights: lookup in A, expand by B into out (s, D) in place."""
@@ -340,6 +345,34 @@ class SegmentedLoRABackend(BaseLoRABackend):
         base_output = self._checked_base_output(base_output, x, weights.offsets[-1])
         ranks, scalings = self._tables(bi, weights.stack_num, layer_ranks, layer_scalings, weights.num_slots)
         return self._packed(x, weights, ranks, scalings, base_output, bi)
+
+    def run_packed_expand(self, y, weights: PackedWeights, *, base_output=None, layer_ranks=None,
+                          layer_scalings=None, batch_info=None):
+        """The second half of ``run_packed_lora``, for a shrink computed elsewhere: by the base
+        GEMM, when the packed A arena is stored as more rows under the base weight, so that
+        ``x @ [W; A].T`` gives the base output and every A row's product at once.
+
+        Args:
+            y: (s, rows of ``weights.a``), x @ A.T for every row of the arena (the input dtype);
+                module j of a slot reads columns ``a_rows[slot, j] : a_rows[slot, j] + rank``.
+            weights, base_output, layer_ranks, layer_scalings, batch_info: as ``run_packed_lora``.
+        Returns:
+            (s, output_dim), ``base_output`` when given.
+        """
+        bi = self._bi(batch_info)
+        # a view of the GEMM's output columns: rows one stride apart, not contiguous
+        if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.stride(1) != 1:
+            raise ValueError("run_packed_expand: y must be a 2-D tensor with unit column stride")
+        self._check_tokens(y, bi)
+        if y.shape[1] != weights.a.shape[0] or y.dtype != weights.b.dtype:
+            raise ValueError(f"run_packed_expand: y {tuple(y.shape)} {y.dtype} does not hold one {weights.b.dtype} "
+                             f"column per row of the packed A arena ({weights.a.shape[0]})")
+        if bi.slots_in_batch and max(bi.slots_in_batch) >= weights.num_slots:
+            raise ValueError(f"the batch uses slot {max(bi.slots_in_batch)} but the packed weights hold "
+                             f"{weights.num_slots} slots")
+        base_output = self._checked_base_output(base_output, y, weights.offsets[-1])
+        ranks, scalings = self._tables(bi, weights.stack_num, layer_ranks, layer_scalings, weights.num_slots)
+        return self._packed_expand(y, weights, ranks, scalings, base_output, bi)
 
     def run_packed_embedding_lora(self, input_ids, weights: PackedWeights, vocab_size: int, *,
                                   base_output=None, layer_ranks=None, layer_scalings=None, batch_info=None):

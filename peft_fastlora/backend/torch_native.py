@@ -68,6 +68,22 @@ class TorchNativeLoRABackend(SegmentedLoRABackend):
                 out[rows, lo:hi] = (out[rows, lo:hi].float() + delta).to(out.dtype)
         return out
 
+    def _packed_expand(self, y, weights, ranks, scalings, out, bi):
+        ranks_host, scal_host = ranks.tolist(), scalings.tolist()
+        a_rows, b_offs = weights.a_rows.tolist(), weights.b_offs.tolist()
+        for slot in bi.slots_in_batch:
+            rows = self._rows_of(bi, slot)
+            for j in range(weights.stack_num):
+                rank = ranks_host[slot][j]
+                lo, hi = weights.offsets[j], weights.offsets[j + 1]
+                if rank == 0 or hi == lo:
+                    continue
+                col = a_rows[slot][j]
+                ys = y[rows, col: col + rank].float()
+                delta = (ys @ weights.b_view(b_offs[slot][j], j, rank).float().T) * scal_host[slot][j]
+                out[rows, lo:hi] = (out[rows, lo:hi].float() + delta).to(out.dtype)
+        return out
+
     def _packed_embedding(self, input_ids, weights, vocab_size, ranks, scalings, out, bi):
         ranks_host, scal_host = ranks.tolist(), scalings.tolist()
         a_rows, b_offs = weights.a_rows.tolist(), weights.b_offs.tolist()

@@ -128,6 +128,14 @@ class TritonLoRABackend(SegmentedLoRABackend):
         return _ops.lora_expand(y, w.b, w.offsets, ranks, scalings, out, *plan, block_m=bi.block_m,
                                 check=False, b_offs=w.b_offs, b_align=w.align)
 
+    def _packed_expand(self, y, weights, ranks, scalings, out, bi):
+        w = weights
+        self._check_place("packed lora B", bi, y, w.b, w.a_rows, w.b_offs, ranks, scalings, out)
+        self._check_slots("packed lora B", bi, w.num_slots)
+        return _ops.lora_expand(y, w.b, w.offsets, ranks, scalings, out, bi.sorted_token_ids, bi.chunk_slot,
+                                bi.chunk_start, bi.chunk_len, block_m=bi.block_m, check=False,
+                                b_offs=w.b_offs, b_align=w.align, y_cols=w.a_rows, max_rank=w.max_rank)
+
     def _packed_embedding(self, input_ids, weights, vocab_size, ranks, scalings, out, bi):
         w = weights
         self._check_place("packed embedding A and B", bi, input_ids, w.a, w.b, w.a_rows, w.b_offs, ranks,

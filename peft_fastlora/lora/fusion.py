@@ -8,6 +8,11 @@ is no second copy of the base weights and ``state_dict()`` still shows the origi
 
 Under transformers' tensor parallelism the siblings are column-sharded alike: each rank fuses its
 own shards (its q, k and v output rows), and each DTensor's local shard becomes the view.
+
+*Folding.* The fused tensor may hold more rows under the base weight (``tail``): a site's pool
+stores its packed LoRA A arena there (``SitePool.fold``), so that one GEMM, ``x @ [W; A].T``, gives
+the base output and the shrink of every adapter at once, and decode runs only the expand after it.
+A single ``nn.Linear`` (o_proj, down_proj) takes the same form as a group of one.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ FUSIBLE_GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "gate_up": ("gate_proj", "up_proj"),
 }
+# The GEMM computes every row of a folded arena at every step, whichever adapters the batch uses:
+# folded only while the arena adds at most this share of the base weight's rows.
+FOLD_MAX_SHARE = 1 / 8
 
 
 @dataclass
 class FusedGroup:
-    kind: str  # "qkv" or "gate_up"
+    kind: str  # "qkv", "gate_up", or "linear" (one layer, fused only to fold a pool's arena)
     parent_name: str
     member_names: Tuple[str, ...]
     members: List[nn.Module]  # what the parent calls: a LoRA layer or a plain nn.Linear
@@ -38,6 +46,9 @@ class FusedGroup:
     bias: Optional[torch.Tensor] = None
     offsets: List[int] = field(default_factory=list)
     _member_ptrs: List[int] = field(default_factory=list)  # where each member's weight starts in ``weight``
+    ext: Optional[torch.Tensor] = None  # (sum out + tail rows, in): ``weight`` then ``tail``
+    ext_bias: Optional[torch.Tensor] = None  # ``bias`` then zeros, when there is a bias
+    tail: Optional[torch.Tensor] = None  # the rows under the base weight (a pool's A arena), or None
 
     @property
     def out_features(self) -> List[int]:
@@ -63,26 +74,48 @@ class FusedGroup:
     # parameters must not become inference tensors (a later training step could not use them)
     @torch.no_grad()
     @torch.inference_mode(False)
-    def fuse(self):
+    def fuse(self, tail_rows: int = 0):
+        """One tensor for the members' weights (and biases), ``tail_rows`` zero rows under them."""
         self.offsets = [0]
         for n in self.out_features:
             self.offsets.append(self.offsets[-1] + n)
-        # cat allocates the fused copy; the parameters are repointed right after, so the old
-        # storages are freed and peak memory grows by one group at a time
-        self.weight = torch.cat([local(b.weight).detach() for b in self.bases], dim=0)
+        n = self.offsets[-1]
+        first = local(self.bases[0].weight)
+        # the new copy first, then the parameters are repointed: the old storages are freed, so
+        # peak memory grows by one group at a time
+        ext = torch.empty(n + tail_rows, first.shape[1], dtype=first.dtype, device=first.device)
+        for b, lo, hi in zip(self.bases, self.offsets[:-1], self.offsets[1:]):
+            ext[lo:hi].copy_(local(b.weight).detach())
+        ext[n:].zero_()
+        self.ext, self.weight, self.tail = ext, ext[:n], (ext[n:] if tail_rows else None)
         for b, lo, hi in zip(self.bases, self.offsets[:-1], self.offsets[1:]):
             repoint_local(b.weight, self.weight[lo:hi])
         self._member_ptrs = [self.weight[lo:hi].data_ptr() for lo, hi in zip(self.offsets[:-1], self.offsets[1:])]
         if any(b.bias is not None for b in self.bases):
-            parts = [local(b.bias).detach() if b.bias is not None
-                     else torch.zeros(hi - lo, dtype=self.weight.dtype, device=self.weight.device)
-                     for b, lo, hi in zip(self.bases, self.offsets[:-1], self.offsets[1:])]
-            self.bias = torch.cat(parts)
+            self.ext_bias = torch.zeros(n + tail_rows, dtype=ext.dtype, device=ext.device)
+            self.bias = self.ext_bias[:n]
             for b, lo, hi in zip(self.bases, self.offsets[:-1], self.offsets[1:]):
                 if b.bias is not None:
+                    self.bias[lo:hi].copy_(local(b.bias).detach())
                     repoint_local(b.bias, self.bias[lo:hi])
         else:
-            self.bias = None
+            self.bias = self.ext_bias = None
+
+    def attach_tail(self, rows: int, dtype: torch.dtype, device) -> Optional[torch.Tensor]:
+        """Re-fuse with ``rows`` zero rows under the base weight and return them (a pool's A
+        arena), or None where folding does not apply: too many rows for the GEMM to carry at
+        every step (``FOLD_MAX_SHARE``), another dtype or device, or base layers that no longer
+        take one GEMM. A tail no longer wanted is dropped."""
+        first = local(self.bases[0].weight)
+        n = sum(self.out_features)
+        fits = (0 < rows <= n * FOLD_MAX_SHARE and first.dtype == dtype and first.device == torch.device(device)
+                and fusion_blocker(self.bases) is None)
+        if not fits:
+            if self.tail is not None and self.is_intact():
+                self.fuse(0)
+            return None
+        self.fuse(rows)
+        return self.tail
 
     @torch.no_grad()
     @torch.inference_mode(False)
@@ -92,10 +125,14 @@ class FusedGroup:
             repoint_local(b.weight, local(b.weight).detach().clone())
             if b.bias is not None:
                 repoint_local(b.bias, local(b.bias).detach().clone())
-        self.weight = self.bias = None
+        self.weight = self.bias = self.ext = self.ext_bias = self.tail = None
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    def linear_with_tail(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ [W; tail].T`` (+ the bias, zeros under the tail): (s, sum out + tail rows)."""
+        return torch.nn.functional.linear(x, self.ext, self.ext_bias)
 
 
 def fusion_blocker(bases: List[nn.Module]) -> Optional[str]:

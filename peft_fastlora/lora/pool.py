@@ -11,6 +11,10 @@ group), the stacks the backend reads:
   or the ``num_slots`` largest), and a ``RowArena`` places blocks in it as adapters take slots;
 - ``ranks`` / ``scalings``: (num_slots, c), 0 rank for a module an adapter does not target.
 
+Where the model state allows it (``fold``: the site's ``FusedGroup``), the A arena is stored as
+rows under the site's base weight (``FusedGroup.attach_tail``), and decode takes the shrink from
+the base GEMM (``folded``).
+
 The stacks are copies of PEFT's weights, kept current in two ways:
 
 - *structure*: ``SitePool.stale()`` tells whether the stacks no longer fit PEFT's layers (adapters
@@ -91,6 +95,8 @@ class SitePool:
         self._signature = None
         self._watched = None
         self._registry_names = None
+        self.fold = None  # the site's FusedGroup, where the A arena may live under its base weight
+        self._fold_attached = False
 
     @property
     def stack_num(self) -> int:
@@ -230,8 +236,22 @@ class SitePool:
             self._b_base.append(elems_total)  # capacity is a multiple of 8: so is every offset
             rows_total += capacity
             elems_total += capacity * self.out_features[j]
-        self.lora_a = torch.zeros(max(rows_total, 1), self.in_features, dtype=dtype, device=device)
+        self.lora_a = self.fold.attach_tail(rows_total, dtype, device) if self.fold is not None else None
+        self._fold_attached = self.lora_a is not None
+        if self.lora_a is None:
+            self.lora_a = torch.zeros(max(rows_total, 1), self.in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max(elems_total, 8), dtype=dtype, device=device)
+
+    def folded(self) -> bool:
+        """The A arena is the tail of the base weight it was attached to, and that weight is still
+        the layers' (``x @ [W; A].T`` then gives the base output and the shrink)."""
+        f = self.fold
+        return (self._fold_attached and f.tail is not None and f.is_intact()
+                and f.tail.data_ptr() == self.lora_a.data_ptr() and f.tail.shape == self.lora_a.shape)
+
+    def fold_lost(self) -> bool:
+        """Folded when built, but the base weight has moved since (``model.to``, a reload)."""
+        return self._fold_attached and not self.folded()
 
     def _place(self, slot: int, name: str) -> set:
         """Slot ``slot`` holds adapter ``name`` from now on (blocks, ranks, reasons; its weights

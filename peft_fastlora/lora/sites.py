@@ -21,6 +21,9 @@ from .fusion import FusedGroup
 from .pool import SitePool
 
 _VARIANT_KWARGS = ("alora_offsets",)
+# forwards of decode size (this row tile) take the shrink from a folded base GEMM; larger ones keep
+# the shrink kernel, which reads each adapter's A only for its own tokens
+FOLD_MAX_BLOCK_M = 16
 
 
 class Site:
@@ -173,6 +176,22 @@ def _as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t.reshape(-1, width)
 
 
+def _folded(pool: SitePool, bi) -> bool:
+    return bi.block_m <= FOLD_MAX_BLOCK_M and pool.folded()
+
+
+def _fold_forward(state, pool: SitePool, x2: torch.Tensor, bi) -> torch.Tensor:
+    """Base output and LoRA delta of a folded site: one GEMM over ``[W; A]`` gives the base output
+    and every arena row's shrink, the expand adds the batch's deltas. Returns (s, N), a view whose
+    rows are the GEMM's (one stride apart, not contiguous)."""
+    full = pool.fold.linear_with_tail(x2)
+    n = pool.offsets[-1]
+    res = full[:, :n]
+    state.backend.run_packed_expand(full[:, n:], pool.packed, base_output=res, layer_ranks=pool.ranks,
+                                    layer_scalings=pool.scalings, batch_info=bi)
+    return res
+
+
 class _OneLayerSite(Site):
     """A site of one LoRA layer: its base output, then the LoRA delta added in place."""
 
@@ -180,6 +199,9 @@ class _OneLayerSite(Site):
         bi = self.fast_path_info(state, x, args, kwargs)
         if bi is None:
             return self.peft_forward(state, original, x, args, kwargs)
+        folded = self._folded_forward(state, x, bi)
+        if folded is not None:
+            return folded
         base = base_layer_of(self.members[0])
         result = self._base_output(base, x)
         pool = state.pool_for(self, x.dtype if x.is_floating_point() else result.dtype)
@@ -188,6 +210,10 @@ class _OneLayerSite(Site):
 
     def _base_output(self, base, x):
         return base(x)
+
+    def _folded_forward(self, state, x, bi) -> Optional[torch.Tensor]:
+        """The output through a folded GEMM (see ``_fold_forward``), or None where it does not apply."""
+        return None
 
     def _add_lora(self, state, base, x, out, pool, bi):
         raise NotImplementedError
@@ -210,6 +236,15 @@ class LinearSite(_OneLayerSite):
         super().__init__(name, members, pool)
         self.tp = tp
         self.tp_group = tp_group(members[0]) if tp in ("rowwise", "colwise_gather") else None
+
+    def _folded_forward(self, state, x, bi):
+        if self.tp is not None or self.pool.fold is None:
+            return None
+        pool = state.pool_for(self, x.dtype)
+        if not _folded(pool, bi):
+            return None
+        res = _fold_forward(state, pool, _as_rows(x, x.shape[-1]).contiguous(), bi)
+        return res.view(*x.shape[:-1], res.shape[-1])
 
     def _base_output(self, base, x):
         if self.tp == "rowwise":
@@ -288,9 +323,12 @@ class FusedSite(Site):
             return self.peft_forward(state, original, x, args, kwargs)
         pool = state.pool_for(self, x.dtype)
         x2 = _as_rows(x, x.shape[-1]).contiguous()
-        res = self.group.linear(x2)
-        state.backend.run_packed_lora(x2, pool.packed, base_output=res, layer_ranks=pool.ranks,
-                                      layer_scalings=pool.scalings, batch_info=bi)
+        if _folded(pool, bi):
+            res = _fold_forward(state, pool, x2, bi)
+        else:
+            res = self.group.linear(x2)
+            state.backend.run_packed_lora(x2, pool.packed, base_output=res, layer_ranks=pool.ranks,
+                                          layer_scalings=pool.scalings, batch_info=bi)
         res = res.view(*x.shape[:-1], res.shape[-1])
         outs = [res[..., lo:hi] for lo, hi in zip(pool.offsets[:-1], pool.offsets[1:])]
         mine = outs[i]

@@ -9,6 +9,10 @@ read: the shrink leaves the rest of ``y`` undefined and padded ranks may hold an
 B comes padded, ``(num_slots, N_total, R)`` (the contract's), or *packed*: a flat arena with a
 ``(num_slots, c)`` table of element offsets, (slot, module j) stored as ``(width_j, rank)``
 (``backend.packed``), so each adapter takes its own rank and only the modules it targets.
+
+With ``y_cols`` (packed only), ``y`` holds the shrink of *every* row of the packed A arena, as the
+base GEMM gives it when A's arena is stored under the base weight (``x @ [W; A].T``): module j of
+a slot reads ``y[t, y_cols[slot, j] : y_cols[slot, j] + rank]`` (its A rows), not ``j * R``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def _lora_expand_kernel(
     b_ptr,  # padded: (num_slots, N_total, R); packed: flat arena
     out_ptr,  # (s, N_total), any row stride
     b_offs_ptr,  # packed: (>= num_slots, c) int64 element offset of each (slot, module)
+    y_cols_ptr,  # Y_COLS: (>= num_slots, c) int32 first column of y of each (slot, module)
     # dimensions
     R,  # padded rank of one module in y and B
     num_slots,
@@ -48,11 +53,12 @@ def _lora_expand_kernel(
     # batch info
     ranks_ptr, stride_rl,  # (>= num_slots, c) int32, unit column stride
     scalings_ptr, stride_sl,  # (>= num_slots, c) float32, unit column stride
-    stride_tl,  # row stride of the packed offset table
+    stride_tl,  # row stride of the packed offset table (and of y_cols)
     sorted_ids_ptr, chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr,
     # meta-parameters
     PACKED: tl.constexpr,
     B_ALIGN: tl.constexpr,  # packed: every B offset and rank is a multiple of this (1 or 8)
+    Y_COLS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -88,7 +94,11 @@ def _lora_expand_kernel(
     n_mask = offs_n < hi - lo
     cols = lo + offs_n
 
-    y_row = y_ptr + tok[:, None] * stride_ys + (j * R) * stride_yr
+    if Y_COLS:
+        y_col = tl.load(y_cols_ptr + slot * stride_tl + j).to(tl.int64)
+    else:
+        y_col = j * R
+    y_row = y_ptr + tok[:, None] * stride_ys + y_col * stride_yr
     if PACKED:  # (width, rank)
         b_off = tl.multiple_of(tl.load(b_offs_ptr + slot * stride_tl + j), B_ALIGN)
         b_base = b_ptr + b_off + offs_n[None, :] * packed_row_stride(rank, B_ALIGN)
@@ -152,6 +162,8 @@ def lora_expand(
     check: bool = True,
     b_offs: Optional[torch.Tensor] = None,
     b_align: int = 1,
+    y_cols: Optional[torch.Tensor] = None,
+    max_rank: Optional[int] = None,
 ) -> torch.Tensor:
     """Stacked, segmented expand into ``out`` (in place).
 
@@ -170,6 +182,9 @@ def lora_expand(
         b_offs: packed layout: (num_slots, c) int64, where (slot, j)'s ``(width_j, rank)`` block
             starts in ``weights`` (read only where its rank is not 0); ``b_align``: 8 where
             every offset and rank is a multiple of 8 (16-byte loads), else 1.
+        y_cols: packed only: (num_slots, c) int32 with ``b_offs``' strides, where each (slot, j)'s
+            columns start in ``y`` (then y is (s, rows of the A arena) and ``max_rank`` the largest
+            rank); see the module docstring.
     Returns:
         ``out``.
     """
@@ -177,16 +192,23 @@ def lora_expand(
     c = len(offsets) - 1
     s = y.shape[0]
     packed = b_offs is not None
+    if y_cols is not None and (not packed or max_rank is None):
+        raise ValueError("lora_expand: y_cols takes packed weights (b_offs) and max_rank")
     if packed:
-        num_slots, n_total, r = b_offs.shape[0], offsets[-1], y.shape[1] // c
+        num_slots, n_total = b_offs.shape[0], offsets[-1]
+        r = int(max_rank) if y_cols is not None else y.shape[1] // c
         if check and (weights.dim() != 1 or b_offs.dim() != 2 or b_offs.shape[1] != c
                       or b_offs.stride(1) != 1 or b_offs.dtype != torch.int64):
             raise ValueError(f"lora_expand: a packed B must be flat with an int64 (num_slots, {c}) "
                              "offset table")
+        if check and y_cols is not None and (y_cols.shape != b_offs.shape or y_cols.stride() != b_offs.stride()
+                                             or y_cols.dtype != torch.int32):
+            raise ValueError(f"lora_expand: y_cols must be an int32 (num_slots, {c}) table with b_offs' strides")
     else:
         num_slots, n_total, r = weights.shape
     if check:
-        if y.shape[1] != c * r or offsets[-1] != n_total or tuple(out.shape) != (s, n_total):
+        if ((y_cols is None and y.shape[1] != c * r) or offsets[-1] != n_total
+                or tuple(out.shape) != (s, n_total)):
             raise ValueError(f"lora_expand: y {tuple(y.shape)}, weights {tuple(weights.shape)}, out "
                              f"{tuple(out.shape)} and offsets {offsets} do not agree")
         if out.stride(1) != 1:
@@ -210,7 +232,7 @@ def lora_expand(
         offs = offs + [offs[-1]] * (MAX_MODULES_PER_LAUNCH + 1 - len(offs))
         grid = (max_chunks, triton.cdiv(widest, bn), n_mod)
         _lora_expand_kernel[grid](
-            y, weights, out, b_offs if packed else ranks,
+            y, weights, out, b_offs if packed else ranks, y_cols if y_cols is not None else ranks,
             r, num_slots, j0, *offs,
             y.stride(0), y.stride(1),
             *b_strides,
@@ -221,6 +243,7 @@ def lora_expand(
             sorted_token_ids, chunk_slot, chunk_start, chunk_len,
             PACKED=packed,
             B_ALIGN=b_align,
+            Y_COLS=y_cols is not None,
             BLOCK_M=block_m,
             BLOCK_N=bn,
             BLOCK_R=block_r or cfg["block_r"],

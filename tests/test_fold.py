@@ -1,0 +1,172 @@
+"""The shrink folded into the base GEMM (``fold_shrink``): each site's packed A arena stored as rows
+under its base weight, so that a decode-sized forward takes every adapter's ``x @ A.T`` from the
+base GEMM and runs only the expand after it.
+
+The tiny models here would not fold under the default limit (their adapters' A rows are a large
+share of the base rows), so most tests raise it; one checks the limit itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import peft_fastlora as fastlora
+from peft_fastlora.backend.segmented import SegmentedLoRABackend
+from peft_fastlora.lora import fusion
+
+pytest.importorskip("peft")
+from peft import LoraConfig  # noqa: E402
+
+from _helpers import count_backend_calls  # noqa: E402
+from test_fusion_pool import IDS, NAMES, TOL, build, greedy, layers_of, logits, storage_bytes  # noqa: E402
+
+BACKENDS = ["torch_native", "triton"]
+
+
+@pytest.fixture
+def no_limit(monkeypatch):
+    monkeypatch.setattr(fusion, "FOLD_MAX_SHARE", 1e9)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    return count_backend_calls(monkeypatch, SegmentedLoRABackend, ("run_packed_lora", "run_packed_expand"))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {arch: (logits(m), greedy(m)) for arch, m in (("llama", build("llama")), ("qwen2", build("qwen2")))}
+
+
+def one_token(model, names=NAMES):
+    with torch.no_grad():
+        return model(input_ids=IDS[:, -1:], adapter_names=names).logits
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, zeros under the arena
+def test_folded_sites_equal_peft(arch, backend, reference, no_limit, calls):
+    ref_logits, ref_tokens = reference[arch]
+    m = build(arch)
+    ref_one = one_token(m)
+    report = fastlora.patch(m, backend=backend, fold_shrink=True)
+    assert report.shrink_folded == "8 of 8 sites", report
+    assert "shrink folded into the base GEMM: 8 of 8 sites" in str(report)
+    torch.testing.assert_close(logits(m), ref_logits, **TOL)
+    assert calls["run_packed_expand"] == 8 and calls["run_packed_lora"] == 0, calls  # one per site
+    torch.testing.assert_close(one_token(m), ref_one, **TOL)
+    assert torch.equal(greedy(m), ref_tokens)
+
+
+def test_base_weights_are_views_of_the_folded_tensor_and_come_back_on_unpatch(no_limit):
+    m = build()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    params_before = sum(p.numel() for p in m.parameters())
+    bytes_before = storage_bytes(m)
+    fastlora.patch(m, fold_shrink=True)
+    state = fastlora.get_state(m)
+    o_proj = layers_of(m)[0].self_attn.o_proj
+    site = next(s for s in state.sites if s.members[0] is o_proj)
+    fold = site.pool.fold
+    assert fold.kind == "linear" and site.pool.folded()
+    w = o_proj.base_layer.weight
+    assert w.data_ptr() == fold.ext.data_ptr()  # the base rows first, then the arena
+    assert site.pool.lora_a.data_ptr() == fold.ext[w.shape[0]:].data_ptr()
+    # the model's own view is unchanged: same parameters, same values, no second copy of a weight
+    assert sum(p.numel() for p in m.parameters()) == params_before
+    after = m.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    arenas = sum(s.pool.lora_a.untyped_storage().nbytes() for s in state.sites if s.pool.folded())
+    assert storage_bytes(m) <= bytes_before + arenas
+    fastlora.unpatch(m)
+    assert o_proj.base_layer.weight.untyped_storage().nbytes() == w.numel() * w.element_size()
+    restored = m.state_dict()
+    assert all(torch.equal(restored[k], before[k]) for k in before)
+
+
+def test_default_limit_folds_only_small_arenas(reference, calls):
+    """A site folds while its A rows add at most 1/8 of its base rows (the GEMM computes them
+    all at every step); the others keep the shrink kernel. This model has both kinds."""
+    m = build()
+    report = fastlora.patch(m, fold_shrink=True)
+    sites = fastlora.get_state(m).sites
+    small = [s.pool.lora_a.shape[0] <= s.pool.offsets[-1] * fusion.FOLD_MAX_SHARE for s in sites]
+    assert [s.pool.folded() for s in sites] == small and 0 < sum(small) < len(sites)
+    assert report.shrink_folded == f"{sum(small)} of 8 sites"
+    torch.testing.assert_close(logits(m), reference["llama"][0], **TOL)
+    assert calls["run_packed_expand"] == sum(small) and calls["run_packed_lora"] == 8 - sum(small)
+
+
+@pytest.mark.parametrize("option,why", [(False, "off (fold_shrink=False)"), ("auto", "off (not on CUDA)")])
+def test_off_and_auto_on_cpu(option, why, no_limit, calls):
+    m = build()
+    report = fastlora.patch(m, fold_shrink=option)
+    assert report.shrink_folded == why
+    assert all(s.pool.fold is None for s in fastlora.get_state(m).sites)
+    logits(m)
+    assert calls["run_packed_expand"] == 0
+
+
+def test_bad_option():
+    with pytest.raises(ValueError, match="fold_shrink must be True, False or 'auto'"):
+        fastlora.patch(build(), fold_shrink="yes")
+
+
+def test_prefill_sized_forward_keeps_the_shrink_kernel(no_limit, calls):
+    """Over 256 tokens the row tile grows: the shrink kernel reads each adapter's A for its own
+    tokens only, so the fold serves decode-sized forwards alone."""
+    m = build()
+    ids = torch.randint(3, 100, (2, 150), generator=torch.Generator().manual_seed(5))
+    names = ["sql", "chat"]
+    want = logits(m, names, ids)
+    fastlora.patch(m, backend="torch_native", fold_shrink=True)
+    got = logits(m, names, ids)
+    assert calls["run_packed_expand"] == 0 and calls["run_packed_lora"] == 8, calls
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_replaced_base_weight_refolds_and_stays_equal_to_peft(no_limit, calls):
+    m = build()
+    fastlora.patch(m, fold_shrink=True)
+    logits(m)
+    layer = layers_of(m)[1]
+    with torch.no_grad():  # new storage (and values) for a fused member and for a single layer
+        layer.self_attn.q_proj.base_layer.weight.data = layer.self_attn.q_proj.base_layer.weight.data * 1.5
+        layer.mlp.down_proj.base_layer.weight.data = layer.mlp.down_proj.base_layer.weight.data - 0.1
+    got = logits(m)
+    assert all(s.pool.folded() for s in fastlora.get_state(m).sites)  # refolded around the new storage
+    assert calls["run_packed_expand"] == 16 and calls["run_packed_lora"] == 0, calls
+    fastlora.unpatch(m)
+    torch.testing.assert_close(got, logits(m), **TOL)
+
+
+def test_slots_and_an_added_adapter_stay_folded_and_equal_to_peft(no_limit):
+    """Fewer GPU slots than adapters (loads and compaction write into the arena under the
+    weight), then an adapter added after patching (the sites are rebuilt and fold again)."""
+    m = build()
+    mixes = [["sql", "sql", "chat", "__base__"], ["mlp", "chat", "mlp", "__base__"], ["mlp", "mlp", "mlp", "mlp"]]
+    want = [logits(m, names) for names in mixes]
+    fastlora.patch(m, max_loras_per_batch=2, fold_shrink=True)
+    for _ in range(2):
+        for names, ref in zip(mixes, want):
+            torch.testing.assert_close(logits(m, names), ref, **TOL)
+    torch.manual_seed(9)
+    m.add_adapter("late", LoraConfig(r=4, lora_alpha=4, target_modules=["o_proj", "up_proj"],
+                                     init_lora_weights=False))
+    names = ["late", "sql", "__base__", "late"]
+    got = logits(m, names)
+    assert all(s.pool.folded() for s in fastlora.get_state(m).sites)
+    fastlora.unpatch(m)
+    torch.testing.assert_close(got, logits(m, names), **TOL)
+
+
+def test_emulated_graphs_through_folded_sites(no_limit):
+    m = build()
+    names = ["chat", "__base__", "mlp", "sql"]
+    want = greedy(m, names, n=6)
+    with fastlora.patched(m, cuda_graphs="emulate", fold_shrink=True):
+        assert fastlora.get_state(m).report.shrink_folded == "8 of 8 sites"
+        got = greedy(m, names, n=6)
+        assert fastlora.get_state(m).graph_runner.stats["replays"] > 0
+    assert torch.equal(got, want)
