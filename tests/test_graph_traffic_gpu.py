@@ -3,7 +3,9 @@ process, more shapes than graphs kept, injected capture failures followed by hea
 same and on another model, warm-up, and weight edits through ``.data`` between graphed calls.
 
 float32 tiny Llama with six adapters of ranks 2-32, so that greedy tokens can be compared with
-PEFT's own mixed path exactly.
+PEFT's own mixed path exactly. Every test runs twice: with the shrink folded into the base GEMM
+at every site (the limit lifted: at this size the adapters' A rows are a large share of the
+base rows) and with the default limit, which leaves these sites on the fused kernel.
 """
 
 import pytest
@@ -13,6 +15,7 @@ from peft import LoraConfig, get_peft_model
 import peft_fastlora as fastlora
 from peft_fastlora.decode import capture as cuda_graph
 from peft_fastlora import get_state
+from peft_fastlora.lora import fusion
 from _models import tiny_llama
 
 pytestmark = pytest.mark.gpu
@@ -37,6 +40,13 @@ def _model(seed=0):
             if "lora_B" in n:
                 p.mul_(0.05)  # nudge the random model, do not swamp it
     return model.eval()
+
+
+@pytest.fixture(autouse=True, params=["folded", "default_limit"])
+def fold_limit(request, monkeypatch):
+    if request.param == "folded":
+        monkeypatch.setattr(fusion, "FOLD_MAX_SHARE", 1e9)
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +207,28 @@ def test_dot_data_edit_between_graphed_calls(pair):
         for model in (m, ref):
             model.base_model.model.model.layers[1].mlp.down_proj.lora_B["a0"].weight.data.div_(-3.0)
     assert stats["captures"] == 1, stats  # the same graph served the new values
+
+
+def test_base_weight_given_new_storage_between_graphed_calls(pair):
+    """``weight.data = ...`` on base layers (a fused member, a single one): new storage the fused
+    (and folded) weights no longer hold; the next call re-fuses and equals PEFT."""
+    m, ref = pair
+
+    def edit(scale_o, scale_up):
+        for model in (m, ref):
+            layers = model.base_model.model.model.layers
+            layers[0].self_attn.o_proj.base_layer.weight.data = layers[0].self_attn.o_proj.base_layer.weight.data * scale_o
+            layers[1].mlp.up_proj.base_layer.weight.data = layers[1].mlp.up_proj.base_layer.weight.data * scale_up
+
+    fastlora.patch(m)
+    try:
+        _equal_to_peft(pair, 4, 9, 12, seed=60)
+        edit(2.0, 0.5)  # powers of two: undone exactly below
+        _equal_to_peft(pair, 4, 9, 12, seed=60)
+        _equal_to_peft(pair, 6, 5, 8, seed=61)
+    finally:
+        fastlora.unpatch(m)
+        edit(0.5, 2.0)
 
 
 def test_memory_bounded_over_a_random_sequence(pair):

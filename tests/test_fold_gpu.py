@@ -1,0 +1,136 @@
+"""The shrink folded into the base GEMM, on the GPU, at a size where the default limit folds every
+site (four rank-8 adapters on a 512-wide model: the A rows add at most 1/8 of each site's base rows).
+
+float32 for exact greedy tokens against PEFT's mixed path, through the decode graphs and eagerly;
+bf16 logits within a bf16 tolerance; fewer GPU slots than adapters; and a random call sequence
+with an adapter deleted and another added half-way (the sites are rebuilt and fold again).
+"""
+
+import random
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+import peft_fastlora as fastlora
+from _models import tiny_llama
+
+pytestmark = pytest.mark.gpu
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+NAMES = ["a0", "a1", "a2", "a3"]
+
+
+def _model(dtype=torch.float32, seed=0):
+    base = tiny_llama(seed, vocab_size=512, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                      num_key_value_heads=2).to("cuda", dtype).eval()
+    base.generation_config.eos_token_id = None
+    model = None
+    for i, name in enumerate(NAMES):
+        torch.manual_seed(100 + i)
+        cfg = LoraConfig(r=8, lora_alpha=8 + 8 * i, target_modules=ALL, init_lora_weights=False,
+                         use_rslora=i == 3)
+        if model is None:
+            model = get_peft_model(base, cfg, adapter_name=name)
+        else:
+            model.add_adapter(name, cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(0.05)
+    return model.to(dtype).eval()
+
+
+def _inputs(rows, prompt, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 512, (rows, prompt), generator=g)
+    mask = torch.ones_like(ids)
+    ids[1::3, :2] = 0
+    mask[1::3, :2] = 0
+    return dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), pad_token_id=0, do_sample=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+def test_every_site_folds_and_graphs_equal_peft(model):
+    names = ["a0", "__base__", "a1", "a2", "a0", "a3", "__base__", "a1"]
+    inputs = _inputs(len(names), 11, seed=1)
+    with torch.no_grad():
+        want = model.generate(**inputs, adapter_names=names, max_new_tokens=48)
+    with fastlora.patched(model) as report:
+        assert report.shrink_folded == "8 of 8 sites", report
+        graphs = model.generate(**inputs, adapter_names=names, max_new_tokens=48)
+        stats = fastlora.get_state(model).graph_runner.stats
+    with fastlora.patched(model, cuda_graphs=False):
+        eager = model.generate(**inputs, adapter_names=names, max_new_tokens=48)
+    assert stats["replays"] >= 40 and stats["eager_steps"] == 0, stats
+    assert torch.equal(graphs, want)
+    assert torch.equal(eager, want)
+
+
+def test_folded_and_unfolded_graphs_agree_with_fewer_slots_than_adapters(model):
+    mixes = [["a0", "a1", "a0", "__base__"], ["a2", "a3", "a3", "a2"], ["a1", "__base__", "a3", "a1"]]
+    inputs = _inputs(4, 7, seed=2)
+    with torch.no_grad():
+        want = [model.generate(**inputs, adapter_names=n, max_new_tokens=16) for n in mixes]
+    for fold in (True, False):
+        with fastlora.patched(model, max_loras_per_batch=2, fold_shrink=fold) as report:
+            assert report.shrink_folded == ("8 of 8 sites" if fold else "off (fold_shrink=False)")
+            for _ in range(2):
+                for names, ref in zip(mixes, want):
+                    out = model.generate(**inputs, adapter_names=names, max_new_tokens=16)
+                    assert torch.equal(out, ref), (fold, names)
+
+
+def test_bf16_folded_logits_close_to_peft():
+    model = _model(torch.bfloat16, seed=3)
+    names = ["a0", "__base__", "a1", "a2", "a3", "a0"]
+    ids = torch.randint(1, 512, (len(names), 1), device="cuda")  # one token: a decode-sized forward
+    with torch.no_grad():
+        ref = model(input_ids=ids, adapter_names=names).logits.float()
+        with fastlora.patched(model) as report:
+            assert report.shrink_folded == "8 of 8 sites"
+            out = model(input_ids=ids, adapter_names=names).logits.float()
+        base = model.get_base_model()(input_ids=ids).logits.float()
+    err = (out - ref).norm() / ref.norm()
+    delta = (ref - base).norm() / ref.norm()
+    assert delta > 1e-2  # the adapters matter, so the comparison below means something
+    assert err < 1e-2, (err.item(), delta.item())
+
+
+def test_random_calls_with_an_adapter_deleted_and_one_added():
+    """Random batch sizes, prompts and mixes, greedy, against an unpatched twin; half-way an
+    adapter is deleted and a new one added on both (the patched model's sites are rebuilt)."""
+    m, ref = _model(seed=4), _model(seed=4)
+    rng = random.Random(5)
+    fastlora.patch(m)
+    try:
+        names_now = list(NAMES)
+        for call in range(12):
+            if call == 6:
+                torch.manual_seed(77)
+                for model in (m, ref):
+                    model.delete_adapter("a2")
+                    torch.manual_seed(77)
+                    model.add_adapter("late", LoraConfig(r=8, lora_alpha=16, target_modules=ALL,
+                                                         init_lora_weights=False))
+                names_now = ["a0", "a1", "a3", "late"]
+                # the new adapter's B is random: scale it as the others were
+                with torch.no_grad():
+                    for model in (m, ref):
+                        for n, p in model.named_parameters():
+                            if "lora_B" in n and ".late." in n:
+                                p.mul_(0.05)
+            rows = rng.choice([1, 3, 8, 17, 33])
+            names = [rng.choice(names_now + ["__base__"]) for _ in range(rows)]
+            inputs = _inputs(rows, rng.randint(3, 20), seed=call)
+            with torch.no_grad():
+                out = m.generate(**inputs, adapter_names=names, max_new_tokens=rng.randint(4, 20))
+                want = ref.generate(**inputs, adapter_names=names, max_new_tokens=out.shape[1] - inputs["input_ids"].shape[1])
+            assert torch.equal(out, want), (call, rows, names)
+            if call >= 6:
+                assert fastlora.get_state(m).report.shrink_folded == "8 of 8 sites"
+    finally:
+        fastlora.unpatch(m)
