@@ -137,7 +137,8 @@ def run_mode(model, adapters, args, slots, rows_out, info):
                register_s=round(register_s, 2),
                ttft_p50_s=round(ttft[len(ttft) // 2], 4), ttft_p99_s=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 4),
                decode_tokens_per_s=round(decode_tps, 1), mixed_step_ms=round(mixed, 3), base_step_ms=round(base, 3),
-               mixed_vs_base=round(mixed / base, 3), loads=stats["loads"], evictions=stats["evictions"],
+               mixed_vs_base=round(mixed / base, 3), shrink_folded=state.report.shrink_folded,
+               loads=stats["loads"], evictions=stats["evictions"],
                load_s=round(stats["load_seconds"], 3), block_moves=stats.get("block_moves", 0),
                stack_gb=round(state.report.stack_bytes / 2**30, 2),
                # every registered adapter's own weights (the stacks hold the resident ones)
@@ -167,8 +168,16 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="+", default=["slots", "resident"], choices=["slots", "resident"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
+    p.add_argument("--fold-limit", type=float, default=None,
+                   help="most A rows per base row for a site to fold its shrink into the base GEMM "
+                        "(default: the library's; large: every site folds)")
+    p.add_argument("--csv", default=None, help="CSV name under --out (default many_adapters_<gpu>.csv)")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few adapters")
     args = p.parse_args(argv)
+    if args.fold_limit is not None:
+        from peft_fastlora.lora import fusion
+
+        fusion.FOLD_MAX_SHARE = args.fold_limit
     if args.smoke:
         bg.DEVICE = "cpu"
         args.model, args.adapters, args.slots, args.ranks = "tiny", 12, 6, [2, 4, 8]
@@ -186,7 +195,7 @@ def main(argv=None) -> int:
     for mode in args.modes:
         run_mode(model, adapters, args, args.slots if mode == "slots" else None, rows, info)
         if args.out and not args.smoke:
-            path = bg.write_csv(rows, args.out, f"many_adapters_{info['gpu'].split()[-1].lower()}.csv")
+            path = bg.write_csv(rows, args.out, args.csv or f"many_adapters_{info['gpu'].split()[-1].lower()}.csv")
             print(f"written {path}", file=sys.stderr)
     if len(rows) == 2:
         print(f"slots / resident decode time per token: {rows[1]['decode_tokens_per_s'] / rows[0]['decode_tokens_per_s']:.3f}",

@@ -20,6 +20,7 @@ from peft import LoraConfig  # noqa: E402
 
 from _helpers import count_backend_calls  # noqa: E402
 from test_fusion_pool import IDS, NAMES, TOL, build, greedy, layers_of, logits, storage_bytes  # noqa: E402
+from test_register_adapter import folders  # noqa: E402,F401 (a fixture)
 
 BACKENDS = ["torch_native", "triton"]
 
@@ -170,3 +171,24 @@ def test_emulated_graphs_through_folded_sites(no_limit):
         got = greedy(m, names, n=6)
         assert fastlora.get_state(m).graph_runner.stats["replays"] > 0
     assert torch.equal(got, want)
+
+
+def test_registered_adapters_through_slots_and_compaction_folded(folders, tmp_path, no_limit):
+    """Adapters registered by name, two GPU slots: loads and compaction moves write into the
+    arena under the base weights; every call equals the same folders loaded into PEFT."""
+    import random
+
+    from test_register_adapter import _pair, _same, _save
+
+    folders = dict(folders, r8=_save(str(tmp_path / "r8"), ("q_proj", "v_proj"), 8, seed=5),
+                   r24=_save(str(tmp_path / "r24"), ("q_proj", "v_proj"), 24, seed=6))
+    registered = ["ql", "emb", "rs", "wide", "r8", "r24"]
+    m, ref = _pair(folders, registered, max_loras_per_batch=2, fold_shrink=True)
+    sites = fastlora.get_state(m).sites
+    assert all(s.pool.folded() for s in sites if s.kind != "embedding")
+    rng = random.Random(11)
+    for call in range(30):
+        used = rng.sample(registered, 2)
+        _same(m, ref, used + [rng.choice(used + ["__base__"])], seed=call)
+    assert sum(s.pool.block_moves for s in sites) > 0, "no compaction happened: the test exercised nothing"
+    assert all(s.pool.folded() for s in sites if s.kind != "embedding")
