@@ -189,6 +189,16 @@ def tp_rowwise_finish(base: nn.Module, partial: torch.Tensor, group) -> torch.Te
     return partial if bias is None else partial + local(bias)
 
 
+def tp_rowwise_finish_columns(base: nn.Module, partial: torch.Tensor, n: int, group) -> torch.Tensor:
+    """``tp_rowwise_finish`` of a partial whose first ``n`` columns are the layer's output (more
+    columns follow, reduced with them in the same all-reduce); returns the whole tensor."""
+    torch.distributed.all_reduce(partial, group=group)
+    bias = base._parameters.get("bias")
+    if bias is not None:
+        partial[:, :n] += local(bias)
+    return partial
+
+
 def full_shape_in_out(base: nn.Module) -> Tuple[int, int]:
     """(in, out) of the whole layer, sharded by TP or not (a registered adapter is saved whole)."""
     if isinstance(base, nn.Linear) and is_dtensor(base.weight):

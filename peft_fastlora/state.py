@@ -265,7 +265,7 @@ class FastLoRAState:
                 self.groups.append(g)
                 pool = SitePool([m if is_lora_layer(m) else None for m in g.members], g.out_features,
                                 g.in_features)
-                if fold_off is None and not any(_compat.is_dtensor(b.weight) for b in g.bases):
+                if fold_off is None:  # (under TP: each rank's shards, column-sharded alike)
                     pool.fold = g
                 site_name = f"{g.parent_name}.{g.kind}" if g.parent_name else g.kind
                 self.sites.append(FusedSite(site_name, g, pool))
@@ -281,7 +281,7 @@ class FastLoRAState:
             elif type(m) is LoraLinear and (isinstance(base, nn.Linear) or is_conv1d(base)):
                 i, o = linear_in_out(base)
                 site = LinearSite(name, [m], SitePool([m], [o], i), tp=_compat.tp_style(m, declared.get(id(m))))
-                if fold_off is None and site.tp is None and fusion_blocker([base]) is None:
+                if fold_off is None and site.tp != "colwise_gather" and fusion_blocker([base]) is None:
                     site.pool.fold = FusedGroup("linear", name, (name,), [m], [base])
                 self.sites.append(site)
             elif type(m) is LoraEmbedding and isinstance(base, nn.Embedding):

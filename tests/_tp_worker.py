@@ -16,6 +16,8 @@ OPS: "kernels" (fastlora's decode attention, RMSNorm, rotary and SiLU-mul kernel
 Triton's interpreter) or "torch" (transformers' own).
 HEADS: "heads" has the second adapter target the embedding (sharded by vocabulary rows) and the LM
 head (``colwise_gather_output``) too, on which PEFT's own mixed batch fails under TP.
+FASTLORA_TEST_FOLD=1 in the environment: every Linear site's shrink folded into its base GEMM (the
+size limit lifted), row-sharded layers reducing their partial shrinks with their partial sums.
 """
 
 import os
@@ -92,7 +94,12 @@ def main(path, arch, device_type, graphs, layout="peft", ops="kernels", heads=""
     with_kernels = ops == "kernels"
     kernels = dict(decode_attention=with_kernels, fuse_norms=with_kernels, fuse_rotary=with_kernels,
                    fuse_silu_mul=with_kernels)
-    report = fastlora.patch(tp, cuda_graphs=graphs, **kernels)
+    fold = os.environ.get("FASTLORA_TEST_FOLD") == "1"
+    if fold:
+        from peft_fastlora.lora import fusion
+
+        fusion.FOLD_MAX_SHARE = 1e9
+    report = fastlora.patch(tp, cuda_graphs=graphs, fold_shrink=fold, **kernels)
     # every LoRA Linear served from this rank's shards; q/k/v and gate/up fused within the rank
     assert report.num_patched_layers == 14 + 2 * heads and not report.left_on_peft and not report.fusion_blocked, report
     assert report.cuda_graphs == ("emulated" if graphs == "emulate" else "on"), report.cuda_graphs
@@ -111,13 +118,16 @@ def main(path, arch, device_type, graphs, layout="peft", ops="kernels", heads=""
     for g in state.groups:  # each rank's shards are views of its fused weight
         assert g.is_intact() and g.weight.shape[0] == sum(b.weight.to_local().shape[0] for b in g.bases)
     assert report.continuous_batching.startswith("off"), report
+    n_sites = 8 + 2 * heads
+    assert report.shrink_folded == (f"8 of {n_sites} sites" if fold else "off (fold_shrink=False)"), report
     if with_kernels:
         assert report.decode_attention == "on", report
         assert report.fused_norms and report.fused_rotary and report.fused_mlps, report
     calls = []
     backend = state.backend
-    run_lora = backend.run_packed_lora
-    backend.run_packed_lora = lambda *a, **k: (calls.append(1), run_lora(*a, **k))[1]
+    run_lora, run_expand = backend.run_packed_lora, backend.run_packed_expand
+    backend.run_packed_lora = lambda *a, **k: (calls.append("lora"), run_lora(*a, **k))[1]
+    backend.run_packed_expand = lambda *a, **k: (calls.append("expand"), run_expand(*a, **k))[1]
     if heads:  # PEFT's own mixed batch fails on these layers under TP: fastlora's path is the only one
         assert report.num_patched_layers == 16
     ids = torch.tensor([[1, 5, 9, 33, 70, 101, 7, 3], [2, 44, 8, 90, 11, 12, 64, 100], [4, 4, 8, 9, 10, 11, 2, 3]],
@@ -179,7 +189,7 @@ def main(path, arch, device_type, graphs, layout="peft", ops="kernels", heads=""
     assert bool(attention_calls) == with_kernels  # fastlora's decode attention over this rank's heads
     stats = state.graph_runner.stats
     assert stats["replays"] > 0 and stats["eager_steps"] == 0 and stats["capture_failures"] == 0, stats
-    assert calls  # the layers ran fastlora's path
+    assert calls and (("expand" in calls) == fold), set(calls)  # the layers ran fastlora's path
     # an adapter registered by name from a folder saved whole: each rank serves its part of it
     torch.manual_seed(3)
     ref.add_adapter("reg", LoraConfig(r=6, target_modules=TARGETS, init_lora_weights=False))
@@ -191,7 +201,7 @@ def main(path, arch, device_type, graphs, layout="peft", ops="kernels", heads=""
     same_logits(tp, ref, ids, (["reg", "default", "__base__"], ["reg", "reg", "reg"]))
     fastlora.unpatch(tp)
     print(f"rank {rank}: ok {arch} {device_type} graphs={graphs} layout={layout} ops={ops} heads={heads} "
-          f"captures={stats['captures']} "
+          f"fold={fold} captures={stats['captures']} "
           f"replays={stats['replays']}", flush=True)
     dist.destroy_process_group()
 

@@ -3,7 +3,8 @@ accelerate's device_map across both GPUs. fp32 tiny models; PEFT on one GPU is t
 
 - TP=2 (NCCL): ``_tp_worker.py`` with real CUDA graphs (the all-reduces captured inside), Llama
   and Qwen2 (q/k/v biases: the colwise shards carry them), fused within each rank, with and
-  without the base-model kernels, then random traffic with an adapter deleted half-way;
+  without the base-model kernels, with and without the shrink folded into the base GEMMs, then
+  random traffic with an adapter deleted half-way;
 - device_map: a tiny Llama split layer by layer over cuda:0 and cuda:1: each LoRA layer's pool
   and kernels on its own GPU, graphs off with the reason, tokens equal to PEFT's;
 - a model on cuda:1 while cuda:0 is current: the kernels launch on the model's GPU.
@@ -27,13 +28,14 @@ pytestmark = [pytest.mark.gpu,
 NAMES = ["a0", "__base__", "a2", "a1", "a0"]
 
 
-@pytest.mark.parametrize("arch,ops,heads", [("llama", "kernels", ""), ("qwen2", "kernels", ""), ("qwen2", "torch", ""),
-                                            ("llama", "kernels", "heads")])
-def test_tensor_parallel_two_gpus_graphs_equal_peft(tmp_path, arch, ops, heads):
+@pytest.mark.parametrize("arch,ops,heads,fold", [("llama", "kernels", "", False), ("qwen2", "kernels", "", False),
+                                                 ("qwen2", "torch", "", False), ("llama", "kernels", "heads", False),
+                                                 ("qwen2", "kernels", "", True), ("llama", "kernels", "heads", True)])
+def test_tensor_parallel_two_gpus_graphs_equal_peft(tmp_path, arch, ops, heads, fold):
     """heads: an adapter on the vocabulary-sharded embedding and the gathered LM head too (their
-    collectives captured in the decode graphs)."""
-    out = run_tp_worker(tmp_path, arch, "cuda", "auto", ops=ops, heads=heads)
-    assert "graphs=auto" in out and f"ops={ops}" in out
+    collectives captured in the decode graphs). fold: every Linear site's shrink in its base GEMM."""
+    out = run_tp_worker(tmp_path, arch, "cuda", "auto", ops=ops, heads=heads, fold=fold)
+    assert "graphs=auto" in out and f"ops={ops}" in out and f"fold={fold}" in out
 
 
 def _generate(model, batch, names, new=8):

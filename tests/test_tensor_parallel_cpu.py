@@ -12,14 +12,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, layout: str = "peft", ops: str = "kernels",
-                  nproc: int = 2, heads: str = ""):
+                  nproc: int = 2, heads: str = "", fold: bool = False):
     """torchrun ``_tp_worker.py`` on ``nproc`` ranks; asserts every rank reported ok."""
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
                # PEFT's mixed batch walks a set of adapter names; its order must be the same on
                # every rank (each adapter's rowwise LoRA does a collective)
                PYTHONHASHSEED="0", OMP_NUM_THREADS="1",
                # NVLink multicast stays off in every process (the device machines' rule)
-               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               FASTLORA_TEST_FOLD="1" if fold else "0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            os.path.join(HERE, "_tp_worker.py"), str(tmp_path / arch), arch, device, graphs, layout, ops, heads]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -44,6 +45,16 @@ def test_lora_on_the_embedding_and_lm_head_under_tensor_parallelism(tmp_path, la
     mixed batch fails there under TP; fastlora's path gives the unsharded model's results."""
     pytest.importorskip("torch.distributed.tensor")
     run_tp_worker(tmp_path, "llama", "cpu", "emulate", layout, "torch", heads="heads")
+
+
+@pytest.mark.parametrize("layout,heads", [("peft", "heads"), ("whole", "")])
+def test_folded_shrink_under_tensor_parallelism(tmp_path, layout, heads):
+    """Every Linear site's shrink folded into its base GEMM on each rank: column-sharded sites
+    under this rank's output rows, row-sharded ones reducing the partial shrink with the partial
+    sums in their one all-reduce."""
+    pytest.importorskip("torch.distributed.tensor")
+    out = run_tp_worker(tmp_path, "llama", "cpu", "emulate", layout, "torch", heads=heads, fold=True)
+    assert "fold=True" in out
 
 
 def test_serve_tp_example(tmp_path):

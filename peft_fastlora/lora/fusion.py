@@ -130,9 +130,10 @@ class FusedGroup:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
-    def linear_with_tail(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ [W; tail].T`` (+ the bias, zeros under the tail): (s, sum out + tail rows)."""
-        return torch.nn.functional.linear(x, self.ext, self.ext_bias)
+    def linear_with_tail(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """``x @ [W; tail].T`` (+ the bias, zeros under the tail): (s, sum out + tail rows).
+        ``bias=False``: a row-sharded layer's partial sums (its bias is added once, after the reduce)."""
+        return torch.nn.functional.linear(x, self.ext, self.ext_bias if bias else None)
 
 
 def fusion_blocker(bases: List[nn.Module]) -> Optional[str]:
@@ -142,7 +143,7 @@ def fusion_blocker(bases: List[nn.Module]) -> Optional[str]:
             return f"base layer is {type(b).__name__}, not nn.Linear (quantized or custom)"
         if has_forward_hooks(b):
             return "base layer has forward hooks (offloading or similar)"
-    if any(is_dtensor(b.weight) for b in bases):
+    if len(bases) > 1 and any(is_dtensor(b.weight) for b in bases):  # one layer: its own shard, whatever it is
         meshes = [tp_colwise_mesh(b.weight) for b in bases]
         biases = [b.bias for b in bases if b.bias is not None]
         if (any(m is None for m in meshes) or any(m != meshes[0] for m in meshes)

@@ -16,7 +16,7 @@ from torch import nn
 
 from .._compat import (base_layer_of, is_dtensor, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
                       layer_is_merged, local, tp_gather_finish, tp_gather_partial, tp_group, tp_rowwise_finish,
-                      tp_rowwise_partial, tp_sum, tp_vocab_ids, tp_vocab_partial)
+                      tp_rowwise_finish_columns, tp_rowwise_partial, tp_sum, tp_vocab_ids, tp_vocab_partial)
 from .fusion import FusedGroup
 from .pool import SitePool
 
@@ -180,16 +180,15 @@ def _folded(pool: SitePool, bi) -> bool:
     return bi.block_m <= FOLD_MAX_BLOCK_M and pool.folded()
 
 
-def _fold_forward(state, pool: SitePool, x2: torch.Tensor, bi) -> torch.Tensor:
+def _fold_forward(state, pool: SitePool, x2: torch.Tensor, bi, bias: bool = True) -> torch.Tensor:
     """Base output and LoRA delta of a folded site: one GEMM over ``[W; A]`` gives the base output
-    and every arena row's shrink, the expand adds the batch's deltas. Returns (s, N), a view whose
-    rows are the GEMM's (one stride apart, not contiguous)."""
-    full = pool.fold.linear_with_tail(x2)
+    and every arena row's shrink, the expand adds the batch's deltas into the first N columns.
+    Returns the GEMM's whole (s, N + arena rows) output."""
+    full = pool.fold.linear_with_tail(x2, bias)
     n = pool.offsets[-1]
-    res = full[:, :n]
-    state.backend.run_packed_expand(full[:, n:], pool.packed, base_output=res, layer_ranks=pool.ranks,
+    state.backend.run_packed_expand(full[:, n:], pool.packed, base_output=full[:, :n], layer_ranks=pool.ranks,
                                     layer_scalings=pool.scalings, batch_info=bi)
-    return res
+    return full
 
 
 class _OneLayerSite(Site):
@@ -238,13 +237,20 @@ class LinearSite(_OneLayerSite):
         self.tp_group = tp_group(members[0]) if tp in ("rowwise", "colwise_gather") else None
 
     def _folded_forward(self, state, x, bi):
-        if self.tp is not None or self.pool.fold is None:
+        if self.pool.fold is None or self.tp == "colwise_gather":
             return None
         pool = state.pool_for(self, x.dtype)
         if not _folded(pool, bi):
             return None
-        res = _fold_forward(state, pool, _as_rows(x, x.shape[-1]).contiguous(), bi)
-        return res.view(*x.shape[:-1], res.shape[-1])
+        n = pool.offsets[-1]
+        # row-sharded: partial sums of the base output and of every shrink (the expand is linear),
+        # reduced together in the layer's one all-reduce, then the bias
+        rowwise = self.tp == "rowwise"
+        full = _fold_forward(state, pool, _as_rows(x, x.shape[-1]).contiguous(), bi, bias=not rowwise)
+        if rowwise:
+            full = tp_rowwise_finish_columns(base_layer_of(self.members[0]), full, n, self.tp_group)
+        res = full[:, :n]  # rows one stride apart: a view, not a copy
+        return res.view(*x.shape[:-1], n)
 
     def _base_output(self, base, x):
         if self.tp == "rowwise":
@@ -324,7 +330,7 @@ class FusedSite(Site):
         pool = state.pool_for(self, x.dtype)
         x2 = _as_rows(x, x.shape[-1]).contiguous()
         if _folded(pool, bi):
-            res = _fold_forward(state, pool, x2, bi)
+            res = _fold_forward(state, pool, x2, bi)[:, :pool.offsets[-1]]
         else:
             res = self.group.linear(x2)
             state.backend.run_packed_lora(x2, pool.packed, base_output=res, layer_ranks=pool.ranks,
