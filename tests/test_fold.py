@@ -192,3 +192,23 @@ def test_registered_adapters_through_slots_and_compaction_folded(folders, tmp_pa
         _same(m, ref, used + [rng.choice(used + ["__base__"])], seed=call)
     assert sum(s.pool.block_moves for s in sites) > 0, "no compaction happened: the test exercised nothing"
     assert all(s.pool.folded() for s in sites if s.kind != "embedding")
+
+
+def test_continuous_batching_through_folded_sites(no_limit, calls):
+    """transformers' engine: one forward mixes requests' prefill chunks and decode tokens, each
+    with its adapter; every site folded, each request equals PEFT serving it alone."""
+    from _continuous import cb_config, greedy_config, peft_alone, requires_cb
+
+    if requires_cb.args[0]:
+        pytest.skip(requires_cb.kwargs["reason"])
+    m, ref = build(), build()
+    fastlora.patch(m, fold_shrink=True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (3, 7, 2, 5, 4)]  # this model's vocabulary
+    names = ["sql", "chat", "__base__", "mlp", "sql"]
+    out = m.generate_batch(prompts, generation_config=greedy_config(5), continuous_batching_config=cb_config(),
+                           adapter_names=names)
+    got = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+    assert calls["run_packed_expand"] > 0
+    for tokens, p, n in zip(got, prompts, names):
+        assert tokens == peft_alone(ref, p, n, 5), n
