@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import peft_fastlora as fastlora
+from peft_fastlora._compat import base_layer_of
 from peft_fastlora.backend.segmented import SegmentedLoRABackend
 from peft_fastlora.lora import fusion
 
@@ -19,6 +20,7 @@ pytest.importorskip("peft")
 from peft import LoraConfig  # noqa: E402
 
 from _helpers import count_backend_calls  # noqa: E402
+from _models import ARCHS, build_peft_lm, left_padded_batch  # noqa: E402
 from test_fusion_pool import IDS, NAMES, TOL, build, greedy, layers_of, logits, storage_bytes  # noqa: E402
 from test_register_adapter import folders  # noqa: E402,F401 (a fixture)
 
@@ -212,3 +214,30 @@ def test_continuous_batching_through_folded_sites(no_limit, calls):
     assert calls["run_packed_expand"] > 0
     for tokens, p, n in zip(got, prompts, names):
         assert tokens == peft_alone(ref, p, n, 5), n
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_every_architecture_with_folded_sites_equals_peft(arch, no_limit, calls):
+    """The seven tiny architectures of the parity tests (Qwen2's q/k/v biases, Gemma 2's scaled
+    embedding and soft-capping, Phi-3's pre-fused projections, GPT-2's Conv1D): every site over a
+    plain ``nn.Linear`` folds (Conv1D and embeddings keep their paths), logits and greedy tokens
+    equal PEFT's."""
+    from test_parity_models import ATOL, LENGTHS, NAMES as MIX, RTOL
+
+    model = build_peft_lm(arch)
+    batch = left_padded_batch(LENGTHS, seed=1)
+    with torch.no_grad():
+        want = model(**batch, adapter_names=MIX).logits
+        want_tokens = model.generate(**batch, adapter_names=MIX, max_new_tokens=5, do_sample=False)
+    with fastlora.patched(model, fold_shrink=True) as report:
+        sites = fastlora.get_state(model).sites
+        foldable = [s for s in sites if s.kind != "embedding"
+                    and all(type(base_layer_of(m)) is torch.nn.Linear for m in s.members)]
+        assert [s.name for s in sites if s.pool.folded()] == [s.name for s in foldable]
+        assert report.shrink_folded == f"{len(foldable)} of {len(sites)} sites"
+        with torch.no_grad():
+            got = model(**batch, adapter_names=MIX).logits
+            tokens = model.generate(**batch, adapter_names=MIX, max_new_tokens=5, do_sample=False)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    assert torch.equal(tokens, want_tokens)
+    assert (calls["run_packed_expand"] > 0) == bool(foldable), calls
