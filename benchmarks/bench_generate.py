@@ -31,6 +31,9 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=1024),  # --smoke on CPU: checks the script, measures nothing
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    # #16's 32B-class shape (Qwen2.5-32B's widths, Llama's layers), for tensor parallelism
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064),
     # #13's coverage shapes: sliding windows (Mistral), alternating windows and soft-capping (Gemma 2,
     # eager attention, as transformers runs it)
     "mistral7b": dict(arch="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

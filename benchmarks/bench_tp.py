@@ -45,6 +45,10 @@ def time_decode(model, batches, args, names_for):
     return out
 
 
+def ratio(step, reference):
+    return round(step / reference, 3) if reference else ""
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bg.add_model_args(p, adapters=8)
@@ -54,6 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--path", default="/tmp/fastlora_bench_tp_model")
     p.add_argument("--out", default=None)
+    p.add_argument("--skip-tp1", action="store_true",
+                   help="TP=2 alone (a model whose one-GPU runs would not add what the run is for)")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     if args.smoke:
@@ -76,7 +82,8 @@ def main(argv=None) -> int:
         wbytes = bg.weight_bytes(base)
         base.save_pretrained(args.path)
         model = bg.add_adapters(base, args.adapters, args.rank)
-        for label, ops in (("tp1_fastlora_ops", bg.FAST_OPS), ("tp1_hf_ops", bg.HF_OPS)):
+        tp1_runs = () if args.skip_tp1 else (("tp1_fastlora_ops", bg.FAST_OPS), ("tp1_hf_ops", bg.HF_OPS))
+        for label, ops in tp1_runs:
             report = fastlora.patch(model, cuda_graphs=graphs, **ops)
             print(label, report, flush=True)
             for b, (prefill, step) in time_decode(model, args.batches, args, names_for).items():
@@ -115,8 +122,8 @@ def main(argv=None) -> int:
                               adapters=args.adapters, rank=args.rank, prefill_ms=round(prefill, 2),
                               decode_ms_per_step=round(step, 3), tokens_per_s=round(1e3 * b / step, 1),
                               per_gpu_floor_ms=round(floor, 3), ratio_to_floor=round(step / floor, 3),
-                              ratio_to_tp1_fastlora_ops=round(step / one[("tp1_fastlora_ops", b)], 3),
-                              ratio_to_tp1_hf_ops=round(step / one[("tp1_hf_ops", b)], 3),
+                              ratio_to_tp1_fastlora_ops=ratio(step, one.get(("tp1_fastlora_ops", b))),
+                              ratio_to_tp1_hf_ops=ratio(step, one.get(("tp1_hf_ops", b))),
                               copy_bw_tbs=round(bw / 1e12, 3),
                               # the TP run's graph runner over all its calls (TP=1: see the log)
                               graph_replays=stats.get("replays", "") if tp > 1 else "",

@@ -2,7 +2,8 @@
 # Everything that needs the GPU, in one call of the device machine: GPU tests, soak, kernel
 # benchmark, end-to-end benchmark. Results land in $OUT (and are committed under
 # benchmarks/results/). Parts: all (default) or any of tests soak kernels generate profile attention
-# continuous prefill many; and, on the two-GPU machine only (never part of all), multigpu.
+# continuous prefill many; and, on the two-GPU machine only (never part of all), multigpu (TP_MODEL,
+# TP_ARGS: e.g. 32b --skip-tp1) and devicemap.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
@@ -58,6 +59,10 @@ if [[ $parts == *" multigpu "* ]]; then
     | grep -v -i warn | tee "$OUT/serve_tp_gpu.log" | tail -7
   if [[ ${TP_BENCH:-1} == 1 ]]; then
     PYTHONHASHSEED=0 timeout 300 torchrun --standalone --nproc_per_node 2 benchmarks/bench_tp.py \
-      --model ${TP_MODEL:-8b} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_tp.log" | tail -14
+      --model ${TP_MODEL:-8b} ${TP_ARGS:-} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_tp.log" | tail -14
   fi
+fi
+if [[ $parts == *" devicemap "* ]]; then  # two-GPU machine only: accelerate's device_map, PEFT vs fastlora
+  timeout 400 python3 benchmarks/bench_device_map.py --model ${DM_MODEL:-8b} --out "$OUT" 2>&1 | grep -v -i warn \
+    | tee "$OUT/bench_device_map.log" | tail -8
 fi
