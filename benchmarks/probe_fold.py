@@ -7,7 +7,8 @@ rank 16 in 8 slots, rows spread over them), captured in one CUDA graph and timed
 - ``fused``: base GEMM + the fused shrink-and-expand kernel per site (today's decode path);
 - ``fold_gemm``: one GEMM per site over the base weight with every slot's A appended as more
   output rows (x @ [W; A].T gives the base output and every slot's x @ A.T at once);
-- ``fold``: that GEMM + the expand kernel alone, reading its shrink output from those columns.
+- ``fold``: that GEMM + the expand kernel alone, reading its shrink output from those columns;
+  ``fold_n<N>_w<W>``: the same with the expand's column tile and warps set (``--expand-block-n``).
 
 Attention, norms and the rest of the layer are left out: the differences between rows are the
 LoRA's cost. The expand reads slot 0's columns for every row: the same bytes and launches as the
@@ -72,6 +73,8 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/results/probe_fold_h200.csv")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--expand-block-n", type=int, nargs="*", default=[],
+                   help="also time the expand with these column tiles (4 and 8 warps each)")
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1), tiny shapes, eager")
     args = p.parse_args(argv)
     global LAYERS, SITES, DEVICE, DTYPE
@@ -125,18 +128,23 @@ def main(argv=None):
                             backend.run_lora(x, a, b, **kw)
                     else:
                         res = F.linear(x, w_ext)
-                        if mode == "fold":
+                        if mode.startswith("fold") and mode != "fold_gemm":
+                            tile = dict(expand_tiles).get(mode, {})
                             lora_expand(res[:, n:n + c * RANK], b, offs, ranks, scal, res[:, :n],
                                         bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len,
-                                        block_m=bi.block_m, check=False)
+                                        block_m=bi.block_m, check=False, **tile)
 
+        # the expand's launch settings to compare ("fold": expand_config's, the library's choice)
+        expand_tiles = [(f"fold_n{bn}_w{nw}", dict(block_n=bn, num_warps=nw))
+                        for bn in args.expand_block_n for nw in (4, 8)]
+        modes = ("base", "fused", "fold_gemm", "fold") + tuple(m for m, _ in expand_tiles)
         times = {}
         if args.smoke:
-            for mode in ("base", "fused", "fold_gemm", "fold"):
+            for mode in modes:
                 step(mode)
             print("smoke: every mode ran at batch", bs)
             continue
-        for mode in ("base", "fused", "fold_gemm", "fold"):
+        for mode in modes:
             g = capture(lambda: step(mode))
             times[mode] = timed(g, args.iters)
             del g
