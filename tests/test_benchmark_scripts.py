@@ -1,0 +1,45 @@
+"""The benchmark scripts' ``--smoke`` runs (tiny models on the CPU): a script broken by a change
+should fail here, not in a device call. They measure nothing; ``bench_generate.py --smoke`` is left
+out (it times every method of the real benchmark and takes minutes on the CPU)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+
+
+def _run(args, env_extra=None, torchrun=False):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               PYTHONHASHSEED="0", **(env_extra or {}))
+    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+                              if torchrun else []) + args
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return run.stdout + run.stderr
+
+
+def test_bench_device_map_smoke():
+    out = _run([os.path.join(BENCH, "bench_device_map.py"), "--smoke"])
+    assert "'method': 'fastlora'" in out and "'method': 'peft_native'" in out
+
+
+def test_bench_many_adapters_smoke():
+    out = _run([os.path.join(BENCH, "bench_many_adapters.py"), "--smoke", "--fold-limit", "1e9"])
+    assert "'mode': 'slots'" in out and "'mode': 'resident'" in out
+
+
+def test_probe_fold_smoke():
+    out = _run([os.path.join(BENCH, "probe_fold.py"), "--smoke", "--batches", "3", "--expand-block-n", "32"],
+               env_extra={"TRITON_INTERPRET": "1"})
+    assert "every mode ran at batch 3" in out
+
+
+def test_bench_tp_smoke():
+    pytest.importorskip("torch.distributed.tensor")
+    out = _run([os.path.join(BENCH, "bench_tp.py"), "--smoke", "--skip-tp1"], torchrun=True)
+    assert "'method': 'tp2'" in out
