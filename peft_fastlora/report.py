@@ -31,6 +31,7 @@ class PatchReport:
     base_ops_skipped: List[Tuple[str, str, str]] = field(default_factory=list)  # (option, class, why)
     base_ops_off: Dict[str, str] = field(default_factory=dict)  # option -> why it is off
     shrink_folded: str = "off"  # "N of M sites" whose decode shrink the base GEMM computes, or "off (why)"
+    fold_refused: List[Tuple[str, str]] = field(default_factory=list)  # (site, why it keeps the shrink kernel)
 
     @property
     def num_patched_layers(self) -> int:

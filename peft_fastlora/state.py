@@ -281,13 +281,18 @@ class FastLoRAState:
             elif type(m) is LoraLinear and (isinstance(base, nn.Linear) or is_conv1d(base)):
                 i, o = linear_in_out(base)
                 site = LinearSite(name, [m], SitePool([m], [o], i), tp=_compat.tp_style(m, declared.get(id(m))))
-                if fold_off is None and site.tp != "colwise_gather" and fusion_blocker([base]) is None:
+                blocker = ("a gathered LM head under tensor parallelism" if site.tp == "colwise_gather"
+                           else fusion_blocker([base]))
+                if fold_off is None and blocker is None:
                     site.pool.fold = FusedGroup("linear", name, (name,), [m], [base])
+                site.pool.no_fold = blocker or "not eligible"
                 self.sites.append(site)
             elif type(m) is LoraEmbedding and isinstance(base, nn.Embedding):
                 vocab = _compat.local(base.weight).shape[0]  # this rank's rows under TP
-                self.sites.append(EmbeddingSite(name, [m], SitePool([m], [base.embedding_dim], vocab, embedding=True),
-                                                tp=_compat.tp_style(m)))
+                site = EmbeddingSite(name, [m], SitePool([m], [base.embedding_dim], vocab, embedding=True),
+                                     tp=_compat.tp_style(m))
+                site.pool.no_fold = "an embedding: a lookup, not a GEMM"
+                self.sites.append(site)
             else:
                 report.left_on_peft.append(
                     (name, f"{type(m).__module__}.{type(m).__name__} over {type(base).__name__} "
@@ -304,6 +309,8 @@ class FastLoRAState:
         report.sites = [(s.name, s.kind, len(s.lora_layers)) for s in self.sites]
         folded = sum(s.pool.folded() for s in self.sites)
         report.shrink_folded = fold_off or f"{folded} of {len(self.sites)} sites"
+        if fold_off is None:
+            report.fold_refused = [(s.name, s.pool.fold_refusal()) for s in self.sites if not s.pool.folded()]
         report.stack_bytes = sum(s.pool.nbytes() for s in self.sites)
         report.adapter_bytes = sum(s.pool.adapter_nbytes() for s in self.sites)
         # every module PEFT would hand adapter_names to is a site: fastlora takes the names itself

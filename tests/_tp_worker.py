@@ -120,6 +120,8 @@ def main(path, arch, device_type, graphs, layout="peft", ops="kernels", heads=""
     assert report.continuous_batching.startswith("off"), report
     n_sites = 8 + 2 * heads
     assert report.shrink_folded == (f"8 of {n_sites} sites" if fold else "off (fold_shrink=False)"), report
+    # with the heads: the embedding (a lookup) and the gathered LM head keep their paths, saying why
+    assert all(n.endswith(("embed_tokens", "lm_head")) for n, _ in report.fold_refused), report.fold_refused
     if with_kernels:
         assert report.decode_attention == "on", report
         assert report.fused_norms and report.fused_rotary and report.fused_mlps, report

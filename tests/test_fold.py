@@ -97,6 +97,8 @@ def test_default_limit_folds_only_small_arenas(reference, calls):
     small = [s.pool.lora_a.shape[0] <= s.pool.offsets[-1] * fusion.FOLD_MAX_SHARE for s in sites]
     assert [s.pool.folded() for s in sites] == small and 0 < sum(small) < len(sites)
     assert report.shrink_folded == f"{sum(small)} of 8 sites"
+    assert [name for name, _ in report.fold_refused] == [s.name for s, ok in zip(sites, small) if not ok]
+    assert all("would add more than 0.125 of its" in why for _, why in report.fold_refused), report.fold_refused
     torch.testing.assert_close(logits(m), reference["llama"][0], **TOL)
     assert calls["run_packed_expand"] == sum(small) and calls["run_packed_lora"] == 8 - sum(small)
 
@@ -105,7 +107,7 @@ def test_default_limit_folds_only_small_arenas(reference, calls):
 def test_off_and_auto_on_cpu(option, why, no_limit, calls):
     m = build()
     report = fastlora.patch(m, fold_shrink=option)
-    assert report.shrink_folded == why
+    assert report.shrink_folded == why and report.fold_refused == []
     assert all(s.pool.fold is None for s in fastlora.get_state(m).sites)
     logits(m)
     assert calls["run_packed_expand"] == 0
@@ -235,6 +237,13 @@ def test_every_architecture_with_folded_sites_equals_peft(arch, no_limit, calls)
                     and all(type(base_layer_of(m)) is torch.nn.Linear for m in s.members)]
         assert [s.name for s in sites if s.pool.folded()] == [s.name for s in foldable]
         assert report.shrink_folded == f"{len(foldable)} of {len(sites)} sites"
+        why = dict(report.fold_refused)  # every other site, with its reason
+        assert sorted(why) == sorted(s.name for s in sites if s not in foldable)
+        for s in sites:
+            if s.kind == "embedding":
+                assert why[s.name] == "an embedding: a lookup, not a GEMM"
+            elif s not in foldable:
+                assert "Conv1D, not nn.Linear" in why[s.name], why[s.name]
         with torch.no_grad():
             got = model(**batch, adapter_names=MIX).logits
             tokens = model.generate(**batch, adapter_names=MIX, max_new_tokens=5, do_sample=False)

@@ -49,6 +49,7 @@ class FusedGroup:
     ext: Optional[torch.Tensor] = None  # (sum out + tail rows, in): ``weight`` then ``tail``
     ext_bias: Optional[torch.Tensor] = None  # ``bias`` then zeros, when there is a bias
     tail: Optional[torch.Tensor] = None  # the rows under the base weight (a pool's A arena), or None
+    fold_refusal: Optional[str] = None  # why the last ``attach_tail`` did not fold
 
     @property
     def out_features(self) -> List[int]:
@@ -108,9 +109,8 @@ class FusedGroup:
         take one GEMM. A tail no longer wanted is dropped."""
         first = local(self.bases[0].weight)
         n = sum(self.out_features)
-        fits = (0 < rows <= n * FOLD_MAX_SHARE and first.dtype == dtype and first.device == torch.device(device)
-                and fusion_blocker(self.bases) is None)
-        if not fits:
+        self.fold_refusal = self._fold_refusal(rows, n, first, dtype, device)
+        if self.fold_refusal is not None:
             if self.tail is not None and self.is_intact():
                 self.fuse(0)
             return None
@@ -126,6 +126,16 @@ class FusedGroup:
             if b.bias is not None:
                 repoint_local(b.bias, local(b.bias).detach().clone())
         self.weight = self.bias = self.ext = self.ext_bias = self.tail = None
+
+    def _fold_refusal(self, rows, n, first, dtype, device) -> Optional[str]:
+        if rows <= 0:
+            return "no adapter targets it"
+        if rows > n * FOLD_MAX_SHARE:
+            return (f"its adapters' A rows ({rows}) would add more than {FOLD_MAX_SHARE:.3g} of its "
+                    f"{n} base rows to every step's GEMM")
+        if first.dtype != dtype or first.device != torch.device(device):
+            return f"the stacks are {dtype} on {device}, the base weight {first.dtype} on {first.device}"
+        return fusion_blocker(self.bases)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight, self.bias)

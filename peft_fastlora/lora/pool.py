@@ -96,6 +96,7 @@ class SitePool:
         self._watched = None
         self._registry_names = None
         self.fold = None  # the site's FusedGroup, where the A arena may live under its base weight
+        self.no_fold = "not eligible"  # why there is no ``fold`` (set by the model state)
         self._fold_attached = False
 
     @property
@@ -248,6 +249,14 @@ class SitePool:
         f = self.fold
         return (self._fold_attached and f.tail is not None and f.is_intact()
                 and f.tail.data_ptr() == self.lora_a.data_ptr() and f.tail.shape == self.lora_a.shape)
+
+    def fold_refusal(self) -> Optional[str]:
+        """Why decode-sized forwards of this site do not take the folded GEMM (None: they do)."""
+        if self.fold is None:
+            return self.no_fold
+        if self.folded():
+            return None
+        return self.fold.fold_refusal or "its base weight has new storage since the stacks were built"
 
     def fold_lost(self) -> bool:
         """Folded when built, but the base weight has moved since (``model.to``, a reload)."""
