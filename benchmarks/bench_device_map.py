@@ -46,13 +46,8 @@ def split_over(model, devices: list):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bg.add_model_args(p, adapters=8)
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 32])
-    p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=32)
+    bg.add_decode_args(p, new_tokens=32, reps=2)
     p.add_argument("--short-tokens", type=int, default=8, help="new tokens for PEFT's (slow) mixed batch")
-    p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--out", default=None)
-    p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     if args.smoke:
         bg.DEVICE = "cpu"

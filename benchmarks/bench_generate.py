@@ -69,6 +69,16 @@ def add_model_args(parser, adapters: int):
     parser.add_argument("--rank", type=int, default=16)
 
 
+def add_decode_args(parser, new_tokens: int, reps: int):
+    """--batches, --prompt, --new-tokens, --reps, --out, --smoke: the decode benchmarks' run arguments."""
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script only")
+
+
 def write_csv(rows, folder: str, name: str) -> str:
     """The rows (dicts with the same keys) as ``folder/name``; the path written."""
     os.makedirs(folder, exist_ok=True)

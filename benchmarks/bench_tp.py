@@ -52,15 +52,10 @@ def ratio(step, reference):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bg.add_model_args(p, adapters=8)
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 32])
-    p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=3)
+    bg.add_decode_args(p, new_tokens=64, reps=3)
     p.add_argument("--path", default="/tmp/fastlora_bench_tp_model")
-    p.add_argument("--out", default=None)
     p.add_argument("--skip-tp1", action="store_true",
                    help="TP=2 alone (a model whose one-GPU runs would not add what the run is for)")
-    p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
     if args.smoke:
         bg.DEVICE = "cpu"

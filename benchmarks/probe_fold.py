@@ -21,51 +21,19 @@ from __future__ import annotations
 
 import argparse
 import csv
-import gc
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import Timer, capture  # noqa: E402  (L2 evicted before each timed replay)
+
 HIDDEN, Q, KV, INTER, LAYERS = 4096, 4096, 1024, 14336, 32
 SITES = {"qkv": (HIDDEN, (0, Q, Q + KV, Q + 2 * KV)), "o": (HIDDEN, (0, HIDDEN)),
          "gate_up": (HIDDEN, (0, INTER, 2 * INTER)), "down": (INTER, (0, HIDDEN))}
 SLOTS, RANK, DTYPE, DEVICE = 8, 16, torch.bfloat16, "cuda"
-
-
-def timed(graph, iters):
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=DEVICE)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    ev = []
-    for _ in range(iters):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        ev.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
-
-
-def capture(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    gc.disable()
-    try:
-        with torch.cuda.graph(g):
-            fn()
-    finally:
-        gc.enable()
-    return g
 
 
 def main(argv=None):
@@ -144,9 +112,10 @@ def main(argv=None):
                 step(mode)
             print("smoke: every mode ran at batch", bs)
             continue
+        timer = Timer(args.iters)
         for mode in modes:
             g = capture(lambda: step(mode))
-            times[mode] = timed(g, args.iters)
+            times[mode] = timer(g.replay) / 1e3  # ms
             del g
         torch.cuda.synchronize()
         for mode, ms in times.items():

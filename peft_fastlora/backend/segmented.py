@@ -323,6 +323,17 @@ class SegmentedLoRABackend(BaseLoRABackend):
         return self._stacked(x, lora_a, lora_b, [int(o) for o in output_offset], base_output,
                              layer_ranks, layer_scalings, bi)
 
+    @staticmethod
+    def _check_packed_slots(bi, weights: PackedWeights):
+        if bi.slots_in_batch and max(bi.slots_in_batch) >= weights.num_slots:
+            raise ValueError(f"the batch uses slot {max(bi.slots_in_batch)} but the packed weights hold "
+                             f"{weights.num_slots} slots")
+
+    def _packed_tables(self, bi, weights: PackedWeights, layer_ranks, layer_scalings):
+        """The slots checked, then the (num_slots, c) rank and scaling tables of packed weights."""
+        self._check_packed_slots(bi, weights)
+        return self._tables(bi, weights.stack_num, layer_ranks, layer_scalings, weights.num_slots)
+
     def run_packed_lora(self, x, weights: PackedWeights, *, base_output=None, layer_ranks=None,
                         layer_scalings=None, batch_info=None):
         """fastlora's own storage, beside the contract: ``run_stacked_lora`` on packed weights
@@ -339,11 +350,8 @@ class SegmentedLoRABackend(BaseLoRABackend):
         check_input("x", x, 2)
         self._check_tokens(x, bi)
         weights.check(x)
-        if bi.slots_in_batch and max(bi.slots_in_batch) >= weights.num_slots:
-            raise ValueError(f"the batch uses slot {max(bi.slots_in_batch)} but the packed weights hold "
-                             f"{weights.num_slots} slots")
         base_output = self._checked_base_output(base_output, x, weights.offsets[-1])
-        ranks, scalings = self._tables(bi, weights.stack_num, layer_ranks, layer_scalings, weights.num_slots)
+        ranks, scalings = self._packed_tables(bi, weights, layer_ranks, layer_scalings)
         return self._packed(x, weights, ranks, scalings, base_output, bi)
 
     def run_packed_expand(self, y, weights: PackedWeights, *, base_output=None, layer_ranks=None,
@@ -367,11 +375,8 @@ class SegmentedLoRABackend(BaseLoRABackend):
         if y.shape[1] != weights.a.shape[0] or y.dtype != weights.b.dtype:
             raise ValueError(f"run_packed_expand: y {tuple(y.shape)} {y.dtype} does not hold one {weights.b.dtype} "
                              f"column per row of the packed A arena ({weights.a.shape[0]})")
-        if bi.slots_in_batch and max(bi.slots_in_batch) >= weights.num_slots:
-            raise ValueError(f"the batch uses slot {max(bi.slots_in_batch)} but the packed weights hold "
-                             f"{weights.num_slots} slots")
         base_output = self._checked_base_output(base_output, y, weights.offsets[-1])
-        ranks, scalings = self._tables(bi, weights.stack_num, layer_ranks, layer_scalings, weights.num_slots)
+        ranks, scalings = self._packed_tables(bi, weights, layer_ranks, layer_scalings)
         return self._packed_expand(y, weights, ranks, scalings, base_output, bi)
 
     def run_packed_embedding_lora(self, input_ids, weights: PackedWeights, vocab_size: int, *,
@@ -391,9 +396,7 @@ class SegmentedLoRABackend(BaseLoRABackend):
         if weights.stack_num != 1 or weights.a.dim() != 2 or weights.a.shape[1] != vocab_size:
             raise ValueError(f"packed embedding weights: A {tuple(weights.a.shape)} with {weights.stack_num} "
                              f"modules does not fit a vocabulary of {vocab_size}")
-        if bi.slots_in_batch and max(bi.slots_in_batch) >= weights.num_slots:
-            raise ValueError(f"the batch uses slot {max(bi.slots_in_batch)} but the packed weights hold "
-                             f"{weights.num_slots} slots")
+        self._check_packed_slots(bi, weights)
         out = torch.zeros(input_ids.shape[0], weights.offsets[-1], dtype=weights.a.dtype, device=weights.a.device) \
             if base_output is None else base_output
         if out.dim() != 2 or tuple(out.shape) != (input_ids.shape[0], weights.offsets[-1]) or out.stride(1) != 1:

@@ -51,37 +51,35 @@ class TorchNativeLoRABackend(SegmentedLoRABackend):
                 out[rows, lo:hi] = (out[rows, lo:hi].float() + delta).to(out.dtype)
         return out
 
-    def _packed(self, x, weights, ranks, scalings, out, bi):
+    def _packed_blocks(self, weights, ranks, scalings, bi):
+        """(token rows, module j, its columns lo:hi, rank, A row, B offset, scaling) of every
+        (slot in the batch, module) with a block."""
         ranks_host, scal_host = ranks.tolist(), scalings.tolist()
         a_rows, b_offs = weights.a_rows.tolist(), weights.b_offs.tolist()
         for slot in bi.slots_in_batch:
             rows = self._rows_of(bi, slot)
-            xs = x[rows].float()
             for j in range(weights.stack_num):
                 rank = ranks_host[slot][j]
                 lo, hi = weights.offsets[j], weights.offsets[j + 1]
-                if rank == 0 or hi == lo:
-                    continue
-                # rounded to the input dtype between the two products, as the kernels' shrink output is
-                y = (xs @ weights.a_view(a_rows[slot][j], rank).float().T).to(x.dtype).float()
-                delta = (y @ weights.b_view(b_offs[slot][j], j, rank).float().T) * scal_host[slot][j]
-                out[rows, lo:hi] = (out[rows, lo:hi].float() + delta).to(out.dtype)
+                if rank and hi > lo:
+                    yield rows, j, lo, hi, rank, a_rows[slot][j], b_offs[slot][j], scal_host[slot][j]
+
+    @staticmethod
+    def _add_expand(out, rows, lo, hi, y, b, scaling):
+        """out[rows, lo:hi] += scaling * y @ b.T, in float32, rounded once."""
+        out[rows, lo:hi] = (out[rows, lo:hi].float() + (y @ b.float().T) * scaling).to(out.dtype)
+
+    def _packed(self, x, weights, ranks, scalings, out, bi):
+        for rows, j, lo, hi, rank, a_row, b_off, scaling in self._packed_blocks(weights, ranks, scalings, bi):
+            # rounded to the input dtype between the two products, as the kernels' shrink output is
+            y = (x[rows].float() @ weights.a_view(a_row, rank).float().T).to(x.dtype).float()
+            self._add_expand(out, rows, lo, hi, y, weights.b_view(b_off, j, rank), scaling)
         return out
 
     def _packed_expand(self, y, weights, ranks, scalings, out, bi):
-        ranks_host, scal_host = ranks.tolist(), scalings.tolist()
-        a_rows, b_offs = weights.a_rows.tolist(), weights.b_offs.tolist()
-        for slot in bi.slots_in_batch:
-            rows = self._rows_of(bi, slot)
-            for j in range(weights.stack_num):
-                rank = ranks_host[slot][j]
-                lo, hi = weights.offsets[j], weights.offsets[j + 1]
-                if rank == 0 or hi == lo:
-                    continue
-                col = a_rows[slot][j]
-                ys = y[rows, col: col + rank].float()
-                delta = (ys @ weights.b_view(b_offs[slot][j], j, rank).float().T) * scal_host[slot][j]
-                out[rows, lo:hi] = (out[rows, lo:hi].float() + delta).to(out.dtype)
+        for rows, j, lo, hi, rank, a_row, b_off, scaling in self._packed_blocks(weights, ranks, scalings, bi):
+            ys = y[rows, a_row: a_row + rank].float()  # this module's A rows are these columns of y
+            self._add_expand(out, rows, lo, hi, ys, weights.b_view(b_off, j, rank), scaling)
         return out
 
     def _packed_embedding(self, input_ids, weights, vocab_size, ranks, scalings, out, bi):
