@@ -362,9 +362,30 @@ def base_layer_of(module: nn.Module) -> nn.Module:
 
 
 def has_forward_hooks(module: nn.Module) -> bool:
-    """Forward hooks of torch or accelerate's (offloading) on this module."""
-    return (getattr(module, "_hf_hook", None) is not None or bool(module._forward_hooks)
-            or bool(module._forward_pre_hooks))
+    """Forward hooks on this module that a fused or folded GEMM, which bypasses its forward, would
+    skip: torch's, and accelerate's except the one ``device_map`` without offloading puts on every
+    layer, which only moves the inputs to the device the weights are on (fastlora's sites take their
+    fast path only for inputs already there)."""
+    if module._forward_hooks or module._forward_pre_hooks:
+        return True
+    hook = getattr(module, "_hf_hook", None)
+    return hook is not None and not _only_moves_inputs_to_weights(module, hook)
+
+
+def _only_moves_inputs_to_weights(module: nn.Module, hook) -> bool:
+    try:
+        from accelerate.hooks import AlignDevicesHook
+    except ImportError:
+        return False
+    if type(hook) is not AlignDevicesHook or hook.offload or hook.io_same_device or hook.execution_device is None:
+        return False
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return False
+    try:
+        return torch.device(hook.execution_device) == weight.device
+    except (TypeError, RuntimeError):
+        return False
 
 
 def is_conv1d(module: nn.Module) -> bool:

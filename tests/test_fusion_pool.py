@@ -339,6 +339,57 @@ def test_fusion_blocked_by_a_forward_hook():
     torch.testing.assert_close(logits(m), logits(ref), **TOL)
 
 
+def _dispatched(offload=False, io_same_device=False):
+    """``build()``'s model with accelerate's device_map hooks put on its base model first (as
+    ``from_pretrained(..., device_map=...)`` then PEFT do): every layer's hook moves its inputs to
+    the layer's device. ``offload`` / ``io_same_device``: hooks that do more than that."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module, attach_align_device_hook_on_blocks
+
+    blocks = ["model.embed_tokens", "model.rotary_emb", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+    model = None
+    for i, (name, kw) in enumerate(ADAPTERS):
+        torch.manual_seed(200 + i)
+        cfg = LoraConfig(init_lora_weights=False, **kw)
+        if model is None:
+            base = tiny()
+            attach_align_device_hook_on_blocks(base, execution_device={b: "cpu" for b in blocks},
+                                               offload={b: False for b in blocks})
+            if offload or io_same_device:
+                k_proj = base.model.layers[0].self_attn.k_proj
+                add_hook_to_module(k_proj, AlignDevicesHook("cpu", offload=offload, io_same_device=io_same_device))
+            model = get_peft_model(base, cfg, adapter_name=name)
+        else:
+            model.add_adapter(name, cfg)
+    return model.eval()
+
+
+def test_device_map_hooks_that_only_move_inputs_leave_fusion_and_fold(reference):
+    ref_logits, ref_tokens = reference
+    m = _dispatched()
+    q_base = layers_of(m)[0].self_attn.q_proj.base_layer
+    assert type(q_base._hf_hook).__name__ == "AlignDevicesHook" and "forward" in q_base.__dict__
+    report = fastlora.patch(m, fold_shrink=True)
+    assert report.fusion_blocked == [] and report.counts() == {"qkv": 2, "gate_up": 2, "linear": 4}, report
+    # folded as without the hooks: the sites it refuses are refused for the limit on A rows only
+    assert report.shrink_folded == "5 of 8 sites", report.shrink_folded
+    assert all("would add more than" in why for _, why in report.fold_refused), report.fold_refused
+    torch.testing.assert_close(logits(m), ref_logits, **TOL)
+    assert torch.equal(greedy(m), ref_tokens)
+    fastlora.unpatch(m)
+    assert type(q_base._hf_hook).__name__ == "AlignDevicesHook" and "forward" in q_base.__dict__
+    torch.testing.assert_close(logits(m), ref_logits, **TOL)
+
+
+@pytest.mark.parametrize("hook", ["offload", "io_same_device"])
+def test_device_map_hooks_that_do_more_block_fusion(hook, reference):
+    m = _dispatched(**{hook: True})
+    report = fastlora.patch(m, fold_shrink=True)
+    assert report.fusion_blocked == [("base_model.model.model.layers.0.self_attn.qkv",
+                                      "base layer has forward hooks (offloading or similar)")], report
+    if hook == "io_same_device":  # (an offloading hook without a weights map has no weights to serve)
+        torch.testing.assert_close(logits(m), reference[0], **TOL)
+
+
 def _mutations():
     def scaling(v):
         v.scaling["chat"] = v.scaling["chat"] * 2

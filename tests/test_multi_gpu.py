@@ -62,6 +62,8 @@ def test_device_map_across_two_gpus_equals_peft():
     report = fastlora.patch(model)
     assert not report.left_on_peft, report
     assert report.cuda_graphs.startswith("off (the model spans cuda:0, cuda:1"), report.cuda_graphs
+    # accelerate's hooks on the layers only move inputs to the layer's GPU: siblings still fuse
+    assert report.fusion_blocked == [] and set(report.counts()) == {"qkv", "gate_up", "linear"}, report
     state = fastlora.get_state(model)
     site_devices = {str(s.device) for s in state.sites}
     assert site_devices == {"cuda:0", "cuda:1"}, site_devices
