@@ -39,6 +39,11 @@ def test_probe_fold_smoke():
     assert "every mode ran at batch 3" in out
 
 
+def test_probe_skinny_gemm_smoke():
+    out = _run([os.path.join(BENCH, "probe_skinny_gemm.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
+    assert "skinny_gemm equals x @ w.T" in out
+
+
 def test_bench_tp_smoke():
     pytest.importorskip("torch.distributed.tensor")
     out = _run([os.path.join(BENCH, "bench_tp.py"), "--smoke", "--skip-tp1"], torchrun=True)
