@@ -24,6 +24,7 @@ class PatchReport:
     store_bytes: int = 0  # their bytes there
     decode_attention: str = "off"  # "on", or why not
     fused_norms: int = 0  # RMSNorm modules served by one kernel
+    fused_add_norms: int = 0  # decoder layers whose residual add and post-attention norm are one kernel
     fused_rotary: int = 0  # attention modules whose rotary embedding is one kernel
     fused_mlps: int = 0  # gated MLPs whose silu(gate) * up is one kernel
     cuda_graphs: str = "off"  # "on", "emulated", or "off (why)"
@@ -74,6 +75,8 @@ class PatchReport:
                                      ("fuse_silu_mul", "SiLU-mul", self.fused_mlps)):
             why = self.base_ops_off.get(option)
             ops.append(f"{label} off ({why})" if why else f"{label} x{count}")
+            if option == "fuse_norms" and not why and self.fused_add_norms:
+                ops[-1] += f" ({self.fused_add_norms} with the residual add)"
         return line + "; one-kernel " + ", ".join(ops)
 
     __str__ = summary

@@ -205,6 +205,7 @@ class FastLoRAState:
         ops = self.base_ops
         report.decode_attention = ops.decode_attention
         report.fused_norms = ops.count("fuse_norms")
+        report.fused_add_norms = ops.count("fuse_add_norm")
         report.fused_rotary = ops.count("fuse_rotary")
         report.fused_mlps = ops.count("fuse_silu_mul")
         if self.continuous is not None:

@@ -75,6 +75,30 @@ def test_gemma_rms_norm_bf16_within_one_ulp(rows):
     assert (diff > 0).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("rows", [1, 32, 128])
+def test_add_rms_norm_bf16_at_8b_width(rows):
+    """The residual add and Llama's norm in one kernel, at the 8B width, the attention output read
+    as a strided slice of a wider (folded) GEMM output, against torch's add then transformers' norm."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from peft_fastlora.ops.rms_norm import add_rms_norm
+
+    norm = LlamaRMSNorm(4096).cuda().bfloat16()
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.3)
+    attn = (torch.randn(rows, 4096 + 128, device="cuda", dtype=torch.bfloat16) * 3)[:, :4096]
+    residual = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16) * 3
+    with torch.no_grad():
+        want_sum = residual + attn
+        want = norm(want_sum)
+        out, summed = add_rms_norm(attn, residual, norm.weight, norm.variance_epsilon)
+    assert torch.equal(summed, want_sum)
+    diff = (out.float() - want.float()).abs()
+    # rounded to bf16, multiplied by the weight, rounded again (as torch): one ulp of each rounding
+    assert (diff <= 2 * _bf16_ulp(want)).all(), diff.max()
+    assert (diff > 0).float().mean() < 0.01
+
+
 # Gemma 2: soft-capping keeps HF's attention; its 6-token sliding window is shorter than these calls,
 # so their decode steps are eager (graphs serve calls within the window); the rotary kernel still runs
 @pytest.mark.parametrize("arch,attention,graphs,norms", [("llama", "on", True, 5), ("qwen2", "on", True, 5),
@@ -97,6 +121,8 @@ def test_tiny_models_graphs_equal_peft(arch, attention, graphs, norms):
         fastlora.unpatch(model)
     assert report.decode_attention.startswith(attention), report.decode_attention
     assert report.fused_rotary == 2 and report.fused_norms == norms  # Gemma: (1 + w) norms, 4 a layer
+    # the Llama family's post-attention norms take the residual add (Gemma 2's layers differ)
+    assert report.fused_add_norms == (0 if arch == "gemma2" else 2), report
     if graphs:
         assert stats["replays"] >= 40 and stats["eager_steps"] == 0, stats
     else:

@@ -1,13 +1,14 @@
-"""The one-kernel RMSNorm against transformers' own Llama and Gemma 2 RMSNorms (the interpreter on
-CPU)."""
+"""The one-kernel RMSNorm against transformers' own Llama and Gemma 2 RMSNorms, with and without
+the residual add before it, and the decoder layers that use the fused add (the interpreter on CPU)."""
 
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from peft_fastlora.base_ops.install import remove_instance_forwards
+from peft_fastlora.base_ops.layer_forwards import install_decoder_layers
 from peft_fastlora.base_ops.norm_forwards import install_norms
-from peft_fastlora.ops.rms_norm import rms_norm
+from peft_fastlora.ops.rms_norm import add_rms_norm, rms_norm
 
 TOL = {torch.float32: (1e-6, 1e-5), torch.float16: (1e-3, 1e-3)}
 
@@ -113,5 +114,119 @@ def test_patch_fuse_norms_matches_peft():
         out = model(input_ids=ids, adapter_names=names).logits
         fastlora.unpatch(model)
     assert report.fused_norms == 2 * 2 + 1  # two per layer and the final norm
-    assert "RMSNorm x5" in str(report)
+    assert report.fused_add_norms == 2  # the post-attention norm of each layer takes the residual add
+    assert "RMSNorm x5 (2 with the residual add)" in str(report)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+# ---- the residual add fused into the norm ------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_add_rms_norm_matches_add_then_norm(dtype, unit_offset):
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    torch.manual_seed(3)
+    wide = torch.randn(2, 3, 130, dtype=dtype)
+    x = wide[..., :96]  # rows 130 apart, as a slice of a wider GEMM output
+    residual = torch.randn(2, 3, 96, dtype=dtype)
+    norm = (Gemma2RMSNorm(96) if unit_offset else LlamaRMSNorm(96)).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+        want_sum = residual + x  # torch's add rounds to the dtype; the norm reads the rounded sum
+        want = norm(want_sum)
+    eps = norm.eps if unit_offset else norm.variance_epsilon
+    out, summed = add_rms_norm(x, residual, norm.weight, eps, unit_offset=unit_offset)
+    assert torch.equal(summed, want_sum) and summed.is_contiguous()
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
+
+
+def test_add_rms_norm_bad_inputs():
+    with pytest.raises(ValueError, match="residual"):
+        add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        add_rms_norm(torch.randn(2, 8), torch.randn(2, 8, dtype=torch.float16), torch.randn(8), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        add_rms_norm(torch.randn(2, 8), torch.randn(8, 2).T, torch.randn(8), 1e-6)
+
+
+def _layer_inputs(model, ids):
+    inner = model.model
+    h = inner.embed_tokens(ids)
+    pos = torch.arange(ids.shape[1])[None]
+    return h, dict(position_embeddings=inner.rotary_emb(h, pos), position_ids=pos, attention_mask=None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+def test_decoder_layers_with_the_fused_add_match_and_undo(arch):
+    import transformers
+
+    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64)
+    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+    conf, lm = (getattr(transformers, n) for n in classes[arch])
+    torch.manual_seed(0)
+    model = lm(conf(**cfg)).eval()
+    ids = torch.randint(0, 64, (2, 5))
+    h, kw = _layer_inputs(model, ids)
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        want = layer(h, **kw)
+        norms, _ = install_norms(model)
+        layers, skipped = install_decoder_layers(model)
+        assert [n for n, _ in layers] == ["model.layers.0", "model.layers.1"] and skipped == []
+        calls = []
+        original = add_rms_norm.__globals__["_launch"]
+        add_rms_norm.__globals__["_launch"] = lambda *a: calls.append(a[1] is not None) or original(*a)
+        try:
+            got = layer(h, **kw)
+        finally:
+            add_rms_norm.__globals__["_launch"] = original
+        assert sum(calls) == 1  # one launch took the residual add (the post-attention norm)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        remove_instance_forwards(layers + norms)
+        assert "forward" not in layer.__dict__
+        torch.testing.assert_close(layer(h, **kw), want, atol=0, rtol=0)
+
+
+def test_layers_whose_norm_or_forward_differ_keep_theirs():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from _models import tiny_llama
+
+    class ScaledLayer(LlamaDecoderLayer):  # adds the attention output twice: not the reference
+        def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                    use_cache=False, position_embeddings=None, **kwargs):
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
+                                              position_ids=position_ids, past_key_values=past_key_values,
+                                              use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+            hidden_states = residual + 2 * hidden_states
+            residual = hidden_states
+            hidden_states = self.post_attention_layernorm(hidden_states)
+            hidden_states = self.mlp(hidden_states)
+            return residual + hidden_states
+
+    model = tiny_llama(0, vocab_size=64, pad_token_id=None)
+    changed = model.model.layers[0]
+    changed.__class__ = ScaledLayer
+    norms, _ = install_norms(model)
+    remove_instance_forwards([("post", model.model.layers[1].post_attention_layernorm)])
+    layers, skipped = install_decoder_layers(model)
+    assert layers == []
+    assert skipped == [("ScaledLayer", "ScaledLayer.forward differs from the reference code")]
+    remove_instance_forwards(norms)
+
+
+def test_fused_layer_with_gradients_takes_the_original_forward():
+    from _models import tiny_llama
+
+    model = tiny_llama(0, vocab_size=64, pad_token_id=None)
+    norms, _ = install_norms(model)
+    layers, _ = install_decoder_layers(model)
+    ids = torch.randint(0, 64, (2, 5))
+    h, kw = _layer_inputs(model, ids)
+    model.model.layers[0](h.detach().requires_grad_(), **kw).sum().backward()  # no backward in the kernel
+    remove_instance_forwards(layers + norms)

@@ -1,5 +1,6 @@
 """The base model's own decode work in fastlora's kernels: attention (through transformers'
-attention registry), RMSNorms, rotary embedding and SiLU-gated MLPs (instance forwards).
+attention registry), RMSNorms (the post-attention ones with the residual add before them),
+rotary embedding and SiLU-gated MLPs (instance forwards).
 
 ``install_base_ops`` decides from the options and the device what to install, installs it on this
 model instance only, and returns what it did (and why anything was left as it is);
@@ -17,6 +18,7 @@ from torch import nn
 from .. import _compat
 from .attention_registry import disable_decode_attention, enable_decode_attention
 from .install import remove_instance_forwards
+from .layer_forwards import install_decoder_layers
 from .mlp_forwards import install_gated_mlps
 from .norm_forwards import install_norms
 from .rotary_forwards import install_rotary
@@ -73,6 +75,10 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
             done, skipped = install(model)
             ops.installed[option] = done
             ops.skipped.extend((option, cls, why) for cls, why in skipped)
+            if option == "fuse_norms":  # the post-attention norms also take the residual add before them
+                done, skipped = install_decoder_layers(model)
+                ops.installed["fuse_add_norm"] = done
+                ops.skipped.extend((option, cls, why) for cls, why in skipped)
         else:
             ops.off[option] = f"{option}=False" if value is False else why_not
     return ops

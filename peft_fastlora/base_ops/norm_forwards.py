@@ -98,6 +98,20 @@ def install_norms(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[Tu
                     return _orig(x)
                 return rms_norm(x, self.weight, self.eps, unit_offset=True)
 
+        fast_forward.rms_form = form
         set_instance_forward(m, fast_forward)
         done.append((name, m))
     return done, sorted(skipped.items())
+
+
+def norm_form(module: nn.Module) -> Optional[str]:
+    """"llama" or "gemma" while ``module`` runs the forward ``install_norms`` gave it, else None."""
+    return getattr(getattr(module.__dict__.get("forward"), "__func__", None), "rms_form", None)
+
+
+def norm_eps(module: nn.Module, form: str) -> float:
+    return module.variance_epsilon if form == "llama" else module.eps
+
+
+def norm_kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return _kernel_applies(x, weight)

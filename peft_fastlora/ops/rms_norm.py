@@ -1,12 +1,17 @@
-"""RMSNorm in one launch (HF's eager RMSNorm is five or six small kernels).
+"""RMSNorm in one launch (HF's eager RMSNorm is five or six small kernels), optionally with the
+residual add before it (``add_rms_norm``: a decoder layer's ``residual + attention output`` and
+the post-attention norm of that sum, one launch instead of two).
 
-Numerics follow transformers' RMSNorms: the row is upcast to float32 and scaled by
+Numerics follow transformers' RMSNorms (the residual sum is rounded to the input dtype first, as
+torch's add rounds it, and normed from that rounded value): the row is upcast to float32 and scaled by
 rsqrt(mean(x^2) + eps); then either (Llama family) rounded to the input dtype, multiplied by the
 weight and rounded again (what ``weight * normed.to(input_dtype)`` does in torch), or (Gemma,
 ``unit_offset``) multiplied by ``1 + weight`` in float32 and rounded once.
 """
 
 from __future__ import annotations
+
+from typing import Tuple
 
 import torch
 import triton
@@ -17,19 +22,26 @@ import triton.language as tl
 def _rms_norm_kernel(
     # pointers
     x_ptr, w_ptr, out_ptr,
+    res_ptr, sum_ptr,  # RESIDUAL: the residual, and where residual + x goes
     # dimensions and strides
-    n_cols, x_row_stride, out_row_stride,
+    n_cols, x_row_stride, out_row_stride, res_row_stride, sum_row_stride,
     # parameters
     eps,
     # meta-parameters
     UNIT_OFFSET: tl.constexpr,  # Gemma: x * rsqrt(...) * (1 + w), all in float32, one rounding
+    RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     # every load upcast: the interpreter keeps bf16 as raw bits otherwise
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        r = tl.load(res_ptr + row * res_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * sum_row_stride + cols, x, mask=mask)
+        x = x.to(tl.float32)
     var = tl.sum(x * x, axis=0) / n_cols
     normed = x * tl.math.rsqrt(var + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -50,18 +62,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
     Returns:
         a new tensor shaped like ``x``.
     """
+    return _launch(x, None, weight, eps, unit_offset)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 unit_offset: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + x`` and ``rms_norm(s, weight, eps, unit_offset)`` in one launch.
+
+    Args:
+        x, residual: (..., n), one shape and dtype; last dimensions contiguous (rows may be strided,
+            as slices of a wider GEMM output are).
+        weight: (n,), the same dtype.
+    Returns:
+        (the norm of s, s): new contiguous tensors shaped like ``x``.
+    """
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} differs from x "
+                         f"{tuple(x.shape)} {x.dtype}")
+    return _launch(x, residual, weight, eps, unit_offset)
+
+
+def _launch(x, residual, weight, eps, unit_offset):
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({n},)")
     if weight.dtype != x.dtype:
         raise TypeError(f"weight dtype {weight.dtype} differs from the input's {x.dtype}")
-    if x.stride(-1) != 1:
-        raise ValueError("the last dimension of x must be contiguous")
+    if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
+        raise ValueError("the last dimension of x (and of the residual) must be contiguous")
     rows = x.reshape(-1, n)  # a view for the usual (B, T, n) hidden states
     out = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
+    res = summed = rows
+    if residual is not None:
+        res = residual.reshape(-1, n)
+        summed = torch.empty_like(out)
     block = triton.next_power_of_2(n)
     num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, n, rows.stride(0), out.stride(0), float(eps),
-                                  UNIT_OFFSET=unit_offset, BLOCK=block, num_warps=num_warps)
-    return out.view(x.shape)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, res, summed, n, rows.stride(0), out.stride(0),
+                                           res.stride(0), summed.stride(0), float(eps),
+                                           UNIT_OFFSET=unit_offset, RESIDUAL=residual is not None, BLOCK=block,
+                                           num_warps=num_warps)
+    return out.view(x.shape), (summed.view(x.shape) if residual is not None else None)
