@@ -193,12 +193,49 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+class ReplayTimes:
+    """GPU time of every CUDA graph replay while active (events around ``CUDAGraph.replay``): a
+    decode step's time in ``generate`` minus its replay is host time the GPU waited for (transformers'
+    loop synchronises at every step)."""
+
+    def __init__(self):
+        self.events = []
+
+    def __enter__(self):
+        self._replay = torch.cuda.CUDAGraph.replay
+        events, replay = self.events, self._replay
+
+        def timed_replay(graph):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            replay(graph)
+            b.record()
+            events.append((a, b))
+
+        torch.cuda.CUDAGraph.replay = timed_replay
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.CUDAGraph.replay = self._replay
+
+    def median_ms(self):
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) for a, b in self.events) if self.events else None
+
+
 def measure(gen, new_tokens: int, reps: int):
-    """(prefill ms, decode ms/step, tokens of the long run) for a generate-like callable."""
+    """(prefill ms, decode ms/step, tokens of the long run) for a generate-like callable;
+    ``measure.replay_ms``: the median GPU time of one graph replay in the long runs (None: none)."""
     gen(2)  # warm-up: kernels compiled, graphs captured
     t1 = timed(lambda: gen(1), reps)
     out = {}
-    tn = timed(lambda: out.setdefault("tokens", gen(new_tokens)), reps)
+    replays = ReplayTimes()
+    if DEVICE == "cuda":
+        with replays:
+            tn = timed(lambda: out.setdefault("tokens", gen(new_tokens)), reps)
+    else:
+        tn = timed(lambda: out.setdefault("tokens", gen(new_tokens)), reps)
+    measure.replay_ms = replays.median_ms() if DEVICE == "cuda" else None
     return 1e3 * t1, 1e3 * (tn - t1) / (new_tokens - 1), out["tokens"]
 
 
@@ -237,6 +274,7 @@ def run_model(shape, batches, args, bw, vers, rows):
             continue
         for b in batches:
             results[(method, b)] = measure(lambda n, b=b: model.generate(**kw(b, n)), args.new_tokens, args.reps)
+            results[(method, b, "replay")] = measure.replay_ms
         fastlora.unpatch(model)
     gc.collect()
     mem = torch.cuda if DEVICE == "cuda" else None
@@ -264,6 +302,7 @@ def run_model(shape, batches, args, bw, vers, rows):
             results[(method, b)] = measure(
                 lambda n: peft_model.generate(**kw(b, n), adapter_names=names[b]), steps,
                 args.reps if method == "fastlora_graphs" else 1)
+            results[(method, b, "replay")] = measure.replay_ms
         if method == "fastlora_graphs":
             st = fastlora.get_state(peft_model).graph_runner.stats
             print("graph runner:", {k: v for k, v in st.items()}, flush=True)
@@ -285,6 +324,7 @@ def run_model(shape, batches, args, bw, vers, rows):
             if (method, b) not in results:
                 continue
             prefill, decode, toks = results[(method, b)]
+            replay = results.get((method, b, "replay"))
             base_ref = ref if method in ("fastlora_graphs", "base_graphs_attn") else "base_graphs"
             n = toks.shape[1] - prompt
             lora = 0 if "base" in method else used * lora_bytes_per_adapter(shape, args.rank)
@@ -301,6 +341,9 @@ def run_model(shape, batches, args, bw, vers, rows):
                                                    if (base_ref, b) in results else ""),
                              base_reference=base_ref,
                              floor_ms=round(floor, 3), ratio_to_floor=round(decode / floor, 3),
+                             # the replayed step's GPU time alone, and against the floor
+                             graph_replay_ms=round(replay, 3) if replay else "",
+                             replay_to_floor=round(replay / floor, 3) if replay else "",
                              speedup_vs_peft=round(peft[1] / decode, 2) if peft is not None else "",
                              greedy_match_vs_peft=match, copy_bw_tbs=round(bw / 1e12, 3),
                              peak_mem_gb=round(mrow.get("peak_gb", 0), 2),
@@ -371,8 +414,8 @@ def main(argv=None):
         run_model(shape, args.batches, args, bw, vers, rows)
         write_csv(rows, args.out, args.csv)
     plot(rows, os.path.join(args.out, os.path.splitext(args.csv)[0] + ".png"))
-    cols = ["model", "batch", "method", "prefill_ms", "decode_ms_per_step", "tokens_per_s",
-            "ratio_to_base_graphs", "ratio_to_floor", "speedup_vs_peft", "greedy_match_vs_peft"]
+    cols = ["model", "batch", "method", "prefill_ms", "decode_ms_per_step", "graph_replay_ms", "tokens_per_s",
+            "ratio_to_base_graphs", "ratio_to_floor", "replay_to_floor", "speedup_vs_peft", "greedy_match_vs_peft"]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r[c]) for c in cols))

@@ -249,6 +249,7 @@ class BatchInfoBuffers:
             self.dev_scalings = torch.zeros(max_slots, dtype=torch.float32, device=self.device)
         self._events = [torch.cuda.Event() if pin else None for _ in range(2)]
         self._turn = 0
+        self._last_key, self._last_info = None, None
 
     def _view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         off, n = self._offsets[name]
@@ -262,6 +263,11 @@ class BatchInfoBuffers:
                 f"({self.max_bs} rows / {self.max_tokens} tokens)")
         if len(lora_ranks) > self.max_slots:
             raise ValueError(f"{len(lora_ranks)} slots exceed the buffers' {self.max_slots}")
+        # a decode call refills the same batch at every step: the device buffers, which only this
+        # method writes, already hold it
+        key = (bs, num_tokens, tuple(seg_lens), tuple(weight_indices), tuple(lora_ranks), tuple(scalings))
+        if key == self._last_key:
+            return self._last_info
         token_slot, sorted_ids, c_slot, c_start, c_len, slots = plan_chunks(
             weight_indices, seg_lens, self.block_m)
         if len(c_slot) > self.max_chunks:  # cannot happen while distinct slots <= max_loras
@@ -299,7 +305,8 @@ class BatchInfoBuffers:
         if event is not None:
             event.record()
         n_slots = len(lora_ranks)
-        return LoRABatchInfo(
+        self._last_key = key
+        self._last_info = LoRABatchInfo(
             bs=bs,
             num_tokens=num_tokens,
             seg_lens=self._view(self.dev, "seg_lens")[:bs],
@@ -316,3 +323,4 @@ class BatchInfoBuffers:
             chunk_len=self._view(self.dev, "chunk_len"),
             slots_in_batch=slots,
         )
+        return self._last_info

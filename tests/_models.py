@@ -182,12 +182,15 @@ def build_causal_lm(arch: str, seed: int = 0) -> nn.Module:
     return model.eval()
 
 
-def build_peft_lm(arch: str, seed: int = 0):
-    """``build_causal_lm`` wrapped by PEFT with the three adapters of ``lora_configs``."""
+def build_peft_lm(arch: str, seed: int = 0, prepare_base=None):
+    """``build_causal_lm`` wrapped by PEFT with the three adapters of ``lora_configs``
+    (``prepare_base(model)`` runs on the base model first, e.g. accelerate's dispatch)."""
     import warnings
 
     from peft import get_peft_model
     model = build_causal_lm(arch, seed)
+    if prepare_base is not None:
+        prepare_base(model)
     cfgs = lora_configs(ARCHS[arch])
     torch.manual_seed(seed + 1)
     with warnings.catch_warnings():

@@ -141,6 +141,26 @@ def test_buffers_refresh_in_place():
     assert full.tolist() == [3, -1] + [NO_ADAPTER] * (buf.max_tokens - 2)
 
 
+def test_buffers_skip_a_refill_of_the_batch_they_hold(monkeypatch):
+    """A decode call refills the same batch at every step: the second fill writes nothing (the device
+    buffers already hold it); a different batch, then the first again, are written."""
+    buf = _buffers()
+    first = (4, 4, [1, 1, 1, 1], [0, 1, -1, 0], [2, 4, 0, 0], [0.5, 2.0, 0.0, 0.0])
+    other = (2, 2, [1, 1], [3, -1], [1, 1, 1, 8], [1.0, 1.0, 1.0, 3.0])
+    copies = []
+    dev_copy = type(buf.dev).copy_
+    monkeypatch.setattr(type(buf.dev), "copy_", lambda t, *a, **k: copies.append(t) or dev_copy(t, *a, **k))
+    bi1 = buf.fill(*first)
+    want = bi1.chunk_slot.tolist(), bi1.weight_indices.tolist(), bi1.scalings.tolist()
+    n = len(copies)
+    assert buf.fill(*first) is bi1 and len(copies) == n  # nothing written
+    buf.fill(*first[:5], [0.5, 2.0, 0.0, 1.0])  # another scaling is another batch
+    assert len(copies) > n and bi1.scalings.tolist() == [0.5, 2.0, 0.0, 1.0]
+    buf.fill(*other)
+    again = buf.fill(*first)
+    assert (again.chunk_slot.tolist(), again.weight_indices.tolist(), again.scalings.tolist()) == want
+
+
 def test_buffers_capacity_errors():
     buf = _buffers()
     with pytest.raises(ValueError, match="exceeds the buffers"):

@@ -1,0 +1,59 @@
+"""Where the time between two graph replays goes (#13): a graphed decode step of ``generate`` is
+the replay's GPU time plus a gap in which the GPU waits for the host (transformers' loop
+synchronises at every step) or runs work outside the graph (logits, token selection).
+
+Times one graphed ``generate`` call of the patched model (8 adapters r16, batch 32), the GPU time
+of its replays (``bench_generate.ReplayTimes``), then profiles the same call with cProfile and
+prints the functions with the most own time and the most cumulative time.
+
+    python benchmarks/host_gap.py --model 8b
+"""
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_generate as bg  # noqa: E402
+import peft_fastlora as fastlora  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="1b", choices=sorted(bg.SHAPES))
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script only")
+    args = p.parse_args(argv)
+    if args.smoke:
+        bg.DEVICE, args.model, args.batch, args.new_tokens, args.top = "cpu", "tiny", 2, 4, 5
+    model = bg.add_adapters(bg.build_base(args.model), 8, 16)
+    ids = torch.randint(3, 1000, (args.batch, 128), device=bg.DEVICE)
+    names = [f"a{i % 8}" for i in range(args.batch)]
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+              adapter_names=names)
+    print(fastlora.patch(model, cuda_graphs="auto" if bg.DEVICE == "cuda" else "emulate"), flush=True)
+    gen = lambda n: model.generate(**kw, max_new_tokens=n, min_new_tokens=n)  # noqa: E731
+    _, step, _ = bg.measure(gen, args.new_tokens, 2)
+    print(f"decode step {step:.3f} ms, replay (GPU) {bg.measure.replay_ms} ms", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    gen(args.new_tokens)
+    bg.sync()
+    prof.disable()
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.top)
+        print(f"# by {key}, one call of {args.new_tokens} new tokens")
+        print("\n".join(line[:180] for line in out.getvalue().splitlines()[5:]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
