@@ -44,6 +44,16 @@ def test_probe_skinny_gemm_smoke():
     assert "skinny_gemm equals x @ w.T" in out
 
 
+def test_probe_deferred_stop_smoke():
+    out = _run([os.path.join(BENCH, "probe_deferred_stop.py"), "--smoke"])
+    assert "'mode': 'sync'" in out
+
+
+def test_host_gap_smoke():
+    out = _run([os.path.join(BENCH, "host_gap.py"), "--smoke"])
+    assert "decode step" in out and "# by cumulative" in out
+
+
 def test_bench_tp_smoke():
     pytest.importorskip("torch.distributed.tensor")
     out = _run([os.path.join(BENCH, "bench_tp.py"), "--smoke", "--skip-tp1"], torchrun=True)
