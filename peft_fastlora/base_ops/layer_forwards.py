@@ -15,7 +15,6 @@ from __future__ import annotations
 import inspect
 from typing import Dict, List, Optional, Tuple
 
-import torch
 from torch import nn
 
 from .install import set_instance_forward
