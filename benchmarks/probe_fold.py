@@ -20,7 +20,6 @@ slot's own columns (this is a timing probe; correctness is the tests' job).
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_generate as bg  # noqa: E402  (write_csv)
 from bench_kernels import Timer, capture  # noqa: E402  (L2 evicted before each timed replay)
 
 HIDDEN, Q, KV, INTER, LAYERS = 4096, 4096, 1024, 14336, 32
@@ -127,11 +127,7 @@ def main(argv=None):
             print(row, flush=True)
     if args.smoke:
         return 0
-    with open(args.out, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows_out[0]))
-        wr.writeheader()
-        wr.writerows(rows_out)
-    print("written", args.out)
+    print("written", bg.write_csv(rows_out, os.path.dirname(args.out) or ".", os.path.basename(args.out)))
     return 0
 
 

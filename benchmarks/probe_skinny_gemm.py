@@ -13,7 +13,6 @@ weight's bytes over that time, against the copy bandwidth measured in the same r
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 from typing import NamedTuple, Optional
@@ -24,6 +23,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_generate as bg  # noqa: E402  (write_csv)
 
 HIDDEN, Q, KV, INTER, LAYERS, SLOTS, RANK = 4096, 4096, 1024, 14336, 32, 8, 16
 # site: (K, N of the base weight, rows the fold adds: every slot's A of every stacked module)
@@ -178,11 +178,7 @@ def main(argv=None):
                       f"{times[best]:7.2f} us ({nbytes / (times[best] * 1e-6) / bw:.2f})", flush=True)
             ws = outs = None
             torch.cuda.empty_cache()
-    with open(args.out, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
-    print("written", args.out)
+    print("written", bg.write_csv(rows, os.path.dirname(args.out) or ".", os.path.basename(args.out)))
     return 0
 
 

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-from .install import set_instance_forward
+from .install import candidates, set_instance_forward
 from .match import mismatch, reference_shape
 from .norm_forwards import norm_eps, norm_form, norm_kernel_applies
 
@@ -92,13 +92,8 @@ def install_decoder_layers(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]]
     differs; a layer whose norm keeps its own forward is left as it is, the norm's reason reported).
     """
     done, skipped, verdicts = [], {}, {}
-    for name, m in root.named_modules():
+    for name, m, forward in candidates(root, _SUBMODULES):
         cls = type(m)
-        forward = cls.__dict__.get("forward")
-        if "forward" in m.__dict__ or forward is None:
-            continue
-        if not all(isinstance(getattr(m, n, None), nn.Module) for n in _SUBMODULES):
-            continue
         if cls not in verdicts:
             verdicts[cls] = _verdict(cls)
         if verdicts[cls] is not None:

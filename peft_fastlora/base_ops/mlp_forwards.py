@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
-from .install import set_instance_forward
+from .install import candidates, set_instance_forward
 from .match import mismatch, reference_shape
 
 _REFERENCE = reference_shape('''
@@ -62,13 +62,8 @@ def install_gated_mlps(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], Li
     Returns (the modules changed, (class, reason) for gate/up/down MLPs left as they are).
     """
     done, skipped, verdicts = [], {}, {}
-    for name, m in root.named_modules():
+    for name, m, forward in candidates(root, ("gate_proj", "up_proj", "down_proj")):
         cls = type(m)
-        forward = cls.__dict__.get("forward")
-        if "forward" in m.__dict__ or forward is None:
-            continue
-        if not all(isinstance(getattr(m, n, None), nn.Module) for n in ("gate_proj", "up_proj", "down_proj")):
-            continue
         if not _is_silu(getattr(m, "act_fn", None)):
             skipped[cls.__name__] = f"activation {type(getattr(m, 'act_fn', None)).__name__} is not SiLU"
             continue
