@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 from typing import Dict, Optional, Tuple
 
 import peft
@@ -644,6 +645,50 @@ def compiled_call_override(model: nn.Module, step):
     finally:
         model.__dict__.pop("get_compiled_call", None)
         model.__dict__.pop("_valid_auto_compile_criteria", None)
+
+
+def deferred_stop_check_class():
+    """transformers' ``DeferredStopCheck`` (reads "all rows finished" one step late), or None
+    where this version has none or its sampling loop does not pick it by that global name."""
+    from transformers.generation import utils as gen_utils
+
+    cls = getattr(gen_utils, "DeferredStopCheck", None)
+    loop = getattr(gen_utils.GenerationMixin, "_sample", None)
+    if cls is None or loop is None or getattr(loop, "__wrapped__", None) is not None:
+        return None
+    code = getattr(loop, "__code__", None)
+    if code is None or "DeferredStopCheck" not in code.co_names:
+        return None
+    try:
+        params = list(inspect.signature(cls.__init__).parameters)
+    except (TypeError, ValueError):
+        return None
+    if params[:6] != ["self", "input_ids", "max_length", "cache", "cache_is_returned", "streamer"]:
+        return None
+    return cls
+
+
+def sample_loop_with_stop_check(stop_check_cls):
+    """A copy of ``GenerationMixin._sample`` (greedy and sampling decode loop) that uses
+    ``stop_check_cls`` where transformers' own reads ``DeferredStopCheck``; the module is not
+    changed. Its globals are copied per call, so later changes to the module are seen."""
+    from transformers.generation import utils as gen_utils
+
+    loop = gen_utils.GenerationMixin._sample
+    scope = dict(loop.__globals__)
+    scope["DeferredStopCheck"] = stop_check_cls
+    copy = types.FunctionType(loop.__code__, scope, loop.__name__, loop.__defaults__, loop.__closure__)
+    copy.__kwdefaults__ = loop.__kwdefaults__
+    copy.__qualname__, copy.__doc__ = loop.__qualname__, loop.__doc__
+    return copy
+
+
+def generation_mode_name(generation_config) -> str:
+    """The decoding method transformers picks for this (prepared) config: e.g. "_sample", or a
+    Hub repository for the modes it moved there."""
+    from transformers.generation import utils as gen_utils
+
+    return gen_utils.GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode(), "?")
 
 
 def static_cache_layout(model: nn.Module) -> list:

@@ -31,12 +31,14 @@ class PatchOptions:
     fuse_kv_write: Tristate = "auto"
     engine_attention: str = "auto"  # "auto", "varlen" or "engine"
     fold_shrink: Tristate = "auto"
+    defer_stop_check: bool = True
 
     def __post_init__(self):
         if not isinstance(self.backend, str):
             raise TypeError(f"backend must be a string, got {self.backend!r}")
-        if not isinstance(self.fuse, bool):
-            raise TypeError(f"fuse must be True or False, got {self.fuse!r}")
+        for name in ("fuse", "defer_stop_check"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_loras_per_batch is not None and (
                 isinstance(self.max_loras_per_batch, bool) or int(self.max_loras_per_batch) < 1):
             raise ValueError(f"max_loras_per_batch must be a positive int or None, got {self.max_loras_per_batch!r}")

@@ -27,7 +27,8 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
           graph_buckets: Optional[Sequence[int]] = None, max_graphs: Optional[int] = None,
           cache_budget_bytes: Optional[int] = None, decode_attention="auto",
           fuse_norms="auto", fuse_rotary="auto", fuse_silu_mul="auto",
-          fuse_kv_write="auto", engine_attention: str = "auto", fold_shrink="auto") -> PatchReport:
+          fuse_kv_write="auto", engine_attention: str = "auto", fold_shrink="auto",
+          defer_stop_check: bool = True) -> PatchReport:
     """Serve the LoRA adapters of ``model`` (a ``PeftModel``) through a fastlora backend.
 
     Args:
@@ -69,6 +70,11 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             after it: ``"auto"`` (on CUDA), ``True`` or ``False``. A site folds while its A rows
             add at most 1/8 of the base weight's rows (with many GPU slots of large rank, the
             shrink kernel reads less); no folding under tensor parallelism yet.
+        defer_stop_check: on calls whose decode steps the graphs replay on CUDA, transformers'
+            loop learns that every row has finished one step late (its ``DeferredStopCheck``, the
+            one extra step undone), so the host queues the next step while the GPU runs this one.
+            Calls that return the cache (``return_dict_in_generate``), pass ``custom_generate``,
+            a tokenizer (stop strings) or use a mode other than greedy / sampling check every step.
     Returns:
         the ``PatchReport``. Patching a patched model with the same options returns its report;
         with other options it raises ``ValueError`` (``unpatch`` first).
@@ -78,7 +84,7 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         graph_buckets=DEFAULT_BUCKETS if graph_buckets is None else graph_buckets, max_graphs=max_graphs,
         cache_budget_bytes=cache_budget_bytes, decode_attention=decode_attention, fuse_norms=fuse_norms,
         fuse_rotary=fuse_rotary, fuse_silu_mul=fuse_silu_mul, fuse_kv_write=fuse_kv_write,
-        engine_attention=engine_attention, fold_shrink=fold_shrink)
+        engine_attention=engine_attention, fold_shrink=fold_shrink, defer_stop_check=defer_stop_check)
     state = get_state(model)
     if state is not None:
         diffs = state.options.differences(options)

@@ -28,6 +28,7 @@ class PatchReport:
     fused_rotary: int = 0  # attention modules whose rotary embedding is one kernel
     fused_mlps: int = 0  # gated MLPs whose silu(gate) * up is one kernel
     cuda_graphs: str = "off"  # "on", "emulated", or "off (why)"
+    stop_check: str = "per step"  # with graphs on: "deferred" (read one step late on CUDA) or "per step (why)"
     continuous_batching: str = "off"  # per-request adapters in generate_batch: "on" or "off (why)"
     base_ops_skipped: List[Tuple[str, str, str]] = field(default_factory=list)  # (option, class, why)
     base_ops_off: Dict[str, str] = field(default_factory=dict)  # option -> why it is off
@@ -65,7 +66,10 @@ class PatchReport:
         if self.fusion_blocked:
             n = len(self.fusion_blocked)
             line += f"; {n} group{'s' if n != 1 else ''} not fused"
-        line += f"; decode graphs {self.cuda_graphs}; decode attention {self.decode_attention}"
+        line += f"; decode graphs {self.cuda_graphs}"
+        if not self.cuda_graphs.startswith("off"):
+            line += f" (stop check {self.stop_check})"
+        line += f"; decode attention {self.decode_attention}"
         line += f"; continuous batching {self.continuous_batching}"
         if self.adapters:
             line += f"; shrink folded into the base GEMM: {self.shrink_folded}"

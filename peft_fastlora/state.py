@@ -56,6 +56,7 @@ class FastLoRAState:
         self.generation = 0  # bumped whenever a stack or fused weight is rebuilt (graphs hold them)
         self.graph_runner = None
         self.graph_blocker: Optional[str] = None  # why decode graphs are off (None: on)
+        self.stop_check_blocker: Optional[str] = "no decode graphs"  # why graphed calls check every step
         self._graph_batch_info = None  # inside forward_context: the static batch info of the graph
         # one call at a time: a continuous-batching step (engine thread) and a generate call
         # (caller's thread) share the stacks and the batch-info buffers, so they take turns
@@ -334,6 +335,7 @@ class FastLoRAState:
 
     def _update_graph_runner(self):
         """Create, keep or release the decode graph runner as the model now allows."""
+        from .decode import deferred_stop
         from .decode.generate import graphs_wanted
         from .decode.runner import DecodeGraphRunner
 
@@ -348,6 +350,11 @@ class FastLoRAState:
         if self.graph_runner is None:
             self.graph_runner = DecodeGraphRunner(self, self.inner, emulate=emulate)
         self.report.cuda_graphs = "emulated" if emulate else "on"
+        self.stop_check_blocker = deferred_stop.unavailable_reason(self.options)
+        if self.stop_check_blocker is None and self.device.type not in deferred_stop.DEVICE_TYPES:
+            self.stop_check_blocker = f"not on {', '.join(sorted(deferred_stop.DEVICE_TYPES))}"
+        self.report.stop_check = ("deferred" if self.stop_check_blocker is None
+                                  else f"per step ({self.stop_check_blocker})")
 
     def _log_disabled(self, report: PatchReport):
         """Warn once per patch about features that are off on a GPU for a reason other than the

@@ -120,3 +120,80 @@ def test_bf16_logits_close_to_peft():
     delta = (ref - base).norm() / ref.norm()
     assert delta > 1e-2  # the adapters matter, so the comparison below means something
     assert err < 1e-2, (err.item(), delta.item())
+
+
+class _Collect:
+    """A streamer that keeps what it is given (transformers' BaseStreamer interface)."""
+
+    def __init__(self):
+        self.chunks = []
+
+    def put(self, value):
+        self.chunks.append(value.cpu().clone())
+
+    def end(self):
+        self.chunks.append("end")
+
+
+def test_deferred_stop_check_equals_peft_for_length_and_eos_stops(model):
+    names = ["a0", "__base__", "a1", "a2", "a0", "a3"]
+    inputs = _inputs(len(names))
+    ref = _peft_tokens(model, inputs, names, 32)
+    eos = sorted({int(t) for t in ref[:, 9 + 4]})  # each row's 5th new token ends it
+    fastlora.unpatch(model)
+    ref_eos = model.generate(**inputs, adapter_names=names, max_new_tokens=32, eos_token_id=eos)
+    assert ref_eos.shape[1] <= 9 + 5
+    report = fastlora.patch(model)
+    try:
+        assert report.stop_check == "deferred", report
+        runner = fastlora.get_state(model).graph_runner
+        out = model.generate(**inputs, adapter_names=names, max_new_tokens=32)
+        after_length = dict(runner.stats)
+        out_eos = model.generate(**inputs, adapter_names=names, max_new_tokens=32, eos_token_id=eos)
+        stats = runner.stats
+    finally:
+        fastlora.unpatch(model)
+    assert torch.equal(out, ref) and torch.equal(out_eos, ref_eos)
+    assert after_length["deferred_stop_calls"] == 1 and after_length["steps_undone"] == 0, after_length
+    assert stats["deferred_stop_calls"] == 2 and stats["steps_undone"] == 1, stats
+    assert stats["eager_steps"] == 0, stats
+
+
+def test_deferred_stop_check_random_calls_equal_the_per_step_check(model):
+    # a server's traffic: batch sizes, lengths, adapters, EOS stops, sampling and streaming mixed;
+    # each call run with the check deferred and with it every step (same kernels: equal tokens)
+    rng = torch.Generator().manual_seed(7)
+    adapters = ["__base__"] + [f"a{i}" for i in range(8)]
+    calls = []
+    for i in range(14):
+        batch = int(torch.randint(1, 25, (1,), generator=rng))
+        names = [adapters[int(j)] for j in torch.randint(0, len(adapters), (batch,), generator=rng)]
+        kw = dict(_inputs(max(batch, 2), prompt=int(torch.randint(4, 30, (1,), generator=rng))))
+        kw = {k: (v[:batch] if torch.is_tensor(v) else v) for k, v in kw.items()}
+        kw["max_new_tokens"] = int(torch.randint(2, 40, (1,), generator=rng))
+        if i % 3 == 1:
+            kw.update(do_sample=True, top_k=50, temperature=0.9)
+        if i % 4 == 2:
+            kw["eos_token_id"] = [int(t) for t in torch.randint(1, 512, (200,), generator=rng)]
+        calls.append((names, kw, i % 5 == 3))
+    results = {}
+    for defer in (True, False):
+        fastlora.patch(model, defer_stop_check=defer)
+        try:
+            outs = []
+            for names, kw, stream in calls:
+                torch.manual_seed(11)
+                streamer = _Collect() if stream else None
+                out = model.generate(**kw, adapter_names=names, streamer=streamer)
+                outs.append((out, streamer.chunks if stream else None))
+            results[defer] = (outs, fastlora.get_state(model).graph_runner.stats)
+        finally:
+            fastlora.unpatch(model)
+    (deferred, stats), (per_step, stats_off) = results[True], results[False]
+    assert stats["deferred_stop_calls"] == len(calls) and stats_off["deferred_stop_calls"] == 0, stats
+    assert stats["steps_undone"] >= 1, stats  # some EOS call stopped every row early
+    for i, ((a, sa), (b, sb)) in enumerate(zip(deferred, per_step)):
+        assert torch.equal(a, b), (i, calls[i][0])
+        if sa is not None:
+            assert len(sa) == len(sb) and all(x == y if isinstance(y, str) else torch.equal(x, y)
+                                              for x, y in zip(sa, sb)), i

@@ -14,6 +14,7 @@ import torch
 
 from .. import _compat
 from ..instance_methods import InstanceMethods
+from . import deferred_stop
 from .runner import DecodeGraphRunner
 from .static_cache import CacheUnavailable
 
@@ -71,18 +72,23 @@ def _needed_length(state, ids, kwargs) -> int:
 
 
 @contextlib.contextmanager
-def armed(inner, runner: DecodeGraphRunner, adapter_names):
+def armed(inner, runner: DecodeGraphRunner, adapter_names, cache=None):
     """Within the block, ``inner.generate`` sends its decode steps to ``runner``.
 
     HF's generate calls ``get_compiled_call`` for the forward of each step when its cache is a
-    static one; the override lives on this instance only and is removed on exit.
+    static one; the override lives on this instance only and is removed on exit. ``cache``: the
+    call's static cache when the call may read its stop flag one step late (marked for the block).
     """
     with _compat.compiled_call_override(inner, runner):
         runner.adapter_names = None if adapter_names is None else list(adapter_names)
+        if cache is not None:
+            setattr(cache, deferred_stop.CALL_ATTR, runner)
         try:
             yield runner
         finally:
             runner.adapter_names = None
+            if cache is not None:
+                cache.__dict__.pop(deferred_stop.CALL_ATTR, None)
 
 
 def run_generate(state, generate, args, kwargs, min_cache_len: int = 0):
@@ -106,7 +112,10 @@ def run_generate(state, generate, args, kwargs, min_cache_len: int = 0):
             return generate(*args, **kwargs)
         kwargs = dict(kwargs)
         kwargs[_compat.cache_kwarg_name(state.inner)] = cache
-        with armed(state.inner, runner, kwargs.get("adapter_names")):
+        deferred = state.stop_check_blocker is None and deferred_stop.call_reason(state.inner, args, kwargs) is None
+        if deferred:
+            kwargs["custom_generate"] = deferred_stop.decoding_method(kwargs.get("streamer"))
+        with armed(state.inner, runner, kwargs.get("adapter_names"), cache if deferred else None):
             return generate(*args, **kwargs)
 
 

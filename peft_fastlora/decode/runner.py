@@ -69,7 +69,8 @@ class DecodeGraphRunner:
         self.generation = state.generation
         self._batch_info_backend = None  # the backend whose graph batch info is initialised
         self._counters = {"captures": 0, "replays": 0, "eager_steps": 0, "capture_s": 0.0,
-                          "capture_failures": 0, "evictions": 0, "graphs_dropped": 0}
+                          "capture_failures": 0, "evictions": 0, "graphs_dropped": 0,
+                          "deferred_stop_calls": 0, "steps_undone": 0}
         self.eager_reasons: Dict[str, int] = {}
 
     # -- stats ------------------------------------------------------------------------------------
@@ -91,6 +92,11 @@ class DecodeGraphRunner:
             logger.warning("fastlora: decoding eagerly (no CUDA graph): %s", reason)
         self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
         self._counters["eager_steps"] += steps
+
+    def note_deferred_stop(self, steps_undone: int):
+        """A call that read its stop flag one step late has finished (``deferred_stop.py``)."""
+        self._counters["deferred_stop_calls"] += 1
+        self._counters["steps_undone"] += steps_undone
 
     # -- per generate call -----------------------------------------------------------------------
     def bucket_for(self, batch_size: int) -> Optional[int]:

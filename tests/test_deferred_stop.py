@@ -1,0 +1,187 @@
+"""The stop check read one step late on graphed calls (``decode/deferred_stop.py``), without a GPU.
+
+On CUDA, transformers' ``DeferredStopCheck`` copies the "all rows finished" flag to pinned memory
+behind an event. CPU tensors have no events, and fastlora defers on CUDA only; these tests let the
+check run on the CPU with a stand-in event (a CPU copy is done when it returns) so that the copied
+loop, the one extra step and its undoing are checked here, against PEFT's tokens. The GPU tests
+(``test_generate_gpu.py``) run the same checks with real events through CUDA graphs.
+"""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers.generation import StoppingCriteria, StoppingCriteriaList
+from transformers.generation import utils as gen_utils
+from transformers.generation.streamers import BaseStreamer
+
+import peft_fastlora as fastlora
+from peft_fastlora.decode import deferred_stop
+from _models import tiny_llama
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+NAMES = ["a", "__base__", "b", "a"]
+
+
+class _DoneEvent:
+    """A CPU stand-in for ``torch.Event``: CPU copies have finished when they return."""
+
+    def __init__(self, device=None, blocking=False):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+
+    def put(self, value):
+        self.chunks.append(value.clone())
+
+    def end(self):
+        self.chunks.append("end")
+
+
+@pytest.fixture(scope="module")
+def model():
+    base = tiny_llama(0, vocab_size=128)
+    base.generation_config.eos_token_id = None
+    m = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False),
+                       adapter_name="a")
+    m.add_adapter("b", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    return m.eval()
+
+
+@pytest.fixture
+def cpu_events(monkeypatch):
+    monkeypatch.setattr(deferred_stop, "DEVICE_TYPES", {"cuda", "cpu"})
+    monkeypatch.setattr(torch, "Event", _DoneEvent)
+
+
+def _inputs(batch=4, new=10):
+    torch.manual_seed(1)
+    ids = torch.randint(1, 128, (batch, 7))
+    mask = torch.ones_like(ids)
+    if batch > 1:  # one left-padded row
+        ids[1, :2], mask[1, :2] = 0, 0
+    return dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+
+
+def _stats(model):
+    return fastlora.get_state(model).graph_runner.stats
+
+
+def test_length_stop_equals_peft_and_defers(model, cpu_events):
+    kw = _inputs()
+    ref = model.generate(**kw, adapter_names=NAMES)
+    with fastlora.patched(model, cuda_graphs="emulate") as report:
+        out = model.generate(**kw, adapter_names=NAMES)
+        stats = _stats(model)
+        assert report.stop_check == "deferred" and "stop check deferred" in str(report)
+    assert torch.equal(out, ref)
+    assert stats["deferred_stop_calls"] == 1 and stats["steps_undone"] == 0, stats
+    assert gen_utils.DeferredStopCheck.__module__ == gen_utils.__name__  # transformers' module untouched
+
+
+def test_eos_stop_undoes_the_extra_step(model, cpu_events):
+    kw = _inputs()
+    free = model.generate(**kw, adapter_names=NAMES)
+    # every row's token at its 3rd new step ends it: all rows finish together there (or before)
+    eos = sorted({int(t) for t in free[:, 7 + 2]})
+    ref = model.generate(**kw, adapter_names=NAMES, eos_token_id=eos)
+    assert ref.shape[1] <= 7 + 3  # the call does stop early
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        out = model.generate(**kw, adapter_names=NAMES, eos_token_id=eos)
+        stats = _stats(model)
+        again = model.generate(**kw, adapter_names=NAMES, eos_token_id=eos)  # the extra step's cache entry is reset
+    assert torch.equal(out, ref) and torch.equal(again, ref)
+    assert stats["deferred_stop_calls"] == 1 and stats["steps_undone"] == 1, stats
+
+
+def test_sampling_with_seed_equals_peft(model, cpu_events):
+    kw = dict(_inputs(), do_sample=True, top_k=20, temperature=0.8)
+    torch.manual_seed(5)
+    ref = model.generate(**kw, adapter_names=NAMES)
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        torch.manual_seed(5)
+        out = model.generate(**kw, adapter_names=NAMES)
+        assert _stats(model)["deferred_stop_calls"] == 1
+    assert torch.equal(out, ref)
+
+
+def test_streamer_gets_every_token_once(model, cpu_events):
+    kw = _inputs(batch=1, new=6)
+    ref_stream, out_stream = _Collect(), _Collect()
+    ref = model.generate(**kw, adapter_names=["b"], streamer=ref_stream)
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        out = model.generate(**kw, adapter_names=["b"], streamer=out_stream)
+        assert _stats(model)["deferred_stop_calls"] == 1
+    assert torch.equal(out, ref)
+    assert len(out_stream.chunks) == len(ref_stream.chunks) == 1 + 6 + 1
+    for got, want in zip(out_stream.chunks, ref_stream.chunks):
+        assert got == want if isinstance(want, str) else torch.equal(got, want)
+
+
+@pytest.mark.parametrize("extra, reason", [
+    (dict(return_dict_in_generate=True), "return_dict_in_generate returns the cache"),
+    (dict(penalty_alpha=0.6, top_k=4), "decoding mode"),
+    (dict(tokenizer=object()), "tokenizer given"),
+    (dict(custom_generate=lambda *a, **k: None), "the caller's custom_generate"),
+    (dict(synced_gpus=True), "synced_gpus"),
+])
+def test_calls_that_keep_the_per_step_check(model, extra, reason):
+    why = deferred_stop.call_reason(model.base_model.model, (), dict(_inputs(), **extra))
+    assert why is not None and why.startswith(reason), why
+    assert deferred_stop.call_reason(model.base_model.model, (), _inputs()) is None
+
+
+def test_returned_cache_call_checks_every_step_and_equals_peft(model, cpu_events):
+    kw = dict(_inputs(), return_dict_in_generate=True)
+    ref = model.generate(**kw, adapter_names=NAMES)
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        out = model.generate(**kw, adapter_names=NAMES)
+        stats = _stats(model)
+        cache = out.past_key_values
+    assert torch.equal(out.sequences, ref.sequences)
+    assert stats["deferred_stop_calls"] == 0 and stats["replays"] > 0, stats
+    assert not hasattr(cache, deferred_stop.CALL_ATTR)
+
+
+def test_option_off_and_cpu_report_the_per_step_check(model):
+    with fastlora.patched(model, cuda_graphs="emulate", defer_stop_check=False) as report:
+        assert report.stop_check == "per step (defer_stop_check=False)"
+        model.generate(**_inputs(), adapter_names=NAMES)
+        assert _stats(model)["deferred_stop_calls"] == 0
+    with fastlora.patched(model, cuda_graphs="emulate") as report:  # no CUDA events on the CPU
+        assert report.stop_check == "per step (not on cuda)"
+    with pytest.raises(TypeError, match="defer_stop_check must be True or False"):
+        fastlora.patch(model, defer_stop_check="auto")
+
+
+class _FailAtStep(StoppingCriteria):
+    def __init__(self, step):
+        self.step, self.calls = step, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        if self.calls == self.step:
+            raise RuntimeError("injected failure")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_a_call_that_raises_unmarks_its_cache_and_the_next_call_serves(model, cpu_events):
+    kw = _inputs()
+    ref = model.generate(**kw, adapter_names=NAMES)
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        runner = fastlora.get_state(model).graph_runner
+        with pytest.raises(RuntimeError, match="injected failure"):
+            model.generate(**kw, adapter_names=NAMES, stopping_criteria=StoppingCriteriaList([_FailAtStep(4)]))
+        caches = [e.cache for e in runner.caches._entries.values()]
+        assert caches and not any(hasattr(c, deferred_stop.CALL_ATTR) for c in caches)
+        out = model.generate(**kw, adapter_names=NAMES)
+        assert runner.stats["deferred_stop_calls"] == 1
+    assert torch.equal(out, ref)
