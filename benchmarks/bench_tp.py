@@ -126,7 +126,8 @@ def main(argv=None) -> int:
             print({k: table[-1][k] for k in ("method", "batch", "decode_ms_per_step", "ratio_to_floor",
                                              "ratio_to_tp1_fastlora_ops", "ratio_to_tp1_hf_ops")}, flush=True)
         if args.out and not args.smoke:
-            path = bg.write_csv(table, args.out, f"tp_{info['gpu'].split()[-1].lower()}.csv")
+            shape = "" if args.model == "8b" else f"{args.model}_"  # each shape its own file
+            path = bg.write_csv(table, args.out, f"tp_{shape}{info['gpu'].split()[-1].lower()}.csv")
             # the CSV in the log too: one run's CSV did not come back from the device
             print("written", path, "\n" + open(path).read(), flush=True)
         shutil.rmtree(args.path, ignore_errors=True)
