@@ -49,6 +49,11 @@ def test_probe_deferred_stop_smoke():
     assert "'mode': 'sync'" in out
 
 
+def test_probe_pdl_smoke():
+    out = _run([os.path.join(BENCH, "probe_pdl.py"), "--smoke", "--base"])
+    assert "'mode': 'no_pdl'" in out and "'what': 'base'" in out and "'tokens_equal_first_run': False" not in out
+
+
 def test_host_gap_smoke():
     out = _run([os.path.join(BENCH, "host_gap.py"), "--smoke"])
     assert "decode step" in out and "# by cumulative" in out

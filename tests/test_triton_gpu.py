@@ -337,3 +337,82 @@ def test_packed_embedding_llama_vocab(mode):
     assert not got.isnan().any(), "read outside a packed block"
     atol, rtol = TOLERANCES[dtype]
     assert_close(got, want, atol, rtol, f"packed embedding {mode}")
+
+
+def _pdl_chain(x, res, w, q, k, cos, sin, kc, vc, length, y, b_arena, b_offs, ranks, scal, plan):
+    """Dependent decode-path kernels, each reading what the one before wrote: norm, expand into
+    the norm's output, add+norm, SiLU-mul, rotary, KV write, decode attention."""
+    from peft_fastlora.ops import add_rms_norm, apply_rotary, decode_attention, kv_cache_write, lora_expand
+    from peft_fastlora.ops import rms_norm, silu_mul
+
+    h = rms_norm(x, w, 1e-5)
+    lora_expand(y, b_arena, [0, h.shape[1]], ranks, scal, h, *plan, block_m=16, b_offs=b_offs, b_align=8)
+    h, s = add_rms_norm(h, res, w, 1e-5)
+    g = silu_mul(h, s)
+    qr, kr = apply_rotary(q + g[:, None, None, :q.shape[-1]], k, cos, sin)
+    kv_cache_write(kr, kr, kc, vc, length)
+    mask = torch.ones(x.shape[0], 1, 1, kc.shape[2], dtype=torch.bool, device=x.device)
+    return g, decode_attention(qr, kc, vc, mask)
+
+
+def test_pdl_chain_in_a_graph_equals_serial_launches(monkeypatch):
+    """The kernels launched with programmatic dependent launch (ops/pdl.py) give bit-for-bit what
+    they give launched one after another, captured in one CUDA graph and replayed many times
+    with new inputs each time (a wait placed too late would read a stale input)."""
+    from peft_fastlora.ops import pdl
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    torch.manual_seed(0)
+    dev, dt, n, rows, heads, dim, r = "cuda", torch.bfloat16, 1024, 32, 8, 128, 16
+    w = torch.randn(n, device=dev, dtype=dt)
+    b_arena = (torch.randn(4 * n * r, device=dev, dtype=dt) * 0.1)
+    b_offs = torch.tensor([[i * n * r] for i in range(4)], device=dev, dtype=torch.int64)
+    ranks = torch.full((4, 1), r, device=dev, dtype=torch.int32)
+    scal = torch.full((4, 1), 0.5, device=dev, dtype=torch.float32)
+    slots = [i % 4 if i % 5 else NO_ADAPTER for i in range(rows)]
+    ids = sorted((t for t in range(rows) if slots[t] >= 0), key=lambda t: slots[t])
+    chunks = [(s, [t for t in ids if slots[t] == s]) for s in range(4)]
+    plan = (torch.tensor(ids + [0] * (rows - len(ids)), device=dev, dtype=torch.int32),
+            torch.tensor([s for s, _ in chunks] + [NO_ADAPTER] * 4, device=dev, dtype=torch.int32),
+            torch.tensor([ids.index(c[0]) for _, c in chunks] + [0] * 4, device=dev, dtype=torch.int32),
+            torch.tensor([len(c) for _, c in chunks] + [0] * 4, device=dev, dtype=torch.int32))
+    inputs = dict(x=torch.empty(rows, n, device=dev, dtype=dt), res=torch.empty(rows, n, device=dev, dtype=dt),
+                  q=torch.empty(rows, heads, 1, dim, device=dev, dtype=dt),
+                  k=torch.empty(rows, 2, 1, dim, device=dev, dtype=dt),
+                  cos=torch.empty(rows, 1, dim, device=dev, dtype=dt), sin=torch.empty(rows, 1, dim, device=dev, dtype=dt),
+                  y=torch.empty(rows, r, device=dev, dtype=dt))
+
+    def refill(step):
+        g = torch.Generator(device=dev).manual_seed(step)
+        for t in inputs.values():
+            t.copy_(torch.randn(t.shape, device=dev, dtype=torch.float32, generator=g))
+
+    results = {}
+    modes = {"serial": pdl.OFF, "wait_only": pdl.WAIT_ONLY, "pdl": pdl.FULL}
+    for mode, setting in modes.items():
+        monkeypatch.setattr(pdl, "SETTING", setting)
+        kc = torch.zeros(rows, 2, 64, dim, device=dev, dtype=dt)
+        vc = torch.zeros_like(kc)
+        length = torch.zeros(1, device=dev, dtype=torch.int64)
+        refill(0)
+        static = dict(inputs, w=w, kc=kc, vc=vc, length=length, b_arena=b_arena, b_offs=b_offs, ranks=ranks,
+                      scal=scal, plan=plan)
+        _pdl_chain(**static)  # compile outside the capture
+        length.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = _pdl_chain(**static)
+            length.add_(1)
+        got = []
+        for step in range(40):
+            refill(step)
+            graph.replay()
+            got.append(tuple(o.clone() for o in outs))
+        torch.cuda.synchronize()
+        results[mode] = (got, kc.clone())
+    for mode in ("wait_only", "pdl"):
+        for step, (a, b) in enumerate(zip(results["serial"][0], results[mode][0])):
+            for i, (x, y) in enumerate(zip(a, b)):
+                assert torch.equal(x, y), (mode, step, i)
+        assert torch.equal(results["serial"][1], results[mode][1]), mode

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..kernel_support import interpreting, num_sms
+from . import pdl
 
 _LOG2E = 1.4426950408889634
 
@@ -78,7 +79,10 @@ def _decode_attention_split_kernel(
     MASK_IS_BOOL: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,  # compute the dots in fp32 (fp32 inputs, or the interpreter)
+    USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py (q, the cache and the mask are the step's: all after the wait)
 ):
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // KVH
@@ -194,7 +198,10 @@ def _decode_attention_combine_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -318,6 +325,7 @@ def decode_attention(
     scale = float(scaling) if scaling is not None else dim ** -0.5
     has_softcap = softcap is not None and softcap > 0
     upcast = q.dtype == torch.float32 or interpreting()
+    use_pdl = pdl.mode(q)
 
     _decode_attention_split_kernel[(bsz * kv_heads, splits)](
         q, k, v, mask2, out, part_o, part_lse,
@@ -336,8 +344,10 @@ def decode_attention(
         MASK_IS_BOOL=mask.dtype == torch.bool,
         HAS_SOFTCAP=has_softcap,
         UPCAST=upcast,
+        USE_PDL=use_pdl,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
+        launch_pdl=use_pdl > 0,
     )
     if splits > 1:
         _decode_attention_combine_kernel[(bsz * heads,)](
@@ -347,7 +357,9 @@ def decode_attention(
             NUM_SPLITS=splits,
             BLOCK_S=max(2, triton.next_power_of_2(splits)),
             BLOCK_D=cfg["block_d"],
+            USE_PDL=use_pdl,
             num_warps=4 if cfg["block_d"] >= 128 else 2,
+            launch_pdl=use_pdl > 0,
         )
     return out
 

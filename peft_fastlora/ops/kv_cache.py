@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _kv_cache_write_kernel(
@@ -24,7 +26,10 @@ def _kv_cache_write_kernel(
     k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, c_sb, c_sh, c_ss,
     # meta-parameters
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py (the fill length is the step's: read after the wait)
 ):
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     bh = tl.program_id(0)
     b = (bh // num_heads).to(tl.int64)
     h = (bh % num_heads).to(tl.int64)
@@ -66,9 +71,11 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         raise ValueError("length must be one integer on the states' device")
     block_s = min(16, triton.next_power_of_2(max(seq, 1)))
     if bsz * heads and seq:
+        use_pdl = pdl.mode(key)
         _kv_cache_write_kernel[(bsz * heads, triton.cdiv(seq, block_s))](
             key, value, k_cache, v_cache, length,
             heads, seq, k_cache.shape[2], dim,
             key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(dim), num_warps=1 if dim <= 64 else 2)
+            BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(dim), USE_PDL=use_pdl,
+            num_warps=1 if dim <= 64 else 2, launch_pdl=use_pdl > 0)

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 MAX_MODULES_PER_LAUNCH = 4  # column offsets travel as scalar arguments (no device table to build)
 
 
@@ -63,26 +65,26 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py: the plan, the tables and B are read before the wait
 ):
+    pdl.launch_dependents(USE_PDL)
     chunk = tl.program_id(0)
     nb = tl.program_id(1)
     jl = tl.program_id(2)
     slot = tl.load(chunk_slot_ptr + chunk)
     n_rows = tl.load(chunk_len_ptr + chunk)
-    if slot < 0:
-        return
-    if slot >= num_slots:  # a stale plan must never read past the weights
-        return
-    if n_rows <= 0:
-        return
     j = J0 + jl
     lo = tl.where(jl == 0, OFF0, tl.where(jl == 1, OFF1, tl.where(jl == 2, OFF2, OFF3)))
     hi = tl.where(jl == 0, OFF1, tl.where(jl == 1, OFF2, tl.where(jl == 2, OFF3, OFF4)))
     n0 = nb * BLOCK_N
-    if n0 >= hi - lo:  # the grid is sized for the widest module
+    # idle programs: no adapter, a stale plan (never read past the weights), no rows, or past
+    # this module's width (the grid is sized for the widest); each still waits (pdl.py)
+    if (slot < 0) | (slot >= num_slots) | (n_rows <= 0) | (n0 >= hi - lo):
+        pdl.wait(USE_PDL)
         return
     rank = tl.minimum(tl.load(ranks_ptr + slot * stride_rl + j), R)
     if rank <= 0:
+        pdl.wait(USE_PDL)
         return
     scaling = tl.load(scalings_ptr + slot * stride_sl + j)
     start = tl.load(chunk_start_ptr + chunk)
@@ -106,13 +108,19 @@ def _lora_expand_kernel(
     else:
         b_base = b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn
         b_rstride = stride_br
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
+    # the first rank block of B (transposed, (BLOCK_R, BLOCK_N)) before the wait: the usual
+    # decode ranks fit in one
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    bt = tl.load(b_base + offs_r[:, None] * b_rstride, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    pdl.wait(USE_PDL)
+    yt = tl.load(y_row + offs_r[None, :] * stride_yr, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+    acc = tl.dot(yt, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), input_precision=DOT_PRECISION)
+    for r0 in range(BLOCK_R, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank
         yt = tl.load(y_row + offs_r[None, :] * stride_yr,
                      mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-        # B read transposed, (BLOCK_R, BLOCK_N)
         bt = tl.load(b_base + offs_r[:, None] * b_rstride,
                      mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(yt, bt, acc, input_precision=DOT_PRECISION)
@@ -221,6 +229,7 @@ def lora_expand(
         return out
     dot_precision = "ieee" if y.dtype == torch.float32 else "tf32"  # Triton's fp32 default is tf32
     b_strides = (0, 0, 0) if packed else weights.stride()
+    use_pdl = pdl.mode(out)
     for j0 in range(0, c, MAX_MODULES_PER_LAUNCH):
         offs = offsets[j0 : j0 + MAX_MODULES_PER_LAUNCH + 1]
         n_mod = len(offs) - 1
@@ -248,7 +257,9 @@ def lora_expand(
             BLOCK_N=bn,
             BLOCK_R=block_r or cfg["block_r"],
             DOT_PRECISION=dot_precision,
+            USE_PDL=use_pdl,
             num_warps=num_warps or cfg["num_warps"],
             num_stages=num_stages or cfg["num_stages"],
+            launch_pdl=use_pdl > 0,
         )
     return out

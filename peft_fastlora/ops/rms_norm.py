@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -31,11 +33,15 @@ def _rms_norm_kernel(
     UNIT_OFFSET: tl.constexpr,  # Gemma: x * rsqrt(...) * (1 + w), all in float32, one rounding
     RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py: the weight is read before the wait
 ):
+    pdl.launch_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     # every load upcast: the interpreter keeps bf16 as raw bits otherwise
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl.wait(USE_PDL)
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if RESIDUAL:
         r = tl.load(res_ptr + row * res_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -44,7 +50,6 @@ def _rms_norm_kernel(
         x = x.to(tl.float32)
     var = tl.sum(x * x, axis=0) / n_cols
     normed = x * tl.math.rsqrt(var + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if UNIT_OFFSET:
         y = normed * (1.0 + w)
     else:
@@ -98,9 +103,10 @@ def _launch(x, residual, weight, eps, unit_offset):
         summed = torch.empty_like(out)
     block = triton.next_power_of_2(n)
     num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    use_pdl = pdl.mode(x)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, res, summed, n, rows.stride(0), out.stride(0),
                                            res.stride(0), summed.stride(0), float(eps),
                                            UNIT_OFFSET=unit_offset, RESIDUAL=residual is not None, BLOCK=block,
-                                           num_warps=num_warps)
+                                           USE_PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl > 0)
     return out.view(x.shape), (summed.view(x.shape) if residual is not None else None)

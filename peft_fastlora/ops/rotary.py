@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _rotary_kernel(
@@ -30,7 +32,10 @@ def _rotary_kernel(
     q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, c_sb, c_ss,
     # meta-parameters
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py (cos and sin are the step's: read after the wait)
 ):
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     token = tl.program_id(0)
     b = token // seq_len
     s = token % seq_len
@@ -100,13 +105,14 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     block_h = min(16, triton.next_power_of_2(num_heads))
     grid = (bsz * seq, triton.cdiv(num_heads, block_h))
     if bsz * seq:
+        use_pdl = pdl.mode(q)
         _rotary_kernel[grid](
             q, k, cos, sin, q_out, k_out,
             seq, num_q, num_heads, dim // 2,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             c_sb, cos.stride(1),
-            BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(max(dim // 2, 1)), num_warps=4,
-            enable_fp_fusion=False)
+            BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(max(dim // 2, 1)), USE_PDL=use_pdl, num_warps=4,
+            enable_fp_fusion=False, launch_pdl=use_pdl > 0)
     return q_out, k_out
 
 

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _silu_mul_kernel(
@@ -20,7 +22,10 @@ def _silu_mul_kernel(
     n_cols, gate_row_stride, up_row_stride,
     # meta-parameters
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py
 ):
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -49,8 +54,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(g.shape, dtype=gate.dtype, device=gate.device)
     block = min(1024, triton.next_power_of_2(max(n, 1)))
     if g.shape[0] and n:
+        use_pdl = pdl.mode(g)
         _silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0),
-                                                              BLOCK=block, num_warps=4)
+                                                              BLOCK=block, USE_PDL=use_pdl, num_warps=4,
+                                                              launch_pdl=use_pdl > 0)
     return out.view(gate.shape)
 
 

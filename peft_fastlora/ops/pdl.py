@@ -1,0 +1,59 @@
+"""Programmatic dependent launch (Hopper and later) for the decode-path kernels.
+
+Inside a decode step most kernels are a few microseconds long, and the GPU spends a good part of
+each one launching it and waiting for the one before to drain. Launched with PDL, a kernel may
+start while the kernel before it in the stream finishes; it runs its preamble (addresses, the
+batch plan, weights) early, then waits (``griddepcontrol.wait``) for the previous kernel to
+complete and its writes to be visible before it reads activations.
+
+Every kernel launched with ``USE_PDL`` here keeps three rules, which keep the stream's order
+intact for everything else:
+
+- before ``wait()`` it reads only inputs no kernel of the step writes (weights, the LoRA stacks,
+  the batch plan copied before the step) and stores nothing;
+- every program calls ``wait()`` before it returns, early returns included, so a kernel never
+  completes before the one it follows: the next kernel's wait then covers all earlier ones;
+- it lets the next kernel launch early (``launch_dependents()`` at its start; not in ``WAIT_ONLY``).
+
+Kernels from cuBLAS or PyTorch are launched as usual and keep full stream order. ``mode`` says
+how a launch on a tensor's device uses PDL: ``FULL`` (the default on CUDA devices of compute
+capability 9.0 or more), ``WAIT_ONLY`` (launched with PDL, but the next kernel launches only
+as this one's programs exit) or ``OFF``; ``FASTLORA_PDL=0`` or ``=wait`` in the environment (read
+at import) chooses the last two.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+import torch
+import triton
+import triton.language as tl
+
+OFF, WAIT_ONLY, FULL = 0, 1, 2
+SETTING = {"0": OFF, "wait": WAIT_ONLY}.get(os.environ.get("FASTLORA_PDL", "").strip().lower(), FULL)
+_capable: Dict[int, bool] = {}
+
+
+def mode(t: torch.Tensor) -> int:
+    """How a kernel launched for ``t`` (on the current CUDA device) uses PDL: ``OFF``, ``WAIT_ONLY``
+    or ``FULL``. Pass it as the kernel's ``USE_PDL`` and ``launch_pdl=mode > 0``."""
+    if SETTING == OFF or not t.is_cuda:
+        return OFF
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _capable:
+        _capable[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return SETTING if _capable[index] else OFF
+
+
+@triton.jit
+def launch_dependents(USE_PDL: tl.constexpr):
+    if USE_PDL == 2:  # FULL
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait(USE_PDL: tl.constexpr):
+    if USE_PDL > 0:
+        tl.extra.cuda.gdc_wait()
