@@ -185,3 +185,33 @@ def test_a_call_that_raises_unmarks_its_cache_and_the_next_call_serves(model, cp
         out = model.generate(**kw, adapter_names=NAMES)
         assert runner.stats["deferred_stop_calls"] == 1
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("extra", [
+    dict(do_sample=True, top_k=20, num_return_sequences=2),
+    dict(max_length=7 + 6, max_new_tokens=None),
+    dict(min_new_tokens=4, max_new_tokens=8),
+])
+def test_other_call_forms_equal_peft(model, cpu_events, extra):
+    kw = {k: v for k, v in dict(_inputs(), **extra).items() if v is not None}
+    # PEFT wants a name per generated row (rows repeated for num_return_sequences)
+    names = [n for n in NAMES for _ in range(kw.get("num_return_sequences", 1))]
+    torch.manual_seed(3)
+    ref = model.generate(**kw, adapter_names=names)
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        torch.manual_seed(3)
+        out = model.generate(**kw, adapter_names=names)
+        assert _stats(model)["deferred_stop_calls"] == 1
+    assert torch.equal(out, ref)
+
+
+def test_generation_config_asking_for_the_cache_keeps_the_per_step_check(model, cpu_events):
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=5, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    kw = {k: v for k, v in _inputs().items() if k in ("input_ids", "attention_mask")}
+    ref = model.generate(**kw, generation_config=gc, adapter_names=NAMES)
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        out = model.generate(**kw, generation_config=gc, adapter_names=NAMES)
+        assert _stats(model)["deferred_stop_calls"] == 0
+    assert torch.equal(out.sequences, ref.sequences)
