@@ -647,6 +647,50 @@ def compiled_call_override(model: nn.Module, step):
         model.__dict__.pop("_valid_auto_compile_criteria", None)
 
 
+@contextlib.contextmanager
+def mask_builder_override(model: nn.Module, builder):
+    """Within the block, ``generate`` builds each step's 4-D mask with ``builder`` (it looks up
+    ``self.create_masks_for_generate`` first, then transformers' function; a class with its own
+    is left alone). ``builder`` takes transformers' keyword arguments."""
+    from transformers.generation import utils as gen_utils
+
+    if (getattr(type(model), "create_masks_for_generate", None) is not None
+            or not callable(getattr(gen_utils, "create_masks_for_generate", None))):
+        yield
+        return
+    model.create_masks_for_generate = builder
+    try:
+        yield
+    finally:
+        model.__dict__.pop("create_masks_for_generate", None)
+
+
+def transformers_mask_builder():
+    from transformers.generation import utils as gen_utils
+
+    return gen_utils.create_masks_for_generate
+
+
+def plain_causal_bool_mask(config) -> Optional[bool]:
+    """For a config whose every layer gets transformers' plain causal boolean mask (sdpa-style mask
+    function, no sliding window, no chunked attention): whether that mask comes keyed by layer type
+    (``{"full_attention": mask}``, configs with ``layer_types``) or alone. None for any other config."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    cfg = config.get_text_config()
+    try:
+        if ALL_MASK_ATTENTION_FUNCTIONS[cfg._attn_implementation] is not sdpa_mask:
+            return None
+    except (KeyError, AttributeError):
+        return None
+    if getattr(cfg, "attention_chunk_size", None) is not None or getattr(cfg, "is_causal", True) is False:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        return True if set(layer_types) == {"full_attention"} else None
+    return False if getattr(cfg, "sliding_window", None) is None else None
+
+
 def deferred_stop_check_class():
     """transformers' ``DeferredStopCheck`` (reads "all rows finished" one step late), or None
     where this version has none or its sampling loop does not pick it by that global name."""

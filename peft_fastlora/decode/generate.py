@@ -14,7 +14,7 @@ import torch
 
 from .. import _compat
 from ..instance_methods import InstanceMethods
-from . import deferred_stop
+from . import deferred_stop, step_mask
 from .runner import DecodeGraphRunner
 from .static_cache import CacheUnavailable
 
@@ -79,7 +79,8 @@ def armed(inner, runner: DecodeGraphRunner, adapter_names, cache=None):
     static one; the override lives on this instance only and is removed on exit. ``cache``: the
     call's static cache when the call may read its stop flag one step late (marked for the block).
     """
-    with _compat.compiled_call_override(inner, runner):
+    with _compat.compiled_call_override(inner, runner), \
+            _compat.mask_builder_override(inner, step_mask.builder(runner.caches)):
         runner.adapter_names = None if adapter_names is None else list(adapter_names)
         if cache is not None:
             setattr(cache, deferred_stop.CALL_ATTR, runner)

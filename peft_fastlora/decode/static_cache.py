@@ -89,6 +89,13 @@ class StaticCacheStore:
     def live_serials(self) -> set:
         return {e.serial for e in self._entries.values()}
 
+    def length_of(self, cache) -> Optional[int]:
+        """The length (tokens per row) of one of this store's caches (None for any other cache)."""
+        for e in self._entries.values():
+            if e.cache is cache:
+                return e.length
+        return None
+
     def serial_of(self, cache) -> Optional[int]:
         """The serial of one of this store's caches (None for any other cache)."""
         for e in self._entries.values():

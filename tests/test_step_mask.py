@@ -1,0 +1,81 @@
+"""The one-token step's 4-D mask built by fastlora (``decode/step_mask.py``) against transformers'.
+
+Every mask the fast path builds during real ``generate`` calls (emulated graphs, left-padded rows,
+several lengths and batch sizes) is compared with what transformers' ``create_masks_for_generate``
+returns for the same arguments; configurations it must leave to transformers (eager attention's
+additive masks, sliding windows) must never take it. Tokens equal PEFT's throughout.
+"""
+
+import pytest
+import torch
+
+import peft_fastlora as fastlora
+from peft_fastlora import _compat
+from peft_fastlora.decode import step_mask
+from _models import build_peft_lm, left_padded_batch
+
+
+def _same(a, b):
+    if isinstance(b, dict):
+        return isinstance(a, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in b)
+    return isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("arch, attn, fast", [
+    ("llama", "sdpa", True),
+    ("qwen2", "sdpa", True),  # configs with layer_types: the mask keyed by layer type
+    ("llama", "eager", False),  # additive float masks: transformers' own
+    ("mistral", "sdpa", False),  # a sliding window: transformers' own
+])
+def test_step_masks_equal_transformers_and_tokens_equal_peft(arch, attn, fast, monkeypatch):
+    model = build_peft_lm(arch)
+    model.get_base_model().set_attn_implementation(attn)
+    original, real, checked, steps = _compat.transformers_mask_builder(), step_mask.decode_mask, [], []
+
+    def compare(store, kwargs):
+        mask = real(store, kwargs)
+        am = kwargs.get("attention_mask")
+        if kwargs["inputs_embeds"].shape[1] == 1 and am is not None and am.dim() == 2:
+            steps.append(am.shape)  # a step with a 2-D mask (transformers 5.24 passes none for one unpadded row)
+        if mask is not None:
+            assert _same(mask, original(**kwargs)), kwargs["attention_mask"]
+            checked.append(kwargs["attention_mask"].shape)
+        return mask
+
+    monkeypatch.setattr(step_mask, "decode_mask", compare)
+    calls = [([5, 3, 7], ["a0", "__base__", "a1"], 6), ([4], ["a2"], 9), ([2, 6, 6, 1], ["a1", "a0", "a2", "a0"], 5)]
+    refs = []
+    for i, (lengths, names, new) in enumerate(calls):
+        kw = left_padded_batch(lengths, seed=i)
+        refs.append(model.generate(**kw, adapter_names=names, max_new_tokens=new, do_sample=False, pad_token_id=0))
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        for i, ((lengths, names, new), ref) in enumerate(zip(calls, refs)):
+            kw = left_padded_batch(lengths, seed=i)
+            out = model.generate(**kw, adapter_names=names, max_new_tokens=new, do_sample=False, pad_token_id=0)
+            assert torch.equal(out, ref), (arch, attn, names)
+    assert "create_masks_for_generate" not in model.get_base_model().__dict__  # removed after each call
+    if fast:  # every step given a 2-D mask took the fast path
+        assert len(steps) >= 9 and checked == steps, (checked, steps)
+    else:
+        assert not checked
+
+
+def test_not_our_cache_or_a_prefill_goes_to_transformers():
+    model = build_peft_lm("llama")
+    model.get_base_model().set_attn_implementation("sdpa")
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        store = fastlora.get_state(model).graph_runner.caches
+        cache = store.cache_for(2, 64)
+        other = _compat.static_cache_over(model.get_base_model(), 64, [
+            (torch.zeros(2, 2, 64, 8), torch.zeros(2, 2, 64, 8))] * model.get_base_model().config.num_hidden_layers)
+        am = torch.ones(2, 5, dtype=torch.long)
+        base = dict(config=model.get_base_model().config, attention_mask=am)
+        key = "past_key_values" if "past_key_values" in _compat.transformers_mask_builder().__code__.co_varnames \
+            else "cache"
+        step = dict(base, inputs_embeds=torch.empty(2, 1, 0), **{key: cache})
+        assert step_mask.decode_mask(store, step) is not None
+        assert step_mask.decode_mask(store, dict(step, **{key: other})) is None
+        assert step_mask.decode_mask(store, dict(step, inputs_embeds=torch.empty(2, 3, 0))) is None
+        assert step_mask.decode_mask(store, dict(step, or_mask_function=lambda *a: True)) is None
+        longer = torch.ones(2, store.length_of(cache) + 1, dtype=torch.long)
+        assert step_mask.decode_mask(store, dict(step, attention_mask=longer)) is None
