@@ -21,13 +21,14 @@ def _same(a, b):
     return isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("arch, attn, fast", [
-    ("llama", "sdpa", True),
-    ("qwen2", "sdpa", True),  # configs with layer_types: the mask keyed by layer type
-    ("llama", "eager", False),  # additive float masks: transformers' own
-    ("mistral", "sdpa", False),  # a sliding window: transformers' own
+@pytest.mark.parametrize("arch, attn, fast, options", [
+    ("llama", "sdpa", True, {}),
+    ("llama", "sdpa", True, {"decode_attention": True}),  # fastlora's decode attention (Triton's interpreter)
+    ("qwen2", "sdpa", True, {}),  # configs with layer_types: the mask keyed by layer type
+    ("llama", "eager", False, {}),  # additive float masks: transformers' own
+    ("mistral", "sdpa", False, {}),  # a sliding window: transformers' own
 ])
-def test_step_masks_equal_transformers_and_tokens_equal_peft(arch, attn, fast, monkeypatch):
+def test_step_masks_equal_transformers_and_tokens_equal_peft(arch, attn, fast, options, monkeypatch):
     model = build_peft_lm(arch)
     model.get_base_model().set_attn_implementation(attn)
     original, real, checked, steps = _compat.transformers_mask_builder(), step_mask.decode_mask, [], []
@@ -48,7 +49,9 @@ def test_step_masks_equal_transformers_and_tokens_equal_peft(arch, attn, fast, m
     for i, (lengths, names, new) in enumerate(calls):
         kw = left_padded_batch(lengths, seed=i)
         refs.append(model.generate(**kw, adapter_names=names, max_new_tokens=new, do_sample=False, pad_token_id=0))
-    with fastlora.patched(model, cuda_graphs="emulate"):
+    with fastlora.patched(model, cuda_graphs="emulate", **options) as report:
+        if options.get("decode_attention"):
+            assert report.decode_attention == "on", report.decode_attention
         for i, ((lengths, names, new), ref) in enumerate(zip(calls, refs)):
             kw = left_padded_batch(lengths, seed=i)
             out = model.generate(**kw, adapter_names=names, max_new_tokens=new, do_sample=False, pad_token_id=0)
