@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device machine: GPU tests, soak, kernel
 # benchmark, end-to-end benchmark. Results land in $OUT (and are committed under
-# benchmarks/results/). Parts: all (default) or any of tests soak kernels generate profile attention
-# continuous prefill many; and, on the two-GPU machine only (never part of all), multigpu (TP_MODEL,
+# benchmarks/results/). Parts: all (default) or any of tests soak kernels generate host profile
+# attention continuous prefill many; and, on the two-GPU machine only (never part of all), multigpu (TP_MODEL,
 # TP_ARGS: e.g. 32b --skip-tp1) and devicemap.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -32,6 +32,12 @@ if want kernels; then
 fi
 if want generate; then
   timeout 420 python3 benchmarks/bench_generate.py --models ${MODELS:-1b 8b} --csv ${GEN_CSV:-generate_h200.csv} --out "$OUT" 2>&1 | tee "$OUT/bench_generate.log" | grep -v -i warn | tail -45
+fi
+if want host; then  # the host's part of the graphed step: per-step check, deferred, deferred + step mask
+  for m in ${HOST_MODELS:-1b 8b}; do
+    timeout 300 python3 benchmarks/probe_deferred_stop.py --model $m --batches 1 32 128 \
+      --out "$OUT/probe_host_${m}_h200.csv" 2>&1 | grep -v -i warn | tee "$OUT/probe_host_$m.log" | tail -4
+  done
 fi
 if want profile; then
   timeout 150 python3 benchmarks/profile_step.py --model 8b --batch 32 --out "$OUT/profile_step_h200.csv" 2>&1 | grep -v -i warn | tail -40

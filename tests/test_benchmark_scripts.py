@@ -46,7 +46,8 @@ def test_probe_skinny_gemm_smoke():
 
 def test_probe_deferred_stop_smoke():
     out = _run([os.path.join(BENCH, "probe_deferred_stop.py"), "--smoke"])
-    assert "'mode': 'sync'" in out
+    assert "'mode': 'deferred_step_mask'" in out and "'mode': 'per_step'" in out
+    assert "False" not in out.split("'tokens_equal_length_stop'")[-1]
 
 
 def test_probe_pdl_smoke():
