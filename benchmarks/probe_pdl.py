@@ -1,7 +1,8 @@
 """Probe (#13): what programmatic dependent launch (``ops/pdl.py``) does to a graphed decode step.
 
 One model, the same calls, in turn with fastlora's decode kernels launched with PDL (``pdl.FULL``),
-with PDL but no early launch of the next kernel (``pdl.WAIT_ONLY``) and without (``pdl.OFF``); each
+with PDL but no early launch of the next kernel (``pdl.WAIT_ONLY``), with PDL on the kernels that
+have a preamble only (``pdl.PREAMBLE_ONLY``: the expand and the norms) and without (``pdl.OFF``); each
 mode patched afresh, so its graphs are captured in that mode; several rounds, so that drift
 between the runs shows. For each: the ``generate`` step and the GPU time of
 its graph replay, and the greedy tokens, which must be equal in both modes (the kernels compute
@@ -23,7 +24,7 @@ import bench_generate as bg  # noqa: E402
 import peft_fastlora as fastlora  # noqa: E402
 from peft_fastlora.ops import pdl  # noqa: E402
 
-MODES = {"pdl": pdl.FULL, "pdl_wait_only": pdl.WAIT_ONLY, "no_pdl": pdl.OFF}
+MODES = {"pdl": pdl.FULL, "pdl_wait_only": pdl.WAIT_ONLY, "pdl_preamble_only": pdl.PREAMBLE_ONLY, "no_pdl": pdl.OFF}
 
 
 def main(argv=None):

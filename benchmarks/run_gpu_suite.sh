@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call of the device machine: GPU tests, soak, kernel
 # benchmark, end-to-end benchmark. Results land in $OUT (and are committed under
-# benchmarks/results/). Parts: all (default) or any of tests soak kernels generate host profile
-# attention continuous prefill many; and, on the two-GPU machine only (never part of all), multigpu (TP_MODEL,
+# benchmarks/results/). Parts: all (default) or any of tests soak kernels generate host pdl
+# profile attention continuous prefill many; and, on the two-GPU machine only (never part of all), multigpu (TP_MODEL,
 # TP_ARGS: e.g. 32b --skip-tp1) and devicemap.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -37,6 +37,13 @@ if want host; then  # the host's part of the graphed step: per-step check, defer
   for m in ${HOST_MODELS:-1b 8b}; do
     timeout 300 python3 benchmarks/probe_deferred_stop.py --model $m --batches 1 32 128 \
       --out "$OUT/probe_host_${m}_h200.csv" 2>&1 | grep -v -i warn | tee "$OUT/probe_host_$m.log" | tail -4
+  done
+fi
+if want pdl; then  # programmatic dependent launch: on, on where a kernel has a preamble, off
+  for m in ${PDL_MODELS:-1b 8b}; do
+    timeout 300 python3 benchmarks/probe_pdl.py --model $m --batches 1 32 128 --base \
+      --modes pdl pdl_preamble_only no_pdl --out "$OUT/probe_pdl_${m}_h200.csv" 2>&1 | grep -v -i warn \
+      | tee "$OUT/probe_pdl_$m.log" | tail -4
   done
 fi
 if want profile; then

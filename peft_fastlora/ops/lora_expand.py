@@ -229,7 +229,7 @@ def lora_expand(
         return out
     dot_precision = "ieee" if y.dtype == torch.float32 else "tf32"  # Triton's fp32 default is tf32
     b_strides = (0, 0, 0) if packed else weights.stride()
-    use_pdl = pdl.mode(out)
+    use_pdl = pdl.mode(out, preamble=True)
     for j0 in range(0, c, MAX_MODULES_PER_LAUNCH):
         offs = offsets[j0 : j0 + MAX_MODULES_PER_LAUNCH + 1]
         n_mod = len(offs) - 1

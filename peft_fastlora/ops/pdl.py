@@ -18,8 +18,9 @@ intact for everything else:
 Kernels from cuBLAS or PyTorch are launched as usual and keep full stream order. ``mode`` says
 how a launch on a tensor's device uses PDL: ``FULL`` (the default on CUDA devices of compute
 capability 9.0 or more), ``WAIT_ONLY`` (launched with PDL, but the next kernel launches only
-as this one's programs exit) or ``OFF``; ``FASTLORA_PDL=0`` or ``=wait`` in the environment (read
-at import) chooses the last two.
+as this one's programs exit) or ``OFF``. ``FASTLORA_PDL`` in the environment (read at import)
+sets it: ``0`` (off), ``wait`` (``WAIT_ONLY``), or ``preamble`` (``FULL`` for the kernels that
+have a preamble to run before the wait, the expand and the norms, and off for the others).
 """
 
 from __future__ import annotations
@@ -32,19 +33,24 @@ import triton
 import triton.language as tl
 
 OFF, WAIT_ONLY, FULL = 0, 1, 2
-SETTING = {"0": OFF, "wait": WAIT_ONLY}.get(os.environ.get("FASTLORA_PDL", "").strip().lower(), FULL)
+PREAMBLE_ONLY = 3  # a setting, not a kernel mode: FULL where the kernel has a preamble, else OFF
+SETTING = {"0": OFF, "wait": WAIT_ONLY, "preamble": PREAMBLE_ONLY}.get(
+    os.environ.get("FASTLORA_PDL", "").strip().lower(), FULL)
 _capable: Dict[int, bool] = {}
 
 
-def mode(t: torch.Tensor) -> int:
+def mode(t: torch.Tensor, preamble: bool = False) -> int:
     """How a kernel launched for ``t`` (on the current CUDA device) uses PDL: ``OFF``, ``WAIT_ONLY``
-    or ``FULL``. Pass it as the kernel's ``USE_PDL`` and ``launch_pdl=mode > 0``."""
-    if SETTING == OFF or not t.is_cuda:
+    or ``FULL``. ``preamble``: the kernel reads something before its wait. Pass the result as the
+    kernel's ``USE_PDL`` and ``launch_pdl=mode > 0``."""
+    if SETTING == OFF or not t.is_cuda or (SETTING == PREAMBLE_ONLY and not preamble):
         return OFF
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if index not in _capable:
         _capable[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return SETTING if _capable[index] else OFF
+    if not _capable[index]:
+        return OFF
+    return FULL if SETTING == PREAMBLE_ONLY else SETTING
 
 
 @triton.jit
