@@ -71,3 +71,17 @@ def pack(a, b, offsets, ranks, seed=0) -> PackedWeights:
         w.a_view(row, rank).copy_(a[s, j * r_max: j * r_max + rank])
         w.b_view(off, j, rank).copy_(b[s, offsets[j]: offsets[j + 1], :rank])
     return w
+
+
+class TokenStream:
+    """A streamer (transformers' ``BaseStreamer`` interface) that keeps each chunk it is given as a
+    list of token ids, and "end" when the stream ends: two streams compare with ``==``."""
+
+    def __init__(self):
+        self.chunks = []
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.chunks.append("end")

@@ -66,6 +66,21 @@ def tiny_llama(seed: int = 0, **overrides):
     return LlamaForCausalLM(llama_config(**overrides)).eval()
 
 
+def tiny_peft_llama(third_adapter: bool = False):
+    """A tiny Llama (vocabulary 128, no EOS token) with LoRA adapters "a" (r8, all 7 projections)
+    and "b" (r4, q/v only), and with ``third_adapter`` "c" (r2, all 7): the decode tests' model."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_llama(0, vocab_size=128)
+    base.generation_config.eos_token_id = None
+    m = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=LLAMA_LIKE_ALL, init_lora_weights=False),
+                       adapter_name="a")
+    m.add_adapter("b", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    if third_adapter:
+        m.add_adapter("c", LoraConfig(r=2, lora_alpha=2, target_modules=LLAMA_LIKE_ALL, init_lora_weights=False))
+    return m.eval()
+
+
 def _llama():
     return llama_config(**_common(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                   num_key_value_heads=2, max_position_embeddings=64))

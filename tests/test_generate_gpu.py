@@ -9,6 +9,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import peft_fastlora as fastlora
+from _helpers import TokenStream
 from _models import tiny_llama
 
 pytestmark = pytest.mark.gpu
@@ -122,19 +123,6 @@ def test_bf16_logits_close_to_peft():
     assert err < 1e-2, (err.item(), delta.item())
 
 
-class _Collect:
-    """A streamer that keeps what it is given (transformers' BaseStreamer interface)."""
-
-    def __init__(self):
-        self.chunks = []
-
-    def put(self, value):
-        self.chunks.append(value.cpu().clone())
-
-    def end(self):
-        self.chunks.append("end")
-
-
 def test_deferred_stop_check_equals_peft_for_length_and_eos_stops(model):
     names = ["a0", "__base__", "a1", "a2", "a0", "a3"]
     inputs = _inputs(len(names))
@@ -183,7 +171,7 @@ def test_deferred_stop_check_random_calls_equal_the_per_step_check(model):
             outs = []
             for names, kw, stream in calls:
                 torch.manual_seed(11)
-                streamer = _Collect() if stream else None
+                streamer = TokenStream() if stream else None
                 out = model.generate(**kw, adapter_names=names, streamer=streamer)
                 outs.append((out, streamer.chunks if stream else None))
             results[defer] = (outs, fastlora.get_state(model).graph_runner.stats)
@@ -195,5 +183,4 @@ def test_deferred_stop_check_random_calls_equal_the_per_step_check(model):
     for i, ((a, sa), (b, sb)) in enumerate(zip(deferred, per_step)):
         assert torch.equal(a, b), (i, calls[i][0])
         if sa is not None:
-            assert len(sa) == len(sb) and all(x == y if isinstance(y, str) else torch.equal(x, y)
-                                              for x, y in zip(sa, sb)), i
+            assert sa == sb, i

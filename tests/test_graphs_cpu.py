@@ -4,23 +4,15 @@ each graph re-executed eagerly, so everything but the capture itself is checked 
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 
 import peft_fastlora as fastlora
-from _models import tiny_llama
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from _helpers import TokenStream
+from _models import tiny_peft_llama
 
 
 @pytest.fixture(scope="module")
 def model():
-    base = tiny_llama(0, vocab_size=128)
-    base.generation_config.eos_token_id = None
-    m = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False),
-                       adapter_name="a")
-    m.add_adapter("b", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    m.add_adapter("c", LoraConfig(r=2, lora_alpha=2, target_modules=TARGETS, init_lora_weights=False))
-    return m.eval()
+    return tiny_peft_llama(third_adapter=True)
 
 
 def _inputs(batch=4):
@@ -166,25 +158,13 @@ def test_per_row_eos_and_stopping(model):
 
 
 def test_streamer_sees_the_same_tokens(model):
-    from transformers.generation.streamers import BaseStreamer
-
-    class Collect(BaseStreamer):
-        def __init__(self):
-            self.tokens = []
-
-        def put(self, value):
-            self.tokens.append(value.flatten().tolist())
-
-        def end(self):
-            self.tokens.append("end")
-
     kw = _inputs(1)
-    ref_s, out_s = Collect(), Collect()
+    ref_s, out_s = TokenStream(), TokenStream()
     ref = model.generate(**kw, adapter_names=["c"], streamer=ref_s)
     with fastlora.patched(model, cuda_graphs="emulate"):
         out = model.generate(**kw, adapter_names=["c"], streamer=out_s)
         stats = fastlora.get_state(model).graph_runner.stats
-    assert torch.equal(out, ref) and out_s.tokens == ref_s.tokens
+    assert torch.equal(out, ref) and out_s.chunks == ref_s.chunks
     assert stats["replays"] > 0
 
 
