@@ -20,6 +20,7 @@ stacks hold ``--slots`` adapters, loaded on demand; ``resident``: every adapter 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import random
 import sys
@@ -171,6 +172,9 @@ def main(argv=None) -> int:
     p.add_argument("--fold-limit", type=float, default=None,
                    help="most A rows per base row for a site to fold its shrink into the base GEMM "
                         "(default: the library's; large: every site folds)")
+    p.add_argument("--rank-block", type=int, default=None,
+                   help="rank rows the fused decode kernel takes per step (default: the library's; "
+                        "the largest rank: one tile of the padded rank, as before rank blocks)")
     p.add_argument("--csv", default=None, help="CSV name under --out (default many_adapters_<gpu>.csv)")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few adapters")
     args = p.parse_args(argv)
@@ -184,7 +188,11 @@ def main(argv=None) -> int:
         args.batch, args.prompt, args.new, args.ttft_batches, args.decode_batches, args.step_tokens = 6, 8, 4, 3, 2, 4
     from peft import LoraConfig, get_peft_model
 
-    info = bg.versions()
+    fused_module = importlib.import_module("peft_fastlora.ops.lora_fused")  # the module, not the function
+
+    if args.rank_block is not None:
+        fused_module.RANK_BLOCK = args.rank_block
+    info = dict(bg.versions(), rank_block=fused_module.RANK_BLOCK)
     base = bg.build_base(args.model)
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=args.targets), adapter_name="seed",
                            autocast_adapter_dtype=False).eval()

@@ -64,3 +64,12 @@ def test_bench_tp_smoke():
     pytest.importorskip("torch.distributed.tensor")
     out = _run([os.path.join(BENCH, "bench_tp.py"), "--smoke", "--skip-tp1"], torchrun=True)
     assert "'method': 'tp2'" in out
+
+
+def test_probe_rank_blocks_smoke(tmp_path):
+    out = _run([os.path.join(BENCH, "probe_rank_blocks.py"), "--smoke", "--workloads", "32x8_r64",
+                "--rank-blocks", "16", "64", "--out", str(tmp_path)],
+               env_extra={"TRITON_INTERPRET": "1"})
+    errs = [float(s.split("'")[0]) for s in out.split("'max_rel_err': '")[1:]]
+    assert len(errs) == 2 and max(errs) < 1e-5, out[-2000:]
+    assert "'r_sub': 16" in out and "'r_sub': 64" in out  # the setting reached the kernel's config

@@ -109,11 +109,13 @@ def test_fused_strided_base_output(fused_calls):
     assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(wide[:, 3 + n :], before[:, 3 + n :])
 
 
+@pytest.mark.parametrize("rank_block", [16, 32, 64], ids=lambda r: f"rank_block{r}")
 @pytest.mark.parametrize("wait_first", [False, True], ids=["split_k", "timeout_fallback"])
-def test_fused_launcher_split_k_column_blocks(wait_first):
+def test_fused_launcher_split_k_column_blocks(wait_first, rank_block):
     """Small tiles: K in 5 splits (the last partial), several column blocks per module, more
-    items than programs. ``wait_first`` hands out the expand items first, so every reader gives
-    up waiting and recomputes its rows: still exact, counted, and the workspace still cleaned."""
+    items than programs, ranks 1-64 stepped through in blocks of 16 or 32 rows or in one tile.
+    ``wait_first`` hands out the expand items first, so every reader gives up waiting and
+    recomputes its rows: still exact, counted, and the workspace still cleaned."""
     from peft_fastlora.ops import lora_fused
 
     dtype, atol, rtol = TOLERANCES[0]
@@ -124,7 +126,7 @@ def test_fused_launcher_split_k_column_blocks(wait_first):
     got = lora_fused(x, a, b, FUSED_SITES["qkv"], ranks, scalings, base.clone(),
                      bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len,
                      tri._workspace(CPU), block_m=bi.block_m, block_k=64, block_n=16,
-                     num_programs=4, max_spin=1, wait_first=wait_first)
+                     num_programs=4, max_spin=1, wait_first=wait_first, rank_block=rank_block)
     want = ref.run_qkv_lora(x, a, b, output_offset=FUSED_SITES["qkv"], base_output=base.clone(),
                             layer_ranks=ranks, layer_scalings=scalings)
     assert_close(got, want, atol, rtol, "fused launcher")

@@ -7,6 +7,7 @@ of a batch with more distinct adapters than the one captured. Run on the device 
 from __future__ import annotations
 
 import gc
+import importlib
 
 import pytest
 import torch
@@ -306,6 +307,56 @@ def test_packed_llama_shapes(site, rank, mode):
     assert torch.equal(got[no_adapter], base[no_adapter]), "rows with no adapter were modified"
     atol, rtol = TOLERANCES[dtype]
     assert_close(got, want, atol, rtol, f"packed {site} rank {rank} {mode}")
+    assert tri.fused_timeouts() == 0
+
+
+@pytest.mark.parametrize("rank_block", [16, 32, 64], ids=lambda r: f"rank_block{r}")
+@pytest.mark.parametrize("site", ["qkv", "o", "down"])
+def test_fused_many_adapters_mixed_ranks(site, rank_block, monkeypatch):
+    """The registry's hard case: 64 distinct adapters of ranks 8-64 in a 72-row decode batch (one
+    chunk each, 8 rows with no adapter), packed with NaN around every block, through the fused
+    launch stepping through ranks in blocks of 16, 32 rows or one tile; fresh inputs each call."""
+    lf = importlib.import_module("peft_fastlora.ops.lora_fused")  # the module, not the function
+    from _helpers import pack
+    from peft_fastlora.backend.triton import TritonLoRABackend
+
+    monkeypatch.setattr(lf, "RANK_BLOCK", rank_block)
+    torch.manual_seed(rank_block)
+    n, dtype = 64, torch.bfloat16
+    k, offsets = SITES[site]
+    c = len(offsets) - 1
+    per_slot = [(8, 16, 32, 64, 24, 40)[i % 6] for i in range(n)]
+    ranks = torch.tensor(per_slot, dtype=torch.int32)[:, None].repeat(1, c).contiguous()
+    if c > 1:
+        ranks[5, 1] = 0  # an adapter without one of the modules
+    scalings = (torch.rand(n, c) + 0.25).contiguous()
+    a = torch.randn(n, c * 64, k, device="cuda") / k ** 0.5
+    b = torch.randn(n, offsets[-1], 64, device="cuda") / 8
+    for s_ in range(n):
+        for j in range(c):
+            r = int(ranks[s_, j])
+            a[s_, j * 64 + r: (j + 1) * 64] = float("nan")
+            b[s_, offsets[j]: offsets[j + 1], r:] = float("nan")
+    a, b = a.to(dtype), b.to(dtype)
+    w = pack(a, b, offsets, ranks, seed=rank_block)
+    ranks, scalings = ranks.cuda(), scalings.cuda()
+    wi = [i % n if i % 9 != 8 else NO_ADAPTER for i in range(n + 8)]
+    seq_lens = [1] * len(wi)
+    fb = ForwardBatch(len(wi), seq_lens, ForwardMode.DECODE, torch.device("cuda"))
+    tri, ref = TritonLoRABackend(n, "cuda"), TorchNativeLoRABackend(n, "cuda")
+    for be in (tri, ref):
+        be.prepare_lora_batch(fb, wi, ranks[:, 0].tolist(), scalings[:, 0].tolist(), False)
+    no_adapter = torch.tensor([w_ < 0 for w_ in wi], device="cuda")
+    for _ in range(2):
+        x = torch.randn(len(wi), k, device="cuda", dtype=dtype)
+        base = torch.randn(len(wi), offsets[-1], device="cuda", dtype=dtype)
+        base[no_adapter] = 1234.5
+        got = tri.run_packed_lora(x, w, base_output=base.clone(), layer_ranks=ranks, layer_scalings=scalings)
+        want = run_site(ref, site, x, a, b, offsets, base.clone(), ranks, scalings)
+        assert not got.isnan().any(), "read outside a packed block or past a rank"
+        assert torch.equal(got[no_adapter], base[no_adapter]), "rows with no adapter were modified"
+        atol, rtol = TOLERANCES[dtype]
+        assert_close(got, want, atol, rtol, f"{site}, 64 adapters, rank block {rank_block}")
     assert tri.fused_timeouts() == 0
 
 

@@ -39,6 +39,7 @@ from .lora_expand import packed_row_stride
 
 MAX_MODULES = 4  # column offsets travel as scalar arguments, as in the expand
 MAX_BLOCK_R = 128  # larger padded ranks take the two-kernel path
+RANK_BLOCK = 16  # rank rows an item handles per step (``fused_config``)
 READER = 1 << 16  # a reader's increment of a (chunk, module) counter; splits count in the low bits
 SYNC_HEAD = 32  # int32 slots before the counters: [0] ticket, [1] timeouts (own 128-byte line)
 _READER = tl.constexpr(READER)  # the kernels' copies (Triton reads only constexpr globals)
@@ -46,19 +47,34 @@ _SYNC_HEAD = tl.constexpr(SYNC_HEAD)
 
 
 @triton.jit
-def _x_a_tiles(x_ptr, a_base, tok, row_mask, rank, k0, K, stride_xs, stride_xk, stride_ar, stride_ak,
-               BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The tiles of x[tok, k0:k0+BLOCK_K] @ A_module[:rank, k0:k0+BLOCK_K].T, ``a_base`` pointing
-    at the module's first row of A."""
-    offs_r = tl.arange(0, BLOCK_R)
+def _x_tile(x_ptr, tok, row_mask, k0, K, stride_xs, stride_xk, BLOCK_K: tl.constexpr):
+    """x[tok, k0:k0+BLOCK_K]."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    k_mask = offs_k < K
-    xt = tl.load(x_ptr + tok[:, None] * stride_xs + offs_k[None, :] * stride_xk,
-                 mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-    # A read transposed, (BLOCK_K, BLOCK_R); rows past the rank (padding, maybe NaN) are not read
-    at = tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
-                 mask=k_mask[:, None] & (offs_r < rank)[None, :], other=0.0)
-    return xt, at
+    return tl.load(x_ptr + tok[:, None] * stride_xs + offs_k[None, :] * stride_xk,
+                   mask=row_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _a_tile(a_base, r0, rank, k0, K, stride_ar, stride_ak, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows r0:r0+BLOCK_R of the module's A (``a_base`` its first row), columns k0:k0+BLOCK_K, read
+    transposed: (BLOCK_K, BLOCK_R). Rows past the rank (padding, maybe NaN) are not read."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(a_base + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
+                   mask=(offs_k < K)[:, None] & (offs_r < rank)[None, :], other=0.0)
+
+
+@triton.jit
+def _shrink_rows(x_ptr, a_base, tok, row_mask, r0, rank, K, stride_xs, stride_xk, stride_ar, stride_ak,
+                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """x[tok] @ A_module[r0:r0+BLOCK_R].T over all of K, in small tiles (the readers' safety net:
+    it must not raise the kernel's register count)."""
+    y = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, 32):
+        xf = _x_tile(x_ptr, tok, row_mask, k0, K, stride_xs, stride_xk, 32)
+        af = _a_tile(a_base, r0, rank, k0, K, stride_ar, stride_ak, BLOCK_R, 32)
+        y = tl.dot(xf, af, y, input_precision=DOT_PRECISION)
+    return y
 
 
 @triton.jit
@@ -68,6 +84,24 @@ def _a_module(a_ptr, a_rows_ptr, slot, j, R, stride_tl, stride_al, stride_ar, PA
     if PACKED:
         return a_ptr + tl.load(a_rows_ptr + slot * stride_tl + j).to(tl.int64) * stride_ar
     return a_ptr + slot.to(tl.int64) * stride_al + (j * R) * stride_ar
+
+
+@triton.jit
+def _b_tile(b_base, r0, rank, R, offs_n, n_mask, cols, stride_bn, stride_br,
+            PACKED: tl.constexpr, B_ALIGN: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rank rows r0:r0+BLOCK_R of the module's B, transposed: (BLOCK_R, BLOCK_N), zero past the
+    rank. Packed (``b_base`` at the module's block): (width, rank) rows, 16-byte loads where
+    aligned. Padded (``b_base`` at the slot): every column up to R is read (a (BLOCK_N, R) block is
+    contiguous), those past the rank (padding, maybe NaN) are then zeroed."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    if PACKED:
+        rs = packed_row_stride(rank, B_ALIGN)
+        bt = tl.load(b_base + offs_n[None, :] * rs + offs_r[:, None],
+                     mask=(offs_r < rs)[:, None] & n_mask[None, :], other=0.0)
+    else:
+        bt = tl.load(b_base + cols[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                     mask=(offs_r < R)[:, None] & n_mask[None, :], other=0.0)
+    return tl.where((offs_r < rank)[:, None], bt, 0.0)
 
 
 @triton.jit
@@ -117,7 +151,8 @@ def _lora_fused_decode_kernel(
     B_ALIGN: tl.constexpr,  # packed: every B offset and rank is a multiple of this (1 or 8)
     MAX_CHUNKS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # the padded rank's power of two: the accumulator's columns
+    R_SUB: tl.constexpr,  # rank rows per step (BLOCK_R: one step, every rank row in one tile)
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MAX_SPIN: tl.constexpr,
@@ -175,14 +210,29 @@ def _lora_fused_decode_kernel(
             total = NSPLIT + nb_j * _READER
             if is_shrink:
                 a_base = _a_module(a_ptr, a_rows_ptr, slot, j, R, stride_tl, stride_al, stride_ar, PACKED)
-                xt, at = _x_a_tiles(x_ptr, a_base, tok, row_mask, rank, (item % NSPLIT) * BLOCK_K, K,
-                                    stride_xs, stride_xk, stride_ar, stride_ak,
-                                    BLOCK_M, BLOCK_R, BLOCK_K)
-                part = tl.dot(xt, at, input_precision=DOT_PRECISION)
-                # (drawn before the dot, it would keep both tiles live across the draw: ~100
-                # more registers, fewer programs per SM)
-                t_next = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-                tl.atomic_add(acc_ptrs, part, mask=row_mask[:, None] & r_mask[None, :], sem="relaxed")
+                k0 = (item % NSPLIT) * BLOCK_K
+                xt = _x_tile(x_ptr, tok, row_mask, k0, K, stride_xs, stride_xk, BLOCK_K)
+                if R_SUB == BLOCK_R:
+                    at = _a_tile(a_base, 0, rank, k0, K, stride_ar, stride_ak, BLOCK_R, BLOCK_K)
+                    part = tl.dot(xt, at, input_precision=DOT_PRECISION)
+                    # (drawn before the dot, it would keep both tiles live across the draw: ~100
+                    # more registers, fewer programs per SM)
+                    t_next = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+                    tl.atomic_add(acc_ptrs, part, mask=row_mask[:, None] & r_mask[None, :], sem="relaxed")
+                else:
+                    # rank blocks of R_SUB rows: an item's bytes follow its own rank, not the
+                    # padded one; the next block's load is issued before this block's dot
+                    offs_s = tl.arange(0, R_SUB)
+                    at = _a_tile(a_base, 0, rank, k0, K, stride_ar, stride_ak, R_SUB, BLOCK_K)
+                    for r0 in range(0, rank, R_SUB):
+                        at_next = _a_tile(a_base, r0 + R_SUB, rank, k0, K, stride_ar, stride_ak, R_SUB, BLOCK_K)
+                        part = tl.dot(xt, at, input_precision=DOT_PRECISION)
+                        rows = r0 + offs_s
+                        tl.atomic_add(acc_ptr + ((chunk * C + j) * BLOCK_M + offs_m[:, None]) * BLOCK_R
+                                      + rows[None, :], part,
+                                      mask=row_mask[:, None] & (rows < rank)[None, :], sem="relaxed")
+                        at = at_next
+                    t_next = tl.atomic_add(sync_ptr, 1, sem="relaxed")
                 tl.debug_barrier()  # every thread's adds before the counter's release
                 _finish(cnt_ptr, 1, total, acc_ptrs, BLOCK_M, BLOCK_R)
             else:
@@ -190,23 +240,17 @@ def _lora_fused_decode_kernel(
                 offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_mask = offs_n < hi - lo
                 cols = lo + offs_n
-                # independent of the shrink: issued before the wait
-                if PACKED:  # (width, rank): rows of rank columns, 16-byte loads where aligned
+                if PACKED:
                     b_off = tl.multiple_of(tl.load(b_offs_ptr + slot * stride_tl + j), B_ALIGN)
-                    rs = packed_row_stride(rank, B_ALIGN)
-                    bt = tl.load(b_ptr + b_off + offs_n[None, :] * rs + offs_r[:, None],
-                                 mask=(offs_r < rs)[:, None] & n_mask[None, :], other=0.0)
                 else:
-                    # all R columns are read (a (BLOCK_N, R) block of B is contiguous: 16-byte
-                    # loads), those past the rank (padding, maybe NaN) are then zeroed
-                    bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn
-                                 + offs_r[:, None] * stride_br,
-                                 mask=(offs_r < R)[:, None] & n_mask[None, :], other=0.0)
+                    b_off = slot.to(tl.int64) * stride_bl
+                # independent of the shrink: B's first rank block is loaded before the wait
+                bt = _b_tile(b_ptr + b_off, 0, rank, R, offs_n, n_mask, cols, stride_bn, stride_br,
+                             PACKED, B_ALIGN, R_SUB)
                 out_ptrs = out_ptr + tok[:, None] * stride_os + cols[None, :] * stride_on
                 mask = row_mask[:, None] & n_mask[None, :]
                 base = tl.load(out_ptrs, mask=mask, other=0.0)
                 t_next = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-                bt = tl.where(r_mask[:, None], bt, 0.0)
 
                 # acquire: the splits' adds (released before they counted) are visible after it
                 seen = tl.atomic_add(cnt_ptr, 0, sem="acquire") & (_READER - 1)
@@ -215,23 +259,40 @@ def _lora_fused_decode_kernel(
                     seen = tl.atomic_add(cnt_ptr, 0, sem="acquire") & (_READER - 1)
                     spins += 1
                 tl.debug_barrier()  # the acquiring thread's view before any thread reads
-                if seen >= NSPLIT:
-                    # .cg: straight from L2, never a line this SM cached before the adds
-                    y = tl.load(acc_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0,
-                                cache_modifier=".cg")
-                else:  # the safety net: this item's rows of x @ A.T, here
+                if seen < NSPLIT:  # the safety net: this item's rows of x @ A.T, computed here
                     tl.atomic_add(sync_ptr + 1, 1, sem="relaxed")
-                    y = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                    a_base = _a_module(a_ptr, a_rows_ptr, slot, j, R, stride_tl, stride_al, stride_ar, PACKED)
-                    # small K tiles: this path must not raise the kernel's register count
-                    for k0 in range(0, K, 32):
-                        xf, af = _x_a_tiles(x_ptr, a_base, tok, row_mask, rank, k0, K,
-                                            stride_xs, stride_xk, stride_ar, stride_ak,
-                                            BLOCK_M, BLOCK_R, 32)
-                        y = tl.dot(xf, af, y, input_precision=DOT_PRECISION)
-                # rounded to the input dtype, as the two-kernel path stores the shrink output
-                y = y.to(x_ptr.dtype.element_ty).to(b_ptr.dtype.element_ty)
-                delta = tl.dot(y, bt, input_precision=DOT_PRECISION)
+                if R_SUB == BLOCK_R:
+                    if seen >= NSPLIT:
+                        # .cg: straight from L2, never a line this SM cached before the adds
+                        y = tl.load(acc_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0,
+                                    cache_modifier=".cg")
+                    else:
+                        a_base = _a_module(a_ptr, a_rows_ptr, slot, j, R, stride_tl, stride_al, stride_ar, PACKED)
+                        y = _shrink_rows(x_ptr, a_base, tok, row_mask, 0, rank, K, stride_xs, stride_xk,
+                                         stride_ar, stride_ak, BLOCK_M, BLOCK_R, DOT_PRECISION)
+                    # rounded to the input dtype, as the two-kernel path stores the shrink output
+                    y = y.to(x_ptr.dtype.element_ty).to(b_ptr.dtype.element_ty)
+                    delta = tl.dot(y, bt, input_precision=DOT_PRECISION)
+                else:
+                    offs_s = tl.arange(0, R_SUB)
+                    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for r0 in range(0, rank, R_SUB):
+                        rows = r0 + offs_s
+                        if seen >= NSPLIT:
+                            y = tl.load(acc_ptr + ((chunk * C + j) * BLOCK_M + offs_m[:, None]) * BLOCK_R
+                                        + rows[None, :], mask=row_mask[:, None] & (rows < rank)[None, :],
+                                        other=0.0, cache_modifier=".cg")
+                        else:
+                            a_base = _a_module(a_ptr, a_rows_ptr, slot, j, R, stride_tl, stride_al, stride_ar,
+                                               PACKED)
+                            y = _shrink_rows(x_ptr, a_base, tok, row_mask, r0, rank, K, stride_xs, stride_xk,
+                                             stride_ar, stride_ak, BLOCK_M, R_SUB, DOT_PRECISION)
+                        # the next rank block's B, loaded before this block's dot
+                        bt_next = _b_tile(b_ptr + b_off, r0 + R_SUB, rank, R, offs_n, n_mask, cols,
+                                          stride_bn, stride_br, PACKED, B_ALIGN, R_SUB)
+                        y = y.to(x_ptr.dtype.element_ty).to(b_ptr.dtype.element_ty)
+                        delta = tl.dot(y, bt, delta, input_precision=DOT_PRECISION)
+                        bt = bt_next
                 tl.store(out_ptrs, (base.to(tl.float32) + delta * scaling).to(out_ptr.dtype.element_ty),
                          mask=mask)
                 _finish(cnt_ptr, _READER, total, acc_ptrs, BLOCK_M, BLOCK_R)
@@ -274,27 +335,34 @@ class FusedWorkspace:
         return sum(int(s[1]) for _, s in bufs)
 
 
-def fused_config(rank: int, k: int, widths: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> dict:
+def fused_config(rank: int, k: int, widths: Sequence[int], dtype: torch.dtype = torch.bfloat16,
+                 rank_block: Optional[int] = None) -> dict:
     """Launch parameters for Hopper (no autotuning: graphs need a fixed launch).
 
-    16-bit inputs: one shrink item loads one (BLOCK_R x BLOCK_K) tile of A, 16 KB, in one trip; K
-    is cut in as many splits as that takes (Llama 8B at rank 16: 8 for K=4096, 28 for K=14336).
-    One expand item loads an 8 KB block of B (256 columns at rank 16, 64 at rank 64) and the
-    chunk's rows of ``out``. Four warps: a 16-row tile has no more work to share, and 125-175
-    registers leave room for 2-4 programs per SM, each with all its loads in flight at once.
+    Items step through their own rank in blocks of ``r_sub`` rows (``RANK_BLOCK``; ``rank_block``
+    overrides it, the padded rank's ``block_r`` gives one step), and the tiles are sized by that
+    block, not by the padded rank: an item's bytes follow the rank of its adapter, so with mixed
+    ranks the many small-rank items do not each pay for a tile of the largest rank.
+    16-bit inputs: one shrink step loads a (r_sub x BLOCK_K) tile of A, 16 KB (the next step's load
+    is issued before this step's dot); K is cut in as many splits as that takes (Llama 8B: 8 for
+    K=4096, 28 for K=14336). One expand step loads an 8 KB block of B (256 columns at r_sub 16)
+    besides the chunk's rows of ``out``. Four warps: a 16-row tile has no more work to share, and
+    125-175 registers leave room for 2-4 programs per SM, each with its loads in flight at once.
     fp32 (an exact fp32 dot runs on the FMA units, whose operand layouts take many more
     registers) takes smaller tiles.
     """
     block_r = max(16, triton.next_power_of_2(rank))
+    r_sub = min(block_r, max(16, triton.next_power_of_2(rank_block or RANK_BLOCK)))
     if dtype == torch.float32:
-        block_k = max(16, min(128, 2048 // block_r))
-        block_n = max(16, min(64, 2048 // block_r))
+        block_k = max(16, min(128, 2048 // r_sub))
+        block_n = max(16, min(64, 2048 // r_sub))
     else:
-        block_k = max(64, min(512, 8192 // block_r))
-        block_n = max(32, min(256, 4096 // block_r))
+        block_k = max(64, min(512, 8192 // r_sub))
+        block_n = max(32, min(256, 4096 // r_sub))
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     block_n = min(block_n, max(16, triton.next_power_of_2(max(widths) if widths else 1)))
-    return dict(block_r=block_r, block_k=block_k, block_n=block_n, num_warps=4, programs_per_sm=4)
+    return dict(block_r=block_r, r_sub=r_sub, block_k=block_k, block_n=block_n, num_warps=4,
+                programs_per_sm=4)
 
 
 def fused_supported(stack_num: int, rank: int, block_m: int, dtype: torch.dtype) -> bool:
@@ -330,6 +398,7 @@ def lora_fused(
     b_offs: Optional[torch.Tensor] = None,
     max_rank: Optional[int] = None,
     b_align: int = 1,
+    rank_block: Optional[int] = None,
 ) -> torch.Tensor:
     """Stacked, segmented shrink + expand into ``out`` (in place), one launch.
 
@@ -344,7 +413,8 @@ def lora_fused(
         sorted_token_ids, chunk_slot, chunk_start, chunk_len: the chunk plan (int32).
         workspace: this device's ``FusedWorkspace``.
         block_m: rows per chunk (16: decode-sized batches; see ``fused_supported``).
-        num_programs, block_k, block_n, max_spin, num_warps: override the defaults;
+        num_programs, block_k, block_n, max_spin, num_warps, rank_block: override the
+            defaults (``fused_config``);
         wait_first: tests only (expand items first: every reader times out).
         check: validate the shapes (False: the caller has).
     Returns:
@@ -381,7 +451,7 @@ def lora_fused(
     widths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
     if s == 0 or max_chunks == 0 or max(widths) == 0:
         return out
-    cfg = fused_config(r, k, widths, x.dtype)
+    cfg = fused_config(r, k, widths, x.dtype, rank_block)
     bk, bn, br = block_k or cfg["block_k"], block_n or cfg["block_n"], cfg["block_r"]
     nsplit = triton.cdiv(k, bk)
     nbs = [triton.cdiv(w, bn) for w in widths] + [0] * (MAX_MODULES - c)
@@ -420,6 +490,7 @@ def lora_fused(
         MAX_CHUNKS_P2=max(16, triton.next_power_of_2(max_chunks)),
         BLOCK_M=block_m,
         BLOCK_R=br,
+        R_SUB=cfg["r_sub"],
         BLOCK_K=bk,
         BLOCK_N=bn,
         MAX_SPIN=max_spin,
