@@ -39,7 +39,7 @@ from .lora_expand import packed_row_stride
 
 MAX_MODULES = 4  # column offsets travel as scalar arguments, as in the expand
 MAX_BLOCK_R = 128  # larger padded ranks take the two-kernel path
-RANK_BLOCK = 16  # rank rows an item handles per step (``fused_config``)
+RANK_BLOCK = 32  # rank rows an item handles per step (``fused_config``; chosen by probe_rank_blocks.py)
 READER = 1 << 16  # a reader's increment of a (chunk, module) counter; splits count in the low bits
 SYNC_HEAD = 32  # int32 slots before the counters: [0] ticket, [1] timeouts (own 128-byte line)
 _READER = tl.constexpr(READER)  # the kernels' copies (Triton reads only constexpr globals)
@@ -344,9 +344,9 @@ def fused_config(rank: int, k: int, widths: Sequence[int], dtype: torch.dtype = 
     block, not by the padded rank: an item's bytes follow the rank of its adapter, so with mixed
     ranks the many small-rank items do not each pay for a tile of the largest rank.
     16-bit inputs: one shrink step loads a (r_sub x BLOCK_K) tile of A, 16 KB (the next step's load
-    is issued before this step's dot); K is cut in as many splits as that takes (Llama 8B: 8 for
-    K=4096, 28 for K=14336). One expand step loads an 8 KB block of B (256 columns at r_sub 16)
-    besides the chunk's rows of ``out``. Four warps: a 16-row tile has no more work to share, and
+    is issued before this step's dot); K is cut in as many splits as that takes (Llama 8B at rank
+    16: 8 for K=4096, 28 for K=14336; at r_sub 32: 16 and 56). One expand step loads an 8 KB block
+    of B (256 columns at r_sub 16, 128 at 32) besides the chunk's rows of ``out``. Four warps: a 16-row tile has no more work to share, and
     125-175 registers leave room for 2-4 programs per SM, each with its loads in flight at once.
     fp32 (an exact fp32 dot runs on the FMA units, whose operand layouts take many more
     registers) takes smaller tiles.
