@@ -22,6 +22,7 @@ from .backend import get_backend, resolve_backend_name
 from .base_ops import BaseOps, install_base_ops
 from .batch import ForwardBatch, TokenSegments
 from .lora.fusion import FusedGroup, find_groups, fusion_blocker
+from .lora.host_copy import copy_from_host
 from .lora.pool import AdapterRegistry, SitePool, ValueRefresher, copy_values
 from .lora.store import SCAFFOLD_ADAPTER
 from .lora.watch import AdapterWatch
@@ -581,11 +582,8 @@ class FastLoRAState:
             peft_pairs += pairs
             host_pairs += fixed
         copy_values(peft_pairs)
-        if host_pairs:  # from CPU memory: one copy each whatever the grouping, so none is made;
-            # pinned and never changed, so the host need not wait for them
-            dsts, srcs = zip(*host_pairs)
-            with torch.no_grad():
-                torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+        if host_pairs:  # pinned and never changed, so the host need not wait for them
+            copy_from_host(host_pairs)
         self.registry.stats["load_seconds"] += time.perf_counter() - t
         self.registry.stats["block_moves"] = sum(site.pool.block_moves for site in self.sites)
         self._slot_loads += 1

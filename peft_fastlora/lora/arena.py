@@ -9,26 +9,38 @@ sum of the largest blocks that could be resident at once, so a fit always exists
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+import bisect
+from typing import Dict, List, Tuple
 
 
 class RowArena:
     def __init__(self, capacity: int):
         self.capacity = int(capacity)
         self.blocks: Dict[int, Tuple[int, int]] = {}  # slot -> (start, rows)
+        # kept beside the blocks, so a load costs no sort or sum over every slot
+        self._order: List[Tuple[int, int]] = []  # (start, rows), by address
+        self._used = 0
 
     def used(self) -> int:
-        return sum(rows for _, rows in self.blocks.values())
+        return self._used
 
     def free(self, slot: int) -> None:
-        self.blocks.pop(slot, None)
+        block = self.blocks.pop(slot, None)
+        if block is not None:
+            del self._order[bisect.bisect_left(self._order, block)]
+            self._used -= block[1]
+
+    def _add(self, slot: int, block: Tuple[int, int]) -> None:
+        self.blocks[slot] = block
+        bisect.insort(self._order, block)
+        self._used += block[1]
 
     def start_of(self, slot: int) -> int:
         return self.blocks[slot][0]
 
     def _first_fit(self, rows: int):
         at = 0
-        for start, size in sorted(self.blocks.values()):
+        for start, size in self._order:
             if start - at >= rows:
                 return at
             at = max(at, start + size)
@@ -52,6 +64,7 @@ class RowArena:
                     self.blocks[other] = (at, size)
                     moved[other] = (old, at, size)
                 at += size
+            self._order = sorted(self.blocks.values())
             start = at
-        self.blocks[slot] = (start, rows)
+        self._add(slot, (start, rows))
         return moved

@@ -272,8 +272,9 @@ class SitePool:
             arena.free(slot)
         for j, a, _, _ in self._sources.get(name, ()):
             moves = self._arenas[j].alloc(slot, a.shape[0])
-            self._move_blocks(j, moves)
-            moved |= set(moves)
+            if moves:
+                self._move_blocks(j, moves)
+                moved |= set(moves)
         self._slot_ranks[slot] = list(self._ranks_of.get(name, [0] * self.stack_num))
         self._slot_scalings[slot] = list(self._scalings_of.get(name, [0.0] * self.stack_num))
         reason = self._unsupported_of.get(name)

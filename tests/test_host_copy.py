@@ -1,0 +1,70 @@
+"""``lora.host_copy``: views filled from host tensors through one staged copy per host storage
+(the path registered adapters take into GPU slots), run on the CPU by letting it stage there."""
+
+import pytest
+import torch
+
+from peft_fastlora.lora import host_copy
+
+
+@pytest.fixture
+def staged_on_cpu(monkeypatch):
+    monkeypatch.setattr(host_copy, "STAGED_DEVICES", ("cuda", "cpu"))
+    stages = []
+    empty = torch.empty
+
+    def counted(*args, **kwargs):
+        stages.append(args[0] if args else kwargs.get("size"))
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(host_copy.torch, "empty", counted)
+    return stages
+
+
+def _adapter(seed, dtype=torch.bfloat16):
+    """One flat host buffer with an A (r, in) and B (out, r) pair per module as views of it."""
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randn(3 * 8 * 40 + 2 * 56 * 8, generator=g).to(dtype)
+    views, at = [], 0
+    for shape in ((8, 40), (56, 8), (8, 40), (56, 8), (8, 40)):
+        n = shape[0] * shape[1]
+        views.append(flat[at: at + n].view(shape))
+        at += n
+    return views
+
+
+@pytest.mark.parametrize("staging_bytes", [256 << 20, 1200, 1], ids=["one_stage", "several", "each_own"])
+def test_views_from_shared_host_storages(staged_on_cpu, monkeypatch, staging_bytes):
+    """Two adapters' buffers (several views each), a lone tensor, a column slice (non-contiguous,
+    as a tensor-parallel rank's part of A) and a row slice: every destination equals its source,
+    other arena memory is untouched, and a staging buffer is made per storage batch."""
+    monkeypatch.setattr(host_copy, "STAGING_BYTES", staging_bytes)
+    first, second = _adapter(1), _adapter(2)
+    lone = torch.randn(5, 7).to(torch.bfloat16)
+    arena = torch.full((4000,), 7.0, dtype=torch.bfloat16)
+    sources = first + second[1:] + [lone, second[0][:, 10:30], first[1][20:40]]
+    pairs, at = [], 0
+    for src in sources:
+        pairs.append((arena[at: at + src.numel()].view(src.shape), src))
+        at += src.numel() + 3  # gaps the copies must not write
+    host_copy.copy_from_host(pairs)
+    for dst, src in pairs:
+        assert torch.equal(dst, src)
+    written = torch.zeros(4000, dtype=torch.bool)
+    for dst, _ in pairs:
+        start = dst.storage_offset()
+        written[start: start + dst.numel()] = True
+    assert (arena[~written] == 7.0).all(), "a copy wrote outside its view"
+    expected = {256 << 20: 1, 1200: 2, 1: 2}[staging_bytes]  # the lone tensor copies directly
+    assert len(staged_on_cpu) == expected, staged_on_cpu
+
+
+def test_unstaged_device_copies_directly(monkeypatch):
+    """Where staging does not pay (CPU by default), each view is copied from its source."""
+    made = []
+    empty = torch.empty
+    monkeypatch.setattr(host_copy.torch, "empty", lambda *a, **k: made.append(a) or empty(*a, **k))
+    src = _adapter(3)
+    dst = [torch.zeros_like(t) for t in src]
+    host_copy.copy_from_host(list(zip(dst, src)))
+    assert all(torch.equal(d, s) for d, s in zip(dst, src)) and not made
