@@ -45,6 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rank-blocks", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    p.add_argument("--programs-per-sm", type=int, nargs="+", default=[None],
+                   help="sweep the fused kernel's persistent programs per SM (default: the library's)")
+    p.add_argument("--num-warps", type=int, nargs="+", default=[None], help="sweep its warps per program")
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1), tiny shapes, eager")
     args = p.parse_args(argv)
     if args.smoke:
@@ -84,7 +87,7 @@ def byte_floor_us(site, rows, used_ranks, bandwidth):
     return 1e6 * (weights + rows * (k + 2 * n) * 2) / bandwidth
 
 
-def run_workload(name, rank_blocks, layers, timer, bandwidth, versions):
+def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_sweep=((None, None),)):
     lf = importlib.import_module("peft_fastlora.ops.lora_fused")  # (the package exports a function of that name)
     from peft_fastlora.backend.torch_native import TorchNativeLoRABackend
     from peft_fastlora.backend.triton import TritonLoRABackend
@@ -111,8 +114,15 @@ def run_workload(name, rank_blocks, layers, timer, bandwidth, versions):
         per_site[site] = (ws, x, out, rk, sc)
     floor = sum(byte_floor_us(s, rows, [ranks[w] for w in sorted(set(wi))], bandwidth) for s in sites)
     results = []
-    for rb in rank_blocks:
+    library_config, library_block = lf.fused_config, lf.RANK_BLOCK
+    for rb, (pps, warps) in [(rb, lw) for rb in rank_blocks for lw in launch_sweep]:
         lf.RANK_BLOCK = rb
+
+        def config(*args, _pps=pps, _warps=warps, **kwargs):
+            cfg = library_config(*args, **kwargs)
+            return dict(cfg, programs_per_sm=_pps or cfg["programs_per_sm"], num_warps=_warps or cfg["num_warps"])
+
+        lf.fused_config = config
         # the first layer of each site against the torch backend, from the same base output
         err = 0.0
         for site, (ws, x, out, rk, sc) in per_site.items():
@@ -137,14 +147,27 @@ def run_workload(name, rank_blocks, layers, timer, bandwidth, versions):
             step()
             us = 1e6 * (time.perf_counter() - t0) / layers
         row = dict(versions, workload=name, rows=rows, adapters=n_adapters, ranks="/".join(map(str, rank_cycle)),
-                   sites="+".join(sites), rank_block=rb,
+                   sites="+".join(sites), rank_block=rb, programs_per_sm=config(16, 64, [64])["programs_per_sm"],
+                   num_warps=config(16, 64, [64])["num_warps"],
                    r_sub=lf.fused_config(max(ranks), 4096, [4096], DTYPE)["r_sub"], us_per_layer=round(us, 2),
                    us_per_launch=round(us / len(sites), 2), floor_us_per_layer=round(floor, 2),
                    x_floor=round(us / floor, 3), max_rel_err=f"{err:.2e}", timeouts=tri.fused_timeouts())
         print(row, flush=True)
         results.append(row)
-    lf.RANK_BLOCK = 16
+    lf.RANK_BLOCK, lf.fused_config = library_block, library_config
     return results
+
+
+def kernel_registers():
+    """(registers, spills, warps) of each compiled variant of the fused kernel: what bounds its
+    programs per SM (Triton's cache layout; best effort)."""
+    lf = importlib.import_module("peft_fastlora.ops.lora_fused")
+    try:
+        return sorted({(k.n_regs, k.n_spills, k.metadata.num_warps)
+                       for cache in lf._lora_fused_decode_kernel.device_caches.values()
+                       for k in cache[0].values()})
+    except Exception as e:  # noqa: BLE001 (a probe's extra: never fail the run for it)
+        return f"unavailable ({type(e).__name__})"
 
 
 def main(argv=None) -> int:
@@ -156,9 +179,11 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
     for name in args.workloads:
-        rows += run_workload(name, args.rank_blocks, args.layers, timer, bandwidth, versions)
+        sweep = [(p, w) for p in args.programs_per_sm for w in args.num_warps]
+        rows += run_workload(name, args.rank_blocks, args.layers, timer, bandwidth, versions, sweep)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+    print("fused kernel variants compiled (registers, spills, warps):", kernel_registers(), flush=True)
     path = bg.write_csv(rows, args.out, args.csv)
     print(f"written {path}")
     return 0

@@ -34,12 +34,13 @@ def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
 
     groups: Dict[tuple, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
     for dst, src in pairs:
-        key = (src.untyped_storage().data_ptr(), src.dtype, dst.device)
+        # the storage's address, without making a storage object per tensor (slow on the host)
+        key = (src.data_ptr() - src.storage_offset() * src.element_size(), src.dtype, dst.device)
         groups.setdefault(key, []).append((dst, src))
     direct, staged = [], []
     for (_, _, device), group in groups.items():
-        if (device.type in STAGED_DEVICES and len(group) > 1
-                and (device.type != "cuda" or all(s.is_pinned() for _, s in group))):
+        # one storage: pinned or not as a whole
+        if device.type in STAGED_DEVICES and len(group) > 1 and (device.type != "cuda" or group[0][1].is_pinned()):
             staged.append(group)
         else:
             direct += group
