@@ -48,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--programs-per-sm", type=int, nargs="+", default=[None],
                    help="sweep the fused kernel's persistent programs per SM (default: the library's)")
     p.add_argument("--num-warps", type=int, nargs="+", default=[None], help="sweep its warps per program")
+    p.add_argument("--prefetch", type=int, nargs="+", default=[None], help="sweep: 1 on, 0 off")
+    p.add_argument("--max-registers", type=int, nargs="+", default=[None], help="sweep: 0 none, else a cap")
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1), tiny shapes, eager")
     args = p.parse_args(argv)
     if args.smoke:
@@ -87,7 +89,7 @@ def byte_floor_us(site, rows, used_ranks, bandwidth):
     return 1e6 * (weights + rows * (k + 2 * n) * 2) / bandwidth
 
 
-def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_sweep=((None, None),)):
+def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_sweep=((None, None, None, None),)):
     lf = importlib.import_module("peft_fastlora.ops.lora_fused")  # (the package exports a function of that name)
     from peft_fastlora.backend.torch_native import TorchNativeLoRABackend
     from peft_fastlora.backend.triton import TritonLoRABackend
@@ -115,12 +117,14 @@ def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_s
     floor = sum(byte_floor_us(s, rows, [ranks[w] for w in sorted(set(wi))], bandwidth) for s in sites)
     results = []
     library_config, library_block = lf.fused_config, lf.RANK_BLOCK
-    for rb, (pps, warps) in [(rb, lw) for rb in rank_blocks for lw in launch_sweep]:
+    for rb, (pps, warps, prefetch, max_regs) in [(rb, lw) for rb in rank_blocks for lw in launch_sweep]:
         lf.RANK_BLOCK = rb
 
-        def config(*args, _pps=pps, _warps=warps, **kwargs):
+        def config(*args, _pps=pps, _warps=warps, _prefetch=prefetch, _regs=max_regs, **kwargs):
             cfg = library_config(*args, **kwargs)
-            return dict(cfg, programs_per_sm=_pps or cfg["programs_per_sm"], num_warps=_warps or cfg["num_warps"])
+            return dict(cfg, programs_per_sm=_pps or cfg["programs_per_sm"], num_warps=_warps or cfg["num_warps"],
+                        prefetch=cfg["prefetch"] if _prefetch is None else bool(_prefetch),
+                        max_registers=cfg["max_registers"] if _regs is None else (_regs or None))
 
         lf.fused_config = config
         # the first layer of each site against the torch backend, from the same base output
@@ -148,7 +152,8 @@ def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_s
             us = 1e6 * (time.perf_counter() - t0) / layers
         row = dict(versions, workload=name, rows=rows, adapters=n_adapters, ranks="/".join(map(str, rank_cycle)),
                    sites="+".join(sites), rank_block=rb, programs_per_sm=config(16, 64, [64])["programs_per_sm"],
-                   num_warps=config(16, 64, [64])["num_warps"],
+                   num_warps=config(16, 64, [64])["num_warps"], prefetch=config(16, 64, [64])["prefetch"],
+                   max_registers=config(16, 64, [64])["max_registers"],
                    r_sub=lf.fused_config(max(ranks), 4096, [4096], DTYPE)["r_sub"], us_per_layer=round(us, 2),
                    us_per_launch=round(us / len(sites), 2), floor_us_per_layer=round(floor, 2),
                    x_floor=round(us / floor, 3), max_rel_err=f"{err:.2e}", timeouts=tri.fused_timeouts())
@@ -179,7 +184,8 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
     for name in args.workloads:
-        sweep = [(p, w) for p in args.programs_per_sm for w in args.num_warps]
+        sweep = [(p, w, f, r) for p in args.programs_per_sm for w in args.num_warps for f in args.prefetch
+                 for r in args.max_registers]
         rows += run_workload(name, args.rank_blocks, args.layers, timer, bandwidth, versions, sweep)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()

@@ -109,14 +109,22 @@ def test_fused_strided_base_output(fused_calls):
     assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(wide[:, 3 + n :], before[:, 3 + n :])
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
 @pytest.mark.parametrize("rank_block", [16, 32, 64], ids=lambda r: f"rank_block{r}")
 @pytest.mark.parametrize("wait_first", [False, True], ids=["split_k", "timeout_fallback"])
-def test_fused_launcher_split_k_column_blocks(wait_first, rank_block):
+def test_fused_launcher_split_k_column_blocks(wait_first, rank_block, prefetch, monkeypatch):
     """Small tiles: K in 5 splits (the last partial), several column blocks per module, more
     items than programs, ranks 1-64 stepped through in blocks of 16 or 32 rows or in one tile.
     ``wait_first`` hands out the expand items first, so every reader gives up waiting and
-    recomputes its rows: still exact, counted, and the workspace still cleaned."""
+    recomputes its rows: still exact, counted, and the workspace still cleaned. ``prefetch``: the
+    next rank block's tiles loaded before this block's dot, or after it."""
+    import importlib
+
     from peft_fastlora.ops import lora_fused
+
+    module = importlib.import_module("peft_fastlora.ops.lora_fused")
+    config = module.fused_config
+    monkeypatch.setattr(module, "fused_config", lambda *a, **k: dict(config(*a, **k), prefetch=prefetch))
 
     dtype, atol, rtol = TOLERANCES[0]
     seq_lens, wi = [1] * FUSED_BS, COMPOSITIONS["skewed"](FUSED_BS)

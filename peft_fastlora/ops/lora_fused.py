@@ -153,6 +153,7 @@ def _lora_fused_decode_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,  # the padded rank's power of two: the accumulator's columns
     R_SUB: tl.constexpr,  # rank rows per step (BLOCK_R: one step, every rank row in one tile)
+    PREFETCH: tl.constexpr,  # steps: the next rank block's tile loaded before this block's dot
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MAX_SPIN: tl.constexpr,
@@ -225,13 +226,17 @@ def _lora_fused_decode_kernel(
                     offs_s = tl.arange(0, R_SUB)
                     at = _a_tile(a_base, 0, rank, k0, K, stride_ar, stride_ak, R_SUB, BLOCK_K)
                     for r0 in range(0, rank, R_SUB):
-                        at_next = _a_tile(a_base, r0 + R_SUB, rank, k0, K, stride_ar, stride_ak, R_SUB, BLOCK_K)
+                        if PREFETCH:
+                            at_next = _a_tile(a_base, r0 + R_SUB, rank, k0, K, stride_ar, stride_ak, R_SUB, BLOCK_K)
                         part = tl.dot(xt, at, input_precision=DOT_PRECISION)
                         rows = r0 + offs_s
                         tl.atomic_add(acc_ptr + ((chunk * C + j) * BLOCK_M + offs_m[:, None]) * BLOCK_R
                                       + rows[None, :], part,
                                       mask=row_mask[:, None] & (rows < rank)[None, :], sem="relaxed")
-                        at = at_next
+                        if PREFETCH:
+                            at = at_next
+                        else:  # one tile live at a time: fewer registers, more programs per SM
+                            at = _a_tile(a_base, r0 + R_SUB, rank, k0, K, stride_ar, stride_ak, R_SUB, BLOCK_K)
                     t_next = tl.atomic_add(sync_ptr, 1, sem="relaxed")
                 tl.debug_barrier()  # every thread's adds before the counter's release
                 _finish(cnt_ptr, 1, total, acc_ptrs, BLOCK_M, BLOCK_R)
@@ -287,12 +292,16 @@ def _lora_fused_decode_kernel(
                                                PACKED)
                             y = _shrink_rows(x_ptr, a_base, tok, row_mask, r0, rank, K, stride_xs, stride_xk,
                                              stride_ar, stride_ak, BLOCK_M, R_SUB, DOT_PRECISION)
-                        # the next rank block's B, loaded before this block's dot
-                        bt_next = _b_tile(b_ptr + b_off, r0 + R_SUB, rank, R, offs_n, n_mask, cols,
-                                          stride_bn, stride_br, PACKED, B_ALIGN, R_SUB)
+                        if PREFETCH:  # the next rank block's B, loaded before this block's dot
+                            bt_next = _b_tile(b_ptr + b_off, r0 + R_SUB, rank, R, offs_n, n_mask, cols,
+                                              stride_bn, stride_br, PACKED, B_ALIGN, R_SUB)
                         y = y.to(x_ptr.dtype.element_ty).to(b_ptr.dtype.element_ty)
                         delta = tl.dot(y, bt, delta, input_precision=DOT_PRECISION)
-                        bt = bt_next
+                        if PREFETCH:
+                            bt = bt_next
+                        else:
+                            bt = _b_tile(b_ptr + b_off, r0 + R_SUB, rank, R, offs_n, n_mask, cols,
+                                         stride_bn, stride_br, PACKED, B_ALIGN, R_SUB)
                 tl.store(out_ptrs, (base.to(tl.float32) + delta * scaling).to(out_ptr.dtype.element_ty),
                          mask=mask)
                 _finish(cnt_ptr, _READER, total, acc_ptrs, BLOCK_M, BLOCK_R)
@@ -361,8 +370,9 @@ def fused_config(rank: int, k: int, widths: Sequence[int], dtype: torch.dtype = 
         block_n = max(32, min(256, 4096 // r_sub))
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     block_n = min(block_n, max(16, triton.next_power_of_2(max(widths) if widths else 1)))
+    # max_registers: a cap for the compiler (None: its own choice), which bounds programs per SM
     return dict(block_r=block_r, r_sub=r_sub, block_k=block_k, block_n=block_n, num_warps=4,
-                programs_per_sm=4)
+                programs_per_sm=4, prefetch=True, max_registers=None)
 
 
 def fused_supported(stack_num: int, rank: int, block_m: int, dtype: torch.dtype) -> bool:
@@ -491,6 +501,7 @@ def lora_fused(
         BLOCK_M=block_m,
         BLOCK_R=br,
         R_SUB=cfg["r_sub"],
+        PREFETCH=cfg["prefetch"],
         BLOCK_K=bk,
         BLOCK_N=bn,
         MAX_SPIN=max_spin,
@@ -499,5 +510,6 @@ def lora_fused(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps or cfg["num_warps"],
         num_stages=1,
+        **({"maxnreg": cfg["max_registers"]} if cfg["max_registers"] and x.device.type == "cuda" else {}),
     )
     return out
