@@ -190,9 +190,9 @@ def main(argv=None) -> int:
 
     fused_module = importlib.import_module("peft_fastlora.ops.lora_fused")  # the module, not the function
 
-    if args.rank_block is not None:
-        fused_module.RANK_BLOCK = args.rank_block
-    info = dict(bg.versions(), rank_block=fused_module.RANK_BLOCK)
+    if args.rank_block is not None:  # both launches (uniform and mixed ranks) take it
+        fused_module.RANK_BLOCK = fused_module.MIXED_RANK_BLOCK = args.rank_block
+    info = dict(bg.versions(), rank_block=args.rank_block or "library")
     base = bg.build_base(args.model)
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=args.targets), adapter_name="seed",
                            autocast_adapter_dtype=False).eval()

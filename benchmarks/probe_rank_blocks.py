@@ -43,7 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--csv", default="probe_rank_blocks_h200.csv")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--rank-blocks", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--rank-blocks", type=int, nargs="+", default=[0, 16, 32, 64],
+                   help="0: the library's choice (by whether the ranks differ)")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     p.add_argument("--programs-per-sm", type=int, nargs="+", default=[None],
                    help="sweep the fused kernel's persistent programs per SM (default: the library's)")
@@ -79,7 +80,7 @@ def packed_site(site, ranks):
     a = torch.randn(row, k, device=DEVICE, dtype=DTYPE) / k ** 0.5
     b = torch.randn(off, device=DEVICE, dtype=DTYPE) / 8
     return PackedWeights(a, b, a_rows.to(DEVICE), b_offs.to(DEVICE), max(ranks), tuple(offsets),
-                         align=block_align(ranks))
+                         align=block_align(ranks), mixed_ranks=len(set(ranks)) > 1)
 
 
 def byte_floor_us(site, rows, used_ranks, bandwidth):
@@ -116,9 +117,10 @@ def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_s
         per_site[site] = (ws, x, out, rk, sc)
     floor = sum(byte_floor_us(s, rows, [ranks[w] for w in sorted(set(wi))], bandwidth) for s in sites)
     results = []
-    library_config, library_block = lf.fused_config, lf.RANK_BLOCK
+    library_config, library_blocks = lf.fused_config, (lf.RANK_BLOCK, lf.MIXED_RANK_BLOCK)
     for rb, (pps, warps, prefetch, max_regs) in [(rb, lw) for rb in rank_blocks for lw in launch_sweep]:
-        lf.RANK_BLOCK = rb
+        if rb:  # 0: the library's own choice
+            lf.RANK_BLOCK = lf.MIXED_RANK_BLOCK = rb
 
         def config(*args, _pps=pps, _warps=warps, _prefetch=prefetch, _regs=max_regs, **kwargs):
             cfg = library_config(*args, **kwargs)
@@ -127,6 +129,7 @@ def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_s
                         max_registers=cfg["max_registers"] if _regs is None else (_regs or None))
 
         lf.fused_config = config
+        used = config(max(ranks), 4096, [4096], DTYPE, mixed_ranks=len(set(ranks)) > 1)  # what the launches take
         # the first layer of each site against the torch backend, from the same base output
         err = 0.0
         for site, (ws, x, out, rk, sc) in per_site.items():
@@ -151,15 +154,13 @@ def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_s
             step()
             us = 1e6 * (time.perf_counter() - t0) / layers
         row = dict(versions, workload=name, rows=rows, adapters=n_adapters, ranks="/".join(map(str, rank_cycle)),
-                   sites="+".join(sites), rank_block=rb, programs_per_sm=config(16, 64, [64])["programs_per_sm"],
-                   num_warps=config(16, 64, [64])["num_warps"], prefetch=config(16, 64, [64])["prefetch"],
-                   max_registers=config(16, 64, [64])["max_registers"],
-                   r_sub=lf.fused_config(max(ranks), 4096, [4096], DTYPE)["r_sub"], us_per_layer=round(us, 2),
+                   sites="+".join(sites), rank_block=rb,
+                   **{key: used[key] for key in ("programs_per_sm", "num_warps", "prefetch", "max_registers", "r_sub")}, us_per_layer=round(us, 2),
                    us_per_launch=round(us / len(sites), 2), floor_us_per_layer=round(floor, 2),
                    x_floor=round(us / floor, 3), max_rel_err=f"{err:.2e}", timeouts=tri.fused_timeouts())
         print(row, flush=True)
         results.append(row)
-    lf.RANK_BLOCK, lf.fused_config = library_block, library_config
+    (lf.RANK_BLOCK, lf.MIXED_RANK_BLOCK), lf.fused_config = library_blocks, library_config
     return results
 
 

@@ -237,6 +237,20 @@ def test_stacks_hold_exactly_the_adapters_own_bytes():
     assert f"adapters' own weights {own / 2**20:.1f} MiB" in str(report)
 
 
+def test_sites_know_whether_their_adapters_ranks_differ():
+    """The fused decode kernel's launch is chosen by it: q/k/v holds ranks 4, 8, 4 and 6 (mixed);
+    a model whose adapters share one rank has none mixed."""
+    m, _ = _pair()
+    fastlora.patch(m)
+    logits(m, ["sql"], _ids(1, 0))
+    mixed = {site.kind: site.pool.packed.mixed_ranks for site in get_state(m).sites if site.pool.packed is not None}
+    assert mixed["qkv"] is True
+    same = build(adapters=(("a", ALL, 8, {}), ("b", ("q_proj", "v_proj"), 8, {})))
+    fastlora.patch(same)
+    logits(same, ["a"], _ids(1, 0))
+    assert not any(site.pool.packed.mixed_ranks for site in get_state(same).sites if site.pool.packed is not None)
+
+
 def test_row_arena_first_fit_and_compaction():
     from peft_fastlora.lora.arena import RowArena
 

@@ -189,3 +189,19 @@ def test_run_lora_two_kernel_paths(case, fused_calls):
         check_untouched(got, base, tok)
         assert_close(got, want, atol, rtol, f"{site} ({case})")
     assert fused_calls == []
+
+
+def test_fused_launch_choice():
+    """Mixed ranks: blocks of 16 rows, one tile live, a register cap; uniform ranks: blocks of 32
+    with the next tile prefetched; padded rank 16: one tile either way; ``rank_block`` wins."""
+    from peft_fastlora.ops import fused_config
+
+    mixed = fused_config(64, 4096, [4096], torch.bfloat16, mixed_ranks=True)
+    uniform = fused_config(64, 4096, [4096], torch.bfloat16)
+    assert (mixed["r_sub"], mixed["prefetch"], mixed["max_registers"]) == (16, False, 128)
+    assert (uniform["r_sub"], uniform["prefetch"], uniform["max_registers"]) == (32, True, None)
+    assert mixed["block_k"] == 512 and uniform["block_k"] == 256
+    for m in (True, False):
+        small = fused_config(16, 4096, [4096], torch.bfloat16, mixed_ranks=m)
+        assert (small["r_sub"], small["block_r"], small["prefetch"], small["max_registers"]) == (16, 16, True, None)
+    assert fused_config(64, 4096, [4096], torch.bfloat16, rank_block=64, mixed_ranks=True)["r_sub"] == 64

@@ -310,17 +310,19 @@ def test_packed_llama_shapes(site, rank, mode):
     assert tri.fused_timeouts() == 0
 
 
-@pytest.mark.parametrize("rank_block", [16, 32, 64], ids=lambda r: f"rank_block{r}")
+@pytest.mark.parametrize("rank_block", [0, 16, 32, 64], ids=lambda r: f"rank_block{r}" if r else "library")
 @pytest.mark.parametrize("site", ["qkv", "o", "down"])
 def test_fused_many_adapters_mixed_ranks(site, rank_block, monkeypatch):
     """The registry's hard case: 64 distinct adapters of ranks 8-64 in a 72-row decode batch (one
     chunk each, 8 rows with no adapter), packed with NaN around every block, through the fused
-    launch stepping through ranks in blocks of 16, 32 rows or one tile; fresh inputs each call."""
+    launch stepping through ranks in blocks of 16, 32 rows or one tile, or the library's launch
+    for mixed ranks (blocks of 16, one tile live, a register cap); fresh inputs each call."""
     lf = importlib.import_module("peft_fastlora.ops.lora_fused")  # the module, not the function
     from _helpers import pack
     from peft_fastlora.backend.triton import TritonLoRABackend
 
-    monkeypatch.setattr(lf, "RANK_BLOCK", rank_block)
+    if rank_block:
+        monkeypatch.setattr(lf, "RANK_BLOCK", rank_block)
     torch.manual_seed(rank_block)
     n, dtype = 64, torch.bfloat16
     k, offsets = SITES[site]
@@ -339,6 +341,7 @@ def test_fused_many_adapters_mixed_ranks(site, rank_block, monkeypatch):
             b[s_, offsets[j]: offsets[j + 1], r:] = float("nan")
     a, b = a.to(dtype), b.to(dtype)
     w = pack(a, b, offsets, ranks, seed=rank_block)
+    w.mixed_ranks = not rank_block  # the pool sets it where its adapters' ranks differ
     ranks, scalings = ranks.cuda(), scalings.cuda()
     wi = [i % n if i % 9 != 8 else NO_ADAPTER for i in range(n + 8)]
     seq_lens = [1] * len(wi)

@@ -31,6 +31,8 @@ class PackedWeights:
     ``max_rank``: R, the width per module of the shrink output ``(s, c * R)`` (the largest rank).
     ``offsets``: c + 1 column offsets of the stacked modules in the output.
     ``align``: 8 or 1, the alignment every block and rank of the site keeps (elements).
+    ``mixed_ranks``: whether the adapters the site may hold differ in rank (a host fact the fused
+    decode kernel's launch is chosen by).
     """
 
     a: torch.Tensor
@@ -40,6 +42,7 @@ class PackedWeights:
     max_rank: int
     offsets: Tuple[int, ...]
     align: int = 1
+    mixed_ranks: bool = False  # the adapters it may hold differ in rank (the fused kernel's launch)
 
     @property
     def stack_num(self) -> int:

@@ -122,7 +122,8 @@ class TritonLoRABackend(SegmentedLoRABackend):
         if self.fused_decode and _ops.fused_supported(w.stack_num, w.max_rank, bi.block_m, x.dtype):
             return _ops.lora_fused(x, w.a, w.b, w.offsets, ranks, scalings, out, *plan,
                                    self._workspace(x.device), block_m=bi.block_m, check=False,
-                                   a_rows=w.a_rows, b_offs=w.b_offs, max_rank=w.max_rank, b_align=w.align)
+                                   a_rows=w.a_rows, b_offs=w.b_offs, max_rank=w.max_rank, b_align=w.align,
+                                   mixed_ranks=w.mixed_ranks)
         y = _ops.lora_shrink(x, w.a, w.stack_num, ranks, *plan, block_m=bi.block_m, check=False,
                              a_rows=w.a_rows, max_rank=w.max_rank)
         return _ops.lora_expand(y, w.b, w.offsets, ranks, scalings, out, *plan, block_m=bi.block_m,

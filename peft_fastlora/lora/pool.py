@@ -216,7 +216,8 @@ class SitePool:
             self.lora_a, self.lora_b, a_rows, b_offs, r, tuple(self.offsets),
             # all ranks multiples of 8: so is every block's place (sums of ranks), and B's rows
             # load 16 bytes at a time
-            align=block_align(x for row in self._ranks_of.values() for x in row))
+            align=block_align(x for row in self._ranks_of.values() for x in row),
+            mixed_ranks=len({x for row in self._ranks_of.values() for x in row if x > 0}) > 1)
         self._signature = self._current_signature(registry)
         self._watched = self._watch()
         self._registry_names = list(registry.names)

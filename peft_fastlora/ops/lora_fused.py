@@ -39,7 +39,9 @@ from .lora_expand import packed_row_stride
 
 MAX_MODULES = 4  # column offsets travel as scalar arguments, as in the expand
 MAX_BLOCK_R = 128  # larger padded ranks take the two-kernel path
-RANK_BLOCK = 32  # rank rows an item handles per step (``fused_config``; chosen by probe_rank_blocks.py)
+# rank rows an item handles per step (``fused_config``), chosen by probe_rank_blocks.py
+RANK_BLOCK = 32
+MIXED_RANK_BLOCK = 16
 READER = 1 << 16  # a reader's increment of a (chunk, module) counter; splits count in the low bits
 SYNC_HEAD = 32  # int32 slots before the counters: [0] ticket, [1] timeouts (own 128-byte line)
 _READER = tl.constexpr(READER)  # the kernels' copies (Triton reads only constexpr globals)
@@ -345,23 +347,27 @@ class FusedWorkspace:
 
 
 def fused_config(rank: int, k: int, widths: Sequence[int], dtype: torch.dtype = torch.bfloat16,
-                 rank_block: Optional[int] = None) -> dict:
+                 rank_block: Optional[int] = None, mixed_ranks: bool = False) -> dict:
     """Launch parameters for Hopper (no autotuning: graphs need a fixed launch).
 
-    Items step through their own rank in blocks of ``r_sub`` rows (``RANK_BLOCK``; ``rank_block``
-    overrides it, the padded rank's ``block_r`` gives one step), and the tiles are sized by that
+    Items step through their own rank in blocks of ``r_sub`` rows, and the tiles are sized by that
     block, not by the padded rank: an item's bytes follow the rank of its adapter, so with mixed
-    ranks the many small-rank items do not each pay for a tile of the largest rank.
-    16-bit inputs: one shrink step loads a (r_sub x BLOCK_K) tile of A, 16 KB (the next step's load
-    is issued before this step's dot); K is cut in as many splits as that takes (Llama 8B at rank
-    16: 8 for K=4096, 28 for K=14336; at r_sub 32: 16 and 56). One expand step loads an 8 KB block
-    of B (256 columns at r_sub 16, 128 at 32) besides the chunk's rows of ``out``. Four warps: a 16-row tile has no more work to share, and
-    125-175 registers leave room for 2-4 programs per SM, each with its loads in flight at once.
+    ranks the many small-rank items do not each pay for a tile of the largest rank. Where the
+    site's adapters differ in rank (``mixed_ranks``): blocks of ``MIXED_RANK_BLOCK`` rows, one tile
+    live at a time and a register cap of 128, which fits 4 programs per SM (more items in flight:
+    with many adapters the items are chains of dependent loads). Else blocks of ``RANK_BLOCK``,
+    the next block's tile loaded before this block's dot, no cap. ``rank_block`` overrides the
+    block (the padded rank's ``block_r``: one step, the kernel before rank blocks).
+    16-bit inputs: one shrink step loads a (r_sub x BLOCK_K) tile of A, 16 KB; K is cut in as many
+    splits as that takes (Llama 8B at rank 16: 8 for K=4096, 28 for K=14336; at r_sub 32: 16 and
+    56). One expand step loads an 8 KB block of B (256 columns at r_sub 16, 128 at 32) besides the
+    chunk's rows of ``out``. Four warps: a 16-row tile has no more work to share.
     fp32 (an exact fp32 dot runs on the FMA units, whose operand layouts take many more
     registers) takes smaller tiles.
     """
     block_r = max(16, triton.next_power_of_2(rank))
-    r_sub = min(block_r, max(16, triton.next_power_of_2(rank_block or RANK_BLOCK)))
+    mixed = mixed_ranks and block_r > 16
+    r_sub = min(block_r, max(16, triton.next_power_of_2(rank_block or (MIXED_RANK_BLOCK if mixed else RANK_BLOCK))))
     if dtype == torch.float32:
         block_k = max(16, min(128, 2048 // r_sub))
         block_n = max(16, min(64, 2048 // r_sub))
@@ -372,7 +378,7 @@ def fused_config(rank: int, k: int, widths: Sequence[int], dtype: torch.dtype = 
     block_n = min(block_n, max(16, triton.next_power_of_2(max(widths) if widths else 1)))
     # max_registers: a cap for the compiler (None: its own choice), which bounds programs per SM
     return dict(block_r=block_r, r_sub=r_sub, block_k=block_k, block_n=block_n, num_warps=4,
-                programs_per_sm=4, prefetch=True, max_registers=None)
+                programs_per_sm=4, prefetch=not mixed, max_registers=128 if mixed else None)
 
 
 def fused_supported(stack_num: int, rank: int, block_m: int, dtype: torch.dtype) -> bool:
@@ -409,6 +415,7 @@ def lora_fused(
     max_rank: Optional[int] = None,
     b_align: int = 1,
     rank_block: Optional[int] = None,
+    mixed_ranks: bool = False,
 ) -> torch.Tensor:
     """Stacked, segmented shrink + expand into ``out`` (in place), one launch.
 
@@ -424,7 +431,8 @@ def lora_fused(
         workspace: this device's ``FusedWorkspace``.
         block_m: rows per chunk (16: decode-sized batches; see ``fused_supported``).
         num_programs, block_k, block_n, max_spin, num_warps, rank_block: override the
-            defaults (``fused_config``);
+            defaults (``fused_config``); mixed_ranks: the site's adapters differ in rank (chooses
+            the launch, see ``fused_config``; any launch is exact for any ranks);
         wait_first: tests only (expand items first: every reader times out).
         check: validate the shapes (False: the caller has).
     Returns:
@@ -461,7 +469,7 @@ def lora_fused(
     widths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
     if s == 0 or max_chunks == 0 or max(widths) == 0:
         return out
-    cfg = fused_config(r, k, widths, x.dtype, rank_block)
+    cfg = fused_config(r, k, widths, x.dtype, rank_block, mixed_ranks)
     bk, bn, br = block_k or cfg["block_k"], block_n or cfg["block_n"], cfg["block_r"]
     nsplit = triton.cdiv(k, bk)
     nbs = [triton.cdiv(w, bn) for w in widths] + [0] * (MAX_MODULES - c)
