@@ -21,8 +21,8 @@ STAGED_DEVICES = ("cuda",)  # where staging pays (tests add "cpu" to run the sta
 
 def _extent(t: torch.Tensor) -> int:
     """One past the last storage element ``t`` reads (0 for an empty tensor)."""
-    if t.numel() == 0:
-        return t.storage_offset()
+    if t.is_contiguous():
+        return t.storage_offset() + t.numel()
     return t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
 
 
@@ -70,12 +70,19 @@ def _staged_copy(groups, copy_values) -> None:
     for (dtype, device), kind_groups in by_kind.items():
         spans = [(min(s.storage_offset() for _, s in g), max(_extent(s) for _, s in g)) for g in kind_groups]
         staging = torch.empty(sum(hi - lo for lo, hi in spans), dtype=dtype, device=device)
-        device_pairs, at = [], 0
+        dsts, srcs, others, at = [], [], [], 0
         for group, (lo, hi) in zip(kind_groups, spans):
             host = group[0][1]
             staging[at: at + hi - lo].copy_(host.as_strided((hi - lo,), (1,), lo), non_blocking=True)
             for dst, src in group:
-                device_pairs.append((dst, staging.as_strided(src.shape, src.stride(),
-                                                             at + src.storage_offset() - lo)))
+                on_device = staging.as_strided(src.shape, src.stride(), at + src.storage_offset() - lo)
+                if dst.dtype == dtype and dst.is_contiguous() and src.is_contiguous():
+                    dsts.append(dst)  # same shapes, dense: one multi-tensor copy takes them all
+                    srcs.append(on_device)
+                else:
+                    others.append((dst, on_device))
             at += hi - lo
-        copy_values(device_pairs)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        if others:
+            copy_values(others)
