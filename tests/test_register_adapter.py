@@ -99,7 +99,21 @@ def test_a_state_dict_with_its_config(folders):
     _same(m, ref, ["x", "sql", "__base__", "x"])
 
 
-def test_more_registered_adapters_than_gpu_slots(folders):
+@pytest.fixture(params=["direct", "staged"])
+def host_copies(request, monkeypatch):
+    """Loads as on the CPU (one copy per view) or as on CUDA (each adapter's buffer staged in one
+    copy, its views filled from the stage: ``lora.host_copy``), which the CPU can run too."""
+    from peft_fastlora.lora import host_copy
+
+    staged, stage = [], host_copy._staged_copy
+    if request.param == "staged":
+        monkeypatch.setattr(host_copy, "STAGED_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(host_copy, "_staged_copy", lambda *a: staged.append(1) or stage(*a))
+    yield request.param
+    assert bool(staged) == (request.param == "staged"), "the staged path did not run"
+
+
+def test_more_registered_adapters_than_gpu_slots(folders, host_copies):
     m, ref = _pair(folders, ["ql", "emb", "rs", "wide"], max_loras_per_batch=2)
     state = get_state(m)
     assert "GPU slots (2 for 6 adapters" in str(state.report)
@@ -111,7 +125,7 @@ def test_more_registered_adapters_than_gpu_slots(folders):
     assert state.registry.stats["evictions"] > 0
 
 
-def test_blocks_moved_by_compaction_are_copied_again_from_the_cpu_store(folders, tmp_path, monkeypatch):
+def test_blocks_moved_by_compaction_are_copied_again_from_the_cpu_store(folders, tmp_path, monkeypatch, host_copies):
     """Registered adapters are copied into their slot once, not at every call: when compaction
     slides a resident block to make room, its weights must move with it (on the device)."""
     from peft_fastlora.lora import arena as arena_module

@@ -156,18 +156,17 @@ def build_stored(name: str, config, state_dict: Mapping[str, torch.Tensor], sour
             scaling *= embed_scale(layer) or 1.0
         a, b = (t.detach().to("cpu", dtype).contiguous() for t in (a, b))
         modules[module] = (a, b, float(scaling))
-    if pin:
-        modules = _in_one_pinned_buffer(modules)
+    modules = _in_one_buffer(modules, pin)
     return StoredAdapter(name, source, modules)
 
 
-def _in_one_pinned_buffer(modules):
-    """The adapter's tensors as views of one pinned buffer, so that a load moves it to the GPU in
-    one copy (``host_copy``); kept as they are where they already are such views."""
+def _in_one_buffer(modules, pin: bool):
+    """The adapter's tensors as views of one buffer (pinned where ``pin``), so that a load moves it
+    to the GPU in one copy (``host_copy``); kept as they are where they already are such views."""
     tensors = [t for a, b, _ in modules.values() for t in (a, b)]
-    if all(t.is_pinned() for t in tensors) and len({t.untyped_storage().data_ptr() for t in tensors}) == 1:
+    if len({t.untyped_storage().data_ptr() for t in tensors}) == 1 and (not pin or all(t.is_pinned() for t in tensors)):
         return modules
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=True)
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=pin)
     out, at = {}, 0
     for module, (a, b, scaling) in modules.items():
         views = []
