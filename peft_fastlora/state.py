@@ -576,14 +576,23 @@ class FastLoRAState:
         """Adapters newly given slots: every site loads them there (stacks keep their addresses:
         graphs stay valid; the batch info and ranks read from the slots are rebuilt)."""
         t = time.perf_counter()
-        peft_pairs, host_pairs = [], []
+        peft_pairs, host_pairs, tables = [], [], []
         for site in self.sites:
-            pairs, fixed = site.pool.load(placed)
+            pairs, fixed, table = site.pool.load(placed)
             peft_pairs += pairs
             host_pairs += fixed
+            tables.append(table)
         copy_values(peft_pairs)
-        if host_pairs:  # pinned and never changed, so the host need not wait for them
-            copy_from_host(host_pairs)
+        # every pool's tables from one host buffer (pinned on CUDA): one copy to the GPU, then
+        # batched device copies, instead of a pinned block and a copy per pool
+        host = torch.cat([h for _, h in tables])
+        if any(t.is_cuda for t, _ in tables):
+            host = host.pin_memory()
+        at = 0
+        for device_table, h in tables:
+            host_pairs.append((device_table, host[at: at + h.numel()]))
+            at += h.numel()
+        copy_from_host(host_pairs)  # pinned and never changed, so the host need not wait
         self.registry.stats["load_seconds"] += time.perf_counter() - t
         self.registry.stats["block_moves"] = sum(site.pool.block_moves for site in self.sites)
         self._slot_loads += 1

@@ -332,12 +332,12 @@ class SitePool:
 
     @torch.no_grad()
     @torch.inference_mode(False)
-    def load(self, placed: Sequence[Tuple[int, str]]) -> Tuple[list, list]:
+    def load(self, placed: Sequence[Tuple[int, str]]) -> Tuple[list, list, Tuple[torch.Tensor, torch.Tensor]]:
         """Put each adapter ``name`` in its slot (replacing what the slot held): ranks and scalings
-        are written in place (the stacks keep their addresses, so graphs that read them stay
-        valid; a module the adapter does not target gets rank 0 and is not read). Returns the
-        (view, weight) pairs whose values the caller copies in, for all pools at once: PEFT's
-        parameters, and the registered adapters' (host) tensors."""
+        change with it (the stacks keep their addresses, so graphs that read them stay valid; a
+        module the adapter does not target gets rank 0 and is not read). Returns what the caller
+        copies, for all pools at once: the (view, weight) pairs of PEFT's parameters, those of the
+        registered adapters' (host) tensors, and (device tables, their new host contents)."""
         pairs, fixed, moved = [], [], set()
         for slot, name in placed:
             moved |= self._place(slot, name)
@@ -347,8 +347,7 @@ class SitePool:
             self._views_of(slot)
             pairs += self.copies[slot]
             fixed += self._fixed[slot]
-        self._write_tables()
-        return pairs, fixed
+        return pairs, fixed, (self._tables, self._host_tables())
 
     # the (num_slots, c) tables the kernels read live in one int32 buffer, written in place by one
     # copy per load: ranks, scalings (float32 bits), A rows, B offsets (int64, 8-byte aligned)
@@ -363,12 +362,9 @@ class SitePool:
         return (buf[:n].view(n_slots, c), buf[n:2 * n].view(torch.float32).view(n_slots, c),
                 buf[2 * n:3 * n].view(n_slots, c), buf[b0:b0 + 2 * n].view(torch.int64).view(n_slots, c))
 
-    def _write_tables(self) -> None:
-        """The host copies of the tables into the device buffer, in place (graphs keep reading it).
-        On CUDA from pinned memory (PyTorch's pinned allocator recycles the block once the copy is
-        done): the host never waits for the GPU here."""
-        # one buffer in the layout of ``_table_views``, packed by ``array`` (a few tensor ops fewer
-        # per pool and load: the host's time is what a load costs)
+    def _host_tables(self) -> torch.Tensor:
+        """The tables' contents on the host, in the layout of ``_table_views`` (packed with
+        ``array``: a few tensor ops fewer per pool and load, whose cost is the host's time)."""
         words = bytearray()
         for code, rows in (("i", self._slot_ranks), ("f", self._slot_scalings), ("i", self._slot_a_rows)):
             words += array(code, [x for row in rows for x in row]).tobytes()
@@ -376,7 +372,13 @@ class SitePool:
             words += bytes(4)
         words += array("q", [x for row in self._slot_b_offs for x in row]).tobytes()
         assert len(words) == 4 * self._table_words()
-        host = torch.frombuffer(words, dtype=torch.int32)
+        return torch.frombuffer(words, dtype=torch.int32)
+
+    def _write_tables(self) -> None:
+        """The host copies of the tables into the device buffer, in place (graphs keep reading it).
+        On CUDA from pinned memory (PyTorch's pinned allocator recycles the block once the copy is
+        done): the host never waits for the GPU here."""
+        host = self._host_tables()
         if self._tables.is_cuda:
             self._tables.copy_(host.pin_memory(), non_blocking=True)
         else:
