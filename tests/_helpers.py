@@ -85,3 +85,15 @@ class TokenStream:
 
     def end(self):
         self.chunks.append("end")
+
+
+def stage_host_copies(monkeypatch) -> list:
+    """Let ``lora.host_copy`` stage on the CPU too, the path registered adapters take into GPU
+    slots on CUDA (each adapter's buffer in one copy, its views filled from the stage). Returns a
+    list that gets an entry per staged copy."""
+    from peft_fastlora.lora import host_copy
+
+    staged, stage = [], host_copy._staged_copy
+    monkeypatch.setattr(host_copy, "STAGED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(host_copy, "_staged_copy", lambda *a: staged.append(1) or stage(*a))
+    return staged

@@ -101,14 +101,10 @@ def test_a_state_dict_with_its_config(folders):
 
 @pytest.fixture(params=["direct", "staged"])
 def host_copies(request, monkeypatch):
-    """Loads as on the CPU (one copy per view) or as on CUDA (each adapter's buffer staged in one
-    copy, its views filled from the stage: ``lora.host_copy``), which the CPU can run too."""
-    from peft_fastlora.lora import host_copy
+    """Loads as on the CPU (one copy per view) or as on CUDA (``_helpers.stage_host_copies``)."""
+    from _helpers import stage_host_copies
 
-    staged, stage = [], host_copy._staged_copy
-    if request.param == "staged":
-        monkeypatch.setattr(host_copy, "STAGED_DEVICES", ("cuda", "cpu"))
-        monkeypatch.setattr(host_copy, "_staged_copy", lambda *a: staged.append(1) or stage(*a))
+    staged = stage_host_copies(monkeypatch) if request.param == "staged" else []
     yield request.param
     assert bool(staged) == (request.param == "staged"), "the staged path did not run"
 

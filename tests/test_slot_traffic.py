@@ -52,8 +52,13 @@ def _generate(model, rows, names, seed, sample):
         return model.generate(input_ids=ids * mask, attention_mask=mask, **kw)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_operations_equal_peft(folders, seed):
+@pytest.mark.parametrize("seed,loads", [(0, "direct"), (1, "staged")])
+def test_random_operations_equal_peft(folders, seed, loads, monkeypatch):
+    """``loads``: registered adapters copied into slots view by view (the CPU's path), or staged
+    one buffer per adapter as on CUDA."""
+    from _helpers import stage_host_copies
+
+    staged = stage_host_copies(monkeypatch) if loads == "staged" else []
     m, ref = build(adapters=SCAFFOLD), build(adapters=SCAFFOLD)
     for model in (m, ref):
         model.generation_config.eos_token_id = None
@@ -105,3 +110,4 @@ def test_random_operations_equal_peft(folders, seed):
     assert counts["generate"] > 15 and counts.get("register", 0) > 1 and state.registry.num_slots <= 3, counts
     stats = state.graph_runner.stats
     assert stats["capture_failures"] == 0, stats
+    assert bool(staged) == (loads == "staged"), "the staged load path did not run"
