@@ -1,4 +1,5 @@
-"""Registered adapters' weights from pinned host memory into their GPU slots.
+"""Host tensors into their places on the GPU at a slot load: registered adapters' weights (from
+pinned memory) and every pool's new tables.
 
 A load fills one view per (site, module, A or B): hundreds per adapter on a large model. One
 host-to-device copy each costs a driver call each on the host, whatever its size. So the views
@@ -15,12 +16,14 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from .pool import copy_values
+
 STAGING_BYTES = 256 << 20  # at most this much staging at once (a larger storage span gets its own)
 STAGED_DEVICES = ("cuda",)  # where staging pays (tests add "cpu" to run the staged path)
 
 
 def _extent(t: torch.Tensor) -> int:
-    """One past the last storage element ``t`` reads (0 for an empty tensor)."""
+    """One past the last storage element ``t`` reads (its offset for an empty tensor)."""
     if t.is_contiguous():
         return t.storage_offset() + t.numel()
     return t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
@@ -30,8 +33,6 @@ def _extent(t: torch.Tensor) -> int:
 def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
     """``dst.copy_(src)`` for each (device view, host tensor) pair, without host waits (``src``
     pinned; unpinned ones are copied synchronously by torch, correctly)."""
-    from .pool import copy_values
-
     groups: Dict[tuple, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
     for dst, src in pairs:
         # the storage's address, without making a storage object per tensor (slow on the host)
@@ -52,15 +53,15 @@ def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         span = max(_extent(s) for _, s in group) - min(s.storage_offset() for _, s in group)
         itemsize = group[0][1].element_size()
         if batch and (size + span) * itemsize > STAGING_BYTES:
-            _staged_copy(batch, copy_values)
+            _staged_copy(batch)
             batch, size = [], 0
         batch.append(group)
         size += span
     if batch:
-        _staged_copy(batch, copy_values)
+        _staged_copy(batch)
 
 
-def _staged_copy(groups, copy_values) -> None:
+def _staged_copy(groups) -> None:
     """Groups of one dtype and device each (one host storage per group): their spans into one
     staging buffer, one copy per group, then each view from its place in the buffer."""
     by_kind: Dict[tuple, list] = {}
