@@ -278,6 +278,21 @@ def test_fused_graph_replays_share_a_clean_workspace():
 
 
 # ---- packed weights (each adapter at its own rank, only its modules) ----------------------------
+def check_packed_site(tri, ref, site, x, w, padded, ranks, scalings, no_adapter, what):
+    """One call on packed weights ``w`` against the torch backend on the same weights ``padded``
+    (A, B), from a fresh base output whose rows with no adapter hold a marker value: no NaN (no
+    read outside a block or past a rank), those rows untouched, the rest close."""
+    offsets = list(w.offsets)
+    base = torch.randn(x.shape[0], offsets[-1], device=x.device, dtype=x.dtype)
+    base[no_adapter] = 1234.5
+    got = tri.run_packed_lora(x, w, base_output=base.clone(), layer_ranks=ranks, layer_scalings=scalings)
+    want = run_site(ref, site, x, *padded, offsets, base.clone(), ranks, scalings)
+    assert not got.isnan().any(), f"{what}: read outside a packed block or past a rank"
+    assert torch.equal(got[no_adapter], base[no_adapter]), f"{what}: rows with no adapter were modified"
+    atol, rtol = TOLERANCES[x.dtype]
+    assert_close(got, want, atol, rtol, what)
+
+
 PACKED_CASES = [(site, rank, mode) for site in SITES for rank in (16, 64) for mode in MODES]
 
 
@@ -298,15 +313,8 @@ def test_packed_llama_shapes(site, rank, mode):
     x = torch.randn(s, k, device="cuda", dtype=dtype)
     a, b = make_weights(k, offsets, rank, ranks, dtype)
     w = pack(a, b, offsets, ranks.cpu(), seed=rank)
-    base = torch.randn(s, offsets[-1], device="cuda", dtype=dtype)
     no_adapter = torch.tensor([w_ < 0 for w_, n in zip(wi, seq_lens) for _ in range(n)], device="cuda")
-    base[no_adapter] = 1234.5
-    got = tri.run_packed_lora(x, w, base_output=base.clone(), layer_ranks=ranks, layer_scalings=scalings)
-    want = run_site(ref, site, x, a, b, offsets, base.clone(), ranks, scalings)
-    assert not got.isnan().any(), "read outside a packed block"
-    assert torch.equal(got[no_adapter], base[no_adapter]), "rows with no adapter were modified"
-    atol, rtol = TOLERANCES[dtype]
-    assert_close(got, want, atol, rtol, f"packed {site} rank {rank} {mode}")
+    check_packed_site(tri, ref, site, x, w, (a, b), ranks, scalings, no_adapter, f"packed {site} rank {rank} {mode}")
     assert tri.fused_timeouts() == 0
 
 
@@ -352,14 +360,8 @@ def test_fused_many_adapters_mixed_ranks(site, rank_block, monkeypatch):
     no_adapter = torch.tensor([w_ < 0 for w_ in wi], device="cuda")
     for _ in range(2):
         x = torch.randn(len(wi), k, device="cuda", dtype=dtype)
-        base = torch.randn(len(wi), offsets[-1], device="cuda", dtype=dtype)
-        base[no_adapter] = 1234.5
-        got = tri.run_packed_lora(x, w, base_output=base.clone(), layer_ranks=ranks, layer_scalings=scalings)
-        want = run_site(ref, site, x, a, b, offsets, base.clone(), ranks, scalings)
-        assert not got.isnan().any(), "read outside a packed block or past a rank"
-        assert torch.equal(got[no_adapter], base[no_adapter]), "rows with no adapter were modified"
-        atol, rtol = TOLERANCES[dtype]
-        assert_close(got, want, atol, rtol, f"{site}, 64 adapters, rank block {rank_block}")
+        check_packed_site(tri, ref, site, x, w, (a, b), ranks, scalings, no_adapter,
+                          f"{site}, 64 adapters, rank block {rank_block}")
     assert tri.fused_timeouts() == 0
 
 
