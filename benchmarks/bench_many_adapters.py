@@ -83,6 +83,32 @@ def decode_ms(model, ids, names, new):
     return step
 
 
+def profile_decode(model, batches, args, mode):
+    """cProfile of ``generate`` over these batches: the top functions by own and by cumulative
+    time, written to ``many_adapters_profile_<mode>.txt`` under --out."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        prof.enable()
+        for ids, batch in batches:
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=batch,
+                           max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+        bg.sync()
+        prof.disable()
+    text = io.StringIO()
+    text.write(f"{mode}: {len(batches)} batches in {time.perf_counter() - t0:.3f} s under the profiler\n")
+    for key, n in (("tottime", 45), ("cumulative", 70)):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(n)
+    path = os.path.join(args.out or ".", f"many_adapters_profile_{mode}.txt")
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+    print(f"written {path}", file=sys.stderr)
+
+
 def run_mode(model, adapters, args, slots, rows_out, info):
     import peft_fastlora as fastlora
 
@@ -126,6 +152,9 @@ def run_mode(model, adapters, args, slots, rows_out, info):
         tokens += args.batch * args.new
     bg.sync()
     decode_tps = tokens / (time.perf_counter() - t0)
+    if args.profile:  # the host's time by function, over more batches of the same traffic (after the clock)
+        profile_decode(model, [(batch_ids(200 + k), zipf_batch(rng, names, args.batch, args.zipf))
+                               for k in range(args.decode_batches)], args, mode)
     ids = batch_ids(999)
     spread = [names[(k * 7) % len(names)] for k in range(args.batch)]  # --batch distinct adapters
     mixed = decode_ms(model, ids, spread, args.step_tokens)
@@ -177,6 +206,8 @@ def main(argv=None) -> int:
                         "the largest rank: one tile of the padded rank, as before rank blocks)")
     p.add_argument("--csv", default=None, help="CSV name under --out (default many_adapters_<gpu>.csv)")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few adapters")
+    p.add_argument("--profile", action="store_true",
+                   help="after the measurement, profile the host over as many more decode batches per mode")
     args = p.parse_args(argv)
     if args.fold_limit is not None:
         from peft_fastlora.lora import fusion
