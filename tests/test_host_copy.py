@@ -1,10 +1,14 @@
 """``lora.host_copy``: views filled from host tensors through one staged copy per host storage
 (the path registered adapters take into GPU slots), run on the CPU by letting it stage there."""
 
+import importlib
+
 import pytest
 import torch
 
 from peft_fastlora.lora import host_copy
+
+segment_copy_module = importlib.import_module("peft_fastlora.ops.segment_copy")  # the module, not a function
 
 
 @pytest.fixture
@@ -36,9 +40,15 @@ def _adapter(seed, dtype=torch.bfloat16):
 @pytest.mark.parametrize("staging_bytes", [256 << 20, 1200, 1], ids=["one_stage", "several", "each_own"])
 def test_views_from_shared_host_storages(staged_on_cpu, monkeypatch, staging_bytes):
     """Two adapters' buffers (several views each), a lone tensor, a column slice (non-contiguous,
-    as a tensor-parallel rank's part of A) and a row slice: every destination equals its source,
+    as a tensor-parallel rank's part of A), a row slice and a destination of another dtype: dense
+    views go through the segment copy, the others through batched copies; every destination
+    equals its source,
     other arena memory is untouched, and a staging buffer is made per storage batch."""
     monkeypatch.setattr(host_copy, "STAGING_BYTES", staging_bytes)
+    runs = []
+    real = segment_copy_module.segment_copy
+    monkeypatch.setattr(segment_copy_module, "segment_copy",
+                        lambda src, segments, *a, **k: runs.append(len(segments) // 3) or real(src, segments, *a, **k))
     first, second = _adapter(1), _adapter(2)
     lone = torch.randn(5, 7).to(torch.bfloat16)
     arena = torch.full((4000,), 7.0, dtype=torch.bfloat16)
@@ -47,9 +57,12 @@ def test_views_from_shared_host_storages(staged_on_cpu, monkeypatch, staging_byt
     for src in sources:
         pairs.append((arena[at: at + src.numel()].view(src.shape), src))
         at += src.numel() + 3  # gaps the copies must not write
-    host_copy.copy_from_host(pairs)
+    cast = torch.zeros(first[4].shape, dtype=torch.float32)  # a stack of another dtype: cast on the way
+    host_copy.copy_from_host(pairs + [(cast, first[4])])
     for dst, src in pairs:
         assert torch.equal(dst, src)
+    assert torch.equal(cast, first[4].float())
+    assert sum(runs) == 5 + 4 + 1, runs  # the dense views of the two buffers (the lone one copies directly)
     written = torch.zeros(4000, dtype=torch.bool)
     for dst, _ in pairs:
         start = dst.storage_offset()

@@ -40,10 +40,10 @@ class RowArena:
 
     def _first_fit(self, rows: int):
         at = 0
-        for start, size in self._order:
+        for start, size in self._order:  # by address and disjoint: each block starts at or past ``at``
             if start - at >= rows:
                 return at
-            at = max(at, start + size)
+            at = start + size
         return at if self.capacity - at >= rows else None
 
     def alloc(self, slot: int, rows: int) -> Dict[int, Tuple[int, int, int]]:

@@ -5,17 +5,19 @@ A load fills one view per (site, module, A or B): hundreds per adapter on a larg
 host-to-device copy each costs a driver call each on the host, whatever its size. So the views
 whose host tensors share one storage (a registered adapter is stored as one pinned buffer, see
 ``store.build_stored``) cross to the device together, in one copy of that storage's span into a
-staging buffer, and are then filled from it by device-to-device copies that ``torch._foreach_copy_``
-batches into a few launches. Everything is queued on the current stream: the host never waits,
-and the staging memory goes back to the caching allocator in stream order.
+staging buffer, and are then filled from it by one segment copy (``ops.segment_copy``: a view
+costs the host three integers, not tensor objects). Everything is queued on the current stream:
+the host never waits, and the staging memory goes back to the caching allocator in stream order.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import contextlib
+from typing import Dict, Sequence, Tuple
 
 import torch
 
+from ..kernel_support import kernel_runs_on
 from .pool import copy_values
 
 STAGING_BYTES = 256 << 20  # at most this much staging at once (a larger storage span gets its own)
@@ -33,56 +35,71 @@ def _extent(t: torch.Tensor) -> int:
 def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
     """``dst.copy_(src)`` for each (device view, host tensor) pair, without host waits (``src``
     pinned; unpinned ones are copied synchronously by torch, correctly)."""
-    groups: Dict[tuple, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+    # per host storage: (dst, src, src's first storage element, one past its last); every
+    # tensor attribute is read once (the host's time per view is what a load costs)
+    groups: Dict[tuple, list] = {}
     for dst, src in pairs:
+        off = src.storage_offset()
         # the storage's address, without making a storage object per tensor (slow on the host)
-        key = (src.data_ptr() - src.storage_offset() * src.element_size(), src.dtype, dst.device)
-        groups.setdefault(key, []).append((dst, src))
+        key = (src.data_ptr() - off * src.element_size(), src.dtype, dst.device)
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = []
+        group.append((dst, src, off, off + src.numel() if src.is_contiguous() else _extent(src)))
     direct, staged = [], []
     for (_, _, device), group in groups.items():
         # one storage: pinned or not as a whole
         if device.type in STAGED_DEVICES and len(group) > 1 and (device.type != "cuda" or group[0][1].is_pinned()):
-            staged.append(group)
+            staged.append((group, min(g[2] for g in group), max(g[3] for g in group)))
         else:
             direct += group
     if direct:  # one copy each
-        dsts, srcs = zip(*direct)
-        torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
+        torch._foreach_copy_([g[0] for g in direct], [g[1] for g in direct], non_blocking=True)
     batch, size = [], 0
-    for group in staged:
-        span = max(_extent(s) for _, s in group) - min(s.storage_offset() for _, s in group)
+    for group, lo, hi in staged:
         itemsize = group[0][1].element_size()
-        if batch and (size + span) * itemsize > STAGING_BYTES:
+        if batch and (size + hi - lo) * itemsize > STAGING_BYTES:
             _staged_copy(batch)
             batch, size = [], 0
-        batch.append(group)
-        size += span
+        batch.append((group, lo, hi))
+        size += hi - lo
     if batch:
         _staged_copy(batch)
 
 
 def _staged_copy(groups) -> None:
-    """Groups of one dtype and device each (one host storage per group): their spans into one
-    staging buffer, one copy per group, then each view from its place in the buffer."""
+    """Groups of one storage each, with their spans ``(group, lo, hi)``: the spans into one
+    staging buffer per dtype and device, one copy per group, then each view from its place in
+    the buffer: dense views of the staged dtype as runs of one segment copy, the rest by batched
+    copies."""
     by_kind: Dict[tuple, list] = {}
-    for group in groups:
-        dst, src = group[0]
-        by_kind.setdefault((src.dtype, dst.device), []).append(group)
-    for (dtype, device), kind_groups in by_kind.items():
-        spans = [(min(s.storage_offset() for _, s in g), max(_extent(s) for _, s in g)) for g in kind_groups]
-        staging = torch.empty(sum(hi - lo for lo, hi in spans), dtype=dtype, device=device)
-        dsts, srcs, others, at = [], [], [], 0
-        for group, (lo, hi) in zip(kind_groups, spans):
-            host = group[0][1]
-            staging[at: at + hi - lo].copy_(host.as_strided((hi - lo,), (1,), lo), non_blocking=True)
-            for dst, src in group:
-                on_device = staging.as_strided(src.shape, src.stride(), at + src.storage_offset() - lo)
-                if dst.dtype == dtype and dst.is_contiguous() and src.is_contiguous():
+    for entry in groups:
+        dst, src = entry[0][0][:2]
+        by_kind.setdefault((src.dtype, dst.device), []).append(entry)
+    for (dtype, device), entries in by_kind.items():
+        staging = torch.empty(sum(hi - lo for _, lo, hi in entries), dtype=dtype, device=device)
+        runs = device.type == "cuda" or kernel_runs_on(staging)  # the segment kernel can take them
+        segments, dsts, srcs, others, at = [], [], [], [], 0
+        for group, lo, hi in entries:
+            staging[at: at + hi - lo].copy_(group[0][1].as_strided((hi - lo,), (1,), lo), non_blocking=True)
+            base = at - lo
+            for dst, src, off, _ in group:
+                dense = dst.dtype == dtype and dst.is_contiguous() and src.is_contiguous()
+                if dense and runs:
+                    segments += (dst.data_ptr(), base + off, src.numel())
+                    continue
+                on_device = staging.as_strided(src.shape, src.stride(), base + off)
+                if dense:
                     dsts.append(dst)  # same shapes, dense: one multi-tensor copy takes them all
                     srcs.append(on_device)
                 else:
                     others.append((dst, on_device))
             at += hi - lo
+        if segments:
+            from ..ops.segment_copy import segment_copy  # (Triton, imported when first needed)
+
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                segment_copy(staging, segments, dtype)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
         if others:
