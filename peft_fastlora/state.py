@@ -8,6 +8,7 @@ runtime flags the layers read (``forward_context``, ``call``).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -576,6 +577,23 @@ class FastLoRAState:
         """Adapters newly given slots: every site loads them there (stacks keep their addresses:
         graphs stay valid; the batch info and ranks read from the slots are rebuilt)."""
         t = time.perf_counter()
+        # a load makes thousands of small objects; with hundreds of adapters registered the
+        # process tracks about a million, and the collections they would trigger mid-load cost
+        # more than the load itself: paused for its length (at most one follows)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._load_slots_now(placed)
+        finally:
+            if collecting:
+                gc.enable()
+        self.registry.stats["load_seconds"] += time.perf_counter() - t
+        self.registry.stats["block_moves"] = sum(site.pool.block_moves for site in self.sites)
+        self._slot_loads += 1
+        self._slot_ranks = None
+        self._bi_key = None
+
+    def _load_slots_now(self, placed):
         peft_pairs, host_pairs, tables = [], [], []
         for site in self.sites:
             pairs, fixed, table = site.pool.load(placed)
@@ -593,11 +611,6 @@ class FastLoRAState:
             host_pairs.append((device_table, host[at: at + h.numel()]))
             at += h.numel()
         copy_from_host(host_pairs)  # pinned and never changed, so the host need not wait
-        self.registry.stats["load_seconds"] += time.perf_counter() - t
-        self.registry.stats["block_moves"] = sum(site.pool.block_moves for site in self.sites)
-        self._slot_loads += 1
-        self._slot_ranks = None
-        self._bi_key = None
 
     def _adapter_set_changed(self) -> bool:
         # adapters per layer, counted (cheap); the names compared only when the count moved

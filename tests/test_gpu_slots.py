@@ -197,15 +197,20 @@ def test_what_slots_keep_stays_bounded_over_many_swaps():
 
 def test_a_load_that_fails_leaves_no_half_written_slot(monkeypatch):
     """An error while adapters are copied into slots (out of memory, say) fails that call; the
-    adapters are not taken for loaded, so the next call loads them again and equals PEFT."""
+    adapters are not taken for loaded, so the next call loads them again and equals PEFT. The
+    garbage collector is paused during every load and back on after it, failed or not (and left
+    off where the user had turned it off)."""
+    import gc
+
     from peft_fastlora.lora import pool as pool_module
 
     m, ref = _pair()
     fastlora.patch(m, max_loras_per_batch=2)
     _same(m, ref, ["sql", "chat"])
-    real, failures = pool_module.SitePool.load, [0]
+    real, failures, collecting = pool_module.SitePool.load, [0], []
 
     def failing(self, placed):
+        collecting.append(gc.isenabled())
         if failures[0] == 0:
             failures[0] += 1
             self._place(*placed[0])  # the first pool's slot is half rewritten, then the error
@@ -215,10 +220,18 @@ def test_a_load_that_fails_leaves_no_half_written_slot(monkeypatch):
     monkeypatch.setattr(pool_module.SitePool, "load", failing)
     with pytest.raises(RuntimeError, match="injected"):
         logits(m, ["mlp", "sql"], _ids(2, 3))
+    assert gc.isenabled()
     registry = get_state(m).registry
     assert "mlp" not in registry.slot and None in registry.resident
     _same(m, ref, ["mlp", "sql", "__base__"])  # loaded again, whole
-    _same(m, ref, ["chat", "mlp"])
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        _same(m, ref, ["chat", "mlp"])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert collecting and not any(collecting), collecting
 
 
 def test_stacks_hold_exactly_the_adapters_own_bytes():
