@@ -594,11 +594,12 @@ class FastLoRAState:
         self._bi_key = None
 
     def _load_slots_now(self, placed):
-        peft_pairs, host_pairs, tables = [], [], []
+        peft_pairs, host_pairs, runs, tables = [], [], [], []
         for site in self.sites:
-            pairs, fixed, table = site.pool.load(placed)
+            pairs, fixed, site_runs, table = site.pool.load(placed)
             peft_pairs += pairs
             host_pairs += fixed
+            runs += site_runs
             tables.append(table)
         copy_values(peft_pairs)
         # every pool's tables from one host buffer (pinned on CUDA): one copy to the GPU, then
@@ -610,7 +611,7 @@ class FastLoRAState:
         for device_table, h in tables:
             host_pairs.append((device_table, host[at: at + h.numel()]))
             at += h.numel()
-        copy_from_host(host_pairs)  # pinned and never changed, so the host need not wait
+        copy_from_host(host_pairs, runs)  # pinned and never changed, so the host need not wait
 
     def _adapter_set_changed(self) -> bool:
         # adapters per layer, counted (cheap); the names compared only when the count moved

@@ -182,7 +182,7 @@ def test_what_slots_keep_stays_bounded_over_many_swaps():
         pools = [site.pool for site in state.sites]
         for p in pools:  # views: a bounded cache, whatever the places and ranks seen
             assert len(p._view_cache) <= 4 * p.num_slots * p.stack_num, len(p._view_cache)
-        return (sum(len(p.copies) + len(p._fixed) for p in pools), len(state._watches),
+        return (sum(len(p.copies) + len(p._fixed) + len(p._runs) for p in pools), len(state._watches),
                 len(state._refresher._merged), tuple(state.registry._recent) != (), len(state.registry.slot))
 
     for k in range(400):
@@ -324,7 +324,7 @@ def _check_pool_invariants(state):
         for slot, name in enumerate(state.registry.resident):
             if name is None:
                 continue
-            for j, a, b, _ in pool._sources.get(name, ()):
+            for j, a, b, *_ in pool._sources.get(name, ()):
                 k = a.shape[0]
                 assert int(pool.ranks[slot, j]) == k
                 assert torch.equal(pool.packed_view_a(slot, j, k), a), (site.name, name, j)

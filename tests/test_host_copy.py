@@ -81,3 +81,31 @@ def test_unstaged_device_copies_directly(monkeypatch):
     dst = [torch.zeros_like(t) for t in src]
     host_copy.copy_from_host(list(zip(dst, src)))
     assert all(torch.equal(d, s) for d, s in zip(dst, src)) and not made
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "direct"])
+def test_runs_into_flat_buffers(monkeypatch, staged):
+    """``HostRun``s (a registered adapter's dense weights bound for places in flat stack buffers,
+    as pools make them): staged, one segment copy for the buffer's runs; else a copy per run
+    through a view of its place. Both land exactly, and nothing between places is written."""
+    from peft_fastlora.lora.pool import HostRun
+
+    if staged:
+        monkeypatch.setattr(host_copy, "STAGED_DEVICES", ("cuda", "cpu"))
+    views = _adapter(4)
+    flat = views[0]._base if views[0]._base is not None else views[0]
+    group = (flat.data_ptr() - flat.storage_offset() * flat.element_size(), torch.device("cpu"))
+    arenas = [torch.full((1200,), 7.0, dtype=torch.bfloat16), torch.full((1000,), 7.0, dtype=torch.bfloat16)]
+    runs, places, ends = [], [], [11, 5]
+    for i, v in enumerate(views):
+        dst, offset = arenas[i % 2], ends[i % 2]
+        ends[i % 2] += v.numel() + 3  # gaps the copies must not write
+        runs.append(HostRun(dst, offset, v, group, v.storage_offset(), v.numel()))
+        places.append((dst, offset, v))
+    assert all(end <= a.numel() for end, a in zip(ends, arenas))
+    host_copy.copy_from_host([], runs)
+    written = [torch.zeros(a.numel(), dtype=torch.bool) for a in arenas]
+    for dst, offset, v in places:
+        assert torch.equal(dst[offset: offset + v.numel()], v.reshape(-1))
+        written[0 if dst is arenas[0] else 1][offset: offset + v.numel()] = True
+    assert all((a[~w] == 7.0).all() for a, w in zip(arenas, written)), "a run wrote outside its place"

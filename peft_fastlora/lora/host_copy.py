@@ -18,7 +18,7 @@ from typing import Dict, Sequence, Tuple
 import torch
 
 from ..kernel_support import kernel_runs_on
-from .pool import copy_values
+from .pool import HostRun, copy_values
 
 STAGING_BYTES = 256 << 20  # at most this much staging at once (a larger storage span gets its own)
 STAGED_DEVICES = ("cuda",)  # where staging pays (tests add "cpu" to run the staged path)
@@ -32,9 +32,10 @@ def _extent(t: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for each (device view, host tensor) pair, without host waits (``src``
-    pinned; unpinned ones are copied synchronously by torch, correctly)."""
+def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], runs: Sequence[HostRun] = ()) -> None:
+    """``dst.copy_(src)`` for each (device view, host tensor) pair, and each ``HostRun`` into its
+    place, without host waits (``src`` pinned; unpinned ones are copied synchronously by torch,
+    correctly)."""
     # per host storage: (dst, src, src's first storage element, one past its last); every
     # tensor attribute is read once (the host's time per view is what a load costs)
     groups: Dict[tuple, list] = {}
@@ -46,6 +47,12 @@ def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         if group is None:
             group = groups[key] = []
         group.append((dst, src, off, off + src.numel() if src.is_contiguous() else _extent(src)))
+    run_groups: Dict[tuple, list] = {}
+    for run in runs:  # their storage, offsets and device known in advance
+        group = run_groups.get(run.group)
+        if group is None:
+            group = run_groups[run.group] = []
+        group.append(run)
     direct, staged = [], []
     for (_, _, device), group in groups.items():
         # one storage: pinned or not as a whole
@@ -53,11 +60,18 @@ def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
             staged.append((group, min(g[2] for g in group), max(g[3] for g in group)))
         else:
             direct += group
+    for (_, device), group in run_groups.items():
+        host = group[0].src
+        if (device.type in STAGED_DEVICES and len(group) > 1 and (device.type != "cuda" or host.is_pinned())
+                and (device.type == "cuda" or kernel_runs_on(host))):
+            staged.append((group, min(r.src_offset for r in group), max(r.src_offset + r.numel for r in group)))
+        else:  # each as a view of its place
+            direct += [(r.dst[r.offset: r.offset + r.numel].view(r.src.shape), r.src) for r in group]
     if direct:  # one copy each
         torch._foreach_copy_([g[0] for g in direct], [g[1] for g in direct], non_blocking=True)
     batch, size = [], 0
     for group, lo, hi in staged:
-        itemsize = group[0][1].element_size()
+        itemsize = _host_of(group).element_size()
         if batch and (size + hi - lo) * itemsize > STAGING_BYTES:
             _staged_copy(batch)
             batch, size = [], 0
@@ -67,22 +81,34 @@ def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         _staged_copy(batch)
 
 
+def _host_of(group) -> torch.Tensor:
+    """A host tensor of the group's storage (groups hold pairs' entries or runs)."""
+    return group[0].src if isinstance(group[0], HostRun) else group[0][1]
+
+
 def _staged_copy(groups) -> None:
     """Groups of one storage each, with their spans ``(group, lo, hi)``: the spans into one
     staging buffer per dtype and device, one copy per group, then each view from its place in
-    the buffer: dense views of the staged dtype as runs of one segment copy, the rest by batched
-    copies."""
+    the buffer: runs and dense views of the staged dtype as runs of one segment copy, the rest by
+    batched copies."""
     by_kind: Dict[tuple, list] = {}
     for entry in groups:
-        dst, src = entry[0][0][:2]
-        by_kind.setdefault((src.dtype, dst.device), []).append(entry)
+        first = entry[0][0]
+        dst = first.dst if isinstance(first, HostRun) else first[0]
+        by_kind.setdefault((_host_of(entry[0]).dtype, dst.device), []).append(entry)
     for (dtype, device), entries in by_kind.items():
         staging = torch.empty(sum(hi - lo for _, lo, hi in entries), dtype=dtype, device=device)
         runs = device.type == "cuda" or kernel_runs_on(staging)  # the segment kernel can take them
+        itemsize = staging.element_size()
         segments, dsts, srcs, others, at = [], [], [], [], 0
         for group, lo, hi in entries:
-            staging[at: at + hi - lo].copy_(group[0][1].as_strided((hi - lo,), (1,), lo), non_blocking=True)
+            staging[at: at + hi - lo].copy_(_host_of(group).as_strided((hi - lo,), (1,), lo), non_blocking=True)
             base = at - lo
+            if isinstance(group[0], HostRun):  # of the staged dtype and dense: runs (a pool checked)
+                for run in group:
+                    segments += (run.dst.data_ptr() + run.offset * itemsize, base + run.src_offset, run.numel)
+                at += hi - lo
+                continue
             for dst, src, off, _ in group:
                 dense = dst.dtype == dtype and dst.is_contiguous() and src.is_contiguous()
                 if dense and runs:

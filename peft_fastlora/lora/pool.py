@@ -35,7 +35,7 @@ The stacks are copies of PEFT's weights, kept current in two ways:
 from __future__ import annotations
 
 from array import array
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -45,6 +45,25 @@ from .arena import RowArena
 from .slots import AdapterRegistry
 
 __all__ = ["AdapterRegistry", "SitePool", "ValueRefresher", "copy_values"]
+
+
+def _storage_address(t: torch.Tensor) -> int:
+    """Where ``t``'s storage starts (without making a storage object: slow on the host)."""
+    return t.data_ptr() - t.storage_offset() * t.element_size()
+
+
+class HostRun(NamedTuple):
+    """A registered adapter's dense host tensor bound for elements ``[offset, offset + numel)`` of a
+    flat stack buffer: what a slot load copies, without a device view made for it (the host's time
+    per module is what a load costs). ``group``: the host storage's address and the device, the
+    unit of one staged copy."""
+
+    dst: torch.Tensor  # flat (1-D) stack buffer on the device
+    offset: int
+    src: torch.Tensor  # contiguous, of ``dst``'s dtype
+    group: tuple
+    src_offset: int  # ``src.storage_offset()``
+    numel: int
 
 
 class SitePool:
@@ -75,8 +94,12 @@ class SitePool:
         self.unsupported: dict[int, str] = {}  # slot -> why PEFT's own path must serve it here
         self.copies: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}  # slot -> (view, param)
         self._fixed: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}  # slot -> registered adapter's pairs
-        # per adapter: its modules' (index, A, B, registered?), ranks and scalings, and why PEFT must serve it
-        self._sources: Dict[str, List[Tuple[int, torch.Tensor, torch.Tensor, bool]]] = {}
+        self._runs: Dict[int, List[HostRun]] = {}  # slot -> registered adapter's runs (dense ones)
+        # per adapter: its modules' (index, A, B, registered?, where A and B lie in their host storage
+        # for a registered adapter copied as runs, else None), ranks and scalings, and why PEFT must
+        # serve it
+        self._sources: Dict[str, List[Tuple[int, torch.Tensor, torch.Tensor, bool, Optional[tuple]]]] = {}
+        self._flat_a: Optional[torch.Tensor] = None  # lora_a as one row of elements
         self._ranks_of: Dict[str, List[int]] = {}
         self._scalings_of: Dict[str, List[float]] = {}
         self._unsupported_of: Dict[str, str] = {}
@@ -118,7 +141,7 @@ class SitePool:
         if self.lora_a is None:
             return 0
         esize = self.lora_a.element_size()
-        return sum((a.numel() + b.numel()) * esize for pairs in self._sources.values() for _, a, b, _ in pairs)
+        return sum((a.numel() + b.numel()) * esize for pairs in self._sources.values() for _, a, b, _, _ in pairs)
 
     def _current_signature(self, registry: AdapterRegistry):
         sig = [tuple(registry.names)]
@@ -176,10 +199,14 @@ class SitePool:
         and the (view, parameter) pairs that keep them current. ``stored``: the registered adapters'
         (A, B, scaling) by stacked module index (``lora.store``; immutable, copied when loaded)."""
         c, n_slots = self.stack_num, registry.num_slots
+        device = torch.device(device)
         self._sources, self._ranks_of, self._scalings_of, self._unsupported_of = {}, {}, {}, {}
 
         def add(name, j, a, b, scaling, fixed):
-            self._sources.setdefault(name, []).append((j, a, b, fixed))
+            runs = None
+            if fixed and a.dtype == dtype and b.dtype == dtype and a.is_contiguous() and b.is_contiguous():
+                runs = tuple((_storage_address(t), device, t.storage_offset(), t.numel()) for t in (a, b))
+            self._sources.setdefault(name, []).append((j, a, b, fixed, runs))
             self._ranks_of.setdefault(name, [0] * c)[j] = a.shape[0]
             self._scalings_of.setdefault(name, [0.0] * c)[j] = scaling
 
@@ -197,7 +224,7 @@ class SitePool:
         # R: the width per module of the shrink output (or of an embedding lookup)
         r = max([1] + [x for row in self._ranks_of.values() for x in row])
         self.max_rank = r
-        self.copies, self._fixed, self.unsupported, self._view_cache = {}, {}, {}, {}
+        self.copies, self._fixed, self._runs, self.unsupported, self._view_cache = {}, {}, {}, {}, {}
         self._slot_ranks = [[0] * c for _ in range(n_slots)]
         self._slot_scalings = [[0.0] * c for _ in range(n_slots)]
         self._slot_a_rows = [[0] * c for _ in range(n_slots)]
@@ -223,6 +250,9 @@ class SitePool:
         self._watched = self._watch()
         self._registry_names = list(registry.names)
         copy_values([pair for table in (self.copies, self._fixed) for pairs in table.values() for pair in pairs])
+        for runs in self._runs.values():
+            for run in runs:
+                run.dst[run.offset: run.offset + run.numel].copy_(run.src.view(-1))
 
     def _allocate_packed(self, n_slots: int, dtype: torch.dtype, device) -> None:
         """Arenas with a region per module, each sized for the ``n_slots`` largest blocks any
@@ -244,6 +274,7 @@ class SitePool:
         if self.lora_a is None:
             self.lora_a = torch.zeros(max(rows_total, 1), self.in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max(elems_total, 8), dtype=dtype, device=device)
+        self._flat_a = self.lora_a.view(-1) if self.lora_a.is_contiguous() else None
 
     def folded(self) -> bool:
         """The A arena is the tail of the base weight it was attached to, and that weight is still
@@ -272,7 +303,7 @@ class SitePool:
         self._slot_name[slot] = name
         for arena in self._arenas:
             arena.free(slot)
-        for j, a, _, _ in self._sources.get(name, ()):
+        for j, a, _, _, _ in self._sources.get(name, ()):
             moves = self._arenas[j].alloc(slot, a.shape[0])
             if moves:
                 self._move_blocks(j, moves)
@@ -302,14 +333,20 @@ class SitePool:
                 dst.copy_(src.clone() if old - new < rows else src)
 
     def _views_of(self, slot: int) -> None:
-        """The (view, weight) pairs of the adapter in ``slot``, where its blocks are now; the
-        packed tables' host copies follow."""
-        pairs, fixed = [], []
-        for j, a, b, registered in self._sources.get(self._slot_name[slot], ()):
+        """What copies the adapter in ``slot`` where its blocks are now: (view, weight) pairs, and
+        runs for a registered adapter's dense weights; the packed tables' host copies follow."""
+        pairs, fixed, runs = [], [], []
+        flat_a, width_a = self._flat_a, self.in_features
+        for j, a, b, registered, where in self._sources.get(self._slot_name[slot], ()):
             k = a.shape[0]
             start = self._arenas[j].start_of(slot)
-            self._slot_a_rows[slot][j] = self._a_base[j] + start
-            self._slot_b_offs[slot][j] = self._b_base[j] + start * self.out_features[j]
+            a_row = self._slot_a_rows[slot][j] = self._a_base[j] + start
+            b_off = self._slot_b_offs[slot][j] = self._b_base[j] + start * self.out_features[j]
+            if where is not None and flat_a is not None:
+                (a_group, a_device, a_at, a_n), (b_group, b_device, b_at, b_n) = where
+                runs.append(HostRun(flat_a, a_row * width_a, a, (a_group, a_device), a_at, a_n))
+                runs.append(HostRun(self.lora_b, b_off, b, (b_group, b_device), b_at, b_n))
+                continue
             views = self._view_cache.get((j, start, k))
             if views is None:  # the same (module, place, rank) views serve every adapter that comes
                 if len(self._view_cache) >= 4 * len(self._slot_ranks) * self.stack_num:
@@ -319,6 +356,7 @@ class SitePool:
             (fixed if registered else pairs).extend(zip(views, (a, b)))
         self.copies[slot] = pairs  # PEFT's parameters: copied again at every call that uses them
         self._fixed[slot] = fixed
+        self._runs[slot] = runs
 
     def packed_view_a(self, slot: int, j: int, rank: int) -> torch.Tensor:
         """Module j's A of ``slot`` in the packed arena, (rank, in)."""
@@ -332,13 +370,14 @@ class SitePool:
 
     @torch.no_grad()
     @torch.inference_mode(False)
-    def load(self, placed: Sequence[Tuple[int, str]]) -> Tuple[list, list, Tuple[torch.Tensor, torch.Tensor]]:
+    def load(self, placed: Sequence[Tuple[int, str]]) -> Tuple[list, list, list, Tuple[torch.Tensor, torch.Tensor]]:
         """Put each adapter ``name`` in its slot (replacing what the slot held): ranks and scalings
         change with it (the stacks keep their addresses, so graphs that read them stay valid; a
         module the adapter does not target gets rank 0 and is not read). Returns what the caller
         copies, for all pools at once: the (view, weight) pairs of PEFT's parameters, those of the
-        registered adapters' (host) tensors, and (device tables, their new host contents)."""
-        pairs, fixed, moved = [], [], set()
+        registered adapters' (host) tensors, the registered adapters' runs, and (device tables,
+        their new host contents)."""
+        pairs, fixed, runs, moved = [], [], [], set()
         for slot, name in placed:
             moved |= self._place(slot, name)
         for slot in moved:  # moved on the device: new views and places, same weights
@@ -347,7 +386,8 @@ class SitePool:
             self._views_of(slot)
             pairs += self.copies[slot]
             fixed += self._fixed[slot]
-        return pairs, fixed, (self._tables, self._host_tables())
+            runs += self._runs[slot]
+        return pairs, fixed, runs, (self._tables, self._host_tables())
 
     # the (num_slots, c) tables the kernels read live in one int32 buffer, written in place by one
     # copy per load: ranks, scalings (float32 bits), A rows, B offsets (int64, 8-byte aligned)
