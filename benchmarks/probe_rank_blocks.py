@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--num-warps", type=int, nargs="+", default=[None], help="sweep its warps per program")
     p.add_argument("--prefetch", type=int, nargs="+", default=[None], help="sweep: 1 on, 0 off")
     p.add_argument("--max-registers", type=int, nargs="+", default=[None], help="sweep: 0 none, else a cap")
+    p.add_argument("--block-k", type=int, nargs="+", default=[None], help="sweep: K columns per shrink item")
+    p.add_argument("--block-n", type=int, nargs="+", default=[None], help="sweep: output columns per expand item")
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1), tiny shapes, eager")
     args = p.parse_args(argv)
     if args.smoke:
@@ -90,7 +92,7 @@ def byte_floor_us(site, rows, used_ranks, bandwidth):
     return 1e6 * (weights + rows * (k + 2 * n) * 2) / bandwidth
 
 
-def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_sweep=((None, None, None, None),)):
+def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_sweep=((None,) * 6,)):
     lf = importlib.import_module("peft_fastlora.ops.lora_fused")  # (the package exports a function of that name)
     from peft_fastlora.backend.torch_native import TorchNativeLoRABackend
     from peft_fastlora.backend.triton import TritonLoRABackend
@@ -118,13 +120,14 @@ def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_s
     floor = sum(byte_floor_us(s, rows, [ranks[w] for w in sorted(set(wi))], bandwidth) for s in sites)
     results = []
     library_config, library_blocks = lf.fused_config, (lf.RANK_BLOCK, lf.MIXED_RANK_BLOCK)
-    for rb, (pps, warps, prefetch, max_regs) in [(rb, lw) for rb in rank_blocks for lw in launch_sweep]:
+    for rb, (pps, warps, prefetch, max_regs, bk, bn) in [(rb, lw) for rb in rank_blocks for lw in launch_sweep]:
         if rb:  # 0: the library's own choice
             lf.RANK_BLOCK = lf.MIXED_RANK_BLOCK = rb
 
-        def config(*args, _pps=pps, _warps=warps, _prefetch=prefetch, _regs=max_regs, **kwargs):
+        def config(*args, _pps=pps, _warps=warps, _prefetch=prefetch, _regs=max_regs, _bk=bk, _bn=bn, **kwargs):
             cfg = library_config(*args, **kwargs)
             return dict(cfg, programs_per_sm=_pps or cfg["programs_per_sm"], num_warps=_warps or cfg["num_warps"],
+                        block_k=_bk or cfg["block_k"], block_n=_bn or cfg["block_n"],
                         prefetch=cfg["prefetch"] if _prefetch is None else bool(_prefetch),
                         max_registers=cfg["max_registers"] if _regs is None else (_regs or None))
 
@@ -155,7 +158,8 @@ def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_s
             us = 1e6 * (time.perf_counter() - t0) / layers
         row = dict(versions, workload=name, rows=rows, adapters=n_adapters, ranks="/".join(map(str, rank_cycle)),
                    sites="+".join(sites), rank_block=rb,
-                   **{key: used[key] for key in ("programs_per_sm", "num_warps", "prefetch", "max_registers", "r_sub")}, us_per_layer=round(us, 2),
+                   **{key: used[key] for key in ("programs_per_sm", "num_warps", "prefetch", "max_registers", "r_sub",
+                                      "block_k", "block_n")}, us_per_layer=round(us, 2),
                    us_per_launch=round(us / len(sites), 2), floor_us_per_layer=round(floor, 2),
                    x_floor=round(us / floor, 3), max_rel_err=f"{err:.2e}", timeouts=tri.fused_timeouts())
         print(row, flush=True)
@@ -185,8 +189,8 @@ def main(argv=None) -> int:
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
     for name in args.workloads:
-        sweep = [(p, w, f, r) for p in args.programs_per_sm for w in args.num_warps for f in args.prefetch
-                 for r in args.max_registers]
+        sweep = [(p, w, f, r, k, n) for p in args.programs_per_sm for w in args.num_warps for f in args.prefetch
+                 for r in args.max_registers for k in args.block_k for n in args.block_n]
         rows += run_workload(name, args.rank_blocks, args.layers, timer, bandwidth, versions, sweep)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
