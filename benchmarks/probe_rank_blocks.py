@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--num-warps", type=int, nargs="+", default=[None], help="sweep its warps per program")
     p.add_argument("--prefetch", type=int, nargs="+", default=[None], help="sweep: 1 on, 0 off")
     p.add_argument("--max-registers", type=int, nargs="+", default=[None], help="sweep: 0 none, else a cap")
+    p.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "two_kernel"],
+                   help="two_kernel: the shrink and expand kernels, the path of batches the fused one does not take")
     p.add_argument("--block-k", type=int, nargs="+", default=[None], help="sweep: K columns per shrink item")
     p.add_argument("--block-n", type=int, nargs="+", default=[None], help="sweep: output columns per expand item")
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1), tiny shapes, eager")
@@ -92,7 +94,7 @@ def byte_floor_us(site, rows, used_ranks, bandwidth):
     return 1e6 * (weights + rows * (k + 2 * n) * 2) / bandwidth
 
 
-def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_sweep=((None,) * 6,)):
+def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_sweep=((None,) * 6,), path="fused"):
     lf = importlib.import_module("peft_fastlora.ops.lora_fused")  # (the package exports a function of that name)
     from peft_fastlora.backend.torch_native import TorchNativeLoRABackend
     from peft_fastlora.backend.triton import TritonLoRABackend
@@ -103,7 +105,8 @@ def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_s
     wi = [i % n_adapters for i in range(rows)]
     scal = [1.0 / (1 + i % 3) for i in range(n_adapters)]
     fb = ForwardBatch(rows, [1] * rows, ForwardMode.DECODE, torch.device(DEVICE))
-    tri, ref = TritonLoRABackend(n_adapters, DEVICE), TorchNativeLoRABackend(n_adapters, DEVICE)
+    tri = TritonLoRABackend(n_adapters, DEVICE, fused_decode=path == "fused")
+    ref = TorchNativeLoRABackend(n_adapters, DEVICE)
     tri.init_cuda_graph_batch_info(rows, 1, max_slots=n_adapters)  # the decode graphs' static plan
     bi = tri.prepare_lora_batch(fb, wi, ranks, scal, use_cuda_graph=True)
     ref.prepare_lora_batch(fb, wi, ranks, scal, use_cuda_graph=False)
@@ -156,7 +159,7 @@ def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_s
             t0 = time.perf_counter()
             step()
             us = 1e6 * (time.perf_counter() - t0) / layers
-        row = dict(versions, workload=name, rows=rows, adapters=n_adapters, ranks="/".join(map(str, rank_cycle)),
+        row = dict(versions, workload=name, path=path, rows=rows, adapters=n_adapters, ranks="/".join(map(str, rank_cycle)),
                    sites="+".join(sites), rank_block=rb,
                    **{key: used[key] for key in ("programs_per_sm", "num_warps", "prefetch", "max_registers", "r_sub",
                                       "block_k", "block_n")}, us_per_layer=round(us, 2),
@@ -191,7 +194,8 @@ def main(argv=None) -> int:
     for name in args.workloads:
         sweep = [(p, w, f, r, k, n) for p in args.programs_per_sm for w in args.num_warps for f in args.prefetch
                  for r in args.max_registers for k in args.block_k for n in args.block_n]
-        rows += run_workload(name, args.rank_blocks, args.layers, timer, bandwidth, versions, sweep)
+        for path in args.paths:
+            rows += run_workload(name, args.rank_blocks, args.layers, timer, bandwidth, versions, sweep, path)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     print("fused kernel variants compiled (registers, spills, warps):", kernel_registers(), flush=True)
