@@ -563,6 +563,8 @@ class FastLoRAState:
             except BaseException:
                 self.registry.release(placed)
                 self._bi_key = None
+                for site in self.sites:  # blocks may have slid with the tables left behind
+                    site.pool.invalidate()
                 raise
         slots = {self.registry.slot[n] for n in set(adapter_names) if n in self.registry.slot}
         if not slots:

@@ -310,6 +310,58 @@ def test_compaction_under_slot_traffic_equals_peft(monkeypatch):
     assert sum(1 for n in compactions if n) >= 2, compactions  # this seed compacts twice
 
 
+def test_a_load_that_fails_after_compaction_leaves_every_slot_right(monkeypatch):
+    """The copy to the GPU fails (out of memory for the staging buffer, say) in a load whose
+    compaction has already slid the blocks of an adapter that stays in its slot: the tables on the
+    GPU still point where its blocks were. A next call with only adapters in slots (no load to
+    rewrite the tables) must not read them: it and every call after equal PEFT (the stacks are
+    rebuilt, the graphs' generation moves on), and the tables say where every block is."""
+    import peft_fastlora.state as state_module
+    from peft_fastlora.lora import arena as arena_module
+
+    m, ref = _pair()
+    fastlora.patch(m, max_loras_per_batch=2)
+    state = get_state(m)
+    moved_now, alloc = [], arena_module.RowArena.alloc
+
+    def counted(self, slot, rows):
+        moved = alloc(self, slot, rows)
+        moved_now.extend(moved)  # the other slots whose blocks slid
+        return moved
+
+    real_copy, failed, call_names = state_module.copy_from_host, [], []
+
+    def copy(pairs, runs=()):
+        slid = {state.registry.resident[slot] for slot in moved_now} - set(call_names) - {None}
+        if slid and not failed:
+            failed.append((state.generation, sorted(slid)))
+            raise RuntimeError("injected: out of memory for the staging buffer")
+        return real_copy(pairs, runs)
+
+    monkeypatch.setattr(arena_module.RowArena, "alloc", counted)
+    monkeypatch.setattr(state_module, "copy_from_host", copy)
+    rng = random.Random(1)  # slides the blocks of an adapter that stays, in its 8th call
+    for call in range(40):
+        used = rng.sample(NAMES, rng.randint(1, 2))
+        names = used + [rng.choice(used + ["__base__"])]
+        moved_now.clear()
+        call_names[:] = names
+        if failed:
+            _same(m, ref, names, seed=call)
+            continue
+        try:
+            _same(m, ref, names, seed=call)
+        except RuntimeError as e:
+            assert "injected" in str(e)
+            generation, slid = failed[0]
+            assert all(name in state.registry.slot for name in slid)
+            _same(m, ref, slid, seed=call)  # only adapters in their slots: no load rewrites the tables
+            assert state.generation > generation
+            _check_pool_invariants(state)  # the tables on the device say where every block is
+            _same(m, ref, names, seed=call)  # the failed call again, then the rest of the traffic
+    assert failed, "the traffic never slid a block of an adapter staying in its slot"
+
+
 def _check_pool_invariants(state):
     """Every resident adapter's blocks hold its weights, where the tables say; no two blocks of a
     module overlap, and all lie inside the module's region."""

@@ -116,6 +116,7 @@ class SitePool:
         self._slot_b_offs: List[List[int]] = []
         self._slot_name: Dict[int, str] = {}  # slot -> adapter whose blocks it holds
         self.block_moves = 0  # blocks compaction has moved, over the pool's life
+        self._broken = False  # a load failed part-way: rebuilt before the next call (``invalidate``)
         self._signature = None
         self._watched = None
         self._registry_names = None
@@ -182,7 +183,7 @@ class SitePool:
     def stale(self, registry: AdapterRegistry, dtype: torch.dtype, names=None) -> bool:
         """Whether the stacks no longer fit PEFT's adapters. ``names``: of the adapters' own
         parameters, check only these (None: all); the adapter set and scalings always."""
-        if self.lora_a is None or self.lora_a.dtype != dtype:
+        if self._broken or self.lora_a is None or self.lora_a.dtype != dtype:
             return True
         if self._watched is not None:
             return self._registry_names != registry.names or not self._watch_clean(names)
@@ -200,6 +201,7 @@ class SitePool:
         (A, B, scaling) by stacked module index (``lora.store``; immutable, copied when loaded)."""
         c, n_slots = self.stack_num, registry.num_slots
         device = torch.device(device)
+        self._broken = False
         self._sources, self._ranks_of, self._scalings_of, self._unsupported_of = {}, {}, {}, {}
 
         def add(name, j, a, b, scaling, fixed):
@@ -294,6 +296,11 @@ class SitePool:
     def fold_lost(self) -> bool:
         """Folded when built, but the base weight has moved since (``model.to``, a reload)."""
         return self._fold_attached and not self.folded()
+
+    def invalidate(self) -> None:
+        """A load failed part-way (blocks may have moved on the device, the tables there may not
+        have followed): the next call rebuilds the stacks from the adapters in slots."""
+        self._broken = True
 
     def _place(self, slot: int, name: str) -> set:
         """Slot ``slot`` holds adapter ``name`` from now on (blocks, ranks, reasons; its weights
