@@ -149,8 +149,24 @@ def test_blocks_moved_by_compaction_are_copied_again_from_the_cpu_store(folders,
 
 
 def test_unregister(folders):
+    """Unregistered, an adapter is refused by name, and no pool keeps its host weights (runs,
+    sources or view pairs of a slot it held): its CPU memory can go."""
     m, ref = _pair(folders, ["ql"])
+    _same(m, ref, ["ql", "sql"])  # in a slot: its runs made
+    state = get_state(m)
+    a = next(iter(state.stored["ql"].modules.values()))[0]
+    storage = a.untyped_storage().data_ptr()
+
+    def held():
+        tensors = [t for site in state.sites for pool in [site.pool]
+                   for entries in pool._sources.values() for _, ta, tb, *_ in entries for t in (ta, tb)]
+        tensors += [r.src for site in state.sites for runs in site.pool._runs.values() for r in runs]
+        tensors += [src for site in state.sites for pairs in site.pool._fixed.values() for _, src in pairs]
+        return [t for t in tensors if t.untyped_storage().data_ptr() == storage]
+
+    assert held()
     fastlora.unregister_adapter(m, "ql")
+    assert not held() and "ql" not in state.stored
     with pytest.raises(ValueError, match="non-existing adapter.*ql"):
         logits(m, ["ql", "sql"], _ids(2, 0))
     _same(m, ref, ["sql", "chat"])
