@@ -579,9 +579,9 @@ class FastLoRAState:
         """Adapters newly given slots: every site loads them there (stacks keep their addresses:
         graphs stay valid; the batch info and ranks read from the slots are rebuilt)."""
         t = time.perf_counter()
-        # a load makes thousands of small objects; with hundreds of adapters registered the
-        # process tracks about a million, and the collections they would trigger mid-load cost
-        # more than the load itself: paused for its length (at most one follows)
+        # a load makes thousands of small objects, and with hundreds of adapters registered a
+        # collection they trigger scans all of the registry's objects (benchmarks/NOTES.md,
+        # session 11: it cost more than the load): paused for its length, at most one follows
         collecting = gc.isenabled()
         gc.disable()
         try:
