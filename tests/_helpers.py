@@ -65,7 +65,8 @@ def pack(a, b, offsets, ranks, seed=0) -> PackedWeights:
     arena_a = torch.full((row, k), float("nan"), dtype=a.dtype, device=a.device)
     arena_b = torch.full((off,), float("nan"), dtype=a.dtype, device=a.device)
     w = PackedWeights(arena_a, arena_b, a_rows, b_offs, r_max, tuple(offsets),
-                      align=block_align(r for r in ranks.flatten().tolist() if r))
+                      align=block_align(r for r in ranks.flatten().tolist() if r),
+                      mixed_ranks=len({r for r in ranks.flatten().tolist() if r}) > 1)
     for s, j, row, off in place:
         rank = int(ranks[s, j])
         w.a_view(row, rank).copy_(a[s, j * r_max: j * r_max + rank])

@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer, smid
 
 from ..kernel_support import num_sms
 from .lora_expand import packed_row_stride
@@ -42,10 +43,18 @@ MAX_BLOCK_R = 128  # larger padded ranks take the two-kernel path
 # rank rows an item handles per step (``fused_config``), chosen by probe_rank_blocks.py
 RANK_BLOCK = 32
 MIXED_RANK_BLOCK = 16
+# which sites take the step kernel (``lora_fused_steps``): "mixed" (the adapters the site may
+# hold differ in rank), "all" or "none"; chosen by probe_fused_phases.py
+STEP_KERNEL = "mixed"
 READER = 1 << 16  # a reader's increment of a (chunk, module) counter; splits count in the low bits
 SYNC_HEAD = 32  # int32 slots before the counters: [0] ticket, [1] timeouts (own 128-byte line)
 _READER = tl.constexpr(READER)  # the kernels' copies (Triton reads only constexpr globals)
 _SYNC_HEAD = tl.constexpr(SYNC_HEAD)
+# probes only: one int64 record per item drawn, in ticket order (``lora_fused(trace=...)``)
+TRACE_FIELDS = 10
+(T_GLOBAL_NS, T_SM, T_START, T_META, T_FIRST, T_WAITED, T_COMPUTED, T_FINISHED, T_SPINS,
+ T_KIND) = range(TRACE_FIELDS)
+_TRACE_FIELDS = tl.constexpr(TRACE_FIELDS)
 
 
 @triton.jit
@@ -115,6 +124,27 @@ def _finish(cnt_ptr, add, total, acc_tile_ptrs, BLOCK_M: tl.constexpr, BLOCK_R: 
     if old + add == total:
         tl.store(acc_tile_ptrs, tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32))
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+    return old
+
+
+@triton.jit
+def _stamp(trace_ptr, t, field: tl.constexpr, dep, TRACE: tl.constexpr):
+    """Probes only (``TRACE``): the SM's clock once ``dep`` (an int32 scalar) has arrived, as field
+    ``field`` of item ``t``'s record (``TRACE_FIELDS`` int64 each). The clock is read in the same
+    asm block as an instruction that uses ``dep``, so the warp stalls on its load first; the
+    clock's last bit carries ``dep``'s, a one-cycle error that keeps the use from being dropped."""
+    if TRACE:
+        c = tl.inline_asm_elementwise(
+            "{ .reg .u64 d; cvt.u64.u32 d, $1; and.b64 d, d, 1; mov.u64 $0, %clock64; add.u64 $0, $0, d; }",
+            "=l,r", [dep], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(trace_ptr + t.to(tl.int64) * _TRACE_FIELDS + field, c)
+
+
+@triton.jit
+def _note(trace_ptr, t, field: tl.constexpr, value, TRACE: tl.constexpr):
+    """Probes only: ``value`` as field ``field`` of item ``t``'s record."""
+    if TRACE:
+        tl.store(trace_ptr + t.to(tl.int64) * _TRACE_FIELDS + field, value.to(tl.int64))
 
 
 @triton.jit
@@ -128,6 +158,7 @@ def _lora_fused_decode_kernel(
     b_offs_ptr,  # packed: (>= num_slots, c) int64 element offset in B of each (slot, module)
     acc_ptr,  # fp32 workspace, (>= max_chunks * c, BLOCK_M, BLOCK_R); zero between calls
     sync_ptr,  # int32 workspace: ticket, timeouts, then one counter per (chunk, module)
+    trace_ptr,  # probes only (TRACE): int64 records, TRACE_FIELDS per item drawn
     # dimensions
     K,
     R,  # padded rank of one module in A and B
@@ -161,6 +192,7 @@ def _lora_fused_decode_kernel(
     MAX_SPIN: tl.constexpr,
     WAIT_FIRST: tl.constexpr,  # tests only: hand out expand items first (exercises the timeout)
     DOT_PRECISION: tl.constexpr,
+    TRACE: tl.constexpr,  # probes only: time each item's phases into trace_ptr (fields: TRACE_FIELDS)
 ):
     # the plan fills chunks from index 0; items are numbered over chunks [0, n_act) only
     cidx = tl.arange(0, MAX_CHUNKS_P2)
@@ -177,6 +209,11 @@ def _lora_fused_decode_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     t = tl.atomic_add(sync_ptr, 1, sem="relaxed")
     while t < n_items:
+        if TRACE:  # record fields 0-2 (T_GLOBAL_NS, T_SM, T_START); 9 (T_KIND) 2 until known
+            _note(trace_ptr, t, 0, globaltimer(), TRACE)
+            _note(trace_ptr, t, 1, smid() + 256 * tl.program_id(0), TRACE)  # SM and program
+            _stamp(trace_ptr, t, 2, t, TRACE)
+            _note(trace_ptr, t, 9, tl.full((), 2, tl.int32), TRACE)
         item = t
         if WAIT_FIRST:
             item = tl.where(t < n_expand, t + n_shrink, t - n_expand)
@@ -207,6 +244,9 @@ def _lora_fused_decode_kernel(
         if active:
             row_mask = offs_m < n_rows
             tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
+            if TRACE:  # T_META; T_KIND 0 shrink, 1 expand
+                _stamp(trace_ptr, t, 3, rank + tl.sum(tok).to(tl.int32), TRACE)
+                _note(trace_ptr, t, 9, 1 - is_shrink.to(tl.int32), TRACE)
             r_mask = offs_r < rank
             cnt_ptr = sync_ptr + _SYNC_HEAD + chunk * C + j
             acc_ptrs = acc_ptr + ((chunk * C + j) * BLOCK_M + offs_m[:, None]) * BLOCK_R + offs_r[None, :]
@@ -217,7 +257,11 @@ def _lora_fused_decode_kernel(
                 xt = _x_tile(x_ptr, tok, row_mask, k0, K, stride_xs, stride_xk, BLOCK_K)
                 if R_SUB == BLOCK_R:
                     at = _a_tile(a_base, 0, rank, k0, K, stride_ar, stride_ak, BLOCK_R, BLOCK_K)
+                    if TRACE:  # T_FIRST: x and A tiles arrived
+                        _stamp(trace_ptr, t, 4, (tl.sum(xt.to(tl.float32)) + tl.sum(at.to(tl.float32))).to(tl.int32), TRACE)
                     part = tl.dot(xt, at, input_precision=DOT_PRECISION)
+                    if TRACE:  # T_COMPUTED
+                        _stamp(trace_ptr, t, 6, tl.sum(part).to(tl.int32), TRACE)
                     # (drawn before the dot, it would keep both tiles live across the draw: ~100
                     # more registers, fewer programs per SM)
                     t_next = tl.atomic_add(sync_ptr, 1, sem="relaxed")
@@ -227,10 +271,15 @@ def _lora_fused_decode_kernel(
                     # padded one; the next block's load is issued before this block's dot
                     offs_s = tl.arange(0, R_SUB)
                     at = _a_tile(a_base, 0, rank, k0, K, stride_ar, stride_ak, R_SUB, BLOCK_K)
+                    if TRACE:  # T_FIRST: x and the first A tile arrived
+                        _stamp(trace_ptr, t, 4, (tl.sum(xt.to(tl.float32)) + tl.sum(at.to(tl.float32))).to(tl.int32), TRACE)
+                    chk = 0.0
                     for r0 in range(0, rank, R_SUB):
                         if PREFETCH:
                             at_next = _a_tile(a_base, r0 + R_SUB, rank, k0, K, stride_ar, stride_ak, R_SUB, BLOCK_K)
                         part = tl.dot(xt, at, input_precision=DOT_PRECISION)
+                        if TRACE:
+                            chk += tl.sum(part)
                         rows = r0 + offs_s
                         tl.atomic_add(acc_ptr + ((chunk * C + j) * BLOCK_M + offs_m[:, None]) * BLOCK_R
                                       + rows[None, :], part,
@@ -239,9 +288,12 @@ def _lora_fused_decode_kernel(
                             at = at_next
                         else:  # one tile live at a time: fewer registers, more programs per SM
                             at = _a_tile(a_base, r0 + R_SUB, rank, k0, K, stride_ar, stride_ak, R_SUB, BLOCK_K)
+                    if TRACE:  # T_COMPUTED: every block's dot
+                        _stamp(trace_ptr, t, 6, chk.to(tl.int32), TRACE)
                     t_next = tl.atomic_add(sync_ptr, 1, sem="relaxed")
                 tl.debug_barrier()  # every thread's adds before the counter's release
-                _finish(cnt_ptr, 1, total, acc_ptrs, BLOCK_M, BLOCK_R)
+                old = _finish(cnt_ptr, 1, total, acc_ptrs, BLOCK_M, BLOCK_R)
+                _stamp(trace_ptr, t, 7, old, TRACE)  # T_FINISHED
             else:
                 scaling = tl.load(scalings_ptr + slot * stride_sl + j)
                 offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -257,6 +309,8 @@ def _lora_fused_decode_kernel(
                 out_ptrs = out_ptr + tok[:, None] * stride_os + cols[None, :] * stride_on
                 mask = row_mask[:, None] & n_mask[None, :]
                 base = tl.load(out_ptrs, mask=mask, other=0.0)
+                if TRACE:  # T_FIRST: B's first block and the rows of out arrived
+                    _stamp(trace_ptr, t, 4, (tl.sum(bt.to(tl.float32)) + tl.sum(base.to(tl.float32))).to(tl.int32), TRACE)
                 t_next = tl.atomic_add(sync_ptr, 1, sem="relaxed")
 
                 # acquire: the splits' adds (released before they counted) are visible after it
@@ -266,6 +320,8 @@ def _lora_fused_decode_kernel(
                     seen = tl.atomic_add(cnt_ptr, 0, sem="acquire") & (_READER - 1)
                     spins += 1
                 tl.debug_barrier()  # the acquiring thread's view before any thread reads
+                _stamp(trace_ptr, t, 5, seen, TRACE)  # T_WAITED
+                _note(trace_ptr, t, 8, spins, TRACE)  # T_SPINS
                 if seen < NSPLIT:  # the safety net: this item's rows of x @ A.T, computed here
                     tl.atomic_add(sync_ptr + 1, 1, sem="relaxed")
                 if R_SUB == BLOCK_R:
@@ -304,9 +360,12 @@ def _lora_fused_decode_kernel(
                         else:
                             bt = _b_tile(b_ptr + b_off, r0 + R_SUB, rank, R, offs_n, n_mask, cols,
                                          stride_bn, stride_br, PACKED, B_ALIGN, R_SUB)
+                if TRACE:  # T_COMPUTED
+                    _stamp(trace_ptr, t, 6, tl.sum(delta).to(tl.int32), TRACE)
                 tl.store(out_ptrs, (base.to(tl.float32) + delta * scaling).to(out_ptr.dtype.element_ty),
                          mask=mask)
-                _finish(cnt_ptr, _READER, total, acc_ptrs, BLOCK_M, BLOCK_R)
+                old = _finish(cnt_ptr, _READER, total, acc_ptrs, BLOCK_M, BLOCK_R)
+                _stamp(trace_ptr, t, 7, old, TRACE)  # T_FINISHED
         else:
             t_next = tl.atomic_add(sync_ptr, 1, sem="relaxed")
         t = t_next
@@ -416,6 +475,8 @@ def lora_fused(
     b_align: int = 1,
     rank_block: Optional[int] = None,
     mixed_ranks: bool = False,
+    trace: Optional[torch.Tensor] = None,
+    kernel: Optional[str] = None,
 ) -> torch.Tensor:
     """Stacked, segmented shrink + expand into ``out`` (in place), one launch.
 
@@ -434,6 +495,10 @@ def lora_fused(
             defaults (``fused_config``); mixed_ranks: the site's adapters differ in rank (chooses
             the launch, see ``fused_config``; any launch is exact for any ranks);
         wait_first: tests only (expand items first: every reader times out).
+        kernel: "steps" (``lora_fused_steps``: items of a fixed number of tile steps) or "items"
+            (this module's kernel: one K tile or column block per item); None: ``STEP_KERNEL``.
+        trace: probes only (CUDA): int64 (items + programs, TRACE_FIELDS), filled with each
+            drawn item's phase clocks in ticket order (fields ``T_*``); a slower variant.
         check: validate the shapes (False: the caller has).
     Returns:
         ``out``.
@@ -469,7 +534,14 @@ def lora_fused(
     widths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
     if s == 0 or max_chunks == 0 or max(widths) == 0:
         return out
-    cfg = fused_config(r, k, widths, x.dtype, rank_block, mixed_ranks)
+    kernel = kernel or ("steps" if STEP_KERNEL == "all" or (STEP_KERNEL == "mixed" and mixed_ranks) else "items")
+    if kernel not in ("steps", "items"):
+        raise ValueError(f"lora_fused: unknown kernel {kernel!r} (steps or items)")
+    if kernel == "steps":
+        from . import lora_fused_steps as steps  # (it imports this module's helpers)
+        cfg = steps.steps_config(k, widths, x.dtype, r)
+    else:
+        cfg = fused_config(r, k, widths, x.dtype, rank_block, mixed_ranks)
     bk, bn, br = block_k or cfg["block_k"], block_n or cfg["block_n"], cfg["block_r"]
     nsplit = triton.cdiv(k, bk)
     nbs = [triton.cdiv(w, bn) for w in widths] + [0] * (MAX_MODULES - c)
@@ -478,7 +550,10 @@ def lora_fused(
     offs = offsets + [offsets[-1]] * (MAX_MODULES + 1 - len(offsets))
     acc, sync = workspace.reserve(max_chunks, c, br, block_m)
     # the grid: every item could be live (capacity, not data), capped at a few programs per SM
-    max_items = max_chunks * (c * nsplit + sum(nbs))
+    if kernel == "steps":
+        max_items = steps.max_items(max_chunks, r, k, widths, dict(cfg, block_k=bk, block_n=bn))
+    else:
+        max_items = max_chunks * (c * nsplit + sum(nbs))
     if num_programs is None:
         if x.device.type == "cuda":
             index = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -489,35 +564,32 @@ def lora_fused(
     if max_spin is None:
         # waits are short (the shrink items are all running); the limit only guards against a hang
         max_spin = 1 << 16 if x.device.type == "cuda" else 2
+    if trace is not None and (trace.dtype != torch.int64 or not trace.is_contiguous()
+                              or trace.numel() < (max_items + num_programs) * TRACE_FIELDS):
+        raise ValueError(f"lora_fused: trace must be contiguous int64 with room for "
+                         f"{max_items + num_programs} records of {TRACE_FIELDS}")
     a_strides = (0,) + lora_a.stride() if packed else lora_a.stride()
     b_strides = (0, 0, 0) if packed else lora_b.stride()
-    _lora_fused_decode_kernel[(num_programs,)](
-        x, lora_a, lora_b, out, a_rows if packed else ranks, b_offs if packed else ranks, acc, sync,
-        k, r, num_slots, c, nsplit, *offs, *nbs, num_programs,
-        x.stride(0), x.stride(1),
-        *a_strides,
-        *b_strides,
-        out.stride(0), out.stride(1),
-        ranks, ranks.stride(0),
-        scalings, scalings.stride(0),
-        a_rows.stride(0) if packed else 0,
-        sorted_token_ids, chunk_slot, chunk_start, chunk_len,
-        max_chunks,
-        PACKED=packed,
-        B_ALIGN=b_align,
-        MAX_CHUNKS_P2=max(16, triton.next_power_of_2(max_chunks)),
-        BLOCK_M=block_m,
-        BLOCK_R=br,
-        R_SUB=cfg["r_sub"],
-        PREFETCH=cfg["prefetch"],
-        BLOCK_K=bk,
-        BLOCK_N=bn,
-        MAX_SPIN=max_spin,
-        WAIT_FIRST=wait_first,
+    common = (
+        x.stride(0), x.stride(1), *a_strides, *b_strides, out.stride(0), out.stride(1),
+        ranks, ranks.stride(0), scalings, scalings.stride(0), a_rows.stride(0) if packed else 0,
+        sorted_token_ids, chunk_slot, chunk_start, chunk_len, max_chunks)
+    options = dict(
+        PACKED=packed, B_ALIGN=b_align, MAX_CHUNKS_P2=max(16, triton.next_power_of_2(max_chunks)),
+        BLOCK_M=block_m, BLOCK_R=br, BLOCK_K=bk, BLOCK_N=bn, MAX_SPIN=max_spin, WAIT_FIRST=wait_first,
         # fp32 inputs: Triton's default on GPU is tf32, which would not match the reference
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=num_warps or cfg["num_warps"],
-        num_stages=1,
-        **({"maxnreg": cfg["max_registers"]} if cfg["max_registers"] and x.device.type == "cuda" else {}),
-    )
+        TRACE=trace is not None, num_warps=num_warps or cfg["num_warps"],
+        **({"maxnreg": cfg["max_registers"]} if cfg["max_registers"] and x.device.type == "cuda" else {}))
+    pointers = (x, lora_a, lora_b, out, a_rows if packed else ranks, b_offs if packed else ranks, acc, sync,
+                trace if trace is not None else sync)
+    if kernel == "steps":
+        steps._lora_fused_steps_kernel[(num_programs,)](
+            *pointers, k, r, num_slots, c, nsplit, *offs, *nbs, num_programs, *common,
+            R_SUB=cfg["r_sub"], SHRINK_STEPS=cfg["shrink_steps"], EXPAND_STEPS=cfg["expand_steps"],
+            STAGES=cfg["stages"], num_stages=1, **options)
+        return out
+    _lora_fused_decode_kernel[(num_programs,)](
+        *pointers, k, r, num_slots, c, nsplit, *offs, *nbs, num_programs, *common,
+        R_SUB=cfg["r_sub"], PREFETCH=cfg["prefetch"], num_stages=1, **options)
     return out
