@@ -34,22 +34,13 @@ import bench_generate as bg  # noqa: E402  (write_csv, versions)
 import probe_rank_blocks as prb  # noqa: E402  (WORKLOADS, packed_site)
 from bench_kernels import SITES, Timer, capture  # noqa: E402
 
-# per kernel, phase name: (from field, to field) of an item's record; expand items wait, shrink
-# items do not; the step kernel's tiles are pipelined, so it has no first-tile stamp
+# phase name: (from field, to field) of an item's record; expand items wait, shrink items do not
 PHASES = {
-    "items": {
-        "shrink": [("metadata", "T_START", "T_META"), ("first_tiles", "T_META", "T_FIRST"),
-                   ("rank_blocks", "T_FIRST", "T_COMPUTED"), ("finish", "T_COMPUTED", "T_FINISHED")],
-        "expand": [("metadata", "T_START", "T_META"), ("first_tiles", "T_META", "T_FIRST"),
-                   ("wait", "T_FIRST", "T_WAITED"), ("rank_blocks", "T_WAITED", "T_COMPUTED"),
-                   ("finish", "T_COMPUTED", "T_FINISHED")],
-    },
-    "steps": {
-        "shrink": [("metadata", "T_START", "T_META"), ("steps", "T_META", "T_COMPUTED"),
-                   ("finish", "T_COMPUTED", "T_FINISHED")],
-        "expand": [("metadata", "T_START", "T_META"), ("wait", "T_META", "T_WAITED"),
-                   ("steps", "T_WAITED", "T_COMPUTED"), ("finish", "T_COMPUTED", "T_FINISHED")],
-    },
+    "shrink": [("metadata", "T_START", "T_META"), ("first_tiles", "T_META", "T_FIRST"),
+               ("rank_blocks", "T_FIRST", "T_COMPUTED"), ("finish", "T_COMPUTED", "T_FINISHED")],
+    "expand": [("metadata", "T_START", "T_META"), ("first_tiles", "T_META", "T_FIRST"),
+               ("wait", "T_FIRST", "T_WAITED"), ("rank_blocks", "T_WAITED", "T_COMPUTED"),
+               ("finish", "T_COMPUTED", "T_FINISHED")],
 }
 
 
@@ -58,8 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--csv", default="probe_fused_phases_h200.csv")
     p.add_argument("--workloads", nargs="+", default=["64_distinct_mixed", "32x8_r16"])
-    p.add_argument("--variants", nargs="+", default=["items", "steps"],
-                   help="kernel[:key=value,...]: items (fused_config overrides) or steps (steps_config overrides)")
+    p.add_argument("--variants", nargs="+", default=["library"],
+                   help="library or key=value,... overrides of fused_config (none: None), e.g. max_registers=none")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--iters", type=int, default=20)
     return p.parse_args(argv)
@@ -113,14 +104,14 @@ def clock_ghz(records, f):
     return cycles / ns if ns > 0 else float("nan")
 
 
-def summarise(name, site, records, f, ghz, kernel):
+def summarise(name, site, records, f, ghz):
     rows = []
     for kind_id, kind in ((0, "shrink"), (1, "expand")):
         recs = [r for r in records if r[f["T_KIND"]] == kind_id]
         if not recs:
             continue
         total = [(r[f["T_FINISHED"]] - r[f["T_START"]]) / ghz for r in recs]
-        for phase, a, b in PHASES[kernel][kind] + [("item", "T_START", "T_FINISHED")]:
+        for phase, a, b in PHASES[kind] + [("item", "T_START", "T_FINISHED")]:
             ns = sorted((r[f[b]] - r[f[a]]) / ghz for r in recs)
             rows.append(dict(workload=name, site=site, kind=kind, phase=phase, items=len(recs),
                              mean_ns=round(statistics.mean(ns), 1), p50_ns=round(ns[len(ns) // 2], 1),
@@ -155,26 +146,15 @@ def summarise(name, site, records, f, ghz, kernel):
     return rows
 
 
-def parse_variant(text):
-    kernel, _, rest = text.partition(":")
-    if kernel not in PHASES:
-        raise SystemExit(f"unknown kernel in variant {text!r}")
-    overrides = {}
-    for kv in filter(None, rest.split(",")):
-        key, _, value = kv.partition("=")
-        overrides[key] = None if value == "none" else int(value)
-    return kernel, overrides
-
-
-def set_variant(lf, kernel, overrides, originals):
-    """The library's launch choice, with this variant's kernel and overrides."""
-    steps = importlib.import_module("peft_fastlora.ops.lora_fused_steps")
-    lf.STEP_KERNEL = "all" if kernel == "steps" else "none"
-    lf.fused_config, steps.steps_config = originals
-    if overrides:
-        module, name = (steps, "steps_config") if kernel == "steps" else (lf, "fused_config")
-        original = getattr(module, name)
-        setattr(module, name, lambda *a, **k: dict(original(*a, **k), **overrides))
+def set_variant(lf, text, original):
+    """The library's fused_config, with this variant's overrides."""
+    lf.fused_config = original
+    if text != "library":
+        overrides = {}
+        for kv in text.split(","):
+            key, _, value = kv.partition("=")
+            overrides[key] = None if value == "none" else int(value)
+        lf.fused_config = lambda *a, **k: dict(original(*a, **k), **overrides)
 
 
 def max_error(lf, tri, bi, per_site):
@@ -201,8 +181,7 @@ def main(argv=None) -> int:
     timer = Timer(args.iters)
     versions = bg.versions()
     out_rows, item_rows = [], []
-    steps_module = importlib.import_module("peft_fastlora.ops.lora_fused_steps")
-    originals = (lf.fused_config, steps_module.steps_config)
+    original = lf.fused_config
     for name in args.workloads:
         tri, bi, per_site = build(name, args.layers)
         cap = 1 << 16
@@ -215,8 +194,7 @@ def main(argv=None) -> int:
                     launch(lf, tri, bi, ws[layer], x, out, rk, sc, traces[site][layer] if traced else None)
 
         for variant in args.variants:
-            kernel, overrides = parse_variant(variant)
-            set_variant(lf, kernel, overrides, originals)
+            set_variant(lf, variant, original)
             err = max_error(lf, tri, bi, per_site)
             us = {}
             for traced in (False, True):
@@ -237,14 +215,13 @@ def main(argv=None) -> int:
                         item_rows += [dict(workload=name, variant=variant, site=site, ticket=i,
                                            **{n.lower(): r[f[n]] for n in names}) for i, r in enumerate(recs)]
                 ghz = clock_ghz(records, f)
-                rows = summarise(name, site, [r for r in records if r[f["T_KIND"]] in (0, 1)], f, ghz, kernel)
+                rows = summarise(name, site, [r for r in records if r[f["T_KIND"]] in (0, 1)], f, ghz)
                 for row in rows:
                     row.update(versions, variant=variant, us_per_layer_untraced=round(us[False], 2),
                                us_per_layer_traced=round(us[True], 2), clock_ghz=round(ghz, 3),
                                max_rel_err=f"{err:.2e}", timeouts=tri.fused_timeouts())
                 out_rows += rows
-        set_variant(lf, "items", {}, originals)
-        lf.STEP_KERNEL = "mixed"
+        set_variant(lf, "library", original)
         traces = per_site = None  # free the buffers before the next workload
         torch.cuda.empty_cache()
     print("written", bg.write_csv(out_rows, args.out, args.csv))

@@ -35,28 +35,23 @@ def run_packed(be, w, x, base, ranks, scalings):
     return be.run_packed_lora(x, w, base_output=base, layer_ranks=ranks, layer_scalings=scalings)
 
 
-@pytest.mark.parametrize("path", ["fused", "fused_items", "two_kernels", "prefill"])
+@pytest.mark.parametrize("path", ["fused", "two_kernels", "prefill"])
 @pytest.mark.parametrize("comp", ["mixed", "skewed", "all_base"])
 @pytest.mark.parametrize("site", list(FUSED_SITES))
 @pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=DTYPE_IDS)
-def test_packed_equals_padded(dtype, atol, rtol, site, comp, path, fused_calls, monkeypatch):
+def test_packed_equals_padded(dtype, atol, rtol, site, comp, path, fused_calls):
     """Mixed ranks (1 to 64, one module of rank 0), rows with no adapter, NaN outside the blocks:
-    the packed result equals the padded one, by the kernels and by the torch backend ("fused":
-    the library's choice for mixed ranks, the step kernel; "fused_items": the other one)."""
-    if path == "fused_items":
-        import importlib
-
-        monkeypatch.setattr(importlib.import_module("peft_fastlora.ops.lora_fused"), "STEP_KERNEL", "none")
+    the packed result equals the padded one, by the kernels and by the torch backend."""
     seq_lens = [3, 17, 1, 9, 6] if path == "prefill" else [1] * 20
     wi = COMPOSITIONS[comp](len(seq_lens))
     tri, ref = make_backends(wi, seq_lens)
-    tri.fused_decode = path.startswith("fused")
+    tri.fused_decode = path == "fused"
     tok = token_slots(wi, seq_lens)
     x, a, b, base, ranks, scalings = site_inputs(site, tok, dtype)
     w = pack(a, b, FUSED_SITES[site], ranks, seed=len(site))
     want = run_fused_site(ref, site, x, a, b, base.clone(), ranks, scalings)  # padded, torch
     got = run_packed(tri, w, x, base.clone(), ranks, scalings)
-    assert fused_calls == ([16] if path.startswith("fused") else [])
+    assert fused_calls == ([16] if path == "fused" else [])
     assert not got.isnan().any(), "read outside a block (another slot, past a rank, a gap)"
     check_untouched(got, base, tok)
     assert_close(got, want, atol, rtol, f"triton packed {site} ({comp}, {path})")
@@ -104,7 +99,7 @@ def test_packed_aligned_ranks(path, fused_calls):
     seq_lens = [1] * 20
     wi = COMPOSITIONS["mixed"](20)
     tri, ref = make_backends(wi, seq_lens)
-    tri.fused_decode = path.startswith("fused")
+    tri.fused_decode = path == "fused"
     tok = token_slots(wi, seq_lens)
     x, a, b, base, ranks, scalings = site_inputs("qkv", tok, dtype)
     ranks = torch.where(ranks > 0, (ranks + 7) // 8 * 8, ranks).int().contiguous()
@@ -113,7 +108,7 @@ def test_packed_aligned_ranks(path, fused_calls):
     assert w.align == 8 and not (w.b_offs % 8).any()
     want = run_fused_site(ref, "qkv", x, a, b, base.clone(), ranks, scalings)
     got = run_packed(tri, w, x, base.clone(), ranks, scalings)
-    assert fused_calls == ([16] if path.startswith("fused") else [])
+    assert fused_calls == ([16] if path == "fused" else [])
     assert_close(got, want, atol, rtol, f"packed aligned ({path})")
 
 

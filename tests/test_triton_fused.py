@@ -47,17 +47,6 @@ def fused_calls(monkeypatch):
     return calls
 
 
-@pytest.fixture(params=["items", "steps"])
-def fused_kernel(request, monkeypatch):
-    """Each fused kernel: one K tile or column block per item ("items"), or a fixed number of
-    tile steps per item ("steps", ``ops/lora_fused_steps.py``), whatever the library's choice."""
-    import importlib
-
-    module = importlib.import_module("peft_fastlora.ops.lora_fused")
-    monkeypatch.setattr(module, "STEP_KERNEL", "all" if request.param == "steps" else "none")
-    return request.param
-
-
 def run_fused_site(be, site, x, a, b, base, ranks, scalings, **extra):
     kw = dict(base_output=base, layer_ranks=ranks, layer_scalings=scalings, **extra)
     if site == "linear":
@@ -86,7 +75,7 @@ def assert_workspace_clean(tri, timeouts=0):
 @pytest.mark.parametrize("comp", ["mixed", "skewed", "all_base"])
 @pytest.mark.parametrize("site", list(FUSED_SITES))
 @pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=DTYPE_IDS)
-def test_fused_decode(dtype, atol, rtol, site, comp, fused_calls, fused_kernel):
+def test_fused_decode(dtype, atol, rtol, site, comp, fused_calls):
     """Mixed ranks, a rank-0 module, NaN padding, rows with no adapter: one launch per call."""
     seq_lens = [1] * FUSED_BS
     wi = COMPOSITIONS[comp](FUSED_BS)
@@ -120,31 +109,22 @@ def test_fused_strided_base_output(fused_calls):
     assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(wide[:, 3 + n :], before[:, 3 + n :])
 
 
-@pytest.mark.parametrize("kernel,prefetch,rank_block", [
-    ("items", True, 16), ("items", False, 16), ("items", True, 32), ("items", False, 32),
-    ("items", True, 64), ("items", False, 64), ("steps", None, None)])
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
+@pytest.mark.parametrize("rank_block", [16, 32, 64], ids=lambda r: f"rank_block{r}")
 @pytest.mark.parametrize("wait_first", [False, True], ids=["split_k", "timeout_fallback"])
-def test_fused_launcher_split_k_column_blocks(wait_first, kernel, prefetch, rank_block, monkeypatch):
+def test_fused_launcher_split_k_column_blocks(wait_first, rank_block, prefetch, monkeypatch):
     """Small tiles: K in 5 splits (the last partial), several column blocks per module, more
     items than programs, ranks 1-64 stepped through in blocks of 16 or 32 rows or in one tile.
     ``wait_first`` hands out the expand items first, so every reader gives up waiting and
     recomputes its rows: still exact, counted, and the workspace still cleaned. ``prefetch``: the
-    next rank block's tiles loaded before this block's dot, or after it. The step kernel with 3
-    steps per shrink item (items that end mid-block and cross from one rank block to the next)
-    and one column block per expand item (as many readers as the other kernel)."""
+    next rank block's tiles loaded before this block's dot, or after it."""
     import importlib
 
     from peft_fastlora.ops import lora_fused
 
     module = importlib.import_module("peft_fastlora.ops.lora_fused")
-    if kernel == "items":
-        config = module.fused_config
-        monkeypatch.setattr(module, "fused_config", lambda *a, **k: dict(config(*a, **k), prefetch=prefetch))
-    else:
-        steps = importlib.import_module("peft_fastlora.ops.lora_fused_steps")
-        config = steps.steps_config
-        monkeypatch.setattr(steps, "steps_config",
-                            lambda *a, **k: dict(config(*a, **k), shrink_steps=3, expand_steps=1))
+    config = module.fused_config
+    monkeypatch.setattr(module, "fused_config", lambda *a, **k: dict(config(*a, **k), prefetch=prefetch))
 
     dtype, atol, rtol = TOLERANCES[0]
     seq_lens, wi = [1] * FUSED_BS, COMPOSITIONS["skewed"](FUSED_BS)
@@ -154,7 +134,7 @@ def test_fused_launcher_split_k_column_blocks(wait_first, kernel, prefetch, rank
     got = lora_fused(x, a, b, FUSED_SITES["qkv"], ranks, scalings, base.clone(),
                      bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len,
                      tri._workspace(CPU), block_m=bi.block_m, block_k=64, block_n=16,
-                     num_programs=4, max_spin=1, wait_first=wait_first, rank_block=rank_block, kernel=kernel)
+                     num_programs=4, max_spin=1, wait_first=wait_first, rank_block=rank_block)
     want = ref.run_qkv_lora(x, a, b, output_offset=FUSED_SITES["qkv"], base_output=base.clone(),
                             layer_ranks=ranks, layer_scalings=scalings)
     assert_close(got, want, atol, rtol, "fused launcher")
@@ -163,7 +143,7 @@ def test_fused_launcher_split_k_column_blocks(wait_first, kernel, prefetch, rank
     assert_workspace_clean(tri, timeouts=3 * 7 if wait_first else 0)
 
 
-def test_fused_static_buffers_more_adapters_than_at_capture(fused_calls, fused_kernel):
+def test_fused_static_buffers_more_adapters_than_at_capture(fused_calls):
     """Graph-style: the workspace is reserved with the static batch info (a capture allocates
     nothing), and a launch recorded for a 1-adapter batch serves a later 4-adapter batch."""
     dtype, atol, rtol = TOLERANCES[0]

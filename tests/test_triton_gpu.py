@@ -206,16 +206,11 @@ def test_fused_run_lora_decode(dtype, site, rank):
     assert tri.fused_timeouts() == 0
 
 
-@pytest.mark.parametrize("kernel", ["items", "steps"])
-def test_fused_graph_replays_share_a_clean_workspace(kernel, monkeypatch):
+def test_fused_graph_replays_share_a_clean_workspace():
     """All four Llama sites captured in one graph share one workspace; replayed with a new mix of
     adapters each time, every call must find it clean (counters, accumulator, ticket) and leave
-    it so: a counter left set would let a later reader use partial sums. Both fused kernels (the
-    step kernel's item counts follow the ranks of the batch's adapters, read on the device)."""
+    it so: a counter left set would let a later reader use partial sums."""
     from peft_fastlora.backend.triton import TritonLoRABackend
-
-    lf = importlib.import_module("peft_fastlora.ops.lora_fused")
-    monkeypatch.setattr(lf, "STEP_KERNEL", "all" if kernel == "steps" else "none")
 
     torch.manual_seed(0)
     dtype, bs, rank = torch.bfloat16, 32, 16
@@ -323,22 +318,18 @@ def test_packed_llama_shapes(site, rank, mode):
     assert tri.fused_timeouts() == 0
 
 
-@pytest.mark.parametrize("rank_block", [0, 1, 16, 32, 64],
-                         ids=lambda r: {0: "library", 1: "items_library"}.get(r, f"items_rank_block{r}"))
+@pytest.mark.parametrize("rank_block", [0, 16, 32, 64], ids=lambda r: f"rank_block{r}" if r else "library")
 @pytest.mark.parametrize("site", ["qkv", "o", "down"])
 def test_fused_many_adapters_mixed_ranks(site, rank_block, monkeypatch):
     """The registry's hard case: 64 distinct adapters of ranks 8-64 in a 72-row decode batch (one
-    chunk each, 8 rows with no adapter), packed with NaN around every block, through the
-    library's launch for mixed ranks (the step kernel), or the other fused kernel with its own
-    launch for mixed ranks (blocks of 16, one tile live, a register cap) or stepping through
-    ranks in blocks of 16, 32 rows or one tile; fresh inputs each call."""
+    chunk each, 8 rows with no adapter), packed with NaN around every block, through the fused
+    launch stepping through ranks in blocks of 16, 32 rows or one tile, or the library's launch
+    for mixed ranks (blocks of 16, one tile live, a register cap); fresh inputs each call."""
     lf = importlib.import_module("peft_fastlora.ops.lora_fused")  # the module, not the function
     from _helpers import pack
     from peft_fastlora.backend.triton import TritonLoRABackend
 
     if rank_block:
-        monkeypatch.setattr(lf, "STEP_KERNEL", "none")
-    if rank_block > 1:
         monkeypatch.setattr(lf, "RANK_BLOCK", rank_block)
     torch.manual_seed(rank_block)
     n, dtype = 64, torch.bfloat16
@@ -358,7 +349,7 @@ def test_fused_many_adapters_mixed_ranks(site, rank_block, monkeypatch):
             b[s_, offsets[j]: offsets[j + 1], r:] = float("nan")
     a, b = a.to(dtype), b.to(dtype)
     w = pack(a, b, offsets, ranks, seed=rank_block)
-    w.mixed_ranks = rank_block <= 1  # the pool sets it where its adapters' ranks differ
+    w.mixed_ranks = not rank_block  # the pool sets it where its adapters' ranks differ
     ranks, scalings = ranks.cuda(), scalings.cuda()
     wi = [i % n if i % 9 != 8 else NO_ADAPTER for i in range(n + 8)]
     seq_lens = [1] * len(wi)

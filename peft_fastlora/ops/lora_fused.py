@@ -43,9 +43,6 @@ MAX_BLOCK_R = 128  # larger padded ranks take the two-kernel path
 # rank rows an item handles per step (``fused_config``), chosen by probe_rank_blocks.py
 RANK_BLOCK = 32
 MIXED_RANK_BLOCK = 16
-# which sites take the step kernel (``lora_fused_steps``): "mixed" (the adapters the site may
-# hold differ in rank), "all" or "none"; chosen by probe_fused_phases.py
-STEP_KERNEL = "mixed"
 READER = 1 << 16  # a reader's increment of a (chunk, module) counter; splits count in the low bits
 SYNC_HEAD = 32  # int32 slots before the counters: [0] ticket, [1] timeouts (own 128-byte line)
 _READER = tl.constexpr(READER)  # the kernels' copies (Triton reads only constexpr globals)
@@ -476,7 +473,6 @@ def lora_fused(
     rank_block: Optional[int] = None,
     mixed_ranks: bool = False,
     trace: Optional[torch.Tensor] = None,
-    kernel: Optional[str] = None,
 ) -> torch.Tensor:
     """Stacked, segmented shrink + expand into ``out`` (in place), one launch.
 
@@ -495,8 +491,6 @@ def lora_fused(
             defaults (``fused_config``); mixed_ranks: the site's adapters differ in rank (chooses
             the launch, see ``fused_config``; any launch is exact for any ranks);
         wait_first: tests only (expand items first: every reader times out).
-        kernel: "steps" (``lora_fused_steps``: items of a fixed number of tile steps) or "items"
-            (this module's kernel: one K tile or column block per item); None: ``STEP_KERNEL``.
         trace: probes only (CUDA): int64 (items + programs, TRACE_FIELDS), filled with each
             drawn item's phase clocks in ticket order (fields ``T_*``); a slower variant.
         check: validate the shapes (False: the caller has).
@@ -534,14 +528,7 @@ def lora_fused(
     widths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
     if s == 0 or max_chunks == 0 or max(widths) == 0:
         return out
-    kernel = kernel or ("steps" if STEP_KERNEL == "all" or (STEP_KERNEL == "mixed" and mixed_ranks) else "items")
-    if kernel not in ("steps", "items"):
-        raise ValueError(f"lora_fused: unknown kernel {kernel!r} (steps or items)")
-    if kernel == "steps":
-        from . import lora_fused_steps as steps  # (it imports this module's helpers)
-        cfg = steps.steps_config(k, widths, x.dtype, r)
-    else:
-        cfg = fused_config(r, k, widths, x.dtype, rank_block, mixed_ranks)
+    cfg = fused_config(r, k, widths, x.dtype, rank_block, mixed_ranks)
     bk, bn, br = block_k or cfg["block_k"], block_n or cfg["block_n"], cfg["block_r"]
     nsplit = triton.cdiv(k, bk)
     nbs = [triton.cdiv(w, bn) for w in widths] + [0] * (MAX_MODULES - c)
@@ -550,10 +537,7 @@ def lora_fused(
     offs = offsets + [offsets[-1]] * (MAX_MODULES + 1 - len(offsets))
     acc, sync = workspace.reserve(max_chunks, c, br, block_m)
     # the grid: every item could be live (capacity, not data), capped at a few programs per SM
-    if kernel == "steps":
-        max_items = steps.max_items(max_chunks, r, k, widths, dict(cfg, block_k=bk, block_n=bn))
-    else:
-        max_items = max_chunks * (c * nsplit + sum(nbs))
+    max_items = max_chunks * (c * nsplit + sum(nbs))
     if num_programs is None:
         if x.device.type == "cuda":
             index = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -570,25 +554,38 @@ def lora_fused(
                          f"{max_items + num_programs} records of {TRACE_FIELDS}")
     a_strides = (0,) + lora_a.stride() if packed else lora_a.stride()
     b_strides = (0, 0, 0) if packed else lora_b.stride()
-    common = (
-        x.stride(0), x.stride(1), *a_strides, *b_strides, out.stride(0), out.stride(1),
-        ranks, ranks.stride(0), scalings, scalings.stride(0), a_rows.stride(0) if packed else 0,
-        sorted_token_ids, chunk_slot, chunk_start, chunk_len, max_chunks)
-    options = dict(
-        PACKED=packed, B_ALIGN=b_align, MAX_CHUNKS_P2=max(16, triton.next_power_of_2(max_chunks)),
-        BLOCK_M=block_m, BLOCK_R=br, BLOCK_K=bk, BLOCK_N=bn, MAX_SPIN=max_spin, WAIT_FIRST=wait_first,
+    _lora_fused_decode_kernel[(num_programs,)](
+        x, lora_a, lora_b, out, a_rows if packed else ranks, b_offs if packed else ranks, acc, sync,
+        trace if trace is not None else sync,
+        k, r, num_slots, c, nsplit, *offs, *nbs, num_programs,
+        x.stride(0), x.stride(1),
+        *a_strides,
+        *b_strides,
+        out.stride(0), out.stride(1),
+        ranks, ranks.stride(0),
+        scalings, scalings.stride(0),
+        a_rows.stride(0) if packed else 0,
+        sorted_token_ids, chunk_slot, chunk_start, chunk_len,
+        max_chunks,
+        PACKED=packed,
+        B_ALIGN=b_align,
+        MAX_CHUNKS_P2=max(16, triton.next_power_of_2(max_chunks)),
+        BLOCK_M=block_m,
+        BLOCK_R=br,
+        R_SUB=cfg["r_sub"],
+        PREFETCH=cfg["prefetch"],
+        BLOCK_K=bk,
+        BLOCK_N=bn,
+        MAX_SPIN=max_spin,
+        WAIT_FIRST=wait_first,
         # fp32 inputs: Triton's default on GPU is tf32, which would not match the reference
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        TRACE=trace is not None, num_warps=num_warps or cfg["num_warps"],
-        **({"maxnreg": cfg["max_registers"]} if cfg["max_registers"] and x.device.type == "cuda" else {}))
-    pointers = (x, lora_a, lora_b, out, a_rows if packed else ranks, b_offs if packed else ranks, acc, sync,
-                trace if trace is not None else sync)
-    if kernel == "steps":
-        steps._lora_fused_steps_kernel[(num_programs,)](
-            *pointers, k, r, num_slots, c, nsplit, *offs, *nbs, num_programs, *common,
-            R_SUB=cfg["r_sub"], SHRINK_STEPS=cfg["shrink_steps"], EXPAND_STEPS=cfg["expand_steps"],
-            STAGES=cfg["stages"], num_stages=1, **options)
-        return out
+        TRACE=trace is not None,
+        num_warps=num_warps or cfg["num_warps"],
+        num_stages=1,
+        **({"maxnreg": cfg["max_registers"]} if cfg["max_registers"] and x.device.type == "cuda" else {}),
+    )
+    return out
     _lora_fused_decode_kernel[(num_programs,)](
         *pointers, k, r, num_slots, c, nsplit, *offs, *nbs, num_programs, *common,
         R_SUB=cfg["r_sub"], PREFETCH=cfg["prefetch"], num_stages=1, **options)
