@@ -23,7 +23,7 @@ from .backend import get_backend, resolve_backend_name
 from .base_ops import BaseOps, install_base_ops
 from .batch import ForwardBatch, TokenSegments
 from .lora.fusion import FusedGroup, find_groups, fusion_blocker
-from .lora.host_copy import copy_from_host
+from .lora.host_copy import copy_from_host, prestage
 from .lora.pool import AdapterRegistry, SitePool, ValueRefresher, copy_values
 from .lora.store import SCAFFOLD_ADAPTER
 from .lora.watch import AdapterWatch
@@ -596,6 +596,13 @@ class FastLoRAState:
         self._bi_key = None
 
     def _load_slots_now(self, placed):
+        # registered adapters' buffers go first: their copies run while the pools place them
+        buffers = [self.stored[name].buffer for _, name in placed
+                   if name in self.stored and self.stored[name].buffer is not None]
+        devices = {site.pool.lora_b.device for site in self.sites if site.pool.lora_b is not None}
+        # (not under TP, whose pools hold each rank's slices: other storages)
+        one_device = len(devices) == 1 and not self._stored_slices
+        prestaged = prestage(buffers, devices.pop()) if buffers and one_device else None
         peft_pairs, host_pairs, runs, tables = [], [], [], []
         for site in self.sites:
             pairs, fixed, site_runs, table = site.pool.load(placed)
@@ -613,7 +620,7 @@ class FastLoRAState:
         for device_table, h in tables:
             host_pairs.append((device_table, host[at: at + h.numel()]))
             at += h.numel()
-        copy_from_host(host_pairs, runs)  # pinned and never changed, so the host need not wait
+        copy_from_host(host_pairs, runs, prestaged)  # pinned and never changed: the host need not wait
 
     def _adapter_set_changed(self) -> bool:
         # adapters per layer, counted (cheap); the names compared only when the count moved

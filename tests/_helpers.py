@@ -90,11 +90,21 @@ class TokenStream:
 
 def stage_host_copies(monkeypatch) -> list:
     """Let ``lora.host_copy`` stage on the CPU too, the path registered adapters take into GPU
-    slots on CUDA (each adapter's buffer in one copy, its views filled from the stage). Returns a
-    list that gets an entry per staged copy."""
+    slots on CUDA (each adapter's buffer in one copy, queued before the pools place it, its views
+    filled from the stage). Returns a list that gets an entry per staging: "prestage" where a
+    load's buffers went first, "staged" for ``copy_from_host``'s own."""
     from peft_fastlora.lora import host_copy
+    import peft_fastlora.state as state_module
 
-    staged, stage = [], host_copy._staged_copy
+    staged, stage, prestage = [], host_copy._staged_copy, host_copy.prestage
+
+    def counted_prestage(*a):
+        out = prestage(*a)
+        if out:
+            staged.append("prestage")
+        return out
+
     monkeypatch.setattr(host_copy, "STAGED_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(host_copy, "_staged_copy", lambda *a: staged.append(1) or stage(*a))
+    monkeypatch.setattr(host_copy, "_staged_copy", lambda *a: staged.append("staged") or stage(*a))
+    monkeypatch.setattr(state_module, "prestage", counted_prestage)
     return staged

@@ -331,12 +331,12 @@ def test_a_load_that_fails_after_compaction_leaves_every_slot_right(monkeypatch)
 
     real_copy, failed, call_names = state_module.copy_from_host, [], []
 
-    def copy(pairs, runs=()):
+    def copy(pairs, runs=(), prestaged=None):
         slid = {state.registry.resident[slot] for slot in moved_now} - set(call_names) - {None}
         if slid and not failed:
             failed.append((state.generation, sorted(slid)))
             raise RuntimeError("injected: out of memory for the staging buffer")
-        return real_copy(pairs, runs)
+        return real_copy(pairs, runs, prestaged)
 
     monkeypatch.setattr(arena_module.RowArena, "alloc", counted)
     monkeypatch.setattr(state_module, "copy_from_host", copy)

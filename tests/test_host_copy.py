@@ -109,3 +109,45 @@ def test_runs_into_flat_buffers(monkeypatch, staged):
         assert torch.equal(dst[offset: offset + v.numel()], v.reshape(-1))
         written[0 if dst is arenas[0] else 1][offset: offset + v.numel()] = True
     assert all((a[~w] == 7.0).all() for a, w in zip(arenas, written)), "a run wrote outside its place"
+
+
+@pytest.mark.parametrize("staging_bytes", [256 << 20, 5000], ids=["both", "first_only"])
+def test_prestaged_buffers_fill_their_runs(monkeypatch, staging_bytes):
+    """``prestage`` queues whole buffers before the pools place them; ``copy_from_host`` then
+    fills those buffers' runs from that staging (one segment copy per staging buffer, none of
+    its own stages for them), and a buffer past ``PRESTAGE_BYTES`` takes the usual path. Every
+    run lands exactly, and nothing between places is written."""
+    from peft_fastlora.lora.pool import HostRun, _storage_address
+
+    monkeypatch.setattr(host_copy, "STAGED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(host_copy, "PRESTAGE_BYTES", staging_bytes)
+    own_stages, launches = [], []
+    stage = host_copy._staged_copy
+    monkeypatch.setattr(host_copy, "_staged_copy", lambda groups: own_stages.append(len(groups)) or stage(groups))
+    real = segment_copy_module.segment_copy
+    monkeypatch.setattr(segment_copy_module, "segment_copy",
+                        lambda src, segments, *a, **k: launches.append(len(segments) // 3) or real(src, segments, *a, **k))
+    adapters = [_adapter(5), _adapter(6)]
+    buffers = [v[0]._base if v[0]._base is not None else v[0] for v in adapters]
+    prestaged = host_copy.prestage(buffers, torch.device("cpu"))
+    assert set(prestaged) == ({_storage_address(b) for b in buffers} if staging_bytes > 5000
+                              else {_storage_address(buffers[0])})
+    arena = torch.full((4000,), 7.0, dtype=torch.bfloat16)
+    runs, places, end = [], [], 9
+    for views, flat in zip(adapters, buffers):
+        group = (_storage_address(flat), torch.device("cpu"))
+        for v in reversed(views):  # places in another order than the buffer's
+            runs.append(HostRun(arena, end, v, group, v.storage_offset(), v.numel()))
+            places.append((end, v))
+            end += v.numel() + 5
+    assert end <= arena.numel()
+    host_copy.copy_from_host([], runs, prestaged)
+    written = torch.zeros(arena.numel(), dtype=torch.bool)
+    for offset, v in places:
+        assert torch.equal(arena[offset: offset + v.numel()], v.reshape(-1))
+        written[offset: offset + v.numel()] = True
+    assert (arena[~written] == 7.0).all(), "a run wrote outside its place"
+    if staging_bytes > 5000:
+        assert own_stages == [] and launches == [10], (own_stages, launches)
+    else:  # the second buffer: staged on its own, its runs in a segment copy of their own
+        assert own_stages == [1] and sorted(launches) == [5, 5], (own_stages, launches)

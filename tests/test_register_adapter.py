@@ -107,6 +107,8 @@ def host_copies(request, monkeypatch):
     staged = stage_host_copies(monkeypatch) if request.param == "staged" else []
     yield request.param
     assert bool(staged) == (request.param == "staged"), "the staged path did not run"
+    if staged:  # registered adapters' buffers are queued before the pools place them
+        assert "prestage" in staged, staged
 
 
 def test_more_registered_adapters_than_gpu_slots(folders, host_copies):

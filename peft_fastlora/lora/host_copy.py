@@ -8,19 +8,26 @@ whose host tensors share one storage (a registered adapter is stored as one pinn
 staging buffer, and are then filled from it by one segment copy (``ops.segment_copy``: a view
 costs the host three integers, not tensor objects). Everything is queued on the current stream:
 the host never waits, and the staging memory goes back to the caching allocator in stream order.
+
+A registered adapter's whole buffer does not depend on where the pools place it, so a load queues
+its copy first (``prestage``), before the host's placement work, and the transfer runs meanwhile;
+``copy_from_host`` then fills the runs of those buffers from the staging already on its way.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ..kernel_support import kernel_runs_on
-from .pool import HostRun, copy_values
+from .pool import HostRun, _storage_address, copy_values
 
 STAGING_BYTES = 256 << 20  # at most this much staging at once (a larger storage span gets its own)
+# at most this much of a load's buffers queued ahead of placement (all of it is live until the
+# segment copy, and the caching allocator keeps it for the next load); the rest staged as before
+PRESTAGE_BYTES = 1 << 30
 STAGED_DEVICES = ("cuda",)  # where staging pays (tests add "cpu" to run the staged path)
 
 
@@ -32,10 +39,39 @@ def _extent(t: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], runs: Sequence[HostRun] = ()) -> None:
+def prestage(buffers: Sequence[torch.Tensor], device: torch.device) -> Dict[int, Tuple[torch.Tensor, int]]:
+    """Queue copies of whole host buffers (1-D, pinned on CUDA) to ``device``, up to
+    ``PRESTAGE_BYTES`` in all (the rest take ``copy_from_host``'s own path). Returns, by the address
+    of each buffer's storage, (staging, where the storage's element 0 would sit in it)."""
+    device = torch.device(device)
+    if device.type not in STAGED_DEVICES:
+        return {}
+    by_dtype: Dict[torch.dtype, list] = {}
+    total = 0
+    for b in buffers:
+        if (device.type == "cuda" and not b.is_pinned()) or (device.type != "cuda" and not kernel_runs_on(b)):
+            continue
+        if total + b.numel() * b.element_size() > PRESTAGE_BYTES:
+            break
+        total += b.numel() * b.element_size()
+        by_dtype.setdefault(b.dtype, []).append(b)
+    out = {}
+    for dtype, group in by_dtype.items():
+        staging = torch.empty(sum(b.numel() for b in group), dtype=dtype, device=device)
+        at = 0
+        for b in group:
+            staging[at: at + b.numel()].copy_(b, non_blocking=True)
+            out[_storage_address(b)] = (staging, at - b.storage_offset())
+            at += b.numel()
+    return out
+
+
+@torch.no_grad()
+def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], runs: Sequence[HostRun] = (),
+                   prestaged: Optional[Mapping[int, Tuple[torch.Tensor, int]]] = None) -> None:
     """``dst.copy_(src)`` for each (device view, host tensor) pair, and each ``HostRun`` into its
     place, without host waits (``src`` pinned; unpinned ones are copied synchronously by torch,
-    correctly)."""
+    correctly). ``prestaged``: ``prestage``'s staging, which runs of those storages are filled from."""
     # per host storage: (dst, src, src's first storage element, one past its last); every
     # tensor attribute is read once (the host's time per view is what a load costs)
     groups: Dict[tuple, list] = {}
@@ -48,7 +84,16 @@ def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], runs: Seq
             group = groups[key] = []
         group.append((dst, src, off, off + src.numel() if src.is_contiguous() else _extent(src)))
     run_groups: Dict[tuple, list] = {}
+    from_staging: Dict[int, tuple] = {}  # id(staging) -> (staging, segments)
     for run in runs:  # their storage, offsets and device known in advance
+        hit = prestaged.get(run.group[0]) if prestaged else None
+        if hit is not None and hit[0].device == run.dst.device:
+            entry = from_staging.get(id(hit[0]))
+            if entry is None:
+                entry = from_staging[id(hit[0])] = (hit[0], [])
+            entry[1].extend((run.dst.data_ptr() + run.offset * run.dst.element_size(), hit[1] + run.src_offset,
+                             run.numel))
+            continue
         group = run_groups.get(run.group)
         if group is None:
             group = run_groups[run.group] = []
@@ -69,6 +114,8 @@ def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], runs: Seq
             direct += [(r.dst[r.offset: r.offset + r.numel].view(r.src.shape), r.src) for r in group]
     if direct:  # one copy each
         torch._foreach_copy_([g[0] for g in direct], [g[1] for g in direct], non_blocking=True)
+    for staging, segments in from_staging.values():
+        _segment_copy(staging, segments)
     batch, size = [], 0
     for group, lo, hi in staged:
         itemsize = _host_of(group).element_size()
@@ -122,11 +169,17 @@ def _staged_copy(groups) -> None:
                     others.append((dst, on_device))
             at += hi - lo
         if segments:
-            from ..ops.segment_copy import segment_copy  # (Triton, imported when first needed)
-
-            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                segment_copy(staging, segments, dtype)
+            _segment_copy(staging, segments)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
         if others:
             copy_values(others)
+
+
+def _segment_copy(staging: torch.Tensor, segments: list) -> None:
+    """Runs (destination address, element offset in ``staging``, length) of ``staging``'s dtype."""
+    from ..ops.segment_copy import segment_copy  # (Triton, imported when first needed)
+
+    device = staging.device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        segment_copy(staging, segments, staging.dtype)

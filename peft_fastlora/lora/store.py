@@ -45,6 +45,8 @@ class StoredAdapter:
     name: str
     source: str
     modules: Dict[str, Tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
+    # the one host buffer every A and B is a view of (a load copies it to the GPU whole), or None
+    buffer: Optional[torch.Tensor] = None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for a, b, _ in self.modules.values() for t in (a, b))
@@ -157,7 +159,19 @@ def build_stored(name: str, config, state_dict: Mapping[str, torch.Tensor], sour
         a, b = (t.detach().to("cpu", dtype).contiguous() for t in (a, b))
         modules[module] = (a, b, float(scaling))
     modules = _in_one_buffer(modules, pin)
-    return StoredAdapter(name, source, modules)
+    return StoredAdapter(name, source, modules, _buffer_of(modules))
+
+
+def _buffer_of(modules) -> Optional[torch.Tensor]:
+    """The adapter's storage as one 1-D tensor, where all its tensors are views of it and it holds
+    little else (a state dict's views of a larger file are left alone)."""
+    tensors = [t for a, b, _ in modules.values() for t in (a, b)]
+    storage = tensors[0].untyped_storage()
+    numel = storage.nbytes() // tensors[0].element_size()
+    if (any(t.untyped_storage().data_ptr() != storage.data_ptr() or t.dtype != tensors[0].dtype for t in tensors)
+            or numel > 1.1 * sum(t.numel() for t in tensors)):
+        return None
+    return tensors[0].as_strided((numel,), (1,), 0)
 
 
 def _in_one_buffer(modules, pin: bool):

@@ -586,7 +586,3 @@ def lora_fused(
         **({"maxnreg": cfg["max_registers"]} if cfg["max_registers"] and x.device.type == "cuda" else {}),
     )
     return out
-    _lora_fused_decode_kernel[(num_programs,)](
-        *pointers, k, r, num_slots, c, nsplit, *offs, *nbs, num_programs, *common,
-        R_SUB=cfg["r_sub"], PREFETCH=cfg["prefetch"], num_stages=1, **options)
-    return out
