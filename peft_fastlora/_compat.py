@@ -535,11 +535,21 @@ def lora_layer_unchanged(watch, names=None) -> bool:
 
 
 # ---- transformers: decode-step kwargs (used by the CUDA-graph runner) -----------------------
+_FORWARD_PARAMS: dict = {}  # forward function -> its parameter names (signatures do not change)
+
+
 def forward_accepts(model: nn.Module, name: str) -> bool:
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
+    # asked at every decode step (the runner finds the step's cache by its kwarg), and
+    # inspect.signature costs more host time than the rest of the step's bookkeeping
+    fn = getattr(model.forward, "__func__", model.forward)
+    params = _FORWARD_PARAMS.get(fn)
+    if params is None:
+        try:
+            params = frozenset(inspect.signature(model.forward).parameters)
+        except (TypeError, ValueError):
+            params = frozenset()
+        _FORWARD_PARAMS[fn] = params
+    return name in params
 
 
 def cache_kwarg_name(model: nn.Module) -> str:

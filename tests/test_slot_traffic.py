@@ -40,6 +40,7 @@ def folders(tmp_path_factory):
 
 def _generate(model, rows, names, seed, sample):
     ids = torch.randint(3, VOCAB, (rows, 4 + seed % 5), generator=torch.Generator().manual_seed(seed))
+    ids = ids.to(model.device)
     mask = torch.ones_like(ids)
     mask[0, : seed % 3] = 0  # a left-padded row
     kw = dict(max_new_tokens=3 + seed % 4, pad_token_id=0, adapter_names=names)
@@ -52,20 +53,13 @@ def _generate(model, rows, names, seed, sample):
         return model.generate(input_ids=ids * mask, attention_mask=mask, **kw)
 
 
-@pytest.mark.parametrize("seed,loads", [(0, "direct"), (1, "staged")])
-def test_random_operations_equal_peft(folders, seed, loads, monkeypatch):
-    """``loads``: registered adapters copied into slots view by view (the CPU's path), or staged
-    one buffer per adapter as on CUDA."""
-    from _helpers import stage_host_copies
-
-    staged = stage_host_copies(monkeypatch) if loads == "staged" else []
-    m, ref = build(adapters=SCAFFOLD), build(adapters=SCAFFOLD)
-    for model in (m, ref):
-        model.generation_config.eos_token_id = None
-    fastlora.patch(m, max_loras_per_batch=3, cuda_graphs="emulate")
+def run_traffic(m, ref, folders, seed, steps=36, compare_sampled=True):
+    """The random operations on (patched model ``m``, PEFT reference ``ref``), each generate call's
+    tokens compared (sampled ones only where ``compare_sampled``: on the GPU, logits equal to a
+    rounding can still draw another token). Returns the count of each operation."""
     rng = random.Random(seed)
     registered, peft_added, counts = set(), set(), {}
-    for step in range(36):
+    for step in range(steps):
         op = rng.choices(["generate", "register", "unregister", "add", "delete", "edit"], [10, 2, 1, 1, 1, 1])[0]
         counts[op] = counts.get(op, 0) + 1
         known = sorted(registered | peft_added | {"layers"})
@@ -75,7 +69,9 @@ def test_random_operations_equal_peft(folders, seed, loads, monkeypatch):
             names = [rng.choice(used + ["__base__"]) for _ in range(rows)]
             sample = rng.random() < 0.3
             out, want = _generate(m, rows, names, 1000 * seed + step, sample), _generate(ref, rows, names, 1000 * seed + step, sample)
-            assert torch.equal(out, want), (step, names, sample)
+            assert out.shape == want.shape, (step, names, sample)
+            if compare_sampled or not sample:
+                assert torch.equal(out, want), (step, names, sample)
         elif op == "register" and len(registered) < len(folders):
             name = rng.choice(sorted(set(folders) - registered))
             fastlora.register_adapter(m, name, folders[name])
@@ -106,6 +102,21 @@ def test_random_operations_equal_peft(folders, seed, loads, monkeypatch):
                     if hasattr(module, "lora_B") and name in module.lora_B:
                         with torch.no_grad():
                             module.lora_B[name].weight.mul_(1.5)
+    return counts
+
+
+@pytest.mark.parametrize("seed,loads", [(0, "direct"), (1, "staged")])
+def test_random_operations_equal_peft(folders, seed, loads, monkeypatch):
+    """``loads``: registered adapters copied into slots view by view (the CPU's path), or staged
+    one buffer per adapter as on CUDA."""
+    from _helpers import stage_host_copies
+
+    staged = stage_host_copies(monkeypatch) if loads == "staged" else []
+    m, ref = build(adapters=SCAFFOLD), build(adapters=SCAFFOLD)
+    for model in (m, ref):
+        model.generation_config.eos_token_id = None
+    fastlora.patch(m, max_loras_per_batch=3, cuda_graphs="emulate")
+    counts = run_traffic(m, ref, folders, seed)
     state = get_state(m)
     assert counts["generate"] > 15 and counts.get("register", 0) > 1 and state.registry.num_slots <= 3, counts
     stats = state.graph_runner.stats
