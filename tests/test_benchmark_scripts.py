@@ -66,6 +66,12 @@ def test_bench_tp_smoke():
     assert "'method': 'tp2'" in out
 
 
+def test_probe_tile_layout_smoke():
+    """Every layout and tiles-in-flight variant of the tile stream reads the whole buffer."""
+    out = _run([os.path.join(BENCH, "probe_tile_layout.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
+    assert "every layout and depth sums the whole buffer" in out, out[-2000:]
+
+
 def test_probe_rank_blocks_smoke(tmp_path):
     out = _run([os.path.join(BENCH, "probe_rank_blocks.py"), "--smoke", "--workloads", "32x8_r64",
                 "--rank-blocks", "16", "64", "--out", str(tmp_path)],
