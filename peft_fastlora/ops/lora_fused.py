@@ -21,6 +21,9 @@ expand is a second launch that waits for all of it. Here one persistent launch d
   (correct, slow) and counts a timeout, so no bug or scheduling surprise can hang the GPU; tests
   and the benchmark check that the count stays 0.
 
+- *Trace* (probes only, ``trace=``): a variant that stamps each item's phases with the SM's clock
+  (``benchmarks/probe_fused_phases.py``); compiled out otherwise.
+
 The grid is fixed by the host (SM count, and the chunk plan's *capacity*), the work list is read on
 the device, and the workspace is allocated once: CUDA-graph safe. Rows of tokens in no chunk are
 not touched; only the first ``rank(slot, j)`` rows of A and columns of B are read.
