@@ -209,9 +209,6 @@ def main(argv=None) -> int:
     p.add_argument("--rank-block", type=int, default=None,
                    help="rank rows the fused decode kernel takes per step (default: the library's; "
                         "the largest rank: one tile of the padded rank, as before rank blocks)")
-    p.add_argument("--split-decode", choices=["auto", "on", "off"], default="auto",
-                   help="decode-sized calls on packed weights: the split-K shrink and expand (on), the fused "
-                        "kernel (off), or the library's choice")
     p.add_argument("--csv", default=None, help="CSV name under --out (default many_adapters_<gpu>.csv)")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few adapters")
     p.add_argument("--gc-freeze", action="store_true",
@@ -233,12 +230,7 @@ def main(argv=None) -> int:
 
     if args.rank_block is not None:  # both launches (uniform and mixed ranks) take it
         fused_module.RANK_BLOCK = fused_module.MIXED_RANK_BLOCK = args.rank_block
-    if args.split_decode != "auto":
-        from peft_fastlora.backend import triton as triton_backend
-
-        triton_backend.split_decode_auto = lambda w, _on=args.split_decode == "on": _on
-    info = dict(bg.versions(), rank_block=args.rank_block or "library", gc_frozen=args.gc_freeze,
-                split_decode=args.split_decode)
+    info = dict(bg.versions(), rank_block=args.rank_block or "library", gc_frozen=args.gc_freeze)
     base = bg.build_base(args.model)
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=args.targets), adapter_name="seed",
                            autocast_adapter_dtype=False).eval()

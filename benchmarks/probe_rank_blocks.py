@@ -51,12 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--num-warps", type=int, nargs="+", default=[None], help="sweep its warps per program")
     p.add_argument("--prefetch", type=int, nargs="+", default=[None], help="sweep: 1 on, 0 off")
     p.add_argument("--max-registers", type=int, nargs="+", default=[None], help="sweep: 0 none, else a cap")
-    p.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "two_kernel", "split"],
-                   help="two_kernel: the shrink and expand kernels, the path of batches the fused one does not take; "
-                        "split: the split-K shrink and the expand that sums its partials (rank blocks and --block-k: "
-                        "the shrink's, --block-n and --num-warps: both kernels')")
-    p.add_argument("--split-k", type=int, nargs="+", default=[None], help="split path: sweep its K ranges")
-    p.add_argument("--stages", type=int, nargs="+", default=[None], help="split path: sweep the shrink's pipeline stages")
+    p.add_argument("--paths", nargs="+", default=["fused"], choices=["fused", "two_kernel"],
+                   help="two_kernel: the shrink and expand kernels, the path of batches the fused one does not take")
     p.add_argument("--block-k", type=int, nargs="+", default=[None], help="sweep: K columns per shrink item")
     p.add_argument("--block-n", type=int, nargs="+", default=[None], help="sweep: output columns per expand item")
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1), tiny shapes, eager")
@@ -98,29 +94,8 @@ def byte_floor_us(site, rows, used_ranks, bandwidth):
     return 1e6 * (weights + rows * (k + 2 * n) * 2) / bandwidth
 
 
-def split_configs(rank_block, warps, block_k, block_n, stages):
-    """The shrink's and expand's launch choices with the sweep's overrides (the split path)."""
-    ls = importlib.import_module("peft_fastlora.ops.lora_shrink")
-    le = importlib.import_module("peft_fastlora.ops.lora_expand")
-    shrink0, expand0 = ls.shrink_config, le.expand_config
-
-    def shrink(*args):
-        cfg = shrink0(*args)
-        return dict(cfg, block_r=rank_block or cfg["block_r"], block_k=block_k or cfg["block_k"],
-                    num_warps=warps or cfg["num_warps"], num_stages=stages or cfg["num_stages"])
-
-    def expand(*args):
-        cfg = expand0(*args)
-        return dict(cfg, block_n=block_n or cfg["block_n"], num_warps=warps or cfg["num_warps"])
-
-    ls.shrink_config, le.expand_config = shrink, expand
-    return lambda: setattr(ls, "shrink_config", shrink0) or setattr(le, "expand_config", expand0)
-
-
-def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_sweep=((None,) * 6,), path="fused",
-                 split_ks=(None,), stages=(None,)):
+def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_sweep=((None,) * 6,), path="fused"):
     lf = importlib.import_module("peft_fastlora.ops.lora_fused")  # (the package exports a function of that name)
-    import peft_fastlora.ops as ops
     from peft_fastlora.backend.torch_native import TorchNativeLoRABackend
     from peft_fastlora.backend.triton import TritonLoRABackend
     from peft_fastlora.batch import ForwardBatch, ForwardMode
@@ -130,7 +105,7 @@ def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_s
     wi = [i % n_adapters for i in range(rows)]
     scal = [1.0 / (1 + i % 3) for i in range(n_adapters)]
     fb = ForwardBatch(rows, [1] * rows, ForwardMode.DECODE, torch.device(DEVICE))
-    tri = TritonLoRABackend(n_adapters, DEVICE, fused_decode=path == "fused", split_decode=path == "split")
+    tri = TritonLoRABackend(n_adapters, DEVICE, fused_decode=path == "fused")
     ref = TorchNativeLoRABackend(n_adapters, DEVICE)
     tri.init_cuda_graph_batch_info(rows, 1, max_slots=n_adapters)  # the decode graphs' static plan
     bi = tri.prepare_lora_batch(fb, wi, ranks, scal, use_cuda_graph=True)
@@ -147,15 +122,9 @@ def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_s
         per_site[site] = (ws, x, out, rk, sc)
     floor = sum(byte_floor_us(s, rows, [ranks[w] for w in sorted(set(wi))], bandwidth) for s in sites)
     results = []
-    library_config, library_blocks, library_split = lf.fused_config, (lf.RANK_BLOCK, lf.MIXED_RANK_BLOCK), ops.DECODE_SPLIT_K
-    split_sweep = [(sk, st) for sk in split_ks for st in stages] if path == "split" else [(None, None)]
-    sweep = [(rb, lw, ss) for rb in rank_blocks for lw in launch_sweep for ss in split_sweep]
-    for rb, (pps, warps, prefetch, max_regs, bk, bn), (split_k, n_stages) in sweep:
-        restore = lambda: None  # noqa: E731
-        if path == "split":
-            ops.DECODE_SPLIT_K = split_k or library_split
-            restore = split_configs(rb, warps, bk, bn, n_stages)
-        elif rb:  # 0: the library's own choice
+    library_config, library_blocks = lf.fused_config, (lf.RANK_BLOCK, lf.MIXED_RANK_BLOCK)
+    for rb, (pps, warps, prefetch, max_regs, bk, bn) in [(rb, lw) for rb in rank_blocks for lw in launch_sweep]:
+        if rb:  # 0: the library's own choice
             lf.RANK_BLOCK = lf.MIXED_RANK_BLOCK = rb
 
         def config(*args, _pps=pps, _warps=warps, _prefetch=prefetch, _regs=max_regs, _bk=bk, _bn=bn, **kwargs):
@@ -167,13 +136,6 @@ def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_s
 
         lf.fused_config = config
         used = config(max(ranks), 4096, [4096], DTYPE, mixed_ranks=len(set(ranks)) > 1)  # what the launches take
-        if path == "split":  # the shrink's and expand's choices instead
-            ls, le = (importlib.import_module(f"peft_fastlora.ops.lora_{op}") for op in ("shrink", "expand"))
-            shrink_cfg, expand_cfg = ls.shrink_config(16, max(ranks), 4096), le.expand_config(16, max(ranks), 4096)
-            stages_used = shrink_cfg["num_stages"]
-            used = dict(programs_per_sm="", num_warps=f"{shrink_cfg['num_warps']}/{expand_cfg['num_warps']}",
-                        prefetch="", max_registers="", r_sub=shrink_cfg["block_r"], block_k=shrink_cfg["block_k"],
-                        block_n=expand_cfg["block_n"])
         # the first layer of each site against the torch backend, from the same base output
         err = 0.0
         for site, (ws, x, out, rk, sc) in per_site.items():
@@ -189,39 +151,23 @@ def run_workload(name, rank_blocks, layers, timer, bandwidth, versions, launch_s
                     tri.run_packed_lora(x, ws[layer], base_output=out, layer_ranks=rk, layer_scalings=sc,
                                         batch_info=bi)
 
-        def shrinks():  # the split path's first kernel alone
-            plan = (bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len)
-            for layer in range(layers):
-                for ws, x, out, rk, sc in per_site.values():
-                    w = ws[layer]
-                    ops.lora_shrink(x, w.a, w.stack_num, rk, *plan, block_m=bi.block_m, check=False, a_rows=w.a_rows,
-                                    max_rank=w.max_rank, split_k=ops.DECODE_SPLIT_K)
-
-        shrink_us = ""
         if DEVICE == "cuda":
             graph = capture(step)
             us = timer(graph.replay) / layers
             del graph
-            if path == "split":
-                graph = capture(shrinks)
-                shrink_us = round(timer(graph.replay) / layers, 2)
-                del graph
         else:  # smoke: eager, once
             t0 = time.perf_counter()
             step()
             us = 1e6 * (time.perf_counter() - t0) / layers
-        restore()
         row = dict(versions, workload=name, path=path, rows=rows, adapters=n_adapters, ranks="/".join(map(str, rank_cycle)),
-                   sites="+".join(sites), rank_block=rb, split_k=ops.DECODE_SPLIT_K if path == "split" else "",
-                   shrink_stages=stages_used if path == "split" else "",
+                   sites="+".join(sites), rank_block=rb,
                    **{key: used[key] for key in ("programs_per_sm", "num_warps", "prefetch", "max_registers", "r_sub",
                                       "block_k", "block_n")}, us_per_layer=round(us, 2),
-                   us_per_launch=round(us / len(sites), 2), shrink_us_per_layer=shrink_us, floor_us_per_layer=round(floor, 2),
+                   us_per_launch=round(us / len(sites), 2), floor_us_per_layer=round(floor, 2),
                    x_floor=round(us / floor, 3), max_rel_err=f"{err:.2e}", timeouts=tri.fused_timeouts())
         print(row, flush=True)
         results.append(row)
     (lf.RANK_BLOCK, lf.MIXED_RANK_BLOCK), lf.fused_config = library_blocks, library_config
-    ops.DECODE_SPLIT_K = library_split
     return results
 
 
@@ -249,8 +195,7 @@ def main(argv=None) -> int:
         sweep = [(p, w, f, r, k, n) for p in args.programs_per_sm for w in args.num_warps for f in args.prefetch
                  for r in args.max_registers for k in args.block_k for n in args.block_n]
         for path in args.paths:
-            rows += run_workload(name, args.rank_blocks, args.layers, timer, bandwidth, versions, sweep, path,
-                                 args.split_k, args.stages)
+            rows += run_workload(name, args.rank_blocks, args.layers, timer, bandwidth, versions, sweep, path)
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     print("fused kernel variants compiled (registers, spills, warps):", kernel_registers(), flush=True)

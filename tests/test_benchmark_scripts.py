@@ -79,13 +79,3 @@ def test_probe_rank_blocks_smoke(tmp_path):
     errs = [float(s.split("'")[0]) for s in out.split("'max_rel_err': '")[1:]]
     assert len(errs) == 2 and max(errs) < 1e-5, out[-2000:]
     assert "'r_sub': 16" in out and "'r_sub': 64" in out  # the setting reached the kernel's config
-
-
-def test_probe_rank_blocks_split_smoke(tmp_path):
-    """The split path's sweep: each K range count and shrink rank block reaches the launch."""
-    out = _run([os.path.join(BENCH, "probe_rank_blocks.py"), "--smoke", "--workloads", "32x8_r64",
-                "--paths", "split", "--split-k", "2", "4", "--rank-blocks", "32", "--out", str(tmp_path)],
-               env_extra={"TRITON_INTERPRET": "1"})
-    errs = [float(s.split("'")[0]) for s in out.split("'max_rel_err': '")[1:]]
-    assert len(errs) == 2 and max(errs) < 1e-5, out[-2000:]
-    assert "'split_k': 2" in out and "'split_k': 4" in out and "'r_sub': 32" in out

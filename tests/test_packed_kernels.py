@@ -35,14 +35,7 @@ def run_packed(be, w, x, base, ranks, scalings):
     return be.run_packed_lora(x, w, base_output=base, layer_ranks=ranks, layer_scalings=scalings)
 
 
-def use_path(tri, path):
-    """The decode kernels a path names: the fused launch, the split-K shrink and expand, or the
-    unsplit shrink and expand."""
-    tri.fused_decode = path == "fused"
-    tri.split_decode = path == "split"
-
-
-@pytest.mark.parametrize("path", ["fused", "split", "two_kernels", "prefill"])
+@pytest.mark.parametrize("path", ["fused", "two_kernels", "prefill"])
 @pytest.mark.parametrize("comp", ["mixed", "skewed", "all_base"])
 @pytest.mark.parametrize("site", list(FUSED_SITES))
 @pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=DTYPE_IDS)
@@ -52,7 +45,7 @@ def test_packed_equals_padded(dtype, atol, rtol, site, comp, path, fused_calls):
     seq_lens = [3, 17, 1, 9, 6] if path == "prefill" else [1] * 20
     wi = COMPOSITIONS[comp](len(seq_lens))
     tri, ref = make_backends(wi, seq_lens)
-    use_path(tri, path)
+    tri.fused_decode = path == "fused"
     tok = token_slots(wi, seq_lens)
     x, a, b, base, ranks, scalings = site_inputs(site, tok, dtype)
     w = pack(a, b, FUSED_SITES[site], ranks, seed=len(site))
@@ -86,44 +79,6 @@ def test_packed_k_not_a_tile_multiple_and_wide_rank():
     assert_close(got, want, atol, rtol, "fused packed, small tiles")
 
 
-@pytest.mark.parametrize("split_k", [1, 2, 3, 8])
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-def test_split_k_shrink_and_expand(packed, split_k):
-    """The split-K shrink over K = 300 in tiles of 64 (5 tiles: ranges of 3 + 2, 2 + 2 + 1, and
-    one tile each), its float32 partials summed by the expand: the planes add up to the unsplit
-    shrink, and shrink + expand equal the torch backend. Mixed ranks, a module of rank 0, rows
-    with no adapter, NaN outside every block."""
-    from peft_fastlora.ops import lora_expand, lora_shrink
-
-    dtype, atol, rtol = TOLERANCES[0]
-    seq_lens = [1] * 20
-    wi = COMPOSITIONS["mixed"](20)
-    tri, ref = make_backends(wi, seq_lens)
-    bi = tri.batch_info
-    plan = (bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len)
-    tok = token_slots(wi, seq_lens)
-    offsets = FUSED_SITES["qkv"]
-    x, a, b, base, ranks, scalings = site_inputs("qkv", tok, dtype, k=300)
-    w = pack(a, b, offsets, ranks, seed=7)
-    layout = (dict(a_rows=w.a_rows, max_rank=w.max_rank), dict(b_offs=w.b_offs, b_align=w.align)) if packed else ({}, {})
-    wa, wb = (w.a, w.b) if packed else (a, b)
-    y1 = lora_shrink(x, wa, 3, ranks, *plan, block_m=bi.block_m, block_k=64, **layout[0])
-    yk = lora_shrink(x, wa, 3, ranks, *plan, block_m=bi.block_m, block_k=64, split_k=split_k, **layout[0])
-    planes = {1: 0, 2: 2, 3: 3, 8: 5}[split_k]
-    assert yk.dim() == (3 if planes else 2) and (not planes or (yk.shape[0] == planes and yk.dtype == torch.float32))
-    mask = torch.zeros_like(y1, dtype=torch.bool)
-    for t, s in enumerate(tok.tolist()):
-        for j in range(3):
-            if s >= 0:
-                mask[t, j * w.max_rank: j * w.max_rank + int(ranks[s, j])] = True
-    assert_close(yk.sum(0) if planes else yk, y1, atol, rtol, "split-K planes against one range", mask=mask)
-    got = lora_expand(yk, wb, offsets, ranks, scalings, base.clone(), *plan, block_m=bi.block_m, **layout[1])
-    want = run_fused_site(ref, "qkv", x, a, b, base.clone(), ranks, scalings)
-    assert not got.isnan().any(), "read outside a block (another slot, past a rank, a gap)"
-    check_untouched(got, base, tok)
-    assert_close(got, want, atol, rtol, f"split-K shrink + expand (split_k {split_k})")
-
-
 def test_packed_views_and_alignment():
     """Blocks take exactly their rank; views read back what was written; 16-byte alignment only
     where every rank is a multiple of 8."""
@@ -137,14 +92,14 @@ def test_packed_views_and_alignment():
     assert w.a_view(3, 5).shape == (5, 5) and w.a_view(3, 5).data_ptr() == a[3].data_ptr()
 
 
-@pytest.mark.parametrize("path", ["fused", "split", "two_kernels"])
+@pytest.mark.parametrize("path", ["fused", "two_kernels"])
 def test_packed_aligned_ranks(path, fused_calls):
     """Every rank a multiple of 8 (align 8: the kernels load B's rows 16 bytes at a time)."""
     dtype, atol, rtol = TOLERANCES[1]
     seq_lens = [1] * 20
     wi = COMPOSITIONS["mixed"](20)
     tri, ref = make_backends(wi, seq_lens)
-    use_path(tri, path)
+    tri.fused_decode = path == "fused"
     tok = token_slots(wi, seq_lens)
     x, a, b, base, ranks, scalings = site_inputs("qkv", tok, dtype)
     ranks = torch.where(ranks > 0, (ranks + 7) // 8 * 8, ranks).int().contiguous()

@@ -326,33 +326,12 @@ def test_fused_many_adapters_mixed_ranks(site, rank_block, monkeypatch):
     launch stepping through ranks in blocks of 16, 32 rows or one tile, or the library's launch
     for mixed ranks (blocks of 16, one tile live, a register cap); fresh inputs each call."""
     lf = importlib.import_module("peft_fastlora.ops.lora_fused")  # the module, not the function
+    from _helpers import pack
     from peft_fastlora.backend.triton import TritonLoRABackend
 
     if rank_block:
         monkeypatch.setattr(lf, "RANK_BLOCK", rank_block)
-    tri = TritonLoRABackend(64, "cuda", split_decode=False)
-    check_many_adapters(tri, site, rank_block, mixed_ranks=not rank_block, what=f"rank block {rank_block}")
-
-
-@pytest.mark.parametrize("split_k", [2, 8, 16])
-@pytest.mark.parametrize("site", ["qkv", "o", "down"])
-def test_split_k_many_adapters_mixed_ranks(site, split_k, monkeypatch):
-    """The same 64 adapters through the split-K shrink (K in 2, 8 or 16 ranges; down's K = 14336
-    in 56 tiles gives uneven ranges) and the expand that sums its partials."""
-    import peft_fastlora.ops as ops
-    from peft_fastlora.backend.triton import TritonLoRABackend
-
-    monkeypatch.setattr(ops, "DECODE_SPLIT_K", split_k)
-    tri = TritonLoRABackend(64, "cuda", split_decode=True)
-    check_many_adapters(tri, site, 100 + split_k, mixed_ranks=True, what=f"split-K {split_k}")
-
-
-def check_many_adapters(tri, site, seed, mixed_ranks, what):
-    """64 adapters of ranks 8-64 (one without a module) in a 72-row decode batch through ``tri``,
-    two calls with fresh inputs, against the torch backend."""
-    from _helpers import pack
-
-    torch.manual_seed(seed)
+    torch.manual_seed(rank_block)
     n, dtype = 64, torch.bfloat16
     k, offsets = SITES[site]
     c = len(offsets) - 1
@@ -369,19 +348,20 @@ def check_many_adapters(tri, site, seed, mixed_ranks, what):
             a[s_, j * 64 + r: (j + 1) * 64] = float("nan")
             b[s_, offsets[j]: offsets[j + 1], r:] = float("nan")
     a, b = a.to(dtype), b.to(dtype)
-    w = pack(a, b, offsets, ranks, seed=seed)
-    w.mixed_ranks = mixed_ranks  # the pool sets it where its adapters' ranks differ
+    w = pack(a, b, offsets, ranks, seed=rank_block)
+    w.mixed_ranks = not rank_block  # the pool sets it where its adapters' ranks differ
     ranks, scalings = ranks.cuda(), scalings.cuda()
     wi = [i % n if i % 9 != 8 else NO_ADAPTER for i in range(n + 8)]
     seq_lens = [1] * len(wi)
     fb = ForwardBatch(len(wi), seq_lens, ForwardMode.DECODE, torch.device("cuda"))
-    ref = TorchNativeLoRABackend(n, "cuda")
+    tri, ref = TritonLoRABackend(n, "cuda"), TorchNativeLoRABackend(n, "cuda")
     for be in (tri, ref):
         be.prepare_lora_batch(fb, wi, ranks[:, 0].tolist(), scalings[:, 0].tolist(), False)
     no_adapter = torch.tensor([w_ < 0 for w_ in wi], device="cuda")
     for _ in range(2):
         x = torch.randn(len(wi), k, device="cuda", dtype=dtype)
-        check_packed_site(tri, ref, site, x, w, (a, b), ranks, scalings, no_adapter, f"{site}, 64 adapters, {what}")
+        check_packed_site(tri, ref, site, x, w, (a, b), ranks, scalings, no_adapter,
+                          f"{site}, 64 adapters, rank block {rank_block}")
     assert tri.fused_timeouts() == 0
 
 

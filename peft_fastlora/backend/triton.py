@@ -10,8 +10,6 @@ The registry imports this module only when the backend is asked for; Triton is i
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..batch import LoRABatchInfo
@@ -26,24 +24,15 @@ except ImportError as e:  # pragma: no cover - depends on the install
         "use backend 'torch_native' instead") from e
 
 
-def split_decode_auto(w) -> bool:
-    """Whether a decode-sized call on these packed weights takes the split-K path: PROVISIONAL."""
-    return False
-
-
 class TritonLoRABackend(SegmentedLoRABackend):
     """Args (beyond the contract's): fused_decode: run decode-sized stacked calls and ``run_lora``
-    as one fused kernel (False: always the shrink and expand kernels, as before). split_decode:
-    decode-sized calls on packed weights run a split-K shrink and an expand that sums its
-    partials instead (``ops.lora_shrink``'s ``split_k``); None: where ``split_decode_auto`` says."""
+    as one fused kernel (False: always the shrink and expand kernels, as before)."""
 
     name = "triton"
 
-    def __init__(self, max_loras_per_batch: int, device: torch.device, *, fused_decode: bool = True,
-                 split_decode: Optional[bool] = None):
+    def __init__(self, max_loras_per_batch: int, device: torch.device, *, fused_decode: bool = True):
         super().__init__(max_loras_per_batch, device)
         self.fused_decode = fused_decode
-        self.split_decode = split_decode
         # the fused kernel's scratch, one per device; zero between calls, never freed (graphs)
         self._workspaces: dict = {}
 
@@ -124,29 +113,19 @@ class TritonLoRABackend(SegmentedLoRABackend):
             bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len,
             self._workspace(x.device), block_m=bi.block_m, check=False)
 
-    def _split_k(self, w, block_m: int) -> int:
-        """K splits of a decode-sized packed call's shrink (1: not split)."""
-        if block_m > 16:
-            return 1
-        split = split_decode_auto(w) if self.split_decode is None else self.split_decode
-        return _ops.DECODE_SPLIT_K if split else 1
-
     def _packed(self, x, weights, ranks, scalings, out, bi):
-        """Packed weights: for decode-sized batches the split-K shrink and expand or the fused
-        kernel, else shrink and expand."""
+        """Packed weights: the fused kernel for decode-sized batches, else shrink and expand."""
         w = weights
         self._check_place("packed lora A and B", bi, x, w.a, w.b, w.a_rows, w.b_offs, ranks, scalings, out)
         self._check_slots("packed lora A and B", bi, w.num_slots)
         plan = (bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len)
-        split_k = self._split_k(w, bi.block_m)
-        if split_k == 1 and self.fused_decode and _ops.fused_supported(w.stack_num, w.max_rank, bi.block_m,
-                                                                        x.dtype):
+        if self.fused_decode and _ops.fused_supported(w.stack_num, w.max_rank, bi.block_m, x.dtype):
             return _ops.lora_fused(x, w.a, w.b, w.offsets, ranks, scalings, out, *plan,
                                    self._workspace(x.device), block_m=bi.block_m, check=False,
                                    a_rows=w.a_rows, b_offs=w.b_offs, max_rank=w.max_rank, b_align=w.align,
                                    mixed_ranks=w.mixed_ranks)
         y = _ops.lora_shrink(x, w.a, w.stack_num, ranks, *plan, block_m=bi.block_m, check=False,
-                             a_rows=w.a_rows, max_rank=w.max_rank, split_k=split_k)
+                             a_rows=w.a_rows, max_rank=w.max_rank)
         return _ops.lora_expand(y, w.b, w.offsets, ranks, scalings, out, *plan, block_m=bi.block_m,
                                 check=False, b_offs=w.b_offs, b_align=w.align)
 

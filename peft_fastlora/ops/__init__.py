@@ -14,7 +14,7 @@ from .lora_fused import MAX_BLOCK_R as FUSED_MAX_BLOCK_R
 from .lora_fused import MAX_MODULES as FUSED_MAX_MODULES
 from .lora_fused import FusedWorkspace, fused_config, fused_supported, lora_fused
 from .lora_shrink import _lora_shrink_kernel as _shrink_kernel
-from .lora_shrink import DECODE_SPLIT_K, lora_shrink, shrink_config
+from .lora_shrink import lora_shrink, shrink_config
 from .rms_norm import add_rms_norm, rms_norm
 from .rotary import apply_rotary, apply_rotary_reference
 from .silu_mul import silu_mul, silu_mul_reference
@@ -28,7 +28,6 @@ def interpreting() -> bool:
 
 __all__ = [
     "add_rms_norm",
-    "DECODE_SPLIT_K",
     "FUSED_MAX_BLOCK_R",
     "FUSED_MAX_MODULES",
     "FusedWorkspace",

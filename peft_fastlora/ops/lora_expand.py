@@ -13,9 +13,6 @@ B comes padded, ``(num_slots, N_total, R)`` (the contract's), or *packed*: a fla
 With ``y_cols`` (packed only), ``y`` holds the shrink of *every* row of the packed A arena, as the
 base GEMM gives it when A's arena is stored under the base weight (``x @ [W; A].T``): module j of
 a slot reads ``y[t, y_cols[slot, j] : y_cols[slot, j] + rank]`` (its A rows), not ``j * R``.
-
-``y`` may also be the split-K shrink's float32 partials, ``(splits, s, c * R)``: they are summed as
-they are loaded and rounded to B's dtype, as the unsplit shrink rounds its output.
 """
 
 from __future__ import annotations
@@ -39,19 +36,6 @@ def packed_row_stride(rank, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _y_tile(y_row, offs_r, mask, stride_yr, stride_yp, Y_PLANES: tl.constexpr):
-    """Columns ``offs_r`` of the rows of y; with split-K partials (``Y_PLANES`` > 0) the float32
-    sum of the planes (the caller rounds it to B's dtype)."""
-    ptrs = y_row + offs_r[None, :] * stride_yr
-    if Y_PLANES == 0:
-        return tl.load(ptrs, mask=mask, other=0.0)
-    yt = tl.load(ptrs, mask=mask, other=0.0)
-    for p in tl.static_range(1, Y_PLANES):
-        yt += tl.load(ptrs + p * stride_yp, mask=mask, other=0.0)
-    return yt
-
-
-@triton.jit
 def _lora_expand_kernel(
     # pointers
     y_ptr,  # (s, c * R)
@@ -65,7 +49,7 @@ def _lora_expand_kernel(
     J0,  # first module of this launch (launches cover at most 4 modules)
     OFF0, OFF1, OFF2, OFF3, OFF4,  # column offsets of this launch's modules; unused ones repeat the end
     # strides
-    stride_yp, stride_ys, stride_yr,  # stride_yp: between split-K planes
+    stride_ys, stride_yr,
     stride_bl, stride_bn, stride_br,
     stride_os, stride_on,
     # batch info
@@ -77,7 +61,6 @@ def _lora_expand_kernel(
     PACKED: tl.constexpr,
     B_ALIGN: tl.constexpr,  # packed: every B offset and rank is a multiple of this (1 or 8)
     Y_COLS: tl.constexpr,
-    Y_PLANES: tl.constexpr,  # y is this many float32 split-K planes to sum (0: y as it is)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -131,14 +114,13 @@ def _lora_expand_kernel(
     r_mask = offs_r < rank
     bt = tl.load(b_base + offs_r[:, None] * b_rstride, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
     pdl.wait(USE_PDL)
-    yt = _y_tile(y_row, offs_r, row_mask[:, None] & r_mask[None, :], stride_yr, stride_yp,
-                 Y_PLANES).to(bt.dtype)
+    yt = tl.load(y_row + offs_r[None, :] * stride_yr, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
     acc = tl.dot(yt, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), input_precision=DOT_PRECISION)
     for r0 in range(BLOCK_R, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank
-        yt = _y_tile(y_row, offs_r, row_mask[:, None] & r_mask[None, :], stride_yr, stride_yp,
-                     Y_PLANES).to(bt.dtype)
+        yt = tl.load(y_row + offs_r[None, :] * stride_yr,
+                     mask=row_mask[:, None] & r_mask[None, :], other=0.0)
         bt = tl.load(b_base + offs_r[:, None] * b_rstride,
                      mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(yt, bt, acc, input_precision=DOT_PRECISION)
@@ -194,7 +176,7 @@ def lora_expand(
     """Stacked, segmented expand into ``out`` (in place).
 
     Args:
-        y: (s, c * R), the shrink's output; or its split-K float32 partials (splits, s, c * R).
+        y: (s, c * R), the shrink's output.
         weights: padded (num_slots, N_total, R), same dtype as ``y``; or, with ``b_offs``, a packed
             flat arena.
         offsets: c + 1 host ints; module j writes columns ``offsets[j]:offsets[j+1]`` of ``out``
@@ -216,17 +198,13 @@ def lora_expand(
     """
     offsets = [int(o) for o in offsets]
     c = len(offsets) - 1
-    planes = y.shape[0] if y.dim() == 3 else 0
-    if planes and (y.dtype != torch.float32 or y_cols is not None):
-        raise ValueError("lora_expand: split-K partials (a 3-D y) must be float32, without y_cols")
-    y2 = y[0] if planes else y  # one plane: the shapes and strides of a 2-D y
-    s = y2.shape[0]
+    s = y.shape[0]
     packed = b_offs is not None
     if y_cols is not None and (not packed or max_rank is None):
         raise ValueError("lora_expand: y_cols takes packed weights (b_offs) and max_rank")
     if packed:
         num_slots, n_total = b_offs.shape[0], offsets[-1]
-        r = int(max_rank) if y_cols is not None else y2.shape[1] // c
+        r = int(max_rank) if y_cols is not None else y.shape[1] // c
         if check and (weights.dim() != 1 or b_offs.dim() != 2 or b_offs.shape[1] != c
                       or b_offs.stride(1) != 1 or b_offs.dtype != torch.int64):
             raise ValueError(f"lora_expand: a packed B must be flat with an int64 (num_slots, {c}) "
@@ -237,9 +215,9 @@ def lora_expand(
     else:
         num_slots, n_total, r = weights.shape
     if check:
-        if ((y_cols is None and y2.shape[1] != c * r) or offsets[-1] != n_total
+        if ((y_cols is None and y.shape[1] != c * r) or offsets[-1] != n_total
                 or tuple(out.shape) != (s, n_total)):
-            raise ValueError(f"lora_expand: y {tuple(y2.shape)}, weights {tuple(weights.shape)}, out "
+            raise ValueError(f"lora_expand: y {tuple(y.shape)}, weights {tuple(weights.shape)}, out "
                              f"{tuple(out.shape)} and offsets {offsets} do not agree")
         if out.stride(1) != 1:
             raise ValueError("lora_expand: out must have unit column stride")
@@ -249,7 +227,7 @@ def lora_expand(
     max_chunks = chunk_slot.shape[0]
     if s == 0 or max_chunks == 0 or r == 0:
         return out
-    dot_precision = "ieee" if weights.dtype == torch.float32 else "tf32"  # Triton's fp32 default is tf32
+    dot_precision = "ieee" if y.dtype == torch.float32 else "tf32"  # Triton's fp32 default is tf32
     b_strides = (0, 0, 0) if packed else weights.stride()
     use_pdl = pdl.mode(out, preamble=True)
     for j0 in range(0, c, MAX_MODULES_PER_LAUNCH):
@@ -265,7 +243,7 @@ def lora_expand(
         _lora_expand_kernel[grid](
             y, weights, out, b_offs if packed else ranks, y_cols if y_cols is not None else ranks,
             r, num_slots, j0, *offs,
-            y.stride(0) if planes else 0, y2.stride(0), y2.stride(1),
+            y.stride(0), y.stride(1),
             *b_strides,
             out.stride(0), out.stride(1),
             ranks, ranks.stride(0),
@@ -275,7 +253,6 @@ def lora_expand(
             PACKED=packed,
             B_ALIGN=b_align,
             Y_COLS=y_cols is not None,
-            Y_PLANES=planes,
             BLOCK_M=block_m,
             BLOCK_N=bn,
             BLOCK_R=block_r or cfg["block_r"],

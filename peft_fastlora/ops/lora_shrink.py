@@ -9,13 +9,6 @@ below); one program computes one (module, rank block) of one chunk, so a tile ne
 adapters and each adapter's A is streamed once per chunk. Only the first ``rank(slot, j)`` rows
 of a module's A are read and only those columns of ``y`` are written: the rest of ``y`` is left
 as it was (the expand never reads it).
-
-*Split-K* (``split_k`` > 1, decode-sized chunks): K is cut in ``split_k`` ranges, one program per
-(module, rank block, chunk, range), and each writes its float32 partial to its own plane of a
-``(splits, s, c * R)`` output, which ``lora_expand`` sums as it loads (no atomics: the sum order
-is fixed). A program then streams one or two tiles of A instead of all of K, so many programs have
-tiles in flight at once: with many adapters in a batch the shrink is bound by bytes, and a
-program's serial K loop leaves the memory idle.
 """
 
 from __future__ import annotations
@@ -25,9 +18,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-
-
-DECODE_SPLIT_K = 8  # K ranges of a decode-sized split-K shrink (the backends' choice)
 
 
 @triton.jit
@@ -41,11 +31,10 @@ def _lora_shrink_kernel(
     K,
     R,  # padded rank of one module in A and y
     num_slots,
-    K_SPLIT,  # columns of K per split (a multiple of BLOCK_K); K when not split
     # strides
     stride_xs, stride_xk,
     stride_al, stride_ar, stride_ak,
-    stride_yp, stride_ys, stride_yr,  # stride_yp: between the split planes of y
+    stride_ys, stride_yr,
     # batch info
     ranks_ptr,  # (>= num_slots, c) int32, unit column stride
     stride_rl,
@@ -65,8 +54,6 @@ def _lora_shrink_kernel(
     j = tl.program_id(0) // NUM_RB
     rb = tl.program_id(0) % NUM_RB
     chunk = tl.program_id(1)
-    k_lo = tl.program_id(2) * K_SPLIT
-    k_hi = tl.minimum(k_lo + K_SPLIT, K)
     slot = tl.load(chunk_slot_ptr + chunk)
     n_rows = tl.load(chunk_len_ptr + chunk)
     if slot < 0:
@@ -89,16 +76,16 @@ def _lora_shrink_kernel(
     r_mask = offs_r < rank
     offs_k = tl.arange(0, BLOCK_K)
 
-    x_ptrs = x_ptr + tok[:, None] * stride_xs + (k_lo + offs_k)[None, :] * stride_xk
+    x_ptrs = x_ptr + tok[:, None] * stride_xs + offs_k[None, :] * stride_xk
     # A is read transposed, (BLOCK_K, BLOCK_R), so the dot needs no permute
     if PACKED:
         row0 = tl.load(a_rows_ptr + slot * stride_tl + j).to(tl.int64)
-        a_ptrs = a_ptr + (row0 + offs_r)[None, :] * stride_ar + (k_lo + offs_k)[:, None] * stride_ak
+        a_ptrs = a_ptr + (row0 + offs_r)[None, :] * stride_ar + offs_k[:, None] * stride_ak
     else:
         a_ptrs = (a_ptr + slot.to(tl.int64) * stride_al + (j * R + offs_r)[None, :] * stride_ar
-                  + (k_lo + offs_k)[:, None] * stride_ak)
+                  + offs_k[:, None] * stride_ak)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
             at = tl.load(a_ptrs, mask=r_mask[None, :], other=0.0)
@@ -110,8 +97,7 @@ def _lora_shrink_kernel(
         x_ptrs += BLOCK_K * stride_xk
         a_ptrs += BLOCK_K * stride_ak
 
-    y_ptrs = (y_ptr + tl.program_id(2) * stride_yp + tok[:, None] * stride_ys
-              + (j * R + offs_r)[None, :] * stride_yr)
+    y_ptrs = y_ptr + tok[:, None] * stride_ys + (j * R + offs_r)[None, :] * stride_yr
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & r_mask[None, :])
 
 
@@ -146,7 +132,6 @@ def lora_shrink(
     *,
     block_m: int,
     out: Optional[torch.Tensor] = None,
-    split_k: int = 1,
     block_k: Optional[int] = None,
     block_r: Optional[int] = None,
     num_warps: Optional[int] = None,
@@ -167,15 +152,12 @@ def lora_shrink(
             is sized from ``chunk_slot``'s length, never from its contents.
         block_m: rows per chunk (a power of two >= 16).
         out: optional (s, c * R) output; allocated (uninitialised) when omitted.
-        split_k: > 1: the output is float32 partials, ``(splits, s, c * R)`` (see the module
-            docstring): K is cut in ``splits <= split_k`` ranges of whole K tiles.
         block_k, block_r, num_warps, num_stages: override ``shrink_config``.
         check: validate the shapes (False: the caller has).
         a_rows: packed layout: (num_slots, c) int32, the first row in ``weights`` of each (slot,
             module) (read only where its rank is not 0); ``max_rank`` then gives R.
     Returns:
-        (s, c * R) in ``x.dtype`` (or the partials); defined only where the contract says (own
-        rank, adapter rows).
+        (s, c * R) in ``x.dtype``; defined only where the contract says (own rank, adapter rows).
     """
     s, k = x.shape
     packed = a_rows is not None
@@ -193,28 +175,25 @@ def lora_shrink(
     r = cr // stack_num
     if check and (ranks.dim() != 2 or ranks.shape[1] != stack_num or ranks.stride(1) != 1):
         raise ValueError(f"lora_shrink: ranks must be (num_slots, {stack_num}) with unit column stride")
+    if out is None:
+        out = torch.empty(s, cr, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (s, cr) or out.dtype != x.dtype:
+        raise ValueError(f"lora_shrink: out must be ({s}, {cr}) {x.dtype}, got {tuple(out.shape)} {out.dtype}")
     cfg = shrink_config(block_m, r, k)
     block_k = block_k or cfg["block_k"]
-    k_split = triton.cdiv(triton.cdiv(k, block_k), max(1, split_k)) * block_k
-    splits = triton.cdiv(k, k_split)
-    shape, dtype = ((splits, s, cr), torch.float32) if split_k > 1 else ((s, cr), x.dtype)
-    if out is None:
-        out = torch.empty(shape, dtype=dtype, device=x.device)
-    elif tuple(out.shape) != shape or out.dtype != dtype:
-        raise ValueError(f"lora_shrink: out must be {shape} {dtype}, got {tuple(out.shape)} {out.dtype}")
     block_r = block_r or cfg["block_r"]
     num_rb = triton.cdiv(r, block_r)
     max_chunks = chunk_slot.shape[0]
     if s == 0 or max_chunks == 0 or r == 0:
         return out
-    grid = (stack_num * num_rb, max_chunks, splits)
+    grid = (stack_num * num_rb, max_chunks)
     a_strides = (0,) + weights.stride() if packed else weights.stride()
     _lora_shrink_kernel[grid](
         x, weights, out, a_rows if packed else ranks,
-        k, r, num_slots, k_split,
+        k, r, num_slots,
         x.stride(0), x.stride(1),
         *a_strides,
-        out.stride(0) if split_k > 1 else 0, out.stride(-2), out.stride(-1),
+        out.stride(0), out.stride(1),
         ranks, ranks.stride(0), a_rows.stride(0) if packed else 0,
         sorted_token_ids, chunk_slot, chunk_start, chunk_len,
         PACKED=packed,
