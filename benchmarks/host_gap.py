@@ -4,17 +4,22 @@ synchronises at every step) or runs work outside the graph (logits, token select
 
 Times one graphed ``generate`` call of the patched model (8 adapters r16, batch 32), the GPU time
 of its replays (``bench_generate.ReplayTimes``), then profiles the same call with cProfile and
-prints the functions with the most own time and the most cumulative time.
+prints the functions with the most own time and the most cumulative time. ``--sync-debug``: then
+one more call under ``torch.cuda.set_sync_debug_mode("warn")``, counting each place (the innermost
+frames outside torch) that made the host wait for the GPU.
 
     python benchmarks/host_gap.py --model 8b
 """
 
 import argparse
 import cProfile
+import collections
 import io
 import os
 import pstats
 import sys
+import traceback
+import warnings
 
 import torch
 
@@ -29,6 +34,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--sync-debug", action="store_true", help="count the host's waits for the GPU in one call")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script only")
     args = p.parse_args(argv)
     if args.smoke:
@@ -52,7 +58,34 @@ def main(argv=None):
         pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.top)
         print(f"# by {key}, one call of {args.new_tokens} new tokens")
         print("\n".join(line[:180] for line in out.getvalue().splitlines()[5:]), flush=True)
+    if args.sync_debug and bg.DEVICE == "cuda":
+        print(f"# host waits for the GPU in one call of {args.new_tokens} new tokens (innermost frames outside torch)")
+        for where, n in count_syncs(lambda: gen(args.new_tokens)).most_common(args.top):
+            print(f"{n:6d}  {where}")
     return 0
+
+
+def count_syncs(call):
+    """Run ``call`` with CUDA's sync debug mode warning, and count where each wait came from."""
+    places = collections.Counter()
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename
+                  and "warnings" not in f.filename]
+        places[" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in frames[-3:][::-1])] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+            bg.sync()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = show
+    return places
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import types
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import peft
 import torch
@@ -681,24 +681,47 @@ def transformers_mask_builder():
     return gen_utils.create_masks_for_generate
 
 
-def plain_causal_bool_mask(config) -> Optional[bool]:
-    """For a config whose every layer gets transformers' plain causal boolean mask (sdpa-style mask
-    function, no sliding window, no chunked attention): whether that mask comes keyed by layer type
-    (``{"full_attention": mask}``, configs with ``layer_types``) or alone. None for any other config."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+class StepMaskSpec(NamedTuple):
+    """How transformers builds a config's one-token decode masks (``step_mask_spec``)."""
+
+    keys: Optional[Tuple[str, ...]]  # layer types the masks come keyed by; None: one mask for all
+    window: Optional[int]  # the sliding window of its sliding layers (None: no sliding layer)
+    additive: bool  # eager's float masks (0 where attended, the dtype's min elsewhere), not booleans
+
+
+def step_mask_spec(config) -> Optional[StepMaskSpec]:
+    """For a config whose layers all get transformers' causal or sliding-window causal mask, made
+    by ``sdpa_mask`` or ``eager_mask`` (no chunked attention, no other layer types), how it is
+    laid out; None for any other config."""
+    from transformers import masking_utils as mu
 
     cfg = config.get_text_config()
     try:
-        if ALL_MASK_ATTENTION_FUNCTIONS[cfg._attn_implementation] is not sdpa_mask:
-            return None
+        interface = mu.ALL_MASK_ATTENTION_FUNCTIONS[cfg._attn_implementation]
     except (KeyError, AttributeError):
+        return None
+    if interface is not mu.sdpa_mask and interface is not mu.eager_mask:
         return None
     if getattr(cfg, "attention_chunk_size", None) is not None or getattr(cfg, "is_causal", True) is False:
         return None
+    window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types is not None:
-        return True if set(layer_types) == {"full_attention"} else None
-    return False if getattr(cfg, "sliding_window", None) is None else None
+        makers = {"full_attention": mu.create_causal_mask, "sliding_attention": mu.create_sliding_window_causal_mask}
+        patterns = set(layer_types)
+        if not patterns <= set(makers) or any(
+                mu.LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING.get(p) is not makers[p] for p in patterns):
+            return None
+        if "sliding_attention" not in patterns:
+            window = None
+        elif not isinstance(window, int):
+            return None
+        keys = tuple(sorted(patterns))
+    else:
+        keys = None
+        if window is not None and not isinstance(window, int):
+            return None
+    return StepMaskSpec(keys, window, interface is mu.eager_mask)
 
 
 def deferred_stop_check_class():

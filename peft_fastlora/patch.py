@@ -56,8 +56,9 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         fuse_rotary: attention modules that call the Llama-family ``apply_rotary_pos_emb`` rotate
             q and k in one Triton kernel (inference only): ``"auto"`` (on CUDA with graphs on),
             ``True`` or ``False``.
-        fuse_silu_mul: SiLU-gated Llama-family MLPs compute ``silu(gate) * up`` in one Triton
-            kernel (inference only): ``"auto"`` (on CUDA with graphs on), ``True`` or ``False``.
+        fuse_silu_mul: Llama-family gated MLPs whose activation is SiLU or torch's GELU-tanh
+            (Gemma) compute ``act(gate) * up`` in one Triton kernel (inference only; the report's
+            "act-mul"): ``"auto"`` (on CUDA with graphs on), ``True`` or ``False``.
         fuse_kv_write: the static caches fastlora owns for its graphs write a step's keys and
             values in one Triton kernel (full-attention layers): ``"auto"``/``True`` or ``False``.
         engine_attention: the attention of transformers' continuous-batching engine while a

@@ -76,7 +76,7 @@ class PatchReport:
         ops = []
         for option, label, count in (("fuse_norms", "RMSNorm", self.fused_norms),
                                      ("fuse_rotary", "rotary", self.fused_rotary),
-                                     ("fuse_silu_mul", "SiLU-mul", self.fused_mlps)):
+                                     ("fuse_silu_mul", "act-mul", self.fused_mlps)):
             why = self.base_ops_off.get(option)
             ops.append(f"{label} off ({why})" if why else f"{label} x{count}")
             if option == "fuse_norms" and not why and self.fused_add_norms:

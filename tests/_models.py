@@ -197,6 +197,16 @@ def build_causal_lm(arch: str, seed: int = 0) -> nn.Module:
     return model.eval()
 
 
+def with_sliding_window(size: int):
+    """A ``prepare_base`` for ``build_peft_lm``: the model's sliding layers get a window of ``size``."""
+    def prepare(model):
+        model.config.sliding_window = size
+        for m in model.modules():
+            if getattr(m, "sliding_window", None):
+                m.sliding_window = size
+    return prepare
+
+
 def build_peft_lm(arch: str, seed: int = 0, prepare_base=None):
     """``build_causal_lm`` wrapped by PEFT with the three adapters of ``lora_configs``
     (``prepare_base(model)`` runs on the base model first, e.g. accelerate's dispatch)."""

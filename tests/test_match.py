@@ -23,14 +23,14 @@ from peft_fastlora.base_ops.rotary_forwards import install_rotary
 
 from _models import ARCHS, build_causal_lm, build_peft_lm
 
-# per architecture (2 layers): (norms, rotary attentions, SiLU MLPs) given one-kernel forwards,
+# per architecture (2 layers): (norms, rotary attentions, SiLU / GELU-tanh MLPs) given one-kernel forwards,
 # and the classes left as they are, with the reason
 EXPECTED = {
     "llama": ((5, 2, 2), []),
     "mistral": ((5, 2, 2), []),
     "qwen2": ((5, 2, 2), []),
     "qwen3": ((9, 2, 2), []),  # q_norm / k_norm too
-    "gemma2": ((9, 2, 0), [("Gemma2MLP", "activation GELUTanh is not SiLU")]),  # (1 + w) norms: 4 a layer
+    "gemma2": ((9, 2, 2), []),  # (1 + w) norms: 4 a layer; GELU-tanh MLPs
     "phi3": ((5, 0, 0), [("Phi3Attention", "transformers.models.phi3.modeling_phi3.apply_rotary_pos_emb "
                                            "differs from the reference code")]),  # partial rotary
     "gpt2": ((0, 0, 0), []),  # LayerNorm, learned positions, GELU MLP: no candidates

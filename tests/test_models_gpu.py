@@ -11,7 +11,7 @@ import torch
 
 import peft_fastlora as fastlora
 
-from _models import build_peft_lm, left_padded_batch, tiny_llama
+from _models import build_peft_lm, left_padded_batch, tiny_llama, with_sliding_window
 
 pytestmark = pytest.mark.gpu
 
@@ -42,16 +42,18 @@ def test_rotary_bf16_bit_exact_at_8b_shapes(bsz, seq):
                                        f"max {diff.max().item():.3g} ({(diff / _bf16_ulp(ref)).max().item():.2f} ulp)")
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows", [1, 32, 128])
-def test_silu_mul_bf16_within_one_ulp(rows):
-    from peft_fastlora.ops.silu_mul import silu_mul, silu_mul_reference
+def test_act_mul_bf16_within_one_ulp(rows, act):
+    from peft_fastlora.ops.silu_mul import act_mul, act_mul_reference
 
     n = 14336
     fused = torch.randn(rows, 2 * n, device="cuda", dtype=torch.bfloat16) * 3
     gate, up = fused[:, :n], fused[:, n:]
-    out, ref = silu_mul(gate, up), silu_mul_reference(gate, up)
+    out, ref = act_mul(gate, up, act), act_mul_reference(gate, up, act)
     diff = (out.float() - ref.float()).abs()
-    # SiLU's exp differs from torch's by an fp32 ulp at most, which can move a rounding by one bf16 ulp
+    # the activation's exp (GELU-tanh: against torch's tanhf) differs from torch's by an fp32 ulp or
+    # so, which can move a rounding by one bf16 ulp
     assert (diff <= _bf16_ulp(ref) * 2).all(), diff.max()
     assert (diff > 0).float().mean() < 0.01
 
@@ -99,6 +101,37 @@ def test_add_rms_norm_bf16_at_8b_width(rows):
     assert (diff > 0).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("llama", "eager"), ("gemma2", "eager")])
+def test_step_mask_waits_for_nothing(arch, attn):
+    """The one-token step's mask (sdpa's booleans; eager's additive floats, keyed by layer type for
+    Gemma 2's sliding and full layers) is built with the host never waiting for the GPU: with
+    graphs, the host builds the next step's inputs while the GPU runs this one."""
+    from peft_fastlora import _compat
+    from peft_fastlora.decode import step_mask
+
+    model = build_peft_lm(arch, prepare_base=with_sliding_window(64) if arch == "gemma2" else None).cuda()
+    _compat.unwrap_peft(model).set_attn_implementation(attn)
+    with fastlora.patched(model):
+        store = fastlora.get_state(model).graph_runner.caches
+        key = "past_key_values" if "past_key_values" in _compat.transformers_mask_builder().__code__.co_varnames \
+            else "cache"
+        step = dict(config=_compat.unwrap_peft(model).config, inputs_embeds=torch.empty(2, 1, 0, device="cuda"),
+                    attention_mask=torch.ones(2, 5, dtype=torch.long, device="cuda"),
+                    **{key: store.cache_for(2, 64)})
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            mask = step_mask.decode_mask(store, step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert mask is not None
+    want = _compat.transformers_mask_builder()(**step)
+    if isinstance(want, dict):
+        assert mask.keys() == want.keys() and all(torch.equal(mask[k], want[k]) for k in want)
+    else:
+        assert torch.equal(mask, want)
+
+
 # Gemma 2: soft-capping keeps HF's attention; its 6-token sliding window is shorter than these calls,
 # so their decode steps are eager (graphs serve calls within the window); the rotary kernel still runs
 @pytest.mark.parametrize("arch,attention,graphs,norms", [("llama", "on", True, 5), ("qwen2", "on", True, 5),
@@ -121,6 +154,7 @@ def test_tiny_models_graphs_equal_peft(arch, attention, graphs, norms):
         fastlora.unpatch(model)
     assert report.decode_attention.startswith(attention), report.decode_attention
     assert report.fused_rotary == 2 and report.fused_norms == norms  # Gemma: (1 + w) norms, 4 a layer
+    assert report.fused_mlps == 2  # SiLU, and Gemma's GELU-tanh
     # the Llama family's post-attention norms take the residual add (Gemma 2's layers differ)
     assert report.fused_add_norms == (0 if arch == "gemma2" else 2), report
     if graphs:

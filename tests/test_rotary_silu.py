@@ -1,4 +1,4 @@
-"""Rotary and SiLU-mul kernels against torch's formulas (the interpreter on CPU), and their
+"""Rotary and gated act-mul (SiLU, GELU-tanh) kernels against torch's formulas (the interpreter on CPU), and their
 installation on model instances: which models get them, that unpatch removes them, that other
 instances and the classes stay untouched, and that a patched model still equals PEFT."""
 
@@ -13,7 +13,7 @@ from peft_fastlora.base_ops.mlp_forwards import install_gated_mlps
 rotary_ops = importlib.import_module("peft_fastlora.ops.rotary")  # the modules, not the launchers
 silu_ops = importlib.import_module("peft_fastlora.ops.silu_mul")  # that ops/__init__ exports
 from peft_fastlora.ops.rotary import apply_rotary, apply_rotary_reference
-from peft_fastlora.ops.silu_mul import silu_mul, silu_mul_reference
+from peft_fastlora.ops.silu_mul import act_mul, act_mul_reference, silu_mul, silu_mul_reference
 from peft_fastlora.base_ops.rotary_forwards import install_rotary, rebind_global
 
 from _helpers import count_calls
@@ -22,6 +22,10 @@ from _models import build_causal_lm, build_peft_lm, left_padded_batch
 # rotary: each op rounded like torch's, so the kernel reproduces the formula bit for bit.
 # SiLU: exp differs by an ulp between implementations; fp16 output rounding hides it mostly.
 SILU_TOL = {torch.float32: (2e-6, 2e-6), torch.float16: (1e-3, 1e-3)}
+# GELU-tanh on the interpreter: tanh from exp against torch's CPU tanh; where 1 + tanh cancels
+# (x below about -4) both are a few fp32 ulps of 1 apart, so fp32 takes an absolute 1e-5 there
+# (the GPU test holds libdevice's tanhf to torch's CUDA kernel within a bf16 rounding)
+GELU_TOL = {torch.float32: (1e-5, 2e-6), torch.float16: (1e-3, 1e-3)}
 DTYPES = [torch.float32, torch.float16]
 
 
@@ -95,6 +99,23 @@ def test_silu_mul_equals_torch(dtype, rows, n):
     torch.testing.assert_close(silu_mul(gate, up), silu_mul_reference(gate, up), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 1), (5, 33), (2, 2048)])
+def test_gelu_tanh_mul_equals_torch(dtype, rows, n):
+    """torch's ``gelu(approximate="tanh")`` (tanhf) against the kernel's ``x * sigmoid(2z)``: the
+    same function, an ulp apart in fp32; inputs past +-10 check both tails (no overflow to NaN)."""
+    fused = (torch.randn(rows, 2 * n) * 4).to(dtype)
+    fused[0, 0] = 60.0
+    fused[-1, min(1, n - 1)] = -60.0
+    gate, up = fused[:, :n], fused[:, n:]
+    atol, rtol = GELU_TOL[dtype]
+    got, want = act_mul(gate, up, "gelu_tanh"), act_mul_reference(gate, up, "gelu_tanh")
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    if n > 1:  # and not SiLU's values (the flag reaches the kernel)
+        assert not torch.allclose(got, act_mul_reference(gate, up, "silu"), atol=atol, rtol=rtol)
+
+
 def test_silu_mul_3d_and_bad_inputs():
     gate, up = torch.randn(2, 3, 10), torch.randn(2, 3, 10)
     torch.testing.assert_close(silu_mul(gate, up), silu_mul_reference(gate, up), atol=2e-6, rtol=2e-6)
@@ -102,6 +123,8 @@ def test_silu_mul_3d_and_bad_inputs():
         silu_mul(gate, up[..., :9])
     with pytest.raises(ValueError, match="contiguous"):
         silu_mul(gate.transpose(0, 2), up.transpose(0, 2))
+    with pytest.raises(ValueError, match="unknown gated activation 'relu'"):
+        act_mul(gate, up, "relu")
 
 
 # ---- installation -------------------------------------------------------------------------------
@@ -144,11 +167,16 @@ def test_rotary_installed_only_where_the_code_matches(arch, expected, skipped):
 
 
 @pytest.mark.parametrize("arch,expected,skipped", [
-    ("llama", 2, []), ("qwen2", 2, []),
-    ("gemma2", 0, [("Gemma2MLP", "activation GELUTanh is not SiLU")]),
+    ("llama", 2, []), ("qwen2", 2, []), ("gemma2", 2, []),
+    ("gemma2_python_gelu", 0, [("Gemma2MLP", "activation GELUTanh is neither SiLU nor torch's GELU-tanh")]),
     ("phi3", 0, [])])  # a pre-fused gate_up_proj: not a gate/up/down MLP
-def test_silu_mlp_installed_only_for_silu_gated_llama_mlps(arch, expected, skipped):
-    model = build_causal_lm(arch)
+def test_act_mlp_installed_only_for_silu_or_gelu_tanh_gated_llama_mlps(arch, expected, skipped):
+    from transformers.activations import GELUTanh
+
+    model = build_causal_lm(arch.replace("_python_gelu", ""))
+    if arch.endswith("_python_gelu"):  # transformers' Python formula: other roundings, left alone
+        for layer in model.model.layers:
+            layer.mlp.act_fn = GELUTanh(use_gelu_tanh_python=True)
     done, why = install_gated_mlps(model)
     assert len(done) == expected and why == skipped
     remove_instance_forwards(done)
@@ -164,10 +192,10 @@ def test_gradients_take_torch_ops():
     remove_instance_forwards(done)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
 def test_patched_model_equals_peft_with_all_small_ops(arch, monkeypatch):
     rotary_calls = count_calls(monkeypatch, rotary_ops, ["apply_rotary"])
-    silu_calls = count_calls(monkeypatch, silu_ops, ["silu_mul"])
+    silu_calls = count_calls(monkeypatch, silu_ops, ["act_mul"])
     model = build_peft_lm(arch)
     batch = left_padded_batch([5, 9, 3, 7])
     names = ["a0", "__base__", "a1", "a2"]
@@ -182,8 +210,8 @@ def test_patched_model_equals_peft_with_all_small_ops(arch, monkeypatch):
         fastlora.unpatch(model)
         after = model(**batch, adapter_names=names).logits
     assert report.fused_rotary == 2 and report.fused_mlps == 2
-    assert "rotary x2, SiLU-mul x2" in str(report)
-    assert rotary_calls["apply_rotary"] >= 2 * 7 and silu_calls["silu_mul"] >= 2 * 7  # prefill and every step
+    assert "rotary x2, act-mul x2" in str(report)
+    assert rotary_calls["apply_rotary"] >= 2 * 7 and silu_calls["act_mul"] >= 2 * 7  # prefill and every step
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-4)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(after, ref_logits, atol=0, rtol=0)

@@ -2,8 +2,9 @@
 
 Every mask the fast path builds during real ``generate`` calls (emulated graphs, left-padded rows,
 several lengths and batch sizes) is compared with what transformers' ``create_masks_for_generate``
-returns for the same arguments; configurations it must leave to transformers (eager attention's
-additive masks, sliding windows) must never take it. Tokens equal PEFT's throughout.
+returns for the same arguments: sdpa's boolean and eager's additive masks, one mask or masks keyed
+by layer type, sliding windows the calls fit in. Steps past a window must never take it. Tokens
+equal PEFT's throughout.
 """
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import peft_fastlora as fastlora
 from peft_fastlora import _compat
 from peft_fastlora.decode import step_mask
-from _models import build_peft_lm, left_padded_batch
+from _models import build_peft_lm, left_padded_batch, with_sliding_window
 
 
 def _same(a, b):
@@ -21,15 +22,19 @@ def _same(a, b):
     return isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("arch, attn, fast, options", [
-    ("llama", "sdpa", True, {}),
-    ("llama", "sdpa", True, {"decode_attention": True}),  # fastlora's decode attention (Triton's interpreter)
-    ("qwen2", "sdpa", True, {}),  # configs with layer_types: the mask keyed by layer type
-    ("llama", "eager", False, {}),  # additive float masks: transformers' own
-    ("mistral", "sdpa", False, {}),  # a sliding window: transformers' own
+@pytest.mark.parametrize("arch, attn, fast, options, window", [
+    ("llama", "sdpa", True, {}, None),
+    ("llama", "sdpa", True, {"decode_attention": True}, None),  # fastlora's decode attention (Triton's interpreter)
+    ("qwen2", "sdpa", True, {}, None),  # configs with layer_types: the mask keyed by layer type
+    ("llama", "eager", True, {}, None),  # additive float masks
+    ("mistral", "sdpa", True, {}, 32),  # a sliding window the calls fit in
+    ("mistral", "eager", True, {}, 32),
+    ("gemma2", "eager", True, {}, 32),  # sliding and full layers, keyed; soft-capping
+    ("gemma2", "eager", True, {"decode_attention": True}, 32),
+    ("mistral", "sdpa", None, {}, 12),  # some calls past the window: those decode eagerly, with transformers' masks
 ])
-def test_step_masks_equal_transformers_and_tokens_equal_peft(arch, attn, fast, options, monkeypatch):
-    model = build_peft_lm(arch)
+def test_step_masks_equal_transformers_and_tokens_equal_peft(arch, attn, fast, options, window, monkeypatch):
+    model = build_peft_lm(arch, prepare_base=with_sliding_window(window) if window else None)
     model.get_base_model().set_attn_implementation(attn)
     original, real, checked, steps = _compat.transformers_mask_builder(), step_mask.decode_mask, [], []
 
@@ -59,12 +64,13 @@ def test_step_masks_equal_transformers_and_tokens_equal_peft(arch, attn, fast, o
     assert "create_masks_for_generate" not in model.get_base_model().__dict__  # removed after each call
     if fast:  # every step given a 2-D mask took the fast path
         assert len(steps) >= 9 and checked == steps, (checked, steps)
-    else:
-        assert not checked
+    else:  # only the calls that fit the window, never a step past it
+        assert checked and max(shape[1] for shape in checked) <= window, checked
 
 
-def test_not_our_cache_or_a_prefill_goes_to_transformers():
-    model = build_peft_lm("llama")
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_not_our_cache_or_a_prefill_goes_to_transformers(arch):
+    model = build_peft_lm(arch, prepare_base=with_sliding_window(64) if arch == "mistral" else None)
     model.get_base_model().set_attn_implementation("sdpa")
     with fastlora.patched(model, cuda_graphs="emulate"):
         store = fastlora.get_state(model).graph_runner.caches
@@ -82,3 +88,7 @@ def test_not_our_cache_or_a_prefill_goes_to_transformers():
         assert step_mask.decode_mask(store, dict(step, or_mask_function=lambda *a: True)) is None
         longer = torch.ones(2, store.length_of(cache) + 1, dtype=torch.long)
         assert step_mask.decode_mask(store, dict(step, attention_mask=longer)) is None
+        if arch == "mistral":  # a window shorter than the cache (its caches never are): a step past it
+            model.get_base_model().config.sliding_window = 40
+            assert step_mask.decode_mask(store, dict(step, attention_mask=torch.ones(2, 40, dtype=torch.long))) is not None
+            assert step_mask.decode_mask(store, dict(step, attention_mask=torch.ones(2, 41, dtype=torch.long))) is None

@@ -46,7 +46,7 @@ class BaseOps:
 def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps:
     """Install what ``options`` (a ``PatchOptions``) asks for on ``model`` (the transformers model).
 
-    ``"auto"``: decode attention and norms on CUDA; rotary and SiLU-mul on CUDA with graphs on (an
+    ``"auto"``: decode attention and norms on CUDA; rotary and act-mul on CUDA with graphs on (an
     eager step pays the host time of each Triton launch, more than the torch ops it replaces).
     """
     ops = BaseOps()

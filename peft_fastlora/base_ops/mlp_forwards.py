@@ -1,16 +1,18 @@
-"""SiLU-gated MLPs with ``silu(gate) * up`` in one Triton launch (``ops.silu_mul``), on this model
+"""Gated MLPs with ``act(gate) * up`` in one Triton launch (``ops.act_mul``), on this model
 instance only.
 
 An MLP is changed only when its class's ``forward`` computes the Llama-family
 ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (``match.py``) and its ``act_fn`` is SiLU (Llama,
-Mistral, Qwen2/3, ...). The instance forward still calls ``gate_proj``, ``up_proj`` and
-``down_proj`` in that order, so LoRA layers, fastlora's fused gate/up GEMM and PEFT's own path all
-keep working; only the activation and the product become one kernel, when it takes the inputs.
+Mistral, Qwen2/3, ...) or torch's tanh-approximated GELU (Gemma's ``gelu_pytorch_tanh``). The
+instance forward still calls ``gate_proj``, ``up_proj`` and ``down_proj`` in that order, so LoRA
+layers, fastlora's fused gate/up GEMM and PEFT's own path all keep working; only the activation and
+the product become one kernel, when it takes the inputs.
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple
+import functools
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -26,9 +28,25 @@ def forward(self, x):
 ''')
 
 
-def _is_silu(act) -> bool:
+def _from_transformers(act, *names: str) -> bool:
     cls = type(act)
-    return cls is nn.SiLU or (cls.__module__ == "transformers.activations" and cls.__name__ == "SiLUActivation")
+    return cls.__module__ == "transformers.activations" and cls.__name__ in names
+
+
+def activation_kind(act) -> Optional[str]:
+    """The kernel's name for ``act`` ("silu", "gelu_tanh"), or None where it computes something
+    else (transformers' Python GELU-tanh rounds after each op in 16-bit dtypes: not the kernel's
+    numerics, so it is left alone)."""
+    if type(act) is nn.SiLU or _from_transformers(act, "SiLUActivation"):
+        return "silu"
+    if type(act) is nn.GELU and act.approximate == "tanh":
+        return "gelu_tanh"
+    if _from_transformers(act, "GELUTanh", "PytorchGELUTanh"):
+        inner = getattr(act, "act", None)  # torch's gelu as a partial, unless the Python formula was asked for
+        if (isinstance(inner, functools.partial) and inner.func is torch.nn.functional.gelu and not inner.args
+                and inner.keywords == {"approximate": "tanh"}):
+            return "gelu_tanh"
+    return None
 
 
 def _kernel_applies(gate: torch.Tensor, up: torch.Tensor) -> bool:
@@ -47,31 +65,40 @@ def _kernel_applies(gate: torch.Tensor, up: torch.Tensor) -> bool:
     return kernel_runs_on(gate, up)
 
 
-def _fast_forward(self, x):
-    from ..ops.silu_mul import silu_mul
+def _forward_with(act: str):
+    def forward(self, x):
+        from ..ops.silu_mul import act_mul
 
-    gate = self.gate_proj(x)
-    up = self.up_proj(x)
-    hidden = silu_mul(gate, up) if _kernel_applies(gate, up) else self.act_fn(gate) * up
-    return self.down_proj(hidden)
+        gate = self.gate_proj(x)
+        up = self.up_proj(x)
+        hidden = act_mul(gate, up, act) if _kernel_applies(gate, up) else self.act_fn(gate) * up
+        return self.down_proj(hidden)
+
+    forward.__name__ = f"_{act}_mul_forward"
+    return forward
+
+
+_FORWARDS = {"silu": _forward_with("silu"), "gelu_tanh": _forward_with("gelu_tanh")}
 
 
 def install_gated_mlps(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]]]:
-    """Give every SiLU-gated Llama-family MLP under ``root`` the fused activation.
+    """Give every SiLU- or GELU-tanh-gated Llama-family MLP under ``root`` the fused activation.
 
     Returns (the modules changed, (class, reason) for gate/up/down MLPs left as they are).
     """
     done, skipped, verdicts = [], {}, {}
     for name, m, forward in candidates(root, ("gate_proj", "up_proj", "down_proj")):
         cls = type(m)
-        if not _is_silu(getattr(m, "act_fn", None)):
-            skipped[cls.__name__] = f"activation {type(getattr(m, 'act_fn', None)).__name__} is not SiLU"
+        kind = activation_kind(getattr(m, "act_fn", None))
+        if kind is None:
+            skipped[cls.__name__] = (f"activation {type(getattr(m, 'act_fn', None)).__name__} is neither SiLU "
+                                     "nor torch's GELU-tanh")
             continue
         if cls not in verdicts:
             verdicts[cls] = mismatch(forward, _REFERENCE, f"{cls.__name__}.forward")
         if verdicts[cls] is not None:
             skipped[cls.__name__] = verdicts[cls]
             continue
-        set_instance_forward(m, _fast_forward)
+        set_instance_forward(m, _FORWARDS[kind])
         done.append((name, m))
     return done, sorted(skipped.items())

@@ -2,11 +2,14 @@
 
 On calls whose decode steps fastlora's graphs replay, ``generate`` builds each step's 4-D mask on
 the host before the step (``create_masks_for_generate``: some hundreds of microseconds of Python
-for a handful of tiny kernels). Where that mask is the plain causal boolean mask over fastlora's
-own static cache (one query token, an sdpa-style mask function, no sliding window, no extra mask
-functions), it is the step's 2-D padding mask laid into the first columns of a (B, 1, 1, L)
-tensor of False: two torch ops. Every other case goes to transformers' function. The tests
-compare the two for random paddings, lengths and cache sizes, on both transformers versions.
+for a handful of tiny kernels per layer type). Where that mask is transformers' causal mask over
+fastlora's own static cache (one query token, sdpa's boolean or eager's additive mask function,
+no extra mask functions), it is the step's 2-D padding mask laid into the first columns of a
+(B, 1, 1, L) tensor of False (then 0 / the dtype's min for eager): two or three torch ops.
+Sliding-window layers get the same mask while the step's tokens fit their window (their window
+then hides nothing); past it, and in every other case, transformers' function builds it. The
+tests compare the two in real ``generate`` calls (Llama, Qwen2, Mistral, Gemma 2; sdpa and eager),
+on both transformers versions.
 """
 
 from __future__ import annotations
@@ -36,13 +39,16 @@ def decode_mask(store, kwargs) -> Optional[object]:
     length = store.length_of(cache)
     if length is None or am.shape[1] > length or "config" not in kwargs:
         return None
-    keyed = _compat.plain_causal_bool_mask(kwargs["config"])
-    if keyed is None:
+    spec = _compat.step_mask_spec(kwargs["config"])
+    if spec is None or (spec.window is not None and am.shape[1] > spec.window):
         return None
     # the query is the step's last position (am covers every token so far): causal = am's columns
     mask = torch.zeros(am.shape[0], 1, 1, length, dtype=torch.bool, device=am.device)
     mask[:, 0, 0, : am.shape[1]] = am != 0
-    return {"full_attention": mask} if keyed else mask
+    if spec.additive:  # transformers' torch.where(mask, torch.tensor(0.0), min) copies a scalar from the
+        # host at every step, which waits for the GPU; the same values with no copy:
+        mask = torch.zeros(mask.shape, dtype=emb.dtype, device=am.device).masked_fill_(~mask, torch.finfo(emb.dtype).min)
+    return {key: mask for key in spec.keys} if spec.keys else mask
 
 
 def builder(store):

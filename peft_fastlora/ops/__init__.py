@@ -17,7 +17,7 @@ from .lora_shrink import _lora_shrink_kernel as _shrink_kernel
 from .lora_shrink import lora_shrink, shrink_config
 from .rms_norm import add_rms_norm, rms_norm
 from .rotary import apply_rotary, apply_rotary_reference
-from .silu_mul import silu_mul, silu_mul_reference
+from .silu_mul import act_mul, act_mul_reference, silu_mul, silu_mul_reference
 
 
 def interpreting() -> bool:
@@ -27,6 +27,8 @@ def interpreting() -> bool:
 
 
 __all__ = [
+    "act_mul",
+    "act_mul_reference",
     "add_rms_norm",
     "FUSED_MAX_BLOCK_R",
     "FUSED_MAX_MODULES",
