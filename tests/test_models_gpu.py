@@ -124,12 +124,13 @@ def test_step_mask_waits_for_nothing(arch, attn):
             mask = step_mask.decode_mask(store, step)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert mask is not None
-    want = _compat.transformers_mask_builder()(**step)
-    if isinstance(want, dict):
-        assert mask.keys() == want.keys() and all(torch.equal(mask[k], want[k]) for k in want)
-    else:
-        assert torch.equal(mask, want)
+    # (its values against transformers' own, in real generate calls: test_step_mask.py)
+    masks = list(mask.values()) if isinstance(mask, dict) else [mask]
+    assert mask is not None and len(masks) == (2 if arch == "gemma2" else 1)
+    for m in masks:
+        seen = m[:, 0, 0, :5] if m.dtype == torch.bool else m[:, 0, 0, :5] == 0
+        hidden = ~m[:, 0, 0, 5:] if m.dtype == torch.bool else m[:, 0, 0, 5:] == torch.finfo(m.dtype).min
+        assert seen.all() and hidden.all() and (m.dtype == torch.bool) == (attn == "sdpa")
 
 
 # Gemma 2: soft-capping keeps HF's attention; its 6-token sliding window is shorter than these calls,
