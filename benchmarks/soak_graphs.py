@@ -40,10 +40,18 @@ def tiny_peft(arch: str, device: str):
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    cfg_cls = {"tiny-llama": transformers.LlamaConfig, "tiny-qwen2": transformers.Qwen2Config}[arch]
+    cfg_cls = {"tiny-llama": transformers.LlamaConfig, "tiny-qwen2": transformers.Qwen2Config,
+               "tiny-gemma2": transformers.Gemma2Config}[arch]
     torch.manual_seed(0)
-    extra = dict(use_sliding_window=False) if arch == "tiny-qwen2" else {}
-    base = transformers.AutoModelForCausalLM.from_config(cfg_cls(**TINY, **extra)).to(device).eval()
+    extra, attn = {}, {}
+    if arch == "tiny-qwen2":
+        extra = dict(use_sliding_window=False)
+    elif arch == "tiny-gemma2":  # sliding and full layers (a window every call fits: graphed), soft-capping,
+        # GELU-tanh MLPs, eager attention as transformers runs Gemma 2
+        extra = dict(head_dim=32, sliding_window=1024, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                     query_pre_attn_scalar=32)
+        attn = dict(attn_implementation="eager")
+    base = transformers.AutoModelForCausalLM.from_config(cfg_cls(**TINY, **extra), **attn).to(device).eval()
     base.generation_config.eos_token_id = None
     model = None
     for i, r in enumerate([2, 4, 8, 16, 32, 8]):
@@ -102,7 +110,7 @@ def classify(out, want, scores, prompt_width, tie_tol):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny-llama", choices=["tiny-llama", "tiny-qwen2", "8b"])
+    p.add_argument("--model", default="tiny-llama", choices=["tiny-llama", "tiny-qwen2", "tiny-gemma2", "8b"])
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--max-rows", type=int, default=300)
     p.add_argument("--max-prompt", type=int, default=600)
