@@ -78,6 +78,39 @@ def test_gemma_rms_norm_bf16_within_one_ulp(rows):
 
 
 @pytest.mark.parametrize("rows", [1, 32, 128])
+def test_gemma2_sandwich_norms_bf16_within_one_ulp(rows):
+    """Gemma 2's post-attention norm, residual add and pre-feedforward norm in one kernel (and the
+    norm + add of the feedforward side), at Gemma-2-9B's width, against transformers' norms and
+    torch's add: the sum within an ulp of the first norm's rounding, the second norm within an ulp
+    of the norm of the sum returned."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from peft_fastlora.ops.rms_norm import norm_add, norm_add_norm
+
+    norm_a, norm_b = Gemma2RMSNorm(3584).cuda().bfloat16(), Gemma2RMSNorm(3584).cuda().bfloat16()
+    with torch.no_grad():
+        norm_a.weight.normal_(0, 0.3)
+        norm_b.weight.normal_(0, 0.3)
+    x = torch.randn(rows, 3584, device="cuda", dtype=torch.bfloat16) * 3
+    residual = torch.randn(rows, 3584, device="cuda", dtype=torch.bfloat16) * 3
+    with torch.no_grad():
+        normed_a = norm_a(x)
+        want_sum = residual + normed_a
+        out, summed = norm_add_norm(x, residual, norm_a.weight, norm_a.eps, norm_b.weight, norm_b.eps,
+                                    unit_offset=True)
+        alone = norm_add(x, residual, norm_a.weight, norm_a.eps, unit_offset=True)
+        renormed = norm_b(summed)
+    assert torch.equal(alone, summed)
+    # norm_a's output may round the other way (an ulp of it), which the add can carry
+    sum_diff = (summed.float() - want_sum.float()).abs()
+    assert (sum_diff <= _bf16_ulp(normed_a) + _bf16_ulp(want_sum)).all(), sum_diff.max()
+    assert (sum_diff > 0).float().mean() < 0.01
+    diff = (out.float() - renormed.float()).abs()
+    assert (diff <= _bf16_ulp(renormed)).all(), diff.max()
+    assert (diff > 0).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("rows", [1, 32, 128])
 def test_add_rms_norm_bf16_at_8b_width(rows):
     """The residual add and Llama's norm in one kernel, at the 8B width, the attention output read
     as a strided slice of a wider (folded) GEMM output, against torch's add then transformers' norm."""
@@ -156,8 +189,8 @@ def test_tiny_models_graphs_equal_peft(arch, attention, graphs, norms):
     assert report.decode_attention.startswith(attention), report.decode_attention
     assert report.fused_rotary == 2 and report.fused_norms == norms  # Gemma: (1 + w) norms, 4 a layer
     assert report.fused_mlps == 2  # SiLU, and Gemma's GELU-tanh
-    # the Llama family's post-attention norms take the residual add (Gemma 2's layers differ)
-    assert report.fused_add_norms == (0 if arch == "gemma2" else 2), report
+    # the Llama family's post-attention norms take the residual add; Gemma 2's sandwich norms the adds
+    assert report.fused_add_norms == 2, report
     if graphs:
         assert stats["replays"] >= 40 and stats["eager_steps"] == 0, stats
     else:

@@ -8,7 +8,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from peft_fastlora.base_ops.install import remove_instance_forwards
 from peft_fastlora.base_ops.layer_forwards import install_decoder_layers
 from peft_fastlora.base_ops.norm_forwards import install_norms
-from peft_fastlora.ops.rms_norm import add_rms_norm, rms_norm
+from peft_fastlora.ops.rms_norm import add_rms_norm, norm_add, norm_add_norm, rms_norm
 
 TOL = {torch.float32: (1e-6, 1e-5), torch.float16: (1e-3, 1e-3)}
 
@@ -141,6 +141,38 @@ def test_add_rms_norm_matches_add_then_norm(dtype, unit_offset):
     torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_norm_add_and_norm_add_norm_match_torch(dtype, unit_offset):
+    """Gemma 2's sandwich: ``s = residual + norm_a(x)`` and ``norm_b(s)``, against the modules
+    (each norm's output rounded to the dtype, the add rounded, the second norm reading the rounded
+    sum); strided rows, eps and weights differing between the two norms."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    torch.manual_seed(4)
+    wide = torch.randn(2, 3, 130, dtype=dtype) * 3
+    x = wide[..., :96]
+    residual = torch.randn(2, 3, 96, dtype=dtype)
+    make = (lambda eps: Gemma2RMSNorm(96, eps=eps)) if unit_offset else (lambda eps: LlamaRMSNorm(96, eps=eps))
+    norm_a, norm_b = make(1e-6).to(dtype), make(1e-5).to(dtype)
+    with torch.no_grad():
+        for n in (norm_a, norm_b):
+            n.weight.normal_()
+        want_sum = residual + norm_a(x)
+        want = norm_b(want_sum)
+    eps = (lambda n: n.eps) if unit_offset else (lambda n: n.variance_epsilon)
+    atol, rtol = TOL[dtype]
+    summed = norm_add(x, residual, norm_a.weight, eps(norm_a), unit_offset=unit_offset)
+    torch.testing.assert_close(summed, want_sum, atol=atol, rtol=rtol)
+    out, summed2 = norm_add_norm(x, residual, norm_a.weight, eps(norm_a), norm_b.weight, eps(norm_b),
+                                 unit_offset=unit_offset)
+    assert torch.equal(summed2, summed) and summed2.is_contiguous()
+    torch.testing.assert_close(out, norm_b(summed2), atol=atol, rtol=rtol)  # from the sum it returned
+    torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
+    with pytest.raises(ValueError, match="weight"):
+        norm_add_norm(x, residual, norm_a.weight[:95], 1e-6, norm_b.weight, 1e-6)
+
+
 def test_add_rms_norm_bad_inputs():
     with pytest.raises(ValueError, match="residual"):
         add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), 1e-6)
@@ -184,6 +216,41 @@ def test_decoder_layers_with_the_fused_add_match_and_undo(arch):
         finally:
             add_rms_norm.__globals__["_launch"] = original
         assert sum(calls) == 1  # one launch took the residual add (the post-attention norm)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        remove_instance_forwards(layers + norms)
+        assert "forward" not in layer.__dict__
+        torch.testing.assert_close(layer(h, **kw), want, atol=0, rtol=0)
+
+
+def test_gemma2_layers_fuse_their_sandwich_norms_and_undo():
+    """Gemma 2's layers: the post-attention norm, add and pre-feedforward norm in one launch, the
+    post-feedforward norm and add in another; the layer's output as before, then its own forward
+    back after removal."""
+    from _models import build_causal_lm
+
+    model = build_causal_lm("gemma2")
+    ids = torch.randint(0, 64, (2, 5))
+    h, kw = _layer_inputs(model, ids)
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        want = layer(h, **kw)
+        norms, _ = install_norms(model)
+        layers, skipped = install_decoder_layers(model)
+        assert [n for n, _ in layers] == ["model.layers.0", "model.layers.1"] and skipped == []
+        calls = []
+        original = add_rms_norm.__globals__["_launch"]
+
+        def counted(*a, **k):
+            calls.append((a[1] is not None, k.get("pre") is not None, k.get("post", True)))
+            return original(*a, **k)
+
+        add_rms_norm.__globals__["_launch"] = counted
+        try:
+            got = layer(h, **kw)
+        finally:
+            add_rms_norm.__globals__["_launch"] = original
+        # the input norm alone; norm + add + norm; norm + add
+        assert calls == [(False, False, True), (True, True, True), (True, True, False)], calls
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         remove_instance_forwards(layers + norms)
         assert "forward" not in layer.__dict__

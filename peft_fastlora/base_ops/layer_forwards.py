@@ -1,5 +1,7 @@
 """Llama-family decoder layers whose ``residual + attention output`` and post-attention RMSNorm
-are one Triton launch (``ops.add_rms_norm``), on this model instance only.
+are one Triton launch (``ops.add_rms_norm``), on this model instance only; and Gemma 2's, whose
+sandwich norms take two: the post-attention norm, the add and the pre-feedforward norm in one
+(``ops.norm_add_norm``), the post-feedforward norm and the add in another (``ops.norm_add``).
 
 A layer is changed only when its class's ``forward`` computes what the Llama family's does
 (``match.py``: Llama, Mistral, Qwen2, Qwen3, ...; transformers names the cache argument
@@ -42,14 +44,44 @@ def forward(self, hidden_states, attention_mask=None, position_ids=None, {cache}
     hidden_states = residual + hidden_states
     return hidden_states
 '''
-_REFERENCES = tuple(reference_shape(_TEMPLATE.format(cache=c)) for c in ("past_key_values", "cache"))
+_GEMMA2_TEMPLATE = '''
+def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, {cache}=None,
+            **kwargs):
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(
+        hidden_states=hidden_states,
+        position_embeddings=position_embeddings,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        {cache}={cache},
+        **kwargs,
+    )
+    hidden_states = self.post_attention_layernorm(hidden_states)
+    hidden_states = residual + hidden_states
+    residual = hidden_states
+    hidden_states = self.pre_feedforward_layernorm(hidden_states)
+    hidden_states = self.mlp(hidden_states)
+    hidden_states = self.post_feedforward_layernorm(hidden_states)
+    hidden_states = residual + hidden_states
+    return hidden_states
+'''
+_CACHE_NAMES = ("past_key_values", "cache")  # transformers' names before and after 5.2x
+_REFERENCES = {"llama": tuple(reference_shape(_TEMPLATE.format(cache=c)) for c in _CACHE_NAMES),
+               "gemma2": tuple(reference_shape(_GEMMA2_TEMPLATE.format(cache=c)) for c in _CACHE_NAMES)}
 _SUBMODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+_GEMMA2_NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
-def _verdict(cls) -> Optional[str]:
+def _verdict(cls) -> Tuple[Optional[str], Optional[str]]:
+    """(the layer's kind, "llama" or "gemma2", or None; the reason when None)."""
     forward = cls.__dict__["forward"]
-    whys = [mismatch(forward, ref, f"{cls.__name__}.forward") for ref in _REFERENCES]
-    return None if None in whys else whys[0]
+    whys = {kind: [mismatch(forward, ref, f"{cls.__name__}.forward") for ref in refs]
+            for kind, refs in _REFERENCES.items()}
+    for kind, why in whys.items():
+        if None in why:
+            return kind, None
+    return None, whys["llama"][0]
 
 
 def _defaults(forward) -> Dict[str, object]:
@@ -84,9 +116,50 @@ def _make_forward(defaults: Dict[str, object], original):
     return fast_forward
 
 
+def _sandwich(norms, x):
+    """(form, eps of each) when Gemma 2's three norms run one-kernel forwards of one form and the
+    kernel takes ``x``, else None."""
+    forms = {norm_form(n) for n in norms}
+    if len(forms) != 1 or None in forms or any(n.weight.shape != norms[0].weight.shape for n in norms):
+        return None
+    form = forms.pop()
+    if not all(norm_kernel_applies(x, n.weight) for n in norms):
+        return None
+    return form, [norm_eps(n, form) for n in norms]
+
+
+def _make_gemma2_forward(defaults: Dict[str, object], original):
+    from ..ops.rms_norm import norm_add, norm_add_norm
+
+    def fast_forward(self, hidden_states, *args, **kwargs):
+        norms = [getattr(self, n) for n in _GEMMA2_NORMS]
+        plan = None if args else _sandwich(norms, hidden_states)
+        if plan is None:
+            return original(hidden_states, *args, **kwargs)
+        form, (eps_a, eps_b, eps_c) = plan
+        gemma = form == "gemma"
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(hidden_states=hidden_states, **{**defaults, **kwargs})
+        if hidden_states.shape != residual.shape or hidden_states.dtype != residual.dtype \
+                or _sandwich(norms, hidden_states) is None:
+            hidden_states = residual + norms[0](hidden_states)
+            return hidden_states + norms[2](self.mlp(norms[1](hidden_states)))
+        hidden_states, residual = norm_add_norm(hidden_states, residual, norms[0].weight, eps_a, norms[1].weight,
+                                                eps_b, unit_offset=gemma)
+        hidden_states = self.mlp(hidden_states)
+        if hidden_states.shape != residual.shape or hidden_states.dtype != residual.dtype \
+                or _sandwich(norms, hidden_states) is None:
+            return residual + norms[2](hidden_states)
+        return norm_add(hidden_states, residual, norms[2].weight, eps_c, unit_offset=gemma)
+
+    return fast_forward
+
+
 def install_decoder_layers(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]]]:
     """Give every Llama-family decoder layer under ``root`` whose post-attention norm runs the
-    one-kernel forward the fused residual add. Call after ``install_norms``.
+    one-kernel forward the fused residual add, and every Gemma 2 layer whose three sandwich norms
+    do the fused norms and adds. Call after ``install_norms``.
 
     Returns (the layers changed, (class, reason) for layers with these submodules whose forward
     differs; a layer whose norm keeps its own forward is left as it is, the norm's reason reported).
@@ -96,11 +169,14 @@ def install_decoder_layers(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]]
         cls = type(m)
         if cls not in verdicts:
             verdicts[cls] = _verdict(cls)
-        if verdicts[cls] is not None:
-            skipped[cls.__name__] = verdicts[cls]
+        kind, why = verdicts[cls]
+        if kind is None:
+            skipped[cls.__name__] = why
             continue
-        if norm_form(m.post_attention_layernorm) is None:  # (the norm's own reason is reported)
+        norms = [getattr(m, n, None) for n in (_GEMMA2_NORMS if kind == "gemma2" else ("post_attention_layernorm",))]
+        if any(n is None or norm_form(n) is None for n in norms):  # (the norm's own reason is reported)
             continue
-        set_instance_forward(m, _make_forward(_defaults(forward), m.forward))
+        make = _make_gemma2_forward if kind == "gemma2" else _make_forward
+        set_instance_forward(m, make(_defaults(forward), m.forward))
         done.append((name, m))
     return done, sorted(skipped.items())

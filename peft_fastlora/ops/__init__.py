@@ -15,7 +15,7 @@ from .lora_fused import MAX_MODULES as FUSED_MAX_MODULES
 from .lora_fused import FusedWorkspace, fused_config, fused_supported, lora_fused
 from .lora_shrink import _lora_shrink_kernel as _shrink_kernel
 from .lora_shrink import lora_shrink, shrink_config
-from .rms_norm import add_rms_norm, rms_norm
+from .rms_norm import add_rms_norm, norm_add, norm_add_norm, rms_norm
 from .rotary import apply_rotary, apply_rotary_reference
 from .silu_mul import act_mul, act_mul_reference, silu_mul, silu_mul_reference
 
@@ -48,6 +48,8 @@ __all__ = [
     "lora_extra_token_embedding",
     "lora_fused",
     "lora_shrink",
+    "norm_add",
+    "norm_add_norm",
     "rms_norm",
     "shrink_config",
     "silu_mul",
