@@ -1,13 +1,15 @@
 """Probe (#13): how much faster is a decode GEMM whose weight is already in L2, and can a prefetch on
 a parallel graph branch put it there while the step's small kernels run?
 
-Follows ``probe_l2_prefetch.py``, which found the prefetch issued inside the small kernels slower
-everywhere (the issuing kernel stays until its requests are taken). Here, per GEMM of an 8B layer
+Follows ``probe_l2_prefetch.py`` (commit 087f10a, with the prefetch inside fastlora's norm and
+act-mul kernels then), which found the prefetch issued inside the small kernels slower everywhere
+(the issuing kernel stays until its requests are taken). Here, per GEMM of an 8B layer
 and batch, 32 distinct weights in one CUDA graph, each GEMM preceded by a kernel that only waits
 ``--gap-us`` (standing for a window of small kernels with the memory idle):
 
 - ``gap+gemm``: the chain without prefetch;
-- ``prefetch+gap+gemm``: the weight's first ``--mb`` MB prefetched (``ops.l2_prefetch``, all SMs),
+- ``prefetch+gap+gemm``: the weight's first ``--mb`` MB prefetched (Hopper's
+  ``cp.async.bulk.prefetch.L2``, below), as its leading columns or its leading rows,
   then the wait, then the GEMM (the GEMM's time with its weight in L2, once ``prefetch+gap`` is
   subtracted);
 - ``branch``: the prefetch on a side stream forked before the wait and joined before the GEMM: what
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,11 +32,49 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_generate as bg  # noqa: E402  (write_csv)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32
+
+
+ALIGN, CHUNK = 16, 1 << 14  # bulk prefetches: 16-byte multiples; a contiguous region in 16 KB pieces
+
+
+class L2Prefetch(NamedTuple):
+    tensor: torch.Tensor
+    rows: int  # ranges of ``row_bytes`` bytes, ``stride`` bytes apart, from the tensor's first element
+    stride: int
+    row_bytes: int
+
+
+def plan(weight: torch.Tensor, max_bytes: int, layout: str) -> Optional[L2Prefetch]:
+    """The weight's first ``max_bytes``: its leading columns ("columns") or leading rows ("rows")."""
+    n, k = weight.shape
+    if layout == "columns":
+        per_row = min(k * 2, max_bytes // n) // ALIGN * ALIGN
+        return L2Prefetch(weight, n, weight.stride(0) * 2, per_row) if per_row else None
+    total = min(n * k * 2, max_bytes) // CHUNK * CHUNK
+    return L2Prefetch(weight, total // CHUNK, CHUNK, CHUNK) if total else None
+
+
+@triton.jit
+def _l2_prefetch_kernel(pf_ptr, pf_rows, pf_stride, pf_row_bytes, BLOCK: tl.constexpr):
+    base = pf_ptr.to(tl.int64)
+    size = tl.full((BLOCK,), 0, tl.int32) + pf_row_bytes
+    for start in range(tl.program_id(0) * BLOCK, pf_rows, tl.num_programs(0) * BLOCK):
+        r = start + tl.arange(0, BLOCK)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r,r", [base + r.to(tl.int64) * pf_stride, size, (r < pf_rows).to(tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+
+
+def l2_prefetch(pf: Optional[L2Prefetch], programs: int) -> None:
+    if pf is None:
+        return
+    programs = max(1, min(programs, triton.cdiv(pf.rows, 32)))
+    _l2_prefetch_kernel[(programs,)](pf.tensor, pf.rows, pf.stride, pf.row_bytes, BLOCK=32, num_warps=1)
 
 
 @triton.jit
@@ -58,7 +99,6 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args(argv)
     from bench_kernels import Timer, capture, copy_bandwidth
-    from peft_fastlora.ops.l2_prefetch import l2_prefetch, plan
 
     timer = Timer(args.iters)
     bw = copy_bandwidth(timer)

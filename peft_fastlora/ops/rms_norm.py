@@ -14,13 +14,13 @@ weight and rounded again (what ``weight * normed.to(input_dtype)`` does in torch
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from . import l2_prefetch, pdl
+from . import pdl
 
 
 @triton.jit
@@ -39,7 +39,6 @@ def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr,
     res_ptr, sum_ptr,  # RESIDUAL: the residual, and where residual + x goes
     w_pre_ptr,  # PRE: the weight of the norm applied to x before the add
-    pf_ptr, pf_rows, pf_stride, pf_row_bytes,  # PREFETCH: the next GEMM's weight (l2_prefetch.py)
     # dimensions and strides
     n_cols, x_row_stride, out_row_stride, res_row_stride, sum_row_stride,
     # parameters
@@ -51,10 +50,8 @@ def _rms_norm_kernel(
     POST: tl.constexpr,  # the (sum or x) is normed into out (False: only the sum is written)
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py: the weights are read before the wait
-    PREFETCH: tl.constexpr,
 ):
     pdl.launch_dependents(USE_PDL)
-    l2_prefetch.issue(pf_ptr, pf_rows, pf_stride, pf_row_bytes, tl.program_id(0), tl.num_programs(0), PREFETCH)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -77,36 +74,32 @@ def _rms_norm_kernel(
         tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False,
-             prefetch: Optional[l2_prefetch.L2Prefetch] = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dimension; with
     ``unit_offset`` (Gemma), ``(x.float() * rsqrt(...) * (1 + weight.float())).to(x.dtype)``.
 
     Args:
         x: (..., n) float32 / float16 / bfloat16; the last dimension must be contiguous.
         weight: (n,), the same dtype as ``x``.
-        prefetch: bytes of the next GEMM's weight to ask into L2 meanwhile (``ops.l2_prefetch``).
     Returns:
         a new tensor shaped like ``x``.
     """
-    return _launch(x, None, weight, eps, unit_offset, prefetch=prefetch)[0]
+    return _launch(x, None, weight, eps, unit_offset)[0]
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 unit_offset: bool = False,
-                 prefetch: Optional[l2_prefetch.L2Prefetch] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                 unit_offset: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """``s = residual + x`` and ``rms_norm(s, weight, eps, unit_offset)`` in one launch.
 
     Args:
         x, residual: (..., n), one shape and dtype; last dimensions contiguous (rows may be strided,
             as slices of a wider GEMM output are).
         weight: (n,), the same dtype.
-        prefetch: as ``rms_norm``'s.
     Returns:
         (the norm of s, s): new contiguous tensors shaped like ``x``.
     """
     _check_residual(x, residual)
-    return _launch(x, residual, weight, eps, unit_offset, prefetch=prefetch)
+    return _launch(x, residual, weight, eps, unit_offset)
 
 
 def norm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -118,13 +111,12 @@ def norm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps:
 
 
 def norm_add_norm(x: torch.Tensor, residual: torch.Tensor, pre_weight: torch.Tensor, pre_eps: float,
-                  weight: torch.Tensor, eps: float, unit_offset: bool = False,
-                  prefetch: Optional[l2_prefetch.L2Prefetch] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                  weight: torch.Tensor, eps: float, unit_offset: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """``s = residual + rms_norm(x, pre_weight, pre_eps)`` and ``rms_norm(s, weight, eps)`` in one
     launch (Gemma 2: the post-attention norm, the residual add, the pre-feedforward norm).
-    Returns (the norm of s, s), as ``add_rms_norm``; ``prefetch`` as ``rms_norm``'s."""
+    Returns (the norm of s, s), as ``add_rms_norm``."""
     _check_residual(x, residual)
-    return _launch(x, residual, weight, eps, unit_offset, pre=(pre_weight, pre_eps), prefetch=prefetch)
+    return _launch(x, residual, weight, eps, unit_offset, pre=(pre_weight, pre_eps))
 
 
 def _check_residual(x, residual):
@@ -133,7 +125,7 @@ def _check_residual(x, residual):
                          f"{tuple(x.shape)} {x.dtype}")
 
 
-def _launch(x, residual, weight, eps, unit_offset, pre=None, post=True, prefetch=None):
+def _launch(x, residual, weight, eps, unit_offset, pre=None, post=True):
     n = x.shape[-1]
     for w in (weight,) + ((pre[0],) if pre is not None else ()):
         if w.shape != (n,):
@@ -152,11 +144,10 @@ def _launch(x, residual, weight, eps, unit_offset, pre=None, post=True, prefetch
     block = triton.next_power_of_2(n)
     num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
     use_pdl = pdl.mode(x, preamble=True)
-    pf_args, pf_on = l2_prefetch.prefetch_args(prefetch, x)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, res, summed, w_pre, *pf_args, n, rows.stride(0),
-                                           out.stride(0), res.stride(0), summed.stride(0), float(eps),
-                                           float(eps_pre), UNIT_OFFSET=unit_offset, RESIDUAL=residual is not None,
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, res, summed, w_pre, n, rows.stride(0), out.stride(0),
+                                           res.stride(0), summed.stride(0), float(eps), float(eps_pre),
+                                           UNIT_OFFSET=unit_offset, RESIDUAL=residual is not None,
                                            PRE=pre is not None, POST=post, BLOCK=block, USE_PDL=use_pdl,
-                                           PREFETCH=pf_on, num_warps=num_warps, launch_pdl=use_pdl > 0)
+                                           num_warps=num_warps, launch_pdl=use_pdl > 0)
     return (out.view(x.shape) if post else None), (summed.view(x.shape) if residual is not None else None)

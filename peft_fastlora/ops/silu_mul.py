@@ -14,15 +14,13 @@ comes from ``exp``.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..kernel_support import interpreting
-from . import l2_prefetch, pdl
+from . import pdl
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -38,7 +36,6 @@ def _tanh(z, LIBDEVICE: tl.constexpr):
 def _act_mul_kernel(
     # pointers
     gate_ptr, up_ptr, out_ptr,
-    pf_ptr, pf_rows, pf_stride, pf_row_bytes,  # PREFETCH: the next GEMM's weight (l2_prefetch.py)
     # dimensions and strides
     n_cols, gate_row_stride, up_row_stride,
     # meta-parameters
@@ -46,12 +43,8 @@ def _act_mul_kernel(
     LIBDEVICE: tl.constexpr,  # False under Triton's interpreter
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py
-    PREFETCH: tl.constexpr,
 ):
     pdl.launch_dependents(USE_PDL)
-    l2_prefetch.issue(pf_ptr, pf_rows, pf_stride, pf_row_bytes,
-                      tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                      tl.num_programs(0) * tl.num_programs(1), PREFETCH)
     pdl.wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -67,8 +60,7 @@ def _act_mul_kernel(
     tl.store(out_ptr + row * n_cols + cols, (act * u).to(dt), mask=mask)
 
 
-def act_mul(gate: torch.Tensor, up: torch.Tensor, act: str = "silu",
-            prefetch: Optional[l2_prefetch.L2Prefetch] = None) -> torch.Tensor:
+def act_mul(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """``act(gate) * up``, ``act`` one of ``ACTIVATIONS``.
 
     Args:
@@ -89,11 +81,10 @@ def act_mul(gate: torch.Tensor, up: torch.Tensor, act: str = "silu",
     block = min(1024, triton.next_power_of_2(max(n, 1)))
     if g.shape[0] and n:
         use_pdl = pdl.mode(g)
-        pf_args, pf_on = l2_prefetch.prefetch_args(prefetch, g)
-        _act_mul_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, out, *pf_args, n, g.stride(0), u.stride(0),
+        _act_mul_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0),
                                                              GELU_TANH=act == "gelu_tanh",
                                                              LIBDEVICE=not interpreting(), BLOCK=block,
-                                                             USE_PDL=use_pdl, PREFETCH=pf_on, num_warps=4,
+                                                             USE_PDL=use_pdl, num_warps=4,
                                                              launch_pdl=use_pdl > 0)
     return out.view(gate.shape)
 
