@@ -171,27 +171,13 @@ def test_packed_embedding_equals_padded(dtype, atol, rtol, mode):
     assert_close(ref_packed, want, atol, rtol, f"torch packed embedding ({mode})")
 
 
-@pytest.mark.parametrize("steps", [None, (16, 3)], ids=["library", "3_steps_of_16"])
 @pytest.mark.parametrize("comp", ["mixed", "skewed", "all_base"])
 @pytest.mark.parametrize("site", list(FUSED_SITES))
 @pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=DTYPE_IDS)
-def test_packed_expand_from_folded_gemm_columns(dtype, atol, rtol, site, comp, steps, monkeypatch):
+def test_packed_expand_from_folded_gemm_columns(dtype, atol, rtol, site, comp):
     """The expand alone, reading each (slot, module)'s shrink from the columns of its A rows in a
     GEMM over [W; A] (a strided view, NaN in the columns of gaps and unused rows): equals the
-    padded shrink + expand, by the kernel and by the torch backend. ``steps``: (block_n, n_steps)
-    forced on the launch, each program taking several column blocks, the last one partly past
-    the module's width."""
-    if steps is not None:
-        import importlib
-
-        expand_module = importlib.import_module("peft_fastlora.ops.lora_expand")  # the module
-
-        library = expand_module.expand_config
-
-        def forced(*args, **kwargs):
-            return dict(library(*args, **kwargs), block_n=steps[0], n_steps=steps[1])
-
-        monkeypatch.setattr(expand_module, "expand_config", forced)
+    padded shrink + expand, by the kernel and by the torch backend."""
     seq_lens = [1] * 20
     wi = COMPOSITIONS[comp](len(seq_lens))
     tri, ref = make_backends(wi, seq_lens)

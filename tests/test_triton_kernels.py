@@ -331,10 +331,8 @@ def test_shrink_launcher_small_tiles_writes_only_own_rank():
     assert (out[~mask] == sentinel).all(), "the shrink wrote past an adapter's rank or row"
 
 
-@pytest.mark.parametrize("n_steps", [1, 3])
-def test_expand_launcher_small_tiles(n_steps):
-    """Several column blocks and several rank steps per program (rank 64 in steps of 16); with
-    ``n_steps`` 3, each program takes three column blocks in a row."""
+def test_expand_launcher_small_tiles():
+    """Several column blocks and several rank steps per program (rank 64 in steps of 16)."""
     from peft_fastlora.ops import lora_expand
 
     dtype, atol, rtol = TOLERANCES[0]
@@ -350,7 +348,7 @@ def test_expand_launcher_small_tiles(n_steps):
     base = poisoned_base(tok, offsets[-1], dtype)
     got = lora_expand(y, b, offsets, ranks, scalings, base.clone(), bi.sorted_token_ids,
                       bi.chunk_slot, bi.chunk_start, bi.chunk_len, block_m=bi.block_m,
-                      block_n=16, block_r=16, n_steps=n_steps)
+                      block_n=16, block_r=16)
     # the reference's expand alone, with offsets (the contract has no public expand-only call)
     want = ref._expand_checked(y, b, offsets, base.clone(), ranks, scalings, ref.batch_info)
     check_untouched(got, base, tok)

@@ -64,7 +64,6 @@ def _lora_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    N_STEPS: tl.constexpr,  # column blocks a program takes, one after the other
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py: the plan, the tables and B are read before the wait
 ):
@@ -77,7 +76,7 @@ def _lora_expand_kernel(
     j = J0 + jl
     lo = tl.where(jl == 0, OFF0, tl.where(jl == 1, OFF1, tl.where(jl == 2, OFF2, OFF3)))
     hi = tl.where(jl == 0, OFF1, tl.where(jl == 1, OFF2, tl.where(jl == 2, OFF3, OFF4)))
-    n0 = nb * (BLOCK_N * N_STEPS)
+    n0 = nb * BLOCK_N
     # idle programs: no adapter, a stale plan (never read past the weights), no rows, or past
     # this module's width (the grid is sized for the widest); each still waits (pdl.py)
     if (slot < 0) | (slot >= num_slots) | (n_rows <= 0) | (n0 >= hi - lo):
@@ -93,6 +92,10 @@ def _lora_expand_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     row_mask = offs_m < n_rows
     tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hi - lo
+    cols = lo + offs_n
+
     if Y_COLS:
         y_col = tl.load(y_cols_ptr + slot * stride_tl + j).to(tl.int64)
     else:
@@ -100,46 +103,32 @@ def _lora_expand_kernel(
     y_row = y_ptr + tok[:, None] * stride_ys + y_col * stride_yr
     if PACKED:  # (width, rank)
         b_off = tl.multiple_of(tl.load(b_offs_ptr + slot * stride_tl + j), B_ALIGN)
-        b_rows = b_ptr + b_off
-        b_nstride = packed_row_stride(rank, B_ALIGN)
+        b_base = b_ptr + b_off + offs_n[None, :] * packed_row_stride(rank, B_ALIGN)
         b_rstride = 1
     else:
-        b_rows = b_ptr + slot.to(tl.int64) * stride_bl + lo * stride_bn
-        b_nstride = stride_bn
+        b_base = b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn
         b_rstride = stride_br
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
     # the first rank block of B (transposed, (BLOCK_R, BLOCK_N)) before the wait: the usual
     # decode ranks fit in one
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < hi - lo
-    bt = tl.load(b_rows + offs_n[None, :] * b_nstride + offs_r[:, None] * b_rstride,
-                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    bt = tl.load(b_base + offs_r[:, None] * b_rstride, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
     pdl.wait(USE_PDL)
-    yt0 = tl.load(y_row + offs_r[None, :] * stride_yr, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-    # N_STEPS column blocks in a row (a program streams more of B after its one chain of metadata
-    # loads: for many chunks of a row or two each, ``expand_config``)
-    for step in tl.static_range(N_STEPS):
-        if step > 0:
-            offs_n = n0 + step * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < hi - lo
-            offs_r = tl.arange(0, BLOCK_R)
-            r_mask = offs_r < rank
-            bt = tl.load(b_rows + offs_n[None, :] * b_nstride + offs_r[:, None] * b_rstride,
-                         mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(yt0, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), input_precision=DOT_PRECISION)
-        for r0 in range(BLOCK_R, rank, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            r_mask = offs_r < rank
-            yt = tl.load(y_row + offs_r[None, :] * stride_yr,
-                         mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-            bt = tl.load(b_rows + offs_n[None, :] * b_nstride + offs_r[:, None] * b_rstride,
-                         mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(yt, bt, acc, input_precision=DOT_PRECISION)
-        out_ptrs = out_ptr + tok[:, None] * stride_os + (lo + offs_n)[None, :] * stride_on
-        mask = row_mask[:, None] & n_mask[None, :]
-        base = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=mask)
+    yt = tl.load(y_row + offs_r[None, :] * stride_yr, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+    acc = tl.dot(yt, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), input_precision=DOT_PRECISION)
+    for r0 in range(BLOCK_R, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        yt = tl.load(y_row + offs_r[None, :] * stride_yr,
+                     mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+        bt = tl.load(b_base + offs_r[:, None] * b_rstride,
+                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(yt, bt, acc, input_precision=DOT_PRECISION)
+
+    out_ptrs = out_ptr + tok[:, None] * stride_os + cols[None, :] * stride_on
+    mask = row_mask[:, None] & n_mask[None, :]
+    base = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def expand_config(block_m: int, rank: int, max_width: int) -> dict:
@@ -158,7 +147,6 @@ def expand_config(block_m: int, rank: int, max_width: int) -> dict:
     else:
         cfg = dict(block_n=128, block_r=min(r_pow2, 64), num_warps=8, num_stages=2)
     cfg["block_n"] = min(cfg["block_n"], max(16, triton.next_power_of_2(max_width)))
-    cfg["n_steps"] = 1
     return cfg
 
 
@@ -179,7 +167,6 @@ def lora_expand(
     block_r: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
-    n_steps: Optional[int] = None,
     check: bool = True,
     b_offs: Optional[torch.Tensor] = None,
     b_align: int = 1,
@@ -198,8 +185,7 @@ def lora_expand(
         out: (s, N_total), unit column stride; rows of tokens in no chunk are not touched.
         sorted_token_ids, chunk_slot, chunk_start, chunk_len: the chunk plan (int32).
         block_m: rows per chunk.
-        block_n, block_r, num_warps, num_stages, n_steps: override ``expand_config`` (``n_steps``:
-            column blocks each program takes in a row).
+        block_n, block_r, num_warps, num_stages: override ``expand_config``.
         check: validate the shapes (False: the caller has).
         b_offs: packed layout: (num_slots, c) int64, where (slot, j)'s ``(width_j, rank)`` block
             starts in ``weights`` (read only where its rank is not 0); ``b_align``: 8 where
@@ -252,9 +238,8 @@ def lora_expand(
             continue
         cfg = expand_config(block_m, r, widest)
         bn = block_n or cfg["block_n"]
-        steps = n_steps or cfg["n_steps"]
         offs = offs + [offs[-1]] * (MAX_MODULES_PER_LAUNCH + 1 - len(offs))
-        grid = (max_chunks, triton.cdiv(widest, bn * steps), n_mod)
+        grid = (max_chunks, triton.cdiv(widest, bn), n_mod)
         _lora_expand_kernel[grid](
             y, weights, out, b_offs if packed else ranks, y_cols if y_cols is not None else ranks,
             r, num_slots, j0, *offs,
@@ -271,7 +256,6 @@ def lora_expand(
             BLOCK_M=block_m,
             BLOCK_N=bn,
             BLOCK_R=block_r or cfg["block_r"],
-            N_STEPS=steps,
             DOT_PRECISION=dot_precision,
             USE_PDL=use_pdl,
             num_warps=num_warps or cfg["num_warps"],
