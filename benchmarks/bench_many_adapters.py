@@ -206,6 +206,9 @@ def main(argv=None) -> int:
     p.add_argument("--fold-limit", type=float, default=None,
                    help="most A rows per base row for a site to fold its shrink into the base GEMM "
                         "(default: the library's; large: every site folds)")
+    p.add_argument("--fold-call-share", type=float, default=None,
+                   help="most A rows per base row for a site to fold for the calls that use enough of them "
+                        "(default: the library's; 0: no per-call folds, as before session 14)")
     p.add_argument("--rank-block", type=int, default=None,
                    help="rank rows the fused decode kernel takes per step (default: the library's; "
                         "the largest rank: one tile of the padded rank, as before rank blocks)")
@@ -220,6 +223,10 @@ def main(argv=None) -> int:
         from peft_fastlora.lora import fusion
 
         fusion.FOLD_MAX_SHARE = args.fold_limit
+    if args.fold_call_share is not None:
+        from peft_fastlora.lora import fusion
+
+        fusion.FOLD_CALL_SHARE = args.fold_call_share
     if args.smoke:
         bg.DEVICE = "cpu"
         args.model, args.adapters, args.slots, args.ranks = "tiny", 12, 6, [2, 4, 8]
@@ -230,7 +237,8 @@ def main(argv=None) -> int:
 
     if args.rank_block is not None:  # both launches (uniform and mixed ranks) take it
         fused_module.RANK_BLOCK = fused_module.MIXED_RANK_BLOCK = args.rank_block
-    info = dict(bg.versions(), rank_block=args.rank_block or "library", gc_frozen=args.gc_freeze)
+    info = dict(bg.versions(), rank_block=args.rank_block or "library", gc_frozen=args.gc_freeze,
+                fold_call_share="library" if args.fold_call_share is None else args.fold_call_share)
     base = bg.build_base(args.model)
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=args.targets), adapter_name="seed",
                            autocast_adapter_dtype=False).eval()

@@ -22,7 +22,7 @@ class PatchOptions:
     max_loras_per_batch: Optional[int] = None
     cuda_graphs: Union[bool, str] = "auto"  # True, False, "auto" or "emulate"
     graph_buckets: Tuple[int, ...] = DEFAULT_BUCKETS
-    max_graphs: Optional[int] = None  # None: one per bucket
+    max_graphs: Optional[int] = None  # None: one per bucket (two with per-call folds: DecodeGraphRunner)
     cache_budget_bytes: Optional[int] = None  # None: no cap beyond the largest call's needs
     decode_attention: Tristate = "auto"
     fuse_norms: Tristate = "auto"
@@ -62,11 +62,6 @@ class PatchOptions:
                      "fold_shrink"):
             if getattr(self, name) not in _TRISTATE:
                 raise ValueError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
-
-    @property
-    def graph_limit(self) -> int:
-        """Captured graphs kept at most."""
-        return self.max_graphs if self.max_graphs is not None else len(self.graph_buckets)
 
     def differences(self, other: "PatchOptions") -> list:
         """``name: self -> other`` for every option that differs."""

@@ -44,7 +44,8 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         graph_buckets: batch sizes graphs are captured for; a batch is padded to the next one,
             a larger batch decodes eagerly (default ``options.DEFAULT_BUCKETS``, 1 to 256).
         max_graphs: captured graphs kept at most, least recently used dropped first (default:
-            one per bucket).
+            one per bucket; two where some sites fold their shrink only for the calls that use
+            enough of their adapters' rows, see ``fold_shrink``).
         cache_budget_bytes: most bytes of static KV cache fastlora keeps for its graphs; a call
             that would need more decodes eagerly (default None: the largest call's needs).
         decode_attention: one-token steps use fastlora's Triton decode attention (split KV,
@@ -68,9 +69,11 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             per-request reference, for tests) or ``"engine"`` (the engine's own).
         fold_shrink: store each site's LoRA A under its base weight, so that decode-sized
             forwards get every adapter's shrink from the base GEMM itself and run only the expand
-            after it: ``"auto"`` (on CUDA), ``True`` or ``False``. A site folds while its A rows
-            add at most 1/8 of the base weight's rows (with many GPU slots of large rank, the
-            shrink kernel reads less); no folding under tensor parallelism yet.
+            after it: ``"auto"`` (on CUDA), ``True`` or ``False``. A site whose A rows add at most
+            1/8 of the base weight's rows folds for every call; up to as many rows as the base
+            weight's, for the calls whose adapters use at least a third of them (the GEMM computes
+            every row); larger arenas (many GPU slots of large rank) keep the fused kernel. Under
+            tensor parallelism each rank folds its own shards.
         defer_stop_check: on calls whose decode steps the graphs replay on CUDA, transformers'
             loop learns that every row has finished one step late (its ``DeferredStopCheck``, the
             one extra step undone), so the host queues the next step while the GPU runs this one.

@@ -22,7 +22,7 @@ from ._compat import LoraEmbedding, LoraLinear, base_layer_of, is_conv1d, is_lor
 from .backend import get_backend, resolve_backend_name
 from .base_ops import BaseOps, install_base_ops
 from .batch import ForwardBatch, TokenSegments
-from .lora.fusion import FusedGroup, find_groups, fusion_blocker
+from .lora.fusion import FOLD_MIN_USE, FusedGroup, find_groups, fusion_blocker
 from .lora.host_copy import copy_from_host, prestage
 from .lora.pool import AdapterRegistry, SitePool, ValueRefresher, copy_values
 from .lora.store import SCAFFOLD_ADAPTER
@@ -170,6 +170,32 @@ class FastLoRAState:
             self._local.call_names = previous
 
     @property
+    def fold_now(self) -> bool:
+        """Whether this thread's call folds the sites that fold per call (``fusion.FOLD_MIN_USE``):
+        decided once per call, from its adapters, in ``refresh_values``."""
+        return getattr(self._local, "fold_now", False)
+
+    def folds_per_call(self) -> bool:
+        """Some site folds only for calls that use enough of its arena (graphs then differ by call)."""
+        return any(site.pool.folds_per_call() for site in self.sites)
+
+    def _decide_fold(self, slots) -> bool:
+        """Fold the per-call sites for a call using these slots: where the rows its adapters hold
+        there are at least ``FOLD_MIN_USE`` of those sites' arenas (the GEMM computes them all)."""
+        pools = [site.pool for site in self.sites if site.pool.folds_per_call()]
+        if not pools or not slots:
+            return False
+        used = sum(pool.rows_used(slots) for pool in pools)
+        return used >= FOLD_MIN_USE * sum(pool.lora_a.shape[0] for pool in pools)
+
+    def fold_prone_adapters(self, k: int) -> List[str]:
+        """The ``k`` adapters holding the most A rows in the per-call sites: the set of ``k`` most
+        likely to make a call fold them (warm-up captures that call's graph)."""
+        pools = [site.pool for site in self.sites if site.pool.folds_per_call()]
+        names = [n for n in self.registry.names if n in self.registry.index]
+        return sorted(names, key=lambda n: -sum(p.adapter_rows(n) for p in pools))[:k]
+
+    @property
     def token_segments(self) -> Optional[TokenSegments]:
         """Inside ``segments``: the sequences of this thread's forward (continuous batching)."""
         return getattr(self._local, "segments", None)
@@ -311,8 +337,11 @@ class FastLoRAState:
                         report.adapter_fallbacks.append((name_of.get(id(layer), "?"), adapter, why))
         self._drop_unservable_stored(report)
         report.sites = [(s.name, s.kind, len(s.lora_layers)) for s in self.sites]
-        folded = sum(s.pool.folded() for s in self.sites)
-        report.shrink_folded = fold_off or f"{folded} of {len(self.sites)} sites"
+        folded = sum(s.pool.folded() and not s.pool.folds_per_call() for s in self.sites)
+        per_call = sum(s.pool.folds_per_call() for s in self.sites)
+        report.shrink_folded = fold_off or (f"{folded} of {len(self.sites)} sites" + (
+            f" (and {per_call} more in calls whose adapters use at least {FOLD_MIN_USE:.0%} of their A rows)"
+            if per_call else ""))
         if fold_off is None:
             report.fold_refused = [(s.name, s.pool.fold_refusal()) for s in self.sites if not s.pool.folded()]
         report.stack_bytes = sum(s.pool.nbytes() for s in self.sites)
@@ -553,7 +582,9 @@ class FastLoRAState:
 
     def refresh_values(self, adapter_names: Optional[Sequence[str]]):
         """Put these adapters in GPU slots (where the model has fewer slots than adapters), then
-        copy the current values of PEFT's weights of them into the stacks (in place)."""
+        copy the current values of PEFT's weights of them into the stacks (in place); decide whether
+        the call folds the per-call sites (``fold_now``)."""
+        self._local.fold_now = False
         if not adapter_names or not self.sites:
             return
         placed = self.registry.assign(adapter_names)
@@ -569,6 +600,7 @@ class FastLoRAState:
         slots = {self.registry.slot[n] for n in set(adapter_names) if n in self.registry.slot}
         if not slots:
             return
+        self._local.fold_now = self._decide_fold(slots)
         key = (self.generation, self._slot_loads)
         if self._refresher is None or self._refresher_generation != key:
             self._refresher = ValueRefresher(s.pool for s in self.sites)

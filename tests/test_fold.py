@@ -88,19 +88,99 @@ def test_base_weights_are_views_of_the_folded_tensor_and_come_back_on_unpatch(no
     assert all(torch.equal(restored[k], before[k]) for k in before)
 
 
-def test_default_limit_folds_only_small_arenas(reference, calls):
-    """A site folds while its A rows add at most 1/8 of its base rows (the GEMM computes them
-    all at every step); the others keep the shrink kernel. This model has both kinds."""
+def _kinds(sites):
+    """Each site's fold under the limits: "always", "per_call" or "none"."""
+    out = []
+    for s in sites:
+        share = s.pool.lora_a.shape[0] / s.pool.offsets[-1]
+        out.append("always" if share <= fusion.FOLD_MAX_SHARE else
+                   "per_call" if share <= fusion.FOLD_CALL_SHARE else "none")
+    return out
+
+
+def test_default_limits_fold_small_arenas_always_and_larger_ones_per_call(reference, calls, monkeypatch):
+    """A site folds for every call while its A rows add at most 1/8 of its base rows, for the calls
+    that use enough of them up to FOLD_CALL_SHARE (lowered here so that this model has all three
+    kinds), and keeps the fused kernel past it."""
+    monkeypatch.setattr(fusion, "FOLD_CALL_SHARE", 0.4)
     m = build()
     report = fastlora.patch(m, fold_shrink=True)
     sites = fastlora.get_state(m).sites
-    small = [s.pool.lora_a.shape[0] <= s.pool.offsets[-1] * fusion.FOLD_MAX_SHARE for s in sites]
-    assert [s.pool.folded() for s in sites] == small and 0 < sum(small) < len(sites)
-    assert report.shrink_folded == f"{sum(small)} of 8 sites"
-    assert [name for name, _ in report.fold_refused] == [s.name for s, ok in zip(sites, small) if not ok]
-    assert all("would add more than 0.125 of its" in why for _, why in report.fold_refused), report.fold_refused
+    kinds = _kinds(sites)
+    assert {"always", "per_call", "none"} <= set(kinds), kinds
+    assert [s.pool.folded() for s in sites] == [k != "none" for k in kinds]
+    assert [s.pool.folds_per_call() for s in sites] == [k == "per_call" for k in kinds]
+    n_always, n_call = kinds.count("always"), kinds.count("per_call")
+    assert report.shrink_folded == (f"{n_always} of 8 sites (and {n_call} more in calls whose adapters use "
+                                    f"at least 33% of their A rows)"), report.shrink_folded
+    assert [name for name, _ in report.fold_refused] == [s.name for s, k in zip(sites, kinds) if k == "none"]
+    assert all("would add more than 0.4 of its" in why for _, why in report.fold_refused), report.fold_refused
     torch.testing.assert_close(logits(m), reference["llama"][0], **TOL)
-    assert calls["run_packed_expand"] == sum(small) and calls["run_packed_lora"] == 8 - sum(small)
+    assert fastlora.get_state(m).fold_now  # every adapter: all their rows
+    assert calls["run_packed_expand"] == n_always + n_call and calls["run_packed_lora"] == kinds.count("none")
+
+
+def test_per_call_sites_fold_for_calls_that_use_enough_of_them(calls):
+    """Under the default limits this model's larger arenas fold per call: a call whose adapters
+    hold at least a third of those arenas' rows takes the folded GEMM there, one using less the
+    fused kernel; both equal PEFT."""
+    m = build()
+    state_names = sorted(n for n in NAMES if n != "__base__")
+    want = {name: logits(m, [name, "__base__"] * 2) for name in state_names}
+    want_all = logits(m)
+    fastlora.patch(m, fold_shrink=True)
+    state = fastlora.get_state(m)
+    per_call = [s.pool for s in state.sites if s.pool.folds_per_call()]
+    assert per_call and len(per_call) < len(state.sites), _kinds(state.sites)
+    tails = sum(p.lora_a.shape[0] for p in per_call)
+    chose = set()
+    for name in state_names:
+        calls.clear()
+        torch.testing.assert_close(logits(m, [name, "__base__"] * 2), want[name], **TOL)
+        used = sum(p.rows_used([state.registry.slot[name]]) for p in per_call)
+        folds = used >= fusion.FOLD_MIN_USE * tails
+        assert state.fold_now == folds
+        assert calls["run_packed_lora"] == (0 if folds else len(per_call)), (name, calls)
+        chose.add(folds)
+    assert chose == {False, True}, "the adapters here should exercise both choices"
+    torch.testing.assert_close(logits(m), want_all, **TOL)
+    assert state.fold_now
+
+
+def test_emulated_graphs_keyed_by_the_fold_choice():
+    """With per-call sites, a call that folds and one that does not replay different graphs; the
+    default limit keeps both per bucket, so alternating calls capture each once."""
+    m = build()
+    few, many = ["mlp", "__base__"] * 2, NAMES  # "mlp" alone holds little of the per-call rows
+    want = {tuple(n): greedy(m, n, n=5) for n in (few, many)}
+    with fastlora.patched(m, cuda_graphs="emulate", fold_shrink=True, graph_buckets=[4]):
+        state = fastlora.get_state(m)
+        assert state.folds_per_call() and state.graph_runner.max_graphs == 2
+        chose = []
+        for _ in range(3):
+            for names in (few, many):
+                assert torch.equal(greedy(m, names, n=5), want[tuple(names)]), names
+                chose.append(state.fold_now)
+        assert chose == [False, True] * 3
+        stats = state.graph_runner.stats
+        assert stats["captures"] == 2 and stats["evictions"] == 0 and stats["replays"] > 0, stats
+
+
+def test_warmup_captures_both_fold_choices_then_traffic_captures_nothing():
+    m = build()
+    with fastlora.patched(m, cuda_graphs="emulate", fold_shrink=True, graph_buckets=[1, 2, 4]):
+        state = fastlora.get_state(m)
+        report = fastlora.warmup(m, max_length=16)
+        keys = {(k[1], k[2]) for k in state.graph_runner.graphs}
+        assert {(4, ("fold", True)), (4, ("fold", False)), (1, ("fold", False))} <= keys, keys
+        assert report.captures == len(keys)
+        for names in (NAMES, ["mlp", "__base__"] * 2, ["sql"] * 4, ["chat", "sql", "mlp", "mlp"]):
+            greedy(m, names, n=3)
+        for names in (["sql"], ["mlp"], ["chat", "__base__"], ["sql", "chat"]):
+            with torch.no_grad():
+                m.generate(input_ids=IDS[:len(names)], attention_mask=torch.ones_like(IDS[:len(names)]),
+                           adapter_names=names, max_new_tokens=3, do_sample=False)
+        assert state.graph_runner.stats["captures"] == report.captures, state.graph_runner.stats
 
 
 @pytest.mark.parametrize("option,why", [(False, "off (fold_shrink=False)"), ("auto", "off (not on CUDA)")])

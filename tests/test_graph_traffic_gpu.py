@@ -97,16 +97,31 @@ def test_more_shapes_than_graphs_kept(pair):
     fastlora.patch(pair[0], graph_buckets=[1, 2, 4, 8, 16], max_graphs=2)
     try:
         fastlora.warmup(pair[0], batch_sizes=[16], max_length=96)  # the shared cache sized once
-        runner = get_state(pair[0]).graph_runner
+        state = get_state(pair[0])
+        runner = state.graph_runner
+        # what the runner should do, by least recently used, from each call's (bucket, fold choice)
+        kept = [(k[1], k[2][1]) for k in runner.graphs]
+        captures, evictions = runner.stats["captures"], runner.stats["evictions"]
         for i, rows in enumerate([1, 2, 3, 9, 16, 1, 5, 2, 12, 1]):
             _equal_to_peft(pair, rows, 5 + 7 * i, 6, seed=10 + i)
             assert len(runner.graphs) <= 2
+            key = (runner.bucket_for(rows), state.fold_now)
+            if key in kept:
+                kept.remove(key)
+            else:
+                captures += 1
+                if len(kept) == 2:
+                    kept.pop(0)
+                    evictions += 1
+            kept.append(key)
         stats = runner.stats
     finally:
         fastlora.unpatch(pair[0])
-    # buckets 16 (warm-up), then 1 2 4 16 16 1 8 2 16 1 with two graphs kept: 9 captures after
-    # the warm-up (the second 16 replays), 8 evictions
-    assert stats["evictions"] == 8 and stats["captures"] == 10 and stats["capture_failures"] == 0, stats
+    # without per-call folds: bucket 16 (warm-up), then 1 2 4 16 16 1 8 2 16 1 with two graphs
+    # kept: 9 captures after the warm-up (the second 16 replays), 8 evictions
+    assert captures >= 10 and evictions >= 8
+    assert stats["evictions"] == evictions and stats["captures"] == captures, stats
+    assert stats["capture_failures"] == 0, stats
     assert stats["graph_pool_bytes"] is None or stats["graph_pool_bytes"] > 0, stats
 
 
@@ -184,13 +199,15 @@ def test_warmup_then_traffic_captures_nothing_more(pair):
     fastlora.patch(pair[0], graph_buckets=[1, 4, 16])
     try:
         report = fastlora.warmup(pair[0], max_length=96)
-        assert report.captures == 3 and report.cache_bytes > 0 and report.seconds > 0, report
+        # a graph per bucket, and per fold choice where some sites fold per call
+        per_bucket = 2 if get_state(pair[0]).folds_per_call() else 1
+        assert 3 <= report.captures <= 3 * per_bucket and report.cache_bytes > 0 and report.seconds > 0, report
         for i, rows in enumerate([3, 16, 1, 11, 4]):
             _equal_to_peft(pair, rows, 10 + 3 * i, 20, seed=40 + i)
         stats = get_state(pair[0]).graph_runner.stats
     finally:
         fastlora.unpatch(pair[0])
-    assert stats["captures"] == 3 and stats["eager_steps"] == 0, stats
+    assert stats["captures"] == report.captures and stats["eager_steps"] == 0, stats
 
 
 def test_dot_data_edit_between_graphed_calls(pair):
@@ -240,7 +257,7 @@ def test_memory_bounded_over_a_random_sequence(pair):
     reserved, allocated = [], []
     try:
         report = fastlora.warmup(pair[0], max_length=160)
-        assert report.captures == len(buckets), report
+        assert len(buckets) <= report.captures <= 2 * len(buckets), report
         for i in range(40):
             rows = int(torch.randint(1, 40, (1,), generator=g))
             prompt = int(torch.randint(1, 120, (1,), generator=g))
@@ -258,4 +275,4 @@ def test_memory_bounded_over_a_random_sequence(pair):
         fastlora.unpatch(pair[0])
     assert max(allocated[20:]) <= max(allocated[:20]), allocated
     assert max(reserved[20:]) <= max(reserved[:20]), reserved
-    assert stats["capture_failures"] == 0 and stats["captures"] == len(buckets), stats
+    assert stats["capture_failures"] == 0 and stats["captures"] == report.captures, stats

@@ -154,7 +154,10 @@ def warmup(model, batch_sizes: Optional[Sequence[int]] = None, max_length: int =
     two-token ``generate`` whose static cache holds ``max_length`` tokens: the shared cache
     buffer is sized once for the largest bucket, and later calls up to ``max_length`` tokens reuse
     these caches and graphs. ``adapter_names``: the adapters of the warm-up rows (cycled; default:
-    every adapter in turn, or the first ones that fill the GPU slots). Returns a ``WarmupReport``.
+    every adapter in turn, or the first ones that fill the GPU slots). Where some sites fold their
+    shrink per call (``fold_shrink``), a bucket is also warmed with no adapter and with the
+    adapters most likely to make a call fold (default names only), so that calls of either choice
+    find their graph. Returns a ``WarmupReport``.
     """
     from ..patch import get_state
 
@@ -187,14 +190,19 @@ def warmup(model, batch_sizes: Optional[Sequence[int]] = None, max_length: int =
         pad = pad[0]
     captures0 = runner.stats["captures"]
     t0 = time.perf_counter()
+    both_folds = state.has_lora and not adapter_names and state.folds_per_call()
     for rows in sorted(set(buckets), reverse=True):
-        ids = torch.full((rows, 1), int(pad), dtype=torch.long, device=state.device)
-        kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
-                      min_new_tokens=2, do_sample=False, pad_token_id=int(pad))
-        if state.has_lora:
-            kwargs["adapter_names"] = [names[i % len(names)] for i in range(rows)]
-        with torch.no_grad():
-            run_generate(state, state.generate_hook.original, (), kwargs, min_cache_len=max_length)
+        mixes = [names]
+        if both_folds:  # the graph of calls that do not fold, and of calls that do
+            mixes += [["__base__"], state.fold_prone_adapters(min(rows, state.registry.num_slots))]
+        for mix in mixes:
+            ids = torch.full((rows, 1), int(pad), dtype=torch.long, device=state.device)
+            kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
+                          min_new_tokens=2, do_sample=False, pad_token_id=int(pad))
+            if state.has_lora:
+                kwargs["adapter_names"] = [mix[i % len(mix)] for i in range(rows)]
+            with torch.no_grad():
+                run_generate(state, state.generate_hook.original, (), kwargs, min_cache_len=max_length)
     if state.device.type == "cuda":
         torch.cuda.synchronize()
     stats = runner.stats

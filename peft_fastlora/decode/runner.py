@@ -59,7 +59,7 @@ class DecodeGraphRunner:
         self.model = hf_model
         self.emulate = emulate
         self.buckets = opts.graph_buckets
-        self.max_graphs = opts.graph_limit
+        self._max_graphs = opts.max_graphs
         self.caches = StaticCacheStore(hf_model, kernel_writes=opts.fuse_kv_write is not False,
                                        budget_bytes=opts.cache_budget_bytes)
         self.graphs: "OrderedDict[tuple, dict]" = OrderedDict()  # least recently used first
@@ -72,6 +72,14 @@ class DecodeGraphRunner:
                           "capture_failures": 0, "evictions": 0, "graphs_dropped": 0,
                           "deferred_stop_calls": 0, "steps_undone": 0}
         self.eager_reasons: Dict[str, int] = {}
+
+    @property
+    def max_graphs(self) -> int:
+        """``max_graphs``, or one graph per bucket, two where some sites fold per call (a call that
+        folds them and one that does not run different graphs)."""
+        if self._max_graphs is not None:
+            return self._max_graphs
+        return len(self.buckets) * (2 if self.state.folds_per_call() else 1)
 
     # -- stats ------------------------------------------------------------------------------------
     @property
@@ -210,7 +218,7 @@ class DecodeGraphRunner:
                 yield name, v
 
     def _key(self, inputs, serial, cache, rows, padded):
-        parts = [serial, padded]
+        parts = [serial, padded, ("fold", self.state.fold_now)]
         for name, v in self._flat(inputs):
             if isinstance(v, torch.Tensor):
                 shape = tuple(v.shape)

@@ -30,9 +30,16 @@ FUSIBLE_GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
     "gate_up": ("gate_proj", "up_proj"),
 }
-# The GEMM computes every row of a folded arena at every step, whichever adapters the batch uses:
-# folded only while the arena adds at most this share of the base weight's rows.
+# The GEMM computes every row of a folded arena at every step, whichever adapters the batch uses.
+# An arena of at most FOLD_MAX_SHARE of the base weight's rows is folded for every call; one of at
+# most FOLD_CALL_SHARE is stored under the base weight too, and folded for the calls whose adapters
+# use at least FOLD_MIN_USE of its rows (a graph per choice: ``FastLoRAState.fold_now``), where every
+# adapter has a GPU slot (fewer slots: the arena is sized for the largest adapters, not the loaded
+# ones); larger ones keep the fused kernel. From benchmarks/NOTES.md (session 14): a tail row costs the GEMM
+# about a third of what the fused kernel pays per row it reads.
 FOLD_MAX_SHARE = 1 / 8
+FOLD_CALL_SHARE = 1.0
+FOLD_MIN_USE = 1 / 3
 
 
 @dataclass
@@ -50,6 +57,7 @@ class FusedGroup:
     ext_bias: Optional[torch.Tensor] = None  # ``bias`` then zeros, when there is a bias
     tail: Optional[torch.Tensor] = None  # the rows under the base weight (a pool's A arena), or None
     fold_refusal: Optional[str] = None  # why the last ``attach_tail`` did not fold
+    per_call: bool = False  # the tail is folded only for calls that use enough of it (FOLD_MIN_USE)
 
     @property
     def out_features(self) -> List[int]:
@@ -102,14 +110,16 @@ class FusedGroup:
         else:
             self.bias = self.ext_bias = None
 
-    def attach_tail(self, rows: int, dtype: torch.dtype, device) -> Optional[torch.Tensor]:
+    def attach_tail(self, rows: int, dtype: torch.dtype, device, per_call_ok: bool = True) -> Optional[torch.Tensor]:
         """Re-fuse with ``rows`` zero rows under the base weight and return them (a pool's A
-        arena), or None where folding does not apply: too many rows for the GEMM to carry at
-        every step (``FOLD_MAX_SHARE``), another dtype or device, or base layers that no longer
-        take one GEMM. A tail no longer wanted is dropped."""
+        arena), or None where folding does not apply: too many rows for the GEMM to carry
+        (``FOLD_CALL_SHARE``), another dtype or device, or base layers that no longer take one
+        GEMM. A tail no longer wanted is dropped. Past ``FOLD_MAX_SHARE`` the tail is folded per
+        call (``per_call``), where ``per_call_ok`` (the pool holds every adapter)."""
         first = local(self.bases[0].weight)
         n = sum(self.out_features)
-        self.fold_refusal = self._fold_refusal(rows, n, first, dtype, device)
+        self.fold_refusal = self._fold_refusal(rows, n, first, dtype, device, per_call_ok)
+        self.per_call = rows > n * FOLD_MAX_SHARE
         if self.fold_refusal is not None:
             if self.tail is not None and self.is_intact():
                 self.fuse(0)
@@ -127,12 +137,14 @@ class FusedGroup:
                 repoint_local(b.bias, local(b.bias).detach().clone())
         self.weight = self.bias = self.ext = self.ext_bias = self.tail = None
 
-    def _fold_refusal(self, rows, n, first, dtype, device) -> Optional[str]:
+    def _fold_refusal(self, rows, n, first, dtype, device, per_call_ok=True) -> Optional[str]:
         if rows <= 0:
             return "no adapter targets it"
-        if rows > n * FOLD_MAX_SHARE:
-            return (f"its adapters' A rows ({rows}) would add more than {FOLD_MAX_SHARE:.3g} of its "
-                    f"{n} base rows to every step's GEMM")
+        limit = max(FOLD_MAX_SHARE, FOLD_CALL_SHARE) if per_call_ok else FOLD_MAX_SHARE
+        if rows > n * limit:
+            return (f"its adapters' A rows ({rows}) would add more than {limit:.3g} of its "
+                    f"{n} base rows to the GEMM" + ("" if per_call_ok else
+                                                   " (past 0.125, only with every adapter in a GPU slot)"))
         if first.dtype != dtype or first.device != torch.device(device):
             return f"the stacks are {dtype} on {device}, the base weight {first.dtype} on {first.device}"
         return fusion_blocker(self.bases)

@@ -233,7 +233,7 @@ class SitePool:
         self._slot_b_offs = [[0] * c for _ in range(n_slots)]
         self._slot_name = {}
         # for an embedding, "in" is the vocabulary and A blocks are (rank, vocab) as PEFT stores them
-        self._allocate_packed(n_slots, dtype, device)
+        self._allocate_packed(n_slots, dtype, device, per_call_ok=registry.all_resident)
         for slot, name in enumerate(registry.resident):
             if name is not None:
                 self._place(slot, name)
@@ -256,10 +256,12 @@ class SitePool:
             for run in runs:
                 run.dst[run.offset: run.offset + run.numel].copy_(run.src.view(-1))
 
-    def _allocate_packed(self, n_slots: int, dtype: torch.dtype, device) -> None:
+    def _allocate_packed(self, n_slots: int, dtype: torch.dtype, device, per_call_ok: bool = True) -> None:
         """Arenas with a region per module, each sized for the ``n_slots`` largest blocks any
         adapter has there (all of them when every adapter has a slot): whichever adapters hold
-        the slots, their blocks fit."""
+        the slots, their blocks fit. ``per_call_ok``: the A arena may fold per call (every adapter
+        in a slot; with fewer slots the arena is sized for the largest adapters, not for those
+        loaded, and a call rarely uses enough of it)."""
         c = self.stack_num
         self._arenas, self._a_base, self._b_base = [], [], []
         rows_total = elems_total = 0
@@ -271,7 +273,8 @@ class SitePool:
             self._b_base.append(elems_total)  # capacity is a multiple of 8: so is every offset
             rows_total += capacity
             elems_total += capacity * self.out_features[j]
-        self.lora_a = self.fold.attach_tail(rows_total, dtype, device) if self.fold is not None else None
+        self.lora_a = (self.fold.attach_tail(rows_total, dtype, device, per_call_ok)
+                       if self.fold is not None else None)
         self._fold_attached = self.lora_a is not None
         if self.lora_a is None:
             self.lora_a = torch.zeros(max(rows_total, 1), self.in_features, dtype=dtype, device=device)
@@ -284,6 +287,18 @@ class SitePool:
         f = self.fold
         return (self._fold_attached and f.tail is not None and f.is_intact()
                 and f.tail.data_ptr() == self.lora_a.data_ptr() and f.tail.shape == self.lora_a.shape)
+
+    def folds_per_call(self) -> bool:
+        """Folded, but only for calls whose adapters use enough of the arena (``fusion.FOLD_MIN_USE``)."""
+        return self.folded() and self.fold.per_call
+
+    def adapter_rows(self, name: str) -> int:
+        """A rows adapter ``name`` has here (over the stacked modules), in a slot or not."""
+        return sum(self._ranks_of.get(name, ()))
+
+    def rows_used(self, slots) -> int:
+        """A rows these slots hold here (over the stacked modules): what a call using them reads."""
+        return sum(sum(self._slot_ranks[s]) for s in slots if 0 <= s < len(self._slot_ranks))
 
     def fold_refusal(self) -> Optional[str]:
         """Why decode-sized forwards of this site do not take the folded GEMM (None: they do)."""

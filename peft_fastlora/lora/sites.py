@@ -176,8 +176,13 @@ def _as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t.reshape(-1, width)
 
 
-def _folded(pool: SitePool, bi) -> bool:
-    return bi.block_m <= FOLD_MAX_BLOCK_M and pool.folded()
+def _folded(state, pool: SitePool, bi) -> bool:
+    """Whether this forward takes the shrink from the folded GEMM. A per-call site does where the
+    call uses enough of its arena (``FastLoRAState.fold_now``); not in a continuous-batching step,
+    whose adapters change from step to step (the engine's graphs are not keyed by the choice)."""
+    if bi.block_m > FOLD_MAX_BLOCK_M or not pool.folded():
+        return False
+    return not pool.fold.per_call or (state.fold_now and state.token_segments is None)
 
 
 def _fold_forward(state, pool: SitePool, x2: torch.Tensor, bi, bias: bool = True) -> torch.Tensor:
@@ -240,7 +245,7 @@ class LinearSite(_OneLayerSite):
         if self.pool.fold is None or self.tp == "colwise_gather":
             return None
         pool = state.pool_for(self, x.dtype)
-        if not _folded(pool, bi):
+        if not _folded(state, pool, bi):
             return None
         n = pool.offsets[-1]
         # row-sharded: partial sums of the base output and of every shrink (the expand is linear),
@@ -329,7 +334,7 @@ class FusedSite(Site):
             return self.peft_forward(state, original, x, args, kwargs)
         pool = state.pool_for(self, x.dtype)
         x2 = _as_rows(x, x.shape[-1]).contiguous()
-        if _folded(pool, bi):
+        if _folded(state, pool, bi):
             res = _fold_forward(state, pool, x2, bi)[:, :pool.offsets[-1]]
         else:
             res = self.group.linear(x2)
