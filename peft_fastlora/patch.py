@@ -70,9 +70,10 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         fold_shrink: store each site's LoRA A under its base weight, so that decode-sized
             forwards get every adapter's shrink from the base GEMM itself and run only the expand
             after it: ``"auto"`` (on CUDA), ``True`` or ``False``. A site whose A rows add at most
-            1/8 of the base weight's rows folds for every call; up to as many rows as the base
-            weight's, for the calls whose adapters use at least a third of them (the GEMM computes
-            every row); larger arenas (many GPU slots of large rank) keep the fused kernel. Under
+            1/8 of the base weight's rows folds for every call; where every adapter has a GPU
+            slot, one of up to as many rows as the base weight's folds for the calls whose
+            adapters use at least a third of them (the GEMM computes every row); larger arenas
+            (many GPU slots of large rank) keep the fused kernel. Under
             tensor parallelism each rank folds its own shards.
         defer_stop_check: on calls whose decode steps the graphs replay on CUDA, transformers'
             loop learns that every row has finished one step late (its ``DeferredStopCheck``, the

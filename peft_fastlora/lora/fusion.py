@@ -33,10 +33,10 @@ FUSIBLE_GROUPS = {
 # The GEMM computes every row of a folded arena at every step, whichever adapters the batch uses.
 # An arena of at most FOLD_MAX_SHARE of the base weight's rows is folded for every call; one of at
 # most FOLD_CALL_SHARE is stored under the base weight too, and folded for the calls whose adapters
-# use at least FOLD_MIN_USE of its rows (a graph per choice: ``FastLoRAState.fold_now``), where every
-# adapter has a GPU slot (fewer slots: the arena is sized for the largest adapters, not the loaded
-# ones); larger ones keep the fused kernel. From benchmarks/NOTES.md (session 14): a tail row costs the GEMM
-# about a third of what the fused kernel pays per row it reads.
+# use at least FOLD_MIN_USE of its rows (a graph per choice: ``FastLoRAState.fold_now``), where
+# every adapter has a GPU slot (fewer slots: the arena is sized for the largest adapters, not the
+# loaded ones); larger ones keep the fused kernel. The shares follow the tail's and the fused
+# kernel's cost per row (benchmarks/NOTES.md, session 14).
 FOLD_MAX_SHARE = 1 / 8
 FOLD_CALL_SHARE = 1.0
 FOLD_MIN_USE = 1 / 3
@@ -144,7 +144,7 @@ class FusedGroup:
         if rows > n * limit:
             return (f"its adapters' A rows ({rows}) would add more than {limit:.3g} of its "
                     f"{n} base rows to the GEMM" + ("" if per_call_ok else
-                                                   " (past 0.125, only with every adapter in a GPU slot)"))
+                                                   " (folding per call needs every adapter in a GPU slot)"))
         if first.dtype != dtype or first.device != torch.device(device):
             return f"the stacks are {dtype} on {device}, the base weight {first.dtype} on {first.device}"
         return fusion_blocker(self.bases)
