@@ -91,6 +91,15 @@ def copy_bandwidth(timer: Timer) -> float:
     return 2 * (1 << 30) / (us * 1e-6)
 
 
+def timer_and_bandwidth(iters: int):
+    """A probe's start: its ``Timer``, the copy bandwidth measured with it (printed), a fixed seed."""
+    timer = Timer(iters)
+    bw = copy_bandwidth(timer)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    torch.manual_seed(0)
+    return timer, bw
+
+
 def capture(fn) -> torch.cuda.CUDAGraph:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -98,12 +98,9 @@ def main(argv=None):
     p.add_argument("--programs", type=int, nargs="+", default=[132])
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args(argv)
-    from bench_kernels import Timer, capture, copy_bandwidth
+    from bench_kernels import capture, timer_and_bandwidth
 
-    timer = Timer(args.iters)
-    bw = copy_bandwidth(timer)
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    torch.manual_seed(0)
+    timer, bw = timer_and_bandwidth(args.iters)
     side = torch.cuda.Stream()
     rows = []
     for name, (n, k) in SHAPES.items():
