@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
+import importlib
 import os
 import platform
 import statistics
@@ -396,6 +397,8 @@ def main(argv=None):
     p.add_argument("--csv", default="generate_h200.csv",
                    help="file name in --out (the PNG takes the same stem): another for other shapes")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU: exercises the script only")
+    p.add_argument("--expand", choices=["library", "blocks"], default="library",
+                   help="decode expand launch: the library's (rank-sized spans) or the column blocks of before")
     p.add_argument("--graphs-only", action="store_true",
                    help="only fastlora_graphs and base_graphs_attn (a quick check of the graphed step)")
     args = p.parse_args(argv)
@@ -406,7 +409,9 @@ def main(argv=None):
         print("bench_generate needs a CUDA GPU (or --smoke); nothing measured")
         return 0
     os.makedirs(args.out, exist_ok=True)
-    vers = versions()
+    if args.expand == "blocks":
+        importlib.import_module("peft_fastlora.ops.lora_expand_wide").ENABLED = False
+    vers = dict(versions(), expand=args.expand)
     bw = copy_bandwidth() if DEVICE == "cuda" else 1e11
     print(vers, f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []

@@ -212,6 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--rank-block", type=int, default=None,
                    help="rank rows the fused decode kernel takes per step (default: the library's; "
                         "the largest rank: one tile of the padded rank, as before rank blocks)")
+    p.add_argument("--expand", choices=["library", "blocks"], default="library",
+                   help="decode expand launch: the library's (rank-sized spans) or the column blocks of before")
     p.add_argument("--csv", default=None, help="CSV name under --out (default many_adapters_<gpu>.csv)")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few adapters")
     p.add_argument("--gc-freeze", action="store_true",
@@ -227,6 +229,8 @@ def main(argv=None) -> int:
         from peft_fastlora.lora import fusion
 
         fusion.FOLD_CALL_SHARE = args.fold_call_share
+    if args.expand == "blocks":
+        importlib.import_module("peft_fastlora.ops.lora_expand_wide").ENABLED = False
     if args.smoke:
         bg.DEVICE = "cpu"
         args.model, args.adapters, args.slots, args.ranks = "tiny", 12, 6, [2, 4, 8]
@@ -238,7 +242,8 @@ def main(argv=None) -> int:
     if args.rank_block is not None:  # both launches (uniform and mixed ranks) take it
         fused_module.RANK_BLOCK = fused_module.MIXED_RANK_BLOCK = args.rank_block
     info = dict(bg.versions(), rank_block=args.rank_block or "library", gc_frozen=args.gc_freeze,
-                fold_call_share="library" if args.fold_call_share is None else args.fold_call_share)
+                fold_call_share="library" if args.fold_call_share is None else args.fold_call_share,
+                expand=args.expand)
     base = bg.build_base(args.model)
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=args.targets), adapter_name="seed",
                            autocast_adapter_dtype=False).eval()

@@ -24,15 +24,11 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from . import lora_expand_wide
+from .lora_expand_wide import WIDE_MAX_BLOCK_M, WIDE_MAX_RANK, launch_wide
+from .packed_stride import packed_row_stride
 
 MAX_MODULES_PER_LAUNCH = 4  # column offsets travel as scalar arguments (no device table to build)
-
-
-@triton.jit
-def packed_row_stride(rank, ALIGN: tl.constexpr):
-    """Row stride of a packed B block: its rank, which the site keeps a multiple of ``ALIGN``
-    (written so that the compiler knows it, and loads 16 bytes at a time where ALIGN is 8)."""
-    return (rank + ALIGN - 1) // ALIGN * ALIGN
 
 
 @triton.jit
@@ -172,6 +168,7 @@ def lora_expand(
     b_align: int = 1,
     y_cols: Optional[torch.Tensor] = None,
     max_rank: Optional[int] = None,
+    wide: Optional[bool] = None,
 ) -> torch.Tensor:
     """Stacked, segmented expand into ``out`` (in place).
 
@@ -193,6 +190,9 @@ def lora_expand(
         y_cols: packed only: (num_slots, c) int32 with ``b_offs``' strides, where each (slot, j)'s
             columns start in ``y`` (then y is (s, rows of the A arena) and ``max_rank`` the largest
             rank); see the module docstring.
+        wide: the launch of ``lora_expand_wide`` (rank-sized column spans); None: where it applies,
+            row tiles of up to 16 and ranks up to 128 (unless ``lora_expand_wide.ENABLED`` is False). The block and warp overrides are the other
+            launch's.
     Returns:
         ``out``.
     """
@@ -230,11 +230,22 @@ def lora_expand(
     dot_precision = "ieee" if y.dtype == torch.float32 else "tf32"  # Triton's fp32 default is tf32
     b_strides = (0, 0, 0) if packed else weights.stride()
     use_pdl = pdl.mode(out, preamble=True)
+    wide_ok = block_m <= WIDE_MAX_BLOCK_M and r <= WIDE_MAX_RANK
+    if wide and not wide_ok:
+        raise ValueError(f"lora_expand: the wide launch takes row tiles of up to {WIDE_MAX_BLOCK_M} and ranks "
+                         f"up to {WIDE_MAX_RANK}, got {block_m} and {r}")
+    wide = (wide_ok and lora_expand_wide.ENABLED) if wide is None else wide
+    plan = (sorted_token_ids, chunk_slot, chunk_start, chunk_len)
     for j0 in range(0, c, MAX_MODULES_PER_LAUNCH):
         offs = offsets[j0 : j0 + MAX_MODULES_PER_LAUNCH + 1]
         n_mod = len(offs) - 1
         widest = max(b - a for a, b in zip(offs[:-1], offs[1:]))
         if widest == 0:
+            continue
+        if wide:
+            offs = offs + [offs[-1]] * (MAX_MODULES_PER_LAUNCH + 1 - len(offs))
+            launch_wide(y, weights, out, b_offs, y_cols, ranks, scalings, plan, r, num_slots, j0, offs,
+                        block_m=block_m, b_align=b_align, dot_precision=dot_precision, use_pdl=use_pdl)
             continue
         cfg = expand_config(block_m, r, widest)
         bn = block_n or cfg["block_n"]

@@ -1,0 +1,200 @@
+"""The decode-sized expand with rank-sized column spans (``lora_expand``'s launch for row tiles of
+up to 16).
+
+``lora_expand``'s own grid gives every program one column block of a fixed width, sized for the
+largest rank of the launch: with mixed ranks a rank-8 program then reads a few hundred bytes of B
+after its chain of metadata loads, and a batch of many one-row chunks is thousands of such
+programs. Here every program owns ``SPAN = TILE // 16`` columns of one (chunk, module) and reads
+them as tiles of ``TILE`` elements shaped by its rank's class (16, 32, 64 or 128 rank columns):
+one tile for ranks up to 16, two for 32, four for 64, eight for 128, the next tile's load issued
+before this one's output is written. The grid enumerates only the spans each module has (no
+programs past a narrower module's width).
+
+Same arguments, same result and the same PDL rules as ``lora_expand``'s kernel (B and the plan
+before the wait, ``y`` and ``out`` after).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import pdl
+from .packed_stride import packed_row_stride
+
+ENABLED = True  # the default launch for decode row tiles (benchmarks set False to compare)
+WIDE_MAX_RANK = 128  # the largest rank class
+WIDE_MAX_BLOCK_M = 16  # decode-sized row tiles: the accumulator is (BLOCK_M, TILE // rank class)
+
+
+@triton.jit
+def _wide_tile(y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, out_rows, stride_on,
+               lo, width, rank, scaling, n0,
+               RC: tl.constexpr, TC: tl.constexpr, NT: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    """``NT`` tiles of ``TC`` columns x ``RC`` rank columns from column ``n0`` of the module."""
+    offs_r = tl.arange(0, RC)
+    r_mask = offs_r < rank
+    offs_c = tl.arange(0, TC)
+    cols = n0 + offs_c
+    bt = tl.load(b_rows + cols[None, :] * b_nstride + offs_r[:, None] * b_rstride,
+                 mask=r_mask[:, None] & (cols < width)[None, :], other=0.0)
+    pdl.wait(USE_PDL)
+    yt = tl.load(y_row + offs_r[None, :] * stride_yr, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+    for t in tl.static_range(NT):
+        cols = n0 + t * TC + offs_c
+        n_mask = cols < width
+        if t + 1 < NT:  # the next tile in flight while this one is added to the output
+            nxt = cols + TC
+            bt_next = tl.load(b_rows + nxt[None, :] * b_nstride + offs_r[:, None] * b_rstride,
+                              mask=r_mask[:, None] & (nxt < width)[None, :], other=0.0)
+        acc = tl.dot(yt, bt, tl.zeros((yt.shape[0], TC), dtype=tl.float32), input_precision=DOT_PRECISION)
+        out_ptrs = out_rows + (lo + cols)[None, :] * stride_on
+        mask = row_mask[:, None] & n_mask[None, :]
+        base = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, (base + acc * scaling).to(out_rows.dtype.element_ty), mask=mask)
+        if t + 1 < NT:
+            bt = bt_next
+
+
+@triton.jit
+def _lora_expand_wide_kernel(
+    y_ptr, b_ptr, out_ptr, b_offs_ptr, y_cols_ptr,
+    R, num_slots, J0,
+    OFF0, OFF1, OFF2, OFF3, OFF4,  # column offsets of this launch's modules; unused ones repeat the end
+    NB1, NB2, NB3,  # first span index of modules 1..3 in grid axis 1 (unused ones: the total)
+    stride_ys, stride_yr,
+    stride_bl, stride_bn, stride_br,
+    stride_os, stride_on,
+    ranks_ptr, stride_rl,
+    scalings_ptr, stride_sl,
+    stride_tl,
+    sorted_ids_ptr, chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr,
+    PACKED: tl.constexpr,
+    B_ALIGN: tl.constexpr,
+    Y_COLS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE: tl.constexpr,  # elements of B a tile holds; a program's span is TILE // 16 columns
+    MAX_RC: tl.constexpr,  # rank class of the launch's largest rank (16, 32, 64 or 128)
+    DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl.launch_dependents(USE_PDL)
+    chunk = tl.program_id(0)
+    p = tl.program_id(1)
+    jl = (p >= NB1).to(tl.int32) + (p >= NB2).to(tl.int32) + (p >= NB3).to(tl.int32)
+    nb = p - tl.where(jl == 0, 0, tl.where(jl == 1, NB1, tl.where(jl == 2, NB2, NB3)))
+    slot = tl.load(chunk_slot_ptr + chunk)
+    n_rows = tl.load(chunk_len_ptr + chunk)
+    j = J0 + jl
+    lo = tl.where(jl == 0, OFF0, tl.where(jl == 1, OFF1, tl.where(jl == 2, OFF2, OFF3)))
+    hi = tl.where(jl == 0, OFF1, tl.where(jl == 1, OFF2, tl.where(jl == 2, OFF3, OFF4)))
+    SPAN: tl.constexpr = TILE // 16
+    n0 = nb * SPAN
+    if (slot < 0) | (slot >= num_slots) | (n_rows <= 0):
+        pdl.wait(USE_PDL)
+        return
+    rank = tl.minimum(tl.load(ranks_ptr + slot * stride_rl + j), R)
+    if rank <= 0:
+        pdl.wait(USE_PDL)
+        return
+    scaling = tl.load(scalings_ptr + slot * stride_sl + j)
+    start = tl.load(chunk_start_ptr + chunk)
+    offs_m = tl.arange(0, BLOCK_M)
+    row_mask = offs_m < n_rows
+    tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
+    if Y_COLS:
+        y_col = tl.load(y_cols_ptr + slot * stride_tl + j).to(tl.int64)
+    else:
+        y_col = j * R
+    y_row = y_ptr + tok[:, None] * stride_ys + y_col * stride_yr
+    if PACKED:  # (width, rank)
+        b_off = tl.multiple_of(tl.load(b_offs_ptr + slot * stride_tl + j), B_ALIGN)
+        b_rows = b_ptr + b_off
+        b_nstride = packed_row_stride(rank, B_ALIGN)
+        b_rstride = 1
+    else:
+        b_rows = b_ptr + slot.to(tl.int64) * stride_bl + lo * stride_bn
+        b_nstride = stride_bn
+        b_rstride = stride_br
+    out_rows = out_ptr + tok[:, None] * stride_os
+    width = hi - lo
+    args = (y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, out_rows, stride_on,
+            lo, width, rank, scaling, n0)
+    # the rank's class, among those the launch's largest rank needs (rank <= R <= MAX_RC)
+    if MAX_RC == 16:
+        _wide_tile(*args, 16, TILE // 16, 1, DOT_PRECISION, USE_PDL)
+    elif MAX_RC == 32:
+        if rank <= 16:
+            _wide_tile(*args, 16, TILE // 16, 1, DOT_PRECISION, USE_PDL)
+        else:
+            _wide_tile(*args, 32, TILE // 32, 2, DOT_PRECISION, USE_PDL)
+    elif MAX_RC == 64:
+        if rank <= 16:
+            _wide_tile(*args, 16, TILE // 16, 1, DOT_PRECISION, USE_PDL)
+        elif rank <= 32:
+            _wide_tile(*args, 32, TILE // 32, 2, DOT_PRECISION, USE_PDL)
+        else:
+            _wide_tile(*args, 64, TILE // 64, 4, DOT_PRECISION, USE_PDL)
+    else:
+        if rank <= 16:
+            _wide_tile(*args, 16, TILE // 16, 1, DOT_PRECISION, USE_PDL)
+        elif rank <= 32:
+            _wide_tile(*args, 32, TILE // 32, 2, DOT_PRECISION, USE_PDL)
+        elif rank <= 64:
+            _wide_tile(*args, 64, TILE // 64, 4, DOT_PRECISION, USE_PDL)
+        else:
+            _wide_tile(*args, 128, TILE // 128, 8, DOT_PRECISION, USE_PDL)
+
+
+def wide_config(rank: int, max_width: int) -> dict:
+    """Tile size and warps: tiles of 4K elements (8 KB of bf16; spans of 256 columns), smaller
+    for narrow modules."""
+    tile = 4096
+    while tile > 2048 and tile // 16 > max(16, triton.next_power_of_2(max_width)):
+        tile //= 2
+    return dict(tile=tile, num_warps=4)
+
+
+def rank_class(rank: int) -> int:
+    return max(16, triton.next_power_of_2(max(1, rank)))
+
+
+def launch_wide(y, weights, out, b_offs, y_cols, ranks, scalings, plan, r, num_slots, j0, offs, *,
+                block_m, b_align, dot_precision, use_pdl, tile=None, num_warps=None):
+    """One launch over the modules of ``offs`` (at most 4: ``offs`` their 5 column offsets, unused
+    ones repeating the end), arguments as ``lora_expand``'s kernel."""
+    widths = [b - a for a, b in zip(offs[:-1], offs[1:])]
+    cfg = wide_config(r, max(widths))
+    tile = tile or cfg["tile"]
+    span = tile // 16
+    starts, total = [], 0
+    for w in widths:
+        starts.append(total)
+        total += triton.cdiv(w, span)
+    if total == 0:
+        return
+    packed = b_offs is not None
+    b_strides = (0, 0, 0) if packed else weights.stride()
+    grid = (plan[1].shape[0], total)
+    _lora_expand_wide_kernel[grid](
+        y, weights, out, b_offs if packed else ranks, y_cols if y_cols is not None else ranks,
+        r, num_slots, j0, *offs, *starts[1:],
+        y.stride(0), y.stride(1),
+        *b_strides,
+        out.stride(0), out.stride(1),
+        ranks, ranks.stride(0),
+        scalings, scalings.stride(0),
+        b_offs.stride(0) if packed else 0,
+        *plan,
+        PACKED=packed,
+        B_ALIGN=b_align,
+        Y_COLS=y_cols is not None,
+        BLOCK_M=block_m,
+        TILE=tile,
+        MAX_RC=rank_class(r),
+        DOT_PRECISION=dot_precision,
+        USE_PDL=use_pdl,
+        num_warps=num_warps or cfg["num_warps"],
+        launch_pdl=use_pdl > 0,
+    )
