@@ -162,7 +162,10 @@ def run_mode(model, adapters, args, slots, rows_out, info):
     ids = batch_ids(999)
     spread = [names[(k * 7) % len(names)] for k in range(args.batch)]  # --batch distinct adapters
     mixed = decode_ms(model, ids, spread, args.step_tokens)
+    mixed_folded = state.fold_now  # the per-call choice of that call (staged sites: its blocks fit)
+    mixed_replay = bg.measure.replay_ms
     base = decode_ms(model, ids, ["__base__"] * args.batch, args.step_tokens)
+    base_replay = bg.measure.replay_ms
     stats = dict(state.registry.stats)
     ttft.sort()
     row = dict(mode=mode, model=args.model, registered=len(adapters), slots=slots or len(adapters),
@@ -170,7 +173,9 @@ def run_mode(model, adapters, args, slots, rows_out, info):
                mean_distinct_per_batch=round(sum(distinct) / len(distinct), 1),
                register_s=round(register_s, 2),
                ttft_p50_s=round(ttft[len(ttft) // 2], 4), ttft_p99_s=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 4),
-               decode_tokens_per_s=round(decode_tps, 1), mixed_step_ms=round(mixed, 3), base_step_ms=round(base, 3),
+               decode_tokens_per_s=round(decode_tps, 1), mixed_step_ms=round(mixed, 3), mixed_folded=mixed_folded,
+               base_step_ms=round(base, 3), mixed_replay_ms=mixed_replay and round(mixed_replay, 3),
+               base_replay_ms=base_replay and round(base_replay, 3),
                mixed_vs_base=round(mixed / base, 3), shrink_folded=state.report.shrink_folded,
                loads=stats["loads"], evictions=stats["evictions"],
                load_s=round(stats["load_seconds"], 3), block_moves=stats.get("block_moves", 0),

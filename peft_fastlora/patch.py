@@ -72,9 +72,11 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             after it: ``"auto"`` (on CUDA), ``True`` or ``False``. A site whose A rows add at most
             1/8 of the base weight's rows folds for every call; where every adapter has a GPU
             slot, one of up to as many rows as the base weight's folds for the calls whose
-            adapters use at least a third of them (the GEMM computes every row); larger arenas
-            (many GPU slots of large rank) keep the fused kernel. Under
-            tensor parallelism each rank folds its own shards.
+            adapters use at least a third of them (the GEMM computes every row); with fewer
+            slots than adapters such a site stores a *staging* area there instead, sized for a
+            call of average adapters, and a call that folds copies its adapters' A blocks into
+            it first (a call whose blocks do not fit keeps the fused kernel). Under tensor
+            parallelism each rank folds its own shards.
         defer_stop_check: on calls whose decode steps the graphs replay on CUDA, transformers'
             loop learns that every row has finished one step late (its ``DeferredStopCheck``, the
             one extra step undone), so the host queues the next step while the GPU runs this one.

@@ -67,6 +67,7 @@ class FastLoRAState:
         self._warned: set = set()
         self._refresher: Optional[ValueRefresher] = None
         self._refresher_generation = -1
+        self._stage_cache: dict = {}  # staged folds' row indices and tables by layout (SitePool.stage_call)
         self._hook = None
         self._bi_key = None
         self._bi = None
@@ -183,17 +184,30 @@ class FastLoRAState:
         """Fold the per-call sites for a call using these slots: where the rows its adapters hold
         there are at least ``FOLD_MIN_USE`` of those sites' arenas (the GEMM computes them all)."""
         pools = [site.pool for site in self.sites if site.pool.folds_per_call()]
-        if not pools or not slots:
+        if not pools or not slots or not all(pool.can_stage(slots) for pool in pools):
             return False
         used = sum(pool.rows_used(slots) for pool in pools)
-        return used >= FOLD_MIN_USE * sum(pool.lora_a.shape[0] for pool in pools)
+        return used >= FOLD_MIN_USE * sum(pool.fold_rows() for pool in pools)
 
     def fold_prone_adapters(self, k: int) -> List[str]:
-        """The ``k`` adapters holding the most A rows in the per-call sites: the set of ``k`` most
-        likely to make a call fold them (warm-up captures that call's graph)."""
+        """The ``k`` adapters holding the most A rows in the per-call sites (staged: of those that
+        fit the staging rows together): the set of ``k`` most likely to make a call fold them
+        (warm-up captures that call's graph)."""
         pools = [site.pool for site in self.sites if site.pool.folds_per_call()]
         names = [n for n in self.registry.names if n in self.registry.index]
-        return sorted(names, key=lambda n: -sum(p.adapter_rows(n) for p in pools))[:k]
+        by_rows = sorted(names, key=lambda n: -sum(p.adapter_rows(n) for p in pools))
+        if not any(p.stage is not None for p in pools):
+            return by_rows[:k]
+        # staged sites: the largest that fit the staging rows together
+        chosen, used = [], [0] * len(pools)
+        for name in by_rows:
+            rows = [p.adapter_rows(name) for p in pools]
+            if all(u + r <= p.fold_rows() for u, r, p in zip(used, rows, pools)):
+                chosen.append(name)
+                used = [u + r for u, r in zip(used, rows)]
+                if len(chosen) == k:
+                    break
+        return chosen
 
     @property
     def token_segments(self) -> Optional[TokenSegments]:
@@ -339,9 +353,11 @@ class FastLoRAState:
         report.sites = [(s.name, s.kind, len(s.lora_layers)) for s in self.sites]
         folded = sum(s.pool.folded() and not s.pool.folds_per_call() for s in self.sites)
         per_call = sum(s.pool.folds_per_call() for s in self.sites)
+        staged = sum(s.pool.folds_per_call() and s.pool.stage is not None for s in self.sites)
         report.shrink_folded = fold_off or (f"{folded} of {len(self.sites)} sites" + (
-            f" (and {per_call} more in calls whose adapters use at least {FOLD_MIN_USE:.0%} of their A rows)"
-            if per_call else ""))
+            f" (and {per_call} more in calls whose adapters use at least {FOLD_MIN_USE:.0%} of their A rows"
+            + (f"; {staged} of them staged: such a call's A blocks are copied under the base weight first"
+               if staged else "") + ")" if per_call else ""))
         if fold_off is None:
             report.fold_refused = [(s.name, s.pool.fold_refusal()) for s in self.sites if not s.pool.folded()]
         report.stack_bytes = sum(s.pool.nbytes() for s in self.sites)
@@ -606,6 +622,9 @@ class FastLoRAState:
             self._refresher = ValueRefresher(s.pool for s in self.sites)
             self._refresher_generation = key
         self._refresher.refresh(slots)
+        if self._local.fold_now:  # staged sites: the call's A blocks (current values) under the base weight
+            for site in self.sites:
+                site.pool.stage_call(slots, self._stage_cache)
 
     def _load_slots(self, placed):
         """Adapters newly given slots: every site loads them there (stacks keep their addresses:

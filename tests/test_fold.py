@@ -330,3 +330,78 @@ def test_every_architecture_with_folded_sites_equals_peft(arch, no_limit, calls)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     assert torch.equal(tokens, want_tokens)
     assert (calls["run_packed_expand"] > 0) == bool(foldable), calls
+
+
+def _staged_pools(m):
+    return [s.pool for s in fastlora.get_state(m).sites if s.pool.stage is not None]
+
+
+STAGED_MIXES = [["sql", "sql", "chat", "__base__"], ["mlp", "chat", "mlp", "__base__"], ["mlp"] * 4,
+                ["sql", "mlp", "sql", "mlp"], ["chat"] * 4, ["__base__"] * 4]
+
+
+def test_staged_fold_with_fewer_slots_equals_peft(calls):
+    """Fewer GPU slots than adapters, default limits: the larger arenas are not stored under the
+    base weight; a staging tail is, and a call that folds copies its adapters' A blocks there
+    first. Every mix equals PEFT, whichever choice it makes, across loads and evictions, and a
+    value edited between calls reaches the staged rows."""
+    m, ref = build(), build()
+    report = fastlora.patch(m, max_loras_per_batch=2, fold_shrink=True)
+    staged = _staged_pools(m)
+    assert staged and "staged: such a call's A blocks are copied under the base weight first" in report.shrink_folded
+    state = fastlora.get_state(m)
+    assert all(p.folds_per_call() and p.fold.tail.data_ptr() == p.stage.data_ptr() for p in staged)
+    assert all(p.lora_a.data_ptr() != p.stage.data_ptr() for p in staged)  # the arena has its own storage
+    chose = set()
+    for step in range(2):
+        for names in STAGED_MIXES:
+            calls.clear()
+            torch.testing.assert_close(logits(m, names), logits(ref, names), **TOL)
+            slots = {state.registry.slot[n] for n in names if n != "__base__"}
+            fits = all(p.rows_used(slots) <= p.fold_rows() for p in staged)
+            assert state.fold_now == (fits and state._decide_fold(slots)), names
+            if state.fold_now:
+                assert calls["run_packed_lora"] == 0, (names, calls)
+            chose.add(state.fold_now)
+        with torch.no_grad():  # an in-place edit of an adapter's A: the next call stages the new values
+            for model in (m, ref):
+                layers_of(model)[step].self_attn.q_proj.lora_A["sql"].weight.mul_(-1.5)
+    assert chose == {False, True}, "the mixes should exercise both choices"
+
+
+def test_staged_fold_refused_for_a_call_that_does_not_fit(monkeypatch, calls):
+    """A staging tail smaller than two adapters' blocks: a call of both takes the fused kernel,
+    one of either alone folds; both equal PEFT."""
+    monkeypatch.setattr(fusion, "FOLD_STAGE_MARGIN", 0.75)
+    m, ref = build(), build()
+    fastlora.patch(m, max_loras_per_batch=2, fold_shrink=True)
+    state, staged = fastlora.get_state(m), _staged_pools(m)
+    assert staged
+    for names, folds in ((["sql", "chat"] * 2, False), (["sql", "__base__"] * 2, True)):
+        calls.clear()
+        torch.testing.assert_close(logits(m, names), logits(ref, names), **TOL)
+        slots = {state.registry.slot[n] for n in names if n != "__base__"}
+        assert all(p.can_stage(slots) for p in staged) == folds
+        assert state.fold_now == folds
+        assert (calls["run_packed_lora"] > 0) == (not folds), calls
+
+
+def test_staged_fold_through_emulated_graphs_and_warmup():
+    """Graphed decode through staged sites: warm-up captures both choices per bucket (its fold
+    mix from the adapters in slots, within the staging rows), then changing mixes replay them,
+    token-equal to PEFT."""
+    m = build()
+    mixes = [["chat", "sql", "__base__", "sql"], ["mlp", "__base__", "mlp", "chat"], ["sql"] * 4, ["mlp", "chat"] * 2]
+    want = [greedy(m, names, n=5) for names in mixes]
+    with fastlora.patched(m, cuda_graphs="emulate", fold_shrink=True, max_loras_per_batch=2, graph_buckets=[4]):
+        state = fastlora.get_state(m)
+        assert _staged_pools(m) and state.graph_runner.max_graphs == 2
+        prone = state.fold_prone_adapters(2)  # the largest that fit the staging rows together
+        assert len(prone) == 2 and all(sum(p.adapter_rows(n) for n in prone) <= p.fold_rows() for p in _staged_pools(m))
+        report = fastlora.warmup(m, max_length=16)
+        keys = {k[2] for k in state.graph_runner.graphs}
+        assert keys == {("fold", True), ("fold", False)}, keys
+        for _ in range(2):
+            for names, ref in zip(mixes, want):
+                assert torch.equal(greedy(m, names, n=5), ref), names
+        assert state.graph_runner.stats["captures"] == report.captures, state.graph_runner.stats

@@ -12,7 +12,9 @@ own shards (its q, k and v output rows), and each DTensor's local shard becomes 
 *Folding.* The fused tensor may hold more rows under the base weight (``tail``): a site's pool
 stores its packed LoRA A arena there (``SitePool.fold``), so that one GEMM, ``x @ [W; A].T``, gives
 the base output and the shrink of every adapter at once, and decode runs only the expand after it.
-A single ``nn.Linear`` (o_proj, down_proj) takes the same form as a group of one.
+A single ``nn.Linear`` (o_proj, down_proj) takes the same form as a group of one. With fewer GPU
+slots than adapters the tail may instead be a staging area (``staged``) a folding call copies its
+adapters' A blocks to (``SitePool.stage_call``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ FUSIBLE_GROUPS = {
 FOLD_MAX_SHARE = 1 / 8
 FOLD_CALL_SHARE = 1.0
 FOLD_MIN_USE = 1 / 3
+# With fewer slots than adapters a larger arena is not stored under the base weight: a *staging*
+# tail is, sized for what a call of ``num_slots`` average adapters uses (times this margin, and at
+# most FOLD_CALL_SHARE of the base rows); a call that folds copies its adapters' A blocks there
+# first (``SitePool.stage_call``), one that does not fit takes the fused kernel.
+FOLD_STAGE_MARGIN = 1.25
 
 
 @dataclass
@@ -58,6 +65,7 @@ class FusedGroup:
     tail: Optional[torch.Tensor] = None  # the rows under the base weight (a pool's A arena), or None
     fold_refusal: Optional[str] = None  # why the last ``attach_tail`` did not fold
     per_call: bool = False  # the tail is folded only for calls that use enough of it (FOLD_MIN_USE)
+    staged: bool = False  # the tail is a staging area a call's A blocks are copied to, not the arena
 
     @property
     def out_features(self) -> List[int]:
@@ -110,17 +118,24 @@ class FusedGroup:
         else:
             self.bias = self.ext_bias = None
 
-    def attach_tail(self, rows: int, dtype: torch.dtype, device, per_call_ok: bool = True) -> Optional[torch.Tensor]:
+    def attach_tail(self, rows: int, dtype: torch.dtype, device, per_call_ok: bool = True,
+                    stage_rows: int = 0) -> Optional[torch.Tensor]:
         """Re-fuse with ``rows`` zero rows under the base weight and return them (a pool's A
         arena), or None where folding does not apply: too many rows for the GEMM to carry
         (``FOLD_CALL_SHARE``), another dtype or device, or base layers that no longer take one
         GEMM. A tail no longer wanted is dropped. Past ``FOLD_MAX_SHARE`` the tail is folded per
-        call (``per_call``), where ``per_call_ok`` (the pool holds every adapter)."""
+        call (``per_call``), where ``per_call_ok`` (the pool holds every adapter); where it does
+        not and ``stage_rows`` is given, the tail is a staging area of that many rows (at most
+        ``FOLD_CALL_SHARE`` of the base rows; ``staged``) and the arena lives elsewhere."""
         first = local(self.bases[0].weight)
         n = sum(self.out_features)
-        self.fold_refusal = self._fold_refusal(rows, n, first, dtype, device, per_call_ok)
         self.per_call = rows > n * FOLD_MAX_SHARE
+        self.staged = self.per_call and not per_call_ok and stage_rows > 0
+        if self.staged:
+            rows = min(rows, stage_rows, int(n * FOLD_CALL_SHARE) // 8 * 8)
+        self.fold_refusal = self._fold_refusal(rows, n, first, dtype, device, per_call_ok or self.staged)
         if self.fold_refusal is not None:
+            self.staged = False
             if self.tail is not None and self.is_intact():
                 self.fuse(0)
             return None

@@ -42,6 +42,7 @@ import torch
 from .._compat import lora_layer_unchanged, lora_weights, unsupported_reason, watch_lora_layer
 from ..backend.packed import PackedWeights, block_align
 from .arena import RowArena
+from . import fusion
 from .slots import AdapterRegistry
 
 __all__ = ["AdapterRegistry", "SitePool", "ValueRefresher", "copy_values"]
@@ -123,6 +124,11 @@ class SitePool:
         self.fold = None  # the site's FusedGroup, where the A arena may live under its base weight
         self.no_fold = "not eligible"  # why there is no ``fold`` (set by the model state)
         self._fold_attached = False
+        # a staged fold (``fusion.FOLD_STAGE_MARGIN``): the rows under the base weight a folding call
+        # copies its adapters' A blocks to, the (num_slots, c) table of where they went, and the
+        # packed weights that read A from there
+        self.stage: Optional[torch.Tensor] = None
+        self.staged_packed: Optional[PackedWeights] = None
 
     @property
     def stack_num(self) -> int:
@@ -242,12 +248,16 @@ class SitePool:
         self._tables = torch.empty(self._table_words(), dtype=torch.int32, device=device)
         self.ranks, self.scalings, a_rows, b_offs = self._table_views(self._tables)
         self._write_tables()
-        self.packed = PackedWeights(
-            self.lora_a, self.lora_b, a_rows, b_offs, r, tuple(self.offsets),
-            # all ranks multiples of 8: so is every block's place (sums of ranks), and B's rows
-            # load 16 bytes at a time
-            align=block_align(x for row in self._ranks_of.values() for x in row),
-            mixed_ranks=len({x for row in self._ranks_of.values() for x in row if x > 0}) > 1)
+        # all ranks multiples of 8: so is every block's place (sums of ranks), and B's rows load 16
+        # bytes at a time
+        layout = dict(align=block_align(x for row in self._ranks_of.values() for x in row),
+                      mixed_ranks=len({x for row in self._ranks_of.values() for x in row if x > 0}) > 1)
+        self.packed = PackedWeights(self.lora_a, self.lora_b, a_rows, b_offs, r, tuple(self.offsets), **layout)
+        self.staged_packed = None
+        if self.stage is not None:
+            stage_table = torch.zeros(n_slots, c, dtype=torch.int32, device=device)
+            self.staged_packed = PackedWeights(self.stage, self.lora_b, stage_table, b_offs, r, tuple(self.offsets),
+                                               **layout)
         self._signature = self._current_signature(registry)
         self._watched = self._watch()
         self._registry_names = list(registry.names)
@@ -273,24 +283,88 @@ class SitePool:
             self._b_base.append(elems_total)  # capacity is a multiple of 8: so is every offset
             rows_total += capacity
             elems_total += capacity * self.out_features[j]
-        self.lora_a = (self.fold.attach_tail(rows_total, dtype, device, per_call_ok)
+        stage_rows = 0 if per_call_ok else self._stage_rows(n_slots)
+        self.lora_a = (self.fold.attach_tail(rows_total, dtype, device, per_call_ok, stage_rows)
                        if self.fold is not None else None)
         self._fold_attached = self.lora_a is not None
+        self.stage = None
+        if self._fold_attached and self.fold.staged:  # the tail is the staging area; the arena its own
+            self.stage, self.lora_a = self.lora_a, None
         if self.lora_a is None:
             self.lora_a = torch.zeros(max(rows_total, 1), self.in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max(elems_total, 8), dtype=dtype, device=device)
         self._flat_a = self.lora_a.view(-1) if self.lora_a.is_contiguous() else None
 
+    def _stage_rows(self, n_slots: int) -> int:
+        """Rows of a staging tail: what ``n_slots`` adapters of the average size here hold, with
+        ``fusion.FOLD_STAGE_MARGIN``, in multiples of 8."""
+        sizes = [sum(ranks) for ranks in self._ranks_of.values() if sum(ranks) > 0]
+        if not sizes:
+            return 0
+        rows = fusion.FOLD_STAGE_MARGIN * n_slots * sum(sizes) / len(sizes)
+        return -(-int(rows) // 8) * 8
+
     def folded(self) -> bool:
-        """The A arena is the tail of the base weight it was attached to, and that weight is still
-        the layers' (``x @ [W; A].T`` then gives the base output and the shrink)."""
+        """The A arena (or, staged, the staging rows) is the tail of the base weight it was attached
+        to, and that weight is still the layers' (``x @ [W; A].T`` then gives the base output and
+        the shrink)."""
         f = self.fold
-        return (self._fold_attached and f.tail is not None and f.is_intact()
-                and f.tail.data_ptr() == self.lora_a.data_ptr() and f.tail.shape == self.lora_a.shape)
+        if not (self._fold_attached and f.tail is not None and f.is_intact()):
+            return False
+        rows = self.stage if f.staged else self.lora_a
+        return rows is not None and f.tail.data_ptr() == rows.data_ptr() and f.tail.shape == rows.shape
 
     def folds_per_call(self) -> bool:
-        """Folded, but only for calls whose adapters use enough of the arena (``fusion.FOLD_MIN_USE``)."""
+        """Folded, but only for calls whose adapters use enough of the arena (``fusion.FOLD_MIN_USE``)
+        or, staged, whose adapters' blocks fit the staging rows."""
         return self.folded() and self.fold.per_call
+
+    def fold_rows(self) -> int:
+        """Rows the folded GEMM carries under the base weight (the arena, or the staging rows)."""
+        return self.fold.tail.shape[0] if self.folded() else 0
+
+    def fold_weights(self) -> PackedWeights:
+        """The packed weights a folded forward's expand reads (A's columns where the GEMM has them)."""
+        return self.staged_packed if self.stage is not None else self.packed
+
+    def can_stage(self, slots) -> bool:
+        """Staged: these slots' A blocks fit the staging rows. (Not staged: True.)"""
+        return self.stage is None or self.rows_used(slots) <= self.stage.shape[0]
+
+    @torch.no_grad()
+    def stage_call(self, slots, cache: dict) -> None:
+        """Staged: copy the A blocks of these slots (their current values) into the staging rows,
+        one after the other, and point the staging table at them; the rest of the rows keep
+        whatever they held (no slot's table points there). ``cache``: the row indices and tables of
+        recent layouts, shared by the pools (sites of one kind in every layer place alike)."""
+        if self.stage is None:
+            return
+        c, n_slots = self.stack_num, len(self._slot_ranks)
+        slots = sorted(set(slots))
+        key = array("i", [self.stage.shape[0], c, n_slots] + [
+            x for s in slots for x in (s, *self._slot_a_rows[s], *self._slot_ranks[s])]).tobytes()
+        entry = cache.get(key)
+        if entry is None:
+            index, table, at = [], [0] * (n_slots * c), 0
+            for s in slots:
+                for j, (row, rank) in enumerate(zip(self._slot_a_rows[s], self._slot_ranks[s])):
+                    if rank > 0:
+                        index.extend(range(row, row + rank))
+                        table[s * c + j] = at
+                        at += rank
+            if at > self.stage.shape[0]:
+                raise ValueError(f"stage_call: the slots' A rows ({at}) exceed the staging rows "
+                                 f"({self.stage.shape[0]}); check can_stage first")
+            index += [0] * (self.stage.shape[0] - at)  # rows no table points to: any row
+            device = self.stage.device
+            entry = (torch.tensor(index, dtype=torch.int64).to(device),
+                     torch.tensor(table, dtype=torch.int32).view(n_slots, c).to(device))
+            if len(cache) >= 64:
+                cache.clear()
+            cache[key] = entry
+        index, table = entry
+        torch.index_select(self.lora_a, 0, index, out=self.stage)
+        self.staged_packed.a_rows.copy_(table)
 
     def adapter_rows(self, name: str) -> int:
         """A rows adapter ``name`` has here (over the stacked modules), in a slot or not."""

@@ -191,7 +191,7 @@ def _fold_forward(state, pool: SitePool, x2: torch.Tensor, bi, bias: bool = True
     Returns the GEMM's whole (s, N + arena rows) output."""
     full = pool.fold.linear_with_tail(x2, bias)
     n = pool.offsets[-1]
-    state.backend.run_packed_expand(full[:, n:], pool.packed, base_output=full[:, :n], layer_ranks=pool.ranks,
+    state.backend.run_packed_expand(full[:, n:], pool.fold_weights(), base_output=full[:, :n], layer_ranks=pool.ranks,
                                     layer_scalings=pool.scalings, batch_info=bi)
     return full
 
