@@ -48,6 +48,14 @@ from .slots import AdapterRegistry
 __all__ = ["AdapterRegistry", "SitePool", "ValueRefresher", "copy_values"]
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without the host waiting for the stream (from pinned memory on CUDA;
+    PyTorch's pinned allocator keeps the block until the copy is done)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _storage_address(t: torch.Tensor) -> int:
     """Where ``t``'s storage starts (without making a storage object: slow on the host)."""
     return t.data_ptr() - t.storage_offset() * t.element_size()
@@ -356,9 +364,8 @@ class SitePool:
                 raise ValueError(f"stage_call: the slots' A rows ({at}) exceed the staging rows "
                                  f"({self.stage.shape[0]}); check can_stage first")
             index += [0] * (self.stage.shape[0] - at)  # rows no table points to: any row
-            device = self.stage.device
-            entry = (torch.tensor(index, dtype=torch.int64).to(device),
-                     torch.tensor(table, dtype=torch.int32).view(n_slots, c).to(device))
+            entry = (_to_device(torch.tensor(index, dtype=torch.int64), self.stage.device),
+                     _to_device(torch.tensor(table, dtype=torch.int32).view(n_slots, c), self.stage.device))
             if len(cache) >= 64:
                 cache.clear()
             cache[key] = entry
