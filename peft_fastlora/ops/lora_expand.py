@@ -3,7 +3,8 @@
 
 One program owns one (chunk, column block, module): it reads the chunk's rows of ``y`` and of
 ``out`` once, adds the delta in float32 and stores once, so the base output takes one read and
-one write and no extra pass. Only the first ``rank(slot, j)`` columns of ``y`` and of ``B`` are
+one write and no extra pass. Row tiles of up to 16 (decode) take ``lora_expand_wide``'s launch by
+default: column spans sized by each program's rank, not by the launch's largest. Only the first ``rank(slot, j)`` columns of ``y`` and of ``B`` are
 read: the shrink leaves the rest of ``y`` undefined and padded ranks may hold anything.
 
 B comes padded, ``(num_slots, N_total, R)`` (the contract's), or *packed*: a flat arena with a
@@ -130,9 +131,9 @@ def _lora_expand_kernel(
 def expand_config(block_m: int, rank: int, max_width: int) -> dict:
     """Launch parameters for Hopper, by shape class (no autotuning: graphs need a fixed launch).
 
-    Decode-sized chunks are memory bound on B and on the output rows: column blocks wide enough
-    that each program moves a few KB, narrow enough to keep every SM busy. Prefill chunks take
-    wider tiles and more warps.
+    Decode-sized chunks (here only with ``wide=False`` or ranks past the wide launch's) are memory
+    bound on B and on the output rows: column blocks wide enough that each program moves a few
+    KB, narrow enough to keep every SM busy. Prefill chunks take wider tiles and more warps.
     """
     r_pow2 = max(16, triton.next_power_of_2(rank))
     if block_m <= 16:
