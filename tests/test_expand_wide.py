@@ -19,12 +19,12 @@ from _helpers import pack  # noqa: E402
 from test_triton_kernels import TOLERANCES, DTYPE_IDS, assert_close, check_untouched, poisoned_base  # noqa: E402
 
 CPU = torch.device("cpu")
-# (offsets of the modules, slot ranks per module): wide modules cut the 512-column spans of 8K
-# tiles; a narrow one shrinks the tile
+# (offsets of the modules, slot ranks per module): wide modules cut the 256-column spans of 4K
+# tiles (and the tiles of the larger rank classes); a narrow one shrinks the tile
 SITES = {
-    "qkv_wide": ([0, 1100, 1337, 1574], [[8, 8, 8], [72, 0, 40], [128, 128, 24], [1, 16, 33]]),
+    "qkv_wide": ([0, 300, 337, 374], [[8, 8, 8], [72, 0, 40], [128, 128, 24], [1, 16, 33]]),
     "o_narrow": ([0, 37], [[64], [5], [128], [17]]),
-    "five": ([0, 520, 600, 1130, 1131, 1700], [[16] * 5, [64, 8, 32, 1, 128], [24] * 5, [0, 8, 0, 8, 0]]),
+    "five": ([0, 264, 300, 530, 531, 600], [[16] * 5, [64, 8, 32, 1, 128], [24] * 5, [0, 8, 0, 8, 0]]),
 }
 # rows per adapter slot (NO_ADAPTER rows in between): one-row chunks, 16-row chunks and a 17th row
 COMPOSITIONS = {
