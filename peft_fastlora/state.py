@@ -119,16 +119,17 @@ class FastLoRAState:
             self._graph_batch_info = previous
 
     @contextlib.contextmanager
-    def call(self, adapter_names: Optional[Sequence[str]]):
+    def call(self, adapter_names: Optional[Sequence[str]], fold: bool = True):
         """One ``generate`` call (or one continuous-batching step): PEFT's adapters are checked and
         the values of the ones the call uses copied into the stacks once, here; the forwards inside
-        skip both. Calls from different threads run one after the other."""
+        skip both. Calls from different threads run one after the other. ``fold=False``: the
+        per-call sites keep the fused kernel (continuous-batching steps), nothing is staged."""
         if self._in_call:
             yield
             return
         with self._call_lock:
             self.sync(adapter_names)
-            self.refresh_values(adapter_names)
+            self.refresh_values(adapter_names, fold=fold)
             self._local.in_call = True
             try:
                 with _compat.on_device(self.device):
@@ -219,7 +220,7 @@ class FastLoRAState:
         """Forwards run inside (in this thread) hold ``segments`` in their one row: each LoRA layer
         applies each sequence's adapter. One call boundary, as for a ``generate`` call."""
         previous = self.token_segments
-        with self.call(sorted(set(segments.names))):
+        with self.call(sorted(set(segments.names)), fold=False):
             self._local.segments = segments
             try:
                 yield
@@ -596,10 +597,11 @@ class FastLoRAState:
         """The adapters served, for reports: without ``from_folders``' layer-making adapter of zeros."""
         return [n for n in self.registry.names if n != SCAFFOLD_ADAPTER]
 
-    def refresh_values(self, adapter_names: Optional[Sequence[str]]):
+    def refresh_values(self, adapter_names: Optional[Sequence[str]], fold: bool = True):
         """Put these adapters in GPU slots (where the model has fewer slots than adapters), then
         copy the current values of PEFT's weights of them into the stacks (in place); decide whether
-        the call folds the per-call sites (``fold_now``)."""
+        the call folds the per-call sites (``fold_now``; never where ``fold`` is False) and stage
+        their A blocks where it does."""
         self._local.fold_now = False
         if not adapter_names or not self.sites:
             return
@@ -616,7 +618,7 @@ class FastLoRAState:
         slots = {self.registry.slot[n] for n in set(adapter_names) if n in self.registry.slot}
         if not slots:
             return
-        self._local.fold_now = self._decide_fold(slots)
+        self._local.fold_now = fold and self._decide_fold(slots)
         key = (self.generation, self._slot_loads)
         if self._refresher is None or self._refresher_generation != key:
             self._refresher = ValueRefresher(s.pool for s in self.sites)

@@ -405,3 +405,32 @@ def test_staged_fold_through_emulated_graphs_and_warmup():
             for names, ref in zip(mixes, want):
                 assert torch.equal(greedy(m, names, n=5), ref), names
         assert state.graph_runner.stats["captures"] == report.captures, state.graph_runner.stats
+
+
+def test_continuous_batching_steps_never_stage(monkeypatch):
+    """transformers' engine with staged sites (fewer slots than adapters): its steps keep the fused
+    kernel (its graphs are not keyed by the fold choice), so no step stages; each request equals
+    PEFT serving it alone."""
+    from _continuous import cb_config, greedy_config, peft_alone, requires_cb
+
+    from peft_fastlora.lora.pool import SitePool
+
+    if requires_cb.args[0]:
+        pytest.skip(requires_cb.kwargs["reason"])
+    staged_calls = []
+    original = SitePool.stage_call
+    monkeypatch.setattr(SitePool, "stage_call", lambda self, *a: staged_calls.append(1) or original(self, *a))
+    m, ref = build(), build()
+    fastlora.patch(m, fold_shrink=True, max_loras_per_batch=2)
+    assert _staged_pools(m)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (3, 6, 2, 5)]
+    names = ["sql", "chat", "sql", "chat"]
+    out = m.generate_batch(prompts, generation_config=greedy_config(4), continuous_batching_config=cb_config(),
+                           adapter_names=names)
+    got = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+    assert not staged_calls and not fastlora.get_state(m).fold_now
+    for tokens, p, n in zip(got, prompts, names):
+        assert tokens == peft_alone(ref, p, n, 4), n
+    logits(m, ["sql", "chat", "__base__", "sql"])  # a plain call with the same adapters stages again
+    assert staged_calls and fastlora.get_state(m).fold_now
