@@ -100,6 +100,21 @@ def timer_and_bandwidth(iters: int):
     return timer, bw
 
 
+def packed_layout(offsets, ranks):
+    """A probe's packed tables for slots of these ranks, every module at the slot's rank, blocks
+    back to back: (a_rows, b_offs) on the CPU, A rows and B elements in all."""
+    c, n = len(offsets) - 1, len(ranks)
+    a_rows = torch.zeros(n, c, dtype=torch.int32)
+    b_offs = torch.zeros(n, c, dtype=torch.int64)
+    row = off = 0
+    for s, r in enumerate(ranks):
+        for j in range(c):
+            a_rows[s, j], b_offs[s, j] = row, off
+            row += r
+            off += (offsets[j + 1] - offsets[j]) * r
+    return a_rows, b_offs, row, off
+
+
 def capture(fn) -> torch.cuda.CUDAGraph:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

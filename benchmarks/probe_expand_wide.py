@@ -38,18 +38,10 @@ VARIANTS = [None, (2048, 2), (2048, 4), (4096, 2), (4096, 4), (4096, 8), (8192, 
 
 def site_arenas(offsets, ranks, device, dtype, gen):
     """One layer's packed B arena and its tables for slots of these ranks (every module targeted)."""
+    from bench_kernels import packed_layout
     from peft_fastlora.backend.packed import block_align
 
-    c = len(offsets) - 1
-    n = len(ranks)
-    a_rows = torch.zeros(n, c, dtype=torch.int32)
-    b_offs = torch.zeros(n, c, dtype=torch.int64)
-    row = off = 0
-    for s, r in enumerate(ranks):
-        for j in range(c):
-            a_rows[s, j], b_offs[s, j] = row, off
-            row += r
-            off += (offsets[j + 1] - offsets[j]) * r
+    a_rows, b_offs, row, off = packed_layout(offsets, ranks)
     b = torch.randn(off, generator=gen, device=device, dtype=dtype) * 0.02
     return b, a_rows.to(device), b_offs.to(device), row, block_align(ranks)
 

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_generate as bg  # noqa: E402  (write_csv, versions)
-from bench_kernels import SITES, Timer, capture, copy_bandwidth  # noqa: E402
+from bench_kernels import SITES, Timer, capture, copy_bandwidth, packed_layout  # noqa: E402
 
 # name: (rows, distinct adapters, ranks cycled over the adapters, sites)
 WORKLOADS = {
@@ -72,15 +72,7 @@ def packed_site(site, ranks):
     from peft_fastlora.backend.packed import PackedWeights, block_align
 
     k, offsets = SITES[site]
-    c, n = len(offsets) - 1, len(ranks)
-    a_rows = torch.zeros(n, c, dtype=torch.int32)
-    b_offs = torch.zeros(n, c, dtype=torch.int64)
-    row = off = 0
-    for s, r in enumerate(ranks):
-        for j in range(c):
-            a_rows[s, j], b_offs[s, j] = row, off
-            row += r
-            off += (offsets[j + 1] - offsets[j]) * r
+    a_rows, b_offs, row, off = packed_layout(offsets, ranks)
     a = torch.randn(row, k, device=DEVICE, dtype=DTYPE) / k ** 0.5
     b = torch.randn(off, device=DEVICE, dtype=DTYPE) / 8
     return PackedWeights(a, b, a_rows.to(DEVICE), b_offs.to(DEVICE), max(ranks), tuple(offsets),

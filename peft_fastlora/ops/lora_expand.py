@@ -27,7 +27,7 @@ import triton.language as tl
 from . import pdl
 from . import lora_expand_wide
 from .lora_expand_wide import WIDE_MAX_BLOCK_M, WIDE_MAX_RANK, launch_wide
-from .packed_stride import packed_row_stride
+from .expand_common import expand_operands
 
 MAX_MODULES_PER_LAUNCH = 4  # column offsets travel as scalar arguments (no device table to build)
 
@@ -83,27 +83,17 @@ def _lora_expand_kernel(
     if rank <= 0:
         pdl.wait(USE_PDL)
         return
-    scaling = tl.load(scalings_ptr + slot * stride_sl + j)
-    start = tl.load(chunk_start_ptr + chunk)
-
-    offs_m = tl.arange(0, BLOCK_M)
-    row_mask = offs_m < n_rows
-    tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
+    scaling, row_mask, tok, y_row, b_rows, b_nstride = expand_operands(
+        y_ptr, b_ptr, b_offs_ptr, y_cols_ptr, scalings_ptr, sorted_ids_ptr, chunk_start_ptr,
+        chunk, slot, j, lo, rank, n_rows, R, stride_ys, stride_yr, stride_bl, stride_bn, stride_sl, stride_tl,
+        PACKED, B_ALIGN, Y_COLS, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hi - lo
     cols = lo + offs_n
-
-    if Y_COLS:
-        y_col = tl.load(y_cols_ptr + slot * stride_tl + j).to(tl.int64)
-    else:
-        y_col = j * R
-    y_row = y_ptr + tok[:, None] * stride_ys + y_col * stride_yr
+    b_base = b_rows + offs_n[None, :] * b_nstride
     if PACKED:  # (width, rank)
-        b_off = tl.multiple_of(tl.load(b_offs_ptr + slot * stride_tl + j), B_ALIGN)
-        b_base = b_ptr + b_off + offs_n[None, :] * packed_row_stride(rank, B_ALIGN)
         b_rstride = 1
     else:
-        b_base = b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn
         b_rstride = stride_br
     # the first rank block of B (transposed, (BLOCK_R, BLOCK_N)) before the wait: the usual
     # decode ranks fit in one

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .packed_stride import packed_row_stride
+from .expand_common import expand_operands
 
 ENABLED = True  # the default launch for decode row tiles (benchmarks set False to compare)
 WIDE_MAX_RANK = 128  # the largest rank class
@@ -98,54 +98,30 @@ def _lora_expand_wide_kernel(
     if rank <= 0:
         pdl.wait(USE_PDL)
         return
-    scaling = tl.load(scalings_ptr + slot * stride_sl + j)
-    start = tl.load(chunk_start_ptr + chunk)
-    offs_m = tl.arange(0, BLOCK_M)
-    row_mask = offs_m < n_rows
-    tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
-    if Y_COLS:
-        y_col = tl.load(y_cols_ptr + slot * stride_tl + j).to(tl.int64)
-    else:
-        y_col = j * R
-    y_row = y_ptr + tok[:, None] * stride_ys + y_col * stride_yr
+    scaling, row_mask, tok, y_row, b_rows, b_nstride = expand_operands(
+        y_ptr, b_ptr, b_offs_ptr, y_cols_ptr, scalings_ptr, sorted_ids_ptr, chunk_start_ptr,
+        chunk, slot, j, lo, rank, n_rows, R, stride_ys, stride_yr, stride_bl, stride_bn, stride_sl, stride_tl,
+        PACKED, B_ALIGN, Y_COLS, BLOCK_M)
     if PACKED:  # (width, rank)
-        b_off = tl.multiple_of(tl.load(b_offs_ptr + slot * stride_tl + j), B_ALIGN)
-        b_rows = b_ptr + b_off
-        b_nstride = packed_row_stride(rank, B_ALIGN)
         b_rstride = 1
     else:
-        b_rows = b_ptr + slot.to(tl.int64) * stride_bl + lo * stride_bn
-        b_nstride = stride_bn
         b_rstride = stride_br
     out_rows = out_ptr + tok[:, None] * stride_os
     width = hi - lo
     args = (y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, out_rows, stride_on,
             lo, width, rank, scaling, n0)
-    # the rank's class, among those the launch's largest rank needs (rank <= R <= MAX_RC)
-    if MAX_RC == 16:
+    # the rank's class; a class past the launch's largest rank's is never compiled (and never
+    # taken: rank <= R <= MAX_RC)
+    if rank <= 16:
         _wide_tile(*args, 16, TILE // 16, 1, DOT_PRECISION, USE_PDL)
-    elif MAX_RC == 32:
-        if rank <= 16:
-            _wide_tile(*args, 16, TILE // 16, 1, DOT_PRECISION, USE_PDL)
-        else:
+    elif rank <= 32:
+        if MAX_RC >= 32:
             _wide_tile(*args, 32, TILE // 32, 2, DOT_PRECISION, USE_PDL)
-    elif MAX_RC == 64:
-        if rank <= 16:
-            _wide_tile(*args, 16, TILE // 16, 1, DOT_PRECISION, USE_PDL)
-        elif rank <= 32:
-            _wide_tile(*args, 32, TILE // 32, 2, DOT_PRECISION, USE_PDL)
-        else:
+    elif rank <= 64:
+        if MAX_RC >= 64:
             _wide_tile(*args, 64, TILE // 64, 4, DOT_PRECISION, USE_PDL)
-    else:
-        if rank <= 16:
-            _wide_tile(*args, 16, TILE // 16, 1, DOT_PRECISION, USE_PDL)
-        elif rank <= 32:
-            _wide_tile(*args, 32, TILE // 32, 2, DOT_PRECISION, USE_PDL)
-        elif rank <= 64:
-            _wide_tile(*args, 64, TILE // 64, 4, DOT_PRECISION, USE_PDL)
-        else:
-            _wide_tile(*args, 128, TILE // 128, 8, DOT_PRECISION, USE_PDL)
-
+    elif MAX_RC >= 128:
+        _wide_tile(*args, 128, TILE // 128, 8, DOT_PRECISION, USE_PDL)
 
 def wide_config(rank: int, max_width: int) -> dict:
     """Tile size and warps: tiles of 4K elements (8 KB of bf16; spans of 256 columns), smaller

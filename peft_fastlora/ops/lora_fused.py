@@ -39,7 +39,7 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer, smid
 
 from ..kernel_support import num_sms
-from .packed_stride import packed_row_stride
+from .expand_common import packed_row_stride
 
 MAX_MODULES = 4  # column offsets travel as scalar arguments, as in the expand
 MAX_BLOCK_R = 128  # larger padded ranks take the two-kernel path
