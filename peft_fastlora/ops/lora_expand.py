@@ -91,15 +91,18 @@ def _lora_expand_kernel(
     n_mask = offs_n < hi - lo
     cols = lo + offs_n
     b_base = b_rows + offs_n[None, :] * b_nstride
-    if PACKED:  # (width, rank)
+    if PACKED:  # (width, rank): its rank rows are its row stride (a multiple of B_ALIGN the compiler knows)
         b_rstride = 1
+        b_rank = b_nstride
     else:
         b_rstride = stride_br
+        b_rank = rank
     # the first rank block of B (transposed, (BLOCK_R, BLOCK_N)) before the wait: the usual
-    # decode ranks fit in one
+    # decode ranks fit in one; B's rows masked by b_rank, the same rows in a form that loads 16
+    # bytes at a time
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    bt = tl.load(b_base + offs_r[:, None] * b_rstride, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    bt = tl.load(b_base + offs_r[:, None] * b_rstride, mask=(offs_r < b_rank)[:, None] & n_mask[None, :], other=0.0)
     pdl.wait(USE_PDL)
     yt = tl.load(y_row + offs_r[None, :] * stride_yr, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
     acc = tl.dot(yt, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), input_precision=DOT_PRECISION)
@@ -109,7 +112,7 @@ def _lora_expand_kernel(
         yt = tl.load(y_row + offs_r[None, :] * stride_yr,
                      mask=row_mask[:, None] & r_mask[None, :], other=0.0)
         bt = tl.load(b_base + offs_r[:, None] * b_rstride,
-                     mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+                     mask=(offs_r < b_rank)[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(yt, bt, acc, input_precision=DOT_PRECISION)
 
     out_ptrs = out_ptr + tok[:, None] * stride_os + cols[None, :] * stride_on

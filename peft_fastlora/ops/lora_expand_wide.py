@@ -28,17 +28,18 @@ WIDE_MAX_BLOCK_M = 16  # decode-sized row tiles: the accumulator is (BLOCK_M, TI
 
 
 @triton.jit
-def _wide_tile(y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, out_rows, stride_on,
+def _wide_tile(y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, b_rank, out_rows, stride_on,
                lo, width, rank, scaling, n0,
                RC: tl.constexpr, TC: tl.constexpr, NT: tl.constexpr,
                DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """``NT`` tiles of ``TC`` columns x ``RC`` rank columns from column ``n0`` of the module."""
     offs_r = tl.arange(0, RC)
     r_mask = offs_r < rank
+    b_rmask = offs_r < b_rank  # the same rows; in a form the compiler can load 16 bytes at a time
     offs_c = tl.arange(0, TC)
     cols = n0 + offs_c
     bt = tl.load(b_rows + cols[None, :] * b_nstride + offs_r[:, None] * b_rstride,
-                 mask=r_mask[:, None] & (cols < width)[None, :], other=0.0)
+                 mask=b_rmask[:, None] & (cols < width)[None, :], other=0.0)
     pdl.wait(USE_PDL)
     yt = tl.load(y_row + offs_r[None, :] * stride_yr, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
     for t in tl.static_range(NT):
@@ -47,7 +48,7 @@ def _wide_tile(y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, out_row
         if t + 1 < NT:  # the next tile in flight while this one is added to the output
             nxt = cols + TC
             bt_next = tl.load(b_rows + nxt[None, :] * b_nstride + offs_r[:, None] * b_rstride,
-                              mask=r_mask[:, None] & (nxt < width)[None, :], other=0.0)
+                              mask=b_rmask[:, None] & (nxt < width)[None, :], other=0.0)
         acc = tl.dot(yt, bt, tl.zeros((yt.shape[0], TC), dtype=tl.float32), input_precision=DOT_PRECISION)
         out_ptrs = out_rows + (lo + cols)[None, :] * stride_on
         mask = row_mask[:, None] & n_mask[None, :]
@@ -102,13 +103,15 @@ def _lora_expand_wide_kernel(
         y_ptr, b_ptr, b_offs_ptr, y_cols_ptr, scalings_ptr, sorted_ids_ptr, chunk_start_ptr,
         chunk, slot, j, lo, rank, n_rows, R, stride_ys, stride_yr, stride_bl, stride_bn, stride_sl, stride_tl,
         PACKED, B_ALIGN, Y_COLS, BLOCK_M)
-    if PACKED:  # (width, rank)
+    if PACKED:  # (width, rank): its rank rows are its row stride (a multiple of B_ALIGN the compiler knows)
         b_rstride = 1
+        b_rank = b_nstride
     else:
         b_rstride = stride_br
+        b_rank = rank
     out_rows = out_ptr + tok[:, None] * stride_os
     width = hi - lo
-    args = (y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, out_rows, stride_on,
+    args = (y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, b_rank, out_rows, stride_on,
             lo, width, rank, scaling, n0)
     # the rank's class; a class past the launch's largest rank's is never compiled (and never
     # taken: rank <= R <= MAX_RC)
