@@ -84,9 +84,9 @@ def decode_ms(model, ids, names, new):
     return step
 
 
-def profile_decode(model, batches, args, mode):
-    """cProfile of ``generate`` over these batches: the top functions by own and by cumulative
-    time, written to ``many_adapters_profile_<mode>.txt`` under --out."""
+def profile_decode(model, batches, args, mode, new=None):
+    """cProfile of ``generate`` of ``new`` tokens (default --new) over these batches: the top
+    functions by own and by cumulative time, written to ``many_adapters_profile_<mode>.txt``."""
     import cProfile
     import io
     import pstats
@@ -97,7 +97,8 @@ def profile_decode(model, batches, args, mode):
         prof.enable()
         for ids, batch in batches:
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=batch,
-                           max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+                           max_new_tokens=new or args.new, min_new_tokens=new or args.new, do_sample=False,
+                           pad_token_id=0)
         bg.sync()
         prof.disable()
     text = io.StringIO()
@@ -196,6 +197,9 @@ def run_mode(model, adapters, args, slots, rows_out, info):
     if args.profile:  # the host's time by function, over more batches of the same traffic (after the clock)
         profile_decode(model, [(batch_ids(200 + k), zipf_batch(rng, names, args.batch, args.zipf))
                                for k in range(args.decode_batches)], args, mode)
+        # fresh batches of one token each: what a first token waits for on the host (loads, staging)
+        profile_decode(model, [(batch_ids(300 + k), zipf_batch(rng, names, args.batch, args.zipf))
+                               for k in range(args.ttft_batches)], args, f"{mode}_first_token", new=1)
     ids = batch_ids(999)
     spread = [names[(k * 7) % len(names)] for k in range(args.batch)]  # --batch distinct adapters
     mixed = decode_ms(model, ids, spread, args.step_tokens)
