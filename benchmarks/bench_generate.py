@@ -110,21 +110,22 @@ def versions():
 
 
 def copy_bandwidth() -> float:
-    """Bytes read + written per second by a large device-to-device copy."""
-    src = torch.randn(512 * 2**20 // 4, device="cuda")  # 512 MiB, far past the L2
+    """Bytes read + written per second by a large device-to-device copy, the copies queued back to
+    back (as the kernel probes time it): a copy after an idle GPU pays its launch and the clocks'
+    ramp, which would understate the bandwidth and so the floor's time."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB, far past the L2
     dst = torch.empty_like(src)
-    for _ in range(3):
+    for _ in range(5):
         dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(20)]
+    for a, b in events:
         a.record()
         dst.copy_(src)
         b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return 2 * src.numel() * 4 / statistics.median(times)
+    torch.cuda.synchronize()
+    seconds = statistics.median(a.elapsed_time(b) for a, b in events) / 1e3
+    del src, dst
+    return 2 * (1 << 30) / seconds
 
 
 def build_base(shape: str):
