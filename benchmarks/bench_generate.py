@@ -128,6 +128,55 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 30) / seconds
 
 
+def kernel_times(gen, steps: int) -> list:
+    """GPU time by kernel of one decode step: the profiler's kernel totals over ``gen(1 + steps)``
+    (a generate-like callable of that many new tokens) minus those over ``gen(1)`` (prefill and
+    set-up cancel), per step; rows of kernel, launches_per_step, us_per_step, slowest first.
+    CUPTI sees the kernels a graph replay launches. On the CPU the ops' CPU times stand in."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = DEVICE == "cuda"
+
+    def totals(k):
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            gen(k)
+            sync()
+        out = {}
+        for e in prof.key_averages():
+            us = getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total
+            if us > 0:
+                n, t = out.get(e.key, (0, 0.0))
+                out[e.key] = (n + e.count, t + us)
+        return out
+
+    one, many = totals(1), totals(1 + steps)
+    rows = []
+    for key, (n, t) in many.items():
+        n1, t1 = one.get(key, (0, 0.0))
+        if n > n1:
+            rows.append(dict(kernel=key[:160], launches_per_step=round((n - n1) / steps, 2),
+                             us_per_step=round((t - t1) / steps, 2)))
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+# kernel families of a decode step, by name (cuBLAS's nvjet / cutlass GEMMs and their split-K
+# reductions; the decode attention; fastlora's LoRA launches); the rest is "other"
+KERNEL_KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "splitKreduce", "xmma")),
+                ("attention", ("decode_attention", "flash", "sdpa")), ("lora", ("lora_",)))
+
+
+def kernel_split(rows) -> dict:
+    """us a step by kernel family (``KERNEL_KINDS``) and in all, from ``kernel_times`` rows."""
+    out = {f"{kind}_us": 0.0 for kind, _ in KERNEL_KINDS}
+    out["other_us"] = 0.0
+    for r in rows:
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in r["kernel"] for x in keys)), "other")
+        out[f"{kind}_us"] += r["us_per_step"]
+    out = {k: round(v, 1) for k, v in out.items()}
+    out["kernels_us"] = round(sum(r["us_per_step"] for r in rows), 1)
+    return out
+
+
 def build_base(shape: str):
     import transformers
 
@@ -248,7 +297,8 @@ HF_OPS = dict(decode_attention=False, fuse_norms=False, fuse_rotary=False, fuse_
 FAST_OPS = {}  # the defaults, as fastlora_graphs below
 
 
-def run_model(shape, batches, args, bw, vers, rows):
+def run_model(shape, batches, args, bw, vers, rows, kernel_rows=None):
+    kernel_rows = [] if kernel_rows is None else kernel_rows
     import peft_fastlora as fastlora
 
     model = build_base(shape)
@@ -277,6 +327,9 @@ def run_model(shape, batches, args, bw, vers, rows):
         for b in batches:
             results[(method, b)] = measure(lambda n, b=b: model.generate(**kw(b, n)), args.new_tokens, args.reps)
             results[(method, b, "replay")] = measure.replay_ms
+            if args.kernel_split:
+                results[(method, b, "kernels")] = kernel_times(lambda n, b=b: model.generate(**kw(b, n)),
+                                                               args.kernel_split)
         fastlora.unpatch(model)
     gc.collect()
     mem = torch.cuda if DEVICE == "cuda" else None
@@ -305,6 +358,9 @@ def run_model(shape, batches, args, bw, vers, rows):
                 lambda n: peft_model.generate(**kw(b, n), adapter_names=names[b]), steps,
                 args.reps if method == "fastlora_graphs" else 1)
             results[(method, b, "replay")] = measure.replay_ms
+            if args.kernel_split and method == "fastlora_graphs":
+                results[(method, b, "kernels")] = kernel_times(
+                    lambda n: peft_model.generate(**kw(b, n), adapter_names=names[b]), args.kernel_split)
         if method == "fastlora_graphs":
             st = fastlora.get_state(peft_model).graph_runner.stats
             print("graph runner:", {k: v for k, v in st.items()}, flush=True)
@@ -351,6 +407,15 @@ def run_model(shape, batches, args, bw, vers, rows):
                              peak_mem_gb=round(mrow.get("peak_gb", 0), 2),
                              mem_after_patch_gb=round(mrow.get("mem_patched_gb", 0), 2),
                              mem_before_patch_gb=round(mrow.get("mem_peft_gb", 0), 2)))
+            if args.kernel_split:  # the step's kernels by family; GEMMs + attention alone against the floor
+                ks = results.get((method, b, "kernels"))
+                split = kernel_split(ks) if ks else {}
+                rows[-1].update({k: split.get(k, "") for k in ("gemm_us", "attention_us", "lora_us", "other_us",
+                                                               "kernels_us")})
+                rows[-1]["gemm_attention_to_floor"] = (
+                    round((split["gemm_us"] + split["attention_us"]) / 1e3 / floor, 3) if ks else "")
+                for r in ks or ():
+                    kernel_rows.append(dict(model=rows[-1]["model"], batch=b, method=method, **r))
     del peft_model, model
     gc.collect()
     if mem:
@@ -400,6 +465,9 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU: exercises the script only")
     p.add_argument("--expand", choices=["library", "blocks"], default="library",
                    help="decode expand launch: the library's (rank-sized spans) or the column blocks of before")
+    p.add_argument("--kernel-split", type=int, default=0, metavar="STEPS",
+                   help="the graphed rows' step time by kernel family over STEPS steps (GEMMs, attention, LoRA, "
+                        "other), GEMMs + attention alone against the floor, and <csv stem>_kernels.csv")
     p.add_argument("--graphs-only", action="store_true",
                    help="only fastlora_graphs and base_graphs_attn (a quick check of the graphed step)")
     args = p.parse_args(argv)
@@ -415,13 +483,16 @@ def main(argv=None):
     vers = dict(versions(), expand=args.expand)
     bw = copy_bandwidth() if DEVICE == "cuda" else 1e11
     print(vers, f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    rows = []
+    rows, kernel_rows = [], []
     for shape in args.models:
-        run_model(shape, args.batches, args, bw, vers, rows)
+        run_model(shape, args.batches, args, bw, vers, rows, kernel_rows)
         write_csv(rows, args.out, args.csv)
+        if kernel_rows:
+            write_csv(kernel_rows, args.out, os.path.splitext(args.csv)[0] + "_kernels.csv")
     plot(rows, os.path.join(args.out, os.path.splitext(args.csv)[0] + ".png"))
     cols = ["model", "batch", "method", "prefill_ms", "decode_ms_per_step", "graph_replay_ms", "tokens_per_s",
             "ratio_to_base_graphs", "ratio_to_floor", "replay_to_floor", "speedup_vs_peft", "greedy_match_vs_peft"]
+    cols += ["gemm_us", "attention_us", "kernels_us", "gemm_attention_to_floor"] if args.kernel_split else []
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(str(r[c]) for c in cols))

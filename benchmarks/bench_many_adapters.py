@@ -112,37 +112,14 @@ def profile_decode(model, batches, args, mode, new=None):
 
 
 def kernel_profile(model, ids, names, steps, args, tag):
-    """GPU time by kernel of one decode step with these rows' adapters: the profiler's kernel
-    totals over ``generate`` of 1 + ``steps`` tokens minus those over 1 token (prefill and
-    set-up cancel), divided by ``steps``. CUPTI sees the kernels a graph replay launches.
-    Written to ``many_adapters_kernels_<tag>.csv`` under --out."""
-    from torch.profiler import ProfilerActivity, profile
+    """``bench_generate.kernel_times`` of a decode step with these rows' adapters, over ``steps``
+    steps, printed and written to ``many_adapters_kernels_<tag>.csv`` under --out."""
+    def gen(k):
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names,
+                       max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
 
-    cuda = bg.DEVICE == "cuda"  # on the CPU (--smoke) the ops' CPU times stand in
-
-    def totals(k):
-        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names,
-                           max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
-            bg.sync()
-        out = {}
-        for e in prof.key_averages():
-            us = getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total
-            if us > 0:
-                n, t = out.get(e.key, (0, 0.0))
-                out[e.key] = (n + e.count, t + us)
-        return out
-
-    one, many = totals(1), totals(1 + steps)
-    rows = []
-    for key, (n, t) in many.items():
-        n1, t1 = one.get(key, (0, 0.0))
-        if n > n1:
-            rows.append(dict(tag=tag, kernel=key[:160], launches_per_step=round((n - n1) / steps, 2),
-                             us_per_step=round((t - t1) / steps, 2)))
-    rows.sort(key=lambda r: -r["us_per_step"])
-    total = sum(r["us_per_step"] for r in rows)
-    print(f"{tag}: {total / 1e3:.3f} ms of kernels a step; top: "
+    rows = [dict(tag=tag, **r) for r in bg.kernel_times(gen, steps)]
+    print(f"{tag}: {bg.kernel_split(rows)} us a step; top: "
           + "; ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}" for r in rows[:6]), file=sys.stderr)
     if args.out and rows:
         bg.write_csv(rows, args.out, f"many_adapters_kernels_{tag}.csv")
