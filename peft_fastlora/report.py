@@ -27,6 +27,7 @@ class PatchReport:
     fused_add_norms: int = 0  # decoder layers whose residual add and post-attention norm are one kernel
     fused_rotary: int = 0  # attention modules whose rotary embedding is one kernel
     fused_mlps: int = 0  # gated MLPs whose silu(gate) * up is one kernel
+    fused_base_groups: int = 0  # q/k/v and gate/up siblings without LoRA computed by one GEMM
     cuda_graphs: str = "off"  # "on", "emulated", or "off (why)"
     stop_check: str = "per step"  # with graphs on: "deferred" (read one step late on CUDA) or "per step (why)"
     continuous_batching: str = "off"  # per-request adapters in generate_batch: "on" or "off (why)"
@@ -73,6 +74,9 @@ class PatchReport:
         line += f"; continuous batching {self.continuous_batching}"
         if self.adapters:
             line += f"; shrink folded into the base GEMM: {self.shrink_folded}"
+        why = self.base_ops_off.get("fuse_base")
+        line += (f"; siblings without LoRA in one GEMM: off ({why})" if why
+                 else f"; siblings without LoRA in one GEMM: {self.fused_base_groups} groups")
         ops = []
         for option, label, count in (("fuse_norms", "RMSNorm", self.fused_norms),
                                      ("fuse_rotary", "rotary", self.fused_rotary),

@@ -252,6 +252,7 @@ class FastLoRAState:
         report.fused_add_norms = ops.count("fuse_add_norm")
         report.fused_rotary = ops.count("fuse_rotary")
         report.fused_mlps = ops.count("fuse_silu_mul")
+        report.fused_base_groups = len(ops.fused_groups)
         if self.continuous is not None:
             why = self.continuous.blocker
             if why is not None:

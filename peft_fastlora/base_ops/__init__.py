@@ -1,6 +1,7 @@
 """The base model's own decode work in fastlora's kernels: attention (through transformers'
 attention registry), RMSNorms (the post-attention ones with the residual add before them),
-rotary embedding and SiLU-gated MLPs (instance forwards).
+rotary embedding and SiLU-gated MLPs (instance forwards), and q/k/v and gate/up siblings without
+LoRA in one GEMM each.
 
 ``install_base_ops`` decides from the options and the device what to install, installs it on this
 model instance only, and returns what it did (and why anything was left as it is);
@@ -17,6 +18,7 @@ from torch import nn
 
 from .. import _compat
 from .attention_registry import disable_decode_attention, enable_decode_attention
+from .fused_linears import PlainFusedGroup, install_fused_linears
 from .install import remove_instance_forwards
 from .layer_forwards import install_decoder_layers
 from .mlp_forwards import install_gated_mlps
@@ -32,6 +34,7 @@ class BaseOps:
     installed: Dict[str, List[Tuple[str, nn.Module]]] = field(default_factory=dict)  # option -> modules
     skipped: List[Tuple[str, str, str]] = field(default_factory=list)  # (option, class, why not)
     off: Dict[str, str] = field(default_factory=dict)  # option -> why nothing was installed for it
+    fused_groups: List[PlainFusedGroup] = field(default_factory=list)  # siblings without LoRA in one GEMM
 
     def count(self, option: str) -> int:
         return len(self.installed.get(option, ()))
@@ -40,7 +43,9 @@ class BaseOps:
         disable_decode_attention(model)
         for modules in self.installed.values():
             remove_instance_forwards(modules)
-        self.installed = {}
+        for g in self.fused_groups:
+            g.remove()
+        self.installed, self.fused_groups = {}, []
 
 
 def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps:
@@ -48,6 +53,8 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
 
     ``"auto"``: decode attention and norms on CUDA; rotary and act-mul on CUDA with graphs on (an
     eager step pays the host time of each Triton launch, more than the torch ops it replaces).
+    ``fuse``: on CUDA, q/k/v and gate/up siblings that no LoRA site fused share one GEMM (on the CPU
+    the unfused GEMMs stay, so the CPU's numerics stay the model's own).
     """
     ops = BaseOps()
     on_cuda = device.type == "cuda"
@@ -56,7 +63,7 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
     blocker = _compat.multi_device_reason(model)
     if blocker is not None:
         ops.decode_attention = f"off ({blocker})"
-        ops.off.update({o: blocker for o in ("fuse_norms", "fuse_rotary", "fuse_silu_mul")})
+        ops.off.update({o: blocker for o in ("fuse_base", "fuse_norms", "fuse_rotary", "fuse_silu_mul")})
         return ops
     if options.decode_attention is False:
         ops.decode_attention = "off (decode_attention=False)"
@@ -65,6 +72,12 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
     else:
         why = enable_decode_attention(model)
         ops.decode_attention = "on" if why is None else f"off ({why})"
+    if options.fuse and on_cuda:
+        done, skipped, ops.fused_groups = install_fused_linears(model)
+        ops.installed["fuse_base"] = done
+        ops.skipped.extend(("fuse", group, why) for group, why in skipped)
+    else:
+        ops.off["fuse_base"] = "fuse=False" if not options.fuse else "the model is not on CUDA"
     graphed = on_cuda and options.cuda_graphs in (True, "auto")
     not_graphed = "the model is not on CUDA" if not on_cuda else "decode graphs off (eager steps: torch ops are cheaper)"
     for option, install, auto, why_not in (("fuse_norms", install_norms, on_cuda, "the model is not on CUDA"),

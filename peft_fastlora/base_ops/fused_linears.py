@@ -1,0 +1,92 @@
+"""Sibling base projections with no LoRA layer among them (q/k/v, gate/up of a plain model, or of
+a PEFT model whose adapters skip them) computed by one GEMM, on this model instance only.
+
+fastlora's LoRA sites fuse the siblings that have a LoRA member (``lora.fusion``); a group with none
+would otherwise keep three (two) GEMMs a layer, each a separate pass over the weights with its own
+ramp and tail. Here the same ``FusedGroup`` holds the weights (each parameter becomes a view of one
+tensor: no second copy, ``state_dict()`` unchanged), and each member gets an instance forward: the
+first member called with an input computes every member's output and keeps the others for the
+siblings, keyed by the input tensor's identity; a sibling called with that input takes its output,
+once. Any other call (another input, gradients on, weights no longer views of the fused tensor)
+runs the member's own ``nn.Linear`` forward.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+from torch import nn
+
+from .._compat import has_forward_hooks, is_dtensor
+from ..lora.fusion import FUSIBLE_GROUPS, FusedGroup, fusion_blocker
+from .install import set_instance_forward
+
+
+class PlainFusedGroup:
+    """One group of plain ``nn.Linear`` siblings and the outputs kept for them."""
+
+    def __init__(self, parent_name: str, kind: str, names: Tuple[str, ...], members: List[nn.Linear]):
+        self.group = FusedGroup(kind, parent_name, names, members, members)
+        self._kept = None  # (input, [output or None per member])
+
+    def install(self):
+        self.group.fuse()
+        for i, m in enumerate(self.group.members):
+            set_instance_forward(m, self._forward_of(i))
+
+    def remove(self):
+        for m in self.group.members:
+            m.__dict__.pop("forward", None)
+        self._kept = None
+        if self.group.weight is not None:
+            self.group.unfuse()
+
+    def _forward_of(self, i: int):
+        def forward(module, x):
+            kept = self._kept
+            if kept is not None and kept[0] is x and kept[1][i] is not None:
+                out, kept[1][i] = kept[1][i], None
+                if all(o is None for o in kept[1]):
+                    self._kept = None  # every sibling served: the input and the fused output are let go
+                return out
+            if (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)) \
+                    or not self.group.is_intact():
+                return nn.Linear.forward(module, x)  # its own weight: a view of the fused tensor, or its own again
+            res = self.group.linear(x)
+            g = self.group
+            outs = [res[..., lo:hi] for lo, hi in zip(g.offsets[:-1], g.offsets[1:])]
+            mine, outs[i] = outs[i], None
+            self._kept = (x, outs)
+            return mine
+
+        return forward
+
+
+def install_fused_linears(model: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]],
+                                                      List[PlainFusedGroup]]:
+    """Fuse every q/k/v and gate/up group of plain ``nn.Linear`` siblings under ``model``.
+
+    Returns the (name, module) pairs given a forward, the (group, reason) pairs left unfused, and
+    the groups (``PlainFusedGroup.remove`` undoes each)."""
+    done, skipped, groups = [], [], []
+    for parent_name, parent in model.named_modules():
+        for kind, names in FUSIBLE_GROUPS.items():
+            members = [getattr(parent, n, None) for n in names]
+            if any(type(m) is not nn.Linear for m in members):
+                continue  # absent, a LoRA layer (its site fuses it), or another layer type
+            label = f"{parent_name}.{kind}" if parent_name else kind
+            if any("forward" in m.__dict__ for m in members):
+                skipped.append((label, "a member already has an instance forward"))
+                continue
+            why = fusion_blocker(members)
+            if why is None and any(is_dtensor(m.weight) or has_forward_hooks(m) for m in members):
+                why = "sharded or hooked weights"
+            if why is not None:
+                skipped.append((label, why))
+                continue
+            g = PlainFusedGroup(parent_name, kind, names, members)
+            g.install()
+            groups.append(g)
+            done.extend((f"{parent_name}.{n}" if parent_name else n, m) for n, m in zip(names, members))
+    return done, skipped, groups
