@@ -34,7 +34,8 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
     Args:
         model: a PEFT model with one or more LoRA adapters.
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` or ``"torch_native"``.
-        fuse: run sibling q/k/v and gate/up projections as one GEMM and one LoRA call each.
+        fuse: run sibling q/k/v and gate/up projections as one GEMM and one LoRA call each;
+            on CUDA also the siblings no adapter targets (a plain model's among them).
         max_loras_per_batch: most distinct adapters in one batch, and the GPU slots of the
             stacks: with fewer than the adapters, each call's adapters are loaded into slots on
             demand, least recently used out (default: a slot for every adapter).
