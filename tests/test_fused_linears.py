@@ -116,3 +116,19 @@ def test_fuse_false_and_cpu_leave_the_siblings_alone():
     ops = install_base_ops(model, PatchOptions(cuda_graphs=False, decode_attention=False), torch.device("cpu"))
     assert ops.off["fuse_base"] == "the model is not on CUDA" and not ops.fused_groups
     ops.remove(model)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "mistral"])
+def test_other_families_fused_siblings_equal_the_model(arch):
+    """Qwen2's q/k/v biases go with the fused weight; Gemma 2's and Mistral's siblings fuse alike."""
+    from _models import build_causal_lm
+
+    model = build_causal_lm(arch, seed=2)
+    ids = torch.randint(3, 100, (2, 11))
+    ref = _logits(model, ids)
+    ops = install_base_ops(model, ONLY_FUSE, torch.device("cuda"))
+    assert len(ops.fused_groups) == 2 * model.config.num_hidden_layers
+    if arch == "qwen2":
+        assert all(g.group.bias is not None for g in ops.fused_groups if g.group.kind == "qkv")
+    torch.testing.assert_close(_logits(model, ids), ref, rtol=1e-5, atol=1e-5)
+    ops.remove(model)
