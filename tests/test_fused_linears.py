@@ -132,3 +132,17 @@ def test_other_families_fused_siblings_equal_the_model(arch):
         assert all(g.group.bias is not None for g in ops.fused_groups if g.group.kind == "qkv")
     torch.testing.assert_close(_logits(model, ids), ref, rtol=1e-5, atol=1e-5)
     ops.remove(model)
+
+
+def test_save_pretrained_while_fused_reloads_the_same_weights(tmp_path):
+    """The parameters are views of one fused tensor: saving writes each under its own name and
+    a reload gives the same weights."""
+    from transformers import LlamaForCausalLM
+
+    model = tiny_llama(9)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    ops = install_base_ops(model, ONLY_FUSE, torch.device("cuda"))
+    model.save_pretrained(tmp_path)
+    again = LlamaForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert set(again) == set(ref) and all(torch.equal(again[k], v) for k, v in ref.items())
+    ops.remove(model)
