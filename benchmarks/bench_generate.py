@@ -91,6 +91,12 @@ def write_csv(rows, folder: str, name: str) -> str:
     return path
 
 
+def write_out(rows, path: str) -> int:
+    """A probe's last step: the rows as the CSV at ``path`` (printed); 0, its exit status."""
+    print("written", write_csv(rows, os.path.dirname(path) or ".", os.path.basename(path)))
+    return 0
+
+
 DEVICE = "cuda"
 
 

@@ -73,7 +73,7 @@ def main(argv=None):
                              tokens_equal_eos_stop=bool(torch.equal(eos_out, first[1]))))
             print(rows[-1], flush=True)
     if args.out and not args.smoke:
-        print("written", bg.write_csv(rows, os.path.dirname(args.out) or ".", os.path.basename(args.out)))
+        bg.write_out(rows, args.out)
     return 0
 
 

@@ -132,8 +132,7 @@ def main(argv=None):
                   f"its B floor, x{times[name] / times['library_blocks']:.3f} the library blocks", flush=True)
         layers = None
         torch.cuda.empty_cache()
-    print("written", bg.write_csv(rows_out, os.path.dirname(args.out) or ".", os.path.basename(args.out)))
-    return 0
+    return bg.write_out(rows_out, args.out)
 
 
 if __name__ == "__main__":

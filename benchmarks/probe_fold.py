@@ -127,8 +127,7 @@ def main(argv=None):
             print(row, flush=True)
     if args.smoke:
         return 0
-    print("written", bg.write_csv(rows_out, os.path.dirname(args.out) or ".", os.path.basename(args.out)))
-    return 0
+    return bg.write_out(rows_out, args.out)
 
 
 if __name__ == "__main__":

@@ -57,8 +57,7 @@ def main(argv=None):
                 rows.append(row)
                 print(f"{site:4s} b{bs:<3d} tail {tail:6d} rows: {us:7.2f} us (+{extra:6.2f}), "
                       f"{row['of_copy_bw']:.2f} of copy bw, tail at {row['tail_tb_s']} TB/s", flush=True)
-    print("written", bg.write_csv(rows, os.path.dirname(args.out) or ".", os.path.basename(args.out)))
-    return 0
+    return bg.write_out(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -154,8 +154,7 @@ def main(argv=None):
                                   f" branch saves {cold - br:.2f} us a GEMM", flush=True)
         ws = None
         torch.cuda.empty_cache()
-    print("written", bg.write_csv(rows, os.path.dirname(args.out) or ".", os.path.basename(args.out)))
-    return 0
+    return bg.write_out(rows, args.out)
 
 
 if __name__ == "__main__":

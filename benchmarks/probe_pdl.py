@@ -68,7 +68,7 @@ def main(argv=None):
                     fastlora.unpatch(model)
     pdl.SETTING = pdl.FULL
     if args.out and not args.smoke:
-        print("written", bg.write_csv(rows, os.path.dirname(args.out) or ".", os.path.basename(args.out)))
+        bg.write_out(rows, args.out)
     return 0
 
 

@@ -178,8 +178,7 @@ def main(argv=None):
                       f"{times[best]:7.2f} us ({nbytes / (times[best] * 1e-6) / bw:.2f})", flush=True)
             ws = outs = None
             torch.cuda.empty_cache()
-    print("written", bg.write_csv(rows, os.path.dirname(args.out) or ".", os.path.basename(args.out)))
-    return 0
+    return bg.write_out(rows, args.out)
 
 
 if __name__ == "__main__":

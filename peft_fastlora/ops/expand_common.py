@@ -13,13 +13,35 @@ def packed_row_stride(rank, ALIGN: tl.constexpr):
 
 
 @triton.jit
+def module_span(jl, OFF0, OFF1, OFF2, OFF3, OFF4):
+    """Output columns ``[lo, hi)`` of the launch's module ``jl`` (0-3) from its column offsets."""
+    lo = tl.where(jl == 0, OFF0, tl.where(jl == 1, OFF1, tl.where(jl == 2, OFF2, OFF3)))
+    hi = tl.where(jl == 0, OFF1, tl.where(jl == 1, OFF2, tl.where(jl == 2, OFF3, OFF4)))
+    return lo, hi
+
+
+@triton.jit
+def chunk_rank(chunk_slot_ptr, chunk_len_ptr, ranks_ptr, stride_rl, chunk, j, num_slots, R, active):
+    """(slot, rows, rank) of a chunk's module ``j``; rank 0 where its program has nothing to do:
+    not ``active``, no adapter, a stale plan (its slot is never read past the weights), no rows,
+    or rank 0. A rank table larger than the buffer's padded rank ``R`` never spills past it."""
+    slot = tl.load(chunk_slot_ptr + chunk)
+    n_rows = tl.load(chunk_len_ptr + chunk)
+    ok = active & (slot >= 0) & (slot < num_slots) & (n_rows > 0)
+    rank = tl.load(ranks_ptr + slot * stride_rl + j, mask=ok, other=0)
+    return slot, n_rows, tl.minimum(rank, R)
+
+
+@triton.jit
 def expand_operands(y_ptr, b_ptr, b_offs_ptr, y_cols_ptr, scalings_ptr, sorted_ids_ptr, chunk_start_ptr,
                     chunk, slot, j, lo, rank, n_rows, R,
-                    stride_ys, stride_yr, stride_bl, stride_bn, stride_sl, stride_tl,
+                    stride_ys, stride_yr, stride_bl, stride_bn, stride_br, stride_sl, stride_tl,
                     PACKED: tl.constexpr, B_ALIGN: tl.constexpr, Y_COLS: tl.constexpr, BLOCK_M: tl.constexpr):
     """A (chunk, module j) program's scaling, row mask, token ids, the address of its rows of
-    ``y`` (at their first rank column), and where its B block's first row (column ``lo`` of the
-    output) starts with that block's row stride. B's rank stride: 1 packed, ``stride_br`` padded."""
+    ``y`` (at their first rank column), where its B block's first row (column ``lo`` of the
+    output) starts, that block's row stride, its rank stride, and the rank B's rows are masked
+    by. Packed, (width, rank): rank stride 1 and the rank rows masked by the row stride (the same
+    rows, in a form the compiler knows to be a multiple of B_ALIGN: 16-byte loads)."""
     scaling = tl.load(scalings_ptr + slot * stride_sl + j)
     start = tl.load(chunk_start_ptr + chunk)
     offs_m = tl.arange(0, BLOCK_M)
@@ -34,7 +56,11 @@ def expand_operands(y_ptr, b_ptr, b_offs_ptr, y_cols_ptr, scalings_ptr, sorted_i
         b_off = tl.multiple_of(tl.load(b_offs_ptr + slot * stride_tl + j), B_ALIGN)
         b_rows = b_ptr + b_off
         b_nstride = packed_row_stride(rank, B_ALIGN)
+        b_rstride = 1
+        b_rank = b_nstride
     else:
         b_rows = b_ptr + slot.to(tl.int64) * stride_bl + lo * stride_bn
         b_nstride = stride_bn
-    return scaling, row_mask, tok, y_row, b_rows, b_nstride
+        b_rstride = stride_br
+        b_rank = rank
+    return scaling, row_mask, tok, y_row, b_rows, b_nstride, b_rstride, b_rank

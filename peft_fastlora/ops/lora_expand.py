@@ -27,7 +27,7 @@ import triton.language as tl
 from . import pdl
 from . import lora_expand_wide
 from .lora_expand_wide import WIDE_MAX_BLOCK_M, WIDE_MAX_RANK, launch_wide
-from .expand_common import expand_operands
+from .expand_common import chunk_rank, expand_operands, module_span
 
 MAX_MODULES_PER_LAUNCH = 4  # column offsets travel as scalar arguments (no device table to build)
 
@@ -68,35 +68,24 @@ def _lora_expand_kernel(
     chunk = tl.program_id(0)
     nb = tl.program_id(1)
     jl = tl.program_id(2)
-    slot = tl.load(chunk_slot_ptr + chunk)
-    n_rows = tl.load(chunk_len_ptr + chunk)
     j = J0 + jl
-    lo = tl.where(jl == 0, OFF0, tl.where(jl == 1, OFF1, tl.where(jl == 2, OFF2, OFF3)))
-    hi = tl.where(jl == 0, OFF1, tl.where(jl == 1, OFF2, tl.where(jl == 2, OFF3, OFF4)))
+    lo, hi = module_span(jl, OFF0, OFF1, OFF2, OFF3, OFF4)
     n0 = nb * BLOCK_N
-    # idle programs: no adapter, a stale plan (never read past the weights), no rows, or past
-    # this module's width (the grid is sized for the widest); each still waits (pdl.py)
-    if (slot < 0) | (slot >= num_slots) | (n_rows <= 0) | (n0 >= hi - lo):
-        pdl.wait(USE_PDL)
-        return
-    rank = tl.minimum(tl.load(ranks_ptr + slot * stride_rl + j), R)
+    # idle programs (rank 0): no adapter, a stale plan, no rows, or past this module's width (the
+    # grid is sized for the widest); each still waits (pdl.py)
+    slot, n_rows, rank = chunk_rank(chunk_slot_ptr, chunk_len_ptr, ranks_ptr, stride_rl, chunk, j, num_slots, R,
+                                    n0 < hi - lo)
     if rank <= 0:
         pdl.wait(USE_PDL)
         return
-    scaling, row_mask, tok, y_row, b_rows, b_nstride = expand_operands(
+    scaling, row_mask, tok, y_row, b_rows, b_nstride, b_rstride, b_rank = expand_operands(
         y_ptr, b_ptr, b_offs_ptr, y_cols_ptr, scalings_ptr, sorted_ids_ptr, chunk_start_ptr,
-        chunk, slot, j, lo, rank, n_rows, R, stride_ys, stride_yr, stride_bl, stride_bn, stride_sl, stride_tl,
-        PACKED, B_ALIGN, Y_COLS, BLOCK_M)
+        chunk, slot, j, lo, rank, n_rows, R, stride_ys, stride_yr, stride_bl, stride_bn, stride_br, stride_sl,
+        stride_tl, PACKED, B_ALIGN, Y_COLS, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hi - lo
     cols = lo + offs_n
     b_base = b_rows + offs_n[None, :] * b_nstride
-    if PACKED:  # (width, rank): its rank rows are its row stride (a multiple of B_ALIGN the compiler knows)
-        b_rstride = 1
-        b_rank = b_nstride
-    else:
-        b_rstride = stride_br
-        b_rank = rank
     # the first rank block of B (transposed, (BLOCK_R, BLOCK_N)) before the wait: the usual
     # decode ranks fit in one; B's rows masked by b_rank, the same rows in a form that loads 16
     # bytes at a time

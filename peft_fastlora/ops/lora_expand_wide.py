@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .expand_common import expand_operands
+from .expand_common import chunk_rank, expand_operands, module_span
 
 ENABLED = True  # the default launch for decode row tiles (benchmarks set False to compare)
 WIDE_MAX_RANK = 128  # the largest rank class
@@ -85,30 +85,18 @@ def _lora_expand_wide_kernel(
     p = tl.program_id(1)
     jl = (p >= NB1).to(tl.int32) + (p >= NB2).to(tl.int32) + (p >= NB3).to(tl.int32)
     nb = p - tl.where(jl == 0, 0, tl.where(jl == 1, NB1, tl.where(jl == 2, NB2, NB3)))
-    slot = tl.load(chunk_slot_ptr + chunk)
-    n_rows = tl.load(chunk_len_ptr + chunk)
     j = J0 + jl
-    lo = tl.where(jl == 0, OFF0, tl.where(jl == 1, OFF1, tl.where(jl == 2, OFF2, OFF3)))
-    hi = tl.where(jl == 0, OFF1, tl.where(jl == 1, OFF2, tl.where(jl == 2, OFF3, OFF4)))
+    lo, hi = module_span(jl, OFF0, OFF1, OFF2, OFF3, OFF4)
     SPAN: tl.constexpr = TILE // 16
     n0 = nb * SPAN
-    if (slot < 0) | (slot >= num_slots) | (n_rows <= 0):
+    slot, n_rows, rank = chunk_rank(chunk_slot_ptr, chunk_len_ptr, ranks_ptr, stride_rl, chunk, j, num_slots, R, True)
+    if rank <= 0:  # idle; it still waits (pdl.py)
         pdl.wait(USE_PDL)
         return
-    rank = tl.minimum(tl.load(ranks_ptr + slot * stride_rl + j), R)
-    if rank <= 0:
-        pdl.wait(USE_PDL)
-        return
-    scaling, row_mask, tok, y_row, b_rows, b_nstride = expand_operands(
+    scaling, row_mask, tok, y_row, b_rows, b_nstride, b_rstride, b_rank = expand_operands(
         y_ptr, b_ptr, b_offs_ptr, y_cols_ptr, scalings_ptr, sorted_ids_ptr, chunk_start_ptr,
-        chunk, slot, j, lo, rank, n_rows, R, stride_ys, stride_yr, stride_bl, stride_bn, stride_sl, stride_tl,
-        PACKED, B_ALIGN, Y_COLS, BLOCK_M)
-    if PACKED:  # (width, rank): its rank rows are its row stride (a multiple of B_ALIGN the compiler knows)
-        b_rstride = 1
-        b_rank = b_nstride
-    else:
-        b_rstride = stride_br
-        b_rank = rank
+        chunk, slot, j, lo, rank, n_rows, R, stride_ys, stride_yr, stride_bl, stride_bn, stride_br, stride_sl,
+        stride_tl, PACKED, B_ALIGN, Y_COLS, BLOCK_M)
     out_rows = out_ptr + tok[:, None] * stride_os
     width = hi - lo
     args = (y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, b_rank, out_rows, stride_on,
