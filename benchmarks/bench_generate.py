@@ -301,6 +301,7 @@ def measure(gen, new_tokens: int, reps: int):
 HF_OPS = dict(decode_attention=False, fuse_norms=False, fuse_rotary=False, fuse_silu_mul=False,
               fuse_kv_write=False)
 FAST_OPS = {}  # the defaults, as fastlora_graphs below
+PATCH_EXTRA = {}  # options every fastlora method here is patched with (--stream-gemm off)
 
 
 def run_model(shape, batches, args, bw, vers, rows, kernel_rows=None):
@@ -325,7 +326,7 @@ def run_model(shape, batches, args, bw, vers, rows, kernel_rows=None):
     # 2. the base model alone, patched by fastlora (no adapters): graphs with HF's ops, then with
     # fastlora's (what fastlora_graphs uses by default)
     for method, ops in (("base_graphs", HF_OPS), ("base_graphs_attn", FAST_OPS))[quick:]:
-        report = fastlora.patch(model, cuda_graphs=graphs, **ops)
+        report = fastlora.patch(model, cuda_graphs=graphs, **ops, **PATCH_EXTRA)
         print(method, report, flush=True)
         if method == "base_graphs_attn" and report.decode_attention != "on":
             fastlora.unpatch(model)
@@ -355,7 +356,7 @@ def run_model(shape, batches, args, bw, vers, rows, kernel_rows=None):
     for method, opts in (("fastlora_eager_unfused", dict(fuse=False, cuda_graphs=False)),
                          ("fastlora_eager", dict(cuda_graphs=False)),
                          ("fastlora_graphs", dict(cuda_graphs=graphs)))[2 if quick else 0:]:
-        report = fastlora.patch(peft_model, **opts)
+        report = fastlora.patch(peft_model, **opts, **PATCH_EXTRA)
         mem_patched = mem.memory_allocated() if mem else 0
         print(report, flush=True)
         steps = args.new_tokens if method == "fastlora_graphs" else args.short_tokens
@@ -469,6 +470,8 @@ def main(argv=None):
     p.add_argument("--csv", default="generate_h200.csv",
                    help="file name in --out (the PNG takes the same stem): another for other shapes")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU: exercises the script only")
+    p.add_argument("--stream-gemm", choices=["auto", "off"], default="auto",
+                   help="off: the base GEMMs on cuBLAS (patch(stream_gemm=False)), for an A/B")
     p.add_argument("--expand", choices=["library", "blocks"], default="library",
                    help="decode expand launch: the library's (rank-sized spans) or the column blocks of before")
     p.add_argument("--kernel-split", type=int, default=0, metavar="STEPS",
@@ -486,7 +489,9 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.expand == "blocks":
         importlib.import_module("peft_fastlora.ops.lora_expand_wide").ENABLED = False
-    vers = dict(versions(), expand=args.expand)
+    if args.stream_gemm == "off":
+        PATCH_EXTRA["stream_gemm"] = False
+    vers = dict(versions(), expand=args.expand, stream_gemm=args.stream_gemm)
     bw = copy_bandwidth() if DEVICE == "cuda" else 1e11
     print(vers, f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, kernel_rows = [], []

@@ -31,6 +31,7 @@ class PatchOptions:
     fuse_kv_write: Tristate = "auto"
     engine_attention: str = "auto"  # "auto", "varlen" or "engine"
     fold_shrink: Tristate = "auto"
+    stream_gemm: Tristate = "auto"
     defer_stop_check: bool = True
 
     def __post_init__(self):
@@ -59,7 +60,7 @@ class PatchOptions:
         if self.engine_attention not in ("auto", "varlen", "engine"):
             raise ValueError(f"engine_attention must be 'auto', 'varlen' or 'engine', got {self.engine_attention!r}")
         for name in ("decode_attention", "fuse_norms", "fuse_rotary", "fuse_silu_mul", "fuse_kv_write",
-                     "fold_shrink"):
+                     "fold_shrink", "stream_gemm"):
             if getattr(self, name) not in _TRISTATE:
                 raise ValueError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
 

@@ -28,7 +28,7 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
           cache_budget_bytes: Optional[int] = None, decode_attention="auto",
           fuse_norms="auto", fuse_rotary="auto", fuse_silu_mul="auto",
           fuse_kv_write="auto", engine_attention: str = "auto", fold_shrink="auto",
-          defer_stop_check: bool = True) -> PatchReport:
+          stream_gemm="auto", defer_stop_check: bool = True) -> PatchReport:
     """Serve the LoRA adapters of ``model`` (a ``PeftModel``) through a fastlora backend.
 
     Args:
@@ -78,6 +78,11 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             call of average adapters, and a call that folds copies its adapters' A blocks into
             it first (a call whose blocks do not fit keeps the fused kernel). Under tensor
             parallelism each rank folds its own shards.
+        stream_gemm: the base GEMMs of forwards of at most 64 rows (decode steps) in bf16 / fp16
+            run through fastlora's weight-streaming Triton GEMM instead of cuBLAS, layers of 4,096
+            to 65,536 outputs (the LM head and narrow layers keep cuBLAS): ``"auto"`` (on a Hopper
+            GPU with graphs on: the tiles were chosen on an H200, and an eager step pays each
+            Triton launch's host time), ``True`` (on CUDA) or ``False``.
         defer_stop_check: on calls whose decode steps the graphs replay on CUDA, transformers'
             loop learns that every row has finished one step late (its ``DeferredStopCheck``, the
             one extra step undone), so the host queues the next step while the GPU runs this one.
@@ -92,7 +97,8 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         graph_buckets=DEFAULT_BUCKETS if graph_buckets is None else graph_buckets, max_graphs=max_graphs,
         cache_budget_bytes=cache_budget_bytes, decode_attention=decode_attention, fuse_norms=fuse_norms,
         fuse_rotary=fuse_rotary, fuse_silu_mul=fuse_silu_mul, fuse_kv_write=fuse_kv_write,
-        engine_attention=engine_attention, fold_shrink=fold_shrink, defer_stop_check=defer_stop_check)
+        engine_attention=engine_attention, fold_shrink=fold_shrink, stream_gemm=stream_gemm,
+        defer_stop_check=defer_stop_check)
     state = get_state(model)
     if state is not None:
         diffs = state.options.differences(options)

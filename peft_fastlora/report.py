@@ -28,6 +28,7 @@ class PatchReport:
     fused_rotary: int = 0  # attention modules whose rotary embedding is one kernel
     fused_mlps: int = 0  # gated MLPs whose silu(gate) * up is one kernel
     fused_base_groups: int = 0  # q/k/v and gate/up siblings without LoRA computed by one GEMM
+    stream_gemm_layers: int = 0  # plain linear layers whose decode GEMMs the streaming kernel runs
     cuda_graphs: str = "off"  # "on", "emulated", or "off (why)"
     stop_check: str = "per step"  # with graphs on: "deferred" (read one step late on CUDA) or "per step (why)"
     continuous_batching: str = "off"  # per-request adapters in generate_batch: "on" or "off (why)"
@@ -77,6 +78,9 @@ class PatchReport:
         why = self.base_ops_off.get("fuse_base")
         line += (f"; siblings without LoRA in one GEMM: off ({why})" if why
                  else f"; siblings without LoRA in one GEMM: {self.fused_base_groups} groups")
+        why = self.base_ops_off.get("stream_gemm")
+        line += (f"; decode GEMMs streamed: off ({why})" if why
+                 else f"; decode GEMMs streamed: fused groups and {self.stream_gemm_layers} layers")
         ops = []
         for option, label, count in (("fuse_norms", "RMSNorm", self.fused_norms),
                                      ("fuse_rotary", "rotary", self.fused_rotary),

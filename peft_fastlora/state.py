@@ -240,10 +240,20 @@ class FastLoRAState:
         self.continuous = ContinuousBatchingHook(self)
         _compat.guard_peft_forward_hooks(self.model, serve=self.serve_adapter_names)
         self.base_ops = install_base_ops(self.inner, self.options, self.device)
+        self._set_group_gemms()
         self._report_base_ops(report)
         self._update_graph_runner()
         self._log_disabled(report)
         return report
+
+    def _set_group_gemms(self):
+        """The LoRA sites' fused groups (siblings, folded ``[W; A]``) take the base ops' GEMM."""
+        gemm = self.base_ops.gemm
+        for g in self.groups:
+            g.gemm = gemm
+        for site in self.sites:
+            if site.pool.fold is not None:
+                site.pool.fold.gemm = gemm
 
     def _report_base_ops(self, report: PatchReport):
         ops = self.base_ops
@@ -253,6 +263,7 @@ class FastLoRAState:
         report.fused_rotary = ops.count("fuse_rotary")
         report.fused_mlps = ops.count("fuse_silu_mul")
         report.fused_base_groups = len(ops.fused_groups)
+        report.stream_gemm_layers = ops.count("stream_gemm")
         if self.continuous is not None:
             why = self.continuous.blocker
             if why is not None:
@@ -695,6 +706,7 @@ class FastLoRAState:
         self._peft_config_keys = self._config_keys()
         report = self._build_lora()
         if self.base_ops is not None:
+            self._set_group_gemms()
             self._report_base_ops(report)
         self._update_graph_runner()
         logger.info("%s (after an adapter change)", report)

@@ -39,9 +39,9 @@ def test_probe_fold_smoke():
     assert "every mode ran at batch 3" in out
 
 
-def test_probe_skinny_gemm_smoke():
-    out = _run([os.path.join(BENCH, "probe_skinny_gemm.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
-    assert "skinny_gemm equals x @ w.T" in out
+def test_probe_stream_gemm_smoke():
+    out = _run([os.path.join(BENCH, "probe_stream_gemm.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
+    assert "every sweep config equals x @ w.T" in out
 
 
 def test_probe_deferred_stop_smoke():

@@ -280,7 +280,8 @@ def test_report_summary_and_log(caplog):
                            "adapters on backend 'torch_native'; 0 left on PEFT's path")
     assert text.endswith("; decode graphs off (the model is not on CUDA); decode attention off (the model is "
                          "not on CUDA); continuous batching on; shrink folded into the base GEMM: off (not on CUDA); "
-                         "siblings without LoRA in one GEMM: off (the model is not on CUDA); one-kernel RMSNorm off (the model is not on CUDA), rotary off (the model "
+                         "siblings without LoRA in one GEMM: off (the model is not on CUDA); decode GEMMs streamed: off (the "
+                         "model is not on CUDA); one-kernel RMSNorm off (the model is not on CUDA), rotary off (the model "
                          "is not on CUDA), act-mul off (the model is not on CUDA)")
     assert report.counts() == {"qkv": 2, "gate_up": 2, "linear": 4}
     assert report.num_patched_layers == 14 and report.adapters == ["chat", "sql"]

@@ -1,7 +1,7 @@
 """The base model's own decode work in fastlora's kernels: attention (through transformers'
 attention registry), RMSNorms (the post-attention ones with the residual add before them),
-rotary embedding and SiLU-gated MLPs (instance forwards), and q/k/v and gate/up siblings without
-LoRA in one GEMM each.
+rotary embedding and SiLU-gated MLPs (instance forwards), q/k/v and gate/up siblings without
+LoRA in one GEMM each, and decode-sized GEMMs through a weight-streaming kernel on Hopper.
 
 ``install_base_ops`` decides from the options and the device what to install, installs it on this
 model instance only, and returns what it did (and why anything was left as it is);
@@ -11,7 +11,7 @@ model instance only, and returns what it did (and why anything was left as it is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from .layer_forwards import install_decoder_layers
 from .mlp_forwards import install_gated_mlps
 from .norm_forwards import install_norms
 from .rotary_forwards import install_rotary
+from .stream_linears import StreamLinears, supported_device
 
 
 @dataclass
@@ -35,6 +36,12 @@ class BaseOps:
     skipped: List[Tuple[str, str, str]] = field(default_factory=list)  # (option, class, why not)
     off: Dict[str, str] = field(default_factory=dict)  # option -> why nothing was installed for it
     fused_groups: List[PlainFusedGroup] = field(default_factory=list)  # siblings without LoRA in one GEMM
+    stream: Optional[StreamLinears] = None  # the decode GEMMs' kernel, where ``stream_gemm`` is on
+
+    @property
+    def gemm(self):
+        """The fused groups' GEMM (``FusedGroup.gemm``): the streaming kernel's, or None (F.linear)."""
+        return None if self.stream is None else self.stream.linear
 
     def count(self, option: str) -> int:
         return len(self.installed.get(option, ()))
@@ -45,7 +52,7 @@ class BaseOps:
             remove_instance_forwards(modules)
         for g in self.fused_groups:
             g.remove()
-        self.installed, self.fused_groups = {}, []
+        self.installed, self.fused_groups, self.stream = {}, [], None
 
 
 def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps:
@@ -54,7 +61,8 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
     ``"auto"``: decode attention and norms on CUDA; rotary and act-mul on CUDA with graphs on (an
     eager step pays the host time of each Triton launch, more than the torch ops it replaces).
     ``fuse``: on CUDA, q/k/v and gate/up siblings that no LoRA site fused share one GEMM (on the CPU
-    the unfused GEMMs stay, so the CPU's numerics stay the model's own).
+    the unfused GEMMs stay, so the CPU's numerics stay the model's own). ``stream_gemm`` ``"auto"``:
+    on a Hopper GPU with graphs on (``stream_linears``).
     """
     ops = BaseOps()
     on_cuda = device.type == "cuda"
@@ -63,7 +71,8 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
     blocker = _compat.multi_device_reason(model)
     if blocker is not None:
         ops.decode_attention = f"off ({blocker})"
-        ops.off.update({o: blocker for o in ("fuse_base", "fuse_norms", "fuse_rotary", "fuse_silu_mul")})
+        ops.off.update({o: blocker for o in ("fuse_base", "fuse_norms", "fuse_rotary", "fuse_silu_mul",
+                                             "stream_gemm")})
         return ops
     if options.decode_attention is False:
         ops.decode_attention = "off (decode_attention=False)"
@@ -94,6 +103,17 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
                 ops.skipped.extend((option, cls, why) for cls, why in skipped)
         else:
             ops.off[option] = f"{option}=False" if value is False else why_not
+    value = options.stream_gemm
+    hopper = on_cuda and supported_device(device)
+    if (value is True and on_cuda) or (value == "auto" and graphed and hopper):
+        ops.stream = StreamLinears(device)
+        ops.installed["stream_gemm"] = ops.stream.install(model)
+        for g in ops.fused_groups:
+            g.group.gemm = ops.gemm
+    else:
+        ops.off["stream_gemm"] = ("stream_gemm=False" if value is False else "the model is not on CUDA" if not on_cuda
+                                  else "not a Hopper GPU (the tiles were chosen on one)" if not hopper
+                                  else not_graphed)
     return ops
 
 

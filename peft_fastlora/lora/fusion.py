@@ -20,7 +20,7 @@ adapters' A blocks to (``SitePool.stage_call``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -66,6 +66,7 @@ class FusedGroup:
     fold_refusal: Optional[str] = None  # why the last ``attach_tail`` did not fold
     per_call: bool = False  # the tail is folded only for calls that use enough of it (FOLD_MIN_USE)
     staged: bool = False  # the tail is a staging area a call's A blocks are copied to, not the arena
+    gemm: Optional[Callable] = None  # F.linear's stand-in for the fused GEMMs (base_ops.stream_linears), or None
 
     @property
     def out_features(self) -> List[int]:
@@ -165,12 +166,12 @@ class FusedGroup:
         return fusion_blocker(self.bases)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight, self.bias)
+        return (self.gemm or torch.nn.functional.linear)(x, self.weight, self.bias)
 
     def linear_with_tail(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """``x @ [W; tail].T`` (+ the bias, zeros under the tail): (s, sum out + tail rows).
         ``bias=False``: a row-sharded layer's partial sums (its bias is added once, after the reduce)."""
-        return torch.nn.functional.linear(x, self.ext, self.ext_bias if bias else None)
+        return (self.gemm or torch.nn.functional.linear)(x, self.ext, self.ext_bias if bias else None)
 
 
 def fusion_blocker(bases: List[nn.Module]) -> Optional[str]:

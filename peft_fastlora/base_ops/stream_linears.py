@@ -1,0 +1,126 @@
+"""Decode-sized GEMMs of the base model through fastlora's weight-streaming kernel
+(``ops.stream_gemm``) instead of cuBLAS, on Hopper.
+
+A decode step's GEMM of a few rows reads its weight once; cuBLAS takes these shapes with few tiles
+along the output and, for some, a split-K reduction in a second kernel, and each GEMM waits for the
+kernel before it to drain. The streaming kernel covers every SM from the start and, launched with
+programmatic dependent launch, runs its preamble while the kernel before it finishes
+(``benchmarks/probe_stream_gemm.py`` measures both, per shape and batch).
+
+``StreamLinears.linear`` is ``F.linear`` that takes the kernel where it applies: bf16 / fp16
+inputs of at most ``MAX_ROWS`` rows with no gradient, on the model's device, output widths between
+``MIN_N`` and ``MAX_N`` (narrower layers give too few tiles to cover the SMs; the LM head is
+already at the bandwidth under cuBLAS) and a reduction the 16-byte loads can take. Everything
+else, float32 included, is ``F.linear``. It is installed only on CUDA devices of compute
+capability 9 (``supported_device``: the tiles were chosen on an H200).
+
+Two kinds of callers: the fused groups (``FusedGroup.gemm``: q/k/v, gate/up, a folded site's
+``[W; A]``) and the model's other plain ``nn.Linear`` layers (o_proj, down_proj, the base layers
+of their LoRA layers), which get it as an instance forward (``StreamLinears.install``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._compat import base_layer_of, has_forward_hooks, is_dtensor, is_lora_layer
+from ..lora.fusion import FUSIBLE_GROUPS
+from .install import set_instance_forward
+
+MAX_ROWS = 64
+MIN_N, MAX_N = 4096, 65536
+SPLIT_MAX_N = 16384  # widest layer a split-K launch covers (wider ones need no split)
+_DTYPES = (torch.bfloat16, torch.float16)
+_hopper: Dict[int, bool] = {}
+# the members of fusible groups reach the kernel through their group's GEMM, not a forward of their own
+_GROUP_MEMBERS = frozenset(n for names in FUSIBLE_GROUPS.values() for n in names)
+
+
+def supported_device(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9 (Hopper: the tiles were chosen there)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _hopper:
+        _hopper[index] = torch.cuda.get_device_capability(index)[0] == 9
+    return _hopper[index]
+
+
+def _config(m: int, n: int, k: int):
+    """The tile for ``m`` rows of an (n, k) weight: the best of ``probe_stream_gemm_h200.csv`` after
+    a norm at 8B Llama's shapes (wide gate/up; q/k/v wider than deep; square o and deep down,
+    which past a few rows stream best in two K ranges)."""
+    from ..ops.stream_gemm import StreamConfig
+
+    if n >= 16384:
+        return StreamConfig(block_n=128, block_k=128, num_warps=8, num_stages=4)
+    if n > k:
+        return StreamConfig(block_n=64, block_k=128, num_warps=4, num_stages=6)
+    if m <= 8 or (n == k and m > 32):
+        return StreamConfig(block_n=64, block_k=128, num_warps=4, num_stages=8)
+    return StreamConfig(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=6, preload=True)
+
+
+class StreamLinears:
+    """One model's decode GEMMs through the kernel: ``linear`` for its fused groups and the instance
+    forwards of its other plain ``nn.Linear`` layers, and the split-K workspace they share (the
+    model's forwards run one at a time, so its launches never overlap)."""
+
+    def __init__(self, device: torch.device):
+        from ..ops.stream_gemm import StreamWorkspace
+
+        self.device = device
+        # two K ranges of at most MAX_ROWS rows of the widest layer that splits, a ticket per tile
+        self.workspace = StreamWorkspace(device, 2 * MAX_ROWS * SPLIT_MAX_N, SPLIT_MAX_N // 64)
+        self.modules: List[Tuple[str, nn.Module]] = []
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``, through the streaming kernel where it applies (module doc)."""
+        n, k = weight.shape if weight.dim() == 2 else (0, 0)
+        rows = x.numel() // k if k and x.dim() and x.shape[-1] == k else MAX_ROWS + 1
+        if (rows > MAX_ROWS or rows == 0 or not MIN_N <= n <= MAX_N or k % 8 or x.dtype not in _DTYPES
+                or weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1))
+                or weight.stride(1) != 1 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+                or x.device != self.device or weight.device != self.device):
+            return F.linear(x, weight, bias)
+        from ..ops.stream_gemm import stream_gemm
+
+        config = _config(rows, n, k)
+        if config.split_k > 1 and n > SPLIT_MAX_N:
+            config = config._replace(split_k=1)
+        x2 = x.reshape(rows, k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        out = stream_gemm(x2, weight, bias, config=config, workspace=self.workspace, check=False)
+        return out.view(*x.shape[:-1], n)
+
+    def install(self, root: nn.Module) -> List[Tuple[str, nn.Module]]:
+        """Give ``linear`` as an instance forward to every plain ``nn.Linear`` under ``root`` that is
+        not a member of a fusible group (nor the base layer of one: those reach it through their
+        group's GEMM), not an adapter's own (PEFT's ``lora_A`` / ``lora_B``), and has no forward or
+        hooks of its own. Returns the modules changed."""
+        linear = self.linear
+
+        def forward(module, x):
+            return linear(x, module.weight, module.bias)
+
+        adapters_own = set()  # PEFT's lora_A / lora_B layers: the adapters' weights, not the model's
+        for layer in root.modules():
+            if is_lora_layer(layer):
+                base = base_layer_of(layer)
+                adapters_own |= {id(sub) for sub in layer.modules() if sub is not layer and sub is not base}
+        for name, m in root.named_modules():
+            if (type(m) is not nn.Linear or id(m) in adapters_own or "forward" in m.__dict__
+                    or has_forward_hooks(m) or is_dtensor(m.weight)):
+                continue
+            parts = name.split(".")
+            own = parts[-2] if parts[-1] == "base_layer" and len(parts) > 1 else parts[-1]
+            if own in _GROUP_MEMBERS:
+                continue
+            set_instance_forward(m, forward)
+            self.modules.append((name, m))
+        return self.modules

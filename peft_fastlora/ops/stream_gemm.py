@@ -1,0 +1,239 @@
+"""``x @ w.T (+ bias)`` for the few rows of a decode step: a GEMM that streams the weight.
+
+With a handful of rows the GEMM reads its weight once and does little else, so its time is the
+weight's bytes over the memory bandwidth, plus how long the kernel takes to reach full bandwidth
+and to drain. cuBLAS covers these shapes with few tiles along the output and a split-K reduction
+in a second kernel. Here each program owns ``BLOCK_N`` output columns (rows of ``w``) and one of
+``SPLIT_K`` ranges of the reduction, the grid is sized so that every SM holds several programs at
+once, and ``w_tile @ x_tile.T`` puts the weight's rows, not the few rows of ``x``, on the tensor
+core's M side. float32 accumulation.
+
+With ``SPLIT_K > 1`` the ranges' partial sums go to a float32 workspace; the last program of a
+column block to finish (a ticket per block, taken with an acquire-release atomic) adds them in
+range order, so the result does not depend on which program finished first, writes the output and
+puts the ticket back to zero for the next launch. The workspace (``StreamWorkspace``) is the
+caller's: launches that share one run one after another (under programmatic dependent launch every
+program waits for the previous kernel before it touches it).
+
+Under PDL (``ops.pdl``) a program may run its preamble while the kernel before it finishes: with
+``PREFETCH`` it asks the L2 for the first ``PREFETCH`` bytes of each of its weight rows
+(``cp.async.bulk.prefetch.L2``: a hint, no registers held), since weights are never written during
+a step; everything else waits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kernel_support import interpreting
+from . import pdl
+
+
+@triton.jit
+def _bulk_prefetch(addr, size):
+    return tl.inline_asm_elementwise(
+        "{ cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _load_tile(ptrs, row_ok, cols, k_hi, EVEN_K: tl.constexpr):
+    """A (rows, BLOCK_K) tile at columns ``cols``; rows past the end and, unless ``EVEN_K``,
+    columns at ``k_hi`` or past read as zeros."""
+    if EVEN_K:
+        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    return tl.load(ptrs, mask=row_ok[:, None] & (cols < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _tile_dot(w, x, acc, UPCAST: tl.constexpr):
+    """``acc + w @ x.T``. ``UPCAST``: in float32 with no TF32 rounding (float32 inputs; the
+    interpreter, whose bfloat16 dot is wrong)."""
+    if UPCAST:
+        return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(w, tl.trans(x), acc)
+
+
+@triton.jit
+def _stream_gemm_kernel(
+    # pointers
+    x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, ticket_ptr,
+    # dimensions
+    M, N, K, K_PER_SPLIT,
+    # strides (unit stride on K for x and w, on N for y)
+    stride_xm, stride_wn, stride_ym,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K_PER_SPLIT and K multiples of BLOCK_K: no mask along K
+    PREFETCH: tl.constexpr,  # bytes of each weight row asked into L2 before the wait (0: none)
+    PRELOAD: tl.constexpr,  # read the first weight tile before the wait
+    UPCAST: tl.constexpr,  # the dot in float32 ("ieee", no TF32): float32 inputs, or the interpreter
+    USE_PDL: tl.constexpr,
+):
+    pdl.launch_dependents(USE_PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    if PREFETCH > 0:
+        row_start = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn + k_lo
+        _bulk_prefetch(row_start.to(tl.pointer_type(tl.int8)),
+                       tl.full((BLOCK_N,), PREFETCH, tl.int32))
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_start = k_lo
+    if PRELOAD:  # the range's first weight tile, read before the wait (weights: no kernel writes them)
+        w_first = _load_tile(w_ptrs, n_ok, offs_k, k_hi, EVEN_K)
+    pdl.wait(USE_PDL)
+    if PRELOAD:
+        acc = _tile_dot(w_first, _load_tile(x_ptrs, m_ok, offs_k, k_hi, EVEN_K), acc, UPCAST)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        k_start += BLOCK_K
+    for k in range(k_start, k_hi, BLOCK_K):
+        w = _load_tile(w_ptrs, n_ok, offs_k + (k - k_lo), k_hi, EVEN_K)
+        x = _load_tile(x_ptrs, m_ok, offs_k + (k - k_lo), k_hi, EVEN_K)
+        acc = _tile_dot(w, x, acc, UPCAST)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out_mask = n_ok[:, None] & m_ok[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partials laid out (SPLIT_K, M, N); the last of the block's ranges to finish sums them
+        part = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+        tl.store(part + pid_k * M * N, acc, mask=out_mask)
+        ticket = ticket_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(ticket, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(ticket, 0)
+
+
+class StreamConfig(NamedTuple):
+    block_n: int = 32
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    prefetch: int = 0  # bytes of each weight row asked into L2 before the PDL wait
+    preload: bool = False  # the first weight tile read before the PDL wait
+
+
+MAX_ROWS = 64  # rows of x one program covers; more rows take more programs along the grid's z
+
+class StreamWorkspace:
+    """float32 partials and per-block tickets for split-K launches on one device. The tickets start
+    at zero and every launch leaves them so; launches that share a workspace must run one after
+    another (one stream, or one model's forwards), and a captured graph keeps its addresses."""
+
+    def __init__(self, device, max_part_elems: int, max_tickets: int):
+        self.part = torch.empty(max(max_part_elems, 1), dtype=torch.float32, device=device)
+        self.tickets = torch.zeros(max(max_tickets, 1), dtype=torch.int32, device=device)
+
+    def fits(self, part_elems: int, tickets: int, device: torch.device) -> bool:
+        return (part_elems <= self.part.numel() and tickets <= self.tickets.numel()
+                and self.part.device == device)
+
+
+SHARED_BYTES = 220 * 1024  # what the pipeline's buffers may take of an SM's shared memory
+
+
+def _stages(config: StreamConfig, block_m: int, elem_bytes: int) -> int:
+    """The config's stages, fewer where its tiles of x and w (and the preloaded tile) would not fit
+    ``SHARED_BYTES``."""
+    per_stage = (block_m + config.block_n) * config.block_k * elem_bytes
+    return max(1, min(config.num_stages, SHARED_BYTES // per_stage - config.preload))
+
+
+def stream_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                out: Optional[torch.Tensor] = None, config: StreamConfig = StreamConfig(),
+                workspace: Optional[StreamWorkspace] = None, check: bool = True) -> torch.Tensor:
+    """``x @ w.T + bias`` (``F.linear``) through the weight-streaming kernel.
+
+    Args:
+        x: (M, K), unit stride on K.
+        w: (N, K), unit stride on K: an ``nn.Linear`` weight, or rows of one.
+        bias: optional (N,).
+        out: optional (M, N) output, unit stride on N; allocated when None.
+        config: tiles, split-K, warps, stages and prefetch (``StreamConfig``).
+        workspace: where a split-K launch keeps its partials (needed when ``config.split_k > 1``
+            splits this K; ``StreamWorkspace``).
+    """
+    if check:
+        if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+            raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)}: expected (M, K) and (N, K)")
+        if x.dtype != w.dtype or x.device != w.device:
+            raise ValueError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) differ")
+        if x.stride(1) != 1 or w.stride(1) != 1:
+            raise ValueError("x and w need unit stride on K")
+        if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != w.dtype or bias.stride(0) != 1):
+            raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype}: expected ({w.shape[0]},) {w.dtype}, contiguous")
+        if config.block_k % 16 or config.block_n < 16 or config.split_k < 1:
+            raise ValueError(f"config {config}: block_k a multiple of 16, block_n >= 16, split_k >= 1")
+    m, k = x.shape
+    n = w.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif check and (out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x.dtype):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype}: expected ({m}, {n}) {x.dtype}, unit stride on N")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
+    block_m = max(16, min(MAX_ROWS, triton.next_power_of_2(m)))
+    # each range a whole number of tiles; ranges past K would be empty, so fewer are launched
+    k_per = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    split = triton.cdiv(k, k_per)
+    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))
+    if split > 1:
+        if workspace is None or not workspace.fits(split * m * n, grid[0] * grid[2], x.device):
+            raise ValueError(f"a split-K launch ({split} ranges, {m} x {n}) needs a StreamWorkspace on {x.device} "
+                             f"of at least {split * m * n} partials and {grid[0] * grid[2]} tickets")
+        part, ticket = workspace.part, workspace.tickets
+    else:
+        part = ticket = out  # not read
+    # whole ranges only (k a multiple of the range), 16-byte aligned rows: the hint stays inside w
+    aligned = w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0 and k % k_per == 0
+    prefetch = (min(config.prefetch, k_per * w.element_size()) // 16 * 16
+                if aligned and x.is_cuda and not interpreting() else 0)
+    use_pdl = pdl.mode(x)
+    _stream_gemm_kernel[grid](
+        x, w, bias if bias is not None else w, out, part, ticket,
+        m, n, k, k_per, x.stride(0), w.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT_K=split,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        EVEN_K=k % config.block_k == 0 and k_per % config.block_k == 0,
+        PREFETCH=prefetch, PRELOAD=config.preload, UPCAST=x.dtype == torch.float32 or interpreting(),
+        USE_PDL=use_pdl,
+        num_warps=config.num_warps, num_stages=_stages(config, block_m, x.element_size()),
+        launch_pdl=use_pdl > 0)
+    return out
+
+
+def stream_gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float32 ``x @ w.T + bias``, rounded once to x's dtype."""
+    y = x.float() @ w.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

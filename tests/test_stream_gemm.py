@@ -1,0 +1,87 @@
+"""The weight-streaming decode GEMM (``ops.stream_gemm``) against a float32 reference: odd shapes,
+split-K with its tickets, bias, strided outputs, repeated launches (Triton's interpreter on CPU;
+``test_stream_gemm_gpu.py`` runs the same checks on the GPU)."""
+
+import pytest
+import torch
+
+from peft_fastlora.ops.stream_gemm import StreamConfig, StreamWorkspace, stream_gemm, stream_gemm_reference
+
+# (atol, rtol): float32 accumulation on both sides, one rounding to the dtype each
+TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+CONFIGS = [StreamConfig(16, 32, 1, 4, 2), StreamConfig(32, 64, 3, 4, 2), StreamConfig(16, 16, 2, 4, 2, preload=True),
+           StreamConfig(16, 32, 1, 4, 2, preload=True)]
+
+
+def _inputs(m, n, k, dtype, bias):
+    x = torch.randn(m, k).to(dtype)
+    w = (torch.randn(n, k) / k ** 0.5).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}s{c.split_k}{'p' if c.preload else ''}")
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 33, 100), (17, 64, 128), (70, 20, 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference(config, m, n, k, dtype):
+    """Rows past one program's 64 (m=70), outputs not a whole tile (n=33, 20), K not a whole tile
+    or range (100, 96 split 3 ways)."""
+    x, w, b = _inputs(m, n, k, dtype, bias=n % 2 == 0)
+    out = stream_gemm(x, w, b, config=config, workspace=StreamWorkspace("cpu", 4 * m * n, n))
+    atol, rtol = TOL[dtype]
+    assert out.shape == (m, n) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), stream_gemm_reference(x, w, b).float(), atol=atol, rtol=rtol)
+
+
+def test_split_k_tickets_reset_between_launches():
+    """The last range of each block puts its ticket back: a second launch, and a launch of another
+    shape on the same workspace, sum only their own partials."""
+    cfg = StreamConfig(16, 16, 4, 4, 2)
+    ws = StreamWorkspace("cpu", 4 * 3 * 80, 8)
+    x, w, _ = _inputs(3, 48, 64, torch.float32, False)
+    first = stream_gemm(x, w, config=cfg, workspace=ws)
+    again = stream_gemm(x, w, config=cfg, workspace=ws)
+    assert torch.equal(first, again)  # the partials are summed in range order: the same bits
+    assert not ws.tickets.any()
+    x2, w2, _ = _inputs(2, 80, 64, torch.float32, False)
+    torch.testing.assert_close(stream_gemm(x2, w2, config=cfg, workspace=ws), stream_gemm_reference(x2, w2),
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(stream_gemm(x, w, config=cfg, workspace=ws), first, atol=0, rtol=0)
+
+
+def test_out_with_row_stride_and_rows_of_a_weight():
+    """``out`` a slice of a wider buffer (unit stride on N), ``w`` rows of a bigger weight, ``x`` rows
+    one stride apart: written in place, the rest of the buffer untouched."""
+    big_w = torch.randn(100, 64)
+    w = big_w[10:60]
+    x = torch.randn(4, 200)[:, :64]
+    buf = torch.full((4, 90), 7.0)
+    out = buf[:, 20:70]
+    stream_gemm(x, w, out=out, config=CONFIGS[1], workspace=StreamWorkspace("cpu", 3 * 4 * 50, 2))
+    torch.testing.assert_close(out, stream_gemm_reference(x, w), atol=1e-4, rtol=1e-4)
+    assert torch.all(buf[:, :20] == 7) and torch.all(buf[:, 70:] == 7)
+
+
+def test_rows_with_zeros_and_empty_shapes():
+    x, w, b = _inputs(3, 24, 32, torch.float32, True)
+    x[1] = 0
+    out = stream_gemm(x, w, b, config=CONFIGS[0])
+    torch.testing.assert_close(out[1], b, atol=1e-6, rtol=0)  # a zero row gets the bias alone
+    assert stream_gemm(x[:0], w).shape == (0, 24)
+    torch.testing.assert_close(stream_gemm(torch.empty(3, 0), torch.empty(5, 0), torch.ones(5)), torch.ones(3, 5))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: stream_gemm(torch.randn(2, 8), torch.randn(4, 9)), "expected"),
+    (lambda: stream_gemm(torch.randn(2, 8), torch.randn(4, 8).half()), "differ"),
+    (lambda: stream_gemm(torch.randn(8, 2).T, torch.randn(4, 8)), "unit stride"),
+    (lambda: stream_gemm(torch.randn(2, 8), torch.randn(4, 8), torch.randn(3)), "bias"),
+    (lambda: stream_gemm(torch.randn(2, 8), torch.randn(4, 8), out=torch.empty(2, 5)), "out"),
+    (lambda: stream_gemm(torch.randn(2, 8), torch.randn(4, 8), config=StreamConfig(8, 16)), "config"),
+    (lambda: stream_gemm(torch.randn(2, 64), torch.randn(4, 64), config=StreamConfig(16, 16, 2)), "StreamWorkspace"),
+    (lambda: stream_gemm(torch.randn(2, 64), torch.randn(40, 64), config=StreamConfig(16, 16, 2),
+                         workspace=StreamWorkspace("cpu", 10, 1)), "StreamWorkspace"),
+])
+def test_bad_inputs_name_the_problem(bad, match):
+    with pytest.raises(ValueError, match=match):
+        bad()

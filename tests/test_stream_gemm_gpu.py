@@ -1,0 +1,116 @@
+"""The weight-streaming decode GEMM on the GPU: Llama-3-8B shapes in bf16/fp16 against a float32
+reference, split-K's tickets across launches and graph replays, and the PDL chain (a norm writing
+the GEMM's input just before it) equal to plain launches. Run on the device machine:
+
+    python -m pytest -m gpu tests/test_stream_gemm_gpu.py
+"""
+
+import pytest
+import torch
+
+from peft_fastlora.ops import pdl
+from peft_fastlora.ops.rms_norm import rms_norm
+from peft_fastlora.ops.stream_gemm import StreamConfig, StreamWorkspace, stream_gemm, stream_gemm_reference
+
+pytestmark = pytest.mark.gpu
+
+# (atol, rtol): float32 accumulation on both sides, one rounding each; about 2-4 ulps of margin
+TOL = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3), torch.float32: (1e-4, 1e-4)}
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+CONFIGS = [StreamConfig(16, 512, 1, 4, 4), StreamConfig(32, 256, 1, 4, 4, 4096), StreamConfig(64, 256, 4, 4, 4),
+           StreamConfig(64, 128, 1, 4, 6, preload=True), StreamConfig(128, 128, 2, 8, 4, 2048, True)]
+
+
+def _ids(c):
+    return f"n{c.block_n}k{c.block_k}s{c.split_k}pf{c.prefetch}{'p' if c.preload else ''}"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
+@pytest.mark.parametrize("m", [1, 7, 64, 100])
+@pytest.mark.parametrize("site", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_llama_shapes(dtype, site, m, config):
+    k, n = SHAPES[site]
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype) if site == "qkv" else None  # Qwen2's q/k/v biases
+    out = stream_gemm(x, w, bias, config=config, workspace=StreamWorkspace("cuda", 4 * m * n, n))
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float(), stream_gemm_reference(x, w, bias).float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 1000, 520), (33, 77, 4104), (5, 4096, 100)])
+@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
+def test_odd_shapes_and_float32(m, n, k, config):
+    """Outputs not a whole tile, K not a whole tile or range; float32 with no TF32 rounding."""
+    x = torch.randn(m, k, device="cuda")
+    w = torch.randn(n, k, device="cuda") / k ** 0.5
+    atol, rtol = TOL[torch.float32]
+    out = stream_gemm(x, w, config=config, workspace=StreamWorkspace("cuda", 4 * m * n, n))
+    torch.testing.assert_close(out, stream_gemm_reference(x, w), atol=atol, rtol=rtol)
+
+
+def test_split_k_across_launches_and_graph_replays():
+    """Split-K launches of two shapes share a workspace: each launch, eager or replayed, gives the same
+    bits as the first eager one (the partials are summed in range order, the tickets reset)."""
+    cfg = StreamConfig(64, 256, 4, 4, 4)
+    ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64,
+          torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) / 64]
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.empty(8, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in ws]
+    work = StreamWorkspace("cuda", 4 * 8 * 6144, 96)
+
+    def step():
+        for w, o in zip(ws, outs):
+            stream_gemm(x, w, out=o, config=cfg, workspace=work)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for trial in range(3):
+        x.copy_(torch.randn_like(x))
+        expect = [stream_gemm(x, w, config=cfg, workspace=work) for w in ws]
+        for o in outs:
+            o.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for o, e in zip(outs, expect):
+            assert torch.equal(o, e), f"replay {trial} differs from the eager launch"
+    assert not work.tickets.any()
+
+
+def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
+    """A norm writes each GEMM's input just before it, in one graph: with PDL (the GEMM's preamble,
+    prefetch included, overlapping the norm) the outputs equal launches with PDL off."""
+    ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(4)]
+    nw = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    cfgs = [StreamConfig(16, 512, 1, 4, 4, 4096, True), StreamConfig(64, 256, 4, 4, 4, 2048, True)]
+    work = StreamWorkspace("cuda", 4 * 16 * 4096, 64)
+
+    def chain():
+        h = x
+        for i, w in enumerate(ws):
+            h = stream_gemm(rms_norm(h, nw, 1e-5), w, config=cfgs[i % 2], workspace=work)
+        return h
+
+    results = {}
+    for setting in (pdl.OFF, pdl.FULL):
+        monkeypatch.setattr(pdl, "SETTING", setting)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            chain()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        graph.replay()
+        torch.cuda.synchronize()
+        results[setting] = out.clone()
+    assert torch.equal(results[pdl.OFF], results[pdl.FULL])
