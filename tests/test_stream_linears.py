@@ -26,6 +26,7 @@ def test_install_skips_fusible_siblings_and_their_base_layers():
 
 def test_decode_sized_bf16_gemms_take_the_kernel_others_keep_f_linear(monkeypatch):
     monkeypatch.setattr(sl, "MIN_N", 16)
+    monkeypatch.setattr(sl, "MIN_K", 16)
     streams = sl.StreamLinears(torch.device("cpu"))
     calls = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
     w = (torch.randn(48, 64) / 8).bfloat16()
@@ -50,6 +51,10 @@ def test_decode_sized_bf16_gemms_take_the_kernel_others_keep_f_linear(monkeypatc
     monkeypatch.setattr(sl, "MIN_N", 4096)
     streams.linear(x, w)
     assert calls["stream_gemm"] == 2  # too narrow a layer: cuBLAS
+    monkeypatch.setattr(sl, "MIN_N", 16)
+    monkeypatch.setattr(sl, "MIN_K", 4096)
+    streams.linear(x, w)
+    assert calls["stream_gemm"] == 2  # too shallow a reduction: cuBLAS
 
 
 @pytest.mark.parametrize("m,n,k,split", [(1, 4096, 14336, 1), (32, 4096, 14336, 2), (16, 4096, 4096, 2),
@@ -61,6 +66,7 @@ def test_tile_choice(m, n, k, split):
 def test_workspace_covers_every_split_launch(monkeypatch):
     """A split launch of the widest splitting layer and the most rows fits the model's workspace."""
     monkeypatch.setattr(sl, "MIN_N", 16)
+    monkeypatch.setattr(sl, "MIN_K", 16)
     streams = sl.StreamLinears(torch.device("cpu"))
     n, k = 64, 64  # square: splits past 8 rows
     assert sl._config(24, n, k).split_k == 2

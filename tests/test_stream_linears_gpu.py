@@ -39,34 +39,46 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def test_decode_sized_forward_equals_peft(model, monkeypatch):
+def test_decode_sized_forward_as_close_to_peft_as_cublas(model, monkeypatch):
+    """bf16 logits of an 8B-wide model carry about 1% of rounding against PEFT's whatever the GEMM:
+    the kernel's must be no further from PEFT's than fastlora's with cuBLAS (a wrong tile, range or
+    split sum would be orders of magnitude off)."""
     ids = torch.randint(3, 128, (len(NAMES), 8), device="cuda")  # 48 rows: the kernel's size
+    outs = {}
     with torch.no_grad():
         ref = model(input_ids=ids, adapter_names=NAMES).logits
         base = model.get_base_model()(input_ids=ids).logits
-        report = fastlora.patch(model, stream_gemm=True)
-        try:
-            calls = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
-            out = model(input_ids=ids, adapter_names=NAMES).logits
-        finally:
-            fastlora.unpatch(model)
-    assert "decode GEMMs streamed: fused groups and" in str(report), report
-    # q/k/v and gate/up groups, o and down (folded or not) of both layers; the LM head keeps cuBLAS
-    assert calls["stream_gemm"] >= 8, calls
+        for on in (True, False):
+            report = fastlora.patch(model, stream_gemm=on)
+            try:
+                calls = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
+                outs[on] = model(input_ids=ids, adapter_names=NAMES).logits
+            finally:
+                fastlora.unpatch(model)
+                monkeypatch.undo()
+            if on:
+                assert "decode GEMMs streamed: fused groups and" in str(report), report
+                # q/k/v and gate/up groups, o and down of both layers; the LM head keeps cuBLAS
+                assert calls["stream_gemm"] >= 8, calls
+            else:
+                assert calls["stream_gemm"] == 0, calls
     assert _rel(ref, base) > 1e-2  # the adapters matter, so the comparison below means something
-    assert _rel(out, ref) < 1e-2
+    err_on, err_off = _rel(outs[True], ref), _rel(outs[False], ref)
+    assert err_on < 1.5 * err_off + 2e-3 and err_on < 3e-2, (err_on, err_off)
 
 
 @pytest.mark.parametrize("lengths", [[5, 9, 3, 7, 2, 8], [6]])
-def test_generate_through_graphs_equals_the_kernel_off(model, lengths):
-    """The graphs' decode steps with the kernel give the logits of the same steps with cuBLAS, step
-    after step while the tokens agree (bf16: a near tie may round the other way)."""
+def test_generate_through_graphs_as_close_to_peft_as_cublas(model, lengths):
+    """The graphs' decode steps with the kernel against PEFT's own mixed batch, step after step while
+    the tokens agree (bf16: a near tie may round the other way), no further from it than the same
+    steps with cuBLAS."""
     names = NAMES[:len(lengths)]
     batch = {k: v.cuda() for k, v in left_padded_batch(lengths, seed=len(lengths)).items()}
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, adapter_names=names, output_logits=True,
               return_dict_in_generate=True)
     results = {}
     with torch.no_grad():
+        results["peft"] = model.generate(**batch, **kw)
         for on in (True, False):
             report = fastlora.patch(model, stream_gemm=on)
             try:
@@ -77,11 +89,13 @@ def test_generate_through_graphs_equals_the_kernel_off(model, lengths):
             assert stats["replays"] >= 8, stats
             assert ("decode GEMMs streamed: off" in str(report)) != on, report
     width = batch["input_ids"].shape[1]
-    a, b = results[True], results[False]
     compared = 0
-    for step, (la, lb) in enumerate(zip(a.logits, b.logits)):
-        if not torch.equal(a.sequences[:, width:width + step], b.sequences[:, width:width + step]):
+    for step in range(12):
+        seqs = [results[k].sequences[:, width:width + step] for k in ("peft", True, False)]
+        if not (torch.equal(seqs[0], seqs[1]) and torch.equal(seqs[0], seqs[2])):
             break
-        assert _rel(la, lb) < 1e-2, f"step {step}"
+        ref = results["peft"].logits[step]
+        err_on, err_off = _rel(results[True].logits[step], ref), _rel(results[False].logits[step], ref)
+        assert err_on < 1.5 * err_off + 2e-3 and err_on < 3e-2, (step, err_on, err_off)
         compared += 1
     assert compared >= 2

@@ -10,7 +10,8 @@ programmatic dependent launch, runs its preamble while the kernel before it fini
 ``StreamLinears.linear`` is ``F.linear`` that takes the kernel where it applies: bf16 / fp16
 inputs of at most ``MAX_ROWS`` rows with no gradient, on the model's device, output widths between
 ``MIN_N`` and ``MAX_N`` (narrower layers give too few tiles to cover the SMs; the LM head is
-already at the bandwidth under cuBLAS) and a reduction the 16-byte loads can take. Everything
+already at the bandwidth under cuBLAS), reductions of at least ``MIN_K`` that the 16-byte loads
+can take. Everything
 else, float32 included, is ``F.linear``. It is installed only on CUDA devices of compute
 capability 9 (``supported_device``: the tiles were chosen on an H200).
 
@@ -33,6 +34,7 @@ from .install import set_instance_forward
 
 MAX_ROWS = 64
 MIN_N, MAX_N = 4096, 65536
+MIN_K = 4096  # shallower reductions (a 1B model's) were not measured faster than cuBLAS
 SPLIT_MAX_N = 16384  # widest layer a split-K launch covers (wider ones need no split)
 _DTYPES = (torch.bfloat16, torch.float16)
 _hopper: Dict[int, bool] = {}
@@ -82,7 +84,7 @@ class StreamLinears:
         """``F.linear(x, weight, bias)``, through the streaming kernel where it applies (module doc)."""
         n, k = weight.shape if weight.dim() == 2 else (0, 0)
         rows = x.numel() // k if k and x.dim() and x.shape[-1] == k else MAX_ROWS + 1
-        if (rows > MAX_ROWS or rows == 0 or not MIN_N <= n <= MAX_N or k % 8 or x.dtype not in _DTYPES
+        if (rows > MAX_ROWS or rows == 0 or not MIN_N <= n <= MAX_N or k < MIN_K or k % 8 or x.dtype not in _DTYPES
                 or weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1))
                 or weight.stride(1) != 1 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
                 or x.device != self.device or weight.device != self.device):
