@@ -52,7 +52,7 @@ def test_decode_sized_bf16_gemms_take_the_kernel_others_keep_f_linear(monkeypatc
     streams.linear(x, w)
     assert calls["stream_gemm"] == 2  # too narrow a layer: cuBLAS
     monkeypatch.setattr(sl, "MIN_N", 16)
-    monkeypatch.setattr(sl, "MIN_K", 4096)
+    monkeypatch.setattr(sl, "MIN_K", 2048)
     streams.linear(x, w)
     assert calls["stream_gemm"] == 2  # too shallow a reduction: cuBLAS
 
