@@ -21,6 +21,19 @@ CONFIGS = [StreamConfig(16, 512, 1, 4, 4), StreamConfig(32, 256, 1, 4, 4, 4096),
            StreamConfig(64, 128, 1, 4, 6, preload=True), StreamConfig(128, 128, 2, 8, 4, 2048, True)]
 
 
+def _captured(fn):
+    """``fn`` run once on a side stream (compiles, allocates), then captured: (graph, its output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def _ids(c):
     return f"n{c.block_n}k{c.block_k}s{c.split_k}pf{c.prefetch}{'p' if c.preload else ''}"
 
@@ -64,14 +77,7 @@ def test_split_k_across_launches_and_graph_replays():
         for w, o in zip(ws, outs):
             stream_gemm(x, w, out=o, config=cfg, workspace=work)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = _captured(step)
     for trial in range(3):
         x.copy_(torch.randn_like(x))
         expect = [stream_gemm(x, w, config=cfg, workspace=work) for w in ws]
@@ -102,14 +108,7 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
     results = {}
     for setting in (pdl.OFF, pdl.FULL):
         monkeypatch.setattr(pdl, "SETTING", setting)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            chain()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain()
+        graph, out = _captured(chain)
         graph.replay()
         torch.cuda.synchronize()
         results[setting] = out.clone()
