@@ -82,7 +82,8 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             run through fastlora's weight-streaming Triton GEMM instead of cuBLAS, layers of 4,096
             to 65,536 outputs (the LM head and narrow layers keep cuBLAS): ``"auto"`` (on a Hopper
             GPU with graphs on: the tiles were chosen on an H200, and an eager step pays each
-            Triton launch's host time), ``True`` (on CUDA) or ``False``.
+            Triton launch's host time), ``True`` (on CUDA; on the CPU under Triton's interpreter,
+            for tests) or ``False``.
         defer_stop_check: on calls whose decode steps the graphs replay on CUDA, transformers'
             loop learns that every row has finished one step late (its ``DeferredStopCheck``, the
             one extra step undone), so the host queues the next step while the GPU runs this one.

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .. import _compat
+from ..kernel_support import interpreting
 from .attention_registry import disable_decode_attention, enable_decode_attention
 from .fused_linears import PlainFusedGroup, install_fused_linears
 from .install import remove_instance_forwards
@@ -105,7 +106,9 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
             ops.off[option] = f"{option}=False" if value is False else why_not
     value = options.stream_gemm
     hopper = on_cuda and supported_device(device)
-    if (value is True and on_cuda) or (value == "auto" and graphed and hopper):
+    # True on the CPU under Triton's interpreter: the kernel's model path in the CPU tests
+    if (value is True and (on_cuda or (device.type == "cpu" and interpreting()))) or (
+            value == "auto" and graphed and hopper):
         ops.stream = StreamLinears(device)
         ops.installed["stream_gemm"] = ops.stream.install(model)
         for g in ops.fused_groups:
