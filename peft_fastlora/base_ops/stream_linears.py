@@ -75,6 +75,9 @@ class StreamLinears:
     def __init__(self, device: torch.device):
         from ..ops.stream_gemm import StreamWorkspace
 
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # compared with tensors' devices, which have one
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         # two K ranges of at most MAX_ROWS rows of the widest layer that splits, a ticket per tile
         self.workspace = StreamWorkspace(device, 2 * MAX_ROWS * SPLIT_MAX_N, SPLIT_MAX_N // 64)

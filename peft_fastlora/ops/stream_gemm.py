@@ -4,9 +4,10 @@ With a handful of rows the GEMM reads its weight once and does little else, so i
 weight's bytes over the memory bandwidth, plus how long the kernel takes to reach full bandwidth
 and to drain. cuBLAS covers these shapes with few tiles along the output and a split-K reduction
 in a second kernel. Here each program owns ``BLOCK_N`` output columns (rows of ``w``) and one of
-``SPLIT_K`` ranges of the reduction, the grid is sized so that every SM holds several programs at
-once, and ``w_tile @ x_tile.T`` puts the weight's rows, not the few rows of ``x``, on the tensor
-core's M side. float32 accumulation.
+``SPLIT_K`` ranges of the reduction, streaming its tiles through a deep pipeline, and
+``w_tile @ x_tile.T`` puts the weight's rows, not the few rows of ``x``, on the tensor core's M
+side. float32 accumulation. The caller picks the tiles per shape (``base_ops.stream_linears``,
+from ``benchmarks/probe_stream_gemm.py``).
 
 With ``SPLIT_K > 1`` the ranges' partial sums go to a float32 workspace; the last program of a
 column block to finish (a ticket per block, taken with an acquire-release atomic) adds them in
@@ -15,10 +16,10 @@ puts the ticket back to zero for the next launch. The workspace (``StreamWorkspa
 caller's: launches that share one run one after another (under programmatic dependent launch every
 program waits for the previous kernel before it touches it).
 
-Under PDL (``ops.pdl``) a program may run its preamble while the kernel before it finishes: with
-``PREFETCH`` it asks the L2 for the first ``PREFETCH`` bytes of each of its weight rows
-(``cp.async.bulk.prefetch.L2``: a hint, no registers held), since weights are never written during
-a step; everything else waits.
+Under PDL (``ops.pdl``) a program may run its preamble while the kernel before it finishes. Weights
+are never written during a step, so the preamble may read them: with ``PRELOAD`` the range's first
+weight tile, with ``PREFETCH`` a hint to the L2 for the first ``PREFETCH`` bytes of each weight
+row (``cp.async.bulk.prefetch.L2``: no registers held). Everything else waits.
 """
 
 from __future__ import annotations
