@@ -68,7 +68,7 @@ def read_bound(w, y, tile):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/results/probe_stream_gemm_h200.csv")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64, 128])
     p.add_argument("--sites", nargs="+", default=list(SITES))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): each sweep config on a tiny shape")

@@ -21,10 +21,10 @@ def _inputs(m, n, k, dtype, bias):
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}s{c.split_k}{'p' if c.preload else ''}")
-@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 33, 100), (17, 64, 128), (70, 20, 48)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (5, 33, 100), (17, 64, 128), (70, 20, 48), (130, 20, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_reference(config, m, n, k, dtype):
-    """Rows past one program's 64 (m=70), outputs not a whole tile (n=33, 20), K not a whole tile
+    """Rows past one program's 128 (m=130), outputs not a whole tile (n=33, 20), K not a whole tile
     or range (100, 96 split 3 ways)."""
     x, w, b = _inputs(m, n, k, dtype, bias=n % 2 == 0)
     out = stream_gemm(x, w, b, config=config, workspace=StreamWorkspace("cpu", 4 * m * n, n))

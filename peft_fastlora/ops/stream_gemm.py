@@ -141,7 +141,7 @@ class StreamConfig(NamedTuple):
     preload: bool = False  # the first weight tile read before the PDL wait
 
 
-MAX_ROWS = 64  # rows of x one program covers; more rows take more programs along the grid's z
+MAX_ROWS = 128  # rows of x one program covers (each row block reads the whole weight again)
 
 class StreamWorkspace:
     """float32 partials and per-block tickets for split-K launches on one device. The tickets start
