@@ -247,8 +247,12 @@ class FastLoRAState:
         return report
 
     def _set_group_gemms(self):
-        """The LoRA sites' fused groups (siblings, folded ``[W; A]``) take the base ops' GEMM."""
+        """The LoRA sites' fused groups (siblings, folded ``[W; A]``) take the base ops' GEMM.
+        Continuous-batching forwards keep cuBLAS: the streaming GEMM was measured in ``generate``'s
+        decode steps only."""
         gemm = self.base_ops.gemm
+        if self.base_ops.stream is not None:
+            self.base_ops.stream.skip = lambda: self.token_segments is not None
         for g in self.groups:
             g.gemm = gemm
         for site in self.sites:

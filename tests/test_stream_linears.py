@@ -48,6 +48,10 @@ def test_decode_sized_bf16_gemms_take_the_kernel_others_keep_f_linear(monkeypatc
     assert calls["stream_gemm"] == 2
     torch.testing.assert_close(streams.linear(torch.randn(3, 64), w.float()).shape, torch.Size([3, 48]))
     assert calls["stream_gemm"] == 2  # float32: F.linear
+    streams.skip = lambda: True  # the owner's test (the state's: a continuous-batching forward)
+    streams.linear(x, w)
+    assert calls["stream_gemm"] == 2
+    streams.skip = None
     monkeypatch.setattr(sl, "MIN_N", 4096)
     streams.linear(x, w)
     assert calls["stream_gemm"] == 2  # too narrow a layer: cuBLAS

@@ -22,7 +22,7 @@ of their LoRA layers), which get it as an instance forward (``StreamLinears.inst
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +79,8 @@ class StreamLinears:
         if device.type == "cuda" and device.index is None:  # compared with tensors' devices, which have one
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        # a zero-argument test the owner sets: True where this forward keeps cuBLAS
+        self.skip: Optional[Callable[[], bool]] = None
         # two K ranges of at most MAX_ROWS rows of the widest layer that splits, a ticket per tile
         self.workspace = StreamWorkspace(device, 2 * MAX_ROWS * SPLIT_MAX_N, SPLIT_MAX_N // 64)
         self.modules: List[Tuple[str, nn.Module]] = []
@@ -90,7 +92,7 @@ class StreamLinears:
         if (rows > MAX_ROWS or rows == 0 or not MIN_N <= n <= MAX_N or k < MIN_K or k % 8 or x.dtype not in _DTYPES
                 or weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1))
                 or weight.stride(1) != 1 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-                or x.device != self.device or weight.device != self.device):
+                or x.device != self.device or weight.device != self.device or (self.skip is not None and self.skip())):
             return F.linear(x, weight, bias)
         from ..ops.stream_gemm import stream_gemm
 
