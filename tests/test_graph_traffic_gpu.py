@@ -3,9 +3,11 @@ process, more shapes than graphs kept, injected capture failures followed by hea
 same and on another model, warm-up, and weight edits through ``.data`` between graphed calls.
 
 float32 tiny Llama with six adapters of ranks 2-32, so that greedy tokens can be compared with
-PEFT's own mixed path exactly. Every test runs twice: with the shrink folded into the base GEMM
-at every site (the limit lifted: at this size the adapters' A rows are a large share of the
-base rows) and with the default limit, which leaves these sites on the fused kernel.
+PEFT's own mixed path exactly. Every test runs three times: with the shrink folded into the base
+GEMM at every site (the limit lifted: at this size the adapters' A rows are a large share of the
+base rows), with the default limit, which leaves these sites on the fused kernel, and folded with
+every base GEMM of the decode steps through the streaming GEMM (``base_ops.stream_linears``; its
+width and dtype limits lifted for this model, float32 included, so that tokens still compare).
 """
 
 import pytest
@@ -15,6 +17,7 @@ from peft import LoraConfig, get_peft_model
 import peft_fastlora as fastlora
 from peft_fastlora.decode import capture as cuda_graph
 from peft_fastlora import get_state
+from peft_fastlora.base_ops import stream_linears
 from peft_fastlora.lora import fusion
 from _models import tiny_llama
 
@@ -42,10 +45,14 @@ def _model(seed=0):
     return model.eval()
 
 
-@pytest.fixture(autouse=True, params=["folded", "default_limit"])
+@pytest.fixture(autouse=True, params=["folded", "default_limit", "folded_streamed"])
 def fold_limit(request, monkeypatch):
-    if request.param == "folded":
+    if request.param.startswith("folded"):
         monkeypatch.setattr(fusion, "FOLD_MAX_SHARE", 1e9)
+    if request.param == "folded_streamed":
+        monkeypatch.setattr(stream_linears, "MIN_N", 16)
+        monkeypatch.setattr(stream_linears, "MIN_K", 16)
+        monkeypatch.setattr(stream_linears, "_DTYPES", (torch.float32, torch.bfloat16, torch.float16))
     return request.param
 
 
