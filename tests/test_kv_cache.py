@@ -49,6 +49,28 @@ def test_write_equals_index_copy(dtype, bsz, cache_rows, heads, seq, dim, max_le
     torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("bsz,heads,seq,start", [(3, 2, 1, 0), (2, 3, 19, 4), (1, 1, 1, 9), (2, 2, 4, 8)])
+def test_ticket_advances_the_length_once(bsz, heads, seq, start):
+    """With a ticket the launch itself advances the length by the positions written, after every
+    program wrote at the old one; the ticket is back at zero, so the next launch does it again."""
+    k_cache, v_cache = torch.randn(bsz, heads, 10 + seq, 8), torch.randn(bsz, heads, 10 + seq, 8)
+    length, ticket = torch.tensor(start), torch.zeros(1, dtype=torch.int32)
+    for step in range(3):
+        k, v = states(bsz, heads, seq, 8, torch.float32)
+        k_ref, v_ref = reference(k_cache, v_cache, k, v, start + step * seq)
+        kv_cache_write(k, v, k_cache, v_cache, length, ticket=ticket)
+        assert int(length) == start + (step + 1) * seq and int(ticket) == 0
+        torch.testing.assert_close(k_cache, k_ref, atol=0, rtol=0)
+        torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
+
+
+def test_ticket_with_nothing_to_write_still_advances():
+    cache, length, ticket = torch.zeros(0, 2, 5, 8), torch.tensor(2), torch.zeros(1, dtype=torch.int32)
+    k = torch.zeros(0, 2, 3, 8)
+    kv_cache_write(k, k, cache, cache.clone(), length, ticket=ticket)
+    assert int(length) == 5 and int(ticket) == 0
+
+
 def test_bad_inputs():
     k, v = states(2, 2, 1, 8, torch.float32)
     cache = torch.zeros(2, 2, 5, 8)
@@ -60,6 +82,8 @@ def test_bad_inputs():
         kv_cache_write(k, v, cache.half(), cache.half(), torch.tensor(0))
     with pytest.raises(ValueError, match="length"):
         kv_cache_write(k, v, cache, cache.clone(), torch.tensor(0.0))
+    with pytest.raises(ValueError, match="ticket"):
+        kv_cache_write(k, v, cache, cache.clone(), torch.tensor(0), ticket=torch.zeros(1, dtype=torch.int64))
 
 
 def test_static_cache_layers_match_transformers_update(monkeypatch):
@@ -84,7 +108,8 @@ def test_static_cache_layers_match_transformers_update(monkeypatch):
         torch.testing.assert_close(got_v, want_v, atol=0, rtol=0)
         assert int(ours.layers[0].cumulative_length) == int(theirs_layer.cumulative_length)
     assert not ours.layers[0].keys[3].any()  # the padding row was never written
-    assert calls["kv_cache_write"] == 3  # every update took the kernel
+    assert calls["kv_cache_write"] == 3  # every update took the kernel, which advanced the length itself
+    assert int(ours.layers[0]._fastlora_ticket) == 0
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])

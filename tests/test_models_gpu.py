@@ -236,8 +236,9 @@ def test_1b_shape_graphs_equal_peft_over_64_steps():
     assert same.all(), f"rows differing from PEFT: {(~same).nonzero().flatten().tolist()}"
 
 
+@pytest.mark.parametrize("with_ticket", [False, True])
 @pytest.mark.parametrize("bsz,seq,start", [(32, 1, 200), (128, 1, 511), (4, 128, 0)])
-def test_kv_cache_write_bf16_equals_index_copy(bsz, seq, start):
+def test_kv_cache_write_bf16_equals_index_copy(bsz, seq, start, with_ticket):
     from peft_fastlora.ops.kv_cache import kv_cache_write
 
     heads, dim, max_len = 8, 128, 512
@@ -248,5 +249,13 @@ def test_kv_cache_write_bf16_equals_index_copy(bsz, seq, start):
     v_cache = torch.randn_like(k_cache)
     pos = torch.arange(start, start + seq, device="cuda")
     k_ref, v_ref = k_cache.clone().index_copy_(2, pos, k), v_cache.clone().index_copy_(2, pos, v)
-    kv_cache_write(k, v, k_cache, v_cache, torch.tensor(start, device="cuda"))
+    length = torch.tensor(start, device="cuda")
+    ticket = torch.zeros(1, dtype=torch.int32, device="cuda") if with_ticket else None
+    kv_cache_write(k, v, k_cache, v_cache, length, ticket=ticket)
+    if with_ticket:  # a second launch writes at the length the first left (positions past the end dropped)
+        kv_cache_write(k, v, k_cache, v_cache, length, ticket=ticket)
+        pos, kept = pos + seq, pos + seq < max_len
+        k_ref[:, :, pos[kept]], v_ref[:, :, pos[kept]] = k[:, :, kept], v[:, :, kept]
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+    if with_ticket:
+        assert int(length) == start + 2 * seq and int(ticket) == 0

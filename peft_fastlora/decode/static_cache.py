@@ -30,6 +30,7 @@ from .. import _compat
 from ..kernel_support import kernel_runs_on
 
 MIN_LENGTH = 256
+KV_TICKET = True  # the KV-write kernel advances the fill length itself (benchmarks turn it off for an A/B)
 
 
 def round_length(n: int) -> int:
@@ -73,6 +74,10 @@ class StaticCacheStore:
         self._entries: Dict[int, _Entry] = {}  # bucket rows -> its cache
         self._lengths: Dict[int, int] = {}  # bucket rows -> longest length it needed (kept on growth)
         self._serial = 0
+        # the KV-write kernel's ticket (ops.kv_cache): one for every layer, since the layers' writes
+        # run one after another and each leaves it at zero; allocated here, outside any capture
+        with torch.inference_mode(False):
+            self._ticket = torch.zeros(1, dtype=torch.int32, device=self.device) if KV_TICKET else None
 
     # -- sizes --------------------------------------------------------------------------------
     def bytes_per_token(self) -> int:
@@ -164,6 +169,7 @@ class StaticCacheStore:
         for layer in cache.layers:
             layer.update = types.MethodType(_update_first_rows, layer)
             layer._fastlora_kernel_writes = self.kernel_writes
+            layer._fastlora_ticket = self._ticket
         return cache
 
 
@@ -174,14 +180,18 @@ def make_static_cache(model: nn.Module, max_cache_len: int, batch_size: int, ker
 
 def _update_first_rows(layer, key_states, value_states, *args, **kwargs):
     """``update`` of a static cache layer that also accepts fewer rows than it holds (it fills the
-    first ones). Where ``ops.kv_cache`` takes the tensors, the write is one kernel and the length
-    increment a second, instead of transformers' five kernels; otherwise transformers' update runs."""
+    first ones). Where ``ops.kv_cache`` takes the tensors, the write and the length increment are one
+    kernel, instead of transformers' five; otherwise transformers' update runs."""
     rows, full_k, full_v = key_states.shape[0], layer.keys, layer.values
     if getattr(layer, "_fastlora_kernel_writes", False) and _kv_kernel_applies(layer, key_states, value_states):
         from ..ops.kv_cache import kv_cache_write
 
-        kv_cache_write(key_states, value_states, full_k, full_v, layer.cumulative_length)
-        layer.cumulative_length.add_(key_states.shape[-2])
+        ticket = getattr(layer, "_fastlora_ticket", None)
+        if ticket is not None and ticket.device != key_states.device:  # (a layer on another device)
+            ticket = None
+        kv_cache_write(key_states, value_states, full_k, full_v, layer.cumulative_length, ticket=ticket)
+        if ticket is None:
+            layer.cumulative_length.add_(key_states.shape[-2])
         return (full_k, full_v) if rows == full_k.shape[0] else (full_k[:rows], full_v[:rows])
     if rows == full_k.shape[0]:
         return type(layer).update(layer, key_states, value_states, *args, **kwargs)

@@ -2,12 +2,16 @@
 
 transformers' ``StaticLayer.update`` spends five kernels per layer on this (``arange``, the
 position add, two ``index_copy_`` and the length increment). Here one kernel writes both k and v
-at ``length + s``, reading ``length`` on the device (no host sync, so CUDA-graph safe); the caller
-then advances ``length`` (one more kernel: a program cannot bump the length other programs are
-still reading).
+at ``length + s``, reading ``length`` on the device (no host sync, so CUDA-graph safe). Given a
+ticket (a zeroed int32 the caller keeps), the kernel also advances ``length`` by the positions
+written: each program takes the ticket with an acquire-release atomic after it has read the length,
+and the last one adds ``S`` and puts the ticket back to zero, so no program reads the new length and
+no second kernel is needed. Without one, the caller advances it.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -19,13 +23,14 @@ from . import pdl
 @triton.jit
 def _kv_cache_write_kernel(
     # pointers
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, length_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, length_ptr, ticket_ptr,
     # dimensions
     num_heads, seq_len, max_len, head_dim,
     # strides: new k / v (batch, head, position), cache (batch, head, position); last dims contiguous
     k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, c_sb, c_sh, c_ss,
     # meta-parameters
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ADVANCE: tl.constexpr,  # the last program to take the ticket adds seq_len to the length
     USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py (the fill length is the step's: read after the wait)
 ):
     pdl.launch_dependents(USE_PDL)
@@ -35,7 +40,8 @@ def _kv_cache_write_kernel(
     h = (bh % num_heads).to(tl.int64)
     offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    pos = tl.load(length_ptr).to(tl.int64) + offs_s
+    start = tl.load(length_ptr)
+    pos = start.to(tl.int64) + offs_s
     # positions past the cache are dropped, never written out of bounds (the caller sizes caches)
     mask = ((offs_s < seq_len) & (pos < max_len))[:, None] & (offs_d < head_dim)[None, :]
     dst = b * c_sb + h * c_sh + pos[:, None] * c_ss + offs_d[None, :]
@@ -43,10 +49,15 @@ def _kv_cache_write_kernel(
     v = tl.load(v_ptr + b * v_sb + h * v_sh + offs_s[:, None] * v_ss + offs_d[None, :], mask=mask)
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
+    if ADVANCE:  # every program has read the length once the count reaches the grid's size
+        programs = tl.num_programs(0) * tl.num_programs(1)
+        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == programs - 1:
+            tl.store(length_ptr, start + seq_len)
+            tl.atomic_xchg(ticket_ptr, 0)
 
 
 def kv_cache_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   length: torch.Tensor) -> None:
+                   length: torch.Tensor, ticket: Optional[torch.Tensor] = None) -> None:
     """``k_cache[:B, :, length + s] = key[:, :, s]`` (and the same for values), for s < S.
 
     Args:
@@ -54,7 +65,10 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         k_cache, v_cache: (B_cache >= B, H, L, D), the same dtype, last dimension contiguous, one
             shape and strides.
         length: a one-element integer tensor on the same device: the first position to write.
-            It is not advanced here. Positions at or past L are not written.
+            Positions at or past L are not written.
+        ticket: optional one-element int32 tensor on the same device, zero, that no launch running
+            at the same time shares: then ``length`` is advanced by S in this launch (and the ticket
+            left at zero); without it, ``length`` is left as it is.
     """
     if key.shape != value.shape or key.dim() != 4:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must be one (B, H, S, D) shape")
@@ -69,13 +83,18 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         raise ValueError("the last dimension of the states and caches must be contiguous")
     if length.numel() != 1 or length.is_floating_point() or length.device != key.device:
         raise ValueError("length must be one integer on the states' device")
+    if ticket is not None and (ticket.numel() != 1 or ticket.dtype != torch.int32 or ticket.device != key.device):
+        raise ValueError("ticket must be one int32 on the states' device")
     block_s = min(16, triton.next_power_of_2(max(seq, 1)))
-    if bsz * heads and seq:
-        use_pdl = pdl.mode(key)
-        _kv_cache_write_kernel[(bsz * heads, triton.cdiv(seq, block_s))](
-            key, value, k_cache, v_cache, length,
-            heads, seq, k_cache.shape[2], dim,
-            key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(dim), USE_PDL=use_pdl,
-            num_warps=1 if dim <= 64 else 2, launch_pdl=use_pdl > 0)
+    if not (bsz * heads and seq):
+        if ticket is not None:
+            length.add_(seq)  # no program to advance it (nothing to write)
+        return
+    use_pdl = pdl.mode(key)
+    _kv_cache_write_kernel[(bsz * heads, triton.cdiv(seq, block_s))](
+        key, value, k_cache, v_cache, length, ticket if ticket is not None else length,
+        heads, seq, k_cache.shape[2], dim,
+        key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(dim), ADVANCE=ticket is not None, USE_PDL=use_pdl,
+        num_warps=1 if dim <= 64 else 2, launch_pdl=use_pdl > 0)
