@@ -62,6 +62,23 @@ def test_out_with_row_stride_and_rows_of_a_weight():
     assert torch.all(buf[:, :20] == 7) and torch.all(buf[:, 70:] == 7)
 
 
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[1]], ids=["split1", "split3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_add", [40, 23])
+def test_add_on_the_first_columns(config, dtype, n_add):
+    """A residual added in the epilogue (split-K: by the last range) to the first ``n_add`` of 40
+    columns, with a bias, from a row-strided tensor; the columns past it get none."""
+    x, w, b = _inputs(5, 40, 96, dtype, bias=True)
+    add = torch.randn(5, 64).to(dtype)[:, :n_add]
+    out = stream_gemm(x, w, b, config=config, workspace=StreamWorkspace("cpu", 3 * 5 * 40, 3), add=add)
+    atol, rtol = TOL[dtype]
+    want = stream_gemm_reference(x, w, b, add=add)
+    torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(out[:, n_add:].float(), stream_gemm_reference(x, w, b)[:, n_add:].float(),
+                               atol=atol, rtol=rtol)
+    assert (out[:, :n_add].float() - stream_gemm_reference(x, w, b)[:, :n_add].float()).abs().max() > 0.5
+
+
 def test_rows_with_zeros_and_empty_shapes():
     x, w, b = _inputs(3, 24, 32, torch.float32, True)
     x[1] = 0
@@ -81,7 +98,36 @@ def test_rows_with_zeros_and_empty_shapes():
     (lambda: stream_gemm(torch.randn(2, 64), torch.randn(4, 64), config=StreamConfig(16, 16, 2)), "StreamWorkspace"),
     (lambda: stream_gemm(torch.randn(2, 64), torch.randn(40, 64), config=StreamConfig(16, 16, 2),
                          workspace=StreamWorkspace("cpu", 10, 1)), "StreamWorkspace"),
+    (lambda: stream_gemm(torch.randn(2, 8), torch.randn(4, 8), add=torch.randn(2, 5)), "add"),
+    (lambda: stream_gemm(torch.randn(2, 8), torch.randn(4, 8), add=torch.randn(3, 4)), "add"),
+    (lambda: stream_gemm(torch.randn(2, 8), torch.randn(4, 8), add=torch.randn(2, 4).half()), "add"),
 ])
 def test_bad_inputs_name_the_problem(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("m,n,k,bias", [(1, 40, 96, False), (5, 33, 100, True), (70, 20, 48, False)])
+def test_glu_equals_gemm_then_act_mul(act, m, n, k, bias):
+    """``glu``: a [gate; up] weight of 2n rows gives ``act(gate) * up`` of width n (outputs not a
+    whole tile, K not a whole tile), as the GEMM's output through ``ops.silu_mul.act_mul`` would."""
+    from peft_fastlora.ops.silu_mul import act_mul
+
+    x, w, b = _inputs(m, 2 * n, k, torch.bfloat16, bias)
+    cfg = StreamConfig(16, 32, 1, 4, 2)
+    out = stream_gemm(x, w, b, config=cfg, glu=act)
+    both = stream_gemm(x, w, b, config=cfg)
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out.float(), act_mul(both[:, :n], both[:, n:], act).float(), atol=0, rtol=0)
+    torch.testing.assert_close(out.float(), stream_gemm_reference(x, w, b, glu=act).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_glu_refuses_what_it_does_not_take():
+    x, w = torch.randn(2, 64), torch.randn(40, 64)
+    for kwargs in (dict(glu="relu"), dict(glu="silu", config=StreamConfig(16, 16, 2)),
+                   dict(glu="silu", config=StreamConfig(16, 16, preload=True)), dict(glu="silu", add=torch.randn(2, 8))):
+        with pytest.raises(ValueError, match="glu"):
+            stream_gemm(x, w, workspace=StreamWorkspace("cpu", 1000, 10), **kwargs)
+    with pytest.raises(ValueError, match="glu"):
+        stream_gemm(x, torch.randn(41, 64), glu="silu")

@@ -63,6 +63,46 @@ def test_odd_shapes_and_float32(m, n, k, config):
     torch.testing.assert_close(out, stream_gemm_reference(x, w), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
+@pytest.mark.parametrize("m", [1, 33])
+@pytest.mark.parametrize("n_add", [4096, 4000])
+def test_residual_added_in_the_epilogue(config, m, n_add):
+    """down's shape (a folded down has its arena's columns past the residual's: n_add < N), bf16,
+    the residual a row-strided view, split-K too; inside a graph, replayed twice."""
+    k, n = 14336, 4096
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
+    add = torch.randn(m, n + 64, device="cuda").bfloat16()[:, :n_add]
+    ws = StreamWorkspace("cuda", 4 * m * n, n)
+    graph, out = _captured(lambda: stream_gemm(x, w, config=config, workspace=ws, add=add))
+    atol, rtol = TOL[torch.bfloat16]
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), stream_gemm_reference(x, w, add=add).float(), atol=atol, rtol=rtol)
+    assert int(ws.tickets.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("m", [1, 16, 33, 64])
+@pytest.mark.parametrize("config", [StreamConfig(64, 128, 1, 8, 4), StreamConfig(32, 256, 1, 4, 3)], ids=_ids)
+def test_glu_at_the_gate_up_shape(act, m, config):
+    """``glu``: 8B's fused gate/up (2 x 14,336 rows), bf16, against the float32 GEMM through torch's
+    activation, and against the library's GEMM then ``act_mul`` (the path it replaces)."""
+    from peft_fastlora.ops.silu_mul import act_mul
+
+    k, n2 = SHAPES["gate_up"]
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    w = (torch.randn(n2, k, device="cuda") / k ** 0.5).bfloat16()
+    out = stream_gemm(x, w, config=config, glu=act)
+    atol, rtol = TOL[torch.bfloat16]
+    assert out.shape == (m, n2 // 2)
+    torch.testing.assert_close(out.float(), stream_gemm_reference(x, w, glu=act).float(), atol=atol, rtol=rtol)
+    both = stream_gemm(x, w, config=StreamConfig(128, 128, 1, 8, 4))
+    torch.testing.assert_close(out.float(), act_mul(both[:, :n2 // 2], both[:, n2 // 2:], act).float(),
+                               atol=atol, rtol=rtol)
+
+
 def test_split_k_across_launches_and_graph_replays():
     """Split-K launches of two shapes share a workspace: each launch, eager or replayed, gives the same
     bits as the first eager one (the partials are summed in range order, the tickets reset)."""

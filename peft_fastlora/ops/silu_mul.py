@@ -33,6 +33,17 @@ def _tanh(z, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def act_mul_rounded(g, u, dt, GELU_TANH: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """``act(g) * u`` in torch's roundings (module doc): g and u float32 values of dtype ``dt``,
+    the activation rounded to ``dt``, the product returned in float32 (the caller rounds it)."""
+    if GELU_TANH:
+        act = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * (g * g * g)), LIBDEVICE))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    return act.to(dt).to(tl.float32) * u
+
+
+@triton.jit
 def _act_mul_kernel(
     # pointers
     gate_ptr, up_ptr, out_ptr,
@@ -52,12 +63,7 @@ def _act_mul_kernel(
     g = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
-    if GELU_TANH:
-        act = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * (g * g * g)), LIBDEVICE))
-    else:
-        act = g / (1.0 + tl.exp(-g))
-    act = act.to(dt).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + cols, (act * u).to(dt), mask=mask)
+    tl.store(out_ptr + row * n_cols + cols, act_mul_rounded(g, u, dt, GELU_TANH, LIBDEVICE).to(dt), mask=mask)
 
 
 def act_mul(gate: torch.Tensor, up: torch.Tensor, act: str = "silu") -> torch.Tensor:

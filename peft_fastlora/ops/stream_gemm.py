@@ -16,6 +16,11 @@ puts the ticket back to zero for the next launch. The workspace (``StreamWorkspa
 caller's: launches that share one run one after another (under programmatic dependent launch every
 program waits for the previous kernel before it touches it).
 
+Two epilogues take a small kernel's work: ``add`` (a residual added to the first columns in
+float32 before the one rounding), and ``glu``, where the weight is a fused [gate; up] projection
+and each program computes both halves of its columns and stores ``act(gate) * up`` in
+``ops.silu_mul``'s roundings (no gate/up output, no activation kernel).
+
 Under PDL (``ops.pdl``) a program may run its preamble while the kernel before it finishes. Weights
 are never written during a step, so the preamble may read them: with ``PRELOAD`` the range's first
 weight tile, with ``PREFETCH`` a hint to the L2 for the first ``PREFETCH`` bytes of each weight
@@ -32,6 +37,7 @@ import triton.language as tl
 
 from ..kernel_support import interpreting
 from . import pdl
+from .silu_mul import ACTIVATIONS, act_mul_rounded
 
 
 @triton.jit
@@ -60,15 +66,31 @@ def _tile_dot(w, x, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _epilogue(acc, bias_ptr, add_ptr, offs_n, offs_m, n_ok, m_ok, N_ADD, stride_am,
+              HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr):
+    """``acc`` (BLOCK_N, BLOCK_M, float32) plus the bias and, on the first ``N_ADD`` columns, ``add``
+    (a residual): in float32, rounded once when stored."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    if HAS_ADD:
+        a_ptrs = add_ptr + offs_m.to(tl.int64)[None, :] * stride_am + offs_n[:, None]
+        acc += tl.load(a_ptrs, mask=(offs_n < N_ADD)[:, None] & m_ok[None, :], other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _stream_gemm_kernel(
     # pointers
-    x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, ticket_ptr,
-    # dimensions
-    M, N, K, K_PER_SPLIT,
-    # strides (unit stride on K for x and w, on N for y)
-    stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, bias_ptr, add_ptr, y_ptr, part_ptr, ticket_ptr,
+    # dimensions (N_ADD: the output columns ``add`` covers, the first ones)
+    M, N, K, K_PER_SPLIT, N_ADD,
+    # strides (unit stride on K for x and w, on N for y and add)
+    stride_xm, stride_wn, stride_ym, stride_am,
     # meta-parameters
     HAS_BIAS: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    GLU: tl.constexpr,  # 0: x @ w.T; 1 / 2: silu / gelu_tanh(x @ gate.T) * (x @ up.T), w = [gate; up], N rows each
+    LIBDEVICE: tl.constexpr,  # GELU-tanh's tanh from libdevice (not under the interpreter)
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K_PER_SPLIT and K multiples of BLOCK_K: no mask along K
@@ -95,6 +117,9 @@ def _stream_gemm_kernel(
         _bulk_prefetch(row_start.to(tl.pointer_type(tl.int8)),
                        tl.full((BLOCK_N,), PREFETCH, tl.int32))
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if GLU:  # up's rows, N below gate's (no split, no preload: the wrapper's rule)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        up_ptrs = w_ptrs + N * stride_wn
     k_start = k_lo
     if PRELOAD:  # the range's first weight tile, read before the wait (weights: no kernel writes them)
         w_first = _load_tile(w_ptrs, n_ok, offs_k, k_hi, EVEN_K)
@@ -108,13 +133,23 @@ def _stream_gemm_kernel(
         w = _load_tile(w_ptrs, n_ok, offs_k + (k - k_lo), k_hi, EVEN_K)
         x = _load_tile(x_ptrs, m_ok, offs_k + (k - k_lo), k_hi, EVEN_K)
         acc = _tile_dot(w, x, acc, UPCAST)
+        if GLU:
+            acc_up = _tile_dot(_load_tile(up_ptrs, n_ok, offs_k + (k - k_lo), k_hi, EVEN_K), x, acc_up, UPCAST)
+            up_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out_mask = n_ok[:, None] & m_ok[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-    if SPLIT_K == 1:
+    if GLU:
+        dt = y_ptr.dtype.element_ty
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            acc_up += tl.load(bias_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        gate = acc.to(dt).to(tl.float32)  # the gate and up outputs, rounded as the GEMM would store them
+        up = acc_up.to(dt).to(tl.float32)
+        tl.store(y_ptrs, act_mul_rounded(gate, up, dt, GLU == 2, LIBDEVICE).to(dt), mask=out_mask)
+    elif SPLIT_K == 1:
+        acc = _epilogue(acc, bias_ptr, add_ptr, offs_n, offs_m, n_ok, m_ok, N_ADD, stride_am, HAS_BIAS, HAS_ADD)
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
     else:
         # partials laid out (SPLIT_K, M, N); the last of the block's ranges to finish sums them
@@ -125,8 +160,8 @@ def _stream_gemm_kernel(
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(part + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            total = _epilogue(total, bias_ptr, add_ptr, offs_n, offs_m, n_ok, m_ok, N_ADD, stride_am, HAS_BIAS,
+                              HAS_ADD)
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(ticket, 0)
 
@@ -160,17 +195,19 @@ class StreamWorkspace:
 SHARED_BYTES = 220 * 1024  # what the pipeline's buffers may take of an SM's shared memory
 
 
-def _stages(config: StreamConfig, block_m: int, elem_bytes: int) -> int:
-    """The config's stages, fewer where its tiles of x and w (and the preloaded tile) would not fit
-    ``SHARED_BYTES``."""
-    per_stage = (block_m + config.block_n) * config.block_k * elem_bytes
+def _stages(config: StreamConfig, block_m: int, elem_bytes: int, glu: bool = False) -> int:
+    """The config's stages, fewer where its tiles of x and w (two of w with ``glu``; and the
+    preloaded tile) would not fit ``SHARED_BYTES``."""
+    per_stage = (block_m + config.block_n * (2 if glu else 1)) * config.block_k * elem_bytes
     return max(1, min(config.num_stages, SHARED_BYTES // per_stage - config.preload))
 
 
 def stream_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 out: Optional[torch.Tensor] = None, config: StreamConfig = StreamConfig(),
-                workspace: Optional[StreamWorkspace] = None, check: bool = True) -> torch.Tensor:
-    """``x @ w.T + bias`` (``F.linear``) through the weight-streaming kernel.
+                workspace: Optional[StreamWorkspace] = None, check: bool = True,
+                add: Optional[torch.Tensor] = None, glu: Optional[str] = None) -> torch.Tensor:
+    """``x @ w.T + bias`` (``F.linear``) through the weight-streaming kernel, plus ``add`` on the
+    first columns when given.
 
     Args:
         x: (M, K), unit stride on K.
@@ -180,6 +217,11 @@ def stream_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
         config: tiles, split-K, warps, stages and prefetch (``StreamConfig``).
         workspace: where a split-K launch keeps its partials (needed when ``config.split_k > 1``
             splits this K; ``StreamWorkspace``).
+        add: optional (M, N_add <= N), unit stride on N_add, not overlapping ``out``: added to the
+            first N_add output columns before the one rounding (a residual folded into the GEMM).
+        glu: optional activation of ``ops.silu_mul.ACTIVATIONS``: ``w`` (and ``bias``) stack gate's
+            rows over up's, 2 x N in all, and the output is ``act(x @ gate.T) * (x @ up.T)``, (M, N).
+            One K range, no preload, no ``add``.
     """
     if check:
         if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
@@ -194,14 +236,31 @@ def stream_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
             raise ValueError(f"config {config}: block_k a multiple of 16, block_n >= 16, split_k >= 1")
     m, k = x.shape
     n = w.shape[0]
+    if glu is not None:
+        if glu not in ACTIVATIONS or n % 2 or config.split_k != 1 or config.preload or add is not None:
+            raise ValueError(f"glu={glu!r} takes one of {ACTIVATIONS}, an even number of weight rows "
+                             f"({n}), split_k 1, no preload and no add")
+        n //= 2
+    if check and add is not None and (add.dim() != 2 or add.shape[0] != m or add.shape[1] > n
+                                      or add.stride(1) != 1 or add.dtype != x.dtype or add.device != x.device):
+        raise ValueError(f"add {tuple(add.shape)} {add.dtype}: expected ({m}, <= {n}) {x.dtype} on {x.device}, "
+                         "unit stride on its columns")
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif check and (out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x.dtype):
         raise ValueError(f"out {tuple(out.shape)} {out.dtype}: expected ({m}, {n}) {x.dtype}, unit stride on N")
     if m == 0 or n == 0:
         return out
+    if k == 0 and glu is not None:
+        return out.copy_(stream_gemm_reference(x, w, bias, glu=glu))
     if k == 0:
-        return out.copy_(bias.expand(m, n)) if bias is not None else out.zero_()
+        if bias is not None:
+            out.copy_(bias.expand(m, n))
+        else:
+            out.zero_()
+        if add is not None:
+            out[:, : add.shape[1]] += add
+        return out
     block_m = max(16, min(MAX_ROWS, triton.next_power_of_2(m)))
     # each range a whole number of tiles; ranges past K would be empty, so fewer are launched
     k_per = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
@@ -220,21 +279,33 @@ def stream_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
                 if aligned and x.is_cuda and not interpreting() else 0)
     use_pdl = pdl.mode(x)
     _stream_gemm_kernel[grid](
-        x, w, bias if bias is not None else w, out, part, ticket,
-        m, n, k, k_per, x.stride(0), w.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT_K=split,
+        x, w, bias if bias is not None else w, add if add is not None else w, out, part, ticket,
+        m, n, k, k_per, add.shape[1] if add is not None else 0,
+        x.stride(0), w.stride(0), out.stride(0), add.stride(0) if add is not None else 0,
+        HAS_BIAS=bias is not None, HAS_ADD=add is not None, GLU=0 if glu is None else 1 + ACTIVATIONS.index(glu),
+        LIBDEVICE=not interpreting(), SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0 and k_per % config.block_k == 0,
         PREFETCH=prefetch, PRELOAD=config.preload, UPCAST=x.dtype == torch.float32 or interpreting(),
         USE_PDL=use_pdl,
-        num_warps=config.num_warps, num_stages=_stages(config, block_m, x.element_size()),
+        num_warps=config.num_warps, num_stages=_stages(config, block_m, x.element_size(), glu is not None),
         launch_pdl=use_pdl > 0)
     return out
 
 
-def stream_gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """float32 ``x @ w.T + bias``, rounded once to x's dtype."""
+def stream_gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                          add: Optional[torch.Tensor] = None, glu: Optional[str] = None) -> torch.Tensor:
+    """float32 ``x @ w.T + bias (+ add on the first columns)``, rounded once to x's dtype; with
+    ``glu``, torch's ``act(gate) * up`` of those (``ops.silu_mul.act_mul_reference``)."""
+    if glu is not None:
+        from .silu_mul import act_mul_reference
+
+        both = stream_gemm_reference(x, w, bias)
+        n = both.shape[1] // 2
+        return act_mul_reference(both[:, :n], both[:, n:], glu)
     y = x.float() @ w.float().T
     if bias is not None:
         y = y + bias.float()
+    if add is not None:
+        y[:, : add.shape[1]] += add.float()
     return y.to(x.dtype)
