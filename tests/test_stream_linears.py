@@ -1,6 +1,8 @@
 """Which layers and which GEMMs ``base_ops.stream_linears`` sends to the weight-streaming kernel,
 on CPU (Triton's interpreter runs the kernel; ``test_stream_linears_gpu.py`` runs a model)."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,3 +136,152 @@ def test_patched_model_streams_its_decode_gemms_through_calls_and_an_adapter_cha
     assert after_calls >= on_calls  # the groups rebuilt for the new adapter still stream
     for m in model.modules():
         assert "forward" not in m.__dict__ or not isinstance(m, torch.nn.Linear), m
+
+
+def test_residual_rides_in_the_gemm_of_its_weight_only(monkeypatch):
+    """``expect_add``: the next kernel GEMM over that weight adds the residual (and ``took_add``
+    says so, once); a GEMM over another weight, or one that keeps F.linear, leaves it to the caller."""
+    monkeypatch.setattr(sl, "MIN_N", 16)
+    monkeypatch.setattr(sl, "MIN_K", 16)
+    streams = sl.StreamLinears(torch.device("cpu"))
+    w, other = (torch.randn(48, 64) / 8).bfloat16(), (torch.randn(48, 64) / 8).bfloat16()
+    x, residual = torch.randn(1, 3, 64).bfloat16(), torch.randn(1, 3, 48).bfloat16()
+    streams.expect_add(w, residual)
+    plain = streams.linear(x, other)  # another weight: no add
+    torch.testing.assert_close(plain.float(), F.linear(x.float(), other.float()), atol=3e-2, rtol=1.6e-2)
+    added = streams.linear(x, w)
+    want = F.linear(x.float(), w.float()) + residual.float()
+    torch.testing.assert_close(added.float(), want, atol=3e-2, rtol=1.6e-2)
+    assert streams.took_add() and not streams.took_add()
+    streams.expect_add(w, residual)
+    streams.linear(torch.randn(70, 64).bfloat16(), w)  # past MAX_ROWS: F.linear, nothing added
+    assert not streams.took_add()
+    streams.expect_add(w, residual)
+    torch.testing.assert_close(streams.linear(x, w).float(), want, atol=3e-2, rtol=1.6e-2)
+    streams.took_add()
+    torch.testing.assert_close(streams.linear(x, w).float(), F.linear(x.float(), w.float()), atol=3e-2,
+                               rtol=1.6e-2)  # forgotten after took_add
+
+
+def _fp32_streams(monkeypatch):
+    """The kernel's limits lifted so that the tiny float32 model's GEMMs take it (ieee dots under the
+    interpreter: tokens compare with PEFT's exactly)."""
+    monkeypatch.setattr(sl, "MIN_N", 16)
+    monkeypatch.setattr(sl, "MIN_K", 16)
+    monkeypatch.setattr(sl, "_DTYPES", (torch.float32, torch.bfloat16, torch.float16))
+
+
+def _same_decode(got, want):
+    """PEFT's tokens, and its logits to float32 rounding (tokens alone would miss a wrong MLP term:
+    a tiny random model's MLP moves its logits too little to change every argmax)."""
+    assert torch.equal(got.sequences, want.sequences)
+    a, b = torch.stack(got.logits).float(), torch.stack(want.logits).float()
+    assert (a - b).abs().max() <= 1e-4 * b.abs().max(), (a - b).abs().max()
+
+
+def test_patched_model_folds_each_mlp_residual_add_into_down(monkeypatch):
+    """Through emulated graphs, every decode step's layers take the residual in down_proj's GEMM
+    (folded LoRA and not, rows on no adapter included), and the tokens equal PEFT's mixed batch
+    with the fold on and off."""
+    import peft_fastlora as fastlora
+    from _models import left_padded_batch, tiny_peft_llama
+
+    _fp32_streams(monkeypatch)
+    model = tiny_peft_llama()
+    batch, names = left_padded_batch([5, 9, 3], seed=3), ["a", "__base__", "b"]
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(**batch, adapter_names=names, **kwargs)
+    took = []
+    original = sl.StreamLinears.took_add
+
+    def counting(self):
+        took.append(original(self))
+        return took[-1]
+
+    monkeypatch.setattr(sl.StreamLinears, "took_add", counting)
+    for fold in (True, False):
+        took.clear()
+        fastlora.patch(model, stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, cuda_graphs="emulate")
+        try:
+            fastlora.get_state(model).base_ops.stream.epilogue_folds = fold
+            with torch.no_grad():
+                got = model.generate(**batch, adapter_names=names, **kwargs)
+        finally:
+            fastlora.unpatch(model)
+        _same_decode(got, want)
+        layers = model.config.num_hidden_layers
+        if fold:  # the prefill's 3 x 9 rows and more fit MAX_ROWS too: every forward's layers folded
+            assert len(took) >= layers * 5 and all(took), took
+        else:
+            assert not took
+    assert not any("_fastlora_stream" in m.__dict__ for m in model.modules())
+
+
+def test_dora_down_keeps_the_separate_add(monkeypatch):
+    """A DoRA adapter on down_proj rescales the base output: the residual is not folded into it."""
+    import peft_fastlora as fastlora
+
+    _fp32_streams(monkeypatch)
+    model = get_peft_model(tiny_llama(0), LoraConfig(r=4, target_modules=["down_proj"], use_dora=True))
+    report = fastlora.patch(model, stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, cuda_graphs="emulate")
+    try:
+        state = fastlora.get_state(model)
+        layer = model.base_model.model.model.layers[0]
+        if state.base_ops.stream is None:
+            pytest.skip(f"stream_gemm not installed: {report}")
+        assert layer.__dict__.get("_fastlora_stream") is state.base_ops.stream
+        assert state.base_ops.stream.residual_target(layer) is None
+    finally:
+        fastlora.unpatch(model)
+
+
+def test_plain_gate_up_gives_the_activation_from_one_gemm_until_an_adapter_wraps_it(monkeypatch):
+    """Adapters on q/v/o/down only: each MLP's gate/up is a plain fused group, and decode steps take
+    ``act(gate) * up`` from one GEMM (no act-mul kernel); tokens equal PEFT's. An adapter added on
+    gate/up wraps them in LoRA layers: the MLP calls them again (their deltas count), still PEFT's
+    tokens."""
+    import peft_fastlora as fastlora
+    from _models import LLAMA_LIKE_ALL, left_padded_batch
+
+    silu_ops = importlib.import_module("peft_fastlora.ops.silu_mul")  # (the package exports a function so named)
+    _fp32_streams(monkeypatch)
+    base = tiny_llama(0, vocab_size=128)
+    base.generation_config.eos_token_id = None
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj",
+                                                                              "down_proj"],
+                                            init_lora_weights=False), adapter_name="a").eval()
+    batch, names = left_padded_batch([4, 7], seed=5), ["a", "__base__"]
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    glu_calls = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
+    act_calls = count_calls(monkeypatch, silu_ops, ["act_mul"])
+    with torch.no_grad():
+        want = model.generate(**batch, adapter_names=names, **kwargs)
+    seen = []
+    original = sl.StreamLinears.gated
+
+    def gated(self, *args):
+        out = original(self, *args)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(sl.StreamLinears, "gated", gated)
+    fastlora.patch(model, stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, fuse=True, cuda_graphs="emulate")
+    try:
+        with torch.no_grad():
+            got = model.generate(**batch, adapter_names=names, **kwargs)
+            _same_decode(got, want)
+            assert seen and all(seen), seen
+            assert act_calls["act_mul"] == 0 and glu_calls["stream_gemm"] > 0
+            model.add_adapter("g", LoraConfig(r=2, lora_alpha=2, target_modules=LLAMA_LIKE_ALL,
+                                              init_lora_weights=False))
+            seen.clear()
+            names = ["g", "a"]
+            got = model.generate(**batch, adapter_names=names, **kwargs)
+    finally:
+        fastlora.unpatch(model)
+    with torch.no_grad():
+        want = model.generate(**batch, adapter_names=names, **kwargs)
+    _same_decode(got, want)
+    assert not any(seen)  # (the wrapped members: the MLP's own path)
+    assert not any("_fastlora_gated" in m.__dict__ for m in model.modules())

@@ -39,6 +39,20 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def _count_folds(monkeypatch):
+    """What each decoder layer's ``took_add`` answered (the residual folded into down's GEMM or not)."""
+    import peft_fastlora.base_ops.stream_linears as sl
+
+    seen, original = [], sl.StreamLinears.took_add
+
+    def took_add(self):
+        seen.append(original(self))
+        return seen[-1]
+
+    monkeypatch.setattr(sl.StreamLinears, "took_add", took_add)
+    return seen
+
+
 def test_decode_sized_forward_as_close_to_peft_as_cublas(model, monkeypatch):
     """bf16 logits of an 8B-wide model carry about 1% of rounding against PEFT's whatever the GEMM:
     the kernel's must be no further from PEFT's than fastlora's with cuBLAS (a wrong tile, range or
@@ -52,6 +66,7 @@ def test_decode_sized_forward_as_close_to_peft_as_cublas(model, monkeypatch):
             report = fastlora.patch(model, stream_gemm=on)
             try:
                 calls = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
+                folds = _count_folds(monkeypatch)
                 outs[on] = model(input_ids=ids, adapter_names=NAMES).logits
             finally:
                 fastlora.unpatch(model)
@@ -60,6 +75,7 @@ def test_decode_sized_forward_as_close_to_peft_as_cublas(model, monkeypatch):
                 assert "decode GEMMs streamed: fused groups and" in str(report), report
                 # q/k/v and gate/up groups, o and down of both layers; the LM head keeps cuBLAS
                 assert calls["stream_gemm"] >= 8, calls
+                assert folds == [True, True], folds  # both layers' MLP residual add rode in down's GEMM
             else:
                 assert calls["stream_gemm"] == 0, calls
     assert _rel(ref, base) > 1e-2  # the adapters matter, so the comparison below means something
@@ -95,6 +111,53 @@ def test_generate_through_graphs_as_close_to_peft_as_cublas(model, lengths):
         if not (torch.equal(seqs[0], seqs[1]) and torch.equal(seqs[0], seqs[2])):
             break
         ref = results["peft"].logits[step]
+        err_on, err_off = _rel(results[True].logits[step], ref), _rel(results[False].logits[step], ref)
+        assert err_on < 1.5 * err_off + 2e-3 and err_on < 3e-2, (step, err_on, err_off)
+        compared += 1
+    assert compared >= 2
+
+
+def test_base_model_gate_up_and_activation_in_one_gemm_as_close_to_hf_as_cublas(monkeypatch):
+    """No adapters: each MLP's gate/up pair is a plain fused group, and the graphs' decode steps take
+    ``act(gate) * up`` from one streaming GEMM (no act-mul kernel) and fold the residual into down;
+    logits against transformers' own eager decode, no further from it than fastlora with cuBLAS."""
+    import peft_fastlora.base_ops.stream_linears as sl
+
+    base = tiny_llama(4, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128).to("cuda", torch.bfloat16).eval()
+    base.generation_config.eos_token_id = None
+    batch = {k: v.cuda() for k, v in left_padded_batch([5, 9, 3], seed=7).items()}
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    seen, original = [], sl.StreamLinears.gated
+
+    def gated(self, *args):
+        out = original(self, *args)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(sl.StreamLinears, "gated", gated)
+    folds = _count_folds(monkeypatch)
+    results = {}
+    with torch.no_grad():
+        results["hf"] = base.generate(**batch, **kw)
+        for on in (True, False):
+            fastlora.patch(base, stream_gemm=on)
+            try:
+                results[on] = base.generate(**batch, **kw)
+            finally:
+                fastlora.unpatch(base)
+            if on:
+                assert seen and all(seen), seen
+                assert folds and all(folds), folds
+            else:
+                assert not seen and not folds
+    width = batch["input_ids"].shape[1]
+    compared = 0
+    for step in range(10):
+        seqs = [results[k].sequences[:, width:width + step] for k in ("hf", True, False)]
+        if not (torch.equal(seqs[0], seqs[1]) and torch.equal(seqs[0], seqs[2])):
+            break
+        ref = results["hf"].logits[step]
         err_on, err_off = _rel(results[True].logits[step], ref), _rel(results[False].logits[step], ref)
         assert err_on < 1.5 * err_off + 2e-3 and err_on < 3e-2, (step, err_on, err_off)
         compared += 1

@@ -22,7 +22,7 @@ from .attention_registry import disable_decode_attention, enable_decode_attentio
 from .fused_linears import PlainFusedGroup, install_fused_linears
 from .install import remove_instance_forwards
 from .layer_forwards import install_decoder_layers
-from .mlp_forwards import install_gated_mlps
+from .mlp_forwards import activation_kind, has_gated_forward, install_gated_mlps
 from .norm_forwards import install_norms
 from .rotary_forwards import install_rotary
 from .stream_linears import StreamLinears, supported_device
@@ -53,6 +53,8 @@ class BaseOps:
             remove_instance_forwards(modules)
         for g in self.fused_groups:
             g.remove()
+        if self.stream is not None:
+            self.stream.remove()
         self.installed, self.fused_groups, self.stream = {}, [], None
 
 
@@ -82,7 +84,9 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
     else:
         why = enable_decode_attention(model)
         ops.decode_attention = "on" if why is None else f"off ({why})"
-    if options.fuse and on_cuda:
+    # the CPU under Triton's interpreter with stream_gemm=True: the kernel's model path in the CPU tests
+    interpreted_stream = options.stream_gemm is True and device.type == "cpu" and interpreting()
+    if options.fuse and (on_cuda or interpreted_stream):
         done, skipped, ops.fused_groups = install_fused_linears(model)
         ops.installed["fuse_base"] = done
         ops.skipped.extend(("fuse", group, why) for group, why in skipped)
@@ -106,13 +110,17 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
             ops.off[option] = f"{option}=False" if value is False else why_not
     value = options.stream_gemm
     hopper = on_cuda and supported_device(device)
-    # True on the CPU under Triton's interpreter: the kernel's model path in the CPU tests
-    if (value is True and (on_cuda or (device.type == "cpu" and interpreting()))) or (
+    if (value is True and (on_cuda or interpreted_stream)) or (
             value == "auto" and graphed and hopper):
         ops.stream = StreamLinears(device)
         ops.installed["stream_gemm"] = ops.stream.install(model)
         for g in ops.fused_groups:
             g.group.gemm = ops.gemm
+            parent = model.get_submodule(g.group.parent_name) if g.group.kind == "gate_up" else None
+            if parent is not None and has_gated_forward(parent):
+                ops.stream.fold_gated(parent, g.gated(parent, ops.stream, activation_kind(parent.act_fn)))
+        ops.stream.fold_residuals([(n, m) for n, m in ops.installed.get("fuse_add_norm", ())
+                                   if not hasattr(m, "pre_feedforward_layernorm")])  # (Gemma 2's: a norm after)
     else:
         ops.off["stream_gemm"] = ("stream_gemm=False" if value is False else "the model is not on CUDA" if not on_cuda
                                   else "not a Hopper GPU (the tiles were chosen on one)" if not hopper

@@ -42,6 +42,21 @@ class PlainFusedGroup:
         if self.group.weight is not None:
             self.group.unfuse()
 
+    def gated(self, mlp: nn.Module, stream, act: str):
+        """For the gate/up group of ``mlp``: ``x -> act(gate(x)) * up(x)`` in one GEMM of ``stream``
+        (``StreamLinears.gated``), or None where it does not apply (the MLP calls its members:
+        when they are no longer this group's plain layers, say wrapped by a new LoRA adapter)."""
+        group = self.group
+
+        def forward(x):
+            if (torch.is_grad_enabled() and x.requires_grad) or not group.is_intact() \
+                    or mlp.gate_proj is not group.members[0] or mlp.up_proj is not group.members[1] \
+                    or any(has_forward_hooks(m) for m in group.members):
+                return None
+            return stream.gated(x, group.weight, group.bias, act)
+
+        return forward
+
     def _forward_of(self, i: int):
         def forward(module, x):
             kept = self._kept

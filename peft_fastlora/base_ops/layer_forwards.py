@@ -110,8 +110,16 @@ def _make_forward(defaults: Dict[str, object], original):
             hidden_states = residual + hidden_states
             residual = hidden_states
             hidden_states = norm(hidden_states)
-        hidden_states = self.mlp(hidden_states)
-        return residual + hidden_states
+        stream = self.__dict__.get("_fastlora_stream")  # the residual add in down_proj's GEMM (stream_linears)
+        target = None if stream is None else stream.residual_target(self)
+        if target is None:
+            return residual + self.mlp(hidden_states)
+        stream.expect_add(target, residual)
+        try:
+            hidden_states = self.mlp(hidden_states)
+        finally:
+            took = stream.took_add()
+        return hidden_states if took else residual + hidden_states
 
     return fast_forward
 

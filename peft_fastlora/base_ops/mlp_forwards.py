@@ -69,6 +69,10 @@ def _forward_with(act: str):
     def forward(self, x):
         from ..ops.silu_mul import act_mul
 
+        gated = self.__dict__.get("_fastlora_gated")  # gate/up and the activation in one GEMM (stream_linears)
+        hidden = None if gated is None else gated(x)
+        if hidden is not None:
+            return self.down_proj(hidden)
         gate = self.gate_proj(x)
         up = self.up_proj(x)
         hidden = act_mul(gate, up, act) if _kernel_applies(gate, up) else self.act_fn(gate) * up
@@ -79,6 +83,12 @@ def _forward_with(act: str):
 
 
 _FORWARDS = {"silu": _forward_with("silu"), "gelu_tanh": _forward_with("gelu_tanh")}
+
+
+def has_gated_forward(mlp: nn.Module) -> bool:
+    """Whether ``mlp`` runs this module's forward: ``down_proj(act(gate) * up)``, nothing after it."""
+    forward = mlp.__dict__.get("forward")
+    return getattr(forward, "__func__", None) in _FORWARDS.values()
 
 
 def install_gated_mlps(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]]]:

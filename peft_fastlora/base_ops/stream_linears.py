@@ -18,6 +18,16 @@ capability 9 (``supported_device``: the tiles were chosen on an H200).
 Two kinds of callers: the fused groups (``FusedGroup.gemm``: q/k/v, gate/up, a folded site's
 ``[W; A]``) and the model's other plain ``nn.Linear`` layers (o_proj, down_proj, the base layers
 of their LoRA layers), which get it as an instance forward (``StreamLinears.install``).
+
+A decoder layer's residual add after its MLP can ride in down_proj's GEMM (``fold_residuals``):
+the layer names the residual and down's weight before calling the MLP (``expect_add``); the
+kernel's epilogue adds it where that weight's GEMM takes the kernel, and the layer adds it itself
+where it did not (``took_add``). Only where everything after down's base GEMM adds to its output:
+a plain down_proj, or a LoRA layer with plain LoRA adapters (PEFT's and fastlora's paths both add
+the delta to the base output; DoRA and other variants rescale it, so they keep the separate add).
+
+A gated MLP whose gate/up pair is a plain fused group (no LoRA on either) takes ``act(gate) * up``
+from one GEMM over the fused weight (``gated``, the kernel's ``glu`` epilogue) where it applies.
 """
 
 from __future__ import annotations
@@ -31,10 +41,12 @@ from torch import nn
 from .._compat import base_layer_of, has_forward_hooks, is_dtensor, is_lora_layer
 from ..lora.fusion import FUSIBLE_GROUPS
 from .install import set_instance_forward
+from .mlp_forwards import has_gated_forward
 
 MAX_ROWS = 64
 MIN_N, MAX_N = 4096, 65536
 MIN_K = 2048  # the shallowest reduction measured (a 1B model's gate/up); shallower ones keep cuBLAS
+EPILOGUE_FOLDS = True  # the residual add and the gated activation in GEMM epilogues (off: benchmarks' A/B)
 SPLIT_MAX_N = 16384  # widest layer a split-K launch covers (wider ones need no split)
 _DTYPES = (torch.bfloat16, torch.float16)
 _hopper: Dict[int, bool] = {}
@@ -84,17 +96,31 @@ class StreamLinears:
         # two K ranges of at most MAX_ROWS rows of the widest layer that splits, a ticket per tile
         self.workspace = StreamWorkspace(device, 2 * MAX_ROWS * SPLIT_MAX_N, SPLIT_MAX_N // 64)
         self.modules: List[Tuple[str, nn.Module]] = []
+        self.epilogue_folds = EPILOGUE_FOLDS
+        self._streamed: set = set()  # ids of the modules with the instance forward
+        self._folding: List[nn.Module] = []  # decoder layers told to fold their residual add
+        self._add: Optional[Tuple[int, torch.Tensor]] = None  # (down weight's address, residual)
+        self._added = False
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)``, through the streaming kernel where it applies (module doc)."""
+    def _rows(self, x, weight, bias) -> int:
+        """The rows of ``x`` where ``x @ weight.T`` takes the kernel (module doc), else 0."""
         n, k = weight.shape if weight.dim() == 2 else (0, 0)
-        rows = x.numel() // k if k and x.dim() and x.shape[-1] == k else MAX_ROWS + 1
+        rows = x.numel() // k if k and x.dim() and x.shape[-1] == k else 0
         if (rows > MAX_ROWS or rows == 0 or not MIN_N <= n <= MAX_N or k < MIN_K or k % 8 or x.dtype not in _DTYPES
                 or weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1))
                 or weight.stride(1) != 1 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
                 or x.device != self.device or weight.device != self.device or (self.skip is not None and self.skip())):
+            return 0
+        return rows
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``, through the streaming kernel where it applies (module doc)."""
+        rows = self._rows(x, weight, bias)
+        if not rows:
             return F.linear(x, weight, bias)
         from ..ops.stream_gemm import stream_gemm
+
+        n, k = weight.shape
 
         config = _config(rows, n, k)
         if config.split_k > 1 and n > SPLIT_MAX_N:
@@ -102,8 +128,80 @@ class StreamLinears:
         x2 = x.reshape(rows, k)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        out = stream_gemm(x2, weight, bias, config=config, workspace=self.workspace, check=False)
+        add = self._take_add(weight, rows, n, x.dtype)
+        out = stream_gemm(x2, weight, bias, config=config, workspace=self.workspace, check=False, add=add)
         return out.view(*x.shape[:-1], n)
+
+    def gated(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], act: str
+              ) -> Optional[torch.Tensor]:
+        """``act(gate) * up`` for a fused [gate; up] ``weight`` in one kernel GEMM, or None where the
+        kernel does not take it (the caller runs its own GEMM and activation)."""
+        rows = self._rows(x, weight, bias) if self.epilogue_folds else 0
+        if not rows or weight.shape[0] % 2:
+            return None
+        from ..ops.stream_gemm import StreamConfig, stream_gemm
+
+        n, k = weight.shape[0] // 2, weight.shape[1]
+        x2 = x.reshape(rows, k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        # half-width tiles: a program's two weight tiles (gate's and up's) stream what one full tile would
+        config = StreamConfig(block_n=64, block_k=128, num_warps=8, num_stages=4)
+        out = stream_gemm(x2, weight, bias, config=config, check=False, glu=act)
+        return out.view(*x.shape[:-1], n)
+
+    def fold_gated(self, mlp: nn.Module, gated: Callable) -> None:
+        """Give ``mlp`` (a gated MLP forward of ``mlp_forwards``) its one-GEMM gate/up and activation."""
+        mlp._fastlora_gated = gated
+        self._folding.append(mlp)
+
+    # -- the residual add in down_proj's GEMM ----------------------------------------------------
+    def expect_add(self, weight: torch.Tensor, residual: torch.Tensor) -> None:
+        """The next GEMM over ``weight`` (its address: a folded ``[W; A]`` starts with W) that takes
+        the kernel adds ``residual`` to its first columns."""
+        self._add, self._added = (weight.data_ptr(), residual), False
+
+    def took_add(self) -> bool:
+        """Whether a GEMM added the residual since ``expect_add``; forgets it either way."""
+        took, self._add, self._added = self._added, None, False
+        return took
+
+    def _take_add(self, weight, rows, n, dtype) -> Optional[torch.Tensor]:
+        if self._add is None or self._add[0] != weight.data_ptr():
+            return None
+        residual = self._add[1]
+        width = residual.shape[-1] if residual.dim() else 0
+        if residual.dtype != dtype or residual.device != self.device or width > n or residual.numel() != rows * width:
+            return None
+        self._add, self._added = None, True
+        add = residual.reshape(rows, width)
+        return add if add.stride(1) == 1 else add.contiguous()
+
+    def residual_target(self, layer: nn.Module) -> Optional[torch.Tensor]:
+        """down_proj's base weight where ``layer``'s MLP may fold the residual (module doc), else None."""
+        mlp = getattr(layer, "mlp", None)
+        if not self.epilogue_folds or mlp is None or not has_gated_forward(mlp):
+            return None
+        down = getattr(mlp, "down_proj", None)
+        if is_lora_layer(down):
+            if any(getattr(down, "use_dora", {}).values()) or getattr(down, "lora_variant", None):
+                return None
+            down = base_layer_of(down)
+        if id(down) not in self._streamed or "forward" not in down.__dict__:
+            return None
+        return down.weight
+
+    def fold_residuals(self, layers: List[Tuple[str, nn.Module]]) -> None:
+        """Let these decoder layers (Llama-family fast forwards) fold their MLP's residual add."""
+        for _, layer in layers:
+            layer._fastlora_stream = self
+            self._folding.append(layer)
+
+    def remove(self) -> None:
+        for m in self._folding:
+            m.__dict__.pop("_fastlora_stream", None)
+            m.__dict__.pop("_fastlora_gated", None)
+        self._folding = []
 
     def install(self, root: nn.Module) -> List[Tuple[str, nn.Module]]:
         """Give ``linear`` as an instance forward to every plain ``nn.Linear`` under ``root`` that is
@@ -130,4 +228,5 @@ class StreamLinears:
                 continue
             set_instance_forward(m, forward)
             self.modules.append((name, m))
+            self._streamed.add(id(m))
         return self.modules
