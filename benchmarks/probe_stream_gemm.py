@@ -39,6 +39,10 @@ SWEEP = [(64, 128, 1, 4, 6, 0, False), (64, 128, 1, 4, 8, 0, False), (64, 64, 1,
          (128, 128, 1, 8, 4, 0, False), (16, 512, 1, 4, 4, 0, False), (16, 256, 1, 4, 6, 0, True),
          (64, 128, 2, 4, 6, 0, True), (128, 128, 2, 8, 4, 0, True), (64, 256, 4, 4, 4, 0, False),
          (128, 128, 4, 8, 4, 0, True)]
+# the gate/up GEMM with the activation in its epilogue (``glu``): half-width tiles, gate's and up's
+GLU_SWEEP = [(64, 128, 1, 8, 4, 0, False), (64, 128, 1, 4, 4, 0, False), (64, 128, 1, 8, 3, 0, False),
+             (64, 64, 1, 4, 6, 0, False), (32, 128, 1, 4, 6, 0, False), (32, 256, 1, 4, 3, 0, False),
+             (128, 64, 1, 8, 3, 0, False)]
 # the read bound: a kernel that only streams the weight (sums each row), at these tiles
 READ_TILES = [(64, 128, 4, 6), (32, 256, 4, 4), (16, 512, 4, 4)]
 
@@ -72,6 +76,9 @@ def main(argv=None):
     p.add_argument("--sites", nargs="+", default=list(SITES))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): each sweep config on a tiny shape")
+    p.add_argument("--glu", action="store_true",
+                   help="gate/up only, after a norm: the GEMM then act-mul (cuBLAS, the library's streaming tile) "
+                        "against the activation in the GEMM's epilogue (GLU_SWEEP)")
     args = p.parse_args(argv)
     if args.smoke:
         x, w = torch.randn(3, 96), torch.randn(40, 96)
@@ -81,11 +88,19 @@ def main(argv=None):
         sums = torch.empty(40)
         read_bound(w, sums, (16, 32, 4, 2))
         torch.testing.assert_close(sums, w.sum(1), rtol=1e-4, atol=1e-4)
-        print("smoke: every sweep config equals x @ w.T, the read bound sums the rows")
+        wg = torch.randn(80, 96)
+        for c in GLU_SWEEP:
+            cfg = StreamConfig(*c)._replace(block_k=min(c[1], 32))
+            torch.testing.assert_close(stream_gemm(x, wg, config=cfg, glu="silu"),
+                                       F.silu(x @ wg[:40].T) * (x @ wg[40:].T), rtol=1e-4, atol=1e-4)
+        print("smoke: every sweep config equals x @ w.T (and the GLU sweep act(gate) * up), the read bound sums "
+              "the rows")
         return 0
     from bench_kernels import capture, timer_and_bandwidth
 
     timer, bw = timer_and_bandwidth(args.iters)
+    if args.glu:
+        return glu_sweep(args, timer, bw, capture)
     rows = []
     for site in args.sites:
         k, n = SITES[site]
@@ -153,6 +168,57 @@ def main(argv=None):
         torch.cuda.empty_cache()
         bg.write_out(rows, args.out)  # after each site: what ran is kept if a later one fails
     return 0
+
+
+def glu_sweep(args, timer, bw, capture):
+    """gate/up after a norm, 32 layers' weights in one graph: the GEMM then ``act_mul`` against
+    ``stream_gemm(glu="silu")``; microseconds per layer, the weight's bytes over that time."""
+    from peft_fastlora.base_ops.stream_linears import _config
+    from peft_fastlora.ops.silu_mul import act_mul
+
+    k, n2 = SITES["gate_up"]
+    n = n2 // 2
+    ws = [torch.randn(n2, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(LAYERS)]
+    norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    for bs in args.batches:
+        x = torch.randn(bs, k, device="cuda", dtype=torch.bfloat16)
+        both = [torch.empty(bs, n2, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+        outs = [torch.empty(bs, n, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+        ref = act_mul(*F.linear(x, ws[0]).split(n, dim=1), "silu").float()
+        lib = _config(bs, n2, k)
+
+        def unfused(gemm):
+            return lambda a, w, o, t: act_mul(*gemm(a, w, t).split(n, dim=1), "silu")
+
+        impls = [("cublas+act_mul", unfused(lambda a, w, t: torch.matmul(a, w.T, out=t))),
+                 ("stream+act_mul", unfused(lambda a, w, t: stream_gemm(a, w, out=t, config=lib, check=False)))]
+        impls += [("glu_n{}_k{}_w{}_st{}".format(c[0], c[1], c[3], c[4]),
+                   lambda a, w, o, t, cfg=StreamConfig(*c): stream_gemm(a, w, out=o, config=cfg, check=False, glu="silu"))
+                  for c in GLU_SWEEP]
+        times = {}
+        for name, fn1 in impls:
+            try:
+                err = (fn1(x, ws[0], outs[0], both[0]).float() - ref).abs().max().item()
+                if err > 0.05:
+                    print(f"glu {name} b{bs}: max error {err}", flush=True)
+                    continue
+                g = capture(lambda: [fn1(rms_norm(x, norm_w, 1e-5), w, o, t) for w, o, t in zip(ws, outs, both)])
+            except Exception as e:  # a tile that does not fit is no candidate
+                print(f"glu {name} b{bs}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            times[name] = timer(g.replay) / LAYERS
+            del g
+        for name, us in times.items():
+            rows.append(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                             triton=__import__("triton").__version__, site="gate_up_act", n=n2, k=k, batch=bs,
+                             chain="after_norm", impl=name, us=round(us, 2),
+                             of_copy_bw=round(n2 * k * 2 / (us * 1e-6) / bw, 3),
+                             vs_cublas=round(us / times["cublas+act_mul"], 3) if "cublas+act_mul" in times else ""))
+        best = min(times, key=times.get)
+        print(f"gate_up+act b{bs:<3d} cublas+act_mul {times.get('cublas+act_mul', 0):7.2f} us, stream+act_mul "
+              f"{times.get('stream+act_mul', 0):7.2f} us, best {best} {times[best]:7.2f} us", flush=True)
+    return bg.write_out(rows, args.out)
 
 
 if __name__ == "__main__":
