@@ -85,7 +85,8 @@ def test_residual_added_in_the_epilogue(config, m, n_add):
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("m", [1, 16, 33, 64])
-@pytest.mark.parametrize("config", [StreamConfig(64, 128, 1, 8, 4), StreamConfig(32, 256, 1, 4, 3)], ids=_ids)
+@pytest.mark.parametrize("config", [StreamConfig(64, 128, 1, 4, 4), StreamConfig(64, 128, 1, 8, 4),
+                                    StreamConfig(32, 256, 1, 4, 3)], ids=_ids)
 def test_glu_at_the_gate_up_shape(act, m, config):
     """``glu``: 8B's fused gate/up (2 x 14,336 rows), bf16, against the float32 GEMM through torch's
     activation, and against the library's GEMM then ``act_mul`` (the path it replaces)."""

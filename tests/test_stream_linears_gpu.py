@@ -141,6 +141,8 @@ def test_base_model_gate_up_and_activation_in_one_gemm_as_close_to_hf_as_cublas(
     with torch.no_grad():
         results["hf"] = base.generate(**batch, **kw)
         for on in (True, False):
+            seen.clear()
+            folds.clear()
             fastlora.patch(base, stream_gemm=on)
             try:
                 results[on] = base.generate(**batch, **kw)

@@ -145,8 +145,8 @@ class StreamLinears:
         x2 = x.reshape(rows, k)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        # half-width tiles: a program's two weight tiles (gate's and up's) stream what one full tile would
-        config = StreamConfig(block_n=64, block_k=128, num_warps=8, num_stages=4)
+        # half-width tiles, gate's and up's: the best of probe_stream_gemm.py --glu at 1-64 rows
+        config = StreamConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
         out = stream_gemm(x2, weight, bias, config=config, check=False, glu=act)
         return out.view(*x.shape[:-1], n)
 
