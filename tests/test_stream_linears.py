@@ -2,6 +2,7 @@
 on CPU (Triton's interpreter runs the kernel; ``test_stream_linears_gpu.py`` runs a model)."""
 
 import importlib
+import threading
 
 import pytest
 import torch
@@ -139,8 +140,9 @@ def test_patched_model_streams_its_decode_gemms_through_calls_and_an_adapter_cha
 
 
 def test_residual_rides_in_the_gemm_of_its_weight_only(monkeypatch):
-    """``expect_add``: the next kernel GEMM over that weight adds the residual (and ``took_add``
-    says so, once); a GEMM over another weight, or one that keeps F.linear, leaves it to the caller."""
+    """``expect_add``: the next kernel GEMM over that weight on this thread adds the residual (and
+    ``took_add`` says so, once); a GEMM over another weight, one that keeps F.linear, or one on
+    another thread leaves it to the caller."""
     monkeypatch.setattr(sl, "MIN_N", 16)
     monkeypatch.setattr(sl, "MIN_K", 16)
     streams = sl.StreamLinears(torch.device("cpu"))
@@ -161,6 +163,15 @@ def test_residual_rides_in_the_gemm_of_its_weight_only(monkeypatch):
     streams.took_add()
     torch.testing.assert_close(streams.linear(x, w).float(), F.linear(x.float(), w.float()), atol=3e-2,
                                rtol=1.6e-2)  # forgotten after took_add
+    streams.expect_add(w, residual)  # another thread's GEMM over the same weight does not take it
+    other_thread = []
+    worker = threading.Thread(target=lambda: other_thread.append((streams.linear(x, w), streams.took_add())))
+    worker.start()
+    worker.join()
+    torch.testing.assert_close(other_thread[0][0].float(), F.linear(x.float(), w.float()), atol=3e-2, rtol=1.6e-2)
+    assert not other_thread[0][1]
+    torch.testing.assert_close(streams.linear(x, w).float(), want, atol=3e-2, rtol=1.6e-2)
+    assert streams.took_add()
 
 
 def _fp32_streams(monkeypatch):

@@ -32,6 +32,7 @@ from one GEMM over the fused weight (``gated``, the kernel's ``glu`` epilogue) w
 
 from __future__ import annotations
 
+import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -99,8 +100,9 @@ class StreamLinears:
         self.epilogue_folds = EPILOGUE_FOLDS
         self._streamed: set = set()  # ids of the modules with the instance forward
         self._folding: List[nn.Module] = []  # decoder layers told to fold their residual add
-        self._add: Optional[Tuple[int, torch.Tensor]] = None  # (down weight's address, residual)
-        self._added = False
+        # the residual a decoder layer is folding: (down weight's address, residual, taken), per thread
+        # (a forward on another thread, say the continuous-batching engine's, never takes this one's)
+        self._pending = threading.local()
 
     def _rows(self, x, weight, bias) -> int:
         """The rows of ``x`` where ``x @ weight.T`` takes the kernel (module doc), else 0."""
@@ -159,21 +161,23 @@ class StreamLinears:
     def expect_add(self, weight: torch.Tensor, residual: torch.Tensor) -> None:
         """The next GEMM over ``weight`` (its address: a folded ``[W; A]`` starts with W) that takes
         the kernel adds ``residual`` to its first columns."""
-        self._add, self._added = (weight.data_ptr(), residual), False
+        self._pending.add, self._pending.added = (weight.data_ptr(), residual), False
 
     def took_add(self) -> bool:
         """Whether a GEMM added the residual since ``expect_add``; forgets it either way."""
-        took, self._add, self._added = self._added, None, False
+        took = getattr(self._pending, "added", False)
+        self._pending.add, self._pending.added = None, False
         return took
 
     def _take_add(self, weight, rows, n, dtype) -> Optional[torch.Tensor]:
-        if self._add is None or self._add[0] != weight.data_ptr():
+        pending = getattr(self._pending, "add", None)
+        if pending is None or pending[0] != weight.data_ptr():
             return None
-        residual = self._add[1]
+        residual = pending[1]
         width = residual.shape[-1] if residual.dim() else 0
         if residual.dtype != dtype or residual.device != self.device or width > n or residual.numel() != rows * width:
             return None
-        self._add, self._added = None, True
+        self._pending.add, self._pending.added = None, True
         add = residual.reshape(rows, width)
         return add if add.stride(1) == 1 else add.contiguous()
 
