@@ -29,6 +29,8 @@ class PatchReport:
     fused_mlps: int = 0  # gated MLPs whose silu(gate) * up is one kernel
     fused_base_groups: int = 0  # q/k/v and gate/up siblings without LoRA computed by one GEMM
     stream_gemm_layers: int = 0  # plain linear layers whose decode GEMMs the streaming kernel runs
+    stream_residual_layers: int = 0  # decoder layers whose MLP residual add may ride in down's streaming GEMM
+    stream_gated_mlps: int = 0  # gated MLPs whose plain gate/up GEMM gives act(gate) * up
     cuda_graphs: str = "off"  # "on", "emulated", or "off (why)"
     stop_check: str = "per step"  # with graphs on: "deferred" (read one step late on CUDA) or "per step (why)"
     continuous_batching: str = "off"  # per-request adapters in generate_batch: "on" or "off (why)"
@@ -81,6 +83,10 @@ class PatchReport:
         why = self.base_ops_off.get("stream_gemm")
         line += (f"; decode GEMMs streamed: off ({why})" if why
                  else f"; decode GEMMs streamed: fused groups and {self.stream_gemm_layers} layers")
+        folds = [f"residual add in down's GEMM x{self.stream_residual_layers}" if self.stream_residual_layers else "",
+                 f"act-mul in gate/up's GEMM x{self.stream_gated_mlps}" if self.stream_gated_mlps else ""]
+        if not why and any(folds):
+            line += f" ({', '.join(f for f in folds if f)})"
         ops = []
         for option, label, count in (("fuse_norms", "RMSNorm", self.fused_norms),
                                      ("fuse_rotary", "rotary", self.fused_rotary),

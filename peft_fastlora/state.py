@@ -268,6 +268,8 @@ class FastLoRAState:
         report.fused_mlps = ops.count("fuse_silu_mul")
         report.fused_base_groups = len(ops.fused_groups)
         report.stream_gemm_layers = ops.count("stream_gemm")
+        if ops.stream is not None:
+            report.stream_residual_layers, report.stream_gated_mlps = ops.stream.residual_layers, ops.stream.gated_mlps
         if self.continuous is not None:
             why = self.continuous.blocker
             if why is not None:

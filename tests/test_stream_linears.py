@@ -277,7 +277,10 @@ def test_plain_gate_up_gives_the_activation_from_one_gemm_until_an_adapter_wraps
         return out
 
     monkeypatch.setattr(sl.StreamLinears, "gated", gated)
-    fastlora.patch(model, stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, fuse=True, cuda_graphs="emulate")
+    report = fastlora.patch(model, stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, fuse=True,
+                            cuda_graphs="emulate")
+    layers = model.config.num_hidden_layers
+    assert f"(residual add in down's GEMM x{layers}, act-mul in gate/up's GEMM x{layers})" in str(report), report
     try:
         with torch.no_grad():
             got = model.generate(**batch, adapter_names=names, **kwargs)

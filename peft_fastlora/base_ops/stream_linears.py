@@ -99,7 +99,8 @@ class StreamLinears:
         self.modules: List[Tuple[str, nn.Module]] = []
         self.epilogue_folds = EPILOGUE_FOLDS
         self._streamed: set = set()  # ids of the modules with the instance forward
-        self._folding: List[nn.Module] = []  # decoder layers told to fold their residual add
+        self._folding: List[nn.Module] = []  # decoder layers told to fold their residual add, gated MLPs
+        self.residual_layers = self.gated_mlps = 0  # how many of each (the patch report's)
         # the residual a decoder layer is folding: (down weight's address, residual, taken), per thread
         # (a forward on another thread, say the continuous-batching engine's, never takes this one's)
         self._pending = threading.local()
@@ -156,6 +157,7 @@ class StreamLinears:
         """Give ``mlp`` (a gated MLP forward of ``mlp_forwards``) its one-GEMM gate/up and activation."""
         mlp._fastlora_gated = gated
         self._folding.append(mlp)
+        self.gated_mlps += 1
 
     # -- the residual add in down_proj's GEMM ----------------------------------------------------
     def expect_add(self, weight: torch.Tensor, residual: torch.Tensor) -> None:
@@ -200,12 +202,13 @@ class StreamLinears:
         for _, layer in layers:
             layer._fastlora_stream = self
             self._folding.append(layer)
+            self.residual_layers += 1
 
     def remove(self) -> None:
         for m in self._folding:
             m.__dict__.pop("_fastlora_stream", None)
             m.__dict__.pop("_fastlora_gated", None)
-        self._folding = []
+        self._folding, self.residual_layers, self.gated_mlps = [], 0, 0
 
     def install(self, root: nn.Module) -> List[Tuple[str, nn.Module]]:
         """Give ``linear`` as an instance forward to every plain ``nn.Linear`` under ``root`` that is
