@@ -8,6 +8,8 @@ GEMM at every site (the limit lifted: at this size the adapters' A rows are a la
 base rows), with the default limit, which leaves these sites on the fused kernel, and folded with
 every base GEMM of the decode steps through the streaming GEMM (``base_ops.stream_linears``; its
 width and dtype limits lifted for this model, float32 included, so that tokens still compare).
+A fourth run streams a second pair of models whose adapters leave gate/up alone, so that each MLP
+also takes ``act(gate) * up`` from one GEMM (the ``glu`` epilogue) through the same traffic.
 """
 
 import pytest
@@ -27,12 +29,13 @@ RANKS = [2, 4, 8, 16, 32, 8]
 NAMES = [f"a{i}" for i in range(len(RANKS))]
 
 
-def _model(seed=0):
+def _model(seed=0, plain_mlp=False):
     base = tiny_llama(seed, vocab_size=512, hidden_size=128, intermediate_size=256).to("cuda").eval()
     base.generation_config.eos_token_id = None
     model = None
+    wide = [t for t in ALL if not (plain_mlp and t in ("gate_proj", "up_proj"))]
     for i, r in enumerate(RANKS):
-        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=ALL if i % 2 == 0 else ["q_proj", "v_proj", "down_proj"],
+        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=wide if i % 2 == 0 else ["q_proj", "v_proj", "down_proj"],
                          init_lora_weights=False)
         if model is None:
             model = get_peft_model(base, cfg, adapter_name=NAMES[i])
@@ -45,20 +48,26 @@ def _model(seed=0):
     return model.eval()
 
 
-@pytest.fixture(autouse=True, params=["folded", "default_limit", "folded_streamed"])
+@pytest.fixture(autouse=True, params=["folded", "default_limit", "folded_streamed", "streamed_plain_mlp"])
 def fold_limit(request, monkeypatch):
-    if request.param.startswith("folded"):
+    if request.param != "default_limit":
         monkeypatch.setattr(fusion, "FOLD_MAX_SHARE", 1e9)
-    if request.param == "folded_streamed":
+    if "streamed" in request.param:
         monkeypatch.setattr(stream_linears, "MIN_N", 16)
         monkeypatch.setattr(stream_linears, "MIN_K", 16)
         monkeypatch.setattr(stream_linears, "_DTYPES", (torch.float32, torch.bfloat16, torch.float16))
     return request.param
 
 
-@pytest.fixture(scope="module")
-def pair():
-    return _model(), _model()
+_PAIRS = {}  # plain_mlp -> the (fastlora's, PEFT's) pair, built once for the module
+
+
+@pytest.fixture
+def pair(fold_limit):
+    plain_mlp = fold_limit == "streamed_plain_mlp"
+    if plain_mlp not in _PAIRS:
+        _PAIRS[plain_mlp] = (_model(plain_mlp=plain_mlp), _model(plain_mlp=plain_mlp))
+    return _PAIRS[plain_mlp]
 
 
 def _inputs(rows, prompt, seed):
@@ -88,8 +97,10 @@ def _equal_to_peft(pair, rows, prompt, new, seed, **kw):
 
 
 @pytest.mark.parametrize("sizes", [[1, 5], [1, 5, 1, 5], [8, 16, 5], [5, 1]])
-def test_batch_size_sequences_that_crashed(pair, sizes):
-    fastlora.patch(pair[0])
+def test_batch_size_sequences_that_crashed(pair, sizes, fold_limit):
+    report = fastlora.patch(pair[0])
+    if fold_limit == "streamed_plain_mlp":  # the GLU epilogue is what this pass is for
+        assert "act-mul in gate/up's GEMM x2" in str(report), report
     try:
         for i, rows in enumerate(sizes):
             _equal_to_peft(pair, rows, 12, 16, seed=i)
@@ -242,7 +253,8 @@ def test_base_weight_given_new_storage_between_graphed_calls(pair):
         for model in (m, ref):
             layers = model.base_model.model.model.layers
             layers[0].self_attn.o_proj.base_layer.weight.data = layers[0].self_attn.o_proj.base_layer.weight.data * scale_o
-            layers[1].mlp.up_proj.base_layer.weight.data = layers[1].mlp.up_proj.base_layer.weight.data * scale_up
+            up = getattr(layers[1].mlp.up_proj, "base_layer", layers[1].mlp.up_proj)  # (plain without LoRA)
+            up.weight.data = up.weight.data * scale_up
 
     fastlora.patch(m)
     try:
