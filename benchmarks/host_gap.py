@@ -34,16 +34,18 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--base", action="store_true", help="the model without adapters (bench_generate's base rows)")
     p.add_argument("--sync-debug", action="store_true", help="count the host's waits for the GPU in one call")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script only")
     args = p.parse_args(argv)
     if args.smoke:
         bg.DEVICE, args.model, args.batch, args.new_tokens, args.top = "cpu", "tiny", 2, 4, 5
-    model = bg.add_adapters(bg.build_base(args.model), 8, 16)
+    model = bg.build_base(args.model)
+    model = model if args.base else bg.add_adapters(model, 8, 16)
     ids = torch.randint(3, 1000, (args.batch, 128), device=bg.DEVICE)
-    names = [f"a{i % 8}" for i in range(args.batch)]
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
-              adapter_names=names)
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    if not args.base:
+        kw["adapter_names"] = [f"a{i % 8}" for i in range(args.batch)]
     print(fastlora.patch(model, cuda_graphs="auto" if bg.DEVICE == "cuda" else "emulate"), flush=True)
     gen = lambda n: model.generate(**kw, max_new_tokens=n, min_new_tokens=n)  # noqa: E731
     _, step, _ = bg.measure(gen, args.new_tokens, 2)

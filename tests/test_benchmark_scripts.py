@@ -79,3 +79,27 @@ def test_probe_rank_blocks_smoke(tmp_path):
     errs = [float(s.split("'")[0]) for s in out.split("'max_rel_err': '")[1:]]
     assert len(errs) == 2 and max(errs) < 1e-5, out[-2000:]
     assert "'r_sub': 16" in out and "'r_sub': 64" in out  # the setting reached the kernel's config
+
+
+def test_step_timeline_split():
+    """The timeline's split of synthetic steps: graph kernels by their launch's correlation id, the
+    bubbles inside a replay, the work and the idle time between replays."""
+    sys.path.insert(0, BENCH)
+    import step_timeline
+
+    gpu, launches = [], set()
+    for i in range(6):  # a replay every 100 us: two graph kernels with a 2 us bubble, one argmax outside
+        t = 100.0 * i
+        launches.add(i)
+        gpu += [(t, t + 30, "k1", i), (t + 32, t + 60, "k2", i), (t + 65, t + 70, "argmax", 100 + i)]
+    steps = step_timeline.split_steps(sorted(gpu), launches)
+    assert len(steps) == 3  # the first two replays and the last are left out
+    row = step_timeline.summarise(steps, 3)
+    assert (row["period_us"], row["graph_busy_us"], row["graph_gaps_us"]) == (100.0, 58.0, 2.0)
+    assert (row["outside_busy_us"], row["outside_idle_us"], row["graph_kernels"]) == (5.0, 35.0, 2)
+    assert row["top_outside"] == "argmax 5.0"
+
+
+def test_step_timeline_smoke():
+    out = _run([os.path.join(BENCH, "step_timeline.py"), "--smoke"])
+    assert "fastlora_graphs fastlora: patched" in out

@@ -1,0 +1,158 @@
+"""Where a graphed decode step's time goes on the GPU's own clock (#13): inside the graph, between
+graphs, and idle.
+
+``bench_generate`` reports a step (wall time of ``generate`` per token) and its replay (CUDA events
+around ``CUDAGraph.replay``); the difference is whatever the GPU does, or waits for, between two
+replays. This script profiles one graphed ``generate`` call with CUPTI and splits the GPU timeline
+of its steady steps into:
+
+- ``graph_busy``: kernels launched by a ``cudaGraphLaunch`` (matched by CUPTI's correlation id);
+- ``graph_gaps``: idle time between the first and the last kernel of a replay (launch bubbles);
+- ``outside_busy``: kernels and copies not launched by a graph (token selection, input copies);
+- ``outside_idle``: idle time between one replay's end and the next one's start that no kernel
+  fills (the GPU waiting for the host).
+
+Each row is per step (medians over the call's steady steps), with the most expensive kernels
+outside the graphs. ``--base``: the model without adapters (``bench_generate``'s base rows).
+
+    python benchmarks/step_timeline.py --model 8b --batches 1 32 --out benchmarks/results
+"""
+
+import argparse
+import collections
+import csv
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_generate as bg  # noqa: E402
+import peft_fastlora as fastlora  # noqa: E402
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def trace_events(call, cpu: bool = False):
+    """(GPU activities as (start_us, end_us, name, correlation), correlation ids of graph launches).
+    CUDA activity alone by default: recording CPU ops too slows the host, which widens the gaps measured."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])
+    with profile(activities=activities) as prof:
+        call()
+        bg.sync()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    gpu, graph_launches = [], set()
+    for e in events:
+        cat, args = e.get("cat", ""), e.get("args", {})
+        if cat == "cuda_runtime" and e.get("name") == "cudaGraphLaunch":
+            graph_launches.add(args.get("correlation"))
+        elif cat in GPU_CATEGORIES and "dur" in e:
+            gpu.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "?"), args.get("correlation")))
+    gpu.sort()
+    if not graph_launches and not cpu:  # (a profiler that records the runtime calls with CPU ops only)
+        return trace_events(call, cpu=True)
+    return gpu, graph_launches
+
+
+def split_steps(gpu, graph_launches):
+    """Per replay (after the first two and before the last): a dict of the split, in microseconds."""
+    replays = collections.OrderedDict()  # correlation -> [first start, last end, busy, kernels]
+    for start, end, _, corr in gpu:
+        if corr in graph_launches:
+            r = replays.setdefault(corr, [start, end, 0.0, 0])
+            r[0], r[1] = min(r[0], start), max(r[1], end)
+            r[2] += end - start
+            r[3] += 1
+    spans = sorted(replays.values())
+    steps = []
+    for (s0, e0, busy, n), (s1, _, _, _) in zip(spans[2:-1], spans[3:]):
+        outside = [(a, b, name) for a, b, name, corr in gpu if corr not in graph_launches and a >= e0 and b <= s1]
+        out_busy = _union(outside)
+        steps.append(dict(period=s1 - s0, graph_span=e0 - s0, graph_busy=busy, graph_gaps=(e0 - s0) - busy,
+                          graph_kernels=n, outside_busy=out_busy, outside_idle=(s1 - e0) - out_busy,
+                          outside=[(name, b - a) for a, b, name in outside]))
+    return steps
+
+
+def _union(intervals) -> float:
+    total, last = 0.0, None
+    for a, b, _ in sorted(intervals):
+        if last is None or a > last:
+            total += b - a
+            last = b
+        elif b > last:
+            total += b - last
+            last = b
+    return total
+
+
+def summarise(steps, top: int):
+    keys = ("period", "graph_span", "graph_busy", "graph_gaps", "outside_busy", "outside_idle")
+    row = {f"{k}_us": round(statistics.median(s[k] for s in steps), 1) for k in keys}
+    row["graph_kernels"] = int(statistics.median(s["graph_kernels"] for s in steps))
+    by_name = collections.Counter()
+    for s in steps:
+        for name, dur in s["outside"]:
+            by_name[name[:80]] += dur / len(steps)
+    row["outside_kernels_per_step"] = round(sum(len(s["outside"]) for s in steps) / len(steps), 1)
+    row["top_outside"] = "; ".join(f"{name} {us:.1f}" for name, us in by_name.most_common(top))
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="1b", choices=sorted(bg.SHAPES))
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--new-tokens", type=int, default=40)
+    p.add_argument("--top", type=int, default=8)
+    p.add_argument("--out", default=None, help="folder for step_timeline_<model>.csv")
+    p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script's set-up only")
+    args = p.parse_args(argv)
+    if args.smoke:
+        bg.DEVICE, args.model, args.batches, args.new_tokens = "cpu", "tiny", [2], 4
+    base = bg.build_base(args.model)
+    rows = []
+    for method in ("base_graphs_attn", "fastlora_graphs"):
+        model = base if method == "base_graphs_attn" else bg.add_adapters(base, 8, 16)
+        print(method, fastlora.patch(model, cuda_graphs="auto" if bg.DEVICE == "cuda" else "emulate"), flush=True)
+        for b in args.batches:
+            ids = torch.randint(3, 1000, (b, 128), device=bg.DEVICE)
+            kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+                      max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+            if method == "fastlora_graphs":
+                kw["adapter_names"] = [f"a{i % 8}" for i in range(b)]
+            model.generate(**kw)  # warm-up: compiled, captured
+            if bg.DEVICE != "cuda":
+                continue
+            gpu, launches = trace_events(lambda: model.generate(**kw))
+            steps = split_steps(gpu, launches)
+            if not steps:
+                print(f"batch {b}: no graph replays in the trace", flush=True)
+                continue
+            row = dict(bg.versions(), model=args.model, method=method, batch=b, steps=len(steps),
+                       **summarise(steps, args.top))
+            print(row, flush=True)
+            rows.append(row)
+        fastlora.unpatch(model)
+    if rows and args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"step_timeline_{args.model}.csv")
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
