@@ -35,6 +35,8 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--base", action="store_true", help="the model without adapters (bench_generate's base rows)")
+    p.add_argument("--first-token", action="store_true",
+                   help="profile calls of one new token (the prefill and the call's set-up: first-token latency)")
     p.add_argument("--sync-debug", action="store_true", help="count the host's waits for the GPU in one call")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script only")
     args = p.parse_args(argv)
@@ -50,15 +52,20 @@ def main(argv=None):
     gen = lambda n: model.generate(**kw, max_new_tokens=n, min_new_tokens=n)  # noqa: E731
     _, step, _ = bg.measure(gen, args.new_tokens, 2)
     print(f"decode step {step:.3f} ms, replay (GPU) {bg.measure.replay_ms} ms", flush=True)
+    calls, tokens = (5, 1) if args.first_token else (1, args.new_tokens)
+    if args.first_token:
+        t1, _, _ = bg.measure(gen, 2, 3)
+        print(f"first token (a call of one new token) {t1:.2f} ms", flush=True)
     prof = cProfile.Profile()
     prof.enable()
-    gen(args.new_tokens)
-    bg.sync()
+    for _ in range(calls):
+        gen(tokens)
+        bg.sync()
     prof.disable()
     for key in ("tottime", "cumulative"):
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.top)
-        print(f"# by {key}, one call of {args.new_tokens} new tokens")
+        print(f"# by {key}, {calls} call(s) of {tokens} new token(s)")
         print("\n".join(line[:180] for line in out.getvalue().splitlines()[5:]), flush=True)
     if args.sync_debug and bg.DEVICE == "cuda":
         print(f"# host waits for the GPU in one call of {args.new_tokens} new tokens (innermost frames outside torch)")

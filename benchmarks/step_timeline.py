@@ -12,6 +12,10 @@ of its steady steps into:
 - ``outside_idle``: idle time between one replay's end and the next one's start that no kernel
   fills (the GPU waiting for the host).
 
+Inside a replay each kernel is charged the time by which it moved the replay's frontier (its end
+less the latest end before it): its run and the bubble before it, overlap under PDL not counted
+twice. ``step_timeline_<model>_kernels.csv`` has that charge by kernel name, per step.
+
 Each row is per step (medians over the call's steady steps), with the most expensive kernels
 outside the graphs. ``--base``: the model without adapters (``bench_generate``'s base rows).
 
@@ -65,22 +69,52 @@ def trace_events(call, cpu: bool = False):
 
 def split_steps(gpu, graph_launches):
     """Per replay (after the first two and before the last): a dict of the split, in microseconds."""
-    replays = collections.OrderedDict()  # correlation -> [first start, last end, busy, kernels]
-    for start, end, _, corr in gpu:
+    replays = collections.defaultdict(list)  # correlation -> its kernels
+    for start, end, name, corr in gpu:
         if corr in graph_launches:
-            r = replays.setdefault(corr, [start, end, 0.0, 0])
-            r[0], r[1] = min(r[0], start), max(r[1], end)
-            r[2] += end - start
-            r[3] += 1
-    spans = sorted(replays.values())
+            replays[corr].append((start, end, name))
+    spans = sorted((min(k[0] for k in ks), max(k[1] for k in ks), sorted(ks)) for ks in replays.values())
     steps = []
-    for (s0, e0, busy, n), (s1, _, _, _) in zip(spans[2:-1], spans[3:]):
+    for (s0, e0, kernels), (s1, _, _) in zip(spans[2:-1], spans[3:]):
+        busy = _union(kernels)
         outside = [(a, b, name) for a, b, name, corr in gpu if corr not in graph_launches and a >= e0 and b <= s1]
         out_busy = _union(outside)
         steps.append(dict(period=s1 - s0, graph_span=e0 - s0, graph_busy=busy, graph_gaps=(e0 - s0) - busy,
-                          graph_kernels=n, outside_busy=out_busy, outside_idle=(s1 - e0) - out_busy,
-                          outside=[(name, b - a) for a, b, name in outside]))
+                          graph_kernels=len(kernels), outside_busy=out_busy, outside_idle=(s1 - e0) - out_busy,
+                          outside=[(name, b - a) for a, b, name in outside], charges=_charges(kernels)))
     return steps
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its template arguments, parameters and return type."""
+    name = name.split("<")[0].split("(")[0].strip()
+    return name.split(" ")[-1][:60]
+
+
+def _charges(kernels):
+    """Per kernel name: (launches, time charged on the replay's frontier, own run time)."""
+    out = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    frontier = kernels[0][0] if kernels else 0.0
+    for start, end, name in kernels:
+        c = out[short_name(name)]
+        c[0] += 1
+        c[1] += max(0.0, end - frontier)
+        c[2] += end - start
+        frontier = max(frontier, end)
+    return out
+
+
+def kernel_rows(steps):
+    """Rows of kernel name, launches a step, us charged a step, own us a step (mean over steps)."""
+    total = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for s in steps:
+        for name, (n, charged, own) in s["charges"].items():
+            t = total[name]
+            t[0], t[1], t[2] = t[0] + n, t[1] + charged, t[2] + own
+    k = len(steps)
+    rows = [dict(kernel=name, launches_per_step=round(n / k, 2), charged_us_per_step=round(c / k, 1),
+                 own_us_per_step=round(o / k, 1)) for name, (n, c, o) in total.items()]
+    return sorted(rows, key=lambda r: -r["charged_us_per_step"])
 
 
 def _union(intervals) -> float:
@@ -120,7 +154,7 @@ def main(argv=None):
     if args.smoke:
         bg.DEVICE, args.model, args.batches, args.new_tokens = "cpu", "tiny", [2], 4
     base = bg.build_base(args.model)
-    rows = []
+    rows, krows = [], []
     for method in ("base_graphs_attn", "fastlora_graphs"):
         model = base if method == "base_graphs_attn" else bg.add_adapters(base, 8, 16)
         print(method, fastlora.patch(model, cuda_graphs="auto" if bg.DEVICE == "cuda" else "emulate"), flush=True)
@@ -142,16 +176,25 @@ def main(argv=None):
                        **summarise(steps, args.top))
             print(row, flush=True)
             rows.append(row)
+            for r in kernel_rows(steps):
+                krows.append(dict(model=args.model, method=method, batch=b, **r))
+                if len(krows) <= 400 and r["charged_us_per_step"] >= 5:
+                    print("   ", r, flush=True)
         fastlora.unpatch(model)
     if rows and args.out:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"step_timeline_{args.model}.csv")
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        _write(path, rows)
         print("wrote", path)
+        _write(os.path.join(args.out, f"step_timeline_{args.model}_kernels.csv"), krows)
     return 0
+
+
+def _write(path, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
 
 
 if __name__ == "__main__":

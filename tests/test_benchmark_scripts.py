@@ -98,6 +98,20 @@ def test_step_timeline_split():
     assert (row["period_us"], row["graph_busy_us"], row["graph_gaps_us"]) == (100.0, 58.0, 2.0)
     assert (row["outside_busy_us"], row["outside_idle_us"], row["graph_kernels"]) == (5.0, 35.0, 2)
     assert row["top_outside"] == "argmax 5.0"
+    charged = {r["kernel"]: r["charged_us_per_step"] for r in step_timeline.kernel_rows(steps)}
+    assert charged == {"k1": 30.0, "k2": 30.0}  # k2's run and the bubble before it
+
+
+def test_step_timeline_charges_overlap_once():
+    """Under PDL a kernel starts before the one before it ends: only its end past the frontier counts."""
+    sys.path.insert(0, BENCH)
+    import step_timeline
+
+    kernels = [(0.0, 10.0, "void gemm<int>(float*)"), (8.0, 12.0, "norm"), (11.0, 11.5, "tiny")]
+    c = step_timeline._charges(kernels)
+    assert (c["gemm"][1], c["norm"][1], c["tiny"][1]) == (10.0, 2.0, 0.0)
+    assert step_timeline.short_name("void at::native::reduce_kernel<512, 1>(at::native::ReduceOp)") == \
+        "at::native::reduce_kernel"
 
 
 def test_step_timeline_smoke():
