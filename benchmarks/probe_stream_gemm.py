@@ -29,8 +29,18 @@ from peft_fastlora.ops import pdl  # noqa: E402
 from peft_fastlora.ops.rms_norm import rms_norm  # noqa: E402
 from peft_fastlora.ops.stream_gemm import StreamConfig, StreamWorkspace, stream_gemm  # noqa: E402
 
-HIDDEN, Q, KV, INTER, LAYERS = 4096, 4096, 1024, 14336, 32
-SITES = {"qkv": (HIDDEN, Q + 2 * KV), "o": (HIDDEN, HIDDEN), "gate_up": (HIDDEN, 2 * INTER), "down": (INTER, HIDDEN)}
+# (hidden, q, kv, intermediate, layers) of the two Llama shapes of bench_generate
+MODELS = {"8b": (4096, 4096, 1024, 14336, 32), "1b": (2048, 2048, 512, 8192, 16)}
+HIDDEN, Q, KV, INTER, LAYERS = MODELS["8b"]
+
+
+def sites_of(model: str) -> dict:
+    """Site -> (K, N) of one layer's GEMMs (q/k/v and gate/up fused)."""
+    hidden, q, kv, inter, _ = MODELS[model]
+    return {"qkv": (hidden, q + 2 * kv), "o": (hidden, hidden), "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
+
+
+SITES = sites_of("8b")
 # (block_n, block_k, split_k, num_warps, num_stages, prefetch bytes, preload)
 SWEEP = [(64, 128, 1, 4, 6, 0, False), (64, 128, 1, 4, 8, 0, False), (64, 64, 1, 4, 8, 0, False),
          (64, 256, 1, 4, 4, 0, False), (64, 128, 1, 8, 6, 0, False), (64, 128, 1, 4, 6, 0, True),
@@ -39,6 +49,14 @@ SWEEP = [(64, 128, 1, 4, 6, 0, False), (64, 128, 1, 4, 8, 0, False), (64, 64, 1,
          (128, 128, 1, 8, 4, 0, False), (16, 512, 1, 4, 4, 0, False), (16, 256, 1, 4, 6, 0, True),
          (64, 128, 2, 4, 6, 0, True), (128, 128, 2, 8, 4, 0, True), (64, 256, 4, 4, 4, 0, False),
          (128, 128, 4, 8, 4, 0, True)]
+# layers narrower than 4,096 outputs (a 1B model's q/k/v, o and down): too few column blocks to cover
+# the SMs without splitting K, so narrow tiles and 2-8 K ranges
+NARROW_SWEEP = [(64, 128, 1, 4, 8, 0, False), (32, 128, 1, 4, 8, 0, False), (64, 128, 2, 4, 6, 0, True),
+                (64, 128, 2, 4, 6, 0, False), (64, 128, 4, 4, 6, 0, False), (64, 128, 4, 4, 4, 0, True),
+                (64, 256, 4, 4, 4, 0, False), (64, 128, 8, 4, 4, 0, False), (32, 128, 2, 4, 8, 0, False),
+                (32, 128, 4, 4, 6, 0, False), (32, 256, 2, 4, 4, 0, False), (32, 256, 4, 4, 4, 0, False),
+                (32, 128, 8, 4, 4, 0, False), (16, 256, 2, 4, 6, 0, False), (16, 256, 4, 4, 4, 0, False),
+                (128, 128, 4, 8, 4, 0, False)]
 # the gate/up GEMM with the activation in its epilogue (``glu``): half-width tiles, gate's and up's
 GLU_SWEEP = [(64, 128, 1, 8, 4, 0, False), (64, 128, 1, 4, 4, 0, False), (64, 128, 1, 8, 3, 0, False),
              (64, 64, 1, 4, 6, 0, False), (32, 128, 1, 4, 6, 0, False), (32, 256, 1, 4, 3, 0, False),
@@ -74,6 +92,9 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/results/probe_stream_gemm_h200.csv")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64, 128])
     p.add_argument("--sites", nargs="+", default=list(SITES))
+    p.add_argument("--model", choices=sorted(MODELS), default="8b",
+                   help="the layer shapes; 1b sweeps NARROW_SWEEP for its layers narrower than 4,096")
+    p.add_argument("--chains", nargs="+", choices=["alone", "after_norm"], default=["alone", "after_norm"])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): each sweep config on a tiny shape")
     p.add_argument("--glu", action="store_true",
@@ -82,7 +103,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.smoke:
         x, w = torch.randn(3, 96), torch.randn(40, 96)
-        for c in SWEEP:
+        for c in SWEEP + NARROW_SWEEP:
             cfg = StreamConfig(*c)._replace(block_k=min(c[1], 32), prefetch=0)
             torch.testing.assert_close(stream_gemm(x, w, config=cfg, workspace=StreamWorkspace("cpu", 1000, 10)), x @ w.T, rtol=1e-4, atol=1e-4)
         sums = torch.empty(40)
@@ -102,9 +123,11 @@ def main(argv=None):
     if args.glu:
         return glu_sweep(args, timer, bw, capture)
     rows = []
+    sites = sites_of(args.model)
     for site in args.sites:
-        k, n = SITES[site]
-        layers = LAYERS
+        k, n = sites[site]
+        layers = MODELS[args.model][4]
+        sweep = NARROW_SWEEP if n < 4096 else SWEEP
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
         norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
         nbytes = n * k * 2
@@ -114,11 +137,11 @@ def main(argv=None):
             ref = F.linear(x, ws[0]).float()
             impls = ([("cublas", None)]
                      + [("stream_n{}_k{}_s{}_w{}_st{}_pf{}{}".format(*c[:6], "_pre" if c[6] else ""), StreamConfig(*c))
-                        for c in SWEEP]
+                        for c in sweep]
                      + ([("read_bound_n{}_k{}_w{}_st{}".format(*t), t) for t in READ_TILES] if bs == args.batches[0] else []))
             times = {}
             sums = torch.empty(n, device="cuda", dtype=torch.float32)
-            work = StreamWorkspace("cuda", 4 * bs * n, n)
+            work = StreamWorkspace("cuda", 8 * bs * n, n)
             for name, cfg in impls:
                 if cfg is None:
                     gemm = lambda a, w, o: torch.matmul(a, w.T, out=o)  # noqa: E731
@@ -135,7 +158,7 @@ def main(argv=None):
                 except Exception as e:  # a tile that does not fit is no candidate
                     print(f"{site} {name} b{bs}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                     continue
-                for chain in ("alone", "after_norm"):
+                for chain in args.chains:
                     if chain == "alone":
                         fn = lambda: [gemm(x, w, o) for w, o in zip(ws, outs)]  # noqa: E731
                     else:
@@ -150,11 +173,12 @@ def main(argv=None):
             for (name, chain), us in times.items():
                 base = times.get(("cublas", chain))
                 rows.append(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                                 triton=__import__("triton").__version__, site=site, n=n, k=k, batch=bs,
+                                 triton=__import__("triton").__version__, model=args.model, site=site, n=n, k=k,
+                                 batch=bs,
                                  chain=chain, impl=name, us=round(us, 2),
                                  of_copy_bw=round(nbytes / (us * 1e-6) / bw, 3),
                                  vs_cublas=round(us / base, 3) if base else ""))
-            for chain in ("alone", "after_norm"):
+            for chain in args.chains:
                 mine = {nm: t for (nm, ch), t in times.items() if ch == chain and not nm.startswith("read")}
                 best = min(mine, key=mine.get)
                 print(f"{site:8s} b{bs:<3d} {chain:10s} cublas {mine['cublas']:8.2f} us "
