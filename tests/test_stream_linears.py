@@ -16,6 +16,14 @@ from _helpers import count_calls
 from _models import tiny_llama
 
 
+def _lift_limits(monkeypatch, narrow: bool = False):
+    """Every tiny layer takes the kernel, under the wide layers' tiles (``narrow``: the narrow ones')."""
+    monkeypatch.setattr(sl, "MIN_N", 16)
+    monkeypatch.setattr(sl, "MIN_K", 16)
+    if not narrow:
+        monkeypatch.setattr(sl, "NARROW_N", 16)
+
+
 def test_install_skips_fusible_siblings_and_their_base_layers():
     model = get_peft_model(tiny_llama(0), LoraConfig(r=4, target_modules=["q_proj", "o_proj", "down_proj"]))
     streams = sl.StreamLinears(torch.device("cpu"))
@@ -28,8 +36,7 @@ def test_install_skips_fusible_siblings_and_their_base_layers():
 
 
 def test_decode_sized_bf16_gemms_take_the_kernel_others_keep_f_linear(monkeypatch):
-    monkeypatch.setattr(sl, "MIN_N", 16)
-    monkeypatch.setattr(sl, "MIN_K", 16)
+    _lift_limits(monkeypatch)
     streams = sl.StreamLinears(torch.device("cpu"))
     calls = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
     w = (torch.randn(48, 64) / 8).bfloat16()
@@ -70,10 +77,43 @@ def test_tile_choice(m, n, k, split):
     assert sl._config(m, n, k).split_k == split
 
 
+# a 1B Llama's q/k/v (3,072 x 2,048), o (2,048 x 2,048) and down (2,048 x 8,192)
+@pytest.mark.parametrize("m,n,k,split", [(1, 3072, 2048, 1), (16, 3072, 2048, 1), (32, 3072, 2048, 2),
+                                         (1, 2048, 2048, 4), (32, 2048, 2048, 4), (8, 2048, 8192, 4)])
+def test_narrow_tile_choice(m, n, k, split):
+    assert sl._config(m, n, k).split_k == split
+
+
+def test_narrow_layers_stream_fewer_rows_in_k_ranges(monkeypatch):
+    """Below ``NARROW_N`` outputs a layer streams up to ``NARROW_MAX_ROWS`` rows, in four K ranges
+    where it is not wider than deep, and past that keeps ``F.linear``; its result is the GEMM's."""
+    _lift_limits(monkeypatch, narrow=True)
+    monkeypatch.setattr(sl, "NARROW_N", 64)
+    streams = sl.StreamLinears(torch.device("cpu"))
+    configs = []
+    original = stream_ops.stream_gemm
+
+    def spy(*args, **kwargs):
+        configs.append(kwargs["config"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(stream_ops, "stream_gemm", spy)
+    w = (torch.randn(48, 256) / 16).bfloat16()  # narrow, deep: four ranges of 64
+    for rows in (1, sl.NARROW_MAX_ROWS):
+        x = torch.randn(rows, 256).bfloat16()
+        torch.testing.assert_close(streams.linear(x, w).float(), F.linear(x.float(), w.float()).bfloat16().float(),
+                                   atol=3e-2, rtol=1.6e-2)
+    assert [c.split_k for c in configs] == [4, 4]
+    streams.linear(torch.randn(sl.NARROW_MAX_ROWS + 1, 256).bfloat16(), w)
+    assert len(configs) == 2  # past the narrow rows: F.linear
+    streams.linear(torch.randn(sl.NARROW_MAX_ROWS + 1, 256).bfloat16(), torch.randn(64, 256).bfloat16())
+    assert len(configs) == 3  # as wide as NARROW_N: the wide layers' rows and tiles (two ranges, preload)
+    assert (configs[-1].split_k, configs[-1].preload) == (2, True)
+
+
 def test_workspace_covers_every_split_launch(monkeypatch):
     """A split launch of the widest splitting layer and the most rows fits the model's workspace."""
-    monkeypatch.setattr(sl, "MIN_N", 16)
-    monkeypatch.setattr(sl, "MIN_K", 16)
+    _lift_limits(monkeypatch)
     streams = sl.StreamLinears(torch.device("cpu"))
     n, k = 64, 64  # square: splits past 8 rows
     assert sl._config(24, n, k).split_k == 2
@@ -82,6 +122,9 @@ def test_workspace_covers_every_split_launch(monkeypatch):
     torch.testing.assert_close(streams.linear(x, w).float(), F.linear(x.float(), w.float()).bfloat16().float(),
                                atol=3e-2, rtol=1.6e-2)
     assert streams.workspace.part.numel() >= 2 * sl.MAX_ROWS * sl.SPLIT_MAX_N
+    # the narrow layers' four ranges of their most rows, and a ticket per 64-column tile of them
+    assert streams.workspace.part.numel() >= 4 * sl.NARROW_MAX_ROWS * sl.NARROW_N
+    assert streams.workspace.tickets.numel() >= sl.NARROW_N // 64
 
 
 def test_patched_model_streams_its_decode_gemms_through_calls_and_an_adapter_change(monkeypatch):
@@ -94,8 +137,7 @@ def test_patched_model_streams_its_decode_gemms_through_calls_and_an_adapter_cha
     import peft_fastlora as fastlora
     from _models import LLAMA_LIKE_ALL, left_padded_batch, tiny_peft_llama
 
-    monkeypatch.setattr(sl, "MIN_N", 16)
-    monkeypatch.setattr(sl, "MIN_K", 16)
+    _lift_limits(monkeypatch)
     model = tiny_peft_llama().to(torch.bfloat16)
     calls_rows = [[5, 9, 3], [7], [4, 6, 2, 8, 5]]
     names = {3: ["a", "__base__", "b"], 1: ["b"], 5: ["a", "b", "a", "__base__", "b"]}
@@ -143,8 +185,7 @@ def test_residual_rides_in_the_gemm_of_its_weight_only(monkeypatch):
     """``expect_add``: the next kernel GEMM over that weight on this thread adds the residual (and
     ``took_add`` says so, once); a GEMM over another weight, one that keeps F.linear, or one on
     another thread leaves it to the caller."""
-    monkeypatch.setattr(sl, "MIN_N", 16)
-    monkeypatch.setattr(sl, "MIN_K", 16)
+    _lift_limits(monkeypatch)
     streams = sl.StreamLinears(torch.device("cpu"))
     w, other = (torch.randn(48, 64) / 8).bfloat16(), (torch.randn(48, 64) / 8).bfloat16()
     x, residual = torch.randn(1, 3, 64).bfloat16(), torch.randn(1, 3, 48).bfloat16()
@@ -177,8 +218,7 @@ def test_residual_rides_in_the_gemm_of_its_weight_only(monkeypatch):
 def _fp32_streams(monkeypatch):
     """The kernel's limits lifted so that the tiny float32 model's GEMMs take it (ieee dots under the
     interpreter: tokens compare with PEFT's exactly)."""
-    monkeypatch.setattr(sl, "MIN_N", 16)
-    monkeypatch.setattr(sl, "MIN_K", 16)
+    _lift_limits(monkeypatch)
     monkeypatch.setattr(sl, "_DTYPES", (torch.float32, torch.bfloat16, torch.float16))
 
 

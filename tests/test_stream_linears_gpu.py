@@ -1,6 +1,6 @@
 """On the GPU: the base model's decode GEMMs through the weight-streaming kernel
-(``base_ops.stream_linears``), in a two-layer model of Llama-3-8B's widths (narrower layers keep
-cuBLAS) with three adapters of mixed ranks, bf16: a decode-sized forward's logits and a mixed-adapter
+(``base_ops.stream_linears``), in small models of Llama-3-8B's and Llama-3.2-1B's widths with
+three adapters of mixed ranks, bf16: a decode-sized forward's logits and a mixed-adapter
 ``generate`` through the graphs, against PEFT's own mixed batch and against fastlora with the
 kernel off."""
 
@@ -22,9 +22,13 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 NAMES = ["a", "__base__", "b", "c", "a", "c"]
 
 
-@pytest.fixture(scope="module")
-def model():
-    base = tiny_llama(3, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+# Llama-3-8B's widths, and Llama-3.2-1B's (q/k/v, o and down narrower than NARROW_N: split-K tiles)
+WIDTHS = {"8b": dict(hidden_size=4096, intermediate_size=14336), "1b": dict(hidden_size=2048, intermediate_size=8192)}
+
+
+@pytest.fixture(scope="module", params=sorted(WIDTHS))
+def model(request):
+    base = tiny_llama(3, **WIDTHS[request.param], num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128).to("cuda", torch.bfloat16)
     base.generation_config.eos_token_id = None
     m = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules=ALL, init_lora_weights=False),
@@ -73,7 +77,11 @@ def test_decode_sized_forward_as_close_to_peft_as_cublas(model, monkeypatch):
     """bf16 logits of an 8B-wide model carry about 1% of rounding against PEFT's whatever the GEMM:
     the kernel's must be no further from PEFT's than fastlora's with cuBLAS (a wrong tile, range or
     split sum would be orders of magnitude off)."""
-    ids = torch.randint(3, 128, (len(NAMES), 8), device="cuda")  # 48 rows: the kernel's size
+    import peft_fastlora.base_ops.stream_linears as sl
+
+    narrow = model.get_base_model().config.hidden_size < sl.NARROW_N
+    # rows the kernel takes: 48 for the wide layers, 24 for the narrow ones
+    ids = torch.randint(3, 128, (len(NAMES), 4 if narrow else 8), device="cuda")
     outs = {}
     with torch.no_grad():
         ref = model(input_ids=ids, adapter_names=NAMES).logits

@@ -9,9 +9,10 @@ programmatic dependent launch, runs its preamble while the kernel before it fini
 
 ``StreamLinears.linear`` is ``F.linear`` that takes the kernel where it applies: bf16 / fp16
 inputs of at most ``MAX_ROWS`` rows with no gradient, on the model's device, output widths between
-``MIN_N`` and ``MAX_N`` (narrower layers give too few tiles to cover the SMs; the LM head is
-already at the bandwidth under cuBLAS), reductions of at least ``MIN_K`` that the 16-byte loads
-can take. Everything
+``MIN_N`` and ``MAX_N`` (the LM head is already at the bandwidth under cuBLAS), reductions of at
+least ``MIN_K`` that the 16-byte loads can take. Layers narrower than ``NARROW_N`` (a 1B model's
+q/k/v, o and down) give too few column blocks to cover the SMs, so they split K into ranges and
+stream up to ``NARROW_MAX_ROWS`` rows only (past it cuBLAS was as fast in the probe). Everything
 else, float32 included, is ``F.linear``. It is installed only on CUDA devices of compute
 capability 9 (``supported_device``: the tiles were chosen on an H200).
 
@@ -45,7 +46,8 @@ from .install import set_instance_forward
 from .mlp_forwards import has_gated_forward
 
 MAX_ROWS = 64
-MIN_N, MAX_N = 4096, 65536
+MIN_N, MAX_N = 2048, 65536
+NARROW_N, NARROW_MAX_ROWS = 4096, 32  # narrower layers: split-K tiles, fewer rows (module doc)
 MIN_K = 2048  # the shallowest reduction measured (a 1B model's gate/up); shallower ones keep cuBLAS
 EPILOGUE_FOLDS = True  # the residual add and the gated activation in GEMM epilogues (off: benchmarks' A/B)
 SPLIT_MAX_N = 16384  # widest layer a split-K launch covers (wider ones need no split)
@@ -68,9 +70,16 @@ def supported_device(device: torch.device) -> bool:
 def _config(m: int, n: int, k: int):
     """The tile for ``m`` rows of an (n, k) weight: the best of ``probe_stream_gemm_h200.csv`` after
     a norm at 8B Llama's shapes (wide gate/up; q/k/v wider than deep; square o and deep down,
-    which past a few rows stream best in two K ranges)."""
+    which past a few rows stream best in two K ranges), and of ``probe_stream_gemm_1b_h200.csv``
+    for layers narrower than ``NARROW_N`` (q/k/v in one range up to 16 rows, then two; o and down
+    in four)."""
     from ..ops.stream_gemm import StreamConfig
 
+    if n < NARROW_N:
+        if n > k:
+            return StreamConfig(block_n=64, block_k=128, split_k=1 if m <= 16 else 2, num_warps=4,
+                                num_stages=8 if m <= 16 else 6)
+        return StreamConfig(block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=6)
     if n >= 16384:
         return StreamConfig(block_n=128, block_k=128, num_warps=8, num_stages=4)
     if n > k:
@@ -94,8 +103,10 @@ class StreamLinears:
         self.device = device
         # a zero-argument test the owner sets: True where this forward keeps cuBLAS
         self.skip: Optional[Callable[[], bool]] = None
-        # two K ranges of at most MAX_ROWS rows of the widest layer that splits, a ticket per tile
-        self.workspace = StreamWorkspace(device, 2 * MAX_ROWS * SPLIT_MAX_N, SPLIT_MAX_N // 64)
+        # the partials of the largest split launch (two K ranges of MAX_ROWS rows of the widest layer
+        # that splits, or four of a narrow layer's), a ticket per 64-column tile
+        self.workspace = StreamWorkspace(device, max(2 * MAX_ROWS * SPLIT_MAX_N, 4 * NARROW_MAX_ROWS * NARROW_N),
+                                         SPLIT_MAX_N // 64)
         self.modules: List[Tuple[str, nn.Module]] = []
         self.epilogue_folds = EPILOGUE_FOLDS
         self._streamed: set = set()  # ids of the modules with the instance forward
@@ -109,7 +120,7 @@ class StreamLinears:
         """The rows of ``x`` where ``x @ weight.T`` takes the kernel (module doc), else 0."""
         n, k = weight.shape if weight.dim() == 2 else (0, 0)
         rows = x.numel() // k if k and x.dim() and x.shape[-1] == k else 0
-        if (rows > MAX_ROWS or rows == 0 or not MIN_N <= n <= MAX_N or k < MIN_K or k % 8 or x.dtype not in _DTYPES
+        if (rows > (MAX_ROWS if n >= NARROW_N else NARROW_MAX_ROWS) or rows == 0 or not MIN_N <= n <= MAX_N or k < MIN_K or k % 8 or x.dtype not in _DTYPES
                 or weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1))
                 or weight.stride(1) != 1 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
                 or x.device != self.device or weight.device != self.device or (self.skip is not None and self.skip())):
