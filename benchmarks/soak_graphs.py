@@ -14,6 +14,7 @@ another order: the fused q/k/v GEMM, rows padded to the graph bucket), anything 
 
     python benchmarks/soak_graphs.py --model tiny-llama --calls 300 --compare-peft --out benchmarks/results
     python benchmarks/soak_graphs.py --model 8b --calls 50 --out benchmarks/results
+    python benchmarks/soak_graphs.py --model 1b --calls 200 --max-rows 48 --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def classify(out, want, scores, prompt_width, tie_tol):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny-llama", choices=["tiny-llama", "tiny-qwen2", "tiny-gemma2", "8b"])
+    p.add_argument("--model", default="tiny-llama", choices=["tiny-llama", "tiny-qwen2", "tiny-gemma2", "1b", "8b"])
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--max-rows", type=int, default=300)
     p.add_argument("--max-prompt", type=int, default=600)
@@ -130,11 +131,11 @@ def main(argv=None):
     if device == "cuda" and not torch.cuda.is_available():
         print("soak_graphs needs a CUDA GPU (or --smoke); nothing run")
         return 0
-    if args.model == "8b":
+    if args.model in ("1b", "8b"):
         import bench_generate
 
         bench_generate.DEVICE = device
-        model = add_adapters(build_base("8b"), 8, 16)
+        model = add_adapters(build_base(args.model), 8, 16)
         vocab, refs = 128256, None
     else:
         model = tiny_peft(args.model, device)
