@@ -474,8 +474,6 @@ def main(argv=None):
                    help="off: the base GEMMs on cuBLAS (patch(stream_gemm=False)), for an A/B")
     p.add_argument("--narrow-gemms", choices=["on", "off"], default="on",
                    help="off: layers narrower than 4,096 outputs (a 1B model's q/k/v, o, down) keep cuBLAS, for an A/B")
-    p.add_argument("--attention-combine", choices=["fused", "kernel"], default="fused",
-                   help="kernel: split decode attention merges its partials in a second kernel, for an A/B")
     p.add_argument("--epilogue-folds", choices=["on", "off"], default="on",
                    help="off: the KV length's increment, the MLP's residual add and (plain gate/up) its "
                         "activation as kernels of their own, for an A/B")
@@ -501,13 +499,11 @@ def main(argv=None):
     if args.narrow_gemms == "off":
         sl = importlib.import_module("peft_fastlora.base_ops.stream_linears")
         sl.MIN_N = sl.NARROW_N
-    if args.attention_combine == "kernel":  # no ticket array: every split launch takes the combine kernel
-        importlib.import_module("peft_fastlora.base_ops.attention_registry")._TICKETS = 0
     if args.epilogue_folds == "off":
         importlib.import_module("peft_fastlora.decode.static_cache").KV_TICKET = False
         importlib.import_module("peft_fastlora.base_ops.stream_linears").EPILOGUE_FOLDS = False
     vers = dict(versions(), expand=args.expand, stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms,
-                attention_combine=args.attention_combine, epilogue_folds=args.epilogue_folds)
+                epilogue_folds=args.epilogue_folds)
     bw = copy_bandwidth() if DEVICE == "cuda" else 1e11
     print(vers, f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, kernel_rows = [], []

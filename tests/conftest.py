@@ -12,6 +12,11 @@ import pytest  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 
+# under pytest-xdist each worker is one process per core: torch's own intra-op threads on top of
+# that oversubscribe the cores (the CPU suite ran twice as long with them)
+if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:
+    torch.set_num_threads(1)
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the device machine)")

@@ -66,28 +66,23 @@ def test_8b_shapes_match_reference_and_hf_sdpa(bsz, dtype):
     _check(out, hf, 2 * atol, 2 * rtol, "hf sdpa")
 
 
-@pytest.mark.parametrize("with_ticket", [False, True])
 @pytest.mark.parametrize("bsz", [1, 4, 32, 128])
-def test_inside_a_cuda_graph(bsz, with_ticket):
-    """Replays with new inputs in place; with a ticket array the split launches (batch 1 and 4 at
-    these shapes) merge their partials in the first kernel, within one rounding of the two-kernel
-    result, and leave the tickets at zero replay after replay."""
+def test_inside_a_cuda_graph(bsz):
     from peft_fastlora.ops.decode_attention import decode_attention, decode_attention_reference
 
     dtype = torch.bfloat16
     atol, rtol = TOLERANCES[dtype]
     q, k, v, mask = _inputs(bsz, dtype, seed=1)
-    ticket = torch.zeros(1024, dtype=torch.int32, device="cuda") if with_ticket else None
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        decode_attention(q, k, v, mask, ticket=ticket)  # compile outside the capture
+        decode_attention(q, k, v, mask)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     gc.disable()
     try:
         with torch.cuda.graph(graph):
-            out = decode_attention(q, k, v, mask, ticket=ticket)
+            out = decode_attention(q, k, v, mask)
     finally:
         gc.enable()
     for seed, filled in ((2, 137), (3, CACHE_LEN), (4, 1)):
@@ -97,11 +92,6 @@ def test_inside_a_cuda_graph(bsz, with_ticket):
         torch.cuda.synchronize()
         ref = decode_attention_reference(q, k, v, mask)  # filled=1: padded rows attend nothing -> 0
         _check(out, ref, atol, rtol, f"replay filled={filled}")
-        if with_ticket:
-            assert torch.count_nonzero(ticket) == 0
-            two = decode_attention(q, k, v, mask)  # the second kernel merges
-            # one bf16 rounding apart at most (the same fp32 merge, summed in another order)
-            assert torch.allclose(out.float(), two.float(), rtol=2 ** -7, atol=1e-5), (out - two).abs().max()
 
 
 def test_tiny_llama_generate_on_cuda_equal_tokens():

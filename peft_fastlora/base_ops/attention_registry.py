@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from .. import _compat
-from .._compat import is_dtensor
 from ..kernel_support import FLOAT_DTYPES, interpreting
 
 logger = logging.getLogger("peft_fastlora")
@@ -35,9 +34,6 @@ EAGER_ATTN_NAME = "fastlora_decode_eager"  # an eager model's (its masks are add
 ATTN_NAMES = (ATTN_NAME, EAGER_ATTN_NAME)
 _PREV_ATTR = "_fastlora_prev_attn_implementation"
 _PREFILL_ATTR = "_fastlora_prefill_attention"  # on an eager model's attention modules: their eager function
-_TICKET_ATTR = "_fastlora_attention_ticket"  # on every attention module: its device's split-combine tickets
-# tickets per device: a split launch has fewer (row, kv head) pairs than SMs (decode_attention_config)
-_TICKETS = 1024
 _MAX_HEAD_DIM = 256
 # attention kwargs that change the result and that the kernel does not implement
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "head_mask")
@@ -109,28 +105,8 @@ def fastlora_decode_attention(
         return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     from ..ops.decode_attention import decode_attention
 
-    out = decode_attention(query, key, value, attention_mask, scaling=scaling, softcap=kwargs.get("softcap"),
-                           ticket=module.__dict__.get(_TICKET_ATTR))
+    out = decode_attention(query, key, value, attention_mask, scaling=scaling, softcap=kwargs.get("softcap"))
     return out, None
-
-
-def _attention_modules(inner: nn.Module):
-    return [m for m in inner.modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
-
-
-def _attach_tickets(inner: nn.Module) -> None:
-    """One zeroed ticket array per device, shared by that device's attention modules (a model's
-    layers run one after another; each launch leaves the tickets at zero). Allocated here, at patch
-    time: a tensor first allocated inside a graph capture would belong to that graph's memory."""
-    per_device = {}
-    for m in _attention_modules(inner):
-        p = next(m.parameters(), None)
-        if p is None or is_dtensor(p):
-            continue
-        if p.device not in per_device:
-            with torch.inference_mode(False):
-                per_device[p.device] = torch.zeros(_TICKETS, dtype=torch.int32, device=p.device)
-        m.__dict__[_TICKET_ATTR] = per_device[p.device]
 
 
 def _chunked_reason(inner: nn.Module) -> Optional[str]:
@@ -146,7 +122,9 @@ def _chunked_reason(inner: nn.Module) -> Optional[str]:
 def _eager_functions(inner: nn.Module):
     """Each attention module's eager function (the one its model code falls back to), or why not."""
     found = {}
-    for m in _attention_modules(inner):
+    for m in inner.modules():
+        if not (hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")):
+            continue
         fn = getattr(sys.modules.get(type(m).__module__), "eager_attention_forward", None)
         if not callable(fn):
             return None, f"{type(m).__name__} has no eager_attention_forward in its model code"
@@ -190,7 +168,6 @@ def enable_decode_attention(hf_model: nn.Module) -> Optional[str]:
     inner.__dict__[_PREV_ATTR] = current
     for m, fn in (eager or {}).items():
         m.__dict__[_PREFILL_ATTR] = fn
-    _attach_tickets(inner)
     try:
         _compat.set_attn_implementation(inner, name)
     except Exception as e:  # transformers refused the name: leave the model as it was
@@ -208,7 +185,6 @@ def _undo(inner: nn.Module, current: str) -> None:
     inner.__dict__.pop(_PREV_ATTR, None)
     for m in inner.modules():
         m.__dict__.pop(_PREFILL_ATTR, None)
-        m.__dict__.pop(_TICKET_ATTR, None)
 
 
 def disable_decode_attention(hf_model: nn.Module) -> None:
@@ -221,7 +197,6 @@ def disable_decode_attention(hf_model: nn.Module) -> None:
         _compat.set_attn_implementation(inner, prev)
     for m in inner.modules():
         m.__dict__.pop(_PREFILL_ATTR, None)
-        m.__dict__.pop(_TICKET_ATTR, None)
 
 
 def decode_attention_enabled(hf_model: nn.Module) -> bool:

@@ -15,11 +15,7 @@ span is read and then masked out of the softmax. The program writes (log2-sum-ex
 partial output) per split to a small fp32 workspace, or the final output when there is one split.
 
 Stage 2 (``_decode_attention_combine_kernel``): one program per (row, query head) merges the S partials in a fixed
-order (deterministic, no atomics). Given a ticket array (zeroed int32, one per (row, kv head), kept by
-the caller), the first kernel does this itself: each split program takes its (row, kv head)'s ticket
-with an acquire-release atomic after writing its partials, and the last one merges the S partials of
-its query heads in split order, writes the output and puts the ticket back to zero. That saves a
-launch a layer where the step is made of small kernels (decode at small batches).
+order (deterministic, no atomics).
 
 Everything is sized from static shapes (no host sync, no data-dependent grid): safe to capture in
 a CUDA graph. A row with no attended position at all gets a zero output (sdpa would give NaN).
@@ -60,7 +56,6 @@ def _decode_attention_split_kernel(
     out_ptr,  # (B, H, D): written when NUM_SPLITS == 1
     part_o_ptr,  # (B, H, NUM_SPLITS, D) fp32, contiguous: written when NUM_SPLITS > 1
     part_lse_ptr,  # (B, H, NUM_SPLITS) fp32, contiguous
-    ticket_ptr,  # (>= B * KVH,) int32, zero: read when FUSE_COMBINE
     # dimensions
     L,
     D,
@@ -85,7 +80,6 @@ def _decode_attention_split_kernel(
     HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,  # compute the dots in fp32 (fp32 inputs, or the interpreter)
     USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py (q, the cache and the mask are the step's: all after the wait)
-    FUSE_COMBINE: tl.constexpr,  # the last split program of a (row, kv head) merges the partials (module doc)
 ):
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
@@ -187,27 +181,6 @@ def _decode_attention_split_kernel(
         tl.store(part_o_ptr + row[:, None] * D + offs_d[None, :], o, mask=hd_mask)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=h_mask)
-        if FUSE_COMBINE:  # every split's partials are written once the count reaches NUM_SPLITS
-            if tl.atomic_add(ticket_ptr + pid, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                first = (b64 * H + heads) * NUM_SPLITS  # (BLOCK_H,): split 0 of each head
-                m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
-                for s_i in tl.static_range(NUM_SPLITS):
-                    m_all = tl.maximum(m_all, tl.load(part_lse_ptr + first + s_i, mask=h_mask, other=float("-inf"),
-                                                      cache_modifier=".cg"))
-                m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # nothing attended: all weights 0
-                num = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-                den = tl.zeros([BLOCK_H], dtype=tl.float32)
-                for s_i in tl.static_range(NUM_SPLITS):
-                    w = tl.exp2(tl.load(part_lse_ptr + first + s_i, mask=h_mask, other=float("-inf"),
-                                        cache_modifier=".cg") - m_all)
-                    part = tl.load(part_o_ptr + (first + s_i)[:, None] * D + offs_d[None, :], mask=hd_mask,
-                                   other=0.0, cache_modifier=".cg")
-                    num += w[:, None] * part
-                    den += w
-                res = num / tl.where(den > 0.0, den, 1.0)[:, None]
-                o_ptrs = out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
-                tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=hd_mask)
-                tl.atomic_xchg(ticket_ptr + pid, 0)
 
 
 @triton.jit
@@ -291,7 +264,6 @@ def decode_attention(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
-    ticket: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over a static KV cache.
 
@@ -305,9 +277,6 @@ def decode_attention(
         softcap: logit soft-capping ``softcap * tanh(score / softcap)``, before the mask.
         out: optional (B, 1, H, D) output in ``q.dtype``.
         num_splits, block_n, num_warps, num_stages: override ``decode_attention_config``.
-        ticket: optional int32 tensor of zeros on q's device, at least B * KVH long, that no launch
-            running at the same time shares: a split launch then merges its partials itself (no
-            second kernel) and leaves it at zero. Without one, or one too short, the second kernel runs.
     Returns:
         (B, 1, H, D) in ``q.dtype``: the layout ``sdpa_attention_forward`` returns.
     """
@@ -357,11 +326,9 @@ def decode_attention(
     has_softcap = softcap is not None and softcap > 0
     upcast = q.dtype == torch.float32 or interpreting()
     use_pdl = pdl.mode(q)
-    fuse = (splits > 1 and ticket is not None and ticket.dtype == torch.int32 and ticket.device == q.device
-            and ticket.numel() >= bsz * kv_heads and ticket.is_contiguous())
 
     _decode_attention_split_kernel[(bsz * kv_heads, splits)](
-        q, k, v, mask2, out, part_o, part_lse, ticket if fuse else out,
+        q, k, v, mask2, out, part_o, part_lse,
         kv_len, dim, kv_heads, groups,
         scale if has_softcap else scale * _LOG2E,
         float(softcap) if has_softcap else 1.0,
@@ -378,12 +345,11 @@ def decode_attention(
         HAS_SOFTCAP=has_softcap,
         UPCAST=upcast,
         USE_PDL=use_pdl,
-        FUSE_COMBINE=fuse,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
         launch_pdl=use_pdl > 0,
     )
-    if splits > 1 and not fuse:
+    if splits > 1:
         _decode_attention_combine_kernel[(bsz * heads,)](
             part_o, part_lse, out,
             heads, dim,
