@@ -29,15 +29,20 @@ from peft_fastlora.ops import pdl  # noqa: E402
 from peft_fastlora.ops.rms_norm import rms_norm  # noqa: E402
 from peft_fastlora.ops.stream_gemm import StreamConfig, StreamWorkspace, stream_gemm  # noqa: E402
 
-# (hidden, q, kv, intermediate, layers) of the two Llama shapes of bench_generate
-MODELS = {"8b": (4096, 4096, 1024, 14336, 32), "1b": (2048, 2048, 512, 8192, 16)}
+# (hidden, q, kv, intermediate, layers) of bench_generate's shapes: the two Llamas and Gemma 2 9B
+# (whose o and down, 3,584 outputs, are narrower than 4,096)
+MODELS = {"8b": (4096, 4096, 1024, 14336, 32), "1b": (2048, 2048, 512, 8192, 16),
+          "gemma2-9b": (3584, 4096, 2048, 14336, 42)}
 HIDDEN, Q, KV, INTER, LAYERS = MODELS["8b"]
 
 
-def sites_of(model: str) -> dict:
-    """Site -> (K, N) of one layer's GEMMs (q/k/v and gate/up fused)."""
+def sites_of(model: str, fold_rows: int = 0) -> dict:
+    """Site -> (K, N) of one layer's GEMMs (q/k/v and gate/up fused). ``fold_rows``: the rows of the
+    adapters' A stacked under each weight of a folded site (8 adapters of rank 16: 128 a module),
+    as the mixed step's ``[W; A]`` GEMMs are."""
     hidden, q, kv, inter, _ = MODELS[model]
-    return {"qkv": (hidden, q + 2 * kv), "o": (hidden, hidden), "gate_up": (hidden, 2 * inter), "down": (inter, hidden)}
+    return {"qkv": (hidden, q + 2 * kv + 3 * fold_rows), "o": (q, hidden + fold_rows),
+            "gate_up": (hidden, 2 * inter + 2 * fold_rows), "down": (inter, hidden + fold_rows)}
 
 
 SITES = sites_of("8b")
@@ -56,7 +61,7 @@ NARROW_SWEEP = [(64, 128, 1, 4, 8, 0, False), (32, 128, 1, 4, 8, 0, False), (64,
                 (64, 256, 4, 4, 4, 0, False), (64, 128, 8, 4, 4, 0, False), (32, 128, 2, 4, 8, 0, False),
                 (32, 128, 4, 4, 6, 0, False), (32, 256, 2, 4, 4, 0, False), (32, 256, 4, 4, 4, 0, False),
                 (32, 128, 8, 4, 4, 0, False), (16, 256, 2, 4, 6, 0, False), (16, 256, 4, 4, 4, 0, False),
-                (128, 128, 4, 8, 4, 0, False)]
+                (128, 128, 4, 8, 4, 0, False), (64, 128, 3, 4, 6, 0, False), (64, 128, 2, 4, 8, 0, False)]
 # the gate/up GEMM with the activation in its epilogue (``glu``): half-width tiles, gate's and up's
 GLU_SWEEP = [(64, 128, 1, 8, 4, 0, False), (64, 128, 1, 4, 4, 0, False), (64, 128, 1, 8, 3, 0, False),
              (64, 64, 1, 4, 6, 0, False), (32, 128, 1, 4, 6, 0, False), (32, 256, 1, 4, 3, 0, False),
@@ -94,6 +99,8 @@ def main(argv=None):
     p.add_argument("--sites", nargs="+", default=list(SITES))
     p.add_argument("--model", choices=sorted(MODELS), default="8b",
                    help="the layer shapes; 1b sweeps NARROW_SWEEP for its layers narrower than 4,096")
+    p.add_argument("--fold-rows", type=int, default=0,
+                   help="A rows stacked under each weight, as a folded site's [W; A] (128: 8 adapters of rank 16)")
     p.add_argument("--chains", nargs="+", choices=["alone", "after_norm"], default=["alone", "after_norm"])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): each sweep config on a tiny shape")
@@ -123,7 +130,7 @@ def main(argv=None):
     if args.glu:
         return glu_sweep(args, timer, bw, capture)
     rows = []
-    sites = sites_of(args.model)
+    sites = sites_of(args.model, args.fold_rows)
     for site in args.sites:
         k, n = sites[site]
         layers = MODELS[args.model][4]
@@ -173,8 +180,8 @@ def main(argv=None):
             for (name, chain), us in times.items():
                 base = times.get(("cublas", chain))
                 rows.append(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                                 triton=__import__("triton").__version__, model=args.model, site=site, n=n, k=k,
-                                 batch=bs,
+                                 triton=__import__("triton").__version__, model=args.model,
+                                 fold_rows=args.fold_rows, site=site, n=n, k=k, batch=bs,
                                  chain=chain, impl=name, us=round(us, 2),
                                  of_copy_bw=round(nbytes / (us * 1e-6) / bw, 3),
                                  vs_cublas=round(us / base, 3) if base else ""))
