@@ -127,17 +127,19 @@ def test_workspace_covers_every_split_launch(monkeypatch):
     assert streams.workspace.tickets.numel() >= sl.NARROW_N // 64
 
 
-def test_patched_model_streams_its_decode_gemms_through_calls_and_an_adapter_change(monkeypatch):
+@pytest.mark.parametrize("narrow", [False, True], ids=["wide_tiles", "narrow_tiles"])
+def test_patched_model_streams_its_decode_gemms_through_calls_and_an_adapter_change(monkeypatch, narrow):
     """``patch(stream_gemm=True)`` on a bf16 model (the interpreter runs the kernel; every layer
     made wide enough): the fused groups and the other linear layers stream through emulated graphs
     over calls of changing batch sizes, and again after an adapter is added (the rebuilt groups
     take the GEMM too); each step's logits stay within bf16 rounding (about 1% here, as between
     fastlora and PEFT) of the same step with the kernel off, and ``unpatch`` leaves no forward
-    behind."""
+    behind. ``narrow``: every layer under the narrow layers' rules (their tiles, though these
+    reductions are too shallow to split; a prefill past 32 rows keeps F.linear)."""
     import peft_fastlora as fastlora
     from _models import LLAMA_LIKE_ALL, left_padded_batch, tiny_peft_llama
 
-    _lift_limits(monkeypatch)
+    _lift_limits(monkeypatch, narrow=narrow)
     model = tiny_peft_llama().to(torch.bfloat16)
     calls_rows = [[5, 9, 3], [7], [4, 6, 2, 8, 5]]
     names = {3: ["a", "__base__", "b"], 1: ["b"], 5: ["a", "b", "a", "__base__", "b"]}
