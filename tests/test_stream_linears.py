@@ -98,15 +98,15 @@ def test_narrow_layers_stream_fewer_rows_in_k_ranges(monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(stream_ops, "stream_gemm", spy)
-    w = (torch.randn(48, 256) / 16).bfloat16()  # narrow, deep: four ranges of 64
+    w = (torch.randn(48, 512) / 16).bfloat16()  # narrow, deep: four ranges of one 128-wide tile
     for rows in (1, sl.NARROW_MAX_ROWS):
-        x = torch.randn(rows, 256).bfloat16()
+        x = torch.randn(rows, 512).bfloat16()
         torch.testing.assert_close(streams.linear(x, w).float(), F.linear(x.float(), w.float()).bfloat16().float(),
                                    atol=3e-2, rtol=1.6e-2)
     assert [c.split_k for c in configs] == [4, 4]
-    streams.linear(torch.randn(sl.NARROW_MAX_ROWS + 1, 256).bfloat16(), w)
+    streams.linear(torch.randn(sl.NARROW_MAX_ROWS + 1, 512).bfloat16(), w)
     assert len(configs) == 2  # past the narrow rows: F.linear
-    streams.linear(torch.randn(sl.NARROW_MAX_ROWS + 1, 256).bfloat16(), torch.randn(64, 256).bfloat16())
+    streams.linear(torch.randn(sl.NARROW_MAX_ROWS + 1, 512).bfloat16(), torch.randn(64, 512).bfloat16())
     assert len(configs) == 3  # as wide as NARROW_N: the wide layers' rows and tiles (two ranges, preload)
     assert (configs[-1].split_k, configs[-1].preload) == (2, True)
 
