@@ -120,7 +120,8 @@ class StreamLinears:
         """The rows of ``x`` where ``x @ weight.T`` takes the kernel (module doc), else 0."""
         n, k = weight.shape if weight.dim() == 2 else (0, 0)
         rows = x.numel() // k if k and x.dim() and x.shape[-1] == k else 0
-        if (rows > (MAX_ROWS if n >= NARROW_N else NARROW_MAX_ROWS) or rows == 0 or not MIN_N <= n <= MAX_N or k < MIN_K or k % 8 or x.dtype not in _DTYPES
+        max_rows = MAX_ROWS if n >= NARROW_N else NARROW_MAX_ROWS
+        if (rows > max_rows or rows == 0 or not MIN_N <= n <= MAX_N or k < MIN_K or k % 8 or x.dtype not in _DTYPES
                 or weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1))
                 or weight.stride(1) != 1 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
                 or x.device != self.device or weight.device != self.device or (self.skip is not None and self.skip())):
