@@ -12,6 +12,9 @@ of its steady steps into:
 - ``outside_idle``: idle time between one replay's end and the next one's start that no kernel
   fills (the GPU waiting for the host).
 
+On the host, between two graph launches: ``host_wait`` (blocking runtime calls: synchronisations,
+blocking copies) and ``host_busy`` (the rest). A host busy for about the GPU's period bounds the step.
+
 Inside a replay each kernel is charged the time by which it moved the replay's frontier (its end
 less the latest end before it): its run and the bubble before it, overlap under PDL not counted
 twice. ``step_timeline_<model>_kernels.csv`` has that charge by kernel name, per step.
@@ -41,8 +44,9 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def trace_events(call, cpu: bool = False):
-    """(GPU activities as (start_us, end_us, name, correlation), correlation ids of graph launches).
-    CUDA activity alone by default: recording CPU ops too slows the host, which widens the gaps measured."""
+    """(GPU activities as (start_us, end_us, name, correlation), correlation ids of graph launches,
+    the host's CUDA runtime calls as (start_us, duration_us, name)). CUDA activity alone by default:
+    recording CPU ops too slows the host, which widens the gaps measured."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])
@@ -54,9 +58,11 @@ def trace_events(call, cpu: bool = False):
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
-    gpu, graph_launches = [], set()
+    gpu, graph_launches, runtime = [], set(), []
     for e in events:
         cat, args = e.get("cat", ""), e.get("args", {})
+        if cat in ("cuda_runtime", "cuda_driver") and "dur" in e:
+            runtime.append((float(e["ts"]), float(e["dur"]), e.get("name", "?")))
         if cat == "cuda_runtime" and e.get("name") == "cudaGraphLaunch":
             graph_launches.add(args.get("correlation"))
         elif cat in GPU_CATEGORIES and "dur" in e:
@@ -64,7 +70,24 @@ def trace_events(call, cpu: bool = False):
     gpu.sort()
     if not graph_launches and not cpu:  # (a profiler that records the runtime calls with CPU ops only)
         return trace_events(call, cpu=True)
-    return gpu, graph_launches
+    return gpu, graph_launches, sorted(runtime)
+
+
+def _waits(name: str) -> bool:
+    """A runtime call in which the host waits for the GPU."""
+    return "Synchronize" in name or (name.startswith("cudaMemcpy") and "Async" not in name)
+
+
+def host_steps(runtime):
+    """Per step on the host (between two graph launches, the same steps as ``split_steps``): the
+    period, the time spent waiting for the GPU in blocking runtime calls, and the rest (the host's
+    own work). A host busy for about the GPU's period is what bounds the step."""
+    launches = [t for t, _, name in runtime if name == "cudaGraphLaunch"]
+    steps = []
+    for t0, t1 in zip(launches[2:-1], launches[3:]):
+        wait = sum(d for t, d, name in runtime if t0 <= t < t1 and _waits(name))
+        steps.append(dict(host_period=t1 - t0, host_wait=wait, host_busy=t1 - t0 - wait))
+    return steps
 
 
 def split_steps(gpu, graph_launches):
@@ -129,9 +152,11 @@ def _union(intervals) -> float:
     return total
 
 
-def summarise(steps, top: int):
+def summarise(steps, top: int, host=()):
     keys = ("period", "graph_span", "graph_busy", "graph_gaps", "outside_busy", "outside_idle")
     row = {f"{k}_us": round(statistics.median(s[k] for s in steps), 1) for k in keys}
+    for k in ("host_period", "host_wait", "host_busy"):
+        row[f"{k}_us"] = round(statistics.median(h[k] for h in host), 1) if host else ""
     row["graph_kernels"] = int(statistics.median(s["graph_kernels"] for s in steps))
     by_name = collections.Counter()
     for s in steps:
@@ -167,13 +192,13 @@ def main(argv=None):
             model.generate(**kw)  # warm-up: compiled, captured
             if bg.DEVICE != "cuda":
                 continue
-            gpu, launches = trace_events(lambda: model.generate(**kw))
+            gpu, launches, runtime = trace_events(lambda: model.generate(**kw))
             steps = split_steps(gpu, launches)
             if not steps:
                 print(f"batch {b}: no graph replays in the trace", flush=True)
                 continue
             row = dict(bg.versions(), model=args.model, method=method, batch=b, steps=len(steps),
-                       **summarise(steps, args.top))
+                       **summarise(steps, args.top, host_steps(runtime)))
             print(row, flush=True)
             rows.append(row)
             for r in kernel_rows(steps):

@@ -102,6 +102,23 @@ def test_step_timeline_split():
     assert charged == {"k1": 30.0, "k2": 30.0}  # k2's run and the bubble before it
 
 
+def test_step_timeline_host_side():
+    """The host's steps between graph launches: blocking calls are waits, the rest the host's work."""
+    sys.path.insert(0, BENCH)
+    import step_timeline
+
+    runtime = []
+    for i in range(6):  # a launch every 100 us, 30 us of it in an event synchronize, 5 in an async copy
+        t = 100.0 * i
+        runtime += [(t, 4.0, "cudaGraphLaunch"), (t + 20, 30.0, "cudaEventSynchronize"),
+                    (t + 60, 5.0, "cudaMemcpyAsync")]
+    host = step_timeline.host_steps(sorted(runtime))
+    assert len(host) == 3 and host[0] == dict(host_period=100.0, host_wait=30.0, host_busy=70.0)
+    row = step_timeline.summarise([dict(period=1, graph_span=1, graph_busy=1, graph_gaps=0, outside_busy=0,
+                                        outside_idle=0, graph_kernels=1, outside=[])], 1, host)
+    assert (row["host_busy_us"], row["host_wait_us"]) == (70.0, 30.0)
+
+
 def test_step_timeline_charges_overlap_once():
     """Under PDL a kernel starts before the one before it ends: only its end past the frontier counts."""
     sys.path.insert(0, BENCH)
