@@ -134,3 +134,9 @@ def test_step_timeline_charges_overlap_once():
 def test_step_timeline_smoke():
     out = _run([os.path.join(BENCH, "step_timeline.py"), "--smoke"])
     assert "fastlora_graphs fastlora: patched" in out
+
+
+def test_probe_rotary_kv_smoke():
+    """The probe's one-kernel rotary and KV write gives the two kernels' q, caches and length exactly."""
+    out = _run([os.path.join(BENCH, "probe_rotary_kv.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
+    assert "equal the two kernels'" in out
