@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_generate as bg  # noqa: E402
 from peft_fastlora.ops import pdl  # noqa: E402
 from peft_fastlora.ops.kv_cache import kv_cache_write  # noqa: E402
-from peft_fastlora.ops.rotary import apply_rotary  # noqa: E402
+from peft_fastlora.ops.rotary import apply_rotary, cos_sin_halves, rotate_halves  # noqa: E402
 
 # the cache is long enough for every replay's write to land in it (each replay advances the length)
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS, CACHE_LEN, FILLED = 4096, 32, 8, 128, 32, 2048, 200
@@ -51,12 +51,7 @@ def _rotary_kv_write_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < half
-    c_row = cos_ptr + b * c_sb + s * c_ss
-    s_row = sin_ptr + b * c_sb + s * c_ss
-    c1 = tl.load(c_row + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(c_row + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(s_row + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(s_row + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    c1, c2, s1, s2 = cos_sin_halves(cos_ptr, sin_ptr, b * c_sb + s * c_ss, half, offs_d, d_mask)
     start = tl.load(length_ptr)
     pos = start.to(tl.int64) + s
 
@@ -74,9 +69,7 @@ def _rotary_kv_write_kernel(
     mask = ((heads < num_heads) & (is_q | in_cache))[:, None] & d_mask[None, :]
     x1 = tl.load(src + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    dt = q_out_ptr.dtype.element_ty
-    y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-    y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    y1, y2 = rotate_halves(x1, x2, c1, c2, s1, s2, q_out_ptr.dtype.element_ty)
     tl.store(dst + offs_d[None, :], y1, mask=mask)
     tl.store(dst + half + offs_d[None, :], y2, mask=mask)
     # the value heads of this block's key heads: copied as they are

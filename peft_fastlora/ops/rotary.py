@@ -23,6 +23,28 @@ from . import pdl
 
 
 @triton.jit
+def cos_sin_halves(cos_ptr, sin_ptr, row_offset, half, offs_d, d_mask):
+    """A position's cos and sin rows, each as its two halves, in fp32 (1, BLOCK_D) tiles."""
+    c_row = cos_ptr + row_offset
+    s_row = sin_ptr + row_offset
+    c1 = tl.load(c_row + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(c_row + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(s_row + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(s_row + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def rotate_halves(x1, x2, c1, c2, s1, s2, dt):
+    """``x * cos + rotate_half(x) * sin`` of the halves (x1, x2) (fp32), rotate_half(x) = (-x2, x1);
+    each product and the sum rounded to ``dt`` like torch's ops (the kernel must be compiled
+    without FP contraction, module doc)."""
+    y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+    y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    return y1, y2
+
+
+@triton.jit
 def _rotary_kernel(
     # pointers
     q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
@@ -43,13 +65,7 @@ def _rotary_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < half
 
-    # cos / sin: the first and the second half of this position's row
-    c_row = cos_ptr + b * c_sb + s * c_ss
-    s_row = sin_ptr + b * c_sb + s * c_ss
-    c1 = tl.load(c_row + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(c_row + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(s_row + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(s_row + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    c1, c2, s1, s2 = cos_sin_halves(cos_ptr, sin_ptr, b * c_sb + s * c_ss, half, offs_d, d_mask)
 
     # heads [0, num_q_heads) are query heads, the rest key heads
     is_q = heads < num_q_heads
@@ -65,10 +81,7 @@ def _rotary_kernel(
     x1 = tl.load(src + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
 
-    dt = q_out_ptr.dtype.element_ty
-    # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); each op rounded like torch's
-    y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-    y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    y1, y2 = rotate_halves(x1, x2, c1, c2, s1, s2, q_out_ptr.dtype.element_ty)
     tl.store(dst + offs_d[None, :], y1, mask=mask)
     tl.store(dst + half + offs_d[None, :], y2, mask=mask)
 
