@@ -10,6 +10,8 @@ interpreter keeps bf16 as raw uint16).
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -160,12 +162,34 @@ def test_row_with_nothing_to_attend_is_zero_and_batch_broadcast_mask():
     assert_close(out, decode_attention_reference(q, k, v, shared.expand(2, -1, -1, -1)), 2e-5, 2e-5)
 
 
-def test_config_is_static_and_sane():
-    cpu = torch.device("cpu")
+@needs_interpreter
+@pytest.mark.parametrize("case", ["gqa4_pad_len1_end", "gqa4_many_splits"])
+def test_mask_scan_before_the_wait_gives_the_same_bits(case):
+    """``prewait``: the span found before the PDL wait ("span") or after it ("off"): the same
+    arithmetic, bit for bit."""
+    b, h, kvh, kv_len, d, starts, ends, splits, bn = CASES[case]
+    q, k, v = rand_qkv(b, h, kvh, kv_len, d, torch.float32, strided=True)
+    mask = make_mask(starts, ends, kv_len)
+    outs = {w: decode_attention(q, k, v, mask, num_splits=splits, block_n=bn, prewait=w)
+            for w in ("off", "span", "auto")}
+    assert torch.equal(outs["off"], outs["span"]) and torch.equal(outs["off"], outs["auto"])
+    assert_close(outs["off"], decode_attention_reference(q, k, v, mask), 2e-5, 2e-5, case)
+    with pytest.raises(ValueError, match="prewait"):
+        decode_attention(q, k, v, mask, prewait="early")
+
+
+def test_config_is_static_and_sane(monkeypatch):
+    monkeypatch.setattr(importlib.import_module("peft_fastlora.ops.decode_attention"), "_sm_count", lambda d: 132)
+    cpu = torch.device("cpu")  # an H200's 132 SMs, Llama-3-8B's 8 kv heads of 4 query heads, 128 dims
     one = decode_attention_config(1, 8, 4, 512, 128, cpu)
     assert one["block_h"] == 16 and one["block_d"] == 128 and one["block_n"] == 64
-    assert decode_attention_config(128, 8, 4, 512, 128, cpu)["num_splits"] == 1
+    assert one["num_splits"] == 8 and one["prewait"] == "span"  # split: the mask scan before the wait
+    mid = decode_attention_config(32, 8, 4, 512, 128, cpu)  # 256 programs: two per SM, longer blocks
+    assert mid["num_splits"] == 1 and mid["block_n"] == 128 and mid["prewait"] == "off"
+    big = decode_attention_config(128, 8, 4, 512, 128, cpu)
+    assert big["num_splits"] == 1 and big["block_n"] == 64 and big["prewait"] == "off"
     assert decode_attention_config(1, 1, 1, 30, 256, cpu)["block_n"] == 32
+    assert decode_attention_config(32, 8, 1, 512, 256, cpu)["block_n"] == 32  # wide heads keep theirs
 
 
 def test_launcher_rejects_bad_shapes():

@@ -94,6 +94,64 @@ def test_inside_a_cuda_graph(bsz):
         _check(out, ref, atol, rtol, f"replay filled={filled}")
 
 
+@pytest.mark.parametrize("prewait", ["off", "span"])
+@pytest.mark.parametrize("bsz", [1, 32])
+def test_after_pdl_kernels_that_write_q_and_the_cache_in_a_graph(bsz, prewait):
+    """The step's chain in one graph: ``apply_rotary`` writes q, ``kv_cache_write`` this step's
+    K/V slot (both PDL kernels, which let the attention launch before they finish), then the
+    attention, whose mask scan may run before its wait. The new slot's keys are
+    large, so an attention that read its K/V before they were written would be far off."""
+    from peft_fastlora.ops.decode_attention import decode_attention, decode_attention_reference
+    from peft_fastlora.ops.kv_cache import kv_cache_write
+    from peft_fastlora.ops.rotary import apply_rotary
+
+    dtype = torch.bfloat16
+    atol, rtol = TOLERANCES[dtype]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    _, k_cache, v_cache, mask = _inputs(bsz, dtype, seed=6)
+    q_raw = torch.randn(bsz, HEADS, 1, HEAD_DIM, device="cuda", dtype=dtype)
+    k_raw = torch.randn(bsz, KV_HEADS, 1, HEAD_DIM, device="cuda", dtype=dtype)
+    v_raw = torch.randn(bsz, KV_HEADS, 1, HEAD_DIM, device="cuda", dtype=dtype)
+    ang = torch.rand(bsz, 1, HEAD_DIM, device="cuda")
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    length = torch.zeros(1, dtype=torch.int64, device="cuda")
+    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def chain():
+        q, k = apply_rotary(q_raw, k_raw, cos, sin)
+        kv_cache_write(k, v_raw, k_cache, v_cache, length, ticket=ticket)
+        return q, decode_attention(q, k_cache, v_cache, mask, prewait=prewait)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph):
+            q_out, out = chain()
+    finally:
+        gc.enable()
+    pos = torch.arange(CACHE_LEN, device="cuda")
+    for step, slot in enumerate((FILLED, 37, CACHE_LEN - 1, 0)):
+        length.fill_(slot)
+        mask.copy_((pos <= slot)[None, None, None, :].expand_as(mask))
+        for t in (q_raw, k_raw, v_raw):
+            t.copy_(torch.randn(t.shape, device="cuda", generator=g).to(dtype) * (4 if t is k_raw else 1))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(length) == slot + 1, f"step {step}: the length was not advanced"
+        ref = decode_attention_reference(q_out, k_cache, v_cache, mask)
+        err = (out.float() - ref.float()).abs()
+        assert not (err > atol + rtol * ref.float().abs()).any(), \
+            f"{prewait} bsz={bsz} slot={slot}: max error {err.max().item():.3g}"
+        # the check can fail: without this step's slot the output is far off
+        without = decode_attention_reference(q_out, k_cache, v_cache, mask & (pos != slot))
+        assert (without.float() - ref.float()).abs().max().item() > 50 * atol
+
+
 def test_tiny_llama_generate_on_cuda_equal_tokens():
     from _models import tiny_llama
 

@@ -14,6 +14,9 @@ so that they need not wait for the mask load and the loop can pipeline; a masked
 span is read and then masked out of the softmax. The program writes (log2-sum-exp, normalised
 partial output) per split to a small fp32 workspace, or the final output when there is one split.
 
+Under PDL the split program may scan the mask before its wait (``PREWAIT``), so that the scan's
+round trip overlaps the kernels before it; q and every load the softmax uses come after the wait.
+
 Stage 2 (``_decode_attention_combine_kernel``): one program per (row, query head) merges the S partials in a fixed
 order (deterministic, no atomics).
 
@@ -44,6 +47,15 @@ def _attended(m_base, offs, L, stride_ml, mask_min, MASK_IS_BOOL: tl.constexpr):
     else:
         ok = tl.load(m_base + offs * stride_ml, mask=in_range, other=float("-inf")).to(tl.float32) > mask_min
     return in_range & ok
+
+
+@triton.jit
+def _load_q(q_ptr, row_offset, heads, stride_qh, offs_d, stride_qd, h_mask, d_mask, dt, UPCAST: tl.constexpr):
+    """The (BLOCK_H, BLOCK_D) query tile of one kv head's query heads, in ``dt`` (fp32 with UPCAST:
+    the interpreter keeps bf16 as raw uint16, so arithmetic on it is wrong unless upcast)."""
+    q = tl.load(q_ptr + row_offset + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    return q.to(tl.float32) if UPCAST else q.to(dt)
 
 
 @triton.jit
@@ -79,10 +91,12 @@ def _decode_attention_split_kernel(
     MASK_IS_BOOL: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,  # compute the dots in fp32 (fp32 inputs, or the interpreter)
-    USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py (q, the cache and the mask are the step's: all after the wait)
+    USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py
+    EARLY_SPAN: tl.constexpr,  # scan the mask before the PDL wait (no PDL kernel writes it)
 ):
     pdl.launch_dependents(USE_PDL)
-    pdl.wait(USE_PDL)
+    if not EARLY_SPAN:
+        pdl.wait(USE_PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // KVH
@@ -96,13 +110,9 @@ def _decode_attention_split_kernel(
     d_mask = offs_d < D
     heads = kvh * G + offs_h  # the query heads of this kv head
 
-    q_ptrs = q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
-        # why: the interpreter keeps bf16 as raw uint16, so arithmetic on it is wrong unless upcast
-        q = q.to(tl.float32)
-    else:
-        q = q.to(k_ptr.dtype.element_ty)
+    if not EARLY_SPAN:  # the q load overlaps the mask scan
+        q = _load_q(q_ptr, b64 * stride_qb, heads, stride_qh, offs_d, stride_qd, h_mask, d_mask,
+                    k_ptr.dtype.element_ty, UPCAST)
     k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
     m_base = mask_ptr + b64 * stride_mb
@@ -117,6 +127,11 @@ def _decode_attention_split_kernel(
         valid_c = _attended(m_base, offs_c, L, stride_ml, mask_min, MASK_IS_BOOL)
         lo = tl.minimum(lo, tl.min(tl.where(valid_c, offs_c, L), axis=0))
         hi = tl.maximum(hi, tl.max(tl.where(valid_c, offs_c + 1, 0), axis=0))
+    if EARLY_SPAN:
+        pdl.wait(USE_PDL)
+
+        q = _load_q(q_ptr, b64 * stride_qb, heads, stride_qh, offs_d, stride_qd, h_mask, d_mask,
+                    k_ptr.dtype.element_ty, UPCAST)
 
     # 2. this split's blocks of the span: lo_blk + split, + NUM_SPLITS, ... (strided, so the
     #    splits share the span evenly whatever its length)
@@ -229,26 +244,42 @@ def _sm_count(device: torch.device) -> int:
     return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# What a split program does before its PDL wait: "off" (nothing) or "span" (the mask scan);
+# "auto": "span" where the span is split (few programs, each short: the scan's round trip is much
+# of its time), else "off" (with one program per (row, kv head) the early scans cost more than
+# they hide; ``benchmarks/probe_rotary_kv.py`` compares the two). The mask is safe to read early
+# because no PDL kernel writes one: torch's ops build it, and a kernel launched without PDL
+# completes before any later kernel starts.
+PREWAIT = "auto"
+MID_BLOCK_N = 128  # block_n at one to three programs per SM (benchmarks set 64 for an A/B)
+_PREWAITS = ("auto", "off", "span")
+
+
 def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int, head_dim: int,
                             device: torch.device) -> dict:
     """Launch parameters by shape class (no autotuning: graphs need a fixed launch).
 
     - ``block_h``: the query heads of one kv head, padded to 16 (the smallest ``tl.dot`` M).
-    - ``block_n``: 64 cache positions per step (32 for head dims over 128, to bound registers).
+    - ``block_n``: 64 cache positions per step (32 for head dims over 128, to bound registers);
+      128 where rows x kv heads give one to three programs per SM and no split.
     - ``num_splits``: enough (row, kv head, split) programs for ~4 per SM; 1 once rows x kv heads
       reach one per SM (then the first kernel writes the output and the combine is skipped); the
       sweep behind this choice is ``benchmarks/bench_attention.py`` (results in
       ``benchmarks/results/attention_h200.csv``).
+    - ``prewait``: ``PREWAIT``, "auto" resolved.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(groups))
-    block_n = 64 if block_d <= 128 else 32
-    num_blocks = triton.cdiv(kv_len, block_n)
-    target = 4 * _sm_count(device)
+    sms = _sm_count(device)
     pairs = batch * kv_heads
-    num_splits = 1 if pairs >= _sm_count(device) else min(num_blocks, triton.cdiv(target, pairs), 64)
+    block_n = 64 if block_d <= 128 else 32
+    if block_d <= 128 and sms <= pairs < 3 * sms:
+        block_n = MID_BLOCK_N  # one or two programs per SM, each streaming its whole span: fewer, longer trips
+    num_blocks = triton.cdiv(kv_len, block_n)
+    num_splits = 1 if pairs >= sms else min(num_blocks, triton.cdiv(4 * sms, pairs), 64)
+    prewait = PREWAIT if PREWAIT != "auto" else "span" if num_splits > 1 else "off"
     return dict(block_h=block_h, block_n=block_n, block_d=block_d, num_splits=max(1, num_splits),
-                num_warps=4, num_stages=2)
+                num_warps=4, num_stages=2, prewait=prewait)
 
 
 def decode_attention(
@@ -264,6 +295,7 @@ def decode_attention(
     block_n: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    prewait: Optional[str] = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over a static KV cache.
 
@@ -272,11 +304,12 @@ def decode_attention(
         k, v: (B, KVH, L, D), any strides (a static cache's buffers or views of them), same dtype
             as ``q``; ``H`` a multiple of ``KVH``.
         mask: (B or 1, 1, 1, L): bool (True = attend) or float, added to the scores (values at the
-            dtype's minimum or -inf = masked). Blocks with no attended position are not read.
+            dtype's minimum or -inf = masked). Blocks with no attended position are not read. It
+            may be read before the PDL wait: no kernel launched with PDL may write it.
         scaling: score scale (default ``D ** -0.5``).
         softcap: logit soft-capping ``softcap * tanh(score / softcap)``, before the mask.
         out: optional (B, 1, H, D) output in ``q.dtype``.
-        num_splits, block_n, num_warps, num_stages: override ``decode_attention_config``.
+        num_splits, block_n, num_warps, num_stages, prewait: override ``decode_attention_config``.
     Returns:
         (B, 1, H, D) in ``q.dtype``: the layout ``sdpa_attention_forward`` returns.
     """
@@ -300,6 +333,10 @@ def decode_attention(
         cfg["block_n"] = block_n
     if num_splits is not None:
         cfg["num_splits"] = num_splits
+    if prewait is not None and prewait != "auto":
+        cfg["prewait"] = prewait
+    if cfg["prewait"] not in _PREWAITS[1:]:
+        raise ValueError(f"decode_attention: prewait {cfg['prewait']!r} is not one of {_PREWAITS}")
     cfg["num_splits"] = max(1, min(cfg["num_splits"], triton.cdiv(kv_len, cfg["block_n"])))
     splits = cfg["num_splits"]
 
@@ -345,6 +382,7 @@ def decode_attention(
         HAS_SOFTCAP=has_softcap,
         UPCAST=upcast,
         USE_PDL=use_pdl,
+        EARLY_SPAN=cfg["prewait"] == "span",
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
         launch_pdl=use_pdl > 0,

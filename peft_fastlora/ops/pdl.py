@@ -10,7 +10,8 @@ Every kernel launched with ``USE_PDL`` here keeps three rules, which keep the st
 intact for everything else:
 
 - before ``wait()`` it reads only inputs no kernel of the step writes (weights, the LoRA stacks,
-  the batch plan copied before the step) and stores nothing;
+  the batch plan copied before the step) or only kernels launched without PDL write (torch's
+  attention masks: such a kernel completes before any later one starts), and stores nothing;
 - every program calls ``wait()`` before it returns, early returns included, so a kernel never
   completes before the one it follows: the next kernel's wait then covers all earlier ones;
 - it lets the next kernel launch early (``launch_dependents()`` at its start; not in ``WAIT_ONLY``).
