@@ -1,16 +1,18 @@
-"""Probe (#13): rotary and the KV-cache write as one kernel, against the two kernels of a step today.
+"""Probe (#13): rotary and the KV-cache write as one kernel (``ops.rotary_kv``), against the two.
 
 A decode step runs, per layer, the q/k/v GEMM, ``ops.rotary`` (q and k rotated into new tensors),
 ``ops.kv_cache_write`` (the rotated k and v copied into the static cache at its fill length, which
 the last program advances) and the attention. The second of the two small kernels reads what the
-first has just written. ``_rotary_kv_write_kernel`` here does both: each program rotates a block of
-heads of one token, storing query heads to the attention's q and key heads (rotated) with the
-matching value heads straight into the cache. Its roundings are ``ops.rotary``'s, so the cache
-and q are bit-equal to the two kernels' (checked before timing).
+first has just written; ``ops.rotary_kv.rotary_kv_write`` does both (q and the cache bit-equal to
+the two kernels', checked before timing).
 
 Timed in CUDA graphs of 32 layers at Llama-3-8B's attention shapes, each layer the chain of a step:
 q/k/v GEMM (fastlora's streaming GEMM up to 64 rows, cuBLAS past), then the two kernels or the one,
-then the decode attention over the cache. Reported: microseconds per layer of each chain.
+then the decode attention over the cache, with each of its ``prewait`` settings (what a split
+program does before its PDL wait: nothing, or the mask scan; session 20's results also have a
+third, the scan and an L2 hint for the program's K/V rows, since removed: no faster at batch 1,
+slower at 32 and 128).
+Reported: microseconds per layer of each chain.
 
     python benchmarks/probe_rotary_kv.py --out benchmarks/results/probe_rotary_kv_h200.csv
 """
@@ -23,85 +25,15 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_generate as bg  # noqa: E402
-from peft_fastlora.ops import pdl  # noqa: E402
 from peft_fastlora.ops.kv_cache import kv_cache_write  # noqa: E402
-from peft_fastlora.ops.rotary import apply_rotary, cos_sin_halves, rotate_halves  # noqa: E402
+from peft_fastlora.ops.rotary import apply_rotary  # noqa: E402
+from peft_fastlora.ops.rotary_kv import rotary_kv_write  # noqa: E402
 
-# the cache is long enough for every replay's write to land in it (each replay advances the length)
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS, CACHE_LEN, FILLED = 4096, 32, 8, 128, 32, 2048, 200
-
-
-@triton.jit
-def _rotary_kv_write_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, length_ptr, ticket_ptr,
-    seq_len, num_q_heads, num_heads, half, max_len,
-    q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, v_sb, v_sh, v_ss, c_sb, c_ss, kc_sb, kc_sh, kc_ss,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    pdl.launch_dependents(USE_PDL)
-    pdl.wait(USE_PDL)
-    token = tl.program_id(0)
-    b = (token // seq_len).to(tl.int64)
-    s = token % seq_len
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < half
-    c1, c2, s1, s2 = cos_sin_halves(cos_ptr, sin_ptr, b * c_sb + s * c_ss, half, offs_d, d_mask)
-    start = tl.load(length_ptr)
-    pos = start.to(tl.int64) + s
-
-    is_q = heads < num_q_heads
-    kh = tl.where(is_q, 0, heads - num_q_heads).to(tl.int64)
-    qh = tl.where(is_q, heads, 0).to(tl.int64)
-    src = tl.where(is_q[:, None], q_ptr + b * q_sb + qh[:, None] * q_sh + s * q_ss,
-                   k_ptr + b * k_sb + kh[:, None] * k_sh + s * k_ss)
-    dim = 2 * half
-    cache_at = b * kc_sb + kh[:, None] * kc_sh + pos * kc_ss
-    dst = tl.where(is_q[:, None], q_out_ptr + ((b * num_q_heads + qh[:, None]) * seq_len + s) * dim,
-                   k_cache_ptr + cache_at)
-    # positions past the cache are dropped, as ops.kv_cache does (one flag per head of the block)
-    in_cache = (tl.zeros([BLOCK_H], dtype=tl.int64) + pos) < max_len
-    mask = ((heads < num_heads) & (is_q | in_cache))[:, None] & d_mask[None, :]
-    x1 = tl.load(src + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + half + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    y1, y2 = rotate_halves(x1, x2, c1, c2, s1, s2, q_out_ptr.dtype.element_ty)
-    tl.store(dst + offs_d[None, :], y1, mask=mask)
-    tl.store(dst + half + offs_d[None, :], y2, mask=mask)
-    # the value heads of this block's key heads: copied as they are
-    v_mask = ((heads >= num_q_heads) & (heads < num_heads) & in_cache)[:, None] & d_mask[None, :]
-    v_src = v_ptr + b * v_sb + kh[:, None] * v_sh + s * v_ss
-    v_dst = v_cache_ptr + cache_at
-    tl.store(v_dst + offs_d[None, :], tl.load(v_src + offs_d[None, :], mask=v_mask), mask=v_mask)
-    tl.store(v_dst + half + offs_d[None, :], tl.load(v_src + half + offs_d[None, :], mask=v_mask), mask=v_mask)
-    # the last program to take the ticket (after every program has read the length) advances it
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == programs - 1:
-        tl.store(length_ptr, start + seq_len)
-        tl.atomic_xchg(ticket_ptr, 0)
-
-
-def rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, length, ticket):
-    """``ops.rotary`` then ``ops.kv_cache_write(..., ticket)`` in one launch; returns rotated q."""
-    bsz, num_q, seq, dim = q.shape
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    num_heads = num_q + k.shape[1]
-    block_h = min(16, triton.next_power_of_2(num_heads))
-    c_sb = cos.stride(0) if cos.shape[0] == bsz else 0
-    use_pdl = pdl.mode(q)
-    _rotary_kv_write_kernel[(bsz * seq, triton.cdiv(num_heads, block_h))](
-        q, k, v, cos, sin, q_out, k_cache, v_cache, length, ticket,
-        seq, num_q, num_heads, dim // 2, k_cache.shape[2],
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), c_sb, cos.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(max(dim // 2, 1)), USE_PDL=use_pdl, num_warps=4,
-        enable_fp_fusion=False, launch_pdl=use_pdl > 0)
-    return q_out
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4096, 32, 8, 128, 32
 
 
 def _layer_inputs(bsz, heads, kv_heads, dim, cache_len, filled, device, dtype, hidden=None):
@@ -141,6 +73,10 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/results/probe_rotary_kv_h200.csv")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--iters", type=int, default=20)
+    # the cache must hold every timed replay's write (each replay advances the fill length)
+    p.add_argument("--cache-len", type=int, default=2048)
+    p.add_argument("--filled", type=int, default=200, help="positions attended (the fill at capture)")
+    p.add_argument("--prewaits", nargs="+", default=["off", "span"], choices=["auto", "off", "span"])
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): the equality check, tiny shapes")
     args = p.parse_args(argv)
     if args.smoke:
@@ -158,6 +94,7 @@ def main(argv=None):
     n_qkv = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     weights = [torch.randn(n_qkv, HIDDEN, device=dev, dtype=dtype) / HIDDEN ** 0.5 for _ in range(LAYERS)]
     rows = []
+    CACHE_LEN, FILLED = args.cache_len, args.filled
     for bsz in args.batches:
         check(bsz, HEADS, KV_HEADS, HEAD_DIM, CACHE_LEN, FILLED, dev, dtype)
         x = torch.randn(bsz, 1, HIDDEN, device=dev, dtype=dtype)
@@ -173,7 +110,7 @@ def main(argv=None):
             else:
                 torch.matmul(x.view(bsz, HIDDEN), w.T, out=out.view(bsz, -1))
 
-        def step(fused):
+        def step(fused, prewait):
             for w, L in zip(weights, layers):
                 gemm(w, L["qkv"])
                 if fused:
@@ -182,19 +119,24 @@ def main(argv=None):
                 else:
                     q, k = apply_rotary(L["q"], L["k"], L["cos"], L["sin"])
                     kv_cache_write(k, L["v"], L["k_cache"], L["v_cache"], L["length"], ticket=L["ticket"])
-                decode_attention(q, L["k_cache"], L["v_cache"], mask)
+                decode_attention(q, L["k_cache"], L["v_cache"], mask, prewait=prewait)
 
         times = {}
-        for name, fused in (("two_kernels", False), ("one_kernel", True)):
-            graph = capture(lambda: step(fused))
-            times[name] = timer(graph.replay) / LAYERS
-            del graph
-        for name, us in times.items():
+        for prewait in args.prewaits:
+            for name, fused in (("two_kernels", False), ("one_kernel", True)):
+                for L in layers:  # each capture and replay advances the fill: start every chain alike
+                    L["length"].fill_(FILLED)
+                graph = capture(lambda: step(fused, prewait))
+                times[name, prewait] = timer(graph.replay) / LAYERS
+                del graph
+        first = times["two_kernels", args.prewaits[0]]
+        for (name, prewait), us in times.items():
             rows.append(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                             batch=bsz, chain=f"qkv gemm + {name.replace('_', ' ')} + attention", impl=name,
-                             us_per_layer=round(us, 2),
-                             vs_two_kernels=round(us / times["two_kernels"], 3)))
-        print(f"b{bsz:<4d} two kernels {times['two_kernels']:7.2f} us a layer, one kernel {times['one_kernel']:7.2f}",
+                             batch=bsz, cache_len=CACHE_LEN, filled=FILLED,
+                             chain=f"qkv gemm + {name.replace('_', ' ')} + attention", impl=name,
+                             attention_prewait=prewait, us_per_layer=round(us, 2),
+                             vs_first=round(us / first, 3)))
+        print(f"b{bsz:<4d} " + "; ".join(f"{n} {w} {us:7.2f}" for (n, w), us in times.items()) + " us a layer",
               flush=True)
     return bg.write_out(rows, args.out)
 

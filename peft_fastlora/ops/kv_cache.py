@@ -56,6 +56,25 @@ def _kv_cache_write_kernel(
             tl.atomic_xchg(ticket_ptr, 0)
 
 
+def check_write_inputs(key, value, k_cache, v_cache, length, ticket) -> None:
+    """Raise on inputs ``kv_cache_write`` does not take."""
+    if key.shape != value.shape or key.dim() != 4:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must be one (B, H, S, D) shape")
+    bsz, heads, _, dim = key.shape
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.dim() != 4:
+        raise ValueError("the key and value caches must share one 4-D shape and strides")
+    if k_cache.shape[0] < bsz or k_cache.shape[1] != heads or k_cache.shape[3] != dim:
+        raise ValueError(f"cache {tuple(k_cache.shape)} cannot hold states {tuple(key.shape)}")
+    if len({key.dtype, value.dtype, k_cache.dtype, v_cache.dtype}) != 1:
+        raise TypeError("states and caches must share one dtype")
+    if any(t.stride(-1) != 1 for t in (key, value, k_cache, v_cache)):
+        raise ValueError("the last dimension of the states and caches must be contiguous")
+    if length.numel() != 1 or length.is_floating_point() or length.device != key.device:
+        raise ValueError("length must be one integer on the states' device")
+    if ticket is not None and (ticket.numel() != 1 or ticket.dtype != torch.int32 or ticket.device != key.device):
+        raise ValueError("ticket must be one int32 on the states' device")
+
+
 def kv_cache_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    length: torch.Tensor, ticket: Optional[torch.Tensor] = None) -> None:
     """``k_cache[:B, :, length + s] = key[:, :, s]`` (and the same for values), for s < S.
@@ -70,21 +89,8 @@ def kv_cache_write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
             at the same time shares: then ``length`` is advanced by S in this launch (and the ticket
             left at zero); without it, ``length`` is left as it is.
     """
-    if key.shape != value.shape or key.dim() != 4:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must be one (B, H, S, D) shape")
+    check_write_inputs(key, value, k_cache, v_cache, length, ticket)
     bsz, heads, seq, dim = key.shape
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.dim() != 4:
-        raise ValueError("the key and value caches must share one 4-D shape and strides")
-    if k_cache.shape[0] < bsz or k_cache.shape[1] != heads or k_cache.shape[3] != dim:
-        raise ValueError(f"cache {tuple(k_cache.shape)} cannot hold states {tuple(key.shape)}")
-    if len({key.dtype, value.dtype, k_cache.dtype, v_cache.dtype}) != 1:
-        raise TypeError("states and caches must share one dtype")
-    if any(t.stride(-1) != 1 for t in (key, value, k_cache, v_cache)):
-        raise ValueError("the last dimension of the states and caches must be contiguous")
-    if length.numel() != 1 or length.is_floating_point() or length.device != key.device:
-        raise ValueError("length must be one integer on the states' device")
-    if ticket is not None and (ticket.numel() != 1 or ticket.dtype != torch.int32 or ticket.device != key.device):
-        raise ValueError("ticket must be one int32 on the states' device")
     block_s = min(16, triton.next_power_of_2(max(seq, 1)))
     if not (bsz * heads and seq):
         if ticket is not None:

@@ -86,6 +86,25 @@ def _rotary_kernel(
     tl.store(dst + half + offs_d[None, :], y2, mask=mask)
 
 
+def check_rotary_inputs(q, k, cos, sin):
+    """Raise on inputs ``apply_rotary`` does not take; returns (cos, sin, cos's batch stride), with
+    cos and sin made contiguous where their strides differ (0 for a batch of one, shared by every row)."""
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be (B, heads, S, D) alike")
+    bsz, _, seq, dim = q.shape
+    if dim % 2:
+        raise ValueError(f"head dim {dim} is odd")
+    if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[1:] != (seq, dim) or cos.shape[0] not in (1, bsz):
+        raise ValueError(f"cos / sin {tuple(cos.shape)} must be ({bsz} or 1, {seq}, {dim})")
+    if len({q.dtype, k.dtype, cos.dtype, sin.dtype}) != 1:
+        raise TypeError("q, k, cos and sin must share one dtype")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("the last dimension of q and k must be contiguous")
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin, (cos.stride(0) if cos.shape[0] == bsz else 0)
+
+
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``q * cos + rotate_half(q) * sin`` and the same for ``k``, in one launch.
@@ -98,20 +117,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     Returns:
         (q_embed, k_embed), new contiguous tensors shaped like ``q`` and ``k``.
     """
-    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be (B, heads, S, D) alike")
+    cos, sin, c_sb = check_rotary_inputs(q, k, cos, sin)
     bsz, num_q, seq, dim = q.shape
-    if dim % 2:
-        raise ValueError(f"head dim {dim} is odd")
-    if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[1:] != (seq, dim) or cos.shape[0] not in (1, bsz):
-        raise ValueError(f"cos / sin {tuple(cos.shape)} must be ({bsz} or 1, {seq}, {dim})")
-    if len({q.dtype, k.dtype, cos.dtype, sin.dtype}) != 1:
-        raise TypeError("q, k, cos and sin must share one dtype")
-    if q.stride(-1) != 1 or k.stride(-1) != 1:
-        raise ValueError("the last dimension of q and k must be contiguous")
-    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
-        cos, sin = cos.contiguous(), sin.contiguous()
-    c_sb = cos.stride(0) if cos.shape[0] == bsz else 0  # a batch of one is shared by every row
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     num_heads = num_q + k.shape[1]
