@@ -57,7 +57,9 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             ``"auto"`` (on CUDA), ``True`` or ``False``.
         fuse_rotary: attention modules that call the Llama-family ``apply_rotary_pos_emb`` rotate
             q and k in one Triton kernel (inference only): ``"auto"`` (on CUDA with graphs on),
-            ``True`` or ``False``.
+            ``True`` or ``False``. Where the whole attention forward is the Llama family's (Llama,
+            Mistral, Qwen2, Gemma, ...) and ``fuse_kv_write`` is on, that kernel also writes the
+            step's keys and values into fastlora's static caches.
         fuse_silu_mul: Llama-family gated MLPs whose activation is SiLU or torch's GELU-tanh
             (Gemma) compute ``act(gate) * up`` in one Triton kernel (inference only; the report's
             "act-mul"): ``"auto"`` (on CUDA with graphs on), ``True`` or ``False``.

@@ -26,6 +26,7 @@ class PatchReport:
     fused_norms: int = 0  # RMSNorm modules served by one kernel
     fused_add_norms: int = 0  # decoder layers whose residual add and post-attention norm are one kernel
     fused_rotary: int = 0  # attention modules whose rotary embedding is one kernel
+    fused_rotary_kv: int = 0  # of those, the ones that also write fastlora's static caches in that kernel
     fused_mlps: int = 0  # gated MLPs whose silu(gate) * up is one kernel
     fused_base_groups: int = 0  # q/k/v and gate/up siblings without LoRA computed by one GEMM
     stream_gemm_layers: int = 0  # plain linear layers whose decode GEMMs the streaming kernel runs
@@ -95,6 +96,8 @@ class PatchReport:
             ops.append(f"{label} off ({why})" if why else f"{label} x{count}")
             if option == "fuse_norms" and not why and self.fused_add_norms:
                 ops[-1] += f" ({self.fused_add_norms} with the residual add)"
+            if option == "fuse_rotary" and not why and self.fused_rotary_kv:
+                ops[-1] += f" ({self.fused_rotary_kv} with the KV write)"
         return line + "; one-kernel " + ", ".join(ops)
 
     __str__ = summary

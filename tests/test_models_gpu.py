@@ -42,6 +42,35 @@ def test_rotary_bf16_bit_exact_at_8b_shapes(bsz, seq):
                                        f"max {diff.max().item():.3g} ({(diff / _bf16_ulp(ref)).max().item():.2f} ulp)")
 
 
+@pytest.mark.parametrize("with_ticket", [False, True])
+@pytest.mark.parametrize("bsz,seq,start", [(1, 1, 200), (32, 1, 511), (128, 1, 37), (4, 128, 0)])
+def test_rotary_kv_write_bf16_equals_the_two_kernels_at_8b_shapes(bsz, seq, start, with_ticket):
+    from peft_fastlora.ops.kv_cache import kv_cache_write
+    from peft_fastlora.ops.rotary import apply_rotary
+    from peft_fastlora.ops.rotary_kv import rotary_kv_write
+
+    heads, kv_heads, dim, max_len = 32, 8, 128, 512
+    fused = torch.randn(bsz, seq, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (t.view(bsz, seq, -1, dim).transpose(1, 2)
+               for t in fused.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    pos = torch.arange(seq, device="cuda")[None] + torch.randint(0, 4000, (bsz, 1), device="cuda")
+    inv = 1.0 / (500000.0 ** (torch.arange(0, dim, 2, device="cuda").float() / dim))
+    emb = torch.cat([pos[..., None].float() * inv] * 2, dim=-1)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    caches = [torch.randn(bsz + 1, kv_heads, max_len, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    two = [c.clone() for c in caches]
+    lengths = [torch.tensor(start, device="cuda") for _ in range(2)]
+    tickets = [torch.zeros(1, dtype=torch.int32, device="cuda") if with_ticket else None for _ in range(2)]
+    q_two, k_two = apply_rotary(q, k, cos, sin)
+    kv_cache_write(k_two, v, two[0], two[1], lengths[0], ticket=tickets[0])
+    q_one = rotary_kv_write(q, k, v, cos, sin, caches[0], caches[1], lengths[1], ticket=tickets[1])
+    assert torch.equal(q_one, q_two)
+    assert torch.equal(caches[0], two[0]) and torch.equal(caches[1], two[1])
+    assert int(lengths[1]) == int(lengths[0]) == start + (seq if with_ticket else 0)
+    stop = min(start + seq, max_len)  # the written slots (not a vacuous check)
+    assert torch.equal(caches[0][:bsz, :, start:stop], k_two[:, :, : stop - start])
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows", [1, 32, 128])
 def test_act_mul_bf16_within_one_ulp(rows, act):
@@ -188,6 +217,8 @@ def test_tiny_models_graphs_equal_peft(arch, attention, graphs, norms):
         fastlora.unpatch(model)
     assert report.decode_attention.startswith(attention), report.decode_attention
     assert report.fused_rotary == 2 and report.fused_norms == norms  # Gemma: (1 + w) norms, 4 a layer
+    # the Llama family's attention forwards write the cache in the rotary's kernel; not Gemma 2's
+    assert report.fused_rotary_kv == (0 if arch == "gemma2" else 2), report
     assert report.fused_mlps == 2  # SiLU, and Gemma's GELU-tanh
     # the Llama family's post-attention norms take the residual add; Gemma 2's sandwich norms the adds
     assert report.fused_add_norms == 2, report

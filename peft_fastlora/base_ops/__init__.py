@@ -99,7 +99,11 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
                                            ("fuse_silu_mul", install_gated_mlps, graphed, not_graphed)):
         value = getattr(options, option)
         if value is True or (value == "auto" and auto):
-            done, skipped = install(model)
+            if option == "fuse_rotary":  # and, in Llama-family forwards, the KV write in its kernel
+                ops.installed["fuse_rotary_kv"] = []
+                done, skipped = install(model, ops.installed["fuse_rotary_kv"])
+            else:
+                done, skipped = install(model)
             ops.installed[option] = done
             ops.skipped.extend((option, cls, why) for cls, why in skipped)
             if option == "fuse_norms":  # the post-attention norms also take the residual add before them

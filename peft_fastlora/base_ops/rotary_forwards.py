@@ -128,13 +128,19 @@ def _cell_value(cell):
         return None
 
 
-def install_rotary(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]]]:
+def install_rotary(root: nn.Module, with_kv: Optional[List[Tuple[str, nn.Module]]] = None
+                   ) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]]]:
     """Give every attention module under ``root`` whose forward calls a Llama-family
-    ``apply_rotary_pos_emb`` the one-kernel version.
+    ``apply_rotary_pos_emb`` the one-kernel version; where the whole forward is the Llama family's
+    (``attention_forwards``), one that also writes fastlora's static caches in the same kernel.
 
-    Returns (the modules changed, (class, reason) for forwards calling another rotary).
+    Returns (the modules changed, (class, reason) for forwards calling another rotary); the
+    modules given the rotary and KV write in one kernel are appended to ``with_kv``.
     """
+    from .attention_forwards import attention_form, make_attention_forward
+
     copies: Dict[Callable, Optional[Callable]] = {}  # one copy per class forward
+    fused: Dict[Callable, Optional[Callable]] = {}  # the forward with the KV write, where the form matches
     done, skipped = [], {}
     for name, m in root.named_modules():
         forward = type(m).__dict__.get("forward")
@@ -148,11 +154,18 @@ def install_rotary(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[T
             if code is not None and _NAME in code.co_names and callable(original):
                 why = rotary_mismatch(original)
                 if why is None:
-                    copies[forward] = rebind_global(forward, _NAME, make_fast_apply(original))
+                    fast_apply = make_fast_apply(original)
+                    copies[forward] = rebind_global(forward, _NAME, fast_apply)
                     why = None if copies[forward] is not None else "its forward cannot be copied"
+                    form = attention_form(forward)
+                    if why is None and form is not None:
+                        fused[forward] = make_attention_forward(form, forward, copies[forward], fast_apply,
+                                                                _kernel_applies)
                 if why is not None:
                     skipped[type(m).__name__] = why
         if copies[forward] is not None:
-            set_instance_forward(m, copies[forward])
+            set_instance_forward(m, fused.get(forward) or copies[forward])
             done.append((name, m))
+            if forward in fused and with_kv is not None:
+                with_kv.append((name, m))
     return done, sorted(skipped.items())

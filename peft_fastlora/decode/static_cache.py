@@ -182,17 +182,12 @@ def _update_first_rows(layer, key_states, value_states, *args, **kwargs):
     """``update`` of a static cache layer that also accepts fewer rows than it holds (it fills the
     first ones). Where ``ops.kv_cache`` takes the tensors, the write and the length increment are one
     kernel, instead of transformers' five; otherwise transformers' update runs."""
-    rows, full_k, full_v = key_states.shape[0], layer.keys, layer.values
-    if getattr(layer, "_fastlora_kernel_writes", False) and _kv_kernel_applies(layer, key_states, value_states):
+    if kernel_writes(layer, key_states, value_states):
         from ..ops.kv_cache import kv_cache_write
 
-        ticket = getattr(layer, "_fastlora_ticket", None)
-        if ticket is not None and ticket.device != key_states.device:  # (a layer on another device)
-            ticket = None
-        kv_cache_write(key_states, value_states, full_k, full_v, layer.cumulative_length, ticket=ticket)
-        if ticket is None:
-            layer.cumulative_length.add_(key_states.shape[-2])
-        return (full_k, full_v) if rows == full_k.shape[0] else (full_k[:rows], full_v[:rows])
+        return _kernel_update(layer, key_states, lambda ticket: kv_cache_write(
+            key_states, value_states, layer.keys, layer.values, layer.cumulative_length, ticket=ticket))
+    rows, full_k, full_v = key_states.shape[0], layer.keys, layer.values
     if rows == full_k.shape[0]:
         return type(layer).update(layer, key_states, value_states, *args, **kwargs)
     layer.keys, layer.values = full_k[:rows], full_v[:rows]  # views: writes land in the full tensors
@@ -200,6 +195,36 @@ def _update_first_rows(layer, key_states, value_states, *args, **kwargs):
         return type(layer).update(layer, key_states, value_states, *args, **kwargs)
     finally:
         layer.keys, layer.values = full_k, full_v
+
+
+def kernel_writes(layer, key, value) -> bool:
+    """Whether ``layer`` is one of a store's layers that ``ops.kv_cache`` writes, for these states."""
+    return getattr(layer, "_fastlora_kernel_writes", False) and _kv_kernel_applies(layer, key, value)
+
+
+def _kernel_update(layer, key_states, write):
+    """Run ``write(ticket)``, a kernel writing the step's states at the layer's fill length (and
+    advancing it, given the ticket); returns the layer's keys and values cut to the step's rows."""
+    ticket = getattr(layer, "_fastlora_ticket", None)
+    if ticket is not None and ticket.device != key_states.device:  # (a layer on another device)
+        ticket = None
+    out = write(ticket)
+    if ticket is None:
+        layer.cumulative_length.add_(key_states.shape[-2])
+    rows, full_k, full_v = key_states.shape[0], layer.keys, layer.values
+    kv = (full_k, full_v) if rows == full_k.shape[0] else (full_k[:rows], full_v[:rows])
+    return kv if out is None else (out,) + kv
+
+
+def rotary_update(layer, query_states, key_states, value_states, cos, sin):
+    """``apply_rotary_pos_emb`` then this layer's ``update``, as one kernel (``ops.rotary_kv``):
+    returns (rotated q, keys, values) as the two would. The caller has checked ``kernel_writes``
+    and that ``ops.rotary`` takes the rotary's inputs."""
+    from ..ops.rotary_kv import rotary_kv_write
+
+    return _kernel_update(layer, key_states, lambda ticket: rotary_kv_write(
+        query_states, key_states, value_states, cos, sin, layer.keys, layer.values, layer.cumulative_length,
+        ticket=ticket))
 
 
 def _kv_kernel_applies(layer, key, value) -> bool:
