@@ -477,6 +477,12 @@ def main(argv=None):
     p.add_argument("--epilogue-folds", choices=["on", "off"], default="on",
                    help="off: the KV length's increment, the MLP's residual add and (plain gate/up) its "
                         "activation as kernels of their own, for an A/B")
+    p.add_argument("--attention-prewait", choices=["auto", "off", "span"], default="auto",
+                   help="what decode attention's programs do before their PDL wait (ops.decode_attention.PREWAIT), for an A/B")
+    p.add_argument("--attention-block-n", choices=["auto", "64"], default="auto",
+                   help="64: decode attention's block_n at one to three programs per SM stays 64, for an A/B")
+    p.add_argument("--rotary-kv", choices=["on", "off"], default="on",
+                   help="off: the rotary and the KV write as two kernels (attention_forwards.ONE_KERNEL), for an A/B")
     p.add_argument("--expand", choices=["library", "blocks"], default="library",
                    help="decode expand launch: the library's (rank-sized spans) or the column blocks of before")
     p.add_argument("--kernel-split", type=int, default=0, metavar="STEPS",
@@ -502,8 +508,14 @@ def main(argv=None):
     if args.epilogue_folds == "off":
         importlib.import_module("peft_fastlora.decode.static_cache").KV_TICKET = False
         importlib.import_module("peft_fastlora.base_ops.stream_linears").EPILOGUE_FOLDS = False
+    attention = importlib.import_module("peft_fastlora.ops.decode_attention")
+    attention.PREWAIT = args.attention_prewait
+    if args.attention_block_n == "64":
+        attention.MID_BLOCK_N = 64
+    importlib.import_module("peft_fastlora.base_ops.attention_forwards").ONE_KERNEL = args.rotary_kv == "on"
     vers = dict(versions(), expand=args.expand, stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms,
-                epilogue_folds=args.epilogue_folds)
+                epilogue_folds=args.epilogue_folds, attention_prewait=args.attention_prewait,
+                attention_block_n=args.attention_block_n, rotary_kv=args.rotary_kv)
     bw = copy_bandwidth() if DEVICE == "cuda" else 1e11
     print(vers, f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, kernel_rows = [], []
