@@ -17,7 +17,9 @@ blocking copies) and ``host_busy`` (the rest). A host busy for about the GPU's p
 
 Inside a replay each kernel is charged the time by which it moved the replay's frontier (its end
 less the latest end before it): its run and the bubble before it, overlap under PDL not counted
-twice. ``step_timeline_<model>_kernels.csv`` has that charge by kernel name, per step.
+twice. ``step_timeline_<model>_kernels.csv`` has that charge by kernel name, per step, and for a
+kernel launched a few times a layer also by its place in the layer (``_stream_gemm_kernel[2/4]``:
+the third of four, gate/up), so a GEMM's charge can be set against its weights' bytes.
 
 Each row is per step (medians over the call's steady steps), with the most expensive kernels
 outside the graphs. ``--base``: the model without adapters (``bench_generate``'s base rows).
@@ -90,8 +92,9 @@ def host_steps(runtime):
     return steps
 
 
-def split_steps(gpu, graph_launches):
-    """Per replay (after the first two and before the last): a dict of the split, in microseconds."""
+def split_steps(gpu, graph_launches, layers=None):
+    """Per replay (after the first two and before the last): a dict of the split, in microseconds
+    (``layers``: see ``_charges``)."""
     replays = collections.defaultdict(list)  # correlation -> its kernels
     for start, end, name, corr in gpu:
         if corr in graph_launches:
@@ -104,7 +107,7 @@ def split_steps(gpu, graph_launches):
         out_busy = _union(outside)
         steps.append(dict(period=s1 - s0, graph_span=e0 - s0, graph_busy=busy, graph_gaps=(e0 - s0) - busy,
                           graph_kernels=len(kernels), outside_busy=out_busy, outside_idle=(s1 - e0) - out_busy,
-                          outside=[(name, b - a) for a, b, name in outside], charges=_charges(kernels)))
+                          outside=[(name, b - a) for a, b, name in outside], charges=_charges(kernels, layers)))
     return steps
 
 
@@ -114,16 +117,29 @@ def short_name(name: str) -> str:
     return name.split(" ")[-1][:60]
 
 
-def _charges(kernels):
-    """Per kernel name: (launches, time charged on the replay's frontier, own run time)."""
+def _charges(kernels, layers=None):
+    """Per kernel name: (launches, time charged on the replay's frontier, own run time). With
+    ``layers``, a kernel launched k times a layer (2 <= k <= 8) is also charged by its place in
+    the layer, as ``name[i/k]`` (the streaming GEMM's four: q/k/v, o, gate/up, down)."""
     out = collections.defaultdict(lambda: [0, 0.0, 0.0])
     frontier = kernels[0][0] if kernels else 0.0
+    launches = []  # (name, charged, own) in launch order
     for start, end, name in kernels:
-        c = out[short_name(name)]
-        c[0] += 1
-        c[1] += max(0.0, end - frontier)
-        c[2] += end - start
+        launches.append((short_name(name), max(0.0, end - frontier), end - start))
         frontier = max(frontier, end)
+    for name, charged, own in launches:
+        c = out[name]
+        c[0], c[1], c[2] = c[0] + 1, c[1] + charged, c[2] + own
+    if layers:
+        counts = collections.Counter(name for name, _, _ in launches)
+        seen = collections.Counter()
+        for name, charged, own in launches:
+            per_layer = counts[name] // layers
+            if counts[name] % layers or not 2 <= per_layer <= 8:
+                continue
+            c = out[f"{name}[{seen[name] % per_layer}/{per_layer}]"]
+            c[0], c[1], c[2] = c[0] + 1, c[1] + charged, c[2] + own
+            seen[name] += 1
     return out
 
 
@@ -193,7 +209,7 @@ def main(argv=None):
             if bg.DEVICE != "cuda":
                 continue
             gpu, launches, runtime = trace_events(lambda: model.generate(**kw))
-            steps = split_steps(gpu, launches)
+            steps = split_steps(gpu, launches, base.config.num_hidden_layers)
             if not steps:
                 print(f"batch {b}: no graph replays in the trace", flush=True)
                 continue

@@ -131,6 +131,24 @@ def test_step_timeline_charges_overlap_once():
         "at::native::reduce_kernel"
 
 
+def test_step_timeline_charges_by_place_in_the_layer():
+    """Two layers of gemm, norm, gemm: each gemm also charged by its place; the norm (once a
+    layer) and a kernel whose count is no multiple of the layers are not split."""
+    sys.path.insert(0, BENCH)
+    import step_timeline
+
+    kernels, t = [], 0.0
+    for _ in range(2):
+        for name, dur in (("gemm", 10.0), ("norm", 1.0), ("gemm", 30.0)):
+            kernels.append((t, t + dur, name))
+            t += dur
+    kernels.append((t, t + 2.0, "head"))
+    c = step_timeline._charges(kernels, layers=2)
+    assert c["gemm"] == [4, 80.0, 80.0] and c["gemm[0/2]"] == [2, 20.0, 20.0] and c["gemm[1/2]"] == [2, 60.0, 60.0]
+    assert "norm[0/1]" not in c and not any(k.startswith("head[") for k in c)
+    assert step_timeline._charges(kernels) == {k: v for k, v in c.items() if "[" not in k}
+
+
 def test_step_timeline_smoke():
     out = _run([os.path.join(BENCH, "step_timeline.py"), "--smoke"])
     assert "fastlora_graphs fastlora: patched" in out
