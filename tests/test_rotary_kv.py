@@ -92,6 +92,37 @@ def test_the_forward_with_the_kv_write_only_where_the_code_matches(arch, with_kv
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
+def test_calls_the_kernel_does_not_take_run_the_original_code(monkeypatch):
+    """No cache, another cache class, a positional cache, transformers' old cache name (5.24's
+    decorator renames it): each call runs the class's code (with the one-kernel rotary) and gives
+    its output; none launches the one kernel."""
+    from transformers import DynamicCache
+
+    one = count_calls(monkeypatch, rotary_kv_ops, ["rotary_kv_write"])
+    model = build_causal_lm("llama")
+    attn = model.model.layers[0].self_attn
+    done, _ = install_rotary(model, [])
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, model.config.hidden_size)
+    pe = model.model.rotary_emb(x, torch.arange(3)[None].expand(2, 3))
+    name = attention_form(type(attn).forward).cache
+
+    def both(*args, **kwargs):
+        fast = attn(x, pe, None, *args, **kwargs)[0]
+        kwargs = {k: (DynamicCache(config=model.config) if isinstance(v, DynamicCache) else v) for k, v in kwargs.items()}
+        args = [DynamicCache(config=model.config) if isinstance(v, DynamicCache) else v for v in args]
+        ref = type(attn).forward(attn, x, pe, None, *args, **kwargs)[0]
+        torch.testing.assert_close(fast, ref, atol=0, rtol=0)
+
+    both()
+    both(**{name: DynamicCache(config=model.config)})
+    both(DynamicCache(config=model.config))
+    if name == "cache":  # the old name, which transformers' decorator still takes
+        both(past_key_values=DynamicCache(config=model.config))
+    assert one["rotary_kv_write"] == 0
+    remove_instance_forwards(done)
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_patched_model_takes_the_one_kernel_and_equals_peft(arch, monkeypatch):
     one = count_calls(monkeypatch, rotary_kv_ops, ["rotary_kv_write"])
