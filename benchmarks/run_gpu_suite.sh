@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
 if want tests; then
   files=${GPU_TESTS:-$(ls tests/*_gpu.py)}
-  timeout 360 python3 -m pytest -m gpu -q -p no:cacheprovider $files 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider $files 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
   timeout 120 python3 examples/quickstart.py 2>&1 | tee "$OUT/quickstart_gpu.log" | tail -12
 fi
 if want soak; then
