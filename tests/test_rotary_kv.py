@@ -150,6 +150,24 @@ def test_patched_model_takes_the_one_kernel_and_equals_peft(arch, monkeypatch):
     assert all("forward" not in m.__dict__ for m in model.modules() if not hasattr(m, "lora_A"))
 
 
+def test_base_model_with_q_k_v_in_one_gemm(monkeypatch):
+    """A model without adapters: its q/k/v siblings share one GEMM (the first member's call
+    computes all three), so the forward must call q, k, v in the template's order."""
+    one = count_calls(monkeypatch, rotary_kv_ops, ["rotary_kv_write"])
+    model = build_causal_lm("llama")
+    batch = left_padded_batch([5, 9, 3])
+    gen = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(**batch, **gen)
+        # (on the CPU the siblings share a GEMM only with the streaming kernel, under the interpreter)
+        report = fastlora.patch(model, fuse=True, stream_gemm=True, fuse_rotary=True, cuda_graphs="emulate")
+        tokens = model.generate(**batch, **gen)
+        fastlora.unpatch(model)
+    assert report.fused_base_groups >= 2 and report.fused_rotary_kv == 2, report
+    assert one["rotary_kv_write"] >= 2 * 5
+    assert torch.equal(tokens, ref)
+
+
 def test_fuse_kv_write_off_keeps_the_two_kernels(monkeypatch):
     one = count_calls(monkeypatch, rotary_kv_ops, ["rotary_kv_write"])
     two = count_calls(monkeypatch, rotary_ops, ["apply_rotary"])

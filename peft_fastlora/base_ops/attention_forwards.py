@@ -109,10 +109,11 @@ def make_attention_forward(form: Form, original: Callable, fallback: Callable, f
             return fallback(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         cache = kwargs.pop(form.cache)
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        # the template's three projections, called in its order (q first: a fused sibling group
+        # computes all three on the first call and hands the others theirs)
+        query_states, key_states, value_states = (
+            proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj))
         cos, sin = position_embeddings
         if ONE_KERNEL and rotary_applies(query_states, key_states, cos, sin) and kernel_writes(
                 layer, key_states, value_states):
