@@ -1,0 +1,231 @@
+"""``x @ w.T (+ bias)`` for a decode step of 65-128 rows: tensor-core tiles fed by TMA.
+
+At a few rows a decode GEMM only streams its weight (``ops.stream_gemm``). At 65-128 rows the
+arithmetic is no longer small beside the bytes (an 8B layer's gate/up at 128 rows needs about two
+thirds of the H200's tensor-core rate to keep up with its weight's bytes), and ``stream_gemm``'s
+pointer loads and ``BLOCK_N x 128`` tiles fall behind cuBLAS there. This kernel gives each program
+all the step's rows (one ``BLOCK_M`` block) and ``BLOCK_N`` output columns over one of ``SPLIT_K``
+ranges of the reduction. Its tiles of x and w come from tensor descriptors (the Hopper copy engine
+moves them into shared memory: no address arithmetic in the warps, rows past the end read as
+zeros), and Triton pipelines them ``num_stages`` deep into the tensor cores (wgmma). float32
+accumulation.
+
+Split-K partials, tickets and epilogues follow ``ops.stream_gemm``: with ``SPLIT_K > 1`` the ranges
+write float32 partials to the caller's ``StreamWorkspace`` and the last range of a column block to
+take its ticket (acquire-release) sums them in range order, adds the epilogue, stores, and puts the
+ticket back to zero; ``add`` is a residual on the first columns, added before the one rounding;
+``glu`` computes a fused [gate; up] weight's ``act(gate) * up`` in ``ops.silu_mul``'s roundings.
+The caller picks the tiles per shape (``base_ops.stream_linears``, from
+``benchmarks/probe_tma_gemm.py``).
+
+Under PDL (``ops.pdl``) every program waits before its first load: the preamble is addresses only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..kernel_support import interpreting
+from . import pdl
+from .silu_mul import ACTIVATIONS, act_mul_rounded
+from .stream_gemm import StreamWorkspace, stream_gemm_reference
+
+MAX_ROWS = 128  # rows one program covers; more rows take more row blocks, each reading all of w
+
+
+@triton.jit
+def _dot_t(x, w, acc, UPCAST: tl.constexpr):
+    """``acc + x @ w.T``. ``UPCAST``: in float32 with no TF32 rounding (float32 inputs; the
+    interpreter, whose bfloat16 dot is wrong)."""
+    if UPCAST:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
+
+
+@triton.jit
+def _finish(acc, bias_ptr, add_ptr, offs_m, offs_n, m_ok, n_ok, N_ADD, stride_am,
+            HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr):
+    """``acc`` (BLOCK_M, BLOCK_N, float32) plus the bias and, on the first ``N_ADD`` columns, the
+    residual ``add``: in float32, rounded once when stored."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_ADD:
+        a_ptrs = add_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
+        acc += tl.load(a_ptrs, mask=m_ok[:, None] & (offs_n < N_ADD)[None, :], other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _tma_gemm_kernel(
+    # tensor descriptors: x (M, K) in (BLOCK_M, BLOCK_K) tiles, w (N or 2N with GLU, K) in (BLOCK_N, BLOCK_K)
+    x_desc, w_desc,
+    # pointers
+    bias_ptr, add_ptr, y_ptr, part_ptr, ticket_ptr,
+    # dimensions (N: output columns; N_ADD: the first ones ``add`` covers)
+    M, N, K, K_PER_SPLIT, N_ADD,
+    # strides (unit stride on N for y and add)
+    stride_ym, stride_am,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    GLU: tl.constexpr,  # 0: x @ w.T; 1 / 2: silu / gelu_tanh(x @ gate.T) * (x @ up.T), w = [gate; up]
+    LIBDEVICE: tl.constexpr,  # GELU-tanh's tanh from libdevice (not under the interpreter)
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    UPCAST: tl.constexpr,  # the dot in float32 ("ieee"): float32 inputs, or the interpreter
+    USE_PDL: tl.constexpr,
+):
+    pdl.launch_dependents(USE_PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GLU:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    pdl.wait(USE_PDL)
+    # the descriptors read zeros past K and past the last row of x or w: no masks in the loop
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        x = x_desc.load([m0, k])
+        acc = _dot_t(x, w_desc.load([n0, k]), acc, UPCAST)
+        if GLU:
+            acc_up = _dot_t(x, w_desc.load([N + n0, k]), acc_up, UPCAST)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    if GLU:
+        dt = y_ptr.dtype.element_ty
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc_up += tl.load(bias_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        gate = acc.to(dt).to(tl.float32)  # gate's and up's outputs rounded as a GEMM would store them
+        up = acc_up.to(dt).to(tl.float32)
+        tl.store(y_ptrs, act_mul_rounded(gate, up, dt, GLU == 2, LIBDEVICE).to(dt), mask=out_mask)
+    elif SPLIT_K == 1:
+        acc = _finish(acc, bias_ptr, add_ptr, offs_m, offs_n, m_ok, n_ok, N_ADD, stride_am, HAS_BIAS, HAS_ADD)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partials laid out (SPLIT_K, M, N); the last of the block's ranges to finish sums them
+        part = part_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(part + pid_k * M * N, acc, mask=out_mask)
+        ticket = ticket_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(ticket, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            total = _finish(total, bias_ptr, add_ptr, offs_m, offs_n, m_ok, n_ok, N_ADD, stride_am, HAS_BIAS,
+                            HAS_ADD)
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(ticket, 0)
+
+
+class TmaConfig(NamedTuple):
+    block_n: int = 128
+    block_k: int = 64
+    split_k: int = 1
+    num_warps: int = 8
+    num_stages: int = 4
+
+
+SHARED_BYTES = 220 * 1024  # what the pipeline's buffers may take of an SM's shared memory
+
+
+def shared_bytes(config: TmaConfig, block_m: int, elem_bytes: int, glu: bool = False) -> int:
+    """Shared memory of the config's pipeline: a tile of x and one (two with ``glu``) of w a stage."""
+    return (block_m + config.block_n * (2 if glu else 1)) * config.block_k * elem_bytes * config.num_stages
+
+
+def tma_aligned(t: torch.Tensor) -> bool:
+    """A tensor descriptor can address ``t`` (2-D): unit stride on its columns, 16-byte aligned start
+    and row stride."""
+    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def tma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+             out: Optional[torch.Tensor] = None, config: TmaConfig = TmaConfig(),
+             workspace: Optional[StreamWorkspace] = None, check: bool = True,
+             add: Optional[torch.Tensor] = None, glu: Optional[str] = None) -> torch.Tensor:
+    """``x @ w.T + bias`` (``F.linear``) through the TMA-fed kernel, plus ``add`` on the first
+    columns when given. The arguments are ``ops.stream_gemm.stream_gemm``'s:
+
+    Args:
+        x: (M, K), unit stride on K, 16-byte aligned start and row stride (``tma_aligned``).
+        w: (N, K), likewise: an ``nn.Linear`` weight, or rows of one.
+        bias: optional (N,).
+        out: optional (M, N) output, unit stride on N; allocated when None.
+        config: tiles, split-K, warps and stages (``TmaConfig``).
+        workspace: where a split-K launch keeps its partials (``StreamWorkspace``).
+        add: optional (M, N_add <= N), unit stride on N_add, not overlapping ``out``: added to the
+            first N_add output columns before the one rounding.
+        glu: optional activation of ``ops.silu_mul.ACTIVATIONS``: ``w`` (and ``bias``) stack gate's
+            rows over up's, and the output is ``act(x @ gate.T) * (x @ up.T)``, (M, N / 2). One K
+            range, no ``add``.
+    """
+    if check:
+        if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+            raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)}: expected (M, K) and (N, K)")
+        if x.dtype != w.dtype or x.device != w.device:
+            raise ValueError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) differ")
+        if x.numel() and w.numel() and not (tma_aligned(x) and tma_aligned(w)):  # empty: nothing read
+            raise ValueError("x and w need unit stride on K and 16-byte aligned starts and row strides")
+        if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != w.dtype or bias.stride(0) != 1):
+            raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype}: expected ({w.shape[0]},) {w.dtype}, contiguous")
+        if config.block_k % 16 or config.block_n < 16 or config.split_k < 1 or config.num_stages < 1:
+            raise ValueError(f"config {config}: block_k a multiple of 16, block_n >= 16, split_k and stages >= 1")
+    m, k = x.shape
+    n = w.shape[0]
+    if glu is not None:
+        if glu not in ACTIVATIONS or n % 2 or config.split_k != 1 or add is not None:
+            raise ValueError(f"glu={glu!r} takes one of {ACTIVATIONS}, an even number of weight rows "
+                             f"({n}), split_k 1 and no add")
+        n //= 2
+    if check and add is not None and (add.dim() != 2 or add.shape[0] != m or add.shape[1] > n
+                                      or add.stride(1) != 1 or add.dtype != x.dtype or add.device != x.device):
+        raise ValueError(f"add {tuple(add.shape)} {add.dtype}: expected ({m}, <= {n}) {x.dtype} on {x.device}, "
+                         "unit stride on its columns")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif check and (out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x.dtype):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype}: expected ({m}, {n}) {x.dtype}, unit stride on N")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:  # nothing for a descriptor to read
+        return out.copy_(stream_gemm_reference(x, w, bias, add=add, glu=glu))
+    block_m = max(16, min(MAX_ROWS, triton.next_power_of_2(m)))
+    # each range a whole number of tiles; ranges past K would be empty, so fewer are launched
+    k_per = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    split = triton.cdiv(k, k_per)
+    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))
+    if split > 1:
+        if workspace is None or not workspace.fits(split * m * n, grid[0] * grid[2], x.device):
+            raise ValueError(f"a split-K launch ({split} ranges, {m} x {n}) needs a StreamWorkspace on {x.device} "
+                             f"of at least {split * m * n} partials and {grid[0] * grid[2]} tickets")
+        part, ticket = workspace.part, workspace.tickets
+    else:
+        part = ticket = out  # not read
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, config.block_k])
+    w_desc = TensorDescriptor.from_tensor(w, [config.block_n, config.block_k])
+    use_pdl = pdl.mode(x)
+    _tma_gemm_kernel[grid](
+        x_desc, w_desc, bias if bias is not None else w, add if add is not None else w, out, part, ticket,
+        m, n, k, k_per, add.shape[1] if add is not None else 0,
+        out.stride(0), add.stride(0) if add is not None else 0,
+        HAS_BIAS=bias is not None, HAS_ADD=add is not None, GLU=0 if glu is None else 1 + ACTIVATIONS.index(glu),
+        LIBDEVICE=not interpreting(), SPLIT_K=split,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
+        UPCAST=x.dtype == torch.float32 or interpreting(), USE_PDL=use_pdl,
+        num_warps=config.num_warps, launch_pdl=use_pdl > 0)
+    return out
