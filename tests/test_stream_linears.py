@@ -11,17 +11,26 @@ from peft import LoraConfig, get_peft_model
 
 import peft_fastlora.base_ops.stream_linears as sl
 import peft_fastlora.ops.stream_gemm as stream_ops
+import peft_fastlora.ops.tma_gemm as tma_ops
+from peft_fastlora.ops.tma_gemm import TmaConfig
 
 from _helpers import count_calls
 from _models import tiny_llama
 
 
-def _lift_limits(monkeypatch, narrow: bool = False):
-    """Every tiny layer takes the kernel, under the wide layers' tiles (``narrow``: the narrow ones')."""
+def _lift_limits(monkeypatch, narrow: bool = False, tma_tiles=None):
+    """Every tiny layer takes the kernel, under the wide layers' tiles (``narrow``: the narrow ones').
+    Past ``MAX_ROWS``, the TMA kernel's ``tma_tiles`` (none: the committed table stays out of it)."""
     monkeypatch.setattr(sl, "MIN_N", 16)
     monkeypatch.setattr(sl, "MIN_K", 16)
+    monkeypatch.setattr(sl, "tma_tiles", lambda path=None: dict(tma_tiles or {}))
     if not narrow:
         monkeypatch.setattr(sl, "NARROW_N", 16)
+
+
+# tiny tiles for every class (split K for the deep ones, so their residual rides in a split launch)
+TINY_TMA = {"deep": TmaConfig(16, 32, 2, 4, 2), "square": TmaConfig(32, 32, 1, 4, 2),
+            "tall": TmaConfig(32, 16, 1, 4, 2), "wide": TmaConfig(64, 32, 1, 4, 2), "glu": TmaConfig(32, 32, 1, 4, 2)}
 
 
 def test_install_skips_fusible_siblings_and_their_base_layers():
@@ -217,10 +226,10 @@ def test_residual_rides_in_the_gemm_of_its_weight_only(monkeypatch):
     assert streams.took_add()
 
 
-def _fp32_streams(monkeypatch):
+def _fp32_streams(monkeypatch, tma_tiles=None):
     """The kernel's limits lifted so that the tiny float32 model's GEMMs take it (ieee dots under the
     interpreter: tokens compare with PEFT's exactly)."""
-    _lift_limits(monkeypatch)
+    _lift_limits(monkeypatch, tma_tiles=tma_tiles)
     monkeypatch.setattr(sl, "_DTYPES", (torch.float32, torch.bfloat16, torch.float16))
 
 
@@ -341,3 +350,113 @@ def test_plain_gate_up_gives_the_activation_from_one_gemm_until_an_adapter_wraps
     _same_decode(got, want)
     assert not any(seen)  # (the wrapped members: the MLP's own path)
     assert not any("_fastlora_gated" in m.__dict__ for m in model.modules())
+
+
+def test_shape_classes_and_the_tile_table(tmp_path):
+    """The 8B layer's GEMMs, plain and with 8 adapters' A folded under them, fall in one class each;
+    the table file gives a tile per class it lists, and no file gives none."""
+    for (n, k), cls in {(6144, 4096): "tall", (6528, 4096): "tall", (4096, 4096): "square", (4224, 4096): "square",
+                        (28672, 4096): "wide", (28928, 4096): "wide", (4096, 14336): "deep",
+                        (4224, 14336): "deep"}.items():
+        assert sl.shape_class(n, k) == cls, (n, k)
+    path = tmp_path / "tiles.json"
+    path.write_text('{"gpu": "x", "classes": {"wide": {"block_n": 256, "block_k": 64, "split_k": 1, '
+                    '"num_warps": 8, "num_stages": 3}}}')
+    assert sl.tma_tiles(str(path)) == {"wide": TmaConfig(256, 64, 1, 8, 3)}
+    assert sl.tma_tiles(str(tmp_path / "none.json")) == {}
+    assert all(isinstance(c, TmaConfig) for c in sl.tma_tiles().values())  # the committed table reads
+
+
+def test_rows_past_max_rows_take_the_tma_tile_of_their_class(monkeypatch):
+    """65-128 rows take the TMA kernel where the table has the weight's class (its tile, split K
+    clamped past ``SPLIT_MAX_N``), else F.linear; past 128 rows, an unaligned input, or with
+    ``TMA_GEMM`` off, F.linear; the results are the GEMM's either way."""
+    _lift_limits(monkeypatch, tma_tiles={"tall": TmaConfig(32, 32, 2, 4, 2)})
+    streams = sl.StreamLinears(torch.device("cpu"))
+    assert streams.workspace.part.numel() >= 2 * tma_ops.MAX_ROWS * sl.SPLIT_MAX_N
+    configs = []
+    original = tma_ops.tma_gemm
+
+    def spy(*args, **kwargs):
+        configs.append(kwargs["config"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tma_ops, "tma_gemm", spy)
+    stream_calls = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
+    tall, square = (torch.randn(96, 48) / 7).bfloat16(), (torch.randn(48, 48) / 7).bfloat16()
+    for rows in (sl.MAX_ROWS + 1, 128):
+        x = torch.randn(rows, 48).bfloat16()
+        torch.testing.assert_close(streams.linear(x, tall).float(), F.linear(x.float(), tall.float()).bfloat16().float(),
+                                   atol=3e-2, rtol=1.6e-2)
+    assert configs == [TmaConfig(32, 32, 2, 4, 2)] * 2 and stream_calls["stream_gemm"] == 0
+    streams.linear(torch.randn(80, 48).bfloat16(), square)  # no tile for its class
+    streams.linear(torch.randn(129, 48).bfloat16(), tall)  # past the TMA kernel's rows
+    unaligned = torch.randn(80 * 48 + 1).bfloat16()[1:].view(80, 48)
+    torch.testing.assert_close(streams.linear(unaligned, tall).float(),
+                               F.linear(unaligned.float(), tall.float()).bfloat16().float(), atol=3e-2, rtol=1.6e-2)
+    assert len(configs) == 2 and stream_calls["stream_gemm"] == 0
+    streams.linear(torch.randn(sl.MAX_ROWS, 48).bfloat16(), tall)  # the streaming kernel's rows
+    assert stream_calls["stream_gemm"] == 1 and len(configs) == 2
+    monkeypatch.setattr(sl, "SPLIT_MAX_N", 64)  # too wide to split: one range
+    streams.linear(torch.randn(80, 48).bfloat16(), tall)
+    assert configs[-1].split_k == 1
+    monkeypatch.setattr(sl, "TMA_GEMM", False)
+    assert sl.StreamLinears(torch.device("cpu")).tma_tiles == {}
+
+
+def test_residual_and_gated_activation_ride_in_the_tma_kernel(monkeypatch):
+    """At 65-128 rows the residual add rides in a (split) TMA launch over its weight, and a [gate; up]
+    weight gives ``act(gate) * up`` from the ``glu`` tile; without a ``glu`` tile ``gated`` declines."""
+    from peft_fastlora.ops.silu_mul import act_mul
+
+    _lift_limits(monkeypatch, tma_tiles=TINY_TMA)
+    streams = sl.StreamLinears(torch.device("cpu"))
+    calls = count_calls(monkeypatch, tma_ops, ["tma_gemm"])
+    w = (torch.randn(48, 112) / 10).bfloat16()  # deep: two K ranges
+    x, residual = torch.randn(2, 40, 112).bfloat16(), torch.randn(2, 40, 48).bfloat16()
+    streams.expect_add(w, residual)
+    added = streams.linear(x, w)
+    assert streams.took_add() and calls["tma_gemm"] == 1
+    torch.testing.assert_close(added.float(), F.linear(x.float(), w.float()) + residual.float(), atol=3e-2, rtol=1.6e-2)
+    gate_up = (torch.randn(2 * 96, 48) / 7).bfloat16()
+    h = torch.randn(90, 48).bfloat16()
+    out = streams.gated(h, gate_up, None, "silu")
+    assert calls["tma_gemm"] == 2 and out.shape == (90, 96)
+    both = F.linear(h.float(), gate_up.float()).bfloat16()
+    torch.testing.assert_close(out.float(), act_mul(both[:, :96], both[:, 96:], "silu").float(), atol=3e-2, rtol=2e-2)
+    _lift_limits(monkeypatch, tma_tiles={k: v for k, v in TINY_TMA.items() if k != "glu"})
+    assert sl.StreamLinears(torch.device("cpu")).gated(h, gate_up, None, "silu") is None
+
+
+def test_patched_model_decodes_through_the_tma_kernel_with_peft_tokens(monkeypatch):
+    """Every GEMM of more than two rows through the TMA kernel (``MAX_ROWS`` lowered; tiny tiles for
+    every class): the prefill and the decode steps of a mixed batch through emulated graphs (folded
+    LoRA sites, the residual fold, plain gate/up's activation) give PEFT's tokens and logits."""
+    import peft_fastlora as fastlora
+    from _models import left_padded_batch
+
+    _fp32_streams(monkeypatch, tma_tiles=TINY_TMA)
+    monkeypatch.setattr(sl, "MAX_ROWS", 2)
+    base = tiny_llama(0, vocab_size=128)
+    base.generation_config.eos_token_id = None
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj",
+                                                                              "down_proj"],
+                                            init_lora_weights=False), adapter_name="a").eval()
+    model.add_adapter("b", LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"],
+                                      init_lora_weights=False))
+    batch, names = left_padded_batch([5, 7, 3], seed=4), ["a", "__base__", "b"]
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(**batch, adapter_names=names, **kwargs)
+    calls = count_calls(monkeypatch, tma_ops, ["tma_gemm"])
+    stream_calls = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
+    fastlora.patch(model, stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, fuse=True, cuda_graphs="emulate")
+    try:
+        with torch.no_grad():
+            got = model.generate(**batch, adapter_names=names, **kwargs)
+    finally:
+        fastlora.unpatch(model)
+    _same_decode(got, want)
+    layers = model.config.num_hidden_layers
+    assert calls["tma_gemm"] >= 4 * layers * 4, calls  # q/k/v, o, gate/up, down a layer, each step
+    assert stream_calls["stream_gemm"] == 0

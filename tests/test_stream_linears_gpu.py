@@ -168,3 +168,33 @@ def test_base_model_gate_up_and_activation_in_one_gemm_as_close_to_hf_as_cublas(
             else:
                 assert not seen and not folds
     _steps_as_close_as_cublas(results, "hf", batch["input_ids"].shape[1], 10)
+
+
+def test_generate_at_96_rows_through_the_tma_kernel_as_close_to_peft_as_cublas(model, monkeypatch):
+    """96 rows of mixed adapters: the graphs' decode steps take the TMA kernel (a tile for every
+    class here, whatever the committed table holds; split K on the deep and square layers, the
+    residual fold on down) and stay as close to PEFT's own mixed batch as with cuBLAS."""
+    import peft_fastlora.base_ops.stream_linears as sl
+    import peft_fastlora.ops.tma_gemm as tma_ops
+    from peft_fastlora.ops.tma_gemm import TmaConfig
+
+    tiles = {"deep": TmaConfig(128, 64, 4, 8, 4), "square": TmaConfig(64, 128, 2, 4, 4),
+             "tall": TmaConfig(128, 64, 1, 8, 4), "wide": TmaConfig(256, 64, 1, 8, 3)}
+    monkeypatch.setattr(sl, "tma_tiles", lambda path=None: dict(tiles))
+    lengths = [int(v) for v in torch.randint(2, 10, (96,), generator=torch.Generator().manual_seed(5))]
+    names = [NAMES[i % len(NAMES)] for i in range(96)]
+    batch = {k: v.cuda() for k, v in left_padded_batch(lengths, seed=11).items()}
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, adapter_names=names, output_logits=True,
+              return_dict_in_generate=True)
+    results = {}
+    with torch.no_grad():
+        results["peft"] = model.generate(**batch, **kw)
+        for on in (True, False):
+            calls = count_calls(monkeypatch, tma_ops, ["tma_gemm"])
+            fastlora.patch(model, stream_gemm=on)
+            try:
+                results[on] = model.generate(**batch, **kw)
+            finally:
+                fastlora.unpatch(model)
+            assert (calls["tma_gemm"] > 0) == on, calls
+    _steps_as_close_as_cublas(results, "peft", batch["input_ids"].shape[1], 6)

@@ -29,10 +29,19 @@ the delta to the base output; DoRA and other variants rescale it, so they keep t
 
 A gated MLP whose gate/up pair is a plain fused group (no LoRA on either) takes ``act(gate) * up``
 from one GEMM over the fused weight (``gated``, the kernel's ``glu`` epilogue) where it applies.
+
+Past ``MAX_ROWS`` (a batch of 65-128 rows) the arithmetic is no longer small beside the weight's
+bytes and the streaming kernel loses to cuBLAS; there the TMA-fed tensor-core kernel
+(``ops.tma_gemm``) takes the layers of at least ``NARROW_N`` outputs whose shape class (``shape_class``)
+has a tile in ``TMA_TILES``, a table ``benchmarks/probe_tma_gemm.py`` writes with only the classes
+where its best tile beat cuBLAS; the others keep cuBLAS. The residual and gated-activation
+epilogues ride there too.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -51,6 +60,8 @@ NARROW_N, NARROW_MAX_ROWS = 4096, 32  # narrower layers: split-K tiles, fewer ro
 MIN_K = 2048  # the shallowest reduction measured (a 1B model's gate/up); shallower ones keep cuBLAS
 EPILOGUE_FOLDS = True  # the residual add and the gated activation in GEMM epilogues (off: benchmarks' A/B)
 SPLIT_MAX_N = 16384  # widest layer a split-K launch covers (wider ones need no split)
+TMA_GEMM = True  # 65-128 rows through ops.tma_gemm where TMA_TILES has a tile (off: benchmarks' A/B)
+TMA_TILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tma_tiles_h200.json")
 _DTYPES = (torch.bfloat16, torch.float16)
 _hopper: Dict[int, bool] = {}
 # the members of fusible groups reach the kernel through their group's GEMM, not a forward of their own
@@ -89,6 +100,28 @@ def _config(m: int, n: int, k: int):
     return StreamConfig(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=6, preload=True)
 
 
+def shape_class(n: int, k: int) -> str:
+    """An (n, k) weight's class for the TMA tiles, by outputs over inputs: ``deep`` (down_proj),
+    ``square`` (o_proj), ``tall`` (fused q/k/v), ``wide`` (fused gate/up); folding adapters' A under
+    a weight keeps its class."""
+    ratio = n / k
+    return "deep" if ratio < 0.6 else "square" if ratio < 1.25 else "tall" if ratio < 3 else "wide"
+
+
+def tma_tiles(path: Optional[str] = None) -> Dict[str, "TmaConfig"]:  # noqa: F821
+    """The TMA kernel's tile per shape class (and ``glu`` for the gated gate/up GEMM) from the table
+    at ``path`` (``TMA_TILES``); a class the table lacks keeps cuBLAS, and so does every class
+    without the file."""
+    from ..ops.tma_gemm import TmaConfig
+
+    path = path or TMA_TILES
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        classes = json.load(f).get("classes", {})
+    return {name: TmaConfig(**fields) for name, fields in classes.items()}
+
+
 class StreamLinears:
     """One model's decode GEMMs through the kernel: ``linear`` for its fused groups and the instance
     forwards of its other plain ``nn.Linear`` layers, and the split-K workspace they share (the
@@ -103,10 +136,18 @@ class StreamLinears:
         self.device = device
         # a zero-argument test the owner sets: True where this forward keeps cuBLAS
         self.skip: Optional[Callable[[], bool]] = None
+        self.tma_tiles = tma_tiles() if TMA_GEMM else {}
+        from ..ops.tma_gemm import MAX_ROWS as TMA_ROWS
+
+        tma_split = max([c.split_k for c in self.tma_tiles.values()], default=1)
+        tma_block_n = min([c.block_n for c in self.tma_tiles.values()], default=64)
         # the partials of the largest split launch (two K ranges of MAX_ROWS rows of the widest layer
-        # that splits, or four of a narrow layer's), a ticket per 64-column tile
-        self.workspace = StreamWorkspace(device, max(2 * MAX_ROWS * SPLIT_MAX_N, 4 * NARROW_MAX_ROWS * NARROW_N),
-                                         SPLIT_MAX_N // 64)
+        # that splits, four of a narrow layer's, or the TMA tiles' ranges of their rows), a ticket per
+        # column tile
+        self.workspace = StreamWorkspace(
+            device, max(2 * MAX_ROWS * SPLIT_MAX_N, 4 * NARROW_MAX_ROWS * NARROW_N, tma_split * TMA_ROWS * SPLIT_MAX_N),
+            SPLIT_MAX_N // min(64, tma_block_n))
+        self._tma_rows = TMA_ROWS
         self.modules: List[Tuple[str, nn.Module]] = []
         self.epilogue_folds = EPILOGUE_FOLDS
         self._streamed: set = set()  # ids of the modules with the instance forward
@@ -116,11 +157,19 @@ class StreamLinears:
         # (a forward on another thread, say the continuous-batching engine's, never takes this one's)
         self._pending = threading.local()
 
-    def _rows(self, x, weight, bias) -> int:
-        """The rows of ``x`` where ``x @ weight.T`` takes the kernel (module doc), else 0."""
+    def _tma_tile(self, rows: int, n: int, k: int, glu: bool = False):
+        """The TMA kernel's tile for ``rows`` rows of an (n, k) weight, or None (module doc)."""
+        if rows <= MAX_ROWS or rows > self._tma_rows or n < NARROW_N:
+            return None
+        return self.tma_tiles.get("glu" if glu else shape_class(n, k))
+
+    def _rows(self, x, weight, bias, glu: bool = False) -> int:
+        """The rows of ``x`` where ``x @ weight.T`` takes one of the kernels (module doc), else 0."""
         n, k = weight.shape if weight.dim() == 2 else (0, 0)
         rows = x.numel() // k if k and x.dim() and x.shape[-1] == k else 0
         max_rows = MAX_ROWS if n >= NARROW_N else NARROW_MAX_ROWS
+        if rows > max_rows and self._tma_tile(rows, n, k, glu) is not None:
+            max_rows = self._tma_rows
         if (rows > max_rows or rows == 0 or not MIN_N <= n <= MAX_N or k < MIN_K or k % 8 or x.dtype not in _DTYPES
                 or weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1))
                 or weight.stride(1) != 1 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
@@ -134,32 +183,43 @@ class StreamLinears:
         if not rows:
             return F.linear(x, weight, bias)
         from ..ops.stream_gemm import stream_gemm
+        from ..ops.tma_gemm import tma_aligned, tma_gemm
 
         n, k = weight.shape
-
-        config = _config(rows, n, k)
-        if config.split_k > 1 and n > SPLIT_MAX_N:
-            config = config._replace(split_k=1)
         x2 = x.reshape(rows, k)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
+        tile = self._tma_tile(rows, n, k)
+        if tile is not None and not (tma_aligned(x2) and tma_aligned(weight)):
+            return F.linear(x, weight, bias)  # a descriptor cannot address it
+        config = tile or _config(rows, n, k)
+        if config.split_k > 1 and n > SPLIT_MAX_N:
+            config = config._replace(split_k=1)
         add = self._take_add(weight, rows, n, x.dtype)
-        out = stream_gemm(x2, weight, bias, config=config, workspace=self.workspace, check=False, add=add)
+        gemm = stream_gemm if tile is None else tma_gemm
+        out = gemm(x2, weight, bias, config=config, workspace=self.workspace, check=False, add=add)
         return out.view(*x.shape[:-1], n)
 
     def gated(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], act: str
               ) -> Optional[torch.Tensor]:
         """``act(gate) * up`` for a fused [gate; up] ``weight`` in one kernel GEMM, or None where the
         kernel does not take it (the caller runs its own GEMM and activation)."""
-        rows = self._rows(x, weight, bias) if self.epilogue_folds else 0
+        rows = self._rows(x, weight, bias, glu=True) if self.epilogue_folds else 0
         if not rows or weight.shape[0] % 2:
             return None
         from ..ops.stream_gemm import StreamConfig, stream_gemm
+        from ..ops.tma_gemm import tma_aligned, tma_gemm
 
         n, k = weight.shape[0] // 2, weight.shape[1]
         x2 = x.reshape(rows, k)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
+        tile = self._tma_tile(rows, 2 * n, k, glu=True)
+        if tile is not None:
+            if not (tma_aligned(x2) and tma_aligned(weight)):
+                return None
+            out = tma_gemm(x2, weight, bias, config=tile._replace(split_k=1), check=False, glu=act)
+            return out.view(*x.shape[:-1], n)
         # half-width tiles, gate's and up's: the best of probe_stream_gemm.py --glu at 1-64 rows
         config = StreamConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
         out = stream_gemm(x2, weight, bias, config=config, check=False, glu=act)
