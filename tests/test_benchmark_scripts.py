@@ -44,6 +44,12 @@ def test_probe_stream_gemm_smoke():
     assert "every sweep config equals x @ w.T" in out
 
 
+def test_probe_tma_gemm_smoke(tmp_path):
+    out = _run([os.path.join(BENCH, "probe_tma_gemm.py"), "--smoke", "--table", str(tmp_path / "t.json")],
+               env_extra={"TRITON_INTERPRET": "1"})
+    assert "every sweep tile equals x @ w.T" in out
+
+
 def test_probe_deferred_stop_smoke():
     out = _run([os.path.join(BENCH, "probe_deferred_stop.py"), "--smoke"])
     assert "'mode': 'deferred_step_mask'" in out and "'mode': 'per_step'" in out
