@@ -70,7 +70,7 @@ def timed(args, timer, capture, fn, layers):
 def gemm_sweep(args, timer, bw, capture, vers):
     rows, results = [], {}  # results[(class, config or "cublas")][(site, fold, batch)] = us
     layers = MODELS[args.model][4]
-    for fold, site in itertools.product(args.fold_rows, args.sites):
+    for site, fold in itertools.product(args.sites, args.fold_rows):
         k, n = sites_of(args.model, fold)[site]
         cls = shape_class(n, k)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
@@ -111,7 +111,8 @@ def gemm_sweep(args, timer, bw, capture, vers):
                       flush=True)
         ws = outs = work = None
         torch.cuda.empty_cache()
-        bg.write_out(rows, args.out)  # after each site: what ran is kept if a later one fails
+        bg.write_out(rows, args.out)  # after each site: what ran is kept if a later one fails or times out
+        write_table(args, vers, results)
     return rows, results
 
 
@@ -213,13 +214,19 @@ def main(argv=None):
     if args.glu:
         rows += glu_sweep(args, timer, bw, capture, vers, results)
         bg.write_out(rows, args.out)
+    write_table(args, vers, results)
+    return 0
+
+
+def write_table(args, vers, results) -> None:
+    """The tile table of the classes measured so far (a class measured on part of its shapes is
+    chosen on those; the last write covers them all)."""
     table = dict(vers, source="benchmarks/probe_tma_gemm.py", batches=args.batches, fold_rows=args.fold_rows,
                  classes=choose(results))
     with open(args.table, "w") as f:
         json.dump(table, f, indent=1)
         f.write("\n")
     print("tile table written to", args.table, flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 # Everything that needs the GPU, in one call of the device machine: GPU tests, soak, kernel
 # benchmark, end-to-end benchmark. Results land in $OUT (and are committed under
 # benchmarks/results/). Parts: all (default) or any of tests soak kernels generate host pdl
-# profile attention continuous prefill many; and, on the two-GPU machine only (never part of all), multigpu (TP_MODEL,
-# TP_ARGS: e.g. 32b --skip-tp1) and devicemap.
+# profile attention continuous prefill many; never part of all: tma (probe_tma_gemm.py rewrites the TMA kernel's
+# tile table in the tree, then the 8B steps at TMA_BATCHES with the kernel off and on); and, on the two-GPU
+# machine only, multigpu (TP_MODEL, TP_ARGS: e.g. 32b --skip-tp1) and devicemap.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
@@ -16,7 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu.txt"
 if want tests; then
   files=${GPU_TESTS:-$(ls tests/*_gpu.py)}
-  timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider $files 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  timeout ${TESTS_LIMIT:-480} python3 -m pytest -m gpu -q -p no:cacheprovider $files 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
   timeout 120 python3 examples/quickstart.py 2>&1 | tee "$OUT/quickstart_gpu.log" | tail -12
 fi
 if want soak; then
@@ -63,6 +64,16 @@ fi
 if want many; then
   timeout 400 python3 benchmarks/bench_many_adapters.py --model ${MANY_MODEL:-8b} --adapters ${MANY_ADAPTERS:-512} \
     --slots ${MANY_SLOTS:-64} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_many_adapters.log" | tail -6
+fi
+if [[ $parts == *" tma "* ]]; then
+  timeout ${TMA_PROBE_LIMIT:-300} python3 benchmarks/probe_tma_gemm.py --glu --out "$OUT/probe_tma_gemm_h200.csv" 2>&1 \
+    | grep -v -i warn | tee "$OUT/probe_tma_gemm.log" | tail -24
+  cp peft_fastlora/base_ops/tma_tiles_h200.json "$OUT/"
+  for t in ${TMA_AB:-off on}; do
+    timeout ${TMA_BENCH_LIMIT:-200} python3 benchmarks/bench_generate.py --models 8b --graphs-only \
+      --batches ${TMA_BATCHES:-128} --tma-gemm $t --csv generate_tma_${t}_h200.csv --out "$OUT" 2>&1 \
+      | grep -v -i warn | tee "$OUT/bench_tma_$t.log" | tail -6
+  done
 fi
 if [[ $parts == *" multigpu "* ]]; then
   nvidia-smi topo -m | tee "$OUT/multi_gpu_topology.txt" | head -5
