@@ -131,7 +131,7 @@ def glu_sweep(args, timer, bw, capture, vers, results):
         ref = act_mul(*F.linear(x, ws[0]).split(n, dim=1), "silu").float()
         impls = [("cublas+act_mul", None, lambda a, w, o, t: act_mul(*torch.matmul(a, w.T, out=t).split(n, dim=1), "silu"))]
         impls += [(name_of(c) + "_glu", c, lambda a, w, o, t, c=c: tma_gemm(a, w, out=o, config=c, check=False, glu="silu"))
-                  for c in (TmaConfig(*t) for t in GLU_TILES)]
+                  for c in (TmaConfig(bn, bk, 1, w, st) for bn, bk, w, st in GLU_TILES)]
         times = {}
         for name, cfg, fn1 in impls:
             try:
@@ -196,12 +196,16 @@ def main(argv=None):
     if args.smoke:
         x, w = torch.randn(70, 96), torch.randn(40, 96)
         ws = StreamWorkspace("cpu", 4 * 70 * 40, 40)
-        for cfg in sweep(4096) + [TmaConfig(*t) for t in GLU_TILES]:
+        for cfg in sweep(4096):
             small = cfg._replace(block_n=min(cfg.block_n, 32), block_k=min(cfg.block_k, 32), num_stages=2)
             torch.testing.assert_close(tma_gemm(x, w, config=small, workspace=ws), x @ w.T, rtol=1e-4, atol=1e-4)
+        for bn, bk, warps, stages in GLU_TILES:
+            small = TmaConfig(min(bn, 32), min(bk, 32), 1, warps, 2)
+            torch.testing.assert_close(tma_gemm(x, torch.cat([w, w]), config=small, glu="silu"),
+                                       F.silu(x @ w.T) * (x @ w.T), rtol=1e-4, atol=1e-4)
         assert choose({("deep", "cublas"): {1: 2.0}, ("deep", TmaConfig()): {1: 1.5}}) == {"deep": TmaConfig()._asdict()}
         assert choose({("deep", "cublas"): {1: 2.0, 2: 1.0}, ("deep", TmaConfig()): {1: 1.5, 2: 1.1}}) == {}
-        print("smoke: every sweep tile equals x @ w.T; a class keeps only a tile that beat cuBLAS everywhere")
+        print("smoke: every sweep tile equals x @ w.T (and the GLU tiles act(gate) * up); a class keeps only a tile that beat cuBLAS everywhere")
         return 0
     if not torch.cuda.is_available():
         print("probe_tma_gemm needs a CUDA GPU (or --smoke); nothing measured")
