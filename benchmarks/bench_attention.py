@@ -119,7 +119,7 @@ def time_graph(timer, capture, fn, layers, inputs):
 
 def sweep_configs():
     """Coordinate sweep: each axis varied around the best point found so far (None: the default)."""
-    return [("num_splits", [1, 2, 4, 8, 16]), ("block_n", [32, 64, 128]), ("num_warps", [2, 4, 8]),
+    return [("num_splits", [1, 2, 4, 8, 16]), ("block_n", [32, 64, 128, 256]), ("num_warps", [2, 4, 8]),
             ("num_stages", [1, 2, 3, 4])]
 
 
