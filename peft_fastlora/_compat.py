@@ -745,16 +745,14 @@ def deferred_stop_check_class():
     return cls
 
 
-def sample_loop_with_stop_check(stop_check_cls, overrides: Optional[dict] = None):
+def sample_loop_with_stop_check(stop_check_cls):
     """A copy of ``GenerationMixin._sample`` (greedy and sampling decode loop) that uses
-    ``stop_check_cls`` where transformers' own reads ``DeferredStopCheck`` (and each name of
-    ``overrides`` for the module global of that name); the module is not changed. Its globals are
-    copied per call, so later changes to the module are seen."""
+    ``stop_check_cls`` where transformers' own reads ``DeferredStopCheck``; the module is not
+    changed. Its globals are copied per call, so later changes to the module are seen."""
     from transformers.generation import utils as gen_utils
 
     loop = gen_utils.GenerationMixin._sample
     scope = dict(loop.__globals__)
-    scope.update(overrides or {})
     scope["DeferredStopCheck"] = stop_check_cls
     copy = types.FunctionType(loop.__code__, scope, loop.__name__, loop.__defaults__, loop.__closure__)
     copy.__kwdefaults__ = loop.__kwdefaults__

@@ -12,50 +12,21 @@ keep the per-step check), so the extra step's cache entry needs no rollback. fas
 ``generate`` a copy of transformers' loop whose ``DeferredStopCheck`` accepts that cache, through
 the public ``custom_generate`` argument: transformers' module is not changed, and every other call
 (and every other model) keeps transformers' own choice.
-
-In that copy the greedy token choice, ``torch.argmax`` of the step's logits, runs spread over the
-GPU (``ops.argmax``: torch's answer, bit for bit) instead of torch's one block a row: the copy
-sees ``torch`` as a namespace that forwards every other name to torch.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import types
 from typing import Optional
 
-import torch
-
 from .. import _compat
-from ..kernel_support import kernel_runs_on
 
 # the attribute that marks the cache of an armed call (the runner serving it), set by ``armed``
 CALL_ATTR = "_fastlora_deferred_stop_runner"
 # devices whose streams order the flag's copy after the step (tests add "cpu" with a stand-in event)
 DEVICE_TYPES = {"cuda"}
 _LOOP = "_sample"  # transformers' greedy / sampling loop: the one copied
-FAST_ARGMAX = True  # the copy's greedy argmax through ops.argmax (off: benchmarks' A/B)
-
-
-class _TorchWithFastArgmax(types.ModuleType):
-    """``torch`` as the copied loop sees it: ``argmax`` of a step's logits through ``ops.argmax``
-    where it takes them, every other name torch's own."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def argmax(input, dim=None, keepdim=False, **kwargs):
-        if not kwargs and isinstance(input, torch.Tensor) and kernel_runs_on(input):
-            from ..ops import argmax as fast
-
-            if fast.takes(input, dim, keepdim):
-                return fast.argmax_rows(input)
-        return torch.argmax(input, dim=dim, keepdim=keepdim, **kwargs)
-
-
-_TORCH = _TorchWithFastArgmax("torch")
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,7 +108,7 @@ def decoding_method(streamer=None):
         if mode != _LOOP:
             raise RuntimeError(f"fastlora: a graphed generate call reached decoding method {mode!r}; "
                                "patch with defer_stop_check=False and report this")
-        loop = _compat.sample_loop_with_stop_check(stop_check, {"torch": _TORCH} if FAST_ARGMAX else None)
+        loop = _compat.sample_loop_with_stop_check(stop_check)
         return loop(self, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                     generation_config=generation_config, synced_gpus=synced_gpus,
                     streamer=streamer if streamer is not None else call_streamer, **model_kwargs)
