@@ -42,12 +42,19 @@ from peft_fastlora.ops.tma_gemm import MAX_ROWS, SHARED_BYTES, TmaConfig, shared
 TILES = [(128, 64, 8, 4), (128, 64, 8, 6), (128, 64, 4, 4), (128, 128, 8, 3), (64, 128, 4, 4), (64, 64, 4, 6),
          (256, 64, 8, 3), (256, 64, 8, 4)]
 SPLITS = (1, 2, 4)  # K ranges; layers wider than SPLIT_MAX_N take one
+# and for the widest tiles (the least re-reading of x from the L2), the K ranges that give about one
+# program per SM at the 8B's 4,096 and 6,144 outputs (16 and 24 column blocks of 256)
+WIDE_SPLITS = {256: (5, 8), 128: (3,)}
 GLU_TILES = [(64, 64, 8, 4), (64, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4)]
 
 
 def sweep(n: int):
-    splits = (1,) if n > SPLIT_MAX_N else SPLITS
-    return [TmaConfig(bn, bk, s, w, st) for (bn, bk, w, st), s in itertools.product(TILES, splits)
+    if n > SPLIT_MAX_N:
+        pairs = [(tile, 1) for tile in TILES]
+    else:
+        pairs = list(itertools.product(TILES, SPLITS))
+        pairs += [(tile, s) for tile in TILES for s in WIDE_SPLITS.get(tile[0], ())]
+    return [TmaConfig(bn, bk, s, w, st) for (bn, bk, w, st), s in pairs
             if shared_bytes(TmaConfig(bn, bk, s, w, st), MAX_ROWS, 2) <= SHARED_BYTES]
 
 
@@ -75,7 +82,7 @@ def gemm_sweep(args, timer, bw, capture, vers):
         cls = shape_class(n, k)
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
         norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-        work = StreamWorkspace("cuda", max(SPLITS) * MAX_ROWS * n, n)
+        work = StreamWorkspace("cuda", 8 * MAX_ROWS * n, n)  # the most K ranges of the sweep
         for bs in args.batches:
             x = torch.randn(bs, k, device="cuda", dtype=torch.bfloat16)
             outs = [torch.empty(bs, n, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]

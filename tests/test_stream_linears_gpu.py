@@ -197,4 +197,23 @@ def test_generate_at_96_rows_through_the_tma_kernel_as_close_to_peft_as_cublas(m
             finally:
                 fastlora.unpatch(model)
             assert (calls["tma_gemm"] > 0) == on, calls
-    _steps_as_close_as_cublas(results, "peft", batch["input_ids"].shape[1], 6)
+    _rows_as_close_as_cublas(results, "peft", batch["input_ids"].shape[1], 6)
+
+
+def _rows_as_close_as_cublas(results, ref_key, width, steps):
+    """``_steps_as_close_as_cublas`` row by row, for batches where some row's near tie is likely to
+    round another way within a few steps: at each step the rows whose tokens so far agree in all
+    three decodes, the kernel's logits there no further from the reference's than cuBLAS's; at
+    least three decode steps over at least half the rows."""
+    compared = 0
+    rows = results[ref_key].sequences.shape[0]
+    for step in range(steps):
+        seqs = [results[k].sequences[:, width:width + step] for k in (ref_key, True, False)]
+        agree = (seqs[0] == seqs[1]).all(1) & (seqs[0] == seqs[2]).all(1)
+        if agree.sum() < rows // 2:
+            break
+        ref = results[ref_key].logits[step][agree]
+        err_on, err_off = _rel(results[True].logits[step][agree], ref), _rel(results[False].logits[step][agree], ref)
+        assert err_on < 1.5 * err_off + 2e-3 and err_on < 3e-2, (step, int(agree.sum()), err_on, err_off)
+        compared += 1
+    assert compared >= 4, compared  # the prefill's logits and three decode steps
