@@ -107,21 +107,27 @@ def test_glu_at_the_gate_up_shape(act, m, config):
 def test_split_k_across_launches_and_graph_replays():
     """Split-K launches of two shapes share a workspace: each launch, eager or replayed, gives the same
     bits as the first eager one (the partials are summed in range order, the tickets reset)."""
-    cfg = StreamConfig(64, 256, 4, 4, 4)
+    split_k_replays_equal_eager(stream_gemm, StreamConfig(64, 256, 4, 4, 4), rows=8)
+
+
+def split_k_replays_equal_eager(gemm, cfg, rows):
+    """``gemm`` (a launcher of ``stream_gemm``'s arguments) with split-K ``cfg`` at ``rows`` rows over
+    4,096 x 4,096 and 6,144 x 4,096 weights sharing one workspace, in a graph replayed three times
+    on new inputs: each replay's outputs equal eager launches' bits, and the tickets end at zero."""
     ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64,
           torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) / 64]
-    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
-    outs = [torch.empty(8, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in ws]
-    work = StreamWorkspace("cuda", 4 * 8 * 6144, 96)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.empty(rows, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in ws]
+    work = StreamWorkspace("cuda", cfg.split_k * rows * 6144, 96)
 
     def step():
         for w, o in zip(ws, outs):
-            stream_gemm(x, w, out=o, config=cfg, workspace=work)
+            gemm(x, w, out=o, config=cfg, workspace=work)
 
     graph, _ = _captured(step)
     for trial in range(3):
         x.copy_(torch.randn_like(x))
-        expect = [stream_gemm(x, w, config=cfg, workspace=work) for w in ws]
+        expect = [gemm(x, w, config=cfg, workspace=work) for w in ws]
         for o in outs:
             o.zero_()
         graph.replay()

@@ -28,6 +28,18 @@ def _lift_limits(monkeypatch, narrow: bool = False, tma_tiles=None):
         monkeypatch.setattr(sl, "NARROW_N", 16)
 
 
+def _spy_configs(monkeypatch, module, name):
+    """The ``config`` of every call of ``module.<name>`` (a GEMM launcher), in order."""
+    configs, original = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        configs.append(kwargs["config"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return configs
+
+
 # tiny tiles for every class (split K for the deep ones, so their residual rides in a split launch)
 TINY_TMA = {"deep": TmaConfig(16, 32, 2, 4, 2), "square": TmaConfig(32, 32, 1, 4, 2),
             "tall": TmaConfig(32, 16, 1, 4, 2), "wide": TmaConfig(64, 32, 1, 4, 2), "glu": TmaConfig(32, 32, 1, 4, 2)}
@@ -99,14 +111,7 @@ def test_narrow_layers_stream_fewer_rows_in_k_ranges(monkeypatch):
     _lift_limits(monkeypatch, narrow=True)
     monkeypatch.setattr(sl, "NARROW_N", 64)
     streams = sl.StreamLinears(torch.device("cpu"))
-    configs = []
-    original = stream_ops.stream_gemm
-
-    def spy(*args, **kwargs):
-        configs.append(kwargs["config"])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(stream_ops, "stream_gemm", spy)
+    configs = _spy_configs(monkeypatch, stream_ops, "stream_gemm")
     w = (torch.randn(48, 512) / 16).bfloat16()  # narrow, deep: four ranges of one 128-wide tile
     for rows in (1, sl.NARROW_MAX_ROWS):
         x = torch.randn(rows, 512).bfloat16()
@@ -374,14 +379,7 @@ def test_rows_past_max_rows_take_the_tma_tile_of_their_class(monkeypatch):
     _lift_limits(monkeypatch, tma_tiles={"tall": TmaConfig(32, 32, 2, 4, 2)})
     streams = sl.StreamLinears(torch.device("cpu"))
     assert streams.workspace.part.numel() >= 2 * tma_ops.MAX_ROWS * sl.SPLIT_MAX_N
-    configs = []
-    original = tma_ops.tma_gemm
-
-    def spy(*args, **kwargs):
-        configs.append(kwargs["config"])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(tma_ops, "tma_gemm", spy)
+    configs = _spy_configs(monkeypatch, tma_ops, "tma_gemm")
     stream_calls = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
     tall, square = (torch.randn(96, 48) / 7).bfloat16(), (torch.randn(48, 48) / 7).bfloat16()
     for rows in (sl.MAX_ROWS + 1, 128):

@@ -14,6 +14,7 @@ from peft_fastlora.ops.rms_norm import rms_norm
 from peft_fastlora.ops.silu_mul import act_mul
 from peft_fastlora.ops.stream_gemm import StreamWorkspace, stream_gemm_reference
 from peft_fastlora.ops.tma_gemm import TmaConfig, tma_gemm
+from test_stream_gemm_gpu import _captured, split_k_replays_equal_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -28,19 +29,6 @@ CONFIGS = [TmaConfig(128, 64, 1, 8, 4), TmaConfig(64, 128, 2, 4, 4), TmaConfig(2
 
 def _ids(c):
     return f"n{c.block_n}k{c.block_k}s{c.split_k}w{c.num_warps}st{c.num_stages}"
-
-
-def _captured(fn):
-    """``fn`` run once on a side stream (compiles, allocates), then captured: (graph, its output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_ids)
@@ -103,28 +91,7 @@ def test_glu_at_the_gate_up_shape(act, m, config):
 def test_split_k_across_launches_and_graph_replays():
     """Split-K launches of two shapes share a workspace: each launch, eager or replayed, gives the same
     bits as the first eager one (the partials are summed in range order, the tickets reset)."""
-    cfg = CONFIGS[3]
-    ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64,
-          torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) / 64]
-    x = torch.randn(128, 4096, device="cuda", dtype=torch.bfloat16)
-    outs = [torch.empty(128, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in ws]
-    work = StreamWorkspace("cuda", 4 * 128 * 6144, 96)
-
-    def step():
-        for w, o in zip(ws, outs):
-            tma_gemm(x, w, out=o, config=cfg, workspace=work)
-
-    graph, _ = _captured(step)
-    for trial in range(3):
-        x.copy_(torch.randn_like(x))
-        expect = [tma_gemm(x, w, config=cfg, workspace=work) for w in ws]
-        for o in outs:
-            o.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        for o, e in zip(outs, expect):
-            assert torch.equal(o, e), f"replay {trial} differs from the eager launch"
-    assert not work.tickets.any()
+    split_k_replays_equal_eager(tma_gemm, CONFIGS[3], rows=128)
 
 
 def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
