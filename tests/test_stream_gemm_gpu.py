@@ -140,16 +140,22 @@ def split_k_replays_equal_eager(gemm, cfg, rows):
 def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
     """A norm writes each GEMM's input just before it, in one graph: with PDL (the GEMM's preamble,
     prefetch included, overlapping the norm) the outputs equal launches with PDL off."""
+    cfgs = [StreamConfig(16, 512, 1, 4, 4, 4096, True), StreamConfig(64, 256, 4, 4, 4, 2048, True)]
+    pdl_chain_equals_plain(monkeypatch, stream_gemm, cfgs, rows=16)
+
+
+def pdl_chain_equals_plain(monkeypatch, gemm, cfgs, rows):
+    """Four 4,096 x 4,096 GEMMs through ``gemm`` (``stream_gemm``'s arguments; configs in turn), each
+    after an RMSNorm that writes its input, in one graph: the same bits with PDL on and off."""
     ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(4)]
     nw = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
-    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
-    cfgs = [StreamConfig(16, 512, 1, 4, 4, 4096, True), StreamConfig(64, 256, 4, 4, 4, 2048, True)]
-    work = StreamWorkspace("cuda", 4 * 16 * 4096, 64)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    work = StreamWorkspace("cuda", max(c.split_k for c in cfgs) * rows * 4096, 64)
 
     def chain():
         h = x
         for i, w in enumerate(ws):
-            h = stream_gemm(rms_norm(h, nw, 1e-5), w, config=cfgs[i % 2], workspace=work)
+            h = gemm(rms_norm(h, nw, 1e-5), w, config=cfgs[i % len(cfgs)], workspace=work)
         return h
 
     results = {}

@@ -9,12 +9,10 @@ GEMM's input just before it) equal to plain launches. Run on the device machine:
 import pytest
 import torch
 
-from peft_fastlora.ops import pdl
-from peft_fastlora.ops.rms_norm import rms_norm
 from peft_fastlora.ops.silu_mul import act_mul
 from peft_fastlora.ops.stream_gemm import StreamWorkspace, stream_gemm_reference
 from peft_fastlora.ops.tma_gemm import TmaConfig, tma_gemm
-from test_stream_gemm_gpu import _captured, split_k_replays_equal_eager
+from test_stream_gemm_gpu import pdl_chain_equals_plain, split_k_replays_equal_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -98,22 +96,4 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
     """A norm writes each GEMM's input just before it, in one graph: with PDL (the GEMM's programs
     start while the norm runs and wait before their first load) the outputs equal launches with PDL
     off."""
-    ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(4)]
-    nw = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
-    x = torch.randn(96, 4096, device="cuda", dtype=torch.bfloat16)
-    work = StreamWorkspace("cuda", 4 * 96 * 4096, 64)
-
-    def chain():
-        h = x
-        for i, w in enumerate(ws):
-            h = tma_gemm(rms_norm(h, nw, 1e-5), w, config=CONFIGS[i % 2 * 3], workspace=work)
-        return h
-
-    results = {}
-    for setting in (pdl.OFF, pdl.FULL):
-        monkeypatch.setattr(pdl, "SETTING", setting)
-        graph, out = _captured(chain)
-        graph.replay()
-        torch.cuda.synchronize()
-        results[setting] = out.clone()
-    assert torch.equal(results[pdl.OFF], results[pdl.FULL])
+    pdl_chain_equals_plain(monkeypatch, tma_gemm, [CONFIGS[0], CONFIGS[3]], rows=96)
