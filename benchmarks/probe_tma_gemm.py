@@ -105,7 +105,7 @@ def gemm_sweep(args, timer, bw, capture, vers):
                            lambda: [gemm(rms_norm(x, norm_w, 1e-5), w, o) for w, o in zip(ws, outs)], layers)
                 if us is not None:
                     times[cfg] = us
-                    results.setdefault((cls, cfg or "cublas"), {})[(site, fold, bs)] = us
+                    results.setdefault((cls, cfg or "cublas"), {})[(site, k, fold, bs)] = us
             base = times[None]
             for cfg, us in times.items():
                 rows.append(dict(vers, fold_rows=fold, site=site, shape_class=cls, n=n, k=k, batch=bs,
@@ -153,7 +153,7 @@ def glu_sweep(args, timer, bw, capture, vers, results):
                        lambda: [fn1(rms_norm(x, norm_w, 1e-5), w, o, t) for w, o, t in zip(ws, outs, both)], layers)
             if us is not None:
                 times[name] = us
-                results.setdefault(("glu", cfg or "cublas"), {})[("gate_up_act", 0, bs)] = us
+                results.setdefault(("glu", cfg or "cublas"), {})[("gate_up_act", k, 0, bs)] = us
         for name, us in times.items():
             rows.append(dict(vers, fold_rows=0, site="gate_up_act", shape_class="glu", n=n2, k=k, batch=bs, impl=name,
                              us=round(us, 2), of_copy_bw=round(n2 * k * 2 / (us * 1e-6) / bw, 3),
@@ -165,8 +165,8 @@ def glu_sweep(args, timer, bw, capture, vers, results):
 
 
 def choose(results) -> dict:
-    """Per class, the tile of least total time over the class's measurements, where it beat cuBLAS
-    in every one of them."""
+    """Per class, the tile of least total time over the class's measurements (keyed (site, K, fold,
+    batch)), where it beat cuBLAS in every one of them, with the shallowest K measured."""
     table = {}
     for cls in sorted({c for c, _ in results}):
         base = results.get((cls, "cublas"), {})
@@ -179,7 +179,7 @@ def choose(results) -> dict:
                 if best_total is None or total < best_total:
                     best, best_total = cfg, total
         if best is not None:
-            table[cls] = best._asdict()
+            table[cls] = dict(best._asdict(), min_k=min(key[1] for key in base))
             print(f"{cls}: {name_of(best)} ({best_total:.1f} us against cuBLAS's {sum(base.values()):.1f} us "
                   f"over {len(base)} measurements)", flush=True)
         else:
@@ -199,7 +199,11 @@ def main(argv=None):
     p.add_argument("--glu", action="store_true", help="also gate/up with the activation in the epilogue")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): each sweep tile on a tiny shape")
+    p.add_argument("--from-csv", nargs="+", metavar="CSV",
+                   help="no GPU: the table from these probe CSVs' measurements (one machine's run each)")
     args = p.parse_args(argv)
+    if args.from_csv:
+        return table_from_csv(args)
     if args.smoke:
         x, w = torch.randn(70, 96), torch.randn(40, 96)
         ws = StreamWorkspace("cpu", 4 * 70 * 40, 40)
@@ -210,8 +214,10 @@ def main(argv=None):
             small = TmaConfig(min(bn, 32), min(bk, 32), 1, warps, 2)
             torch.testing.assert_close(tma_gemm(x, torch.cat([w, w]), config=small, glu="silu"),
                                        F.silu(x @ w.T) * (x @ w.T), rtol=1e-4, atol=1e-4)
-        assert choose({("deep", "cublas"): {1: 2.0}, ("deep", TmaConfig()): {1: 1.5}}) == {"deep": TmaConfig()._asdict()}
-        assert choose({("deep", "cublas"): {1: 2.0, 2: 1.0}, ("deep", TmaConfig()): {1: 1.5, 2: 1.1}}) == {}
+        a, b = ("down", 14336, 0, 128), ("down", 4096, 0, 128)
+        assert choose({("deep", "cublas"): {a: 2.0, b: 2.0}, ("deep", TmaConfig()): {a: 1.5, b: 1.9}}) == {
+            "deep": dict(TmaConfig()._asdict(), min_k=4096)}
+        assert choose({("deep", "cublas"): {a: 2.0, b: 1.0}, ("deep", TmaConfig()): {a: 1.5, b: 1.1}}) == {}
         print("smoke: every sweep tile equals x @ w.T (and the GLU tiles act(gate) * up); a class keeps only a tile that beat cuBLAS everywhere")
         return 0
     if not torch.cuda.is_available():
@@ -226,6 +232,27 @@ def main(argv=None):
         rows += glu_sweep(args, timer, bw, capture, vers, results)
         bg.write_out(rows, args.out)
     write_table(args, vers, results)
+    return 0
+
+
+def table_from_csv(args) -> int:
+    """The tile table chosen from the measurements of earlier runs' CSVs (each run's rows compared
+    with its own cuBLAS rows; a later CSV's measurement of the same key replaces an earlier one's)."""
+    import csv
+    import re
+
+    results, vers = {}, {}
+    for path in args.from_csv:
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                vers = {k: row[k] for k in ("gpu", "torch", "triton")}
+                match = re.match(r"tma_n(\d+)_k(\d+)_s(\d+)_w(\d+)_st(\d+)", row["impl"])
+                cfg = TmaConfig(*map(int, match.groups())) if match else "cublas"
+                key = (row["site"], int(row["k"]), int(row["fold_rows"]), int(row["batch"]))
+                results.setdefault((row["shape_class"], cfg), {})[key] = float(row["us"])
+    args.batches = sorted({key[3] for times in results.values() for key in times})
+    args.fold_rows = sorted({key[2] for times in results.values() for key in times})
+    write_table(args, dict(vers, from_csv=[os.path.basename(p) for p in args.from_csv]), results)
     return 0
 
 

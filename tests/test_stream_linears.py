@@ -23,7 +23,8 @@ def _lift_limits(monkeypatch, narrow: bool = False, tma_tiles=None):
     Past ``MAX_ROWS``, the TMA kernel's ``tma_tiles`` (none: the committed table stays out of it)."""
     monkeypatch.setattr(sl, "MIN_N", 16)
     monkeypatch.setattr(sl, "MIN_K", 16)
-    monkeypatch.setattr(sl, "tma_tiles", lambda path=None: dict(tma_tiles or {}))
+    tiles = {cls: sl.TmaTile(config) for cls, config in (tma_tiles or {}).items()}
+    monkeypatch.setattr(sl, "tma_tiles", lambda path=None: dict(tiles))
     if not narrow:
         monkeypatch.setattr(sl, "NARROW_N", 16)
 
@@ -367,9 +368,28 @@ def test_shape_classes_and_the_tile_table(tmp_path):
     path = tmp_path / "tiles.json"
     path.write_text('{"gpu": "x", "classes": {"wide": {"block_n": 256, "block_k": 64, "split_k": 1, '
                     '"num_warps": 8, "num_stages": 3}}}')
-    assert sl.tma_tiles(str(path)) == {"wide": TmaConfig(256, 64, 1, 8, 3)}
+    assert sl.tma_tiles(str(path)) == {"wide": sl.TmaTile(TmaConfig(256, 64, 1, 8, 3), 0)}
+    path.write_text('{"classes": {"glu": {"block_n": 128, "block_k": 64, "split_k": 1, "num_warps": 8, '
+                    '"num_stages": 4, "min_k": 4096}}}')
+    assert sl.tma_tiles(str(path)) == {"glu": sl.TmaTile(TmaConfig(128, 64, 1, 8, 4), 4096)}
     assert sl.tma_tiles(str(tmp_path / "none.json")) == {}
-    assert all(isinstance(c, TmaConfig) for c in sl.tma_tiles().values())  # the committed table reads
+    committed = sl.tma_tiles()  # the probe's table reads, each tile with the reduction it was measured on
+    assert all(isinstance(t.config, TmaConfig) and t.min_k >= 2048 for t in committed.values()), committed
+
+
+def test_a_tile_keeps_to_the_reductions_it_was_measured_on(monkeypatch):
+    """A tile measured on reductions of at least ``min_k`` is not taken for a shallower one (a smaller
+    model's layer): F.linear there, and ``gated`` declines."""
+    _lift_limits(monkeypatch)
+    monkeypatch.setattr(sl, "tma_tiles", lambda path=None: {"tall": sl.TmaTile(TmaConfig(32, 32, 1, 4, 2), 64),
+                                                            "glu": sl.TmaTile(TmaConfig(32, 32, 1, 4, 2), 64)})
+    streams = sl.StreamLinears(torch.device("cpu"))
+    calls = count_calls(monkeypatch, tma_ops, ["tma_gemm"])
+    for k, taken in ((48, 0), (64, 1)):
+        streams.linear(torch.randn(80, k).bfloat16(), (torch.randn(2 * k, k) / 8).bfloat16())
+        assert calls["tma_gemm"] == taken, (k, calls)
+    assert streams.gated(torch.randn(80, 48).bfloat16(), torch.randn(192, 48).bfloat16(), None, "silu") is None
+    assert streams.gated(torch.randn(80, 64).bfloat16(), torch.randn(192, 64).bfloat16(), None, "silu") is not None
 
 
 def test_rows_past_max_rows_take_the_tma_tile_of_their_class(monkeypatch):

@@ -180,7 +180,7 @@ def test_generate_at_96_rows_through_the_tma_kernel_as_close_to_peft_as_cublas(m
 
     tiles = {"deep": TmaConfig(128, 64, 4, 8, 4), "square": TmaConfig(64, 128, 2, 4, 4),
              "tall": TmaConfig(128, 64, 1, 8, 4), "wide": TmaConfig(256, 64, 1, 8, 3)}
-    monkeypatch.setattr(sl, "tma_tiles", lambda path=None: dict(tiles))
+    monkeypatch.setattr(sl, "tma_tiles", lambda path=None: {cls: sl.TmaTile(c) for cls, c in tiles.items()})
     lengths = [int(v) for v in torch.randint(2, 10, (96,), generator=torch.Generator().manual_seed(5))]
     names = [NAMES[i % len(NAMES)] for i in range(96)]
     batch = {k: v.cuda() for k, v in left_padded_batch(lengths, seed=11).items()}

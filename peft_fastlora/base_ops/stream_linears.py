@@ -34,7 +34,8 @@ Past ``MAX_ROWS`` (a batch of 65-128 rows) the arithmetic is no longer small bes
 bytes and the streaming kernel loses to cuBLAS; there the TMA-fed tensor-core kernel
 (``ops.tma_gemm``) takes the layers of at least ``NARROW_N`` outputs whose shape class (``shape_class``)
 has a tile in ``TMA_TILES``, a table ``benchmarks/probe_tma_gemm.py`` writes with only the classes
-where its best tile beat cuBLAS; the others keep cuBLAS. The residual and gated-activation
+where its best tile beat cuBLAS, each with the shallowest reduction it was measured on (shallower
+ones, say a 1B model's, keep cuBLAS); the others keep cuBLAS. The residual and gated-activation
 epilogues ride there too.
 """
 
@@ -43,7 +44,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -108,7 +109,12 @@ def shape_class(n: int, k: int) -> str:
     return "deep" if ratio < 0.6 else "square" if ratio < 1.25 else "tall" if ratio < 3 else "wide"
 
 
-def tma_tiles(path: Optional[str] = None) -> Dict[str, "TmaConfig"]:  # noqa: F821
+class TmaTile(NamedTuple):
+    config: "TmaConfig"  # noqa: F821 (ops.tma_gemm's; not imported here: that imports Triton)
+    min_k: int = 0  # the shallowest reduction the tile was measured on: shallower ones keep cuBLAS
+
+
+def tma_tiles(path: Optional[str] = None) -> Dict[str, TmaTile]:
     """The TMA kernel's tile per shape class (and ``glu`` for the gated gate/up GEMM) from the table
     at ``path`` (``TMA_TILES``); a class the table lacks keeps cuBLAS, and so does every class
     without the file."""
@@ -119,7 +125,8 @@ def tma_tiles(path: Optional[str] = None) -> Dict[str, "TmaConfig"]:  # noqa: F8
         return {}
     with open(path) as f:
         classes = json.load(f).get("classes", {})
-    return {name: TmaConfig(**fields) for name, fields in classes.items()}
+    return {name: TmaTile(TmaConfig(**{k: fields[k] for k in TmaConfig._fields}), fields.get("min_k", 0))
+            for name, fields in classes.items()}
 
 
 class StreamLinears:
@@ -139,8 +146,8 @@ class StreamLinears:
         self.tma_tiles = tma_tiles() if TMA_GEMM else {}
         from ..ops.tma_gemm import MAX_ROWS as TMA_ROWS
 
-        tma_split = max([c.split_k for c in self.tma_tiles.values()], default=1)
-        tma_block_n = min([c.block_n for c in self.tma_tiles.values()], default=64)
+        tma_split = max([t.config.split_k for t in self.tma_tiles.values()], default=1)
+        tma_block_n = min([t.config.block_n for t in self.tma_tiles.values()], default=64)
         # the partials of the largest split launch (two K ranges of MAX_ROWS rows of the widest layer
         # that splits, four of a narrow layer's, or the TMA tiles' ranges of their rows), a ticket per
         # column tile
@@ -161,7 +168,8 @@ class StreamLinears:
         """The TMA kernel's tile for ``rows`` rows of an (n, k) weight, or None (module doc)."""
         if rows <= MAX_ROWS or rows > self._tma_rows or n < NARROW_N:
             return None
-        return self.tma_tiles.get("glu" if glu else shape_class(n, k))
+        tile = self.tma_tiles.get("glu" if glu else shape_class(n, k))
+        return tile.config if tile is not None and k >= tile.min_k else None
 
     def _rows(self, x, weight, bias, glu: bool = False) -> int:
         """The rows of ``x`` where ``x @ weight.T`` takes one of the kernels (module doc), else 0."""
