@@ -50,6 +50,17 @@ def test_probe_tma_gemm_smoke(tmp_path):
     assert "every sweep tile equals x @ w.T" in out
 
 
+def test_probe_tma_gemm_table_from_a_committed_run(tmp_path):
+    """The library's tile table is what the probe chooses from the committed run's measurements."""
+    import json
+
+    table = tmp_path / "t.json"
+    _run([os.path.join(BENCH, "probe_tma_gemm.py"), "--table", str(table), "--from-csv",
+          os.path.join(BENCH, "results", "probe_tma_gemm_s21b_h200.csv")])
+    with open(os.path.join(ROOT, "peft_fastlora", "base_ops", "tma_tiles_h200.json")) as f:
+        assert json.loads(table.read_text())["classes"] == json.load(f)["classes"]
+
+
 def test_probe_deferred_stop_smoke():
     out = _run([os.path.join(BENCH, "probe_deferred_stop.py"), "--smoke"])
     assert "'mode': 'deferred_step_mask'" in out and "'mode': 'per_step'" in out
