@@ -201,6 +201,19 @@ def main(argv=None):
     return 0
 
 
+def gate_up_buffers(ws, bs):
+    """For ``bs`` rows over these [gate; up] weights: an input, each layer's GEMM output and
+    act-mul output, and the reference ``silu(gate) * up`` of the first layer (float32)."""
+    from peft_fastlora.ops.silu_mul import act_mul
+
+    n2, k = ws[0].shape
+    x = torch.randn(bs, k, device="cuda", dtype=torch.bfloat16)
+    both = [torch.empty(bs, n2, device="cuda", dtype=torch.bfloat16) for _ in ws]
+    outs = [torch.empty(bs, n2 // 2, device="cuda", dtype=torch.bfloat16) for _ in ws]
+    ref = act_mul(*F.linear(x, ws[0]).split(n2 // 2, dim=1), "silu").float()
+    return x, both, outs, ref
+
+
 def glu_sweep(args, timer, bw, capture):
     """gate/up after a norm, 32 layers' weights in one graph: the GEMM then ``act_mul`` against
     ``stream_gemm(glu="silu")``; microseconds per layer, the weight's bytes over that time."""
@@ -213,10 +226,7 @@ def glu_sweep(args, timer, bw, capture):
     norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
     rows = []
     for bs in args.batches:
-        x = torch.randn(bs, k, device="cuda", dtype=torch.bfloat16)
-        both = [torch.empty(bs, n2, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
-        outs = [torch.empty(bs, n, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
-        ref = act_mul(*F.linear(x, ws[0]).split(n, dim=1), "silu").float()
+        x, both, outs, ref = gate_up_buffers(ws, bs)
         lib = _config(bs, n2, k)
 
         def unfused(gemm):

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_generate as bg  # noqa: E402
-from probe_stream_gemm import MODELS, sites_of  # noqa: E402
+from probe_stream_gemm import MODELS, gate_up_buffers, sites_of  # noqa: E402
 from peft_fastlora.base_ops.stream_linears import SPLIT_MAX_N, TMA_TILES, shape_class  # noqa: E402
 from peft_fastlora.ops.rms_norm import rms_norm  # noqa: E402
 from peft_fastlora.ops.silu_mul import act_mul  # noqa: E402
@@ -132,10 +132,7 @@ def glu_sweep(args, timer, bw, capture, vers, results):
     norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
     rows = []
     for bs in args.batches:
-        x = torch.randn(bs, k, device="cuda", dtype=torch.bfloat16)
-        both = [torch.empty(bs, n2, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
-        outs = [torch.empty(bs, n, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
-        ref = act_mul(*F.linear(x, ws[0]).split(n, dim=1), "silu").float()
+        x, both, outs, ref = gate_up_buffers(ws, bs)
         impls = [("cublas+act_mul", None, lambda a, w, o, t: act_mul(*torch.matmul(a, w.T, out=t).split(n, dim=1), "silu"))]
         impls += [(name_of(c) + "_glu", c, lambda a, w, o, t, c=c: tma_gemm(a, w, out=o, config=c, check=False, glu="silu"))
                   for c in (TmaConfig(bn, bk, 1, w, st) for bn, bk, w, st in GLU_TILES)]

@@ -43,13 +43,19 @@ def _ids(c):
 @pytest.mark.parametrize("site", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_llama_shapes(dtype, site, m, config):
-    k, n = SHAPES[site]
+    shape_case(stream_gemm, config, dtype, m, *SHAPES[site], bias=site == "qkv")
+
+
+def shape_case(gemm, config, dtype, m, k, n, bias):
+    """``gemm`` (``stream_gemm``'s arguments) of ``m`` random rows by an (n, k) weight, with a bias
+    (Qwen2's q/k/v have one) where asked, into a NaN-filled output: the float32 reference's product."""
     x = torch.randn(m, k, device="cuda").to(dtype)
     w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(dtype)
-    bias = torch.randn(n, device="cuda").to(dtype) if site == "qkv" else None  # Qwen2's q/k/v biases
-    out = stream_gemm(x, w, bias, config=config, workspace=StreamWorkspace("cuda", 4 * m * n, n))
+    b = torch.randn(n, device="cuda").to(dtype) if bias else None
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)  # every element must be written
+    gemm(x, w, b, out=out, config=config, workspace=StreamWorkspace("cuda", 4 * m * n, n))
     atol, rtol = TOL[dtype]
-    torch.testing.assert_close(out.float(), stream_gemm_reference(x, w, bias).float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(out.float(), stream_gemm_reference(x, w, b).float(), atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("m,n,k", [(3, 1000, 520), (33, 77, 4104), (5, 4096, 100)])

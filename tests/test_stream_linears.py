@@ -468,12 +468,9 @@ def test_patched_model_decodes_through_the_tma_kernel_with_peft_tokens(monkeypat
         want = model.generate(**batch, adapter_names=names, **kwargs)
     calls = count_calls(monkeypatch, tma_ops, ["tma_gemm"])
     stream_calls = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
-    fastlora.patch(model, stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, fuse=True, cuda_graphs="emulate")
-    try:
-        with torch.no_grad():
-            got = model.generate(**batch, adapter_names=names, **kwargs)
-    finally:
-        fastlora.unpatch(model)
+    with fastlora.patched(model, stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, fuse=True,
+                          cuda_graphs="emulate"), torch.no_grad():
+        got = model.generate(**batch, adapter_names=names, **kwargs)
     _same_decode(got, want)
     layers = model.config.num_hidden_layers
     assert calls["tma_gemm"] >= 4 * layers * 4, calls  # q/k/v, o, gate/up, down a layer, each step

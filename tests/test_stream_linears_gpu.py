@@ -175,7 +175,6 @@ def test_generate_at_96_rows_through_the_tma_kernel_as_close_to_peft_as_cublas(m
     class here, whatever the committed table holds; split K on the deep and square layers, the
     residual fold on down) and stay as close to PEFT's own mixed batch as with cuBLAS."""
     import peft_fastlora.base_ops.stream_linears as sl
-    import peft_fastlora.ops.tma_gemm as tma_ops
     from peft_fastlora.ops.tma_gemm import TmaConfig
 
     tiles = {"deep": TmaConfig(128, 64, 4, 8, 4), "square": TmaConfig(64, 128, 2, 4, 4),
@@ -186,18 +185,24 @@ def test_generate_at_96_rows_through_the_tma_kernel_as_close_to_peft_as_cublas(m
     batch = {k: v.cuda() for k, v in left_padded_batch(lengths, seed=11).items()}
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, adapter_names=names, output_logits=True,
               return_dict_in_generate=True)
+    results = _reference_then_tma_on_and_off(monkeypatch, model, "peft", batch, kw)
+    _rows_as_close_as_cublas(results, "peft", batch["input_ids"].shape[1], 6)
+
+
+def _reference_then_tma_on_and_off(monkeypatch, model, ref_key, batch, kw):
+    """``model``'s own ``generate`` (under ``ref_key``), then fastlora's with its kernels on (True) and
+    off (False): the TMA GEMM called with them on only."""
+    import peft_fastlora.ops.tma_gemm as tma_ops
+
     results = {}
     with torch.no_grad():
-        results["peft"] = model.generate(**batch, **kw)
+        results[ref_key] = model.generate(**batch, **kw)
         for on in (True, False):
             calls = count_calls(monkeypatch, tma_ops, ["tma_gemm"])
-            fastlora.patch(model, stream_gemm=on)
-            try:
+            with fastlora.patched(model, stream_gemm=on):
                 results[on] = model.generate(**batch, **kw)
-            finally:
-                fastlora.unpatch(model)
             assert (calls["tma_gemm"] > 0) == on, calls
-    _rows_as_close_as_cublas(results, "peft", batch["input_ids"].shape[1], 6)
+    return results
 
 
 def _rows_as_close_as_cublas(results, ref_key, width, steps):
@@ -225,7 +230,6 @@ def test_base_model_at_65_128_rows_takes_the_tables_gated_tile_as_close_to_hf_as
     decode step's gate/up and activation is one TMA GEMM; logits against transformers' own eager
     decode, row by row, no further from it than fastlora with cuBLAS."""
     import peft_fastlora.base_ops.stream_linears as sl
-    import peft_fastlora.ops.tma_gemm as tma_ops
 
     if "glu" not in sl.tma_tiles():
         pytest.skip("the committed table has no gated tile")
@@ -235,15 +239,5 @@ def test_base_model_at_65_128_rows_takes_the_tables_gated_tile_as_close_to_hf_as
     lengths = [int(v) for v in torch.randint(2, 10, (rows,), generator=torch.Generator().manual_seed(rows))]
     batch = {k: v.cuda() for k, v in left_padded_batch(lengths, seed=rows).items()}
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    results = {}
-    with torch.no_grad():
-        results["hf"] = base.generate(**batch, **kw)
-        for on in (True, False):
-            calls = count_calls(monkeypatch, tma_ops, ["tma_gemm"])
-            fastlora.patch(base, stream_gemm=on)
-            try:
-                results[on] = base.generate(**batch, **kw)
-            finally:
-                fastlora.unpatch(base)
-            assert (calls["tma_gemm"] > 0) == on, calls
+    results = _reference_then_tma_on_and_off(monkeypatch, base, "hf", batch, kw)
     _rows_as_close_as_cublas(results, "hf", batch["input_ids"].shape[1], 6)

@@ -12,12 +12,10 @@ import torch
 from peft_fastlora.ops.silu_mul import act_mul
 from peft_fastlora.ops.stream_gemm import StreamWorkspace, stream_gemm_reference
 from peft_fastlora.ops.tma_gemm import TmaConfig, tma_gemm
-from test_stream_gemm_gpu import pdl_chain_equals_plain, split_k_replays_equal_eager
+from test_stream_gemm_gpu import TOL, pdl_chain_equals_plain, shape_case, split_k_replays_equal_eager
 
 pytestmark = pytest.mark.gpu
 
-# (atol, rtol): float32 accumulation on both sides, one rounding each; about 2-4 ulps of margin
-TOL = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3), torch.float32: (1e-4, 1e-4)}
 # (K, N): the 8B layer's GEMMs, and with 8 adapters' A (rank 16) stacked under each weight
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
           "qkv_folded": (4096, 6528), "down_folded": (14336, 4224)}
@@ -34,14 +32,7 @@ def _ids(c):
 @pytest.mark.parametrize("site", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_llama_shapes(dtype, site, m, config):
-    k, n = SHAPES[site]
-    x = torch.randn(m, k, device="cuda").to(dtype)
-    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(dtype)
-    bias = torch.randn(n, device="cuda").to(dtype) if site == "qkv" else None  # Qwen2's q/k/v biases
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-    tma_gemm(x, w, bias, out=out, config=config, workspace=StreamWorkspace("cuda", 4 * m * n, n))
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(out.float(), stream_gemm_reference(x, w, bias).float(), atol=atol, rtol=rtol)
+    shape_case(tma_gemm, config, dtype, m, *SHAPES[site], bias=site == "qkv")
 
 
 @pytest.mark.parametrize("m,n,k", [(70, 1000, 520), (129, 77, 4104), (100, 4096, 104), (3, 200, 64)])

@@ -202,6 +202,56 @@ def _stages(config: StreamConfig, block_m: int, elem_bytes: int, glu: bool = Fal
     return max(1, min(config.num_stages, SHARED_BYTES // per_stage - config.preload))
 
 
+def check_operands(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """The decode GEMM launchers' (``stream_gemm``'s, ``ops.tma_gemm``'s) checks of x, w and the
+    bias; each launcher adds its own of strides and config."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)}: expected (M, K) and (N, K)")
+    if x.dtype != w.dtype or x.device != w.device:
+        raise ValueError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) differ")
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != w.dtype or bias.stride(0) != 1):
+        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype}: expected ({w.shape[0]},) {w.dtype}, contiguous")
+
+
+def checked_output(x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor], add: Optional[torch.Tensor],
+                   glu: Optional[str], check: bool, glu_takes: bool, glu_needs: str):
+    """The output of a decode GEMM launcher, allocated where None, and (M, N, K), N halved with
+    ``glu``; ``glu``, ``add`` and ``out`` checked (``glu_takes``: the launcher's config allows
+    ``glu``, which ``glu_needs`` says how)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if glu is not None:
+        if glu not in ACTIVATIONS or n % 2 or not glu_takes or add is not None:
+            raise ValueError(f"glu={glu!r} takes one of {ACTIVATIONS}, an even number of weight rows "
+                             f"({n}), {glu_needs}")
+        n //= 2
+    if check and add is not None and (add.dim() != 2 or add.shape[0] != m or add.shape[1] > n
+                                      or add.stride(1) != 1 or add.dtype != x.dtype or add.device != x.device):
+        raise ValueError(f"add {tuple(add.shape)} {add.dtype}: expected ({m}, <= {n}) {x.dtype} on {x.device}, "
+                         "unit stride on its columns")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif check and (out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x.dtype):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype}: expected ({m}, {n}) {x.dtype}, unit stride on N")
+    return out, m, n, k
+
+
+def split_plan(config, m: int, n: int, k: int, workspace: Optional[StreamWorkspace], out: torch.Tensor):
+    """A decode GEMM's launch over K ranges: (block_m, the range, the ranges, the grid, the partials
+    and tickets, or ``out`` where one range needs neither). Each range is a whole number of
+    ``config.block_k`` tiles, so ranges past K would be empty and fewer are launched."""
+    block_m = max(16, min(MAX_ROWS, triton.next_power_of_2(m)))
+    k_per = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    split = triton.cdiv(k, k_per)
+    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))
+    if split == 1:
+        return block_m, k_per, split, grid, out, out  # not read
+    if workspace is None or not workspace.fits(split * m * n, grid[0] * grid[2], out.device):
+        raise ValueError(f"a split-K launch ({split} ranges, {m} x {n}) needs a StreamWorkspace on {out.device} "
+                         f"of at least {split * m * n} partials and {grid[0] * grid[2]} tickets")
+    return block_m, k_per, split, grid, workspace.part, workspace.tickets
+
+
 def stream_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 out: Optional[torch.Tensor] = None, config: StreamConfig = StreamConfig(),
                 workspace: Optional[StreamWorkspace] = None, check: bool = True,
@@ -224,31 +274,13 @@ def stream_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
             One K range, no preload, no ``add``.
     """
     if check:
-        if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-            raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)}: expected (M, K) and (N, K)")
-        if x.dtype != w.dtype or x.device != w.device:
-            raise ValueError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) differ")
+        check_operands(x, w, bias)
         if x.stride(1) != 1 or w.stride(1) != 1:
             raise ValueError("x and w need unit stride on K")
-        if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != w.dtype or bias.stride(0) != 1):
-            raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype}: expected ({w.shape[0]},) {w.dtype}, contiguous")
         if config.block_k % 16 or config.block_n < 16 or config.split_k < 1:
             raise ValueError(f"config {config}: block_k a multiple of 16, block_n >= 16, split_k >= 1")
-    m, k = x.shape
-    n = w.shape[0]
-    if glu is not None:
-        if glu not in ACTIVATIONS or n % 2 or config.split_k != 1 or config.preload or add is not None:
-            raise ValueError(f"glu={glu!r} takes one of {ACTIVATIONS}, an even number of weight rows "
-                             f"({n}), split_k 1, no preload and no add")
-        n //= 2
-    if check and add is not None and (add.dim() != 2 or add.shape[0] != m or add.shape[1] > n
-                                      or add.stride(1) != 1 or add.dtype != x.dtype or add.device != x.device):
-        raise ValueError(f"add {tuple(add.shape)} {add.dtype}: expected ({m}, <= {n}) {x.dtype} on {x.device}, "
-                         "unit stride on its columns")
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif check and (out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x.dtype):
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype}: expected ({m}, {n}) {x.dtype}, unit stride on N")
+    out, m, n, k = checked_output(x, w, out, add, glu, check, glu_takes=config.split_k == 1 and not config.preload,
+                                  glu_needs="split_k 1, no preload and no add")
     if m == 0 or n == 0:
         return out
     if k == 0 and glu is not None:
@@ -261,18 +293,7 @@ def stream_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
         if add is not None:
             out[:, : add.shape[1]] += add
         return out
-    block_m = max(16, min(MAX_ROWS, triton.next_power_of_2(m)))
-    # each range a whole number of tiles; ranges past K would be empty, so fewer are launched
-    k_per = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    split = triton.cdiv(k, k_per)
-    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))
-    if split > 1:
-        if workspace is None or not workspace.fits(split * m * n, grid[0] * grid[2], x.device):
-            raise ValueError(f"a split-K launch ({split} ranges, {m} x {n}) needs a StreamWorkspace on {x.device} "
-                             f"of at least {split * m * n} partials and {grid[0] * grid[2]} tickets")
-        part, ticket = workspace.part, workspace.tickets
-    else:
-        part = ticket = out  # not read
+    block_m, k_per, split, grid, part, ticket = split_plan(config, m, n, k, workspace, out)
     # whole ranges only (k a multiple of the range), 16-byte aligned rows: the hint stays inside w
     aligned = w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0 and k % k_per == 0
     prefetch = (min(config.prefetch, k_per * w.element_size()) // 16 * 16

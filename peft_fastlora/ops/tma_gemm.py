@@ -33,18 +33,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernel_support import interpreting
 from . import pdl
 from .silu_mul import ACTIVATIONS, act_mul_rounded
-from .stream_gemm import StreamWorkspace, stream_gemm_reference
+from . import stream_gemm as _stream
+from .stream_gemm import (StreamWorkspace, _tile_dot, check_operands, checked_output, split_plan,
+                          stream_gemm_reference)
 
-MAX_ROWS = 128  # rows one program covers; more rows take more row blocks, each reading all of w
-
-
-@triton.jit
-def _dot_t(x, w, acc, UPCAST: tl.constexpr):
-    """``acc + x @ w.T``. ``UPCAST``: in float32 with no TF32 rounding (float32 inputs; the
-    interpreter, whose bfloat16 dot is wrong)."""
-    if UPCAST:
-        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-    return tl.dot(x, tl.trans(w), acc)
+MAX_ROWS = _stream.MAX_ROWS  # rows one program covers (split_plan's blocks); more take more row blocks
 
 
 @triton.jit
@@ -96,9 +89,9 @@ def _tma_gemm_kernel(
     # the descriptors read zeros past K and past the last row of x or w: no masks in the loop
     for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         x = x_desc.load([m0, k])
-        acc = _dot_t(x, w_desc.load([n0, k]), acc, UPCAST)
+        acc = _tile_dot(x, w_desc.load([n0, k]), acc, UPCAST)  # x @ w.T
         if GLU:
-            acc_up = _dot_t(x, w_desc.load([N + n0, k]), acc_up, UPCAST)
+            acc_up = _tile_dot(x, w_desc.load([N + n0, k]), acc_up, UPCAST)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
@@ -175,47 +168,18 @@ def tma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = No
             range, no ``add``.
     """
     if check:
-        if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-            raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)}: expected (M, K) and (N, K)")
-        if x.dtype != w.dtype or x.device != w.device:
-            raise ValueError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) differ")
+        check_operands(x, w, bias)
         if x.numel() and w.numel() and not (tma_aligned(x) and tma_aligned(w)):  # empty: nothing read
             raise ValueError("x and w need unit stride on K and 16-byte aligned starts and row strides")
-        if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != w.dtype or bias.stride(0) != 1):
-            raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype}: expected ({w.shape[0]},) {w.dtype}, contiguous")
         if config.block_k % 16 or config.block_n < 16 or config.split_k < 1 or config.num_stages < 1:
             raise ValueError(f"config {config}: block_k a multiple of 16, block_n >= 16, split_k and stages >= 1")
-    m, k = x.shape
-    n = w.shape[0]
-    if glu is not None:
-        if glu not in ACTIVATIONS or n % 2 or config.split_k != 1 or add is not None:
-            raise ValueError(f"glu={glu!r} takes one of {ACTIVATIONS}, an even number of weight rows "
-                             f"({n}), split_k 1 and no add")
-        n //= 2
-    if check and add is not None and (add.dim() != 2 or add.shape[0] != m or add.shape[1] > n
-                                      or add.stride(1) != 1 or add.dtype != x.dtype or add.device != x.device):
-        raise ValueError(f"add {tuple(add.shape)} {add.dtype}: expected ({m}, <= {n}) {x.dtype} on {x.device}, "
-                         "unit stride on its columns")
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif check and (out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x.dtype):
-        raise ValueError(f"out {tuple(out.shape)} {out.dtype}: expected ({m}, {n}) {x.dtype}, unit stride on N")
+    out, m, n, k = checked_output(x, w, out, add, glu, check, glu_takes=config.split_k == 1,
+                                  glu_needs="split_k 1 and no add")
     if m == 0 or n == 0:
         return out
     if k == 0:  # nothing for a descriptor to read
         return out.copy_(stream_gemm_reference(x, w, bias, add=add, glu=glu))
-    block_m = max(16, min(MAX_ROWS, triton.next_power_of_2(m)))
-    # each range a whole number of tiles; ranges past K would be empty, so fewer are launched
-    k_per = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    split = triton.cdiv(k, k_per)
-    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, block_m))
-    if split > 1:
-        if workspace is None or not workspace.fits(split * m * n, grid[0] * grid[2], x.device):
-            raise ValueError(f"a split-K launch ({split} ranges, {m} x {n}) needs a StreamWorkspace on {x.device} "
-                             f"of at least {split * m * n} partials and {grid[0] * grid[2]} tickets")
-        part, ticket = workspace.part, workspace.tickets
-    else:
-        part = ticket = out  # not read
+    block_m, k_per, split, grid, part, ticket = split_plan(config, m, n, k, workspace, out)
     x_desc = TensorDescriptor.from_tensor(x, [block_m, config.block_k])
     w_desc = TensorDescriptor.from_tensor(w, [config.block_n, config.block_k])
     use_pdl = pdl.mode(x)
