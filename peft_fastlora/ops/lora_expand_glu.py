@@ -95,7 +95,7 @@ def _lora_expand_glu_kernel(
     if p < max_chunks:  # a chunk of adapter rows (idle where unused)
         slot, n_rows, rank_g = chunk_rank(chunk_slot_ptr, chunk_len_ptr, ranks_ptr, stride_rl, p, 0, num_slots, R,
                                           True)
-        _, _, rank_u = chunk_rank(chunk_slot_ptr, chunk_len_ptr, ranks_ptr, stride_rl, p, 1, num_slots, R, True)
+        slot_u, rows_u, rank_u = chunk_rank(chunk_slot_ptr, chunk_len_ptr, ranks_ptr, stride_rl, p, 1, num_slots, R, True)
         if (slot < 0) | (n_rows <= 0):
             pdl.wait(USE_PDL)
         else:
@@ -104,7 +104,7 @@ def _lora_expand_glu_kernel(
                 y_ptr, b_ptr, b_offs_ptr, y_cols_ptr, scalings_ptr, sorted_ids_ptr, chunk_start_ptr, p, slot, 0,
                 rank_g, n_rows, R, offs_n, n_mask, stride_ys, stride_yr, stride_sl, stride_tl,
                 B_ALIGN, Y_COLS, BLOCK_M, BLOCK_R)
-            s_u, _, _, y_u, b_u, rs_u, br_u, bt_u = _b_first(
+            s_u, rm_u, tok_u, y_u, b_u, rs_u, br_u, bt_u = _b_first(
                 y_ptr, b_ptr, b_offs_ptr, y_cols_ptr, scalings_ptr, sorted_ids_ptr, chunk_start_ptr, p, slot, 1,
                 rank_u, n_rows, R, offs_n, n_mask, stride_ys, stride_yr, stride_sl, stride_tl,
                 B_ALIGN, Y_COLS, BLOCK_M, BLOCK_R)
