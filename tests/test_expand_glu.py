@@ -33,6 +33,7 @@ COMPOSITIONS = {  # each row's slot
     "skewed": [1] * 17 + [NO_ADAPTER, 0, 3] + [2] * 5,
     "all_base": [NO_ADAPTER] * 5,
     "base_tiles": [NO_ADAPTER] * 18 + [0] + [NO_ADAPTER] * 3,  # past one row tile of rows with no adapter
+    "base_programs": [0] * 3 + [NO_ADAPTER] * 64 + [2] * 3,  # two programs' row tiles (BASE_TILES)
 }
 
 

@@ -34,6 +34,10 @@ from . import pdl
 from .expand_common import chunk_rank, expand_operands
 from .silu_mul import ACTIVATIONS, act_mul_rounded
 
+# a program of rows with no adapter covers this many row tiles, skipping those with none (a batch
+# all on adapters then launches few idle programs)
+BASE_TILES = 4
+
 
 @triton.jit
 def _b_first(y_ptr, b_ptr, b_offs_ptr, y_cols_ptr, scalings_ptr, sorted_ids_ptr, chunk_start_ptr,
@@ -52,12 +56,17 @@ def _b_first(y_ptr, b_ptr, b_offs_ptr, y_cols_ptr, scalings_ptr, sorted_ids_ptr,
 
 
 @triton.jit
-def _delta(y_row, stride_yr, row_mask, b_base, b_rstride, b_rank, bt, rank, scaling, n_mask,
+def _y_first(y_row, stride_yr, row_mask, rank, BLOCK_R: tl.constexpr):
+    """The chunk's rows of y, first rank block (BLOCK_M, BLOCK_R): after the wait."""
+    offs_r = tl.arange(0, BLOCK_R)
+    return tl.load(y_row + offs_r[None, :] * stride_yr, mask=row_mask[:, None] & (offs_r < rank)[None, :], other=0.0)
+
+
+@triton.jit
+def _delta(yt, bt, y_row, stride_yr, row_mask, b_base, b_rstride, b_rank, rank, scaling, n_mask,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``scaling * y @ B.T`` for the chunk's rows and the block's columns, (BLOCK_M, BLOCK_N) float32
-    (zeros at rank 0), from the first rank block ``bt`` on (after the wait)."""
-    offs_r = tl.arange(0, BLOCK_R)
-    yt = tl.load(y_row + offs_r[None, :] * stride_yr, mask=row_mask[:, None] & (offs_r < rank)[None, :], other=0.0)
+    (zeros at rank 0), from the first rank blocks ``yt`` and ``bt`` on (after the wait)."""
     acc = tl.dot(yt, bt, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), input_precision=DOT_PRECISION)
     for r0 in range(BLOCK_R, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
@@ -82,6 +91,7 @@ def _lora_expand_glu_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    BASE_TILES: tl.constexpr,  # row tiles a program of rows with no adapter covers
     GELU_TANH: tl.constexpr,
     LIBDEVICE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -109,30 +119,35 @@ def _lora_expand_glu_kernel(
                 rank_u, n_rows, R, offs_n, n_mask, stride_ys, stride_yr, stride_sl, stride_tl,
                 B_ALIGN, Y_COLS, BLOCK_M, BLOCK_R)
             pdl.wait(USE_PDL)
-            dg = _delta(y_g, stride_yr, row_mask, b_g, rs_g, br_g, bt_g, rank_g, s_g, n_mask,
-                        BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION)
-            du = _delta(y_u, stride_yr, row_mask, b_u, rs_u, br_u, bt_u, rank_u, s_u, n_mask,
-                        BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION)
+            # every load the product needs in flight at once, then the arithmetic
+            yt_g = _y_first(y_g, stride_yr, row_mask, rank_g, BLOCK_R)
+            yt_u = _y_first(y_u, stride_yr, row_mask, rank_u, BLOCK_R)
             mask = row_mask[:, None] & n_mask[None, :]
             g_ptrs = full_ptr + tok[:, None] * stride_fs + offs_n[None, :]
             g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(g_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+            dg = _delta(yt_g, bt_g, y_g, stride_yr, row_mask, b_g, rs_g, br_g, rank_g, s_g, n_mask,
+                        BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION)
+            du = _delta(yt_u, bt_u, y_u, stride_yr, row_mask, b_u, rs_u, br_u, rank_u, s_u, n_mask,
+                        BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION)
             g = (g + dg).to(dt).to(tl.float32)  # the expand's rounding
             u = (u + du).to(dt).to(tl.float32)
             h = act_mul_rounded(g, u, dt, GELU_TANH, LIBDEVICE)
             tl.store(out_ptr + tok[:, None] * stride_os + offs_n[None, :], h.to(dt), mask=mask)
-    else:  # BLOCK_M rows of the input: those with no adapter
-        rows = (p - max_chunks) * BLOCK_M + tl.arange(0, BLOCK_M)
-        in_range = rows < n_tokens
-        row_mask = in_range & (tl.load(token_slot_ptr + rows, mask=in_range, other=0) < 0)
-        rows = rows.to(tl.int64)
-        mask = row_mask[:, None] & n_mask[None, :]
+    else:  # BASE_TILES row tiles of the input: the rows with no adapter, tiles with none skipped
         pdl.wait(USE_PDL)
-        g_ptrs = full_ptr + rows[:, None] * stride_fs + offs_n[None, :]
-        g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(g_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-        h = act_mul_rounded(g, u, dt, GELU_TANH, LIBDEVICE)
-        tl.store(out_ptr + rows[:, None] * stride_os + offs_n[None, :], h.to(dt), mask=mask)
+        for t in range(BASE_TILES):
+            rows = ((p - max_chunks) * BASE_TILES + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+            in_range = rows < n_tokens
+            row_mask = in_range & (tl.load(token_slot_ptr + rows, mask=in_range, other=0) < 0)
+            if tl.sum(row_mask.to(tl.int32), axis=0) > 0:
+                rows = rows.to(tl.int64)
+                mask = row_mask[:, None] & n_mask[None, :]
+                g_ptrs = full_ptr + rows[:, None] * stride_fs + offs_n[None, :]
+                g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+                u = tl.load(g_ptrs + N, mask=mask, other=0.0).to(tl.float32)
+                h = act_mul_rounded(g, u, dt, GELU_TANH, LIBDEVICE)
+                tl.store(out_ptr + rows[:, None] * stride_os + offs_n[None, :], h.to(dt), mask=mask)
 
 
 def expand_glu_config(block_m: int, max_rank: int) -> dict:
@@ -220,7 +235,7 @@ def lora_expand_glu(
     cfg = expand_glu_config(block_m, max_rank)
     bn = block_n or cfg["block_n"]
     use_pdl = pdl.mode(out, preamble=True)
-    grid = (max_chunks + triton.cdiv(s, block_m), triton.cdiv(n, bn))
+    grid = (max_chunks + triton.cdiv(s, block_m * BASE_TILES), triton.cdiv(n, bn))
     _lora_expand_glu_kernel[grid](
         y, weights, full, out, b_offs, y_cols if y_cols is not None else ranks,
         max(1, int(max_rank)), b_offs.shape[0], n, s, max_chunks,
@@ -232,6 +247,7 @@ def lora_expand_glu(
         BLOCK_M=block_m,
         BLOCK_N=bn,
         BLOCK_R=cfg["block_r"],
+        BASE_TILES=BASE_TILES,
         GELU_TANH=act == "gelu_tanh",
         LIBDEVICE=not interpreting(),
         DOT_PRECISION="ieee" if full.dtype == torch.float32 else "tf32",
