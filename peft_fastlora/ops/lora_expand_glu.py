@@ -141,13 +141,13 @@ def _lora_expand_glu_kernel(
             in_range = rows < n_tokens
             row_mask = in_range & (tl.load(token_slot_ptr + rows, mask=in_range, other=0) < 0)
             if tl.sum(row_mask.to(tl.int32), axis=0) > 0:
-                rows = rows.to(tl.int64)
+                rows64 = rows.to(tl.int64)
                 mask = row_mask[:, None] & n_mask[None, :]
-                g_ptrs = full_ptr + rows[:, None] * stride_fs + offs_n[None, :]
+                g_ptrs = full_ptr + rows64[:, None] * stride_fs + offs_n[None, :]
                 g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
                 u = tl.load(g_ptrs + N, mask=mask, other=0.0).to(tl.float32)
                 h = act_mul_rounded(g, u, dt, GELU_TANH, LIBDEVICE)
-                tl.store(out_ptr + rows[:, None] * stride_os + offs_n[None, :], h.to(dt), mask=mask)
+                tl.store(out_ptr + rows64[:, None] * stride_os + offs_n[None, :], h.to(dt), mask=mask)
 
 
 def expand_glu_config(block_m: int, max_rank: int) -> dict:
