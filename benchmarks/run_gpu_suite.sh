@@ -2,8 +2,7 @@
 # Everything that needs the GPU, in one call of the device machine: GPU tests, soak, kernel
 # benchmark, end-to-end benchmark. Results land in $OUT (and are committed under
 # benchmarks/results/). Parts: all (default) or any of tests soak kernels generate host pdl
-# profile attention continuous prefill many; never part of all: glu (the LoRA gate/up expand with the activation:
-# its GPU tests, probe_expand_glu.py, then the 8B steps at GLU_BATCHES with it off and on), tma (probe_tma_gemm.py rewrites the TMA kernel's
+# profile attention continuous prefill many; never part of all: tma (probe_tma_gemm.py rewrites the TMA kernel's
 # tile table in the tree, then the 8B steps at TMA_BATCHES with the kernel off and on); and, on the two-GPU
 # machine only, multigpu (TP_MODEL, TP_ARGS: e.g. 32b --skip-tp1) and devicemap.
 set -uo pipefail
@@ -65,17 +64,6 @@ fi
 if want many; then
   timeout 400 python3 benchmarks/bench_many_adapters.py --model ${MANY_MODEL:-8b} --adapters ${MANY_ADAPTERS:-512} \
     --slots ${MANY_SLOTS:-64} --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/bench_many_adapters.log" | tail -6
-fi
-if [[ $parts == *" glu "* ]]; then
-  timeout ${GLU_TESTS_LIMIT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_expand_glu_gpu.py 2>&1 \
-    | tee "$OUT/gpu_tests_glu.log" | tail -8
-  timeout 100 python3 benchmarks/probe_expand_glu.py --out "$OUT/probe_expand_glu_h200.csv" 2>&1 | grep -v -i warn \
-    | tee "$OUT/probe_expand_glu.log" | tail -16
-  for t in ${GLU_AB:-off on}; do
-    timeout ${GLU_BENCH_LIMIT:-170} python3 benchmarks/bench_generate.py --models 8b --graphs-only \
-      --batches ${GLU_BATCHES:-32 128} --gated-expand $t --csv generate_glu_${t}_h200.csv --out "$OUT" 2>&1 \
-      | grep -v -i warn | tee "$OUT/bench_glu_$t.log" | tail -6
-  done
 fi
 if [[ $parts == *" tma "* ]]; then
   timeout ${TMA_PROBE_LIMIT:-300} python3 benchmarks/probe_tma_gemm.py --glu --out "$OUT/probe_tma_gemm_h200.csv" 2>&1 \

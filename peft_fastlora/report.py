@@ -28,7 +28,6 @@ class PatchReport:
     fused_rotary: int = 0  # attention modules whose rotary embedding is one kernel
     fused_rotary_kv: int = 0  # of those, the ones that also write fastlora's static caches in that kernel
     fused_mlps: int = 0  # gated MLPs whose silu(gate) * up is one kernel
-    lora_gated_mlps: int = 0  # of those, the ones whose LoRA gate/up expand computes it (decode)
     fused_base_groups: int = 0  # q/k/v and gate/up siblings without LoRA computed by one GEMM
     stream_gemm_layers: int = 0  # plain linear layers whose decode GEMMs the streaming kernel runs
     stream_residual_layers: int = 0  # decoder layers whose MLP residual add may ride in down's streaming GEMM
@@ -99,8 +98,6 @@ class PatchReport:
                 ops[-1] += f" ({self.fused_add_norms} with the residual add)"
             if option == "fuse_rotary" and not why and self.fused_rotary_kv:
                 ops[-1] += f" ({self.fused_rotary_kv} with the KV write)"
-            if option == "fuse_silu_mul" and not why and self.lora_gated_mlps:
-                ops[-1] += f" ({self.lora_gated_mlps} in the LoRA gate/up expand)"
         return line + "; one-kernel " + ", ".join(ops)
 
     __str__ = summary

@@ -53,7 +53,6 @@ class FastLoRAState:
         self.sites: List[Site] = []
         self.groups = []
         self.base_ops: Optional[BaseOps] = None
-        self._gated_mlps: List[nn.Module] = []  # MLPs given a LoRA gate/up site's act(gate) * up
         self.generate_hook = None  # decode.generate.GenerateHook
         self.mutation_lock = None  # lora.mutations.AdapterMutationLock
         self.generation = 0  # bumped whenever a stack or fused weight is rebuilt (graphs hold them)
@@ -242,7 +241,6 @@ class FastLoRAState:
         _compat.guard_peft_forward_hooks(self.model, serve=self.serve_adapter_names)
         self.base_ops = install_base_ops(self.inner, self.options, self.device)
         self._set_group_gemms()
-        self._set_gated_sites()
         self._report_base_ops(report)
         self._update_graph_runner()
         self._log_disabled(report)
@@ -261,19 +259,6 @@ class FastLoRAState:
             if site.pool.fold is not None:
                 site.pool.fold.gemm = gemm
 
-    def _set_gated_sites(self):
-        """Gated MLPs with the one-kernel activation (``base_ops.mlp_forwards``) over a LoRA gate/up
-        site take ``act(gate) * up`` from the site's expand where it applies (``FusedSite.gated``)."""
-        from .base_ops.mlp_forwards import activation_kind, has_gated_forward
-
-        for site in self.sites:
-            if not isinstance(site, FusedSite) or site.kind != "gate_up":
-                continue
-            mlp = self.model.get_submodule(site.group.parent_name)
-            if has_gated_forward(mlp):
-                mlp._fastlora_lora_gated = site.gated(self, mlp, activation_kind(mlp.act_fn))
-                self._gated_mlps.append(mlp)
-
     def _report_base_ops(self, report: PatchReport):
         ops = self.base_ops
         report.decode_attention = ops.decode_attention
@@ -282,7 +267,6 @@ class FastLoRAState:
         report.fused_rotary = ops.count("fuse_rotary")
         report.fused_rotary_kv = ops.count("fuse_rotary_kv")
         report.fused_mlps = ops.count("fuse_silu_mul")
-        report.lora_gated_mlps = len(self._gated_mlps)
         report.fused_base_groups = len(ops.fused_groups)
         report.stream_gemm_layers = ops.count("stream_gemm")
         if ops.stream is not None:
@@ -532,9 +516,6 @@ class FastLoRAState:
         self._bi_key = None
 
     def _teardown_lora(self):
-        for mlp in self._gated_mlps:
-            mlp.__dict__.pop("_fastlora_lora_gated", None)
-        self._gated_mlps = []
         for site in self.sites:
             site.uninstall()
             fold = site.pool.fold
@@ -733,7 +714,6 @@ class FastLoRAState:
         report = self._build_lora()
         if self.base_ops is not None:
             self._set_group_gemms()
-            self._set_gated_sites()
             self._report_base_ops(report)
         self._update_graph_runner()
         logger.info("%s (after an adapter change)", report)

@@ -367,24 +367,17 @@ class SegmentedLoRABackend(BaseLoRABackend):
         Returns:
             (s, output_dim), ``base_output`` when given.
         """
-        bi, base_output, ranks, scalings = self._packed_expand_inputs(
-            "run_packed_expand", y, weights, base_output, layer_ranks, layer_scalings, batch_info)
-        return self._packed_expand(y, weights, ranks, scalings, base_output, bi)
-
-    def _packed_expand_inputs(self, what, y, weights: PackedWeights, base_output, layer_ranks, layer_scalings,
-                              batch_info):
-        """``run_packed_expand``'s checks: (batch info, base output, rank and scaling tables)."""
         bi = self._bi(batch_info)
         # a view of the GEMM's output columns: rows one stride apart, not contiguous
         if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.stride(1) != 1:
-            raise ValueError(f"{what}: y must be a 2-D tensor with unit column stride")
+            raise ValueError("run_packed_expand: y must be a 2-D tensor with unit column stride")
         self._check_tokens(y, bi)
         if y.shape[1] != weights.a.shape[0] or y.dtype != weights.b.dtype:
-            raise ValueError(f"{what}: y {tuple(y.shape)} {y.dtype} does not hold one {weights.b.dtype} "
+            raise ValueError(f"run_packed_expand: y {tuple(y.shape)} {y.dtype} does not hold one {weights.b.dtype} "
                              f"column per row of the packed A arena ({weights.a.shape[0]})")
         base_output = self._checked_base_output(base_output, y, weights.offsets[-1])
         ranks, scalings = self._packed_tables(bi, weights, layer_ranks, layer_scalings)
-        return bi, base_output, ranks, scalings
+        return self._packed_expand(y, weights, ranks, scalings, base_output, bi)
 
     def run_packed_embedding_lora(self, input_ids, weights: PackedWeights, vocab_size: int, *,
                                   base_output=None, layer_ranks=None, layer_scalings=None, batch_info=None):

@@ -137,31 +137,6 @@ class TritonLoRABackend(SegmentedLoRABackend):
                                 bi.chunk_start, bi.chunk_len, block_m=bi.block_m, check=False,
                                 b_offs=w.b_offs, b_align=w.align, y_cols=w.a_rows, max_rank=w.max_rank)
 
-    def run_packed_expand_glu(self, y, weights, full, act: str, *, layer_ranks=None, layer_scalings=None,
-                              batch_info=None) -> torch.Tensor:
-        """fastlora's own, beside the contract: ``run_packed_expand`` of a gate/up site and the
-        gated activation after it in one launch (``ops.lora_expand_glu``).
-
-        Args:
-            y: (s, rows of the A arena), as for ``run_packed_expand``.
-            weights: the site's ``PackedWeights``, two modules of one width n (gate, then up).
-            full: (s, >= 2n), the base GEMM's output with gate's columns then up's; read only.
-            act: "silu" or "gelu_tanh".
-        Returns:
-            a new (s, n) tensor, ``act(gate + delta) * (up + delta)``.
-        """
-        offsets = weights.offsets
-        if len(offsets) != 3 or offsets[2] != 2 * offsets[1]:
-            raise ValueError(f"run_packed_expand_glu: the weights' modules {offsets} are not a gate and an up "
-                             "projection of one width")
-        bi, gate_up, ranks, scalings = self._packed_expand_inputs(
-            "run_packed_expand_glu", y, weights, full[:, :offsets[2]], layer_ranks, layer_scalings, batch_info)
-        w = weights
-        self._check_place("packed lora B", bi, y, w.b, w.a_rows, w.b_offs, ranks, scalings, full)
-        return _ops.lora_expand_glu(y, w.b, offsets, ranks, scalings, full, bi.token_slot, bi.sorted_token_ids,
-                                    bi.chunk_slot, bi.chunk_start, bi.chunk_len, block_m=bi.block_m, act=act,
-                                    b_offs=w.b_offs, b_align=w.align, y_cols=w.a_rows, max_rank=w.max_rank)
-
     def _packed_embedding(self, input_ids, weights, vocab_size, ranks, scalings, out, bi):
         w = weights
         self._check_place("packed embedding A and B", bi, input_ids, w.a, w.b, w.a_rows, w.b_offs, ranks,

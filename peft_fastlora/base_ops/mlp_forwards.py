@@ -6,9 +6,7 @@ An MLP is changed only when its class's ``forward`` computes the Llama-family
 Mistral, Qwen2/3, ...) or torch's tanh-approximated GELU (Gemma's ``gelu_pytorch_tanh``). The
 instance forward still calls ``gate_proj``, ``up_proj`` and ``down_proj`` in that order, so LoRA
 layers, fastlora's fused gate/up GEMM and PEFT's own path all keep working; only the activation and
-the product become one kernel, when it takes the inputs. Where the gate/up GEMM can give the product
-itself (a plain pair: ``stream_linears``; a LoRA pair: its site's expand), the MLP asks for that
-first.
+the product become one kernel, when it takes the inputs.
 """
 
 from __future__ import annotations
@@ -71,9 +69,7 @@ def _forward_with(act: str):
     def forward(self, x):
         from ..ops.silu_mul import act_mul
 
-        # gate/up and the activation from one GEMM (plain gate/up: stream_linears), or from a LoRA
-        # gate/up site's expand (lora.sites: FusedSite.gated)
-        gated = self.__dict__.get("_fastlora_gated") or self.__dict__.get("_fastlora_lora_gated")
+        gated = self.__dict__.get("_fastlora_gated")  # gate/up and the activation in one GEMM (stream_linears)
         hidden = None if gated is None else gated(x)
         if hidden is not None:
             return self.down_proj(hidden)

@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from .._compat import (base_layer_of, has_forward_hooks, is_dtensor, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
+from .._compat import (base_layer_of, is_dtensor, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
                       layer_is_merged, local, tp_gather_finish, tp_gather_partial, tp_group, tp_rowwise_finish,
                       tp_rowwise_finish_columns, tp_rowwise_partial, tp_sum, tp_vocab_ids, tp_vocab_partial)
 from .fusion import FusedGroup
@@ -24,9 +24,6 @@ _VARIANT_KWARGS = ("alora_offsets",)
 # forwards of decode size (this row tile) take the shrink from a folded base GEMM; larger ones keep
 # the shrink kernel, which reads each adapter's A only for its own tokens
 FOLD_MAX_BLOCK_M = 16
-# a gated MLP's LoRA gate/up site gives act(gate) * up from its expand (FusedSite.gated; off: the
-# benchmarks' A/B)
-GATED_EXPAND = True
 
 
 class Site:
@@ -350,36 +347,3 @@ class FusedSite(Site):
         self._stash = (x, outs)
         return mine
 
-
-    def gated(self, state, mlp: nn.Module, act: str):
-        """For a gate/up site under a gated MLP (``base_ops.mlp_forwards``): ``x -> act(gate(x)) *
-        up(x)`` from the folded GEMM and one launch of the expand with the activation
-        (``run_packed_expand_glu``), or None where the MLP calls its members as usual (see
-        ``_gated_forward``)."""
-
-        def forward(x):
-            return self._gated_forward(state, mlp, x, act)
-
-        return forward
-
-    def _gated_forward(self, state, mlp, x, act) -> Optional[torch.Tensor]:
-        """None unless: the backend has the launch, the MLP still calls this site's members, no hook
-        would be skipped, the call takes the fast path, and its shrink comes from the folded GEMM
-        (decode sizes)."""
-        run = getattr(state.backend, "run_packed_expand_glu", None)
-        if (not GATED_EXPAND or run is None or not isinstance(x, torch.Tensor) or x.dim() < 1
-                or mlp.gate_proj is not self.members[0] or mlp.up_proj is not self.members[1]
-                or any(has_forward_hooks(m) for m in self.members)):
-            return None
-        bi = self.fast_path_info(state, x, (), {})
-        if bi is None or not self.group.is_intact():
-            return None
-        pool = state.pool_for(self, x.dtype)
-        if not _folded(state, pool, bi):
-            return None
-        x2 = _as_rows(x, x.shape[-1]).contiguous()
-        full = pool.fold.linear_with_tail(x2, True)
-        n = pool.offsets[-1]
-        out = run(full[:, n:], pool.fold_weights(), full, act, layer_ranks=pool.ranks, layer_scalings=pool.scalings,
-                  batch_info=bi)
-        return out.view(*x.shape[:-1], out.shape[-1])

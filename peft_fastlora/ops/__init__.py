@@ -10,7 +10,6 @@ from .decode_attention import decode_attention, decode_attention_config, decode_
 from .kv_cache import kv_cache_write
 from .lora_embedding import lora_embedding_a, lora_extra_token_embedding
 from .lora_expand import expand_config, lora_expand
-from .lora_expand_glu import lora_expand_glu
 from .lora_fused import MAX_BLOCK_R as FUSED_MAX_BLOCK_R
 from .lora_fused import MAX_MODULES as FUSED_MAX_MODULES
 from .lora_fused import FusedWorkspace, fused_config, fused_supported, lora_fused
@@ -46,7 +45,6 @@ __all__ = [
     "kv_cache_write",
     "lora_embedding_a",
     "lora_expand",
-    "lora_expand_glu",
     "lora_extra_token_embedding",
     "lora_fused",
     "lora_shrink",
