@@ -1,0 +1,175 @@
+"""Compile, for Hopper (sm_90), every Triton kernel specialization that CPU tests launch, on a machine
+with no GPU.
+
+Triton's interpreter runs the kernels on CPU tensors but never compiles them, so what only the
+compiler rejects (a name given another type in one branch of an ``if``, say) shows first on the
+device machine, after its start. This records each launch the given tests make under the
+interpreter (the kernel, its arguments' types, its constexpr values, warps and stages), then, in a
+process without the interpreter, compiles each distinct one to a cubin for ``cuda:90``. Nothing
+runs on a GPU; the CPU's Triton (whose version may differ from the device's) is the compiler.
+
+    python tests/hopper_compile.py tests/test_rms_norm.py tests/test_expand_wide.py
+    python tests/hopper_compile.py --records launches.jsonl   # compile recorded launches only
+
+Exit status 1 when a specialization does not compile (each one's error printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_DEVICE_CONSTEXPRS = {"LIBDEVICE": True, "USE_PDL": 2}  # (pdl.FULL)
+
+
+def _constexpr_names(fn) -> set:
+    names = set()
+    for p in inspect.signature(fn).parameters.values():
+        ann = p.annotation
+        if ann is not inspect.Parameter.empty and ("constexpr" in str(ann) or getattr(ann, "__name__", "") == "constexpr"):
+            names.add(p.name)
+    return names
+
+
+def _arg_type(value):
+    """The compiler's signature entry for a runtime argument, or None for a constexpr one."""
+    import torch
+
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+             torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1", torch.int16: "i16",
+             torch.float64: "fp64"}
+    if isinstance(value, torch.Tensor):
+        return "*" + names[value.dtype]
+    base, block = getattr(value, "base", None), getattr(value, "block_shape", None)
+    if isinstance(base, torch.Tensor) and block is not None:  # a host TMA descriptor (TensorDescriptor)
+        return f"tensordesc<{names[base.dtype]}[{','.join(str(int(b)) for b in block)}]>"
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    return None
+
+
+def record(path: str):
+    """Wrap the interpreter's launch so that each launch appends one JSON line to ``path``."""
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpretedFunction.run
+    seen = set()
+
+    def run(self, *args, grid, warmup, **kwargs):
+        fn = self.fn
+        constexprs = _constexpr_names(fn)
+        bound = dict(zip(self.arg_names, args))
+        bound.update({k: v for k, v in kwargs.items() if k in self.arg_names})
+        signature, values = {}, {}
+        for name in self.arg_names:
+            value = bound.get(name, inspect.signature(fn).parameters[name].default)
+            if name in constexprs or value is None:
+                signature[name] = "constexpr"
+                values[name] = value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+            else:
+                signature[name] = _arg_type(value)
+        options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        entry = dict(module=fn.__module__, name=fn.__name__, signature=signature, constexprs=values, options=options)
+        key = json.dumps(entry, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            with open(path, "a") as f:
+                f.write(key + "\n")
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    interpreter.InterpretedFunction.run = run
+
+
+class _Recorder:
+    """A pytest plugin: records the session's launches (``record``) from its start."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def pytest_configure(self, config):
+        record(self.path)
+
+
+def _chosen(entries, max_per_kernel):
+    """The distinct entries, at most ``max_per_kernel`` a kernel (None: all): those whose constexpr
+    values no earlier entry of the kernel had come first."""
+    by_kernel, seen = {}, set()
+    for e in entries:
+        key = json.dumps(e, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            by_kernel.setdefault((e["module"], e["name"]), []).append(e)
+    chosen = []
+    for group in by_kernel.values():
+        consts, first, rest = set(), [], []
+        for e in group:
+            c = json.dumps(e["constexprs"], sort_keys=True)
+            (rest if c in consts else first).append(e)
+            consts.add(c)
+        chosen += (first + rest)[:max_per_kernel]
+    return chosen
+
+
+def compile_records(path: str, max_per_kernel=None) -> int:
+    """Compile the recorded launches for sm_90 (``_chosen``); prints failures, returns how many failed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    with open(path) as f:
+        entries = _chosen([json.loads(line) for line in f if line.strip()], max_per_kernel)
+    done, failures = set(), 0
+    target = GPUTarget("cuda", 90, 32)
+    for e in entries:
+        done.add(json.dumps(e, sort_keys=True))
+        # what the interpreter sets for itself: on the device the kernels take libdevice and PDL
+        e["constexprs"].update({k: v for k, v in _DEVICE_CONSTEXPRS.items() if k in e["constexprs"]})
+        kernel = getattr(importlib.import_module(e["module"]), e["name"])
+        try:
+            src = ASTSource(fn=kernel, signature=e["signature"], constexprs=e["constexprs"])
+            triton.compile(src, target=target, options=e["options"])
+        except Exception as exc:  # noqa: BLE001 (every compiler error is reported the same way)
+            failures += 1
+            consts = {k: v for k, v in e["constexprs"].items() if k.isupper()}
+            print(f"FAILED {e['module']}.{e['name']} {consts} {e['options']}:\n{exc}\n", flush=True)
+    print(f"compiled {len(done) - failures} of {len(done)} kernel specializations for sm_90", flush=True)
+    return failures
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("tests", nargs="*", help="pytest arguments: the tests whose launches to compile")
+    p.add_argument("--records", default=None, help="a JSONL file of launches (written when tests are given)")
+    p.add_argument("--max-per-kernel", type=int, default=None,
+                   help="compile at most this many specializations of each kernel (distinct constexprs first)")
+    args, pytest_args = p.parse_known_args(argv)
+    args.tests += pytest_args
+    records = args.records or os.path.join(tempfile.mkdtemp(prefix="hopper_compile_"), "launches.jsonl")
+    if args.tests:
+        open(records, "w").close()
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        code = ("import sys, pytest; sys.path.insert(0, %r); import hopper_compile as h; "
+                "sys.exit(pytest.main(sys.argv[1:], plugins=[h._Recorder(%r)]))" % (_HERE, records))
+        run = subprocess.run([sys.executable, "-c", code, "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                              *args.tests], env=env, cwd=os.path.dirname(_HERE))
+        if run.returncode not in (0, 5):
+            print(f"the tests failed (exit {run.returncode}); compiling what they launched", flush=True)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys; sys.path.insert(0, %r); import hopper_compile as h; "
+            "sys.exit(min(1, h.compile_records(%r, %r)))" % (_HERE, records, args.max_per_kernel))
+    return subprocess.run([sys.executable, "-c", code], env=env).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
