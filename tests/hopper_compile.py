@@ -10,6 +10,7 @@ runs on a GPU; the CPU's Triton (whose version may differ from the device's) is 
 
     python tests/hopper_compile.py tests/test_rms_norm.py tests/test_expand_wide.py
     python tests/hopper_compile.py --records launches.jsonl   # compile recorded launches only
+    python tests/hopper_compile.py --resources tests/test_expand_wide.py   # and each one's registers
 
 Exit status 1 when a specialization does not compile (each one's error printed).
 """
@@ -121,8 +122,27 @@ def _chosen(entries, max_per_kernel):
     return chosen
 
 
-def compile_records(path: str, max_per_kernel=None) -> int:
-    """Compile the recorded launches for sm_90 (``_chosen``); prints failures, returns how many failed."""
+def _resources(compiled) -> str:
+    """Registers a thread, stack (spills) and shared memory of a compiled kernel, read from its cubin
+    with the ``cuobjdump`` Triton ships (residency: 65,536 registers and 228 KB of shared memory an
+    SM on Hopper)."""
+    import re
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        dump = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", dump), re.search(r"STACK:(\d+)", dump)
+    return (f"{regs.group(1) if regs else '?'} registers, {stack.group(1) if stack else '?'} B stack, "
+            f"{compiled.metadata.shared} B shared")
+
+
+def compile_records(path: str, max_per_kernel=None, resources: bool = False) -> int:
+    """Compile the recorded launches for sm_90 (``_chosen``); prints failures (and with ``resources``
+    each kernel's registers, spills and shared memory), returns how many failed."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -138,7 +158,10 @@ def compile_records(path: str, max_per_kernel=None) -> int:
         kernel = getattr(importlib.import_module(e["module"]), e["name"])
         try:
             src = ASTSource(fn=kernel, signature=e["signature"], constexprs=e["constexprs"])
-            triton.compile(src, target=target, options=e["options"])
+            compiled = triton.compile(src, target=target, options=e["options"])
+            if resources:
+                consts = {k: v for k, v in e["constexprs"].items() if k.isupper()}
+                print(f"{e['name']} {consts} {e['options']}: {_resources(compiled)}", flush=True)
         except Exception as exc:  # noqa: BLE001 (every compiler error is reported the same way)
             failures += 1
             consts = {k: v for k, v in e["constexprs"].items() if k.isupper()}
@@ -151,6 +174,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("tests", nargs="*", help="pytest arguments: the tests whose launches to compile")
     p.add_argument("--records", default=None, help="a JSONL file of launches (written when tests are given)")
+    p.add_argument("--resources", action="store_true",
+                   help="print each specialization's registers a thread, spills and shared memory")
     p.add_argument("--max-per-kernel", type=int, default=None,
                    help="compile at most this many specializations of each kernel (distinct constexprs first)")
     args, pytest_args = p.parse_known_args(argv)
@@ -167,7 +192,7 @@ def main(argv=None) -> int:
             print(f"the tests failed (exit {run.returncode}); compiling what they launched", flush=True)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import sys; sys.path.insert(0, %r); import hopper_compile as h; "
-            "sys.exit(min(1, h.compile_records(%r, %r)))" % (_HERE, records, args.max_per_kernel))
+            "sys.exit(min(1, h.compile_records(%r, %r, %r)))" % (_HERE, records, args.max_per_kernel, args.resources))
     return subprocess.run([sys.executable, "-c", code], env=env).returncode
 
 
