@@ -27,7 +27,18 @@ import sys
 import tempfile
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_DEVICE_CONSTEXPRS = {"LIBDEVICE": True, "USE_PDL": 2}  # (pdl.FULL)
+
+
+def as_on_the_device(entry: dict) -> dict:
+    """A recorded launch's constexprs as the device's launch sets them where the interpreter sets
+    its own: libdevice, PDL (``pdl.FULL``), and no float32 upcast of 16-bit operands (the
+    interpreter's bfloat16 dot is wrong, so its GEMMs upcast)."""
+    consts = dict(entry["constexprs"])
+    sixteen = any(t in ("*bf16", "*fp16") for t in entry["signature"].values())
+    for name, value in (("LIBDEVICE", True), ("USE_PDL", 2), ("UPCAST", not sixteen)):
+        if name in consts:
+            consts[name] = value
+    return consts
 
 
 def _constexpr_names(fn) -> set:
@@ -60,8 +71,12 @@ def _arg_type(value):
     return None
 
 
-def record(path: str):
-    """Wrap the interpreter's launch so that each launch appends one JSON line to ``path``."""
+CONTEXT = {"label": None}  # a caller's label for the launches it records next (a batch, say)
+
+
+def record(path: str, execute: bool = True):
+    """Wrap the interpreter's launch so that each launch appends one JSON line to ``path`` (with its
+    grid); ``execute=False``: the kernels are not run (their outputs keep whatever they held)."""
     from triton.runtime import interpreter
 
     original = interpreter.InterpretedFunction.run
@@ -81,13 +96,17 @@ def record(path: str):
             else:
                 signature[name] = _arg_type(value)
         options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-        entry = dict(module=fn.__module__, name=fn.__name__, signature=signature, constexprs=values, options=options)
+        shape = None if callable(grid) else [int(g) for g in (grid if isinstance(grid, (tuple, list)) else (grid,))]
+        entry = dict(module=fn.__module__, name=fn.__name__, signature=signature, constexprs=values, options=options,
+                     grid=shape, context=CONTEXT["label"])
         key = json.dumps(entry, sort_keys=True)
         if key not in seen:
             seen.add(key)
             with open(path, "a") as f:
                 f.write(key + "\n")
-        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        if execute:
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return None
 
     interpreter.InterpretedFunction.run = run
 
@@ -107,6 +126,7 @@ def _chosen(entries, max_per_kernel):
     values no earlier entry of the kernel had come first."""
     by_kernel, seen = {}, set()
     for e in entries:
+        e = {k: v for k, v in e.items() if k not in ("grid", "context")}
         key = json.dumps(e, sort_keys=True)
         if key not in seen:
             seen.add(key)
@@ -134,10 +154,9 @@ def _bf16_twin(entry):
     return dict(entry, signature={k: "*bf16" if t == "*fp16" else t for k, t in signature.items()})
 
 
-def _resources(compiled) -> str:
-    """Registers a thread, stack (spills) and shared memory of a compiled kernel, read from its cubin
-    with the ``cuobjdump`` Triton ships (residency: 65,536 registers and 228 KB of shared memory an
-    SM on Hopper)."""
+def resources(compiled):
+    """(registers a thread, stack bytes: spills) of a compiled kernel, read from its cubin with the
+    ``cuobjdump`` Triton ships."""
     import re
 
     import triton
@@ -148,12 +167,11 @@ def _resources(compiled) -> str:
         f.flush()
         dump = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     regs, stack = re.search(r"REG:(\d+)", dump), re.search(r"STACK:(\d+)", dump)
-    return (f"{regs.group(1) if regs else '?'} registers, {stack.group(1) if stack else '?'} B stack, "
-            f"{compiled.metadata.shared} B shared")
+    return (int(regs.group(1)) if regs else -1), (int(stack.group(1)) if stack else -1)
 
 
-def compile_records(path: str, max_per_kernel=None, resources: bool = False) -> int:
-    """Compile the recorded launches for sm_90 (``_chosen``); prints failures (and with ``resources``
+def compile_records(path: str, max_per_kernel=None, show_resources: bool = False) -> int:
+    """Compile the recorded launches for sm_90 (``_chosen``); prints failures (and with ``show_resources``
     each kernel's registers, spills and shared memory), returns how many failed."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -165,15 +183,16 @@ def compile_records(path: str, max_per_kernel=None, resources: bool = False) -> 
     target = GPUTarget("cuda", 90, 32)
     for e in entries:
         done.add(json.dumps(e, sort_keys=True))
-        # what the interpreter sets for itself: on the device the kernels take libdevice and PDL
-        e["constexprs"].update({k: v for k, v in _DEVICE_CONSTEXPRS.items() if k in e["constexprs"]})
+        e["constexprs"] = as_on_the_device(e)
         kernel = getattr(importlib.import_module(e["module"]), e["name"])
         try:
             src = ASTSource(fn=kernel, signature=e["signature"], constexprs=e["constexprs"])
             compiled = triton.compile(src, target=target, options=e["options"])
-            if resources:
+            if show_resources:
                 consts = {k: v for k, v in e["constexprs"].items() if k.isupper()}
-                print(f"{e['name']} {consts} {e['options']}: {_resources(compiled)}", flush=True)
+                regs, stack = resources(compiled)
+                print(f"{e['name']} {consts} {e['options']}: {regs} registers, {stack} B stack, "
+                      f"{compiled.metadata.shared} B shared", flush=True)
         except Exception as exc:  # noqa: BLE001 (every compiler error is reported the same way)
             failures += 1
             consts = {k: v for k, v in e["constexprs"].items() if k.isupper()}

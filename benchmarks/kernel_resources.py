@@ -1,0 +1,140 @@
+"""Each Triton kernel of an 8B decode step, compiled for Hopper on a machine with no GPU: registers a
+thread, spills, shared memory, and how many of its programs an SM can hold on those counts.
+
+A one-layer model of Llama-3-8B's widths (bf16, 8 adapters of rank 16 on all 7 projections, or
+none) is patched with every kernel on and decodes a few tokens at each batch under Triton's
+interpreter with the launches recorded but not run (``tests/hopper_compile.py``: the values are
+garbage, the launches are the step's own: widths, tiles, constexprs, warps, grids). Each distinct
+launch is then compiled for sm_90 by this machine's Triton (which may be another version than
+the device's), and its cubin's resources are read. Programs an SM holds: the least of 65,536
+registers, 228 KB of shared memory (1 KB of it the runtime's per program), 64 warps and 32
+programs, the register count rounded as the hardware allocates (8 a thread, 256 a warp).
+
+    python benchmarks/kernel_resources.py --out benchmarks/results/kernel_resources_8b_sm90.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, HERE)
+
+
+def programs_per_sm(registers: int, shared: int, warps: int) -> int:
+    """Programs of one kernel an SM holds at once on Hopper, from its resources."""
+    per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = 65536 // (per_warp * warps)
+    by_shared = (228 * 1024) // (shared + 1024)
+    return max(0, min(by_regs, by_shared, 64 // warps, 32))
+
+
+def _record_step(path: str, batches, adapters: int, layers: int):
+    """In this process (interpreted): decode at each batch with launches recorded, not run."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hopper_compile
+    import peft_fastlora as fastlora
+
+    hopper_compile.record(path, execute=False)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=512,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=None, tie_word_embeddings=False)
+    base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    base.generation_config.eos_token_id = None
+    all7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules=all7), adapter_name="a0")
+    for i in range(1, adapters):
+        model.add_adapter(f"a{i}", LoraConfig(r=16, lora_alpha=32, target_modules=all7))
+    model.eval()
+    options = dict(backend="triton", cuda_graphs="emulate", fold_shrink=True, stream_gemm=True, decode_attention=True,
+                   fuse_norms=True, fuse_rotary=True, fuse_silu_mul=True, fuse_kv_write=True)
+    with fastlora.patched(model, **options):
+        for batch in batches:
+            for mixed in (True, False):
+                names = [f"a{i % adapters}" if mixed else "__base__" for i in range(batch)]
+                hopper_compile.CONTEXT["label"] = f"{'mixed' if mixed else 'no-adapter'} batch {batch}"
+                ids = torch.randint(3, 256, (batch, 4))
+                with torch.no_grad():
+                    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names,
+                                   max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/results/kernel_resources_8b_sm90.csv")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--record-only", default=None, help=argparse.SUPPRESS)  # (the child process's part)
+    args = p.parse_args(argv)
+    if args.record_only:
+        _record_step(args.record_only, args.batches, args.adapters, args.layers)
+        return 0
+    records = os.path.join(tempfile.mkdtemp(prefix="kernel_resources_"), "launches.jsonl")
+    open(records, "w").close()
+    child = [sys.executable, os.path.abspath(__file__), "--record-only", records, "--adapters", str(args.adapters),
+             "--layers", str(args.layers), "--batches", *map(str, args.batches)]
+    run = subprocess.run(child, env=dict(os.environ, TRITON_INTERPRET="1"), cwd=ROOT)
+    if run.returncode:
+        print(f"recording the step's launches failed (exit {run.returncode})")
+        return 1
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys, json; sys.path[:0] = [%r, %r]; import kernel_resources as k; "
+            "sys.exit(k.compile_and_write(%r, %r))" % (os.path.join(ROOT, "tests"), HERE, records, args.out))
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT).returncode
+
+
+def compile_and_write(records: str, out: str) -> int:
+    """Compile each distinct recorded launch for sm_90 and write the resources table (CSV)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import bench_generate as bg
+    import hopper_compile
+
+    rows, compiled_by_key = [], {}
+    with open(records) as f:
+        entries = [json.loads(line) for line in f if line.strip()]
+    for e in entries:
+        e["constexprs"] = hopper_compile.as_on_the_device(e)
+        key = json.dumps({k: e[k] for k in ("module", "name", "signature", "constexprs", "options")}, sort_keys=True)
+        if key not in compiled_by_key:
+            kernel = getattr(__import__(e["module"], fromlist=[e["name"]]), e["name"])
+            c = triton.compile(ASTSource(fn=kernel, signature=e["signature"], constexprs=e["constexprs"]),
+                               target=GPUTarget("cuda", 90, 32), options=e["options"])
+            compiled_by_key[key] = (c, *hopper_compile.resources(c))
+        compiled, regs, stack = compiled_by_key[key]
+        warps = e["options"].get("num_warps", 4)
+        grid = e.get("grid") or []
+        programs = 1
+        for g in grid:
+            programs *= g
+        per_sm = programs_per_sm(regs, compiled.metadata.shared, warps)
+        rows.append(dict(step=e.get("context") or "", kernel=e["name"], constexprs=" ".join(f"{k}={v}" for k, v in sorted(e["constexprs"].items())
+                                                              if k.isupper() and k not in ("LIBDEVICE",)),
+                         num_warps=warps, num_stages=e["options"].get("num_stages", ""), grid="x".join(map(str, grid)),
+                         programs=programs, registers=regs, stack_bytes=stack, shared_bytes=compiled.metadata.shared,
+                         programs_per_sm=per_sm,
+                         waves_on_132_sms=round(programs / (132 * per_sm), 2) if per_sm else "",
+                         triton=triton.__version__, target="sm_90 (compiled on a CPU machine)"))
+        print(f"{rows[-1]['step']:16s} {e['name']:32s} warps {warps} grid {rows[-1]['grid']:>12s}: {regs:3d} registers, {stack} B stack, "
+              f"{compiled.metadata.shared:6d} B shared -> {per_sm} programs an SM", flush=True)
+    bg.write_out(rows, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
