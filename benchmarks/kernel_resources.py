@@ -36,7 +36,7 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> int:
     return max(0, min(by_regs, by_shared, 64 // warps, 32))
 
 
-def _record_step(path: str, batches, adapters: int, layers: int):
+def _record_step(path: str, batches, adapters: int, layers: int, smoke: bool = False):
     """In this process (interpreted): decode at each batch with launches recorded, not run."""
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -48,8 +48,9 @@ def _record_step(path: str, batches, adapters: int, layers: int):
 
     hopper_compile.record(path, execute=False)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=512,
+    widths = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2) if smoke \
+        else dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8)
+    cfg = LlamaConfig(vocab_size=256, num_hidden_layers=layers, **widths, max_position_embeddings=512,
                       pad_token_id=0, bos_token_id=1, eos_token_id=None, tie_word_embeddings=False)
     base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     base.generation_config.eos_token_id = None
@@ -77,15 +78,16 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--smoke", action="store_true", help="narrow widths: exercises the script only")
     p.add_argument("--record-only", default=None, help=argparse.SUPPRESS)  # (the child process's part)
     args = p.parse_args(argv)
     if args.record_only:
-        _record_step(args.record_only, args.batches, args.adapters, args.layers)
+        _record_step(args.record_only, args.batches, args.adapters, args.layers, args.smoke)
         return 0
     records = os.path.join(tempfile.mkdtemp(prefix="kernel_resources_"), "launches.jsonl")
     open(records, "w").close()
     child = [sys.executable, os.path.abspath(__file__), "--record-only", records, "--adapters", str(args.adapters),
-             "--layers", str(args.layers), "--batches", *map(str, args.batches)]
+             "--layers", str(args.layers), "--batches", *map(str, args.batches)] + (["--smoke"] if args.smoke else [])
     run = subprocess.run(child, env=dict(os.environ, TRITON_INTERPRET="1"), cwd=ROOT)
     if run.returncode:
         print(f"recording the step's launches failed (exit {run.returncode})")

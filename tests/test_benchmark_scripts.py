@@ -175,3 +175,18 @@ def test_probe_rotary_kv_smoke():
     """The probe's one-kernel rotary and KV write gives the two kernels' q, caches and length exactly."""
     out = _run([os.path.join(BENCH, "probe_rotary_kv.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
     assert "equal the two kernels'" in out
+
+
+def test_kernel_resources_smoke(tmp_path):
+    """The decode step's launches recorded (not run) and compiled for sm_90: rows for the step's
+    kernels with registers read from their cubins."""
+    import csv
+
+    out_csv = tmp_path / "r.csv"
+    _run([os.path.join(BENCH, "kernel_resources.py"), "--smoke", "--batches", "2", "--adapters", "2",
+          "--out", str(out_csv)])
+    with open(out_csv) as f:
+        rows = list(csv.DictReader(f))
+    kernels = {r["kernel"] for r in rows}
+    assert {"_rms_norm_kernel", "_lora_expand_wide_kernel", "_decode_attention_split_kernel"} <= kernels, kernels
+    assert all(int(r["registers"]) > 0 and int(r["programs_per_sm"]) > 0 for r in rows)
