@@ -11,6 +11,7 @@ runs on a GPU; the CPU's Triton (whose version may differ from the device's) is 
     python tests/hopper_compile.py tests/test_rms_norm.py tests/test_expand_wide.py
     python tests/hopper_compile.py --records launches.jsonl   # compile recorded launches only
     python tests/hopper_compile.py --resources tests/test_expand_wide.py   # and each one's registers
+    python tests/hopper_compile.py --ptx /tmp/before tests/test_stream_gemm.py   # then again after a refactor: diff -r
 
 Exit status 1 when a specialization does not compile (each one's error printed).
 """
@@ -18,6 +19,7 @@ Exit status 1 when a specialization does not compile (each one's error printed).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import inspect
 import json
@@ -170,7 +172,21 @@ def resources(compiled):
     return (int(regs.group(1)) if regs else -1), (int(stack.group(1)) if stack else -1)
 
 
-def compile_records(path: str, max_per_kernel=None, show_resources: bool = False) -> int:
+def kernel_ptx(compiled) -> str:
+    """A compiled kernel's PTX up to the end of its body, without line markers or comments: what
+    two versions of a source must share to generate the same code (the debug sections after it
+    change with every line moved)."""
+    body = []
+    for line in compiled.asm["ptx"].splitlines():
+        if line.lstrip().startswith((".loc", ".file", "//", "$L__tmp")):  # (line markers and their labels)
+            continue
+        body.append(line.split("//")[0].rstrip())
+        if line == "}":
+            break
+    return "\n".join(body) + "\n"
+
+
+def compile_records(path: str, max_per_kernel=None, show_resources: bool = False, ptx_dir=None) -> int:
     """Compile the recorded launches for sm_90 (``_chosen``); prints failures (and with ``show_resources``
     each kernel's registers, spills and shared memory), returns how many failed."""
     import triton
@@ -188,6 +204,10 @@ def compile_records(path: str, max_per_kernel=None, show_resources: bool = False
         try:
             src = ASTSource(fn=kernel, signature=e["signature"], constexprs=e["constexprs"])
             compiled = triton.compile(src, target=target, options=e["options"])
+            if ptx_dir:  # one file a specialization, named by it: diff two directories after a refactor
+                name = f"{e['name']}_{hashlib.sha1(json.dumps(e, sort_keys=True).encode()).hexdigest()[:12]}.ptx"
+                with open(os.path.join(ptx_dir, name), "w") as f:
+                    f.write(kernel_ptx(compiled))
             if show_resources:
                 consts = {k: v for k, v in e["constexprs"].items() if k.isupper()}
                 regs, stack = resources(compiled)
@@ -207,6 +227,9 @@ def main(argv=None) -> int:
     p.add_argument("--records", default=None, help="a JSONL file of launches (written when tests are given)")
     p.add_argument("--resources", action="store_true",
                    help="print each specialization's registers a thread, spills and shared memory")
+    p.add_argument("--ptx", default=None, metavar="DIR",
+                   help="write each specialization's kernel PTX (no line markers) to DIR: two runs' directories "
+                        "compare a refactor's generated code")
     p.add_argument("--max-per-kernel", type=int, default=None,
                    help="compile at most this many specializations of each kernel (distinct constexprs first)")
     args, pytest_args = p.parse_known_args(argv)
@@ -223,7 +246,10 @@ def main(argv=None) -> int:
             print(f"the tests failed (exit {run.returncode}); compiling what they launched", flush=True)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("import sys; sys.path.insert(0, %r); import hopper_compile as h; "
-            "sys.exit(min(1, h.compile_records(%r, %r, %r)))" % (_HERE, records, args.max_per_kernel, args.resources))
+            "sys.exit(min(1, h.compile_records(%r, %r, %r, %r)))" % (_HERE, records, args.max_per_kernel, args.resources,
+                                                                     args.ptx))
+    if args.ptx:
+        os.makedirs(args.ptx, exist_ok=True)
     return subprocess.run([sys.executable, "-c", code], env=env).returncode
 
 

@@ -66,16 +66,68 @@ def _tile_dot(w, x, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _n_side(v, N_FIRST: tl.constexpr):
+    """An output-column vector as the tile's rows (``N_FIRST``: tiles (BLOCK_N, BLOCK_M), the
+    streaming kernel's) or its columns (tiles (BLOCK_M, BLOCK_N), the TMA kernel's)."""
+    return tl.expand_dims(v, 1 if N_FIRST else 0)
+
+
+@triton.jit
+def _m_side(v, N_FIRST: tl.constexpr):
+    """An output-row vector along the tile's other axis (``_n_side``)."""
+    return tl.expand_dims(v, 0 if N_FIRST else 1)
+
+
+@triton.jit
 def _epilogue(acc, bias_ptr, add_ptr, offs_n, offs_m, n_ok, m_ok, N_ADD, stride_am,
-              HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr):
-    """``acc`` (BLOCK_N, BLOCK_M, float32) plus the bias and, on the first ``N_ADD`` columns, ``add``
-    (a residual): in float32, rounded once when stored."""
+              HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, N_FIRST: tl.constexpr):
+    """``acc`` (float32, oriented as ``N_FIRST`` says) plus the bias and, on the first ``N_ADD``
+    columns, ``add`` (a residual): in float32, rounded once when stored."""
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        acc += _n_side(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32), N_FIRST)
     if HAS_ADD:
-        a_ptrs = add_ptr + offs_m.to(tl.int64)[None, :] * stride_am + offs_n[:, None]
-        acc += tl.load(a_ptrs, mask=(offs_n < N_ADD)[:, None] & m_ok[None, :], other=0.0).to(tl.float32)
+        a_ptrs = add_ptr + _m_side(offs_m.to(tl.int64), N_FIRST) * stride_am + _n_side(offs_n, N_FIRST)
+        acc += tl.load(a_ptrs, mask=_n_side(offs_n < N_ADD, N_FIRST) & _m_side(m_ok, N_FIRST),
+                       other=0.0).to(tl.float32)
     return acc
+
+
+@triton.jit
+def store_output(acc, acc_up, y_ptr, bias_ptr, add_ptr, part_ptr, ticket_ptr, offs_n, offs_m, n_ok, m_ok,
+                 M, N, N_ADD, stride_ym, stride_am, pid_n, pid_k, pid_m,
+                 HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, GLU: tl.constexpr, LIBDEVICE: tl.constexpr,
+                 SPLIT_K: tl.constexpr, N_FIRST: tl.constexpr):
+    """A program's output tile, the GEMMs' shared end (``N_FIRST``: the tile's orientation, see
+    ``_n_side``): ``act(gate) * up`` with GLU; else the bias and residual added and stored, in one
+    K range; else its partial stored, and the last of the tile's ranges to arrive (its ticket)
+    sums them all, finishes and stores, then resets the ticket."""
+    out_mask = _n_side(n_ok, N_FIRST) & _m_side(m_ok, N_FIRST)
+    y_ptrs = y_ptr + _m_side(offs_m.to(tl.int64), N_FIRST) * stride_ym + _n_side(offs_n, N_FIRST)
+    if GLU:
+        dt = y_ptr.dtype.element_ty
+        if HAS_BIAS:
+            acc += _n_side(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32), N_FIRST)
+            acc_up += _n_side(tl.load(bias_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32), N_FIRST)
+        gate = acc.to(dt).to(tl.float32)  # the gate and up outputs, rounded as the GEMM would store them
+        up = acc_up.to(dt).to(tl.float32)
+        tl.store(y_ptrs, act_mul_rounded(gate, up, dt, GLU == 2, LIBDEVICE).to(dt), mask=out_mask)
+    elif SPLIT_K == 1:
+        acc = _epilogue(acc, bias_ptr, add_ptr, offs_n, offs_m, n_ok, m_ok, N_ADD, stride_am, HAS_BIAS, HAS_ADD,
+                        N_FIRST)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partials laid out (SPLIT_K, M, N); the last of the block's ranges to finish sums them
+        part = part_ptr + _m_side(offs_m.to(tl.int64), N_FIRST) * N + _n_side(offs_n, N_FIRST)
+        tl.store(part + pid_k * M * N, acc, mask=out_mask)
+        ticket = ticket_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(ticket, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            total = _epilogue(total, bias_ptr, add_ptr, offs_n, offs_m, n_ok, m_ok, N_ADD, stride_am, HAS_BIAS,
+                              HAS_ADD, N_FIRST)
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(ticket, 0)
 
 
 @triton.jit
@@ -138,32 +190,11 @@ def _stream_gemm_kernel(
             up_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    out_mask = n_ok[:, None] & m_ok[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
-    if GLU:
-        dt = y_ptr.dtype.element_ty
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            acc_up += tl.load(bias_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        gate = acc.to(dt).to(tl.float32)  # the gate and up outputs, rounded as the GEMM would store them
-        up = acc_up.to(dt).to(tl.float32)
-        tl.store(y_ptrs, act_mul_rounded(gate, up, dt, GLU == 2, LIBDEVICE).to(dt), mask=out_mask)
-    elif SPLIT_K == 1:
-        acc = _epilogue(acc, bias_ptr, add_ptr, offs_n, offs_m, n_ok, m_ok, N_ADD, stride_am, HAS_BIAS, HAS_ADD)
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        # partials laid out (SPLIT_K, M, N); the last of the block's ranges to finish sums them
-        part = part_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
-        tl.store(part + pid_k * M * N, acc, mask=out_mask)
-        ticket = ticket_ptr + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(ticket, 1, sem="acq_rel") == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(part + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            total = _epilogue(total, bias_ptr, add_ptr, offs_n, offs_m, n_ok, m_ok, N_ADD, stride_am, HAS_BIAS,
-                              HAS_ADD)
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(ticket, 0)
+    if not GLU:
+        acc_up = acc  # (unused)
+    store_output(acc, acc_up, y_ptr, bias_ptr, add_ptr, part_ptr, ticket_ptr, offs_n, offs_m, n_ok,
+                 m_ok, M, N, N_ADD, stride_ym, stride_am, pid_n, pid_k, pid_m, HAS_BIAS, HAS_ADD, GLU, LIBDEVICE,
+                 SPLIT_K, True)
 
 
 class StreamConfig(NamedTuple):

@@ -32,25 +32,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernel_support import interpreting
 from . import pdl
-from .silu_mul import ACTIVATIONS, act_mul_rounded
+from .silu_mul import ACTIVATIONS
 from . import stream_gemm as _stream
-from .stream_gemm import (StreamWorkspace, _tile_dot, check_operands, checked_output, split_plan,
+from .stream_gemm import (StreamWorkspace, _tile_dot, check_operands, checked_output, split_plan, store_output,
                           stream_gemm_reference)
 
 MAX_ROWS = _stream.MAX_ROWS  # rows one program covers (split_plan's blocks); more take more row blocks
-
-
-@triton.jit
-def _finish(acc, bias_ptr, add_ptr, offs_m, offs_n, m_ok, n_ok, N_ADD, stride_am,
-            HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr):
-    """``acc`` (BLOCK_M, BLOCK_N, float32) plus the bias and, on the first ``N_ADD`` columns, the
-    residual ``add``: in float32, rounded once when stored."""
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_ADD:
-        a_ptrs = add_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
-        acc += tl.load(a_ptrs, mask=m_ok[:, None] & (offs_n < N_ADD)[None, :], other=0.0).to(tl.float32)
-    return acc
 
 
 @triton.jit
@@ -96,32 +83,11 @@ def _tma_gemm_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    if GLU:
-        dt = y_ptr.dtype.element_ty
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            acc_up += tl.load(bias_ptr + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        gate = acc.to(dt).to(tl.float32)  # gate's and up's outputs rounded as a GEMM would store them
-        up = acc_up.to(dt).to(tl.float32)
-        tl.store(y_ptrs, act_mul_rounded(gate, up, dt, GLU == 2, LIBDEVICE).to(dt), mask=out_mask)
-    elif SPLIT_K == 1:
-        acc = _finish(acc, bias_ptr, add_ptr, offs_m, offs_n, m_ok, n_ok, N_ADD, stride_am, HAS_BIAS, HAS_ADD)
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        # partials laid out (SPLIT_K, M, N); the last of the block's ranges to finish sums them
-        part = part_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(part + pid_k * M * N, acc, mask=out_mask)
-        ticket = ticket_ptr + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(ticket, 1, sem="acq_rel") == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(part + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            total = _finish(total, bias_ptr, add_ptr, offs_m, offs_n, m_ok, n_ok, N_ADD, stride_am, HAS_BIAS,
-                            HAS_ADD)
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(ticket, 0)
+    if not GLU:
+        acc_up = acc  # (unused)
+    store_output(acc, acc_up, y_ptr, bias_ptr, add_ptr, part_ptr, ticket_ptr, offs_n, offs_m, n_ok,
+                 m_ok, M, N, N_ADD, stride_ym, stride_am, pid_n, pid_k, pid_m, HAS_BIAS, HAS_ADD, GLU, LIBDEVICE,
+                 SPLIT_K, False)
 
 
 class TmaConfig(NamedTuple):
