@@ -121,8 +121,9 @@ class LoRABatchInfo:
         scalings: (num_slots,) float32, the LoRA scaling of each slot.
         token_slot: (token_capacity,) int32, slot of each token, -1 for none.
         block_m: most tokens in one chunk; the kernels' row tile.
-        max_chunks: length of the chunk arrays; the kernels' grid is sized from it, never from
-            the data, so a graph captured once covers any later mix of adapters.
+        max_chunks: length of the chunk arrays, the most chunks ``num_tokens`` tokens can take
+            (``max_chunks_for``); the kernels' grid is sized from it, never from the data, so a
+            graph captured for a token count covers any later mix of adapters at that count.
         sorted_token_ids: (token_capacity,) int32; adapter tokens grouped by slot. Chunk ``c``
             owns ``sorted_token_ids[chunk_start[c] : chunk_start[c] + chunk_len[c]]``.
         chunk_slot: (max_chunks,) int32, the slot of each chunk; -1 for an unused chunk.
@@ -170,8 +171,14 @@ def choose_block_m(num_tokens: int) -> int:
 
 
 def max_chunks_for(num_tokens: int, block_m: int, max_loras: int) -> int:
-    """Upper bound on chunks: every slot may leave one partial chunk."""
-    return -(-num_tokens // block_m) + max_loras
+    """Most chunks a plan of ``num_tokens`` tokens over at most ``max_loras`` adapters can have.
+
+    An adapter with ``n`` tokens takes ``ceil(n / block_m)`` chunks; over ``k`` adapters these sum
+    to at most ``(num_tokens + k * (block_m - 1)) // block_m``, with ``k`` no more than the tokens,
+    and no plan has more chunks than tokens.
+    """
+    k = min(num_tokens, max_loras)
+    return min(num_tokens, (num_tokens + k * (block_m - 1)) // block_m)
 
 
 def plan_chunks(
@@ -218,6 +225,7 @@ class BatchInfoBuffers:
                  device: torch.device):
         self.max_bs, self.max_tokens, self.max_slots = max_bs, max_tokens, max_slots
         self.block_m = block_m
+        self.max_loras = max_loras
         self.max_chunks = max_chunks_for(max_tokens, block_m, max_loras)
         sizes = {
             "seg_lens": max_bs,
@@ -270,7 +278,11 @@ class BatchInfoBuffers:
             return self._last_info
         token_slot, sorted_ids, c_slot, c_start, c_len, slots = plan_chunks(
             weight_indices, seg_lens, self.block_m)
-        if len(c_slot) > self.max_chunks:  # cannot happen while distinct slots <= max_loras
+        # The chunk arrays this fill hands out are cut to what its token count can use: the
+        # kernels' grids follow them, and a graph's token count is fixed, so a grid captured at
+        # one count covers every later plan at that count (the buffer's tail stays "unused").
+        max_chunks = max_chunks_for(num_tokens, self.block_m, self.max_loras)
+        if len(c_slot) > max_chunks:  # cannot happen while distinct slots <= max_loras
             raise ValueError(
                 f"{len(slots)} distinct adapters in one batch exceed max_loras_per_batch")
         turn, self._turn = self._turn, 1 - self._turn
@@ -316,11 +328,11 @@ class BatchInfoBuffers:
             scalings=self.dev_scalings[:n_slots],
             token_slot=self._view(self.dev, "token_slot")[:num_tokens],
             block_m=self.block_m,
-            max_chunks=self.max_chunks,
+            max_chunks=max_chunks,
             sorted_token_ids=self._view(self.dev, "sorted_token_ids"),
-            chunk_slot=self._view(self.dev, "chunk_slot"),
-            chunk_start=self._view(self.dev, "chunk_start"),
-            chunk_len=self._view(self.dev, "chunk_len"),
+            chunk_slot=self._view(self.dev, "chunk_slot")[:max_chunks],
+            chunk_start=self._view(self.dev, "chunk_start")[:max_chunks],
+            chunk_len=self._view(self.dev, "chunk_len")[:max_chunks],
             slots_in_batch=slots,
         )
         return self._last_info

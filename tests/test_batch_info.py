@@ -125,15 +125,18 @@ def test_buffers_refresh_in_place():
     assert bi1.scalings.tolist() == [0.5, 2.0, 0.0, 0.0]
     assert bi1.token_slot.tolist() == [0] * 3 + [1] * 3 + [-1] * 3 + [0] * 3
     assert bi1.slots_in_batch == (0, 1)
-    assert bi1.max_chunks == buf.max_chunks and bi1.chunk_slot.numel() == buf.max_chunks
+    # the chunk arrays are cut to what 12 tokens can take; the buffers hold what 32 can
+    assert bi1.max_chunks == bi1.chunk_slot.numel() == max_chunks_for(12, 4, 4) == 6 < buf.max_chunks
 
     # a second, different fill: same addresses, new contents, nothing left over from the first
     bi2 = buf.fill(2, 2, [1, 1], [3, -1], [1, 1, 1, 8], [1.0, 1.0, 1.0, 3.0])
     for f, p in ptrs.items():
         assert getattr(bi2, f).data_ptr() == p, f"{f} was reallocated"
     assert not torch.equal(bi2.chunk_slot, snapshot)
-    assert bi2.chunk_slot.tolist() == [3] + [NO_ADAPTER] * (buf.max_chunks - 1)
-    assert bi2.chunk_len.tolist() == [1] + [0] * (buf.max_chunks - 1)
+    assert bi2.chunk_slot.tolist() == [3, NO_ADAPTER] and bi2.chunk_len.tolist() == [1, 0]
+    # beyond the cut too: a grid captured at a larger token count reads only unused chunks there
+    assert buf._view(buf.dev, "chunk_slot").tolist() == [3] + [NO_ADAPTER] * (buf.max_chunks - 1)
+    assert buf._view(buf.dev, "chunk_len").tolist() == [1] + [0] * (buf.max_chunks - 1)
     assert bi2.weight_indices.tolist() == [3, -1]
     assert bi2.scalings.tolist() == [1.0, 1.0, 1.0, 3.0]
     # the whole token table beyond this batch is "no adapter" (padded graph tokens cost nothing)
@@ -171,10 +174,26 @@ def test_buffers_capacity_errors():
         buf.fill(1, 1, [1], [0], [1] * 7, [1.0] * 7)
 
 
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize("max_loras", [1, 3, 8])
+def test_max_chunks_for_bounds_every_plan_and_is_reached(block_m, max_loras):
+    """No plan of n tokens over at most max_loras adapters has more chunks than the bound, and
+    one plan (every adapter but one with a single token) has exactly that many."""
+    rng = random.Random(block_m * 10 + max_loras)
+    for n in range(0, 70):
+        bound = max_chunks_for(n, block_m, max_loras)
+        for _ in range(30):
+            slots = [rng.randrange(-1, max_loras) for _ in range(n)]
+            assert len(plan_chunks(slots, [1] * n, block_m)[2]) <= bound, (n, slots)
+        k = min(n, max_loras)
+        worst = list(range(k - 1)) + [k - 1] * (n - k + 1) if k else []
+        assert len(plan_chunks(worst, [1] * n, block_m)[2]) == bound, (n, k)
+
+
 def test_buffers_max_chunks_guard():
     # max_loras=1 but two slots with partial chunks: more chunks than the grid covers
     buf = _buffers(max_tokens=4, max_loras=1)
-    assert buf.max_chunks == 2
+    assert buf.max_chunks == 1
     buf.fill(2, 2, [1, 1], [0, 0], [1, 1], [1.0, 1.0])  # one slot: fine
     with pytest.raises(ValueError, match="max_loras_per_batch"):
         buf.fill(3, 3, [1, 1, 1], [0, 1, 2], [1, 1, 1], [1.0] * 3)
@@ -262,8 +281,9 @@ def test_graph_buffers_keep_their_addresses():
     bi2 = be.prepare_lora_batch(ForwardBatch.from_shape(5, 1, CPU), [2, 1, 0, -1, 2], [2, 2, 2], [1.0] * 3, True)
     assert bi1.sorted_token_ids.data_ptr() == bi2.sorted_token_ids.data_ptr() == bufs.dev.data_ptr() + \
         bufs._offsets["sorted_token_ids"][0] * 4
-    # grid size does not depend on the batch: later mixes with more adapters still fit
-    assert bi1.max_chunks == bi2.max_chunks == max_chunks_for(8, bufs.block_m, 4)
+    # grid size follows the token count, not the mix: later mixes with more adapters still fit
+    assert bi1.max_chunks == max_chunks_for(8, bufs.block_m, 4)
+    assert bi2.max_chunks == bi2.chunk_slot.numel() == max_chunks_for(5, bufs.block_m, 4)
     assert bi2.slots_in_batch == (0, 1, 2)
     assert bi2.token_slot.tolist() == [2, 1, 0, -1, 2]
 
