@@ -16,12 +16,14 @@ programs, the register count rounded as the hardware allocates (8 a thread, 256 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 
+H200_SMS = 132
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -47,6 +49,9 @@ def _record_step(path: str, batches, adapters: int, layers: int, smoke: bool = F
     import peft_fastlora as fastlora
 
     hopper_compile.record(path, execute=False)
+    # launch parameters chosen from the SM count (decode attention's splits and block_n) as on an
+    # H200, not as for the interpreter's few programs
+    importlib.import_module("peft_fastlora.ops.decode_attention")._sm_count = lambda device: H200_SMS
     torch.manual_seed(0)
     widths = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2) if smoke \
         else dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8)
@@ -107,6 +112,9 @@ def compile_and_write(records: str, out: str) -> int:
     import bench_generate as bg
     import hopper_compile
 
+    import torch
+
+    host = torch.cuda.get_device_name() if torch.cuda.is_available() else "a machine with no GPU"
     rows, compiled_by_key = [], {}
     with open(records) as f:
         entries = [json.loads(line) for line in f if line.strip()]
@@ -130,8 +138,8 @@ def compile_and_write(records: str, out: str) -> int:
                          num_warps=warps, num_stages=e["options"].get("num_stages", ""), grid="x".join(map(str, grid)),
                          programs=programs, registers=regs, stack_bytes=stack, shared_bytes=compiled.metadata.shared,
                          programs_per_sm=per_sm,
-                         waves_on_132_sms=round(programs / (132 * per_sm), 2) if per_sm else "",
-                         triton=triton.__version__, target="sm_90 (compiled on a CPU machine)"))
+                         waves_on_132_sms=round(programs / (H200_SMS * per_sm), 2) if per_sm else "",
+                         triton=triton.__version__, target=f"sm_90 (compiled ahead of time on {host}; nothing run)"))
         print(f"{rows[-1]['step']:16s} {e['name']:32s} warps {warps} grid {rows[-1]['grid']:>12s}: {regs:3d} registers, {stack} B stack, "
               f"{compiled.metadata.shared:6d} B shared -> {per_sm} programs an SM", flush=True)
     bg.write_out(rows, out)
