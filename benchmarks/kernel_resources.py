@@ -105,26 +105,25 @@ def main(argv=None) -> int:
 
 def compile_and_write(records: str, out: str) -> int:
     """Compile each distinct recorded launch for sm_90 and write the resources table (CSV)."""
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     import bench_generate as bg
     import hopper_compile
 
-    import torch
-
     host = torch.cuda.get_device_name() if torch.cuda.is_available() else "a machine with no GPU"
+    target = GPUTarget("cuda", 90, 32)
     rows, compiled_by_key = [], {}
     with open(records) as f:
         entries = [json.loads(line) for line in f if line.strip()]
     for e in entries:
         e["constexprs"] = hopper_compile.as_on_the_device(e)
-        key = json.dumps({k: e[k] for k in ("module", "name", "signature", "constexprs", "options")}, sort_keys=True)
+        key = json.dumps({k: e.get(k) for k in ("module", "name", "signature", "constexprs", "attrs", "options")},
+                         sort_keys=True)
         if key not in compiled_by_key:
             kernel = getattr(__import__(e["module"], fromlist=[e["name"]]), e["name"])
-            c = triton.compile(ASTSource(fn=kernel, signature=e["signature"], constexprs=e["constexprs"]),
-                               target=GPUTarget("cuda", 90, 32), options=e["options"])
+            c = triton.compile(hopper_compile.source_of(kernel, e, target), target=target, options=e["options"])
             compiled_by_key[key] = (c, *hopper_compile.resources(c))
         compiled, regs, stack = compiled_by_key[key]
         warps = e["options"].get("num_warps", 4)

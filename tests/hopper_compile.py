@@ -76,12 +76,28 @@ def _arg_type(value):
 CONTEXT = {"label": None}  # a caller's label for the launches it records next (a batch, say)
 
 
+def _specializer():
+    """``value -> (type, key)`` as the JIT's launch specializes an argument for sm_90 (Triton's own
+    function): integers equal to 1 become constexprs, and pointers 16-byte aligned and integers
+    divisible by 16 are marked ``"D"`` (the compiler may then vectorise loads and drop masks)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import native_specialize_impl
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    return lambda value, specialize, align: native_specialize_impl(backend, value, False, specialize, align)
+
+
 def record(path: str, execute: bool = True):
     """Wrap the interpreter's launch so that each launch appends one JSON line to ``path`` (with its
-    grid); ``execute=False``: the kernels are not run (their outputs keep whatever they held)."""
+    grid, and its arguments specialized as a device launch would specialize them: the CPU tensors'
+    alignment stands for the GPU's); ``execute=False``: the kernels are not run (their outputs keep
+    whatever they held)."""
+    import torch
     from triton.runtime import interpreter
 
     original = interpreter.InterpretedFunction.run
+    specialize = _specializer()
     seen = set()
 
     def run(self, *args, grid, warmup, **kwargs):
@@ -89,18 +105,28 @@ def record(path: str, execute: bool = True):
         constexprs = _constexpr_names(fn)
         bound = dict(zip(self.arg_names, args))
         bound.update({k: v for k, v in kwargs.items() if k in self.arg_names})
-        signature, values = {}, {}
-        for name in self.arg_names:
+        jit_kwargs = getattr(self, "kwargs", None) or {}
+        signature, values, attrs = {}, {}, {}
+        for index, name in enumerate(self.arg_names):
             value = bound.get(name, inspect.signature(fn).parameters[name].default)
             if name in constexprs or value is None:
                 signature[name] = "constexpr"
                 values[name] = value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
-            else:
-                signature[name] = _arg_type(value)
+                continue
+            if isinstance(value, (torch.Tensor, int, float)):  # (bool is an int)
+                kind, key = specialize(value, name not in (jit_kwargs.get("do_not_specialize") or ()),
+                                       name not in (jit_kwargs.get("do_not_specialize_on_alignment") or ()))
+            else:  # a host TMA descriptor: its type by name, no attributes
+                kind, key = _arg_type(value), None
+            signature[name] = kind
+            if kind == "constexpr":
+                values[name] = key
+            elif key:
+                attrs[str(index)] = key
         options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
         shape = None if callable(grid) else [int(g) for g in (grid if isinstance(grid, (tuple, list)) else (grid,))]
-        entry = dict(module=fn.__module__, name=fn.__name__, signature=signature, constexprs=values, options=options,
-                     grid=shape, context=CONTEXT["label"])
+        entry = dict(module=fn.__module__, name=fn.__name__, signature=signature, constexprs=values, attrs=attrs,
+                     options=options, grid=shape, context=CONTEXT["label"])
         key = json.dumps(entry, sort_keys=True)
         if key not in seen:
             seen.add(key)
@@ -172,6 +198,16 @@ def resources(compiled):
     return (int(regs.group(1)) if regs else -1), (int(stack.group(1)) if stack else -1)
 
 
+def source_of(kernel, entry: dict, target):
+    """The compiler's input for a recorded launch: its signature, constexprs and the alignment and
+    divisibility attributes its arguments had (``record``)."""
+    from triton.compiler import ASTSource, make_backend
+
+    backend = make_backend(target)
+    attrs = {(int(i),): backend.parse_attr(key) for i, key in (entry.get("attrs") or {}).items()}
+    return ASTSource(fn=kernel, signature=entry["signature"], constexprs=entry["constexprs"], attrs=attrs)
+
+
 def kernel_ptx(compiled) -> str:
     """A compiled kernel's PTX up to the end of its body, without line markers or comments: what
     two versions of a source must share to generate the same code (the debug sections after it
@@ -191,7 +227,6 @@ def compile_records(path: str, max_per_kernel=None, show_resources: bool = False
     each kernel's registers, spills and shared memory), returns how many failed."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     with open(path) as f:
         entries = _chosen([json.loads(line) for line in f if line.strip()], max_per_kernel)
@@ -202,7 +237,7 @@ def compile_records(path: str, max_per_kernel=None, show_resources: bool = False
         e["constexprs"] = as_on_the_device(e)
         kernel = getattr(importlib.import_module(e["module"]), e["name"])
         try:
-            src = ASTSource(fn=kernel, signature=e["signature"], constexprs=e["constexprs"])
+            src = source_of(kernel, e, target)
             compiled = triton.compile(src, target=target, options=e["options"])
             if ptx_dir:  # one file a specialization, named by it: diff two directories after a refactor
                 name = f"{e['name']}_{hashlib.sha1(json.dumps(e, sort_keys=True).encode()).hexdigest()[:12]}.ptx"

@@ -34,3 +34,65 @@ def test_kernels_compile_for_hopper():
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
     assert "compiled" in out and " of 0 " not in out, out[-2000:]
+
+
+_COPY_KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def copy_kernel(x_ptr, y_ptr, n, stride, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs * stride, tl.load(x_ptr + offs * stride, mask=offs < n), mask=offs < n)
+"""
+_COMPILE = """
+import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import hopper_compile, triton
+from triton.backends.compiler import GPUTarget
+from copy_module import copy_kernel
+target = GPUTarget("cuda", 90, 32)
+for line in open(sys.argv[3]):
+    entry = json.loads(line)
+    ptx = triton.compile(hopper_compile.source_of(copy_kernel, entry, target), target=target,
+                         options=entry["options"]).asm["ptx"]
+    print("vector" if ".v4." in ptx else "scalar")
+"""
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records launches under the interpreter (no GPU)")
+def test_launches_are_recorded_as_the_jit_specializes_them(tmp_path, monkeypatch):
+    """A device launch compiles its kernel for its arguments' specialization: integers equal to 1
+    become constexprs, 16-byte aligned pointers and integers divisible by 16 are marked so (the
+    compiler may then load 16 bytes at a time). The record carries the same, and the compile (in a
+    process without the interpreter) uses it: the aligned launch's copy loads vectors, the
+    misaligned one's single elements."""
+    import importlib
+    import json
+
+    import torch
+    from triton.runtime import interpreter
+
+    (tmp_path / "copy_module.py").write_text(_COPY_KERNEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(HERE)
+    import hopper_compile
+
+    copy_kernel = importlib.import_module("copy_module").copy_kernel
+    path = str(tmp_path / "launches.jsonl")
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", interpreter.InterpretedFunction.run)
+    hopper_compile.record(path, execute=False)
+    x = torch.zeros(1040, dtype=torch.bfloat16)  # 1,024 elements: 32 a thread of one warp
+    copy_kernel[(1,)](x, x, 1024, 1, BLOCK=1024, num_warps=1)
+    copy_kernel[(1,)](x[1:], x[1:], 1023, 1, BLOCK=1024, num_warps=1)
+    aligned, odd = [json.loads(line) for line in open(path)]
+    assert aligned["signature"]["stride"] == "constexpr" and aligned["constexprs"]["stride"] == 1
+    assert aligned["attrs"] == {"0": "D", "1": "D", "2": "D"}
+    assert odd["attrs"] == {} and odd["signature"]["n"] == "i32"
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE, HERE, str(tmp_path), path], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["vector", "scalar"], run.stdout
