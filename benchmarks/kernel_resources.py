@@ -41,40 +41,88 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> int:
 def _record_step(path: str, batches, adapters: int, layers: int, smoke: bool = False):
     """In this process (interpreted): decode at each batch with launches recorded, not run."""
     os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import hopper_compile
-    import peft_fastlora as fastlora
 
     hopper_compile.record(path, execute=False)
     # launch parameters chosen from the SM count (decode attention's splits and block_n) as on an
     # H200, not as for the interpreter's few programs
     importlib.import_module("peft_fastlora.ops.decode_attention")._sm_count = lambda device: H200_SMS
+    _decode(batches, adapters, layers, smoke, device="cpu", label=lambda text: hopper_compile.CONTEXT.update(label=text))
+
+
+def _decode(batches, adapters: int, layers: int, smoke: bool, device: str, label=lambda text: None):
+    """The one-layer model of the 8B widths (module doc), patched, decoding a few tokens at each batch
+    with 8 adapters on every row and with none; ``device="cuda"``: real graphs on the GPU."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import peft_fastlora as fastlora
+
     torch.manual_seed(0)
     widths = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2) if smoke \
         else dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8)
     cfg = LlamaConfig(vocab_size=256, num_hidden_layers=layers, **widths, max_position_embeddings=512,
                       pad_token_id=0, bos_token_id=1, eos_token_id=None, tie_word_embeddings=False)
-    base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    base = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
     base.generation_config.eos_token_id = None
     all7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules=all7), adapter_name="a0")
     for i in range(1, adapters):
         model.add_adapter(f"a{i}", LoraConfig(r=16, lora_alpha=32, target_modules=all7))
     model.eval()
-    options = dict(backend="triton", cuda_graphs="emulate", fold_shrink=True, stream_gemm=True, decode_attention=True,
-                   fuse_norms=True, fuse_rotary=True, fuse_silu_mul=True, fuse_kv_write=True)
+    options = dict(backend="triton", cuda_graphs="emulate" if device == "cpu" else "auto", fold_shrink=True,
+                   stream_gemm=True, decode_attention=True, fuse_norms=True, fuse_rotary=True, fuse_silu_mul=True,
+                   fuse_kv_write=True)
     with fastlora.patched(model, **options):
         for batch in batches:
             for mixed in (True, False):
                 names = [f"a{i % adapters}" if mixed else "__base__" for i in range(batch)]
-                hopper_compile.CONTEXT["label"] = f"{'mixed' if mixed else 'no-adapter'} batch {batch}"
-                ids = torch.randint(3, 256, (batch, 4))
+                label(f"{'mixed' if mixed else 'no-adapter'} batch {batch}")
+                ids = torch.randint(3, 256, (batch, 4), device=device)
                 with torch.no_grad():
                     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names,
                                    max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+
+def jit_table(out: str, batches, adapters: int, layers: int) -> int:
+    """On a GPU: decode as ``_record_step`` does, through real graphs, then write what Triton's JIT
+    itself built for every kernel of ``peft_fastlora.ops`` (its registers and spills as the driver
+    reports them, and as cuobjdump reads the cubin): the reference the CPU table is checked against."""
+    import torch
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    import bench_generate as bg
+    import hopper_compile
+
+    if not torch.cuda.is_available():
+        print("--jit needs a CUDA GPU; nothing run")
+        return 0
+    _decode(batches, adapters, layers, smoke=False, device="cuda")
+    import peft_fastlora.ops as ops
+
+    rows = []
+    for module_name in sorted(m for m in sys.modules if m.startswith(ops.__name__ + ".")):
+        for name, fn in sorted(vars(sys.modules[module_name]).items()):
+            if not isinstance(fn, JITFunction) or getattr(fn, "__module__", module_name) != module_name:
+                continue
+            for caches in fn.device_caches.values():
+                for compiled in caches[0].values():
+                    compiled._init_handles()
+                    consts = {fn.arg_names[k[0]]: v for k, v in compiled.src.constants.items() if len(k) == 1}
+                    regs, stack = hopper_compile.resources(compiled)
+                    rows.append(dict(kernel=name, constexprs=" ".join(f"{k}={v}" for k, v in sorted(consts.items())
+                                                                     if k.isupper() and k != "LIBDEVICE"),
+                                     specialized=" ".join(f"{k}={v}" for k, v in sorted(consts.items()) if not k.isupper()),
+                                     num_warps=compiled.metadata.num_warps, num_stages=compiled.metadata.num_stages,
+                                     registers=compiled.n_regs, spills=compiled.n_spills, cubin_registers=regs,
+                                     stack_bytes=stack, shared_bytes=compiled.metadata.shared,
+                                     triton=triton.__version__, gpu=torch.cuda.get_device_name()))
+                    print(f"{name:32s} warps {rows[-1]['num_warps']}: {compiled.n_regs:3d} registers, "
+                          f"{compiled.n_spills} spills, {compiled.metadata.shared:6d} B shared", flush=True)
+    bg.write_out(rows, out)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -84,8 +132,13 @@ def main(argv=None) -> int:
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--smoke", action="store_true", help="narrow widths: exercises the script only")
+    p.add_argument("--jit", action="store_true",
+                   help="on a GPU: decode through real graphs and write what the JIT built (the CPU table's check)")
     p.add_argument("--record-only", default=None, help=argparse.SUPPRESS)  # (the child process's part)
     args = p.parse_args(argv)
+    if args.jit:
+        sys.path.insert(0, os.path.join(ROOT, "tests"))
+        return jit_table(args.out, args.batches, args.adapters, args.layers)
     if args.record_only:
         _record_step(args.record_only, args.batches, args.adapters, args.layers, args.smoke)
         return 0

@@ -2,7 +2,7 @@
 # Everything that needs the GPU, in one call of the device machine: GPU tests, soak, kernel
 # benchmark, end-to-end benchmark. Results land in $OUT (and are committed under
 # benchmarks/results/). Parts: all (default) or any of tests soak kernels generate host pdl
-# profile attention continuous prefill many; never part of all: tma (probe_tma_gemm.py rewrites the TMA kernel's
+# profile attention continuous prefill many resources; never part of all: tma (probe_tma_gemm.py rewrites the TMA kernel's
 # tile table in the tree, then the 8B steps at TMA_BATCHES with the kernel off and on); and, on the two-GPU
 # machine only, multigpu (TP_MODEL, TP_ARGS: e.g. 32b --skip-tp1) and devicemap.
 set -uo pipefail
@@ -60,6 +60,10 @@ fi
 if want prefill; then
   timeout 300 python3 benchmarks/bench_prefill.py --model ${PREFILL_MODEL:-8b} --out "$OUT" 2>&1 | grep -v -i warn \
     | tee "$OUT/bench_prefill.log" | tail -6
+fi
+if want resources; then  # what the JIT built for an 8B step's kernels (the CPU table's check: kernel_resources.py)
+  timeout 300 python3 benchmarks/kernel_resources.py --jit --out "$OUT/kernel_resources_8b_jit_h200.csv" 2>&1 \
+    | grep -v -i warn | tee "$OUT/kernel_resources_jit.log" | tail -4
 fi
 if want many; then
   timeout 400 python3 benchmarks/bench_many_adapters.py --model ${MANY_MODEL:-8b} --adapters ${MANY_ADAPTERS:-512} \
