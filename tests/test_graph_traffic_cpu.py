@@ -210,6 +210,29 @@ def test_warmup_captures_before_traffic():
     assert fastlora.warmup(m).captures == 0  # graphs off: nothing to capture, no error
 
 
+def test_warmup_after_adapters_changed():
+    """A server that adds and deletes adapters warms up again (the change dropped the graphs): the
+    warm-up takes PEFT's adapters as they are now, not the deleted one, and the traffic after it
+    captures nothing more."""
+    from peft import LoraConfig
+
+    m, ref = _pair()
+    fastlora.patch(m, cuda_graphs="emulate", graph_buckets=[1, 2, 4])
+    assert fastlora.warmup(m, max_length=64).captures == 3
+    for model in (m, ref):
+        torch.manual_seed(11)
+        model.add_adapter("late", LoraConfig(r=6, lora_alpha=12, target_modules=["q_proj", "down_proj"],
+                                             init_lora_weights=False))
+        model.delete_adapter("a1")
+        model.eval()
+    report = fastlora.warmup(m, max_length=64)
+    assert report.captures == 3  # every bucket again: the change dropped them
+    runner = get_state(m).graph_runner
+    for lengths, names in (([5, 9, 2], ["late", "__base__", "a2"]), ([7], ["late"]), ([3, 3, 3, 3], ["a0", "late"] * 2)):
+        _same_as_peft(m, ref, lengths, 5, names)
+    assert runner.stats["captures"] == 6 and get_state(m).report.adapters == ["a0", "a2", "late"]
+
+
 @pytest.mark.parametrize("bad", [dict(max_graphs=0), dict(max_graphs=True), dict(cache_budget_bytes=-1),
                                  dict(graph_buckets=[2, 0]), dict(max_loras_per_batch=0), dict(fuse="yes")])
 def test_bad_runner_options(bad):

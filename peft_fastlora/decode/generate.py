@@ -179,6 +179,8 @@ def warmup(model, batch_sizes: Optional[Sequence[int]] = None, max_length: int =
                 raise ValueError(f"fastlora.warmup: batch size {b} exceeds the largest graph bucket "
                                  f"{runner.buckets[-1]}")
             buckets.append(bucket)
+    # PEFT's adapters as they are now (a server warms up again after adding or deleting some)
+    state.sync(())
     # default: as many adapters as the GPU slots hold (all, unless the model has fewer slots)
     names = list(adapter_names) if adapter_names else (state.registry.names[:state.registry.num_slots] or ["__base__"])
     unknown = sorted({n for n in names if n != "__base__" and n not in state.registry.index and n not in state.stored})
