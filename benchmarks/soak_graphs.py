@@ -2,10 +2,14 @@
 
 Each call draws a batch size (1 to --max-rows), left-padded prompts (1 to --max-prompt tokens per
 row), new tokens (1 to --max-new), a random mix of adapters and ``"__base__"``, and samples in a
-quarter of the calls. Half-way one adapter is added and another deleted. The first call is the
+quarter of the calls. Half-way (half the calls, or half of --time-limit, whichever comes first)
+one adapter is added and another deleted. The first call, and the first after that change, is the
 largest shape the soak draws from, after ``fastlora.warmup`` has captured every bucket (what a
-server would do), so that "memory in the second half no higher than in the first" tests that
-nothing accumulates, not the luck of the draw.
+server would do at its start and after changing its adapters, which drops the graphs), so that
+"memory after the change no higher than before it" tests that nothing accumulates, not the luck of
+the draw. (Without the second warm-up, the graphs are captured again as traffic needs them and
+PyTorch's caching allocator, emptied with the old graphs' pool, keeps one more block size for each
+new largest prefill: reserved memory grows in steps while allocated memory stays flat.)
 
 With --compare-peft (the tiny fp32 models), every greedy call is also run on an identical
 unpatched model and the tokens compared. Where they differ, the first differing step is looked up
@@ -143,19 +147,26 @@ def main(argv=None):
         refs = tiny_peft(args.model, device) if args.compare_peft else None
     report = fastlora.patch(model, cuda_graphs="emulate" if args.smoke else "auto")
     print(report, flush=True)
-    # as a server would: every bucket captured before traffic, caches sized for the longest call
-    warm = fastlora.warmup(model, max_length=args.max_prompt + args.max_new)
+    # as a server would: every bucket the traffic can reach captured before it, caches sized for the
+    # longest call
+    runner = fastlora.get_state(model).graph_runner
+    top = runner.bucket_for(min(args.max_rows, runner.buckets[-1])) if runner is not None else None
+    buckets = [b for b in runner.buckets if b <= top] if runner is not None else None
+    warm = fastlora.warmup(model, batch_sizes=buckets, max_length=args.max_prompt + args.max_new)
     print(warm, flush=True)
     rng = random.Random(args.seed)
     names = sorted(report.adapters)
     rows_out, errors = [], []
     cuda = device == "cuda"
     t_start = time.perf_counter()
+    change_at, rewarm = None, None
     for i in range(args.calls):
-        if args.time_limit is not None and time.perf_counter() - t_start > args.time_limit:
+        elapsed = time.perf_counter() - t_start
+        if args.time_limit is not None and elapsed > args.time_limit:
             print(f"time limit reached after {i} calls", flush=True)
             break
-        if i == args.calls // 2:  # half-way: one adapter added, one deleted
+        half_time = args.time_limit is not None and elapsed > args.time_limit / 2
+        if change_at is None and (i == args.calls // 2 or half_time):  # one adapter added, one deleted
             for m in [model] + ([refs] if refs is not None else []):
                 torch.manual_seed(99)
                 m.add_adapter("late", LoraConfig(r=12, lora_alpha=24, target_modules=["o_proj", "up_proj", "v_proj"],
@@ -163,7 +174,10 @@ def main(argv=None):
                 m.delete_adapter(names[1])
                 m.eval()
             names = [n for n in names if n != names[1]] + ["late"]
-        rows, lengths, new, mix, sample = draw(rng, args, names, first=i == 0)
+            rewarm = fastlora.warmup(model, batch_sizes=buckets, max_length=args.max_prompt + args.max_new)
+            print(f"call {i}: adapters changed; {rewarm}", flush=True)
+            change_at = i
+        rows, lengths, new, mix, sample = draw(rng, args, names, first=i in (0, change_at))
         inputs = batch(lengths, vocab, device, seed=i)
         kw = dict(max_new_tokens=new, min_new_tokens=new, pad_token_id=0, adapter_names=mix)
         kw.update(do_sample=True, top_k=50) if sample else kw.update(do_sample=False)
@@ -199,9 +213,10 @@ def main(argv=None):
         rows_out.append(row)
         if i % 10 == 0 or not ok:
             print(row, flush=True)
-    half = len(rows_out) // 2
-    first = max(r["reserved_mib"] for r in rows_out[:half]) if half else 0
-    second = max(r["reserved_mib"] for r in rows_out[half:]) if rows_out else 0
+    # before and after the change (no change made: the two halves of the calls)
+    half = change_at if change_at is not None else len(rows_out) // 2
+    before, after = rows_out[:half], rows_out[half:]
+    peak = lambda rows, key: max((r[key] for r in rows), default=0)  # noqa: E731
     greedy = [r for r in rows_out if r["rows_equal"] != ""]
     summary = dict(model=args.model, calls=len(rows_out), errors=len(errors),
                    greedy_calls_compared=len(greedy),
@@ -209,9 +224,15 @@ def main(argv=None):
                    rows_compared=sum(r["rows"] for r in greedy),
                    rows_tie_flip=sum(r["rows_tie_flip"] for r in greedy),
                    rows_mismatch=sum(r["rows_mismatch"] for r in greedy),
-                   reserved_mib_first_half_max=first, reserved_mib_second_half_max=second,
-                   memory_bounded=second <= first, seconds=round(time.perf_counter() - t_start, 1),
-                   warmup_captures=warm.captures, warmup_s=round(warm.seconds, 2))
+                   adapter_change_at=change_at,
+                   reserved_mib_before_max=peak(before, "reserved_mib"),
+                   reserved_mib_after_max=peak(after, "reserved_mib"),
+                   allocated_mib_before_max=peak(before, "allocated_mib"),
+                   allocated_mib_after_max=peak(after, "allocated_mib"),
+                   memory_bounded=bool(after) and peak(after, "reserved_mib") <= peak(before, "reserved_mib"),
+                   seconds=round(time.perf_counter() - t_start, 1),
+                   warmup_captures=warm.captures, warmup_s=round(warm.seconds, 2),
+                   rewarm_captures=rewarm.captures if rewarm is not None else None)
     final = fastlora.get_state(model).graph_runner.stats if fastlora.get_state(model).graph_runner else {}
     summary.update({f"final_{k}": v for k, v in final.items() if k != "eager_reasons"})
     summary["eager_reasons"] = final.get("eager_reasons", {})

@@ -190,3 +190,17 @@ def test_kernel_resources_smoke(tmp_path):
     kernels = {r["kernel"] for r in rows}
     assert {"_rms_norm_kernel", "_lora_expand_wide_kernel", "_decode_attention_split_kernel"} <= kernels, kernels
     assert all(int(r["registers"]) > 0 and int(r["programs_per_sm"]) > 0 for r in rows)
+
+
+def test_soak_graphs_smoke(tmp_path):
+    """A short soak on the CPU (emulated graphs): PEFT's tokens on every greedy call, the adapter change
+    half-way, and the warm-up after it (which once asked for the deleted adapter)."""
+    import ast
+
+    out = _run([os.path.join(BENCH, "soak_graphs.py"), "--smoke", "--model", "tiny-llama", "--calls", "6",
+                "--max-rows", "3", "--max-prompt", "6", "--max-new", "3", "--compare-peft", "--out", str(tmp_path)])
+    summary = ast.literal_eval(out.split("SUMMARY ", 1)[1].splitlines()[0])
+    assert summary["errors"] == 0 and summary["adapter_change_at"] == 3, summary
+    assert summary["greedy_calls_compared"] > 0, summary
+    assert summary["greedy_calls_token_equal"] == summary["greedy_calls_compared"], summary
+    assert summary["rewarm_captures"] == summary["warmup_captures"] == 3, summary
