@@ -760,6 +760,40 @@ def sample_loop_with_stop_check(stop_check_cls):
     return copy
 
 
+_GREEDY_LOOP_PARTS = ("_prefill", "prepare_inputs_for_generation", "_update_model_kwargs_for_generation",
+                      "_has_unfinished_sequences", "_optimize_model_for_decode", "_valid_auto_compile_criteria",
+                      "get_compiled_call")
+
+
+def greedy_loop_missing(model) -> Optional[str]:
+    """Why ``decode.greedy_loop`` cannot stand in for this transformers' greedy loop (None: it can):
+    the loop's own steps (prefill, inputs, kwargs update, stop test) and the stop-check classes."""
+    from transformers.generation import utils as gen_utils
+
+    missing = [name for name in _GREEDY_LOOP_PARTS if not callable(getattr(model, name, None))]
+    if getattr(gen_utils, "StopCheck", None) is None:
+        missing.append("StopCheck")
+    if not isinstance(getattr(gen_utils, "ALL_CACHE_NAMES", None), (list, tuple)):
+        missing.append("ALL_CACHE_NAMES")
+    if missing:
+        return f"transformers {TRANSFORMERS_VERSION} has no {', '.join(missing)} for fastlora's greedy loop"
+    return None
+
+
+def generation_output_cache(outputs):
+    """The cache a step's outputs carry (transformers' loop looks it up by these names), or None."""
+    from transformers.generation import utils as gen_utils
+
+    return next((outputs[name] for name in gen_utils.ALL_CACHE_NAMES if name in outputs), None)
+
+
+def per_step_stop_check():
+    """transformers' stop check that reads "all rows finished" after every step (no streamer)."""
+    from transformers.generation import utils as gen_utils
+
+    return gen_utils.StopCheck(None)
+
+
 def generation_mode_name(generation_config) -> str:
     """The decoding method transformers picks for this (prepared) config: e.g. "_sample", or a
     Hub repository for the modes it moved there."""

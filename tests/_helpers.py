@@ -108,3 +108,17 @@ def stage_host_copies(monkeypatch) -> list:
     monkeypatch.setattr(host_copy, "_staged_copy", lambda *a: staged.append("staged") or stage(*a))
     monkeypatch.setattr(state_module, "prestage", counted_prestage)
     return staged
+
+
+class DoneEvent:
+    """A CPU stand-in for ``torch.Event`` (the deferred stop check's): CPU copies have finished
+    when they return."""
+
+    def __init__(self, device=None, blocking=False):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass

@@ -14,23 +14,10 @@ from transformers.generation import utils as gen_utils
 
 import peft_fastlora as fastlora
 from peft_fastlora.decode import deferred_stop
-from _helpers import TokenStream
+from _helpers import DoneEvent, TokenStream
 from _models import tiny_peft_llama
 
 NAMES = ["a", "__base__", "b", "a"]
-
-
-class _DoneEvent:
-    """A CPU stand-in for ``torch.Event``: CPU copies have finished when they return."""
-
-    def __init__(self, device=None, blocking=False):
-        pass
-
-    def record(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +28,7 @@ def model():
 @pytest.fixture
 def cpu_events(monkeypatch):
     monkeypatch.setattr(deferred_stop, "DEVICE_TYPES", {"cuda", "cpu"})
-    monkeypatch.setattr(torch, "Event", _DoneEvent)
+    monkeypatch.setattr(torch, "Event", DoneEvent)
 
 
 def _inputs(batch=4, new=10):
@@ -66,6 +53,7 @@ def test_length_stop_equals_peft_and_defers(model, cpu_events):
         assert report.stop_check == "deferred" and "stop check deferred" in str(report)
     assert torch.equal(out, ref)
     assert stats["deferred_stop_calls"] == 1 and stats["steps_undone"] == 0, stats
+    assert stats["fused_selection_calls"] == 1 and not stats["selection_reasons"], stats
     assert gen_utils.DeferredStopCheck.__module__ == gen_utils.__name__  # transformers' module untouched
 
 
@@ -82,6 +70,7 @@ def test_eos_stop_undoes_the_extra_step(model, cpu_events):
         again = model.generate(**kw, adapter_names=NAMES, eos_token_id=eos)  # the extra step's cache entry is reset
     assert torch.equal(out, ref) and torch.equal(again, ref)
     assert stats["deferred_stop_calls"] == 1 and stats["steps_undone"] == 1, stats
+    assert stats["fused_selection_calls"] == 1, stats
 
 
 def test_streamer_gets_every_token_once(model, cpu_events):
@@ -91,6 +80,7 @@ def test_streamer_gets_every_token_once(model, cpu_events):
     with fastlora.patched(model, cuda_graphs="emulate"):
         out = model.generate(**kw, adapter_names=["b"], streamer=out_stream)
         assert _stats(model)["deferred_stop_calls"] == 1
+        assert _stats(model)["selection_reasons"] == {"a streamer": 1}  # transformers' loop streams
     assert torch.equal(out, ref)
     assert len(ref_stream.chunks) == 1 + 6 + 1 and out_stream.chunks == ref_stream.chunks
 

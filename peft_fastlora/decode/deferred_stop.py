@@ -11,7 +11,9 @@ the next call and not handed to the caller (calls that ask for it back, ``return
 keep the per-step check), so the extra step's cache entry needs no rollback. fastlora then passes
 ``generate`` a copy of transformers' loop whose ``DeferredStopCheck`` accepts that cache, through
 the public ``custom_generate`` argument: transformers' module is not changed, and every other call
-(and every other model) keeps transformers' own choice.
+(and every other model) keeps transformers' own choice. Greedy calls whose logits processors and
+stopping criteria ``greedy_loop`` reproduces run that loop instead (each step's token selection in
+one kernel); the others run the copy.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import functools
 from typing import Optional
 
 from .. import _compat
+from . import greedy_loop
 
 # the attribute that marks the cache of an armed call (the runner serving it), set by ``armed``
 CALL_ATTR = "_fastlora_deferred_stop_runner"
@@ -108,9 +111,16 @@ def decoding_method(streamer=None):
         if mode != _LOOP:
             raise RuntimeError(f"fastlora: a graphed generate call reached decoding method {mode!r}; "
                                "patch with defer_stop_check=False and report this")
+        streamer = streamer if streamer is not None else call_streamer
+        runner = getattr(model_kwargs.get(_compat.cache_kwarg_name(self)), CALL_ATTR, None)
+        why = greedy_loop.blocker(self, logits_processor, stopping_criteria, generation_config, streamer, synced_gpus)
+        if runner is not None:
+            runner.note_token_selection(why)
+        if why is None:
+            return greedy_loop.greedy_loop(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                           stop_check, **model_kwargs)
         loop = _compat.sample_loop_with_stop_check(stop_check)
         return loop(self, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                    generation_config=generation_config, synced_gpus=synced_gpus,
-                    streamer=streamer if streamer is not None else call_streamer, **model_kwargs)
+                    generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 
     return fastlora_sample

@@ -70,8 +70,9 @@ class DecodeGraphRunner:
         self._batch_info_backend = None  # the backend whose graph batch info is initialised
         self._counters = {"captures": 0, "replays": 0, "eager_steps": 0, "capture_s": 0.0,
                           "capture_failures": 0, "evictions": 0, "graphs_dropped": 0,
-                          "deferred_stop_calls": 0, "steps_undone": 0}
+                          "deferred_stop_calls": 0, "steps_undone": 0, "fused_selection_calls": 0}
         self.eager_reasons: Dict[str, int] = {}
+        self.selection_reasons: Dict[str, int] = {}  # why deferred calls kept transformers' token selection
 
     @property
     def max_graphs(self) -> int:
@@ -92,6 +93,7 @@ class DecodeGraphRunner:
         out["cache_bytes"] = self.caches.nbytes()
         out["graph_pool_bytes"] = (self.pool.reserved_bytes() if self.pool is not None else 0)
         out["eager_reasons"] = dict(self.eager_reasons)
+        out["selection_reasons"] = dict(self.selection_reasons)
         return out
 
     def note_eager(self, reason: str, steps: int = 0):
@@ -105,6 +107,13 @@ class DecodeGraphRunner:
         """A call that read its stop flag one step late has finished (``deferred_stop.py``)."""
         self._counters["deferred_stop_calls"] += 1
         self._counters["steps_undone"] += steps_undone
+
+    def note_token_selection(self, blocker: Optional[str]):
+        """A deferred call's token selection: fused (``greedy_loop``; ``blocker`` None) or why not."""
+        if blocker is None:
+            self._counters["fused_selection_calls"] += 1
+        else:
+            self.selection_reasons[blocker] = self.selection_reasons.get(blocker, 0) + 1
 
     # -- per generate call -----------------------------------------------------------------------
     def bucket_for(self, batch_size: int) -> Optional[int]:

@@ -1,0 +1,165 @@
+"""Greedy decoding with each step's token selection in one kernel (``ops.greedy_select``).
+
+transformers' loop runs about 25 small launches between two decode steps, outside the step's
+graph; at 8B they hold the GPU for about a step's 2%. This loop is transformers' greedy loop (the
+same prefill, inputs, cache and stop check, read one step late) with the work from the logits to
+the next ids done by ``greedy_select``: the argmax, the minimum-length processors' EOS masks, the
+padding of finished rows and the EOS criterion. The ids grow in a buffer allocated once, not by a
+``cat`` a step.
+
+It serves the calls whose processors and criteria it reproduces exactly (``blocker`` says why
+another call keeps transformers' loop): greedy, no streamer, logits processors among the two
+minimum-length ones, stopping criteria among the maximum length and EOS.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _compat
+from ..kernel_support import kernel_runs_on
+
+ENABLED = True  # benchmarks switch it off for an A/B; False: every call keeps transformers' loop
+
+
+def _suppress_rules(logits_processor):
+    """(kind, processor) of the minimum-length processors, or None when another is present."""
+    from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
+
+    rules = []
+    for p in logits_processor:
+        if type(p) is MinLengthLogitsProcessor:
+            rules.append(("min_length", p))
+        elif type(p) is MinNewTokensLengthLogitsProcessor:
+            rules.append(("min_new_tokens", p))
+        else:
+            return None, type(p).__name__
+    return rules, None
+
+
+def blocker(model, logits_processor, stopping_criteria, generation_config, streamer=None,
+            synced_gpus=False) -> Optional[str]:
+    """Why this call keeps transformers' loop (None: this loop serves it)."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    from ..ops.greedy_select import MAX_IDS
+
+    if not ENABLED:
+        return "fused token selection switched off"
+    if generation_config.do_sample:
+        return "sampling"
+    if streamer is not None:
+        return "a streamer"
+    if synced_gpus or getattr(generation_config, "is_assistant", False):
+        return "synced GPUs or an assistant model"
+    if generation_config.return_dict_in_generate or getattr(model.config, "is_encoder_decoder", False):
+        return "a dict result or an encoder-decoder"
+    missing = _compat.greedy_loop_missing(model)
+    if missing:
+        return missing
+    rules, other = _suppress_rules(logits_processor)
+    if rules is None:
+        return f"logits processor {other}"
+    for c in stopping_criteria:
+        if type(c) not in (MaxLengthCriteria, EosTokenCriteria):
+            return f"stopping criterion {type(c).__name__}"
+    if stopping_criteria.max_length is None:
+        return "no maximum length"
+    ids = [c.eos_token_id for c in stopping_criteria if type(c) is EosTokenCriteria]
+    if any(torch.as_tensor(t).numel() > MAX_IDS for t in ids + [p.eos_token_id for _, p in rules]):
+        return f"more than {MAX_IDS} EOS ids"
+    return None
+
+
+class _Suppression:
+    """The ids the active minimum-length rules set to -inf at each length, on the device: one
+    tensor per set of active rules, built once per call (no launch per step)."""
+
+    def __init__(self, rules, device):
+        self.rules = [(kind, p, p.eos_token_id.to(device=device, dtype=torch.int64).reshape(-1)) for kind, p in rules]
+        self.by_active = {}
+
+    def at(self, length: int) -> Optional[torch.Tensor]:
+        active = tuple(i for i, (kind, p, _) in enumerate(self.rules)
+                       if (length < p.min_length if kind == "min_length"
+                           else length - p.prompt_length_to_skip < p.min_new_tokens))
+        if not active:
+            return None
+        if active not in self.by_active:
+            self.by_active[active] = torch.unique(torch.cat([self.rules[i][2] for i in active]))
+        return self.by_active[active]
+
+
+def _select(logits, tokens, unfinished, pad, stop_ids, suppress):
+    from ..ops.greedy_select import MAX_IDS, greedy_select, greedy_select_reference
+
+    fits = suppress is None or suppress.numel() <= MAX_IDS
+    if fits and logits.stride(-1) == 1 and kernel_runs_on(logits, tokens, unfinished):
+        return greedy_select(logits, tokens, unfinished, pad, stop_ids, suppress)
+    return greedy_select_reference(logits, tokens, unfinished, pad, stop_ids, suppress)
+
+
+def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, stop_check_cls,
+                on_step=None, **model_kwargs):
+    """transformers' greedy ``_sample`` (the call ``blocker`` accepted) with the token selection
+    in one kernel. ``stop_check_cls``: the deferred stop check's class; ``on_step``: called once per
+    token selected."""
+    from transformers.generation.stopping_criteria import EosTokenCriteria
+
+    device = input_ids.device
+    rules, _ = _suppress_rules(logits_processor)
+    suppression = _Suppression(rules, device)
+    eos = [c.eos_token_id for c in stopping_criteria if type(c) is EosTokenCriteria]
+    has_stop = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    stop_ids = (torch.cat([torch.as_tensor(t).reshape(-1) for t in eos]).to(device=device, dtype=torch.int64)
+                if eos else None)
+    pad = generation_config._pad_token_tensor
+    if has_stop:
+        if pad is None:  # transformers' own loop fails here too (``pad * (1 - unfinished)``)
+            raise ValueError("fastlora: an EOS criterion needs a pad token id (pass pad_token_id)")
+        pad = pad.to(device=device, dtype=torch.int64).reshape(())
+        if stop_ids is None:
+            stop_ids = torch.empty(0, dtype=torch.int64, device=device)
+    rows, length = input_ids.shape
+    max_length = stopping_criteria.max_length
+    ids = input_ids.new_empty(rows, max(max_length, length + 1) + 1)  # + the deferred check's extra step
+    ids[:, :length] = input_ids
+    unfinished = torch.ones(rows, dtype=torch.long, device=device)
+
+    model_forward = (model.get_compiled_call(generation_config.compile_config)
+                     if model._valid_auto_compile_criteria(model_kwargs, generation_config) else model.__call__)
+    outputs = model._prefill(input_ids, generation_config, model_kwargs,
+                             is_first_iteration=not generation_config.is_assistant)
+    cache = _compat.generation_output_cache(outputs)
+    cache_is_returned = generation_config.return_dict_in_generate or getattr(cache, "_is_user_defined", False)
+    if stop_check_cls.is_supported(device, cache, cache_is_returned, is_assistant=generation_config.is_assistant):
+        stop_check = stop_check_cls(input_ids, max_length, cache, cache_is_returned, None)
+    else:
+        stop_check = _compat.per_step_stop_check()
+    prefill_consumed = False
+    finished = False
+    with model._optimize_model_for_decode():
+        while model._has_unfinished_sequences(finished, False, device=device):
+            if prefill_consumed:
+                model_inputs = model.prepare_inputs_for_generation(
+                    input_ids, next_sequence_length=1 if model_kwargs["use_cache"] else None, **model_kwargs)
+                outputs = model_forward(**model_inputs, return_dict=True)
+            prefill_consumed = True
+            model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
+            logits = outputs.logits[:, -1]
+            if logits.device != device:
+                logits = logits.to(device)
+            _select(logits, ids[:, length], unfinished, pad if has_stop else None, stop_ids if has_stop else None,
+                    suppression.at(length))
+            length += 1
+            input_ids = ids[:, :length]
+            if length >= max_length:  # the maximum-length criterion: every row is done
+                unfinished.zero_()
+            finished = stop_check(unfinished, ids[:, length - 1], length)
+            if on_step is not None:
+                on_step()
+            del outputs
+    undo = stop_check.finish()
+    return input_ids[:, :length - undo].contiguous() if undo else input_ids.contiguous()
