@@ -41,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_generate as bg  # noqa: E402
 import peft_fastlora as fastlora  # noqa: E402
+from peft_fastlora.decode import greedy_loop  # noqa: E402
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -190,8 +191,11 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=40)
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--out", default=None, help="folder for step_timeline_<model>.csv")
+    p.add_argument("--token-select", choices=["fused", "hf"], default="fused",
+                   help="hf: transformers' token selection between steps (decode.greedy_loop.ENABLED), for an A/B")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script's set-up only")
     args = p.parse_args(argv)
+    greedy_loop.ENABLED = args.token_select == "fused"
     if args.smoke:
         bg.DEVICE, args.model, args.batches, args.new_tokens = "cpu", "tiny", [2], 4
     base = bg.build_base(args.model)
@@ -213,7 +217,8 @@ def main(argv=None):
             if not steps:
                 print(f"batch {b}: no graph replays in the trace", flush=True)
                 continue
-            row = dict(bg.versions(), model=args.model, method=method, batch=b, steps=len(steps),
+            row = dict(bg.versions(), model=args.model, method=method, token_select=args.token_select, batch=b,
+                       steps=len(steps),
                        **summarise(steps, args.top, host_steps(runtime)))
             print(row, flush=True)
             rows.append(row)
@@ -224,10 +229,11 @@ def main(argv=None):
         fastlora.unpatch(model)
     if rows and args.out:
         os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"step_timeline_{args.model}.csv")
+        stem = f"step_timeline_{args.model}" + ("_hf_select" if args.token_select == "hf" else "")
+        path = os.path.join(args.out, f"{stem}.csv")
         _write(path, rows)
         print("wrote", path)
-        _write(os.path.join(args.out, f"step_timeline_{args.model}_kernels.csv"), krows)
+        _write(os.path.join(args.out, f"{stem}_kernels.csv"), krows)
     return 0
 
 
