@@ -91,6 +91,10 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             one extra step undone), so the host queues the next step while the GPU runs this one.
             Calls that return the cache (``return_dict_in_generate``), pass ``custom_generate``,
             a tokenizer (stop strings) or use a mode other than greedy / sampling check every step.
+            Greedy calls among these also select each step's tokens in one kernel (the argmax,
+            minimum lengths, EOS and padding: ``decode/greedy_loop.py``) where their logits
+            processors and stopping criteria are ones it reproduces; the report's "token selection"
+            and the graph runner's ``stats["selection_reasons"]`` say which calls did not.
     Returns:
         the ``PatchReport``. Patching a patched model with the same options returns its report;
         with other options it raises ``ValueError`` (``unpatch`` first).

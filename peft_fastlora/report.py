@@ -34,6 +34,7 @@ class PatchReport:
     stream_gated_mlps: int = 0  # gated MLPs whose plain gate/up GEMM gives act(gate) * up
     cuda_graphs: str = "off"  # "on", "emulated", or "off (why)"
     stop_check: str = "per step"  # with graphs on: "deferred" (read one step late on CUDA) or "per step (why)"
+    token_selection: str = "transformers'"  # with graphs on: "one kernel for greedy calls" or "transformers' (why)"
     continuous_batching: str = "off"  # per-request adapters in generate_batch: "on" or "off (why)"
     base_ops_skipped: List[Tuple[str, str, str]] = field(default_factory=list)  # (option, class, why)
     base_ops_off: Dict[str, str] = field(default_factory=dict)  # option -> why it is off
@@ -73,7 +74,7 @@ class PatchReport:
             line += f"; {n} group{'s' if n != 1 else ''} not fused"
         line += f"; decode graphs {self.cuda_graphs}"
         if not self.cuda_graphs.startswith("off"):
-            line += f" (stop check {self.stop_check})"
+            line += f" (stop check {self.stop_check}; token selection {self.token_selection})"
         line += f"; decode attention {self.decode_attention}"
         line += f"; continuous batching {self.continuous_batching}"
         if self.adapters:

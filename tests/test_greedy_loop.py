@@ -110,6 +110,17 @@ def test_other_forms_keep_transformers_loop_and_say_why(model, cpu_events, extra
     assert stats["deferred_stop_calls"] == 1, stats
 
 
+def test_the_report_says_which_token_selection_greedy_calls_get(model, cpu_events, monkeypatch):
+    with fastlora.patched(model, cuda_graphs="emulate") as report:
+        assert report.token_selection == "one kernel for greedy calls"
+        assert "token selection one kernel for greedy calls" in str(report)
+    with fastlora.patched(model, cuda_graphs="emulate", defer_stop_check=False) as report:
+        assert report.token_selection == "transformers' (the stop check is read every step)"
+    monkeypatch.setattr(greedy_loop, "ENABLED", False)
+    with fastlora.patched(model, cuda_graphs="emulate") as report:
+        assert report.token_selection == "transformers' (fused token selection switched off)"
+
+
 def test_switched_off_equals_on(model, cpu_events, monkeypatch):
     kw = dict(_inputs(), eos_token_id=[int(_free_tokens(model, _inputs(), NAMES)[0, 3])])
     on, ref, stats_on = _run(model, kw, NAMES)

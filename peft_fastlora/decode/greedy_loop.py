@@ -39,6 +39,13 @@ def _suppress_rules(logits_processor):
     return rules, None
 
 
+def patch_blocker(model) -> Optional[str]:
+    """Why no call of this model runs this loop (None: greedy calls may; ``blocker`` decides each)."""
+    if not ENABLED:
+        return "fused token selection switched off"
+    return _compat.greedy_loop_missing(model)
+
+
 def blocker(model, logits_processor, stopping_criteria, generation_config, streamer=None,
             synced_gpus=False) -> Optional[str]:
     """Why this call keeps transformers' loop (None: this loop serves it)."""
@@ -46,8 +53,9 @@ def blocker(model, logits_processor, stopping_criteria, generation_config, strea
 
     from ..ops.greedy_select import MAX_IDS
 
-    if not ENABLED:
-        return "fused token selection switched off"
+    why = patch_blocker(model)
+    if why is not None:
+        return why
     if generation_config.do_sample:
         return "sampling"
     if streamer is not None:
@@ -56,9 +64,6 @@ def blocker(model, logits_processor, stopping_criteria, generation_config, strea
         return "synced GPUs or an assistant model"
     if generation_config.return_dict_in_generate or getattr(model.config, "is_encoder_decoder", False):
         return "a dict result or an encoder-decoder"
-    missing = _compat.greedy_loop_missing(model)
-    if missing:
-        return missing
     rules, other = _suppress_rules(logits_processor)
     if rules is None:
         return f"logits processor {other}"
