@@ -35,3 +35,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def cpu_events(monkeypatch):
+    """The deferred stop check on CPU tensors (fastlora defers on CUDA only): CPU copies stand in
+    for CUDA's, with an event that is done when recorded (``_helpers.DoneEvent``)."""
+    from peft_fastlora.decode import deferred_stop
+    from _helpers import DoneEvent
+
+    monkeypatch.setattr(deferred_stop, "DEVICE_TYPES", {"cuda", "cpu"})
+    monkeypatch.setattr(torch, "Event", DoneEvent)

@@ -14,7 +14,7 @@ from transformers.generation import utils as gen_utils
 
 import peft_fastlora as fastlora
 from peft_fastlora.decode import deferred_stop
-from _helpers import DoneEvent, TokenStream
+from _helpers import TokenStream
 from _models import tiny_peft_llama
 
 NAMES = ["a", "__base__", "b", "a"]
@@ -23,12 +23,6 @@ NAMES = ["a", "__base__", "b", "a"]
 @pytest.fixture(scope="module")
 def model():
     return tiny_peft_llama()
-
-
-@pytest.fixture
-def cpu_events(monkeypatch):
-    monkeypatch.setattr(deferred_stop, "DEVICE_TYPES", {"cuda", "cpu"})
-    monkeypatch.setattr(torch, "Event", DoneEvent)
 
 
 def _inputs(batch=4, new=10):

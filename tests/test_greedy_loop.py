@@ -9,8 +9,7 @@ import torch
 from transformers.generation import StoppingCriteria, StoppingCriteriaList
 
 import peft_fastlora as fastlora
-from peft_fastlora.decode import deferred_stop, greedy_loop
-from _helpers import DoneEvent
+from peft_fastlora.decode import greedy_loop
 from _models import tiny_peft_llama
 
 NAMES = ["a", "__base__", "b", "a"]
@@ -19,12 +18,6 @@ NAMES = ["a", "__base__", "b", "a"]
 @pytest.fixture(scope="module")
 def model():
     return tiny_peft_llama()
-
-
-@pytest.fixture
-def cpu_events(monkeypatch):
-    monkeypatch.setattr(deferred_stop, "DEVICE_TYPES", {"cuda", "cpu"})
-    monkeypatch.setattr(torch, "Event", DoneEvent)
 
 
 def _inputs(batch=4, new=10, seed=1):
@@ -84,6 +77,14 @@ def test_length_forms_and_one_row_equal_peft(model, cpu_events, extra):
         out, ref, stats = _run(model, kw, names)
         assert torch.equal(out, ref) and out.is_contiguous(), (out, ref)
         assert stats["fused_selection_calls"] == 1, stats
+
+
+def test_int32_prompt_ids_give_transformers_int64_result(model, cpu_events):
+    kw = _inputs()
+    kw["input_ids"] = kw["input_ids"].to(torch.int32)
+    out, ref, stats = _run(model, kw, NAMES)
+    assert out.dtype == ref.dtype and torch.equal(out, ref), (out.dtype, ref.dtype)
+    assert stats["fused_selection_calls"] == 1, stats
 
 
 class _Never(StoppingCriteria):

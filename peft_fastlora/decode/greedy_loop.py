@@ -129,7 +129,9 @@ def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generatio
             stop_ids = torch.empty(0, dtype=torch.int64, device=device)
     rows, length = input_ids.shape
     max_length = stopping_criteria.max_length
-    ids = input_ids.new_empty(rows, max(max_length, length + 1) + 1)  # + the deferred check's extra step
+    # int64 whatever the prompt's dtype (transformers' ``cat`` with the int64 tokens promotes to it);
+    # one column more than the maximum length for the deferred check's extra step
+    ids = torch.empty(rows, max(max_length, length + 1) + 1, dtype=torch.int64, device=device)
     ids[:, :length] = input_ids
     unfinished = torch.ones(rows, dtype=torch.long, device=device)
 
