@@ -107,10 +107,9 @@ def _select(logits, tokens, unfinished, pad, stop_ids, suppress):
 
 
 def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, stop_check_cls,
-                on_step=None, **model_kwargs):
+                **model_kwargs):
     """transformers' greedy ``_sample`` (the call ``blocker`` accepted) with the token selection
-    in one kernel. ``stop_check_cls``: the deferred stop check's class; ``on_step``: called once per
-    token selected."""
+    in one kernel. ``stop_check_cls``: the deferred stop check's class."""
     from transformers.generation.stopping_criteria import EosTokenCriteria
 
     device = input_ids.device
@@ -165,8 +164,6 @@ def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generatio
             if length >= max_length:  # the maximum-length criterion: every row is done
                 unfinished.zero_()
             finished = stop_check(unfinished, ids[:, length - 1], length)
-            if on_step is not None:
-                on_step()
             del outputs
     undo = stop_check.finish()
     return input_ids[:, :length - undo].contiguous() if undo else input_ids.contiguous()
