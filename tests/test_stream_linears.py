@@ -475,3 +475,56 @@ def test_patched_model_decodes_through_the_tma_kernel_with_peft_tokens(monkeypat
     layers = model.config.num_hidden_layers
     assert calls["tma_gemm"] >= 4 * layers * 4, calls  # q/k/v, o, gate/up, down a layer, each step
     assert stream_calls["stream_gemm"] == 0
+
+
+def test_lora_gate_up_takes_deltas_and_activation_in_one_tma_gemm(monkeypatch):
+    """Past ``MAX_ROWS`` (lowered) a folded gate/up LoRA site gives ``act(gate) * up`` with both
+    deltas from one TMA launch (its shrink first): mixed ranks, an adapter on gate only, "__base__"
+    rows, through emulated graphs and an adapter added mid-way (the sites rebuilt, the MLPs' path
+    replaced, not doubled). PEFT's tokens and logits; with ``TMA_LORA`` off the same tokens through
+    the folded GEMM, expand and act-mul."""
+    import peft_fastlora as fastlora
+    from _models import left_padded_batch
+    from peft_fastlora.patch import get_state
+
+    _fp32_streams(monkeypatch, tma_tiles=TINY_TMA)
+    monkeypatch.setattr(sl, "MAX_ROWS", 2)
+    base = tiny_llama(0, vocab_size=128)
+    base.generation_config.eos_token_id = None
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "q_proj"],
+                                            init_lora_weights=False), adapter_name="a").eval()
+    model.add_adapter("b", LoraConfig(r=4, lora_alpha=4, target_modules=["gate_proj", "down_proj"],
+                                      init_lora_weights=False))
+    batch, names = left_padded_batch([5, 7, 3, 6], seed=5), ["a", "__base__", "b", "a"]
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(**batch, adapter_names=names, **kwargs)
+    taken = []
+    original = sl.StreamLinears.gated_lora
+
+    def spy(self, *args, **kw):
+        out = original(self, *args, **kw)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(sl.StreamLinears, "gated_lora", spy)
+    layers = model.config.num_hidden_layers
+    with fastlora.patched(model, backend="triton", stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, fold_shrink=True,
+                          cuda_graphs="emulate") as report, torch.no_grad():
+        assert report.stream_lora_gated_mlps == layers and "LoRA gate/up deltas" in str(report)
+        got = model.generate(**batch, adapter_names=names, **kwargs)
+        _same_decode(got, want)
+        assert sum(taken) >= layers * 4, taken  # every layer's MLP, the prefill and each decode step
+        monkeypatch.setattr(sl, "TMA_LORA", False)
+        taken.clear()
+        _same_decode(model.generate(**batch, adapter_names=names, **kwargs), want)
+        assert taken and not any(taken)
+        monkeypatch.setattr(sl, "TMA_LORA", True)
+        model.add_adapter("c", LoraConfig(r=8, lora_alpha=8, target_modules=["up_proj"], init_lora_weights=False))
+        names = ["c", "a", "__base__", "b"]
+        got = model.generate(**batch, adapter_names=names, **kwargs)
+        assert get_state(model).base_ops.stream.lora_gated_mlps == layers
+    with torch.no_grad():
+        want = model.generate(**batch, adapter_names=names, **kwargs)
+    _same_decode(got, want)
+    assert not any("_fastlora_gated" in m.__dict__ for m in model.modules())
