@@ -60,36 +60,128 @@ MAX_MODULES = 4  # the modules one launch covers (q/k/v: 3; gate/up: 2)
 
 
 @triton.jit
-def lora_tile_delta(acc, offs_m, m_ok, cols, c_ok, j,
-                    y_ptr, stride_ym, b_ptr, b_offs_ptr, y_cols_ptr, stride_tl, ranks_ptr, stride_rl,
-                    scalings_ptr, stride_sl, token_slot_ptr, chunk_slot_ptr, n_chunks, num_slots, R,
-                    RC: tl.constexpr, B_ALIGN: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc`` (BLOCK_M rows, the tile's columns; float32) plus every used slot's delta for module
-    ``j``: ``cols`` are the module's own columns, ``c_ok`` those the tile has of it."""
+def _pick(sel, values):
+    """``values[i]`` where ``sel[:, i]`` (one hit a row at most; 0 for none): a gather in registers."""
+    return tl.sum(tl.where(sel, values[None, :], 0), axis=1)
+
+
+@triton.jit
+def used_slots(chunk_slot_ptr, n_chunks, num_slots, U: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The plan's distinct slots, compacted in registers from one load of its chunk slots (sorted,
+    so a slot's chunks are one run): ``(slot_u, has_u, n_used)``, ``U`` entries, the used first."""
+    offs_c = tl.arange(0, BLOCK_C)
+    cs = tl.load(chunk_slot_ptr + offs_c, mask=offs_c < n_chunks, other=-1)
+    cs_prev = tl.load(chunk_slot_ptr + offs_c - 1, mask=(offs_c >= 1) & (offs_c < n_chunks), other=-1)
+    first = (cs >= 0) & (cs < num_slots) & (cs != cs_prev)  # a slot's first chunk (stale slots skipped)
+    pos = tl.cumsum(first.to(tl.int32), axis=0) - 1
+    at_u = first[None, :] & (pos[None, :] == tl.arange(0, U)[:, None])  # (U, BLOCK_C)
+    has_u = tl.sum(at_u.to(tl.int32), axis=1) > 0
+    return tl.sum(tl.where(at_u, cs[None, :], 0), axis=1), has_u, tl.sum(first.to(tl.int32), axis=0)
+
+
+@triton.jit
+def module_tables(slot_u, has_u, j, b_offs_ptr, y_cols_ptr, stride_tl, ranks_ptr, stride_rl, scalings_ptr,
+                  stride_sl, R, B_ALIGN: tl.constexpr):
+    """Module ``j``'s (rank, B row stride, B offset, shrink column, scaling) of each used slot, as
+    vectors; rank 0 where the slot does not target it."""
+    rank_u = tl.minimum(tl.load(ranks_ptr + slot_u * stride_rl + j, mask=has_u, other=0), R)
+    on = has_u & (rank_u > 0)
+    boff_u = tl.load(b_offs_ptr + slot_u * stride_tl + j, mask=on, other=0)
+    ycol_u = tl.load(y_cols_ptr + slot_u * stride_tl + j, mask=on, other=0)
+    scal_u = tl.load(scalings_ptr + slot_u * stride_sl + j, mask=on, other=0.0)
+    return tl.where(on, rank_u, 0), packed_row_stride(tl.where(on, rank_u, 0), B_ALIGN), boff_u, ycol_u, scal_u
+
+
+@triton.jit
+def _bulk_prefetch(addr, size):
+    return tl.inline_asm_elementwise(
+        "{ cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_b(b_ptr, rank_u, brows_u, boff_u, n0, end, BLOCK_N: tl.constexpr):
+    """Ask the L2 for each used slot's B rows of a module's columns ``[n0, min(end, n0 + BLOCK_N))``
+    (one contiguous block of the packed layout), so that the epilogue's reads of them hit it. A
+    hint: no registers held. Needs 16-byte aligned blocks (B_ALIGN 8 in 16-bit dtypes)."""
+    esize: tl.constexpr = b_ptr.dtype.element_ty.primitive_bitwidth // 8
+    cols = tl.maximum(tl.minimum(end - n0, BLOCK_N), 0)
+    size = cols * brows_u * esize
+    ok = (rank_u > 0) & (size >= 16)
+    addr = b_ptr + tl.where(ok, boff_u + n0.to(tl.int64) * brows_u, 0)
+    _bulk_prefetch(addr.to(tl.pointer_type(tl.int8)), tl.where(ok, size, 16))
+
+
+@triton.jit
+def row_tables(row_slot, slot_u, rank_u, ycol_u, scal_u):
+    """Each row's used-slot index (-1: none, or a slot that leaves this module alone), rank, shrink
+    column and scaling for one module."""
+    mine = (row_slot[:, None] == slot_u[None, :]) & (rank_u[None, :] > 0)  # (BLOCK_M, U)
+    offs_u = tl.arange(0, slot_u.shape[0])
+    row_u = tl.where(tl.sum(mine.to(tl.int32), axis=1) > 0, _pick(mine, offs_u), -1)
+    return row_u, _pick(mine, rank_u), _pick(mine, ycol_u), _pick(mine, scal_u)
+
+
+@triton.jit
+def slot_delta(acc, u, rows, y_ptr, stride_ym, offs_m, m_ok, b_ptr, brows_u, boff_u, cols, c_ok,
+               RC: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc`` plus used slot ``u``'s delta on its rows: ``rows`` = (row_u, row_rank, row_ycol,
+    row_scaling) of ``row_tables``; one dot of (rows, RC) x (RC, cols), each row's shrink scaled by
+    its slot's scaling, rows of other slots zero."""
+    row_u, row_rank, row_ycol, row_scaling = rows
     offs_r = tl.arange(0, RC)
-    row_slot = tl.load(token_slot_ptr + offs_m, mask=m_ok, other=-1)
-    prev = tl.full([], -1, tl.int32)
-    for c in range(n_chunks):
-        slot = tl.load(chunk_slot_ptr + c)
-        first = (slot >= 0) & (slot < num_slots) & (slot != prev)  # a slot's first chunk
-        rank = tl.minimum(tl.load(ranks_ptr + slot * stride_rl + j, mask=first, other=0), R)
-        if rank > 0:
-            scaling = tl.load(scalings_ptr + slot * stride_sl + j)
-            y_col = tl.load(y_cols_ptr + slot * stride_tl + j)
-            b_off = tl.multiple_of(tl.load(b_offs_ptr + slot * stride_tl + j), B_ALIGN)
-            b_rows = packed_row_stride(rank, B_ALIGN)
-            rows = m_ok & (row_slot == slot)
-            s = tl.load(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + (y_col + offs_r)[None, :],
-                        mask=rows[:, None] & (offs_r < rank)[None, :], other=0.0)
-            bt = tl.load(b_ptr + b_off + cols.to(tl.int64)[None, :] * b_rows + offs_r[:, None],
-                         mask=(offs_r < b_rows)[:, None] & c_ok[None, :], other=0.0)
-            if UPCAST:
-                d = tl.dot(s.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
-            else:
-                d = tl.dot(s, bt)
-            acc += d * scaling
-        prev = slot
+    s_ok = (row_u == u)[:, None] & (offs_r[None, :] < row_rank[:, None]) & m_ok[:, None]
+    s = tl.load(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + row_ycol[:, None] + offs_r[None, :],
+                mask=s_ok, other=0.0).to(tl.float32) * row_scaling[:, None]
+    at = tl.arange(0, brows_u.shape[0]) == u
+    b_rows = tl.sum(tl.where(at, brows_u, 0), axis=0)
+    b_off = tl.sum(tl.where(at, boff_u, 0), axis=0)
+    bt = tl.load(b_ptr + b_off + cols.to(tl.int64)[None, :] * b_rows + offs_r[:, None],
+                 mask=(offs_r < b_rows)[:, None] & c_ok[None, :], other=0.0)
+    if UPCAST:
+        return tl.dot(s, bt.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(s.to(y_ptr.dtype.element_ty), bt, acc)
+
+
+@triton.jit
+def lora_tile_delta(acc, offs_m, m_ok, cols, c_ok, j, slots, row_slot,
+                    y_ptr, stride_ym, b_ptr, b_offs_ptr, y_cols_ptr, stride_tl, ranks_ptr, stride_rl,
+                    scalings_ptr, stride_sl, R, RC: tl.constexpr, B_ALIGN: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc`` (BLOCK_M rows, the tile's columns; float32) plus every used slot's delta for module
+    ``j``: ``cols`` are the module's own columns, ``c_ok`` those the tile has of it; ``slots`` is
+    ``used_slots``', ``row_slot`` each row's slot. One dot a used slot (only the used ones run)."""
+    slot_u, has_u, n_used = slots
+    rank_u, brows_u, boff_u, ycol_u, scal_u = module_tables(slot_u, has_u, j, b_offs_ptr, y_cols_ptr, stride_tl,
+                                                            ranks_ptr, stride_rl, scalings_ptr, stride_sl, R, B_ALIGN)
+    rows = row_tables(row_slot, slot_u, rank_u, ycol_u, scal_u)
+    for u in tl.static_range(slot_u.shape[0]):
+        if u < n_used:
+            acc = slot_delta(acc, u, rows, y_ptr, stride_ym, offs_m, m_ok, b_ptr, brows_u, boff_u, cols, c_ok,
+                             RC, UPCAST)
     return acc
+
+
+@triton.jit
+def lora_glu_deltas(acc, acc_up, offs_m, m_ok, cols, c_ok, slots, gate, up, row_slot, y_ptr, stride_ym, b_ptr,
+                    RC: tl.constexpr, UPCAST: tl.constexpr):
+    """``lora_tile_delta`` for a gated tile: gate's deltas into ``acc`` and up's into ``acc_up``, both
+    modules' dots of a slot side by side (their loads in flight together); ``gate`` and ``up`` are
+    their ``module_tables``."""
+    slot_u, has_u, n_used = slots
+    g_rows = row_tables(row_slot, slot_u, gate[0], gate[3], gate[4])
+    u_rows = row_tables(row_slot, slot_u, up[0], up[3], up[4])
+    for u in tl.static_range(slot_u.shape[0]):
+        if u < n_used:
+            acc = slot_delta(acc, u, g_rows, y_ptr, stride_ym, offs_m, m_ok, b_ptr, gate[1], gate[2], cols, c_ok,
+                             RC, UPCAST)
+            acc_up = slot_delta(acc_up, u, u_rows, y_ptr, stride_ym, offs_m, m_ok, b_ptr, up[1], up[2], cols, c_ok,
+                                RC, UPCAST)
+    return acc, acc_up
+
+
+def slots_bound(n_chunks: int, num_slots: int) -> int:
+    """``U``: the used slots a launch can meet (at most one a chunk, at most every slot), a power of two."""
+    return triton.next_power_of_2(max(1, min(n_chunks, num_slots)))
 
 
 def rank_class(max_rank: int) -> int:
@@ -134,14 +226,15 @@ def check_lora(lora: LoraEpilogue, m: int, n: int, x: torch.Tensor, glu: bool) -
 
 def lora_args(lora: Optional[LoraEpilogue], fallback: torch.Tensor) -> tuple:
     """The kernels' LoRA arguments (pointers, strides, counts; ``fallback`` stands for absent
-    tensors) and its constexprs ``(RC, B_ALIGN)``."""
+    tensors) and its constexprs ``(RC, B_ALIGN, U, BLOCK_C)``."""
     if lora is None:
-        return (fallback,) * 8 + (0,) * 8 + (0, 0, 0, 0, 0), (16, 1)
+        return (fallback,) * 8 + (0,) * 8 + (0, 0, 0, 0, 0), (16, 1, 1, 1)
     offs = tuple(lora.offsets) + (lora.offsets[-1],) * (MAX_MODULES + 1 - len(lora.offsets))
     return ((lora.y, lora.b, lora.b_offs, lora.y_cols, lora.ranks, lora.scalings, lora.token_slot, lora.chunk_slot,
              lora.y.stride(0), lora.y_cols.stride(0), lora.ranks.stride(0), lora.scalings.stride(0),
              lora.chunk_slot.shape[0], lora.ranks.shape[0], lora.max_rank, len(lora.offsets) - 1) + offs,
-            (rank_class(lora.max_rank), lora.align))
+            (rank_class(lora.max_rank), lora.align, slots_bound(lora.chunk_slot.shape[0], lora.ranks.shape[0]),
+             triton.next_power_of_2(max(1, lora.chunk_slot.shape[0]))))
 
 
 def lora_delta_reference(lora: LoraEpilogue, m: int) -> torch.Tensor:
@@ -165,4 +258,5 @@ def lora_delta_reference(lora: LoraEpilogue, m: int) -> torch.Tensor:
     return out
 
 
-__all__ = ["LoraEpilogue", "check_lora", "lora_args", "lora_delta_reference", "lora_tile_delta", "rank_class"]
+__all__ = ["LoraEpilogue", "check_lora", "lora_args", "lora_delta_reference", "lora_glu_deltas", "lora_tile_delta",
+           "module_tables", "prefetch_b", "rank_class", "slots_bound", "used_slots"]

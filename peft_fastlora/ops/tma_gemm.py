@@ -33,7 +33,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernel_support import interpreting
 from . import pdl
 from .expand_common import module_span
-from .lora_epilogue import LoraEpilogue, check_lora, lora_args, lora_delta_reference, lora_tile_delta
+from .lora_epilogue import (LoraEpilogue, check_lora, lora_args, lora_delta_reference, lora_glu_deltas, lora_tile_delta,
+                            module_tables, prefetch_b, used_slots)
 from .silu_mul import ACTIVATIONS
 from . import stream_gemm as _stream
 from .stream_gemm import (StreamWorkspace, _tile_dot, check_operands, checked_output, split_plan, store_output,
@@ -67,6 +68,9 @@ def _tma_gemm_kernel(
     HAS_LORA: tl.constexpr,
     LORA_RC: tl.constexpr,  # rank columns of a slot's dot (ops.lora_epilogue.rank_class)
     LORA_ALIGN: tl.constexpr,
+    LORA_U: tl.constexpr,  # the used slots a launch can meet (ops.lora_epilogue.slots_bound)
+    LORA_BLOCK_C: tl.constexpr,  # the plan's chunk slots, rounded up to a power of two
+    LORA_PREFETCH: tl.constexpr,  # B's blocks 16-byte aligned: ask the L2 for them before the wait
     UPCAST: tl.constexpr,  # the dot in float32 ("ieee"): float32 inputs, or the interpreter
     USE_PDL: tl.constexpr,
 ):
@@ -81,6 +85,18 @@ def _tma_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if GLU:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_LORA:
+        if LORA_PREFETCH:  # the plan and the tables (no PDL kernel writes them): B's blocks into L2
+            live = used_slots(lchunk_slot_ptr, L_CHUNKS, L_SLOTS, LORA_U, LORA_BLOCK_C)
+            for jj in tl.static_range(2 if GLU else 4):
+                if jj < L_MODULES:
+                    lo, hi = module_span(jj, LOFF0, LOFF1, LOFF2, LOFF3, LOFF4)
+                    # the module's own first column in this tile, and where the tile's columns of it end
+                    n_lo = n0 if GLU else tl.maximum(n0 - lo, 0)
+                    end = tl.minimum(hi - lo, n0 + BLOCK_N - (0 if GLU else lo))
+                    t = module_tables(live[0], live[1], jj, lb_offs_ptr, ly_cols_ptr, stride_ltl, lranks_ptr,
+                                      stride_lrl, lscalings_ptr, stride_lsl, L_R, LORA_ALIGN)
+                    prefetch_b(lb_ptr, t[0], t[1], t[2], n_lo, end, BLOCK_N)
     pdl.wait(USE_PDL)
     # the descriptors read zeros past K and past the last row of x or w: no masks in the loop
     for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
@@ -94,23 +110,23 @@ def _tma_gemm_kernel(
     n_ok = offs_n < N
     if HAS_LORA:
         if pid_k == 0:  # one range adds the deltas: the ranges' partials are summed
-            if GLU:  # gate's columns are module 0's, up's module 1's
-                acc = lora_tile_delta(acc, offs_m, m_ok, offs_n, n_ok, 0, ly_ptr, stride_ly, lb_ptr, lb_offs_ptr,
-                                      ly_cols_ptr, stride_ltl, lranks_ptr, stride_lrl, lscalings_ptr, stride_lsl,
-                                      ltoken_slot_ptr, lchunk_slot_ptr, L_CHUNKS, L_SLOTS, L_R,
-                                      LORA_RC, LORA_ALIGN, UPCAST)
-                acc_up = lora_tile_delta(acc_up, offs_m, m_ok, offs_n, n_ok, 1, ly_ptr, stride_ly, lb_ptr,
-                                         lb_offs_ptr, ly_cols_ptr, stride_ltl, lranks_ptr, stride_lrl, lscalings_ptr,
-                                         stride_lsl, ltoken_slot_ptr, lchunk_slot_ptr, L_CHUNKS, L_SLOTS, L_R,
-                                         LORA_RC, LORA_ALIGN, UPCAST)
+            row_slot = tl.load(ltoken_slot_ptr + offs_m, mask=m_ok, other=-1)
+            slots = used_slots(lchunk_slot_ptr, L_CHUNKS, L_SLOTS, LORA_U, LORA_BLOCK_C)
+            if GLU:
+                gate = module_tables(slots[0], slots[1], 0, lb_offs_ptr, ly_cols_ptr, stride_ltl, lranks_ptr,
+                                     stride_lrl, lscalings_ptr, stride_lsl, L_R, LORA_ALIGN)
+                up = module_tables(slots[0], slots[1], 1, lb_offs_ptr, ly_cols_ptr, stride_ltl, lranks_ptr,
+                                   stride_lrl, lscalings_ptr, stride_lsl, L_R, LORA_ALIGN)
+                acc, acc_up = lora_glu_deltas(acc, acc_up, offs_m, m_ok, offs_n, n_ok, slots, gate, up, row_slot,
+                                              ly_ptr, stride_ly, lb_ptr, LORA_RC, UPCAST)
             else:
                 for jj in tl.static_range(4):
                     lo, hi = module_span(jj, LOFF0, LOFF1, LOFF2, LOFF3, LOFF4)
                     if (jj < L_MODULES) & (lo < n0 + BLOCK_N) & (hi > n0):  # the tile has columns of module jj
                         acc = lora_tile_delta(acc, offs_m, m_ok, offs_n - lo, n_ok & (offs_n >= lo) & (offs_n < hi),
-                                              jj, ly_ptr, stride_ly, lb_ptr, lb_offs_ptr, ly_cols_ptr, stride_ltl,
-                                              lranks_ptr, stride_lrl, lscalings_ptr, stride_lsl, ltoken_slot_ptr,
-                                              lchunk_slot_ptr, L_CHUNKS, L_SLOTS, L_R, LORA_RC, LORA_ALIGN, UPCAST)
+                                              jj, slots, row_slot, ly_ptr, stride_ly, lb_ptr, lb_offs_ptr, ly_cols_ptr,
+                                              stride_ltl, lranks_ptr, stride_lrl, lscalings_ptr, stride_lsl, L_R,
+                                              LORA_RC, LORA_ALIGN, UPCAST)
     if not GLU:
         acc_up = acc  # (unused)
     store_output(acc, acc_up, y_ptr, bias_ptr, add_ptr, part_ptr, ticket_ptr, offs_n, offs_m, n_ok,
@@ -184,7 +200,7 @@ def tma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = No
     x_desc = TensorDescriptor.from_tensor(x, [block_m, config.block_k])
     w_desc = TensorDescriptor.from_tensor(w, [config.block_n, config.block_k])
     use_pdl = pdl.mode(x)
-    largs, (rank_cols, b_align) = lora_args(lora, w)
+    largs, (rank_cols, b_align, slot_bound, block_c) = lora_args(lora, w)
     _tma_gemm_kernel[grid](
         x_desc, w_desc, bias if bias is not None else w, add if add is not None else w, out, part, ticket,
         *largs,
@@ -193,7 +209,9 @@ def tma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = No
         HAS_BIAS=bias is not None, HAS_ADD=add is not None, GLU=0 if glu is None else 1 + ACTIVATIONS.index(glu),
         LIBDEVICE=not interpreting(), SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
-        HAS_LORA=lora is not None, LORA_RC=rank_cols, LORA_ALIGN=b_align,
+        HAS_LORA=lora is not None, LORA_RC=rank_cols, LORA_ALIGN=b_align, LORA_U=slot_bound,
+        LORA_BLOCK_C=block_c, LORA_PREFETCH=lora is not None and b_align == 8 and x.element_size() == 2
+        and x.is_cuda and not interpreting(),
         UPCAST=x.dtype == torch.float32 or interpreting(), USE_PDL=use_pdl,
         num_warps=config.num_warps, launch_pdl=use_pdl > 0)
     return out
