@@ -81,9 +81,10 @@ def used_slots(chunk_slot_ptr, n_chunks, num_slots, U: tl.constexpr, BLOCK_C: tl
 
 @triton.jit
 def module_tables(slot_u, has_u, j, b_offs_ptr, y_cols_ptr, stride_tl, ranks_ptr, stride_rl, scalings_ptr,
-                  stride_sl, R, B_ALIGN: tl.constexpr):
+                  stride_sl, R, B_ALIGN: tl.constexpr, active=True):
     """Module ``j``'s (rank, B row stride, B offset, shrink column, scaling) of each used slot, as
-    vectors; rank 0 where the slot does not target it."""
+    vectors; rank 0 where the slot does not target it, or everywhere unless ``active``."""
+    has_u = tl.where(active, has_u, False)
     rank_u = tl.minimum(tl.load(ranks_ptr + slot_u * stride_rl + j, mask=has_u, other=0), R)
     on = has_u & (rank_u > 0)
     boff_u = tl.load(b_offs_ptr + slot_u * stride_tl + j, mask=on, other=0)
@@ -144,7 +145,7 @@ def slot_delta(acc, u, rows, y_ptr, stride_ym, offs_m, m_ok, b_ptr, brows_u, bof
 
 
 @triton.jit
-def lora_tile_delta(acc, offs_m, m_ok, cols, c_ok, j, slots, row_slot,
+def lora_tile_delta(acc, offs_m, m_ok, cols, c_ok, j, active, slots, row_slot,
                     y_ptr, stride_ym, b_ptr, b_offs_ptr, y_cols_ptr, stride_tl, ranks_ptr, stride_rl,
                     scalings_ptr, stride_sl, R, RC: tl.constexpr, B_ALIGN: tl.constexpr, UPCAST: tl.constexpr):
     """``acc`` (BLOCK_M rows, the tile's columns; float32) plus every used slot's delta for module
@@ -152,12 +153,12 @@ def lora_tile_delta(acc, offs_m, m_ok, cols, c_ok, j, slots, row_slot,
     ``used_slots``', ``row_slot`` each row's slot. One dot a used slot (only the used ones run)."""
     slot_u, has_u, n_used = slots
     rank_u, brows_u, boff_u, ycol_u, scal_u = module_tables(slot_u, has_u, j, b_offs_ptr, y_cols_ptr, stride_tl,
-                                                            ranks_ptr, stride_rl, scalings_ptr, stride_sl, R, B_ALIGN)
+                                                            ranks_ptr, stride_rl, scalings_ptr, stride_sl, R, B_ALIGN,
+                                                            active)
     rows = row_tables(row_slot, slot_u, rank_u, ycol_u, scal_u)
-    for u in tl.static_range(slot_u.shape[0]):
-        if u < n_used:
-            acc = slot_delta(acc, u, rows, y_ptr, stride_ym, offs_m, m_ok, b_ptr, brows_u, boff_u, cols, c_ok,
-                             RC, UPCAST)
+    for u in tl.static_range(slot_u.shape[0]):  # no branch: the accumulator keeps its layout (masks do it)
+        acc = slot_delta(acc, u, rows, y_ptr, stride_ym, offs_m, m_ok, b_ptr, brows_u, boff_u, cols, c_ok,
+                         RC, UPCAST)
     return acc
 
 
@@ -170,12 +171,11 @@ def lora_glu_deltas(acc, acc_up, offs_m, m_ok, cols, c_ok, slots, gate, up, row_
     slot_u, has_u, n_used = slots
     g_rows = row_tables(row_slot, slot_u, gate[0], gate[3], gate[4])
     u_rows = row_tables(row_slot, slot_u, up[0], up[3], up[4])
-    for u in tl.static_range(slot_u.shape[0]):
-        if u < n_used:
-            acc = slot_delta(acc, u, g_rows, y_ptr, stride_ym, offs_m, m_ok, b_ptr, gate[1], gate[2], cols, c_ok,
-                             RC, UPCAST)
-            acc_up = slot_delta(acc_up, u, u_rows, y_ptr, stride_ym, offs_m, m_ok, b_ptr, up[1], up[2], cols, c_ok,
-                                RC, UPCAST)
+    for u in tl.static_range(slot_u.shape[0]):  # no branch: the accumulators keep their layout (masks do it)
+        acc = slot_delta(acc, u, g_rows, y_ptr, stride_ym, offs_m, m_ok, b_ptr, gate[1], gate[2], cols, c_ok,
+                         RC, UPCAST)
+        acc_up = slot_delta(acc_up, u, u_rows, y_ptr, stride_ym, offs_m, m_ok, b_ptr, up[1], up[2], cols, c_ok,
+                            RC, UPCAST)
     return acc, acc_up
 
 

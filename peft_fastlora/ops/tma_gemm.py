@@ -108,25 +108,25 @@ def _tma_gemm_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    if HAS_LORA:
-        if pid_k == 0:  # one range adds the deltas: the ranges' partials are summed
-            row_slot = tl.load(ltoken_slot_ptr + offs_m, mask=m_ok, other=-1)
-            slots = used_slots(lchunk_slot_ptr, L_CHUNKS, L_SLOTS, LORA_U, LORA_BLOCK_C)
-            if GLU:
-                gate = module_tables(slots[0], slots[1], 0, lb_offs_ptr, ly_cols_ptr, stride_ltl, lranks_ptr,
-                                     stride_lrl, lscalings_ptr, stride_lsl, L_R, LORA_ALIGN)
-                up = module_tables(slots[0], slots[1], 1, lb_offs_ptr, ly_cols_ptr, stride_ltl, lranks_ptr,
-                                   stride_lrl, lscalings_ptr, stride_lsl, L_R, LORA_ALIGN)
-                acc, acc_up = lora_glu_deltas(acc, acc_up, offs_m, m_ok, offs_n, n_ok, slots, gate, up, row_slot,
-                                              ly_ptr, stride_ly, lb_ptr, LORA_RC, UPCAST)
-            else:
-                for jj in tl.static_range(4):
-                    lo, hi = module_span(jj, LOFF0, LOFF1, LOFF2, LOFF3, LOFF4)
-                    if (jj < L_MODULES) & (lo < n0 + BLOCK_N) & (hi > n0):  # the tile has columns of module jj
-                        acc = lora_tile_delta(acc, offs_m, m_ok, offs_n - lo, n_ok & (offs_n >= lo) & (offs_n < hi),
-                                              jj, slots, row_slot, ly_ptr, stride_ly, lb_ptr, lb_offs_ptr, ly_cols_ptr,
-                                              stride_ltl, lranks_ptr, stride_lrl, lscalings_ptr, stride_lsl, L_R,
-                                              LORA_RC, LORA_ALIGN, UPCAST)
+    if HAS_LORA:  # no branch around the accumulators (a branch would move them out of the MMA layout)
+        # one K range adds the deltas (the ranges' partials are summed): the others see no rows
+        row_slot = tl.load(ltoken_slot_ptr + offs_m, mask=tl.where(pid_k == 0, m_ok, False), other=-1)
+        slots = used_slots(lchunk_slot_ptr, L_CHUNKS, L_SLOTS, LORA_U, LORA_BLOCK_C)
+        if GLU:  # gate's columns are module 0's, up's module 1's
+            gate = module_tables(slots[0], slots[1], 0, lb_offs_ptr, ly_cols_ptr, stride_ltl, lranks_ptr,
+                                 stride_lrl, lscalings_ptr, stride_lsl, L_R, LORA_ALIGN)
+            up = module_tables(slots[0], slots[1], 1, lb_offs_ptr, ly_cols_ptr, stride_ltl, lranks_ptr,
+                               stride_lrl, lscalings_ptr, stride_lsl, L_R, LORA_ALIGN)
+            acc, acc_up = lora_glu_deltas(acc, acc_up, offs_m, m_ok, offs_n, n_ok, slots, gate, up, row_slot,
+                                          ly_ptr, stride_ly, lb_ptr, LORA_RC, UPCAST)
+        else:
+            for jj in tl.static_range(4):
+                lo, hi = module_span(jj, LOFF0, LOFF1, LOFF2, LOFF3, LOFF4)
+                active = (jj < L_MODULES) & (lo < n0 + BLOCK_N) & (hi > n0)  # the tile has columns of module jj
+                acc = lora_tile_delta(acc, offs_m, m_ok, offs_n - lo, n_ok & (offs_n >= lo) & (offs_n < hi), jj,
+                                      active, slots, row_slot, ly_ptr, stride_ly, lb_ptr, lb_offs_ptr, ly_cols_ptr,
+                                      stride_ltl, lranks_ptr, stride_lrl, lscalings_ptr, stride_lsl, L_R,
+                                      LORA_RC, LORA_ALIGN, UPCAST)
     if not GLU:
         acc_up = acc  # (unused)
     store_output(acc, acc_up, y_ptr, bias_ptr, add_ptr, part_ptr, ticket_ptr, offs_n, offs_m, n_ok,
