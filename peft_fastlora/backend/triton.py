@@ -163,24 +163,3 @@ class TritonLoRABackend(SegmentedLoRABackend):
         self._check_slots("extra-token embedding", bi, extra.shape[0])
         return _ops.lora_extra_token_embedding(input_ids, output, extra, bi.token_slot, vocab_size,
                                                check=False)
-
-    # ---- beside the contract: a GEMM's epilogue adds the deltas ---------------------------------
-    def packed_lora_epilogue(self, y, weights, *, layer_ranks=None, layer_scalings=None, batch_info=None):
-        """What a base GEMM's LoRA epilogue reads (``ops.lora_epilogue.LoraEpilogue``) to add the
-        deltas of packed weights, from a shrink computed before it (``run_packed_expand``'s
-        ``y``: x @ A.T for every row of the arena). Checked as ``run_packed_expand`` checks; the
-        GEMM then adds ``expand(y)`` to its tile before rounding."""
-        bi = self._bi(batch_info)
-        if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.stride(1) != 1:
-            raise ValueError("packed_lora_epilogue: y must be a 2-D tensor with unit column stride")
-        self._check_tokens(y, bi)
-        w = weights
-        if y.shape[1] != w.a.shape[0] or y.dtype != w.b.dtype:
-            raise ValueError(f"packed_lora_epilogue: y {tuple(y.shape)} {y.dtype} does not hold one {w.b.dtype} "
-                             f"column per row of the packed A arena ({w.a.shape[0]})")
-        ranks, scalings = self._packed_tables(bi, w, layer_ranks, layer_scalings)
-        self._check_place("packed lora epilogue", bi, y, w.b, w.a_rows, w.b_offs, ranks, scalings)
-        self._check_slots("packed lora epilogue", bi, w.num_slots)
-        return _ops.LoraEpilogue(y=y, b=w.b, b_offs=w.b_offs, y_cols=w.a_rows, ranks=ranks, scalings=scalings,
-                                 token_slot=bi.token_slot, chunk_slot=bi.chunk_slot, offsets=tuple(w.offsets),
-                                 max_rank=w.max_rank, align=w.align)

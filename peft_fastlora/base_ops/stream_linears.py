@@ -29,10 +29,6 @@ the delta to the base output; DoRA and other variants rescale it, so they keep t
 
 A gated MLP whose gate/up pair is a plain fused group (no LoRA on either) takes ``act(gate) * up``
 from one GEMM over the fused weight (``gated``, the kernel's ``glu`` epilogue) where it applies.
-One whose gate/up pair is a folded LoRA site does at 65-128 rows, through the TMA kernel's gated
-tile, with the rows' LoRA deltas added in the same epilogue (``gated_lora``, ``ops.lora_epilogue``):
-its shrink is a small GEMM over the site's A arena first, and no expand or act-mul launch follows.
-At 64 rows or fewer the site keeps its folded GEMM, expand and act-mul.
 
 Past ``MAX_ROWS`` (a batch of 65-128 rows) the arithmetic is no longer small beside the weight's
 bytes and the streaming kernel loses to cuBLAS; there the TMA-fed tensor-core kernel
@@ -66,7 +62,6 @@ MIN_K = 2048  # the shallowest reduction measured (a 1B model's gate/up); shallo
 EPILOGUE_FOLDS = True  # the residual add and the gated activation in GEMM epilogues (off: benchmarks' A/B)
 SPLIT_MAX_N = 16384  # widest layer a split-K launch covers (wider ones need no split)
 TMA_GEMM = True  # 65-128 rows through ops.tma_gemm where TMA_TILES has a tile (off: benchmarks' A/B)
-TMA_LORA = True  # folded gate/up sites at 65-128 rows: the LoRA expand in the gated GEMM's epilogue (off: A/B)
 TMA_TILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tma_tiles_h200.json")
 _DTYPES = (torch.bfloat16, torch.float16)
 _hopper: Dict[int, bool] = {}
@@ -165,8 +160,6 @@ class StreamLinears:
         self._streamed: set = set()  # ids of the modules with the instance forward
         self._folding: List[nn.Module] = []  # decoder layers told to fold their residual add, gated MLPs
         self.residual_layers = self.gated_mlps = 0  # how many of each (the patch report's)
-        self._lora_gated: List[nn.Module] = []  # gated MLPs whose gate/up LoRA site has gated_lora
-        self.lora_gated_mlps = 0
         # the residual a decoder layer is folding: (down weight's address, residual, taken), per thread
         # (a forward on another thread, say the continuous-batching engine's, never takes this one's)
         self._pending = threading.local()
@@ -240,51 +233,11 @@ class StreamLinears:
         out = stream_gemm(x2, weight, bias, config=config, check=False, glu=act)
         return out.view(*x.shape[:-1], n)
 
-    def gated_lora(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], act: str,
-                   lora_for: Callable) -> Optional[torch.Tensor]:
-        """``gated`` for a LoRA gate/up pair: ``lora_for(x2)`` runs the shrink of the rows ``x2`` and
-        returns their ``ops.lora_epilogue.LoraEpilogue`` (or None). Only at 65-128 rows where the TMA
-        kernel has its gated tile; None elsewhere (the caller takes its folded path)."""
-        if not (self.epilogue_folds and TMA_LORA) or weight.shape[0] % 2:
-            return None
-        rows = self._rows(x, weight, bias, glu=True)
-        n, k = weight.shape[0] // 2, weight.shape[1]
-        tile = self._tma_tile(rows, 2 * n, k, glu=True) if rows else None
-        if tile is None:
-            return None
-        from ..ops.lora_epilogue import check_lora
-        from ..ops.tma_gemm import tma_aligned, tma_gemm
-
-        x2 = x.reshape(rows, k)
-        if x2.stride(1) != 1:
-            x2 = x2.contiguous()
-        if not (tma_aligned(x2) and tma_aligned(weight)):
-            return None
-        lora = lora_for(x2)
-        if lora is None:
-            return None
-        check_lora(lora, rows, n, x2, glu=True)
-        out = tma_gemm(x2, weight, bias, config=tile._replace(split_k=1), check=False, glu=act, lora=lora)
-        return out.view(*x.shape[:-1], n)
-
     def fold_gated(self, mlp: nn.Module, gated: Callable) -> None:
         """Give ``mlp`` (a gated MLP forward of ``mlp_forwards``) its one-GEMM gate/up and activation."""
         mlp._fastlora_gated = gated
         self._folding.append(mlp)
         self.gated_mlps += 1
-
-    def fold_gated_lora(self, mlp: nn.Module, gated: Callable) -> None:
-        """Give ``mlp``, whose gate/up is a LoRA site, its one-GEMM gated path with the deltas
-        (``gated_lora``); replaced when the sites are rebuilt (``clear_gated_lora``)."""
-        mlp._fastlora_gated = gated
-        self._lora_gated.append(mlp)
-        self.lora_gated_mlps += 1
-
-    def clear_gated_lora(self) -> None:
-        """Take back what ``fold_gated_lora`` gave (the LoRA sites are being rebuilt)."""
-        for m in self._lora_gated:
-            m.__dict__.pop("_fastlora_gated", None)
-        self._lora_gated, self.lora_gated_mlps = [], 0
 
     # -- the residual add in down_proj's GEMM ----------------------------------------------------
     def expect_add(self, weight: torch.Tensor, residual: torch.Tensor) -> None:
@@ -332,7 +285,6 @@ class StreamLinears:
             self.residual_layers += 1
 
     def remove(self) -> None:
-        self.clear_gated_lora()
         for m in self._folding:
             m.__dict__.pop("_fastlora_stream", None)
             m.__dict__.pop("_fastlora_gated", None)

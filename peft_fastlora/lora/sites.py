@@ -14,8 +14,8 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from .._compat import (base_layer_of, has_forward_hooks, is_dtensor, is_lora_layer, layer_adapters_disabled,
-                      layer_dropout_active, layer_is_merged, local, tp_gather_finish, tp_gather_partial, tp_group, tp_rowwise_finish,
+from .._compat import (base_layer_of, is_dtensor, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
+                      layer_is_merged, local, tp_gather_finish, tp_gather_partial, tp_group, tp_rowwise_finish,
                       tp_rowwise_finish_columns, tp_rowwise_partial, tp_sum, tp_vocab_ids, tp_vocab_partial)
 from .fusion import FusedGroup
 from .pool import SitePool
@@ -311,41 +311,11 @@ class FusedSite(Site):
     call runs the member's own forward.
     """
 
-    def __init__(self, name: str, group: FusedGroup, pool: SitePool, parent: Optional[nn.Module] = None):
+    def __init__(self, name: str, group: FusedGroup, pool: SitePool):
         super().__init__(name, group.members, pool)
         self.group = group
         self.kind = group.kind
-        self.parent = parent  # the module holding the members (a gate/up site's: the MLP)
         self._stash = None  # (input tensor, [output or None per member])
-
-    def gated(self, state, mlp: nn.Module, stream, act: str):
-        """For a gate/up site of a gated ``mlp``: ``x -> act(gate(x)) * up(x)`` with both LoRA deltas
-        in one GEMM (``StreamLinears.gated_lora``: 65-128 rows of a folded site, its shrink first),
-        or None where that does not apply and the MLP calls the members as usual."""
-        gate, up = self.members
-
-        def forward(x):
-            if (mlp.gate_proj is not gate or mlp.up_proj is not up or not self.group.is_intact()
-                    or has_forward_hooks(gate) or has_forward_hooks(up)
-                    or not hasattr(state.backend, "packed_lora_epilogue")):
-                return None
-            bi = self._fast_path_info(state, x, (), {})
-            if bi is None:
-                return None  # the members' forwards decide (PEFT's path, or a graph-unsafe refusal)
-            pool = state.pool_for(self, x.dtype)
-            width = pool.offsets[1]
-            if not _folded(state, pool, bi) or list(pool.offsets) != [0, width, 2 * width]:
-                return None
-            weights = pool.fold_weights()
-
-            def lora_for(x2):
-                y = torch.nn.functional.linear(x2, weights.a)  # the shrink, every arena row
-                return state.backend.packed_lora_epilogue(y, weights, layer_ranks=pool.ranks,
-                                                          layer_scalings=pool.scalings, batch_info=bi)
-
-            return stream.gated_lora(x, pool.fold.weight, pool.fold.bias, act, lora_for)
-
-        return forward
 
     def clear_stash(self):
         self._stash = None

@@ -9,7 +9,6 @@ The kernels know nothing of HF or PEFT; they read plain tensors and the chunk pl
 from .decode_attention import decode_attention, decode_attention_config, decode_attention_reference
 from .kv_cache import kv_cache_write
 from .lora_embedding import lora_embedding_a, lora_extra_token_embedding
-from .lora_epilogue import LoraEpilogue
 from .lora_expand import expand_config, lora_expand
 from .lora_fused import MAX_BLOCK_R as FUSED_MAX_BLOCK_R
 from .lora_fused import MAX_MODULES as FUSED_MAX_MODULES
@@ -45,7 +44,6 @@ __all__ = [
     "interpreting",
     "kv_cache_write",
     "lora_embedding_a",
-    "LoraEpilogue",
     "lora_expand",
     "lora_extra_token_embedding",
     "lora_fused",

@@ -32,9 +32,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernel_support import interpreting
 from . import pdl
-from .expand_common import module_span
-from .lora_epilogue import (LoraEpilogue, check_lora, lora_args, lora_delta_reference, lora_glu_deltas, lora_tile_delta,
-                            module_tables, prefetch_b, used_slots)
 from .silu_mul import ACTIVATIONS
 from . import stream_gemm as _stream
 from .stream_gemm import (StreamWorkspace, _tile_dot, check_operands, checked_output, split_plan, store_output,
@@ -49,10 +46,6 @@ def _tma_gemm_kernel(
     x_desc, w_desc,
     # pointers
     bias_ptr, add_ptr, y_ptr, part_ptr, ticket_ptr,
-    # the LoRA epilogue's (ops.lora_epilogue): the shrink, packed B, its tables, the plan's slots
-    ly_ptr, lb_ptr, lb_offs_ptr, ly_cols_ptr, lranks_ptr, lscalings_ptr, ltoken_slot_ptr, lchunk_slot_ptr,
-    stride_ly, stride_ltl, stride_lrl, stride_lsl, L_CHUNKS, L_SLOTS, L_R, L_MODULES,
-    LOFF0, LOFF1, LOFF2, LOFF3, LOFF4,  # the modules' output column offsets (unused ones repeat the end)
     # dimensions (N: output columns; N_ADD: the first ones ``add`` covers)
     M, N, K, K_PER_SPLIT, N_ADD,
     # strides (unit stride on N for y and add)
@@ -65,12 +58,6 @@ def _tma_gemm_kernel(
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    HAS_LORA: tl.constexpr,
-    LORA_RC: tl.constexpr,  # rank columns of a slot's dot (ops.lora_epilogue.rank_class)
-    LORA_ALIGN: tl.constexpr,
-    LORA_U: tl.constexpr,  # the used slots a launch can meet (ops.lora_epilogue.slots_bound)
-    LORA_BLOCK_C: tl.constexpr,  # the plan's chunk slots, rounded up to a power of two
-    LORA_PREFETCH: tl.constexpr,  # B's blocks 16-byte aligned: ask the L2 for them before the wait
     UPCAST: tl.constexpr,  # the dot in float32 ("ieee"): float32 inputs, or the interpreter
     USE_PDL: tl.constexpr,
 ):
@@ -85,18 +72,6 @@ def _tma_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if GLU:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if HAS_LORA:
-        if LORA_PREFETCH:  # the plan and the tables (no PDL kernel writes them): B's blocks into L2
-            live = used_slots(lchunk_slot_ptr, L_CHUNKS, L_SLOTS, LORA_U, LORA_BLOCK_C)
-            for jj in tl.static_range(2 if GLU else 4):
-                if jj < L_MODULES:
-                    lo, hi = module_span(jj, LOFF0, LOFF1, LOFF2, LOFF3, LOFF4)
-                    # the module's own first column in this tile, and where the tile's columns of it end
-                    n_lo = n0 if GLU else tl.maximum(n0 - lo, 0)
-                    end = tl.minimum(hi - lo, n0 + BLOCK_N - (0 if GLU else lo))
-                    t = module_tables(live[0], live[1], jj, lb_offs_ptr, ly_cols_ptr, stride_ltl, lranks_ptr,
-                                      stride_lrl, lscalings_ptr, stride_lsl, L_R, LORA_ALIGN)
-                    prefetch_b(lb_ptr, t[0], t[1], t[2], n_lo, end, BLOCK_N)
     pdl.wait(USE_PDL)
     # the descriptors read zeros past K and past the last row of x or w: no masks in the loop
     for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
@@ -108,25 +83,6 @@ def _tma_gemm_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    if HAS_LORA:  # no branch around the accumulators (a branch would move them out of the MMA layout)
-        # one K range adds the deltas (the ranges' partials are summed): the others see no rows
-        row_slot = tl.load(ltoken_slot_ptr + offs_m, mask=tl.where(pid_k == 0, m_ok, False), other=-1)
-        slots = used_slots(lchunk_slot_ptr, L_CHUNKS, L_SLOTS, LORA_U, LORA_BLOCK_C)
-        if GLU:  # gate's columns are module 0's, up's module 1's
-            gate = module_tables(slots[0], slots[1], 0, lb_offs_ptr, ly_cols_ptr, stride_ltl, lranks_ptr,
-                                 stride_lrl, lscalings_ptr, stride_lsl, L_R, LORA_ALIGN)
-            up = module_tables(slots[0], slots[1], 1, lb_offs_ptr, ly_cols_ptr, stride_ltl, lranks_ptr,
-                               stride_lrl, lscalings_ptr, stride_lsl, L_R, LORA_ALIGN)
-            acc, acc_up = lora_glu_deltas(acc, acc_up, offs_m, m_ok, offs_n, n_ok, slots, gate, up, row_slot,
-                                          ly_ptr, stride_ly, lb_ptr, LORA_RC, UPCAST)
-        else:
-            for jj in tl.static_range(4):
-                lo, hi = module_span(jj, LOFF0, LOFF1, LOFF2, LOFF3, LOFF4)
-                active = (jj < L_MODULES) & (lo < n0 + BLOCK_N) & (hi > n0)  # the tile has columns of module jj
-                acc = lora_tile_delta(acc, offs_m, m_ok, offs_n - lo, n_ok & (offs_n >= lo) & (offs_n < hi), jj,
-                                      active, slots, row_slot, ly_ptr, stride_ly, lb_ptr, lb_offs_ptr, ly_cols_ptr,
-                                      stride_ltl, lranks_ptr, stride_lrl, lscalings_ptr, stride_lsl, L_R,
-                                      LORA_RC, LORA_ALIGN, UPCAST)
     if not GLU:
         acc_up = acc  # (unused)
     store_output(acc, acc_up, y_ptr, bias_ptr, add_ptr, part_ptr, ticket_ptr, offs_n, offs_m, n_ok,
@@ -160,11 +116,9 @@ def tma_aligned(t: torch.Tensor) -> bool:
 def tma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
              out: Optional[torch.Tensor] = None, config: TmaConfig = TmaConfig(),
              workspace: Optional[StreamWorkspace] = None, check: bool = True,
-             add: Optional[torch.Tensor] = None, glu: Optional[str] = None,
-             lora: Optional[LoraEpilogue] = None) -> torch.Tensor:
+             add: Optional[torch.Tensor] = None, glu: Optional[str] = None) -> torch.Tensor:
     """``x @ w.T + bias`` (``F.linear``) through the TMA-fed kernel, plus ``add`` on the first
-    columns and the rows' LoRA deltas (``lora``) when given. The other arguments are
-    ``ops.stream_gemm.stream_gemm``'s:
+    columns when given. The arguments are ``ops.stream_gemm.stream_gemm``'s:
 
     Args:
         x: (M, K), unit stride on K, 16-byte aligned start and row stride (``tma_aligned``).
@@ -178,9 +132,6 @@ def tma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = No
         glu: optional activation of ``ops.silu_mul.ACTIVATIONS``: ``w`` (and ``bias``) stack gate's
             rows over up's, and the output is ``act(x @ gate.T) * (x @ up.T)``, (M, N / 2). One K
             range, no ``add``.
-        lora: optional ``ops.lora_epilogue.LoraEpilogue``: each row's adapter delta added to the
-            float32 tile before the epilogue's bias, residual or activation (with ``glu`` its
-            modules are gate's and up's halves of ``w``).
     """
     if check:
         check_operands(x, w, bias)
@@ -190,49 +141,21 @@ def tma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = No
             raise ValueError(f"config {config}: block_k a multiple of 16, block_n >= 16, split_k and stages >= 1")
     out, m, n, k = checked_output(x, w, out, add, glu, check, glu_takes=config.split_k == 1,
                                   glu_needs="split_k 1 and no add")
-    if check and lora is not None:
-        check_lora(lora, m, n, x, glu is not None)
     if m == 0 or n == 0:
         return out
     if k == 0:  # nothing for a descriptor to read
-        return out.copy_(tma_gemm_reference(x, w, bias, add=add, glu=glu, lora=lora))
+        return out.copy_(stream_gemm_reference(x, w, bias, add=add, glu=glu))
     block_m, k_per, split, grid, part, ticket = split_plan(config, m, n, k, workspace, out)
     x_desc = TensorDescriptor.from_tensor(x, [block_m, config.block_k])
     w_desc = TensorDescriptor.from_tensor(w, [config.block_n, config.block_k])
     use_pdl = pdl.mode(x)
-    largs, (rank_cols, b_align, slot_bound, block_c) = lora_args(lora, w)
     _tma_gemm_kernel[grid](
         x_desc, w_desc, bias if bias is not None else w, add if add is not None else w, out, part, ticket,
-        *largs,
         m, n, k, k_per, add.shape[1] if add is not None else 0,
         out.stride(0), add.stride(0) if add is not None else 0,
         HAS_BIAS=bias is not None, HAS_ADD=add is not None, GLU=0 if glu is None else 1 + ACTIVATIONS.index(glu),
         LIBDEVICE=not interpreting(), SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
-        HAS_LORA=lora is not None, LORA_RC=rank_cols, LORA_ALIGN=b_align, LORA_U=slot_bound,
-        LORA_BLOCK_C=block_c, LORA_PREFETCH=lora is not None and b_align == 8 and x.element_size() == 2
-        and x.is_cuda and not interpreting(),
         UPCAST=x.dtype == torch.float32 or interpreting(), USE_PDL=use_pdl,
         num_warps=config.num_warps, launch_pdl=use_pdl > 0)
     return out
-
-
-def tma_gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                       add: Optional[torch.Tensor] = None, glu: Optional[str] = None,
-                       lora: Optional[LoraEpilogue] = None) -> torch.Tensor:
-    """float32 ``x @ w.T`` plus the LoRA deltas, the bias and ``add``, rounded once to x's dtype; with
-    ``glu``, torch's ``act(gate) * up`` of the gate and up outputs rounded so."""
-    if lora is None:
-        return stream_gemm_reference(x, w, bias, add=add, glu=glu)
-    y = x.float() @ w.float().T + lora_delta_reference(lora, x.shape[0])
-    if bias is not None:
-        y = y + bias.float()
-    if add is not None:
-        y[:, : add.shape[1]] += add.float()
-    y = y.to(x.dtype)
-    if glu is None:
-        return y
-    from .silu_mul import act_mul_reference
-
-    n = y.shape[1] // 2
-    return act_mul_reference(y[:, :n], y[:, n:], glu)
