@@ -475,3 +475,32 @@ def test_patched_model_decodes_through_the_tma_kernel_with_peft_tokens(monkeypat
     layers = model.config.num_hidden_layers
     assert calls["tma_gemm"] >= 4 * layers * 4, calls  # q/k/v, o, gate/up, down a layer, each step
     assert stream_calls["stream_gemm"] == 0
+
+
+def test_a_deep_weight_with_its_residual_pending_takes_the_add_tile(monkeypatch):
+    """With no ``deep`` tile in the table, a deep weight at 65-128 rows takes ``ADD_TILES``' tile when
+    its residual add is pending (the add in its epilogue) and cuBLAS otherwise; shallower reductions
+    than the tile was measured on, and ``ADD_TMA`` off, keep cuBLAS."""
+    _lift_limits(monkeypatch, tma_tiles={k: v for k, v in TINY_TMA.items() if k != "deep"})
+    monkeypatch.setattr(sl, "ADD_TILES", {"deep": (dict(block_n=16, block_k=32, split_k=2, num_warps=4,
+                                                        num_stages=2), 112)})
+    calls = count_calls(monkeypatch, tma_ops, ["tma_gemm"])
+    w = (torch.randn(48, 112) / 10).bfloat16()
+    x, residual = torch.randn(80, 112).bfloat16(), torch.randn(80, 48).bfloat16()
+    streams = sl.StreamLinears(torch.device("cpu"))
+    plain = streams.linear(x, w)
+    assert calls["tma_gemm"] == 0
+    streams.expect_add(w, residual)
+    added = streams.linear(x, w)
+    assert streams.took_add() and calls["tma_gemm"] == 1
+    torch.testing.assert_close(added.float(), F.linear(x.float(), w.float()) + residual.float(), atol=3e-2, rtol=1.6e-2)
+    torch.testing.assert_close(plain.float(), F.linear(x.float(), w.float()), atol=3e-2, rtol=1.6e-2)
+    shallow = (torch.randn(48, 96) / 10).bfloat16()
+    streams.expect_add(shallow, residual)
+    streams.linear(torch.randn(80, 96).bfloat16(), shallow)
+    assert not streams.took_add() and calls["tma_gemm"] == 1
+    monkeypatch.setattr(sl, "ADD_TMA", False)
+    streams = sl.StreamLinears(torch.device("cpu"))
+    streams.expect_add(w, residual)
+    streams.linear(x, w)
+    assert not streams.took_add() and calls["tma_gemm"] == 1

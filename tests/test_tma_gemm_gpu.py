@@ -46,11 +46,12 @@ def test_odd_shapes_and_float32(m, n, k, config):
     torch.testing.assert_close(out, stream_gemm_reference(x, w), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[3]], ids=["split1", "split4"])
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[3], TmaConfig(64, 128, 2, 4, 4)],
+                         ids=["split1", "split4", "add_tile"])
 @pytest.mark.parametrize("m,n_add", [(128, 4096), (80, 4096), (128, 1000)])
 def test_residual_added_in_the_epilogue(config, m, n_add):
     """down_proj (folded: 4,224 outputs) with the residual on its first columns, as a decoder layer
-    folds it; the columns past ``n_add`` get none."""
+    folds it; the columns past ``n_add`` get none (``add_tile``: ``stream_linears.ADD_TILES``' deep tile)."""
     k, n = SHAPES["down_folded"]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)

@@ -63,6 +63,12 @@ EPILOGUE_FOLDS = True  # the residual add and the gated activation in GEMM epilo
 SPLIT_MAX_N = 16384  # widest layer a split-K launch covers (wider ones need no split)
 TMA_GEMM = True  # 65-128 rows through ops.tma_gemm where TMA_TILES has a tile (off: benchmarks' A/B)
 TMA_TILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tma_tiles_h200.json")
+# A deep layer (down_proj) at 65-128 rows whose residual add rides along: the TMA kernel's best deep tile of
+# benchmarks/results/probe_tma_gemm_s21b_h200.csv, at reductions as deep as it was measured on. Alone it
+# is a little slower than cuBLAS (so the table leaves the class out), but cuBLAS then needs an add kernel
+# of its own, a strided one behind a folded down (off: benchmarks' A/B)
+ADD_TMA = True
+ADD_TILES = {"deep": (dict(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4), 14336)}
 _DTYPES = (torch.bfloat16, torch.float16)
 _hopper: Dict[int, bool] = {}
 # the members of fusible groups reach the kernel through their group's GEMM, not a forward of their own
@@ -146,8 +152,13 @@ class StreamLinears:
         self.tma_tiles = tma_tiles() if TMA_GEMM else {}
         from ..ops.tma_gemm import MAX_ROWS as TMA_ROWS
 
-        tma_split = max([t.config.split_k for t in self.tma_tiles.values()], default=1)
-        tma_block_n = min([t.config.block_n for t in self.tma_tiles.values()], default=64)
+        from ..ops.tma_gemm import TmaConfig
+
+        self.add_tiles = ({name: TmaTile(TmaConfig(**fields), min_k) for name, (fields, min_k) in ADD_TILES.items()}
+                          if TMA_GEMM and ADD_TMA else {})
+        tiles = list(self.tma_tiles.values()) + list(self.add_tiles.values())
+        tma_split = max([t.config.split_k for t in tiles], default=1)
+        tma_block_n = min([t.config.block_n for t in tiles], default=64)
         # the partials of the largest split launch (two K ranges of MAX_ROWS rows of the widest layer
         # that splits, four of a narrow layer's, or the TMA tiles' ranges of their rows), a ticket per
         # column tile
@@ -164,19 +175,27 @@ class StreamLinears:
         # (a forward on another thread, say the continuous-batching engine's, never takes this one's)
         self._pending = threading.local()
 
-    def _tma_tile(self, rows: int, n: int, k: int, glu: bool = False):
-        """The TMA kernel's tile for ``rows`` rows of an (n, k) weight, or None (module doc)."""
+    def _tma_tile(self, rows: int, n: int, k: int, glu: bool = False, weight: Optional[torch.Tensor] = None):
+        """The TMA kernel's tile for ``rows`` rows of an (n, k) weight, or None (module doc); a deep
+        ``weight`` whose residual add is pending takes ``ADD_TILES``' where the table has none."""
         if rows <= MAX_ROWS or rows > self._tma_rows or n < NARROW_N:
             return None
-        tile = self.tma_tiles.get("glu" if glu else shape_class(n, k))
+        cls = "glu" if glu else shape_class(n, k)
+        tile = self.tma_tiles.get(cls)
+        if tile is None and weight is not None and self._add_pending(weight):
+            tile = self.add_tiles.get(cls)
         return tile.config if tile is not None and k >= tile.min_k else None
+
+    def _add_pending(self, weight: torch.Tensor) -> bool:
+        pending = getattr(self._pending, "add", None)
+        return pending is not None and pending[0] == weight.data_ptr()
 
     def _rows(self, x, weight, bias, glu: bool = False) -> int:
         """The rows of ``x`` where ``x @ weight.T`` takes one of the kernels (module doc), else 0."""
         n, k = weight.shape if weight.dim() == 2 else (0, 0)
         rows = x.numel() // k if k and x.dim() and x.shape[-1] == k else 0
         max_rows = MAX_ROWS if n >= NARROW_N else NARROW_MAX_ROWS
-        if rows > max_rows and self._tma_tile(rows, n, k, glu) is not None:
+        if rows > max_rows and self._tma_tile(rows, n, k, glu, weight) is not None:
             max_rows = self._tma_rows
         if (rows > max_rows or rows == 0 or not MIN_N <= n <= MAX_N or k < MIN_K or k % 8 or x.dtype not in _DTYPES
                 or weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1))
@@ -197,7 +216,7 @@ class StreamLinears:
         x2 = x.reshape(rows, k)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        tile = self._tma_tile(rows, n, k)
+        tile = self._tma_tile(rows, n, k, weight=weight)
         if tile is not None and not (tma_aligned(x2) and tma_aligned(weight)):
             return F.linear(x, weight, bias)  # a descriptor cannot address it
         config = tile or _config(rows, n, k)
