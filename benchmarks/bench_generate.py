@@ -477,7 +477,7 @@ def main(argv=None):
     p.add_argument("--tma-gemm", choices=["on", "off"], default="on",
                    help="off: 65-128-row GEMMs on cuBLAS instead of the TMA kernel's table (stream_linears.TMA_GEMM), for an A/B")
     p.add_argument("--tma-add", choices=["on", "off"], default="on",
-                   help="off: a 65-128-row down_proj whose residual add rides along keeps cuBLAS and an add kernel "
+                   help="off: a 65-128-row folded down_proj whose residual add rides along keeps cuBLAS and an add kernel "
                         "where the TMA table has no deep tile (stream_linears.ADD_TMA), for an A/B")
     p.add_argument("--epilogue-folds", choices=["on", "off"], default="on",
                    help="off: the KV length's increment, the MLP's residual add and (plain gate/up) its "

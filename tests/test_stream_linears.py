@@ -477,30 +477,34 @@ def test_patched_model_decodes_through_the_tma_kernel_with_peft_tokens(monkeypat
     assert stream_calls["stream_gemm"] == 0
 
 
-def test_a_deep_weight_with_its_residual_pending_takes_the_add_tile(monkeypatch):
-    """With no ``deep`` tile in the table, a deep weight at 65-128 rows takes ``ADD_TILES``' tile when
-    its residual add is pending (the add in its epilogue) and cuBLAS otherwise; shallower reductions
-    than the tile was measured on, and ``ADD_TMA`` off, keep cuBLAS."""
+def test_a_folded_deep_weight_with_its_residual_pending_takes_the_add_tile(monkeypatch):
+    """With no ``deep`` tile in the table, a folded deep weight (more rows than the residual's columns)
+    at 65-128 rows takes ``ADD_TILES``' tile when its residual add is pending (the add in its
+    epilogue) and cuBLAS otherwise; a plain deep weight, shallower reductions than the tile was
+    measured on, and ``ADD_TMA`` off keep cuBLAS (the layer adds the residual itself)."""
     _lift_limits(monkeypatch, tma_tiles={k: v for k, v in TINY_TMA.items() if k != "deep"})
     monkeypatch.setattr(sl, "ADD_TILES", {"deep": (dict(block_n=16, block_k=32, split_k=2, num_warps=4,
                                                         num_stages=2), 112)})
     calls = count_calls(monkeypatch, tma_ops, ["tma_gemm"])
-    w = (torch.randn(48, 112) / 10).bfloat16()
+    folded = (torch.randn(56, 112) / 10).bfloat16()  # 48 base rows and 8 rows of A under them
     x, residual = torch.randn(80, 112).bfloat16(), torch.randn(80, 48).bfloat16()
     streams = sl.StreamLinears(torch.device("cpu"))
-    plain = streams.linear(x, w)
+    plain = streams.linear(x, folded)
     assert calls["tma_gemm"] == 0
-    streams.expect_add(w, residual)
-    added = streams.linear(x, w)
+    streams.expect_add(folded, residual)
+    added = streams.linear(x, folded)
     assert streams.took_add() and calls["tma_gemm"] == 1
-    torch.testing.assert_close(added.float(), F.linear(x.float(), w.float()) + residual.float(), atol=3e-2, rtol=1.6e-2)
-    torch.testing.assert_close(plain.float(), F.linear(x.float(), w.float()), atol=3e-2, rtol=1.6e-2)
-    shallow = (torch.randn(48, 96) / 10).bfloat16()
-    streams.expect_add(shallow, residual)
-    streams.linear(torch.randn(80, 96).bfloat16(), shallow)
-    assert not streams.took_add() and calls["tma_gemm"] == 1
+    want = F.linear(x.float(), folded.float())
+    want[:, :48] += residual.float()
+    torch.testing.assert_close(added.float(), want, atol=3e-2, rtol=1.6e-2)
+    torch.testing.assert_close(plain.float(), F.linear(x.float(), folded.float()), atol=3e-2, rtol=1.6e-2)
+    for w, xx in (((torch.randn(48, 112) / 10).bfloat16(), x),  # plain: cuBLAS and the layer's own add
+                  ((torch.randn(56, 96) / 10).bfloat16(), torch.randn(80, 96).bfloat16())):  # too shallow
+        streams.expect_add(w, residual)
+        streams.linear(xx, w)
+        assert not streams.took_add() and calls["tma_gemm"] == 1
     monkeypatch.setattr(sl, "ADD_TMA", False)
     streams = sl.StreamLinears(torch.device("cpu"))
-    streams.expect_add(w, residual)
-    streams.linear(x, w)
+    streams.expect_add(folded, residual)
+    streams.linear(x, folded)
     assert not streams.took_add() and calls["tma_gemm"] == 1

@@ -63,10 +63,11 @@ EPILOGUE_FOLDS = True  # the residual add and the gated activation in GEMM epilo
 SPLIT_MAX_N = 16384  # widest layer a split-K launch covers (wider ones need no split)
 TMA_GEMM = True  # 65-128 rows through ops.tma_gemm where TMA_TILES has a tile (off: benchmarks' A/B)
 TMA_TILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tma_tiles_h200.json")
-# A deep layer (down_proj) at 65-128 rows whose residual add rides along: the TMA kernel's best deep tile of
-# benchmarks/results/probe_tma_gemm_s21b_h200.csv, at reductions as deep as it was measured on. Alone it
-# is a little slower than cuBLAS (so the table leaves the class out), but cuBLAS then needs an add kernel
-# of its own, a strided one behind a folded down (off: benchmarks' A/B)
+# A folded deep layer ([W; A] of a LoRA down_proj) at 65-128 rows whose residual add rides along: the TMA
+# kernel's best deep tile of benchmarks/results/probe_tma_gemm_s21b_h200.csv, at reductions as deep as it
+# was measured on. Alone it is a little slower than cuBLAS (so the table leaves the class out), but behind
+# cuBLAS the residual add reads the base columns of the wider output, a strided view, in a kernel of its
+# own. A plain down keeps cuBLAS and the vectorised add (faster there; off: benchmarks' A/B)
 ADD_TMA = True
 ADD_TILES = {"deep": (dict(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4), 14336)}
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -176,8 +177,8 @@ class StreamLinears:
         self._pending = threading.local()
 
     def _tma_tile(self, rows: int, n: int, k: int, glu: bool = False, weight: Optional[torch.Tensor] = None):
-        """The TMA kernel's tile for ``rows`` rows of an (n, k) weight, or None (module doc); a deep
-        ``weight`` whose residual add is pending takes ``ADD_TILES``' where the table has none."""
+        """The TMA kernel's tile for ``rows`` rows of an (n, k) weight, or None (module doc); a folded
+        deep ``weight`` whose residual add is pending takes ``ADD_TILES``' where the table has none."""
         if rows <= MAX_ROWS or rows > self._tma_rows or n < NARROW_N:
             return None
         cls = "glu" if glu else shape_class(n, k)
@@ -187,8 +188,10 @@ class StreamLinears:
         return tile.config if tile is not None and k >= tile.min_k else None
 
     def _add_pending(self, weight: torch.Tensor) -> bool:
+        """A residual add is pending for ``weight`` and covers fewer columns than it has (folded)."""
         pending = getattr(self._pending, "add", None)
-        return pending is not None and pending[0] == weight.data_ptr()
+        return (pending is not None and pending[0] == weight.data_ptr() and pending[1].dim() > 0
+                and pending[1].shape[-1] < weight.shape[0])
 
     def _rows(self, x, weight, bias, glu: bool = False) -> int:
         """The rows of ``x`` where ``x @ weight.T`` takes one of the kernels (module doc), else 0."""
