@@ -32,7 +32,6 @@ class PatchReport:
     stream_gemm_layers: int = 0  # plain linear layers whose decode GEMMs the streaming kernel runs
     stream_residual_layers: int = 0  # decoder layers whose MLP residual add may ride in down's streaming GEMM
     stream_gated_mlps: int = 0  # gated MLPs whose plain gate/up GEMM gives act(gate) * up
-    expand_act_mlps: int = 0  # gated MLPs whose folded LoRA gate/up site runs its expand and act-mul as one kernel
     cuda_graphs: str = "off"  # "on", "emulated", or "off (why)"
     stop_check: str = "per step"  # with graphs on: "deferred" (read one step late on CUDA) or "per step (why)"
     token_selection: str = "transformers'"  # with graphs on: "one kernel for greedy calls" or "transformers' (why)"
@@ -90,8 +89,6 @@ class PatchReport:
                  f"act-mul in gate/up's GEMM x{self.stream_gated_mlps}" if self.stream_gated_mlps else ""]
         if not why and any(folds):
             line += f" ({', '.join(f for f in folds if f)})"
-        if self.expand_act_mlps:
-            line += f"; LoRA gate/up expand and act-mul in one kernel (folded decode steps): x{self.expand_act_mlps}"
         ops = []
         for option, label, count in (("fuse_norms", "RMSNorm", self.fused_norms),
                                      ("fuse_rotary", "rotary", self.fused_rotary),

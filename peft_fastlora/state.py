@@ -20,7 +20,7 @@ from torch import nn
 from . import _compat
 from ._compat import LoraEmbedding, LoraLinear, base_layer_of, is_conv1d, is_lora_layer, linear_in_out
 from .backend import get_backend, resolve_backend_name
-from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_ops
+from .base_ops import BaseOps, install_base_ops
 from .batch import ForwardBatch, TokenSegments
 from .lora.fusion import FOLD_MIN_USE, FusedGroup, find_groups, fusion_blocker
 from .lora.host_copy import copy_from_host, prestage
@@ -53,7 +53,6 @@ class FastLoRAState:
         self.sites: List[Site] = []
         self.groups = []
         self.base_ops: Optional[BaseOps] = None
-        self._gated_mlps: List[nn.Module] = []  # gated MLPs given a LoRA gate/up site's path (_set_gated_sites)
         self.generate_hook = None  # decode.generate.GenerateHook
         self.mutation_lock = None  # lora.mutations.AdapterMutationLock
         self.generation = 0  # bumped whenever a stack or fused weight is rebuilt (graphs hold them)
@@ -259,22 +258,6 @@ class FastLoRAState:
         for site in self.sites:
             if site.pool.fold is not None:
                 site.pool.fold.gemm = gemm
-        self._set_gated_sites()
-
-    def _set_gated_sites(self):
-        """Gated MLPs whose gate/up is a LoRA site take its one-launch expand and act-mul
-        (``FusedSite.gated``); the previous sites' are taken back first (a rescan rebuilt them)."""
-        self._clear_gated_sites()
-        for site in self.sites:
-            mlp = getattr(site, "parent", None)
-            if site.kind == "gate_up" and mlp is not None and has_gated_forward(mlp):
-                mlp._fastlora_gated = site.gated(self, mlp, activation_kind(mlp.act_fn))
-                self._gated_mlps.append(mlp)
-
-    def _clear_gated_sites(self):
-        for mlp in self._gated_mlps:
-            mlp.__dict__.pop("_fastlora_gated", None)
-        self._gated_mlps = []
 
     def _report_base_ops(self, report: PatchReport):
         ops = self.base_ops
@@ -288,7 +271,6 @@ class FastLoRAState:
         report.stream_gemm_layers = ops.count("stream_gemm")
         if ops.stream is not None:
             report.stream_residual_layers, report.stream_gated_mlps = ops.stream.residual_layers, ops.stream.gated_mlps
-        report.expand_act_mlps = len(self._gated_mlps)
         if self.continuous is not None:
             why = self.continuous.blocker
             if why is not None:
@@ -350,8 +332,7 @@ class FastLoRAState:
                 if fold_off is None:  # (under TP: each rank's shards, column-sharded alike)
                     pool.fold = g
                 site_name = f"{g.parent_name}.{g.kind}" if g.parent_name else g.kind
-                parent = model.get_submodule(g.parent_name) if g.parent_name else model
-                self.sites.append(FusedSite(site_name, g, pool, parent))
+                self.sites.append(FusedSite(site_name, g, pool))
                 served |= {id(m) for m in g.members}
         declared = _compat.declared_tp_plans(model)
         for name, m in lora_layers:
@@ -551,7 +532,6 @@ class FastLoRAState:
         self.generation += 1
 
     def teardown(self):
-        self._clear_gated_sites()
         if self.base_ops is not None:
             self.base_ops.remove(self.inner)
             self.base_ops = None

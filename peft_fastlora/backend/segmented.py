@@ -379,46 +379,6 @@ class SegmentedLoRABackend(BaseLoRABackend):
         ranks, scalings = self._packed_tables(bi, weights, layer_ranks, layer_scalings)
         return self._packed_expand(y, weights, ranks, scalings, base_output, bi)
 
-    def run_packed_expand_act(self, y, weights: PackedWeights, *, base_output, act: str, layer_ranks=None,
-                              layer_scalings=None, batch_info=None):
-        """A folded gate/up site's expand, then the gated MLP's ``act(gate) * up``: for a site of two
-        modules of one width (gate's columns, then up's).
-
-        Args:
-            y, weights, layer_ranks, layer_scalings, batch_info: as ``run_packed_expand``.
-            base_output: (s, 2 * width), the base GEMM's gate and up columns (may be updated in place).
-            act: "silu" or "gelu_tanh" (``ops.silu_mul.ACTIVATIONS``).
-        Returns:
-            (s, width), a new tensor.
-        """
-        offsets = list(weights.offsets)
-        if len(offsets) != 3 or offsets[2] != 2 * offsets[1]:
-            raise ValueError(f"run_packed_expand_act: a gate/up site has two modules of one width, got offsets "
-                             f"{offsets}")
-        if act not in ("silu", "gelu_tanh"):
-            raise ValueError(f"run_packed_expand_act: unknown activation {act!r} (silu, gelu_tanh)")
-        if base_output is None:
-            raise ValueError("run_packed_expand_act: base_output (the gate and up columns) is required")
-        bi = self._bi(batch_info)
-        if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.stride(1) != 1:
-            raise ValueError("run_packed_expand_act: y must be a 2-D tensor with unit column stride")
-        self._check_tokens(y, bi)
-        if y.shape[1] != weights.a.shape[0] or y.dtype != weights.b.dtype:
-            raise ValueError(f"run_packed_expand_act: y {tuple(y.shape)} {y.dtype} does not hold one "
-                             f"{weights.b.dtype} column per row of the packed A arena ({weights.a.shape[0]})")
-        base_output = self._checked_base_output(base_output, y, offsets[-1])
-        ranks, scalings = self._packed_tables(bi, weights, layer_ranks, layer_scalings)
-        return self._packed_expand_act(y, weights, ranks, scalings, base_output, act, bi)
-
-    def _packed_expand_act(self, y, weights: PackedWeights, ranks, scalings, out, act, bi) -> torch.Tensor:
-        """The expand into ``out`` in place, then torch's activation and product (a backend may do
-        both in one kernel)."""
-        from ..ops.silu_mul import act_mul_reference
-
-        self._packed_expand(y, weights, ranks, scalings, out, bi)
-        width = weights.offsets[1]
-        return act_mul_reference(out[:, :width], out[:, width:], act)
-
     def run_packed_embedding_lora(self, input_ids, weights: PackedWeights, vocab_size: int, *,
                                   base_output=None, layer_ranks=None, layer_scalings=None, batch_info=None):
         """fastlora's own storage for a LoRA embedding: ``run_lora_a_embedding`` then

@@ -137,18 +137,6 @@ class TritonLoRABackend(SegmentedLoRABackend):
                                 bi.chunk_start, bi.chunk_len, block_m=bi.block_m, check=False,
                                 b_offs=w.b_offs, b_align=w.align, y_cols=w.a_rows, max_rank=w.max_rank)
 
-    def _packed_expand_act(self, y, weights, ranks, scalings, out, act, bi):
-        """Decode row tiles: the expand and the act-mul in one launch (``ops.lora_expand_act``,
-        ``out`` left as the GEMM wrote it); else the two launches."""
-        w = weights
-        if bi.block_m > _ops.EXPAND_ACT_MAX_BLOCK_M:
-            return super()._packed_expand_act(y, weights, ranks, scalings, out, act, bi)
-        self._check_place("packed lora B and the act-mul", bi, y, w.b, w.a_rows, w.b_offs, ranks, scalings, out)
-        self._check_slots("packed lora B and the act-mul", bi, w.num_slots)
-        return _ops.lora_expand_act(y, w.b, w.b_offs, w.a_rows, ranks, scalings, out, bi.token_slot,
-                                    bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len, act=act,
-                                    block_m=bi.block_m, max_rank=w.max_rank, b_align=w.align, check=False)
-
     def _packed_embedding(self, input_ids, weights, vocab_size, ranks, scalings, out, bi):
         w = weights
         self._check_place("packed embedding A and B", bi, input_ids, w.a, w.b, w.a_rows, w.b_offs, ranks,

@@ -14,9 +14,9 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from .._compat import (base_layer_of, has_forward_hooks, is_dtensor, is_lora_layer, layer_adapters_disabled,
-                      layer_dropout_active, layer_is_merged, local, tp_gather_finish, tp_gather_partial, tp_group,
-                      tp_rowwise_finish, tp_rowwise_finish_columns, tp_rowwise_partial, tp_sum, tp_vocab_ids, tp_vocab_partial)
+from .._compat import (base_layer_of, is_dtensor, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
+                      layer_is_merged, local, tp_gather_finish, tp_gather_partial, tp_group, tp_rowwise_finish,
+                      tp_rowwise_finish_columns, tp_rowwise_partial, tp_sum, tp_vocab_ids, tp_vocab_partial)
 from .fusion import FusedGroup
 from .pool import SitePool
 
@@ -24,8 +24,6 @@ _VARIANT_KWARGS = ("alora_offsets",)
 # forwards of decode size (this row tile) take the shrink from a folded base GEMM; larger ones keep
 # the shrink kernel, which reads each adapter's A only for its own tokens
 FOLD_MAX_BLOCK_M = 16
-# a folded gate/up site of a gated MLP: its expand and the MLP's act-mul in one launch (off: benchmarks' A/B)
-GATED_EXPAND = True
 
 
 class Site:
@@ -313,39 +311,11 @@ class FusedSite(Site):
     call runs the member's own forward.
     """
 
-    def __init__(self, name: str, group: FusedGroup, pool: SitePool, parent: Optional[nn.Module] = None):
+    def __init__(self, name: str, group: FusedGroup, pool: SitePool):
         super().__init__(name, group.members, pool)
         self.group = group
         self.kind = group.kind
-        self.parent = parent  # the module holding the members (a gate/up site's: the MLP)
         self._stash = None  # (input tensor, [output or None per member])
-
-    def gated(self, state, mlp: nn.Module, act: str):
-        """For a gate/up site of a gated ``mlp`` (``base_ops.mlp_forwards``): ``x -> act(gate(x)) *
-        up(x)`` through the folded GEMM and one launch of the expand and the act-mul
-        (``run_packed_expand_act``), or None where that does not apply (not folded, another call,
-        a member replaced or hooked) and the MLP calls its members as usual."""
-        gate, up = self.members
-
-        def forward(x):
-            if (not GATED_EXPAND or mlp.gate_proj is not gate or mlp.up_proj is not up
-                    or has_forward_hooks(gate) or has_forward_hooks(up) or not self.group.is_intact()
-                    or (self.device.type == "cuda" and self.device.index != torch.cuda.current_device())):
-                return None
-            bi = self._fast_path_info(state, x, (), {})
-            if bi is None:
-                return None  # the members' forwards decide (PEFT's path, or a graph-unsafe refusal)
-            pool = state.pool_for(self, x.dtype)
-            width = pool.offsets[1]
-            if not _folded(state, pool, bi) or list(pool.offsets) != [0, width, 2 * width]:
-                return None
-            full = pool.fold.linear_with_tail(_as_rows(x, x.shape[-1]).contiguous())
-            h = state.backend.run_packed_expand_act(
-                full[:, 2 * width:], pool.fold_weights(), base_output=full[:, :2 * width], act=act,
-                layer_ranks=pool.ranks, layer_scalings=pool.scalings, batch_info=bi)
-            return h.view(*x.shape[:-1], width)
-
-        return forward
 
     def clear_stash(self):
         self._stash = None

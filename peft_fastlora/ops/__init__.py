@@ -10,8 +10,6 @@ from .decode_attention import decode_attention, decode_attention_config, decode_
 from .kv_cache import kv_cache_write
 from .lora_embedding import lora_embedding_a, lora_extra_token_embedding
 from .lora_expand import expand_config, lora_expand
-from .lora_expand_act import MAX_BLOCK_M as EXPAND_ACT_MAX_BLOCK_M
-from .lora_expand_act import lora_expand_act, lora_expand_act_reference
 from .lora_fused import MAX_BLOCK_R as FUSED_MAX_BLOCK_R
 from .lora_fused import MAX_MODULES as FUSED_MAX_MODULES
 from .lora_fused import FusedWorkspace, fused_config, fused_supported, lora_fused
@@ -40,7 +38,6 @@ __all__ = [
     "decode_attention",
     "decode_attention_config",
     "decode_attention_reference",
-    "EXPAND_ACT_MAX_BLOCK_M",
     "expand_config",
     "fused_config",
     "fused_supported",
@@ -48,8 +45,6 @@ __all__ = [
     "kv_cache_write",
     "lora_embedding_a",
     "lora_expand",
-    "lora_expand_act",
-    "lora_expand_act_reference",
     "lora_extra_token_embedding",
     "lora_fused",
     "lora_shrink",

@@ -13,9 +13,7 @@ intact for everything else:
   the batch plan copied before the step) or only kernels launched without PDL write (torch's
   attention masks: such a kernel completes before any later one starts), and stores nothing;
 - every program calls ``wait()`` before it returns, early returns included, so a kernel never
-  completes before the one it follows: the next kernel's wait then covers all earlier ones (one
-  program that always waits is enough for that; ``lora_expand_act`` lets its idle programs leave
-  early and keeps the wait in program (0, 0));
+  completes before the one it follows: the next kernel's wait then covers all earlier ones;
 - it lets the next kernel launch early (``launch_dependents()`` at its start; not in ``WAIT_ONLY``).
 
 Kernels from cuBLAS or PyTorch are launched as usual and keep full stream order. ``mode`` says
