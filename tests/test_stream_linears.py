@@ -508,3 +508,58 @@ def test_a_folded_deep_weight_with_its_residual_pending_takes_the_add_tile(monke
     streams.expect_add(folded, residual)
     streams.linear(x, folded)
     assert not streams.took_add() and calls["tma_gemm"] == 1
+
+
+def test_a_folded_site_weight_takes_the_fold_tile_where_the_table_has_none(monkeypatch):
+    """At 65-128 rows a weight its GEMM is told is folded (a LoRA site's ``[W; A]``) takes
+    ``FOLD_TILES``' tile for its class where the table has none; the same weight not folded, a
+    class with no fold tile, a shallower reduction than the tile was measured on, and ``FOLD_TMA``
+    off keep cuBLAS. The tile's result is F.linear's."""
+    _lift_limits(monkeypatch, tma_tiles={k: v for k, v in TINY_TMA.items() if k not in ("tall", "wide")})
+    monkeypatch.setattr(sl, "FOLD_TILES", {"tall": (dict(block_n=32, block_k=16, split_k=1, num_warps=4,
+                                                         num_stages=2), 48)})
+    configs = _spy_configs(monkeypatch, tma_ops, "tma_gemm")
+    streams = sl.StreamLinears(torch.device("cpu"))
+    w, x = (torch.randn(100, 48) / 7).bfloat16(), torch.randn(80, 48).bfloat16()  # tall: 100 outputs of 48
+    out = streams.linear(x, w, folded=True)
+    assert [(c.block_n, c.block_k) for c in configs] == [(32, 16)]
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float()), atol=3e-2, rtol=1.6e-2)
+    streams.linear(x, w)  # not folded
+    streams.linear(x, (torch.randn(400, 48) / 7).bfloat16(), folded=True)  # wide: no fold tile
+    streams.linear(torch.randn(80, 32).bfloat16(), (torch.randn(64, 32) / 7).bfloat16(), folded=True)  # too shallow
+    assert len(configs) == 1
+    monkeypatch.setattr(sl, "FOLD_TMA", False)
+    sl.StreamLinears(torch.device("cpu")).linear(x, w, folded=True)
+    assert len(configs) == 1
+
+
+def test_folded_sites_take_the_fold_tiles_through_a_patched_model(monkeypatch):
+    """A patched model's folded q/k/v and gate/up sites at more than ``MAX_ROWS`` (lowered) rows reach
+    the fold tiles through ``FusedGroup.linear_with_tail`` (no table tile for their classes), and the
+    mixed batch keeps PEFT's tokens and logits through emulated graphs."""
+    import peft_fastlora as fastlora
+    from _models import left_padded_batch
+
+    _fp32_streams(monkeypatch, tma_tiles={k: v for k, v in TINY_TMA.items() if k not in ("tall", "wide")})
+    monkeypatch.setattr(sl, "MAX_ROWS", 2)
+    monkeypatch.setattr(sl, "FOLD_TILES", {"tall": (dict(block_n=32, block_k=16, split_k=1, num_warps=4,
+                                                         num_stages=2), 16),
+                                           "wide": (dict(block_n=64, block_k=16, split_k=1, num_warps=4,
+                                                         num_stages=2), 16)})
+    base = tiny_llama(0, vocab_size=128)
+    base.generation_config.eos_token_id = None
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj",
+                                                                              "up_proj"],
+                                            init_lora_weights=False), adapter_name="a").eval()
+    model.add_adapter("b", LoraConfig(r=2, lora_alpha=4, target_modules=["k_proj", "up_proj"], init_lora_weights=False))
+    batch, names = left_padded_batch([5, 7, 3], seed=6), ["a", "__base__", "b"]
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(**batch, adapter_names=names, **kwargs)
+    configs = _spy_configs(monkeypatch, tma_ops, "tma_gemm")
+    with fastlora.patched(model, backend="triton", stream_gemm=True, fuse=True, fold_shrink=True,
+                          cuda_graphs="emulate"), torch.no_grad():
+        got = model.generate(**batch, adapter_names=names, **kwargs)
+    _same_decode(got, want)
+    used = {(c.block_n, c.block_k) for c in configs}
+    assert {(32, 16), (64, 16)} <= used, used  # the folded q/k/v's and gate/up's tiles
