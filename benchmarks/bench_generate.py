@@ -479,9 +479,6 @@ def main(argv=None):
     p.add_argument("--tma-add", choices=["on", "off"], default="on",
                    help="off: a 65-128-row folded down_proj whose residual add rides along keeps cuBLAS and an add kernel "
                         "where the TMA table has no deep tile (stream_linears.ADD_TMA), for an A/B")
-    p.add_argument("--tma-fold", choices=["on", "off"], default="on",
-                   help="off: a 65-128-row folded q/k/v or gate/up site's GEMM keeps cuBLAS where the TMA table has "
-                        "no tile for its class (stream_linears.FOLD_TMA), for an A/B")
     p.add_argument("--epilogue-folds", choices=["on", "off"], default="on",
                    help="off: the KV length's increment, the MLP's residual add and (plain gate/up) its "
                         "activation as kernels of their own, for an A/B")
@@ -517,7 +514,6 @@ def main(argv=None):
         sl.MIN_N = sl.NARROW_N
     importlib.import_module("peft_fastlora.base_ops.stream_linears").TMA_GEMM = args.tma_gemm == "on"
     importlib.import_module("peft_fastlora.base_ops.stream_linears").ADD_TMA = args.tma_add == "on"
-    importlib.import_module("peft_fastlora.base_ops.stream_linears").FOLD_TMA = args.tma_fold == "on"
     if args.epilogue_folds == "off":
         importlib.import_module("peft_fastlora.decode.static_cache").KV_TICKET = False
         importlib.import_module("peft_fastlora.base_ops.stream_linears").EPILOGUE_FOLDS = False
@@ -528,7 +524,7 @@ def main(argv=None):
     importlib.import_module("peft_fastlora.base_ops.attention_forwards").ONE_KERNEL = args.rotary_kv == "on"
     importlib.import_module("peft_fastlora.decode.greedy_loop").ENABLED = args.token_select == "fused"
     vers = dict(versions(), expand=args.expand, stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms,
-                tma_gemm=args.tma_gemm, tma_add=args.tma_add, tma_fold=args.tma_fold,
+                tma_gemm=args.tma_gemm, tma_add=args.tma_add,
                 epilogue_folds=args.epilogue_folds, attention_prewait=args.attention_prewait,
                 attention_block_n=args.attention_block_n, rotary_kv=args.rotary_kv, token_select=args.token_select)
     bw = copy_bandwidth() if DEVICE == "cuda" else 1e11

@@ -70,13 +70,6 @@ TMA_TILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tma_tiles_
 # own. A plain down keeps cuBLAS and the vectorised add (faster there; off: benchmarks' A/B)
 ADD_TMA = True
 ADD_TILES = {"deep": (dict(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4), 14336)}
-# A folded LoRA q/k/v or gate/up site ([W; A]: its adapters' A rows under the fused weight) at 65-128 rows:
-# the TMA kernel's best tile at the folded widths of probe_tma_gemm_s21b_h200.csv, where it beat cuBLAS there
-# (the plain widths keep cuBLAS, which the table's classes follow), at reductions as deep as it was measured
-# on. Launched with PDL, it also lets the expand after it run its preamble early (off: benchmarks' A/B)
-FOLD_TMA = True
-FOLD_TILES = {"tall": (dict(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4), 4096),
-              "wide": (dict(block_n=128, block_k=64, split_k=1, num_warps=8, num_stages=6), 4096)}
 _DTYPES = (torch.bfloat16, torch.float16)
 _hopper: Dict[int, bool] = {}
 # the members of fusible groups reach the kernel through their group's GEMM, not a forward of their own
@@ -164,9 +157,7 @@ class StreamLinears:
 
         self.add_tiles = ({name: TmaTile(TmaConfig(**fields), min_k) for name, (fields, min_k) in ADD_TILES.items()}
                           if TMA_GEMM and ADD_TMA else {})
-        self.fold_tiles = ({name: TmaTile(TmaConfig(**fields), min_k) for name, (fields, min_k) in FOLD_TILES.items()}
-                           if TMA_GEMM and FOLD_TMA else {})
-        tiles = list(self.tma_tiles.values()) + list(self.add_tiles.values()) + list(self.fold_tiles.values())
+        tiles = list(self.tma_tiles.values()) + list(self.add_tiles.values())
         tma_split = max([t.config.split_k for t in tiles], default=1)
         tma_block_n = min([t.config.block_n for t in tiles], default=64)
         # the partials of the largest split launch (two K ranges of MAX_ROWS rows of the widest layer
@@ -185,17 +176,13 @@ class StreamLinears:
         # (a forward on another thread, say the continuous-batching engine's, never takes this one's)
         self._pending = threading.local()
 
-    def _tma_tile(self, rows: int, n: int, k: int, glu: bool = False, weight: Optional[torch.Tensor] = None,
-                  folded: bool = False):
-        """The TMA kernel's tile for ``rows`` rows of an (n, k) weight, or None (module doc); where the
-        table has none, a ``folded`` site's weight takes ``FOLD_TILES``', and a folded deep ``weight``
-        whose residual add is pending ``ADD_TILES``'."""
+    def _tma_tile(self, rows: int, n: int, k: int, glu: bool = False, weight: Optional[torch.Tensor] = None):
+        """The TMA kernel's tile for ``rows`` rows of an (n, k) weight, or None (module doc); a folded
+        deep ``weight`` whose residual add is pending takes ``ADD_TILES``' where the table has none."""
         if rows <= MAX_ROWS or rows > self._tma_rows or n < NARROW_N:
             return None
         cls = "glu" if glu else shape_class(n, k)
         tile = self.tma_tiles.get(cls)
-        if tile is None and folded:
-            tile = self.fold_tiles.get(cls)
         if tile is None and weight is not None and self._add_pending(weight):
             tile = self.add_tiles.get(cls)
         return tile.config if tile is not None and k >= tile.min_k else None
@@ -206,12 +193,12 @@ class StreamLinears:
         return (pending is not None and pending[0] == weight.data_ptr() and pending[1].dim() > 0
                 and pending[1].shape[-1] < weight.shape[0])
 
-    def _rows(self, x, weight, bias, glu: bool = False, folded: bool = False) -> int:
+    def _rows(self, x, weight, bias, glu: bool = False) -> int:
         """The rows of ``x`` where ``x @ weight.T`` takes one of the kernels (module doc), else 0."""
         n, k = weight.shape if weight.dim() == 2 else (0, 0)
         rows = x.numel() // k if k and x.dim() and x.shape[-1] == k else 0
         max_rows = MAX_ROWS if n >= NARROW_N else NARROW_MAX_ROWS
-        if rows > max_rows and self._tma_tile(rows, n, k, glu, weight, folded) is not None:
+        if rows > max_rows and self._tma_tile(rows, n, k, glu, weight) is not None:
             max_rows = self._tma_rows
         if (rows > max_rows or rows == 0 or not MIN_N <= n <= MAX_N or k < MIN_K or k % 8 or x.dtype not in _DTYPES
                 or weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1))
@@ -220,11 +207,9 @@ class StreamLinears:
             return 0
         return rows
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-               folded: bool = False) -> torch.Tensor:
-        """``F.linear(x, weight, bias)``, through the streaming kernel where it applies (module doc);
-        ``folded``: ``weight`` is a LoRA site's ``[W; A]`` (``FusedGroup.linear_with_tail``)."""
-        rows = self._rows(x, weight, bias, folded=folded)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``, through the streaming kernel where it applies (module doc)."""
+        rows = self._rows(x, weight, bias)
         if not rows:
             return F.linear(x, weight, bias)
         from ..ops.stream_gemm import stream_gemm
@@ -234,7 +219,7 @@ class StreamLinears:
         x2 = x.reshape(rows, k)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        tile = self._tma_tile(rows, n, k, weight=weight, folded=folded)
+        tile = self._tma_tile(rows, n, k, weight=weight)
         if tile is not None and not (tma_aligned(x2) and tma_aligned(weight)):
             return F.linear(x, weight, bias)  # a descriptor cannot address it
         config = tile or _config(rows, n, k)

@@ -66,8 +66,7 @@ class FusedGroup:
     fold_refusal: Optional[str] = None  # why the last ``attach_tail`` did not fold
     per_call: bool = False  # the tail is folded only for calls that use enough of it (FOLD_MIN_USE)
     staged: bool = False  # the tail is a staging area a call's A blocks are copied to, not the arena
-    # F.linear's stand-in for the fused GEMMs (base_ops.stream_linears: it also takes folded=), or None
-    gemm: Optional[Callable] = None
+    gemm: Optional[Callable] = None  # F.linear's stand-in for the fused GEMMs (base_ops.stream_linears), or None
 
     @property
     def out_features(self) -> List[int]:
@@ -171,12 +170,8 @@ class FusedGroup:
 
     def linear_with_tail(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """``x @ [W; tail].T`` (+ the bias, zeros under the tail): (s, sum out + tail rows).
-        ``bias=False``: a row-sharded layer's partial sums (its bias is added once, after the reduce).
-        The GEMM is told the weight is folded (``StreamLinears.linear``: its tiles for those widths)."""
-        b = self.ext_bias if bias else None
-        if self.gemm is None:
-            return torch.nn.functional.linear(x, self.ext, b)
-        return self.gemm(x, self.ext, b, folded=self.tail is not None)
+        ``bias=False``: a row-sharded layer's partial sums (its bias is added once, after the reduce)."""
+        return (self.gemm or torch.nn.functional.linear)(x, self.ext, self.ext_bias if bias else None)
 
 
 def fusion_blocker(bases: List[nn.Module]) -> Optional[str]:
