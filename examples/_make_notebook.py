@@ -114,9 +114,9 @@ only for measuring accuracy at the end."""),
 ALPHABET = "abcdefgh"
 PRETRAIN_TASK = ("copy", lambda w: w)
 TASKS = {  # adapter name -> (prompt prefix, answer function, LoRA rank, training steps)
-    "reverse": ("rev", lambda w: w[::-1], 16, 480),  # the hardest: it gets the most steps
-    "upper": ("up", str.upper, 4, 180),
-    "repeat": ("rep", lambda w: "".join(c + c for c in w), 8, 240),  # (not "double": a Module method)
+    "reverse": ("rev", lambda w: w[::-1], 16, 320),  # the hardest: it gets the most steps
+    "upper": ("up", str.upper, 4, 120),
+    "repeat": ("rep", lambda w: "".join(c + c for c in w), 8, 160),  # (not "double": a Module method)
 }
 MAX_NEW_TOKENS = 14  # the longest answer: "repeat" of a 6-letter word, plus the end token
 
@@ -214,7 +214,7 @@ t0 = time.perf_counter()
 copy_prefix, copy_fn = PRETRAIN_TASK
 losses["base (copy)"] = train(
     base, lambda rng: make_example(copy_prefix, copy_fn, random_word(rng, ALPHABET + ALPHABET.upper())),
-    steps=300, lr=3e-3)
+    steps=200, lr=3e-3)
 print(f"pretraining: {time.perf_counter() - t0:.0f} s, final loss {losses['base (copy)'][-1]:.4f}")
 print(generate(base, ["copy:cafe=", "copy:BadGe="])[1])"""),
     ("md", "finetune-md", """\
