@@ -488,9 +488,6 @@ def main(argv=None):
                    help="64: decode attention's block_n at one to three programs per SM stays 64, for an A/B")
     p.add_argument("--rotary-kv", choices=["on", "off"], default="on",
                    help="off: the rotary and the KV write as two kernels (attention_forwards.ONE_KERNEL), for an A/B")
-    p.add_argument("--rotary-kv-attention", choices=["on", "off"], default="on",
-                   help="off: a decode step's rotary + KV write and its attention as two kernels "
-                        "(attention_forwards.WITH_ATTENTION), for an A/B")
     p.add_argument("--token-select", choices=["fused", "hf"], default="fused",
                    help="hf: greedy calls keep transformers' token selection (decode.greedy_loop.ENABLED), for an A/B")
     p.add_argument("--expand", choices=["library", "blocks"], default="library",
@@ -525,14 +522,11 @@ def main(argv=None):
     if args.attention_block_n == "64":
         attention.MID_BLOCK_N = 64
     importlib.import_module("peft_fastlora.base_ops.attention_forwards").ONE_KERNEL = args.rotary_kv == "on"
-    importlib.import_module("peft_fastlora.base_ops.attention_forwards").WITH_ATTENTION = \
-        args.rotary_kv_attention == "on"
     importlib.import_module("peft_fastlora.decode.greedy_loop").ENABLED = args.token_select == "fused"
     vers = dict(versions(), expand=args.expand, stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms,
                 tma_gemm=args.tma_gemm, tma_add=args.tma_add,
                 epilogue_folds=args.epilogue_folds, attention_prewait=args.attention_prewait,
-                attention_block_n=args.attention_block_n, rotary_kv=args.rotary_kv,
-                rotary_kv_attention=args.rotary_kv_attention, token_select=args.token_select)
+                attention_block_n=args.attention_block_n, rotary_kv=args.rotary_kv, token_select=args.token_select)
     bw = copy_bandwidth() if DEVICE == "cuda" else 1e11
     print(vers, f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, kernel_rows = [], []

@@ -55,10 +55,6 @@ def forward(self, hidden_states, position_embeddings{default}, attention_mask{de
     return attn_output, attn_weights
 '''
 ONE_KERNEL = True  # the rotary and the KV write in one kernel (benchmarks turn it off for an A/B)
-# a one-token step that decode attention serves at up to three (row, kv head) programs per SM: the
-# rotary, the KV write and the attention in one kernel (``ops.rotary_kv_attention``,
-# ``ops.decode_attention.new_token_fuses``); benchmarks turn it off for an A/B
-WITH_ATTENTION = True
 _SLIDING = {None: "", "module": "\n        sliding_window=self.sliding_window,",
             "config": '\n        sliding_window=getattr(self.config, "sliding_window", None),'}
 
@@ -99,9 +95,7 @@ def make_attention_forward(form: Form, original: Callable, fallback: Callable, f
     """The instance forward for a class whose ``original`` forward has ``form``. ``fallback``: the
     forward to run where the one kernel does not apply; ``fast_apply``: the one-kernel
     ``apply_rotary_pos_emb``; ``rotary_applies(q, k, cos, sin)``: whether ``ops.rotary`` takes them."""
-    from ..decode.static_cache import kernel_writes, rotary_attention_update, rotary_update
-    from ..ops.decode_attention import new_token_fuses
-    from .attention_registry import decode_unsupported, fastlora_decode_attention
+    from ..decode.static_cache import kernel_writes, rotary_update
 
     scope = inspect.unwrap(original).__globals__
     registry, eager = scope["ALL_ATTENTION_FUNCTIONS"], scope["eager_attention_forward"]
@@ -121,31 +115,21 @@ def make_attention_forward(form: Form, original: Callable, fallback: Callable, f
             proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
             for proj in (self.q_proj, self.k_proj, self.v_proj))
         cos, sin = position_embeddings
-        attention_interface = registry.get_interface(self.config._attn_implementation, eager)
-        attn_kwargs = dict(kwargs)  # the cache's update gets the caller's kwargs, as in the template
-        if form.sliding is not None:
-            attn_kwargs["sliding_window"] = (self.sliding_window if form.sliding == "module"
-                                             else getattr(self.config, "sliding_window", None))
-        dropout = 0.0 if not self.training else self.attention_dropout
         if ONE_KERNEL and rotary_applies(query_states, key_states, cos, sin) and kernel_writes(
                 layer, key_states, value_states):
-            rows = query_states.shape[0]
-            if WITH_ATTENTION and attention_interface is fastlora_decode_attention and new_token_fuses(
-                    rows, key_states.shape[1], key_states.device) and decode_unsupported(
-                    self, query_states, layer.keys[:rows], layer.values[:rows], attention_mask, dropout,
-                    **attn_kwargs) is None:
-                attn_output = rotary_attention_update(layer, query_states, key_states, value_states, cos, sin,
-                                                      attention_mask, self.scaling, attn_kwargs.get("softcap"))
-                return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()), None
             query_states, key_states, value_states = rotary_update(layer, query_states, key_states, value_states,
                                                                    cos, sin)
         else:
             query_states, key_states = fast_apply(query_states, key_states, cos, sin)
             extra = {"kwargs": kwargs} if form.update_kwargs else {}
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, **extra)
+        attention_interface = registry.get_interface(self.config._attn_implementation, eager)
+        if form.sliding is not None:
+            kwargs["sliding_window"] = (self.sliding_window if form.sliding == "module"
+                                        else getattr(self.config, "sliding_window", None))
         attn_output, attn_weights = attention_interface(
-            self, query_states, key_states, value_states, attention_mask, dropout=dropout, scaling=self.scaling,
-            **attn_kwargs)
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 

@@ -202,16 +202,12 @@ def kernel_writes(layer, key, value) -> bool:
     return getattr(layer, "_fastlora_kernel_writes", False) and _kv_kernel_applies(layer, key, value)
 
 
-def _ticket(layer, device):
-    """The layer's ticket for a kernel that advances its fill length (None: the caller adds)."""
-    ticket = getattr(layer, "_fastlora_ticket", None)
-    return None if ticket is None or ticket.device != device else ticket  # (a layer on another device)
-
-
 def _kernel_update(layer, key_states, write):
     """Run ``write(ticket)``, a kernel writing the step's states at the layer's fill length (and
     advancing it, given the ticket); returns the layer's keys and values cut to the step's rows."""
-    ticket = _ticket(layer, key_states.device)
+    ticket = getattr(layer, "_fastlora_ticket", None)
+    if ticket is not None and ticket.device != key_states.device:  # (a layer on another device)
+        ticket = None
     out = write(ticket)
     if ticket is None:
         layer.cumulative_length.add_(key_states.shape[-2])
@@ -229,20 +225,6 @@ def rotary_update(layer, query_states, key_states, value_states, cos, sin):
     return _kernel_update(layer, key_states, lambda ticket: rotary_kv_write(
         query_states, key_states, value_states, cos, sin, layer.keys, layer.values, layer.cumulative_length,
         ticket=ticket))
-
-
-def rotary_attention_update(layer, query_states, key_states, value_states, cos, sin, mask, scaling, softcap):
-    """``rotary_update`` and then decode attention over the layer's cache, as one kernel
-    (``ops.rotary_kv_attention``): returns the attention output (B, 1, H, D). The caller has checked
-    ``kernel_writes``, ``ops.rotary``'s inputs and that decode attention takes the step."""
-    from ..ops.rotary_kv_attention import rotary_kv_attention
-
-    ticket = _ticket(layer, key_states.device)
-    out = rotary_kv_attention(query_states, key_states, value_states, cos, sin, layer.keys, layer.values, mask,
-                              layer.cumulative_length, ticket=ticket, scaling=scaling, softcap=softcap)
-    if ticket is None:
-        layer.cumulative_length.add_(1)
-    return out
 
 
 def _kv_kernel_applies(layer, key, value) -> bool:

@@ -59,68 +59,6 @@ def _load_q(q_ptr, row_offset, heads, stride_qh, offs_d, stride_qd, h_mask, d_ma
 
 
 @triton.jit
-def _scores(s, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr):
-    """Raw q . k products to scores in the log2 domain (exp2 is the native instruction)."""
-    if HAS_SOFTCAP:
-        x = s * qk_scale / softcap
-        # tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) <= 1: no overflow for any x
-        e = tl.exp2(tl.abs(x) * (-2.0 * 1.4426950408889634))
-        t = (1.0 - e) / (1.0 + e)
-        return tl.where(x < 0, -t, t) * (softcap * 1.4426950408889634)
-    return s * qk_scale
-
-
-@triton.jit
-def _rotated(x, xp, c, sn, sign, dt):
-    """``x * cos + rotate_half(x) * sin`` at full width (``xp``: x at the partner column, ``sign``
-    -1 on the first half), each product and the sum rounded to ``dt`` as torch's ops and
-    ``ops.rotary.rotate_halves`` round them (the kernel is compiled without FP contraction)."""
-    return ((x * c).to(dt).to(tl.float32) + (sign * xp * sn).to(dt).to(tl.float32)).to(dt)
-
-
-@triton.jit
-def _new_token_loads(q_ptr, q_row, heads, stride_qh, h_mask, kn_ptr, vn_ptr, cos_ptr, sin_ptr, b64, kvh,
-                     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb, offs_d, D):
-    """The new token's q tile, key and value rows of this kv head and its rotary rows, as stored
-    (kept narrow while they wait for their use), with q and k also read at the partner columns."""
-    d_mask = offs_d < D
-    half = D // 2
-    partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
-    hd_mask = h_mask[:, None] & d_mask[None, :]
-    q_at = q_ptr + q_row + heads[:, None] * stride_qh
-    k_at = kn_ptr + b64 * stride_knb + kvh.to(tl.int64) * stride_knh
-    return (tl.load(q_at + offs_d[None, :], mask=hd_mask, other=0.0),
-            tl.load(q_at + partner[None, :], mask=hd_mask, other=0.0),
-            tl.load(k_at + offs_d, mask=d_mask, other=0.0),
-            tl.load(k_at + partner, mask=d_mask, other=0.0),
-            tl.load(vn_ptr + b64 * stride_vnb + kvh.to(tl.int64) * stride_vnh + offs_d, mask=d_mask, other=0.0),
-            tl.load(cos_ptr + b64 * stride_cb + offs_d, mask=d_mask, other=0.0),
-            tl.load(sin_ptr + b64 * stride_cb + offs_d, mask=d_mask, other=0.0))
-
-
-@triton.jit
-def _new_token_rotated(qx, qp, kx, kp, c, sn, offs_d, D, dt, UPCAST: tl.constexpr):
-    """The rotated q tile (fp32 with UPCAST) and key row of ``_new_token_loads``' values."""
-    sign = tl.where(offs_d < D // 2, -1.0, 1.0)
-    c = c.to(tl.float32)
-    sn = sn.to(tl.float32)
-    q = _rotated(qx.to(tl.float32), qp.to(tl.float32), c[None, :], sn[None, :], sign[None, :], dt)
-    kn = _rotated(kx.to(tl.float32), kp.to(tl.float32), c, sn, sign, dt)
-    if UPCAST:
-        q = q.to(tl.float32)
-    return q, kn
-
-
-@triton.jit
-def _take_ticket(ticket_ptr):
-    """Whether this program is the grid's last to take the ticket: every program has then read the
-    length. Taken at the program's end, when every warp of it has long used its read (taken early,
-    a warp could take it before another warp's read of the length)."""
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    return tl.atomic_add(ticket_ptr, 1, sem="release") == programs - 1
-
-
-@triton.jit
 def _decode_attention_split_kernel(
     # pointers
     q_ptr,  # (B, H, D) through strides
@@ -130,12 +68,6 @@ def _decode_attention_split_kernel(
     out_ptr,  # (B, H, D): written when NUM_SPLITS == 1
     part_o_ptr,  # (B, H, NUM_SPLITS, D) fp32, contiguous: written when NUM_SPLITS > 1
     part_lse_ptr,  # (B, H, NUM_SPLITS) fp32, contiguous
-    kn_ptr,  # NEW_KV: the step's key (B, KVH, D) through strides, before rotary
-    vn_ptr,  # NEW_KV: the step's value (B, KVH, D) through strides
-    cos_ptr,  # NEW_KV: (B or 1, D) rotary cos / sin rows, contiguous last dimension
-    sin_ptr,
-    length_ptr,  # NEW_KV: the cache's fill length (one integer): the new token's position
-    ticket_ptr,  # NEW_KV with ADVANCE: one int32, zero; the last program advances the length
     # dimensions
     L,
     D,
@@ -150,7 +82,6 @@ def _decode_attention_split_kernel(
     stride_vb, stride_vh, stride_vl, stride_vd,
     stride_mb, stride_ml,
     stride_ob, stride_oh, stride_od,
-    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
     # meta-parameters
     NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -162,8 +93,6 @@ def _decode_attention_split_kernel(
     UPCAST: tl.constexpr,  # compute the dots in fp32 (fp32 inputs, or the interpreter)
     USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py
     EARLY_SPAN: tl.constexpr,  # scan the mask before the PDL wait (no PDL kernel writes it)
-    NEW_KV: tl.constexpr,  # q, kn un-rotated; the new token's K/V written at the fill length and attended
-    ADVANCE: tl.constexpr,  # NEW_KV: the last program to take the ticket adds one to the length
 ):
     pdl.launch_dependents(USE_PDL)
     if not EARLY_SPAN:
@@ -181,19 +110,9 @@ def _decode_attention_split_kernel(
     d_mask = offs_d < D
     heads = kvh * G + offs_h  # the query heads of this kv head
 
-    if NEW_KV:
-        # the new token's position, the fill length. Read before the wait on the early-scan path:
-        # only this layer's own kernels write it, in earlier forward calls, which have completed
-        # (every forward starts with launches without PDL, and a graph replay after the last)
-        pos = tl.load(length_ptr).to(tl.int32)
     if not EARLY_SPAN:  # the q load overlaps the mask scan
-        if NEW_KV:
-            qx, qp, kx, kp, vn, c, sn = _new_token_loads(
-                q_ptr, b64 * stride_qb, heads, stride_qh, h_mask, kn_ptr, vn_ptr, cos_ptr, sin_ptr, b64, kvh,
-                stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb, offs_d, D)
-        else:
-            q = _load_q(q_ptr, b64 * stride_qb, heads, stride_qh, offs_d, stride_qd, h_mask, d_mask,
-                        k_ptr.dtype.element_ty, UPCAST)
+        q = _load_q(q_ptr, b64 * stride_qb, heads, stride_qh, offs_d, stride_qd, h_mask, d_mask,
+                    k_ptr.dtype.element_ty, UPCAST)
     k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
     m_base = mask_ptr + b64 * stride_mb
@@ -211,48 +130,14 @@ def _decode_attention_split_kernel(
     if EARLY_SPAN:
         pdl.wait(USE_PDL)
 
-        if NEW_KV:
-            qx, qp, kx, kp, vn, c, sn = _new_token_loads(
-                q_ptr, b64 * stride_qb, heads, stride_qh, h_mask, kn_ptr, vn_ptr, cos_ptr, sin_ptr, b64, kvh,
-                stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb, offs_d, D)
-        else:
-            q = _load_q(q_ptr, b64 * stride_qb, heads, stride_qh, offs_d, stride_qd, h_mask, d_mask,
-                        k_ptr.dtype.element_ty, UPCAST)
+        q = _load_q(q_ptr, b64 * stride_qb, heads, stride_qh, offs_d, stride_qd, h_mask, d_mask,
+                    k_ptr.dtype.element_ty, UPCAST)
+
     # 2. this split's blocks of the span: lo_blk + split, + NUM_SPLITS, ... (strided, so the
     #    splits share the span evenly whatever its length)
-    if NEW_KV:
-        q, kn = _new_token_rotated(qx, qp, kx, kp, c, sn, offs_d, D, k_ptr.dtype.element_ty, UPCAST)
-        # the new token's K/V go into the cache (by split 0), and split 0's softmax starts from the
-        # token itself; the loop never reads its position, so no program waits for this store, and
-        # nothing of the token but q stays live through the loop
-        at_split0 = (tl.zeros([BLOCK_D], dtype=tl.int32) + split) == 0
-        w_mask = d_mask & ((tl.zeros([BLOCK_D], dtype=tl.int32) + pos) < L) & at_split0
-        tl.store(k_base + pos.to(tl.int64) * stride_kl + offs_d * stride_kd, kn, mask=w_mask)
-        tl.store(v_base + pos.to(tl.int64) * stride_vl + offs_d * stride_vd, vn, mask=w_mask)
-        s_new = _scores(tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], axis=1), qk_scale, softcap,
-                        HAS_SOFTCAP)
-        pos_h = tl.zeros([BLOCK_H], dtype=tl.int32) + pos
-        if MASK_IS_BOOL:
-            ok = tl.load(m_base + pos_h.to(tl.int64) * stride_ml, mask=pos_h < L, other=0) != 0
-        else:
-            madd_new = tl.load(m_base + pos_h.to(tl.int64) * stride_ml, mask=pos_h < L,
-                               other=float("-inf")).to(tl.float32)
-            ok = madd_new > mask_min
-            s_new = s_new + tl.where(ok, madd_new, 0.0) * 1.4426950408889634
-        ok = ok & (pos_h < L) & ((tl.zeros([BLOCK_H], dtype=tl.int32) + split) == 0)
-        # the state after that one position: max its score, sum exp2(0) = 1, output its value
-        m_i = tl.where(ok, s_new, float("-inf"))
-        l_i = tl.where(ok, 1.0, 0.0)
-        acc = tl.where(ok[:, None], vn.to(tl.float32)[None, :], 0.0)
-    else:
-        pos = -1  # no position is left out of the loop
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    if NEW_KV:
-        # the new position is the span's last in a causal mask: the loop then ends before it and never
-        # reads it (a mask attending past it, whose later slots the loop reads anyway, has it masked)
-        hi = tl.where(hi == pos + 1, pos, hi)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for blk in range(lo // BLOCK_N + split, tl.cdiv(hi, BLOCK_N), NUM_SPLITS):
         offs = blk * BLOCK_N + offs_n
         span = (offs >= lo) & (offs < hi)
@@ -263,17 +148,25 @@ def _decode_attention_split_kernel(
         v = tl.load(v_base + offs[:, None] * stride_vl + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
         if MASK_IS_BOOL:
             mv = tl.load(m_base + offs * stride_ml, mask=span, other=0)
-            valid = span & (mv != 0) & (offs != pos)
+            valid = span & (mv != 0)
         else:
             madd = tl.load(m_base + offs * stride_ml, mask=span, other=float("-inf")).to(tl.float32)
-            valid = span & (madd > mask_min) & (offs != pos)
+            valid = span & (madd > mask_min)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))  # fp16/bf16 products, fp32 accumulation
-        s = _scores(s, qk_scale, softcap, HAS_SOFTCAP)
+        # scores in the log2 domain: exp2 is the native instruction
+        if HAS_SOFTCAP:
+            x = s * qk_scale / softcap
+            # tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) <= 1: no overflow for any x
+            e = tl.exp2(tl.abs(x) * (-2.0 * 1.4426950408889634))
+            t = (1.0 - e) / (1.0 + e)
+            s = tl.where(x < 0, -t, t) * (softcap * 1.4426950408889634)
+        else:
+            s = s * qk_scale
         if not MASK_IS_BOOL:
             # masked entries may be finfo.min: scaling them would overflow, and they are dropped
             s = s + tl.where(valid, madd, 0.0)[None, :] * 1.4426950408889634
@@ -303,10 +196,6 @@ def _decode_attention_split_kernel(
         tl.store(part_o_ptr + row[:, None] * D + offs_d[None, :], o, mask=hd_mask)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=h_mask)
-    if ADVANCE:  # the last program to take the ticket advances the length (from its own read)
-        last = _take_ticket(ticket_ptr)
-        tl.store(length_ptr, (pos + 1).to(length_ptr.dtype.element_ty), mask=last)
-        tl.atomic_xchg(ticket_ptr, 0, mask=last)
 
 
 @triton.jit
@@ -364,18 +253,6 @@ def _sm_count(device: torch.device) -> int:
 PREWAIT = "auto"
 MID_BLOCK_N = 128  # block_n at one to three programs per SM (benchmarks set 64 for an A/B)
 _PREWAITS = ("auto", "off", "span")
-
-
-# ``ops.rotary_kv_attention`` serves a step only below this many (row, kv head) programs per SM: it
-# measured faster at one to three (the split and 128-block classes) and slower at eight, where the
-# grid runs in waves and each program's extra work adds up (benchmarks/results, session 27)
-NEW_TOKEN_MAX_PER_SM = 3
-
-
-def new_token_fuses(batch: int, kv_heads: int, device: torch.device) -> bool:
-    """Whether a step of ``batch`` rows and ``kv_heads`` takes the one-kernel rotary + KV write +
-    attention (``ops.rotary_kv_attention``) rather than ``ops.rotary_kv`` then ``decode_attention``."""
-    return batch * kv_heads < NEW_TOKEN_MAX_PER_SM * _sm_count(device)
 
 
 def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int, head_dim: int,
@@ -436,14 +313,6 @@ def decode_attention(
     Returns:
         (B, 1, H, D) in ``q.dtype``: the layout ``sdpa_attention_forward`` returns.
     """
-    check_attention_inputs(q, k, v, mask)
-    return launch_attention(q, k, v, mask, scaling, softcap, out=out,
-                            overrides=dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps,
-                                           num_stages=num_stages, prewait=prewait))
-
-
-def check_attention_inputs(q, k, v, mask) -> None:
-    """Raise on inputs ``decode_attention`` does not take."""
     if q.dim() != 4 or q.shape[2] != 1:
         raise ValueError(f"decode_attention: q must be (B, H, 1, D), got {tuple(q.shape)}")
     bsz, heads, _, dim = q.shape
@@ -458,23 +327,14 @@ def check_attention_inputs(q, k, v, mask) -> None:
         raise ValueError(f"decode_attention: mask {tuple(mask.shape)} is not (B, 1, 1, {kv_len})")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"decode_attention: dtypes q {q.dtype}, k {k.dtype}, v {v.dtype} differ")
-    if not (mask.dtype == torch.bool or mask.is_floating_point()):
-        raise ValueError(f"decode_attention: mask dtype {mask.dtype} is neither bool nor float")
-
-
-def launch_attention(q, k, v, mask, scaling, softcap, *, out=None, overrides=None, new=None) -> torch.Tensor:
-    """The launches of ``decode_attention`` (inputs checked). ``new``: None, or the new token's
-    inputs for ``ops.rotary_kv_attention`` (kn, vn, cos, sin, cos batch stride, length, ticket)."""
-    bsz, heads, _, dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
     groups = heads // kv_heads
     cfg = decode_attention_config(bsz, kv_heads, groups, kv_len, dim, q.device)
-    overrides = {key: val for key, val in (overrides or {}).items() if val is not None}
-    for key in ("block_n", "num_splits", "num_warps", "num_stages"):
-        if key in overrides:
-            cfg[key] = overrides[key]
-    if overrides.get("prewait", "auto") != "auto":
-        cfg["prewait"] = overrides["prewait"]
+    if block_n is not None:
+        cfg["block_n"] = block_n
+    if num_splits is not None:
+        cfg["num_splits"] = num_splits
+    if prewait is not None and prewait != "auto":
+        cfg["prewait"] = prewait
     if cfg["prewait"] not in _PREWAITS[1:]:
         raise ValueError(f"decode_attention: prewait {cfg['prewait']!r} is not one of {_PREWAITS}")
     cfg["num_splits"] = max(1, min(cfg["num_splits"], triton.cdiv(kv_len, cfg["block_n"])))
@@ -488,9 +348,11 @@ def launch_attention(q, k, v, mask, scaling, softcap, *, out=None, overrides=Non
     if mask.dtype == torch.bool:
         mask2 = mask.view(torch.uint8)  # same bytes; Triton reads it as plain uint8
         mask_min = 0.0
-    else:
+    elif mask.is_floating_point():
         mask2 = mask
         mask_min = float(torch.finfo(mask.dtype).min)
+    else:
+        raise ValueError(f"decode_attention: mask dtype {mask.dtype} is neither bool nor float")
     stride_mb = mask2.stride(0) if mask2.shape[0] == bsz and bsz > 1 else 0
     if splits > 1:
         part_o = torch.empty(bsz, heads, splits, dim, device=q.device, dtype=torch.float32)
@@ -501,17 +363,9 @@ def launch_attention(q, k, v, mask, scaling, softcap, *, out=None, overrides=Non
     has_softcap = softcap is not None and softcap > 0
     upcast = q.dtype == torch.float32 or interpreting()
     use_pdl = pdl.mode(q)
-    if new is None:  # unused pointers and strides
-        kn = vn = cos = sin = length = ticket = q
-        kn_s = vn_s = (0, 0)
-        c_sb = 0
-    else:
-        kn, vn, cos, sin, c_sb, length, ticket = new
-        kn_s, vn_s = (kn.stride(0), kn.stride(1)), (vn.stride(0), vn.stride(1))
 
     _decode_attention_split_kernel[(bsz * kv_heads, splits)](
         q, k, v, mask2, out, part_o, part_lse,
-        kn, vn, cos, sin, length, ticket if ticket is not None else length,
         kv_len, dim, kv_heads, groups,
         scale if has_softcap else scale * _LOG2E,
         float(softcap) if has_softcap else 1.0,
@@ -521,7 +375,6 @@ def launch_attention(q, k, v, mask, scaling, softcap, *, out=None, overrides=Non
         v.stride(0), v.stride(1), v.stride(2), v.stride(3),
         stride_mb, mask2.stride(3),
         out.stride(0), out.stride(2), out.stride(3),
-        *kn_s, *vn_s, c_sb,
         NUM_SPLITS=splits,
         BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], BLOCK_D=cfg["block_d"],
         BLOCK_SCAN=min(2048, max(16, triton.next_power_of_2(kv_len))),
@@ -530,12 +383,8 @@ def launch_attention(q, k, v, mask, scaling, softcap, *, out=None, overrides=Non
         UPCAST=upcast,
         USE_PDL=use_pdl,
         EARLY_SPAN=cfg["prewait"] == "span",
-        NEW_KV=new is not None,
-        ADVANCE=new is not None and ticket is not None,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
-        # the new token's rotary rounds each product like torch's ops (ops.rotary): no contraction
-        enable_fp_fusion=new is None,
+        num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"],
         launch_pdl=use_pdl > 0,
     )
     if splits > 1:
