@@ -567,6 +567,22 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return inner
 
 
+# ---- transformers: functions a hub kernel may replace ----------------------------------------------
+def plain_function(fn):
+    """The Python function behind ``fn``. transformers >= 5.25 with the ``kernels`` package turns a
+    function decorated ``use_kernel_forward_from_hub`` (``apply_rotary_pos_emb``) into an instance of
+    an ``nn.Module`` class whose ``forward`` calls the original, held in its closure as ``func``;
+    anything else is returned as it is."""
+    if not isinstance(fn, nn.Module):
+        return fn
+    forward = getattr(type(fn), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is None or "func" not in code.co_freevars:
+        return fn
+    inner = forward.__closure__[code.co_freevars.index("func")].cell_contents
+    return inner if isinstance(inner, types.FunctionType) else fn
+
+
 # ---- transformers: attention implementations -------------------------------------------------
 def attn_implementation(model: nn.Module) -> Optional[str]:
     """The model's ``config._attn_implementation`` (None for a model without a transformers config)."""

@@ -149,6 +149,29 @@ def test_rotary_copies(tmp_path, sign, matches):
                        [("Attention", f"{module.__name__}.apply_rotary_pos_emb differs from the reference code")])
 
 
+@pytest.mark.parametrize("sign,matches", [("", True), ("-1", False)])
+def test_rotary_made_a_module_by_the_kernels_package(tmp_path, sign, matches):
+    """transformers >= 5.25 decorates ``apply_rotary_pos_emb`` with the ``kernels`` package's
+    ``use_kernel_forward_from_hub``, which makes the module-level name an ``nn.Module`` instance:
+    the code behind it is still read, and the one-kernel rotary still computes the same."""
+    pytest.importorskip("kernels")
+    source = ROTARY_MODULE.replace("SIGN * ", f"{sign} * " if sign else "").replace(
+        "\n\ndef apply_rotary_pos_emb", "\n\nfrom kernels import use_kernel_forward_from_hub\n\n\n"
+        "@use_kernel_forward_from_hub('rotary_pos_emb')\ndef apply_rotary_pos_emb")
+    module = _load(tmp_path, f"hub_rotary_{'same' if matches else 'changed'}", source)
+    assert isinstance(module.apply_rotary_pos_emb, torch.nn.Module)  # the premise
+    attn = module.Attention()
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
+    cos, sin = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    want = attn(q, k, cos, sin)
+    done, skipped = install_rotary(torch.nn.ModuleDict({"attn": attn}))
+    assert len(done) == int(matches)
+    assert skipped == ([] if matches else
+                       [("Attention", f"{module.__name__}.apply_rotary_pos_emb differs from the reference code")])
+    for got, ref in zip(attn(q, k, cos, sin), want):
+        torch.testing.assert_close(got, ref)
+
+
 def test_mlp_copies(tmp_path):
     module = _load(tmp_path, "mlps", '''
 from torch import nn

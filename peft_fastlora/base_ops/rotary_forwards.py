@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .._compat import plain_function
 from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
 from .install import set_instance_forward
 from .match import code_shape, reference_shape
@@ -47,7 +48,7 @@ def rotate_half(x):
 
 def rotary_mismatch(fn: Callable) -> Optional[str]:
     """None when ``fn`` computes Llama's ``q * cos + rotate_half(q) * sin``, else the reason."""
-    raw = inspect.unwrap(fn)
+    raw = inspect.unwrap(plain_function(fn))
     scope = getattr(raw, "__globals__", {})
     rotate_half = scope.get("rotate_half")
     module = getattr(raw, "__module__", "?")
