@@ -263,6 +263,8 @@ class ReplayTimes:
         events, replay = self.events, self._replay
 
         def timed_replay(graph):
+            if getattr(graph, "fastlora_step_advance", False):  # the next inputs' graph, not a step's
+                return replay(graph)
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             replay(graph)
@@ -304,6 +306,17 @@ FAST_OPS = {}  # the defaults, as fastlora_graphs below
 PATCH_EXTRA = {}  # options every fastlora method here is patched with (--stream-gemm off)
 
 
+def model_runner_stats(model):
+    """The graph runner's counters that say how the steps ran (None: no runner)."""
+    import peft_fastlora as fastlora
+
+    runner = fastlora.get_state(model).graph_runner
+    if runner is None:
+        return None
+    return {k: v for k, v in runner.stats.items() if k in (
+        "replays", "eager_steps", "advanced_calls", "advanced_steps", "advance_reasons", "selection_reasons")}
+
+
 def run_model(shape, batches, args, bw, vers, rows, kernel_rows=None):
     kernel_rows = [] if kernel_rows is None else kernel_rows
     import peft_fastlora as fastlora
@@ -334,6 +347,8 @@ def run_model(shape, batches, args, bw, vers, rows, kernel_rows=None):
         for b in batches:
             results[(method, b)] = measure(lambda n, b=b: model.generate(**kw(b, n)), args.new_tokens, args.reps)
             results[(method, b, "replay")] = measure.replay_ms
+            if model_runner_stats(model) is not None:
+                print(method, b, "graph runner:", model_runner_stats(model), flush=True)
             if args.kernel_split:
                 results[(method, b, "kernels")] = kernel_times(lambda n, b=b: model.generate(**kw(b, n)),
                                                                args.kernel_split)
@@ -368,7 +383,7 @@ def run_model(shape, batches, args, bw, vers, rows, kernel_rows=None):
             if args.kernel_split and method == "fastlora_graphs":
                 results[(method, b, "kernels")] = kernel_times(
                     lambda n: peft_model.generate(**kw(b, n), adapter_names=names[b]), args.kernel_split)
-        if method == "fastlora_graphs":
+        if method == "fastlora_graphs" and fastlora.get_state(peft_model).graph_runner is not None:
             st = fastlora.get_state(peft_model).graph_runner.stats
             print("graph runner:", {k: v for k, v in st.items()}, flush=True)
         fastlora.unpatch(peft_model)
@@ -490,6 +505,8 @@ def main(argv=None):
                    help="off: the rotary and the KV write as two kernels (attention_forwards.ONE_KERNEL), for an A/B")
     p.add_argument("--token-select", choices=["fused", "hf"], default="fused",
                    help="hf: greedy calls keep transformers' token selection (decode.greedy_loop.ENABLED), for an A/B")
+    p.add_argument("--step-advance", choices=["on", "off"], default="off",
+                   help="on: greedy steps' next inputs written on the GPU (decode.step_advance.ENABLED), for an A/B")
     p.add_argument("--expand", choices=["library", "blocks"], default="library",
                    help="decode expand launch: the library's (rank-sized spans) or the column blocks of before")
     p.add_argument("--kernel-split", type=int, default=0, metavar="STEPS",
@@ -523,10 +540,12 @@ def main(argv=None):
         attention.MID_BLOCK_N = 64
     importlib.import_module("peft_fastlora.base_ops.attention_forwards").ONE_KERNEL = args.rotary_kv == "on"
     importlib.import_module("peft_fastlora.decode.greedy_loop").ENABLED = args.token_select == "fused"
+    importlib.import_module("peft_fastlora.decode.step_advance").ENABLED = args.step_advance == "on"
     vers = dict(versions(), expand=args.expand, stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms,
                 tma_gemm=args.tma_gemm, tma_add=args.tma_add,
                 epilogue_folds=args.epilogue_folds, attention_prewait=args.attention_prewait,
-                attention_block_n=args.attention_block_n, rotary_kv=args.rotary_kv, token_select=args.token_select)
+                attention_block_n=args.attention_block_n, rotary_kv=args.rotary_kv, token_select=args.token_select,
+                step_advance=args.step_advance)
     bw = copy_bandwidth() if DEVICE == "cuda" else 1e11
     print(vers, f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, kernel_rows = [], []

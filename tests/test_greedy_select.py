@@ -99,3 +99,18 @@ def test_bad_inputs_name_the_problem():
         greedy_select(x, out, suppress_ids=torch.arange(17))
     with pytest.raises(ValueError, match="int64"):
         greedy_select(x, out, suppress_ids=torch.tensor([1], dtype=torch.int32))
+
+
+def test_an_own_workspace_is_used_and_checked(monkeypatch):
+    """A launch captured in a graph keeps its workspace's address: it can bring its own, which the
+    shared one's growth never replaces."""
+    x = torch.randn(3, 300)
+    own = gs.SelectWorkspace(x.device, 3)
+    tokens = torch.empty(3, dtype=torch.long)
+    with monkeypatch.context() as m:
+        m.setattr(gs, "workspace_for", lambda *a: pytest.fail("the shared workspace was asked for"))
+        greedy_select(x, tokens, workspace=own)
+    assert torch.equal(tokens, torch.argmax(x, dim=-1))
+    assert (own.slots == gs.EMPTY_KEY).all() and (own.tickets == 0).all()  # left reset for the next launch
+    with pytest.raises(ValueError, match="workspace of 2 rows for 3 rows"):
+        greedy_select(x, tokens, workspace=gs.SelectWorkspace(x.device, 2))

@@ -61,18 +61,16 @@ def _model():
     return generate_model(n_adapters=8)
 
 
-def test_random_traffic_fused_equals_transformers_loop_and_peft():
+def random_calls(model, seed=21, n=16):
     """Random batch sizes, prompts, adapters, EOS lists (random ones: rows stop apart or never;
     ones taken from each row's own tokens: every row stops early, so the deferred check undoes a
-    step), pad ids, minimum lengths and lengths: the fused loop's tokens against transformers' loop
-    over the same graphs, and a sample of calls against PEFT."""
+    step), pad ids, minimum lengths and lengths: (adapter names, generate kwargs) per call."""
     from test_generate_gpu import _inputs
 
-    model = _model()
-    rng = torch.Generator().manual_seed(21)
+    rng = torch.Generator().manual_seed(seed)
     adapters = ["__base__"] + [f"a{i}" for i in range(8)]
     calls = []
-    for i in range(16):
+    for i in range(n):
         batch = int(torch.randint(1, 17 if i % 4 == 3 else 41, (1,), generator=rng))
         names = [adapters[int(j)] for j in torch.randint(0, len(adapters), (batch,), generator=rng)]
         kw = dict(_inputs(max(batch, 2), prompt=int(torch.randint(3, 40, (1,), generator=rng))))
@@ -95,6 +93,14 @@ def test_random_traffic_fused_equals_transformers_loop_and_peft():
             kw["eos_token_id"] = sorted({int(t) for t in free[:, step]})
     finally:
         fastlora.unpatch(model)
+    return calls
+
+
+def test_random_traffic_fused_equals_transformers_loop_and_peft():
+    """``random_calls``: the fused loop's tokens against transformers' loop over the same graphs,
+    and a sample of calls against PEFT."""
+    model = _model()
+    calls = random_calls(model)
     results = {}
     for fused in (True, False):
         greedy_loop.ENABLED = fused

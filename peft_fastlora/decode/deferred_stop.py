@@ -118,7 +118,7 @@ def decoding_method(streamer=None):
             runner.note_token_selection(why)
         if why is None:
             return greedy_loop.greedy_loop(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                           stop_check, **model_kwargs)
+                                           stop_check, fastlora_runner=runner, **model_kwargs)
         loop = _compat.sample_loop_with_stop_check(stop_check)
         return loop(self, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                     generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)

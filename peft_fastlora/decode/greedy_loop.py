@@ -86,6 +86,10 @@ class _Suppression:
         self.rules = [(kind, p, p.eos_token_id.to(device=device, dtype=torch.int64).reshape(-1)) for kind, p in rules]
         self.by_active = {}
 
+    def most(self) -> int:
+        """The most ids suppressed at once (every rule active)."""
+        return int(torch.unique(torch.cat([ids for _, _, ids in self.rules])).numel()) if self.rules else 0
+
     def at(self, length: int) -> Optional[torch.Tensor]:
         active = tuple(i for i, (kind, p, _) in enumerate(self.rules)
                        if (length < p.min_length if kind == "min_length"
@@ -97,19 +101,20 @@ class _Suppression:
         return self.by_active[active]
 
 
-def _select(logits, tokens, unfinished, pad, stop_ids, suppress):
+def _select(logits, tokens, unfinished, pad, stop_ids, suppress, workspace=None):
     from ..ops.greedy_select import MAX_IDS, greedy_select, greedy_select_reference
 
     fits = suppress is None or suppress.numel() <= MAX_IDS
     if fits and logits.stride(-1) == 1 and kernel_runs_on(logits, tokens, unfinished):
-        return greedy_select(logits, tokens, unfinished, pad, stop_ids, suppress)
+        return greedy_select(logits, tokens, unfinished, pad, stop_ids, suppress, workspace)
     return greedy_select_reference(logits, tokens, unfinished, pad, stop_ids, suppress)
 
 
 def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generation_config, stop_check_cls,
-                **model_kwargs):
+                fastlora_runner=None, **model_kwargs):
     """transformers' greedy ``_sample`` (the call ``blocker`` accepted) with the token selection
-    in one kernel. ``stop_check_cls``: the deferred stop check's class."""
+    in one kernel. ``stop_check_cls``: the deferred stop check's class; ``fastlora_runner``: the
+    graph runner serving the call (its replayed steps may then advance their own inputs)."""
     from transformers.generation.stopping_criteria import EosTokenCriteria
 
     device = input_ids.device
@@ -144,26 +149,62 @@ def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generatio
         stop_check = stop_check_cls(input_ids, max_length, cache, cache_is_returned, None)
     else:
         stop_check = _compat.per_step_stop_check()
+    runner = fastlora_runner
+    advance_refused = False
+    n_stop = stop_ids.numel() if has_stop else None
+    n_suppress_most = suppression.most()
+    advance = None  # once set, each step's inputs are written on the GPU (``step_advance``)
+    advance_suppress, tokens, widest = None, None, max_length
     prefill_consumed = False
     finished = False
     with model._optimize_model_for_decode():
         while model._has_unfinished_sequences(finished, False, device=device):
-            if prefill_consumed:
-                model_inputs = model.prepare_inputs_for_generation(
-                    input_ids, next_sequence_length=1 if model_kwargs["use_cache"] else None, **model_kwargs)
-                outputs = model_forward(**model_inputs, return_dict=True)
-            prefill_consumed = True
-            model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
-            logits = outputs.logits[:, -1]
-            if logits.device != device:
-                logits = logits.to(device)
-            _select(logits, ids[:, length], unfinished, pad if has_stop else None, stop_ids if has_stop else None,
-                    suppression.at(length))
+            suppress = suppression.at(length)
+            if advance is not None:
+                if suppress is not advance_suppress:  # a minimum length ended: its graph without the ids
+                    advance = runner.step_advance(widest, n_stop, suppress, n_suppress_most, _select)
+                    if advance is None:  # the same inputs passed at the call's first decode step
+                        raise RuntimeError("fastlora: a step-advance graph was refused mid-call; report this")
+                    tokens, unfinished = advance.start(unfinished, pad if has_stop else None,
+                                                       stop_ids if has_stop else None, suppress, length)
+                    advance_suppress = suppress
+                runner.replay_advanced(advance)
+            else:
+                decode_step = prefill_consumed
+                if decode_step:
+                    model_inputs = model.prepare_inputs_for_generation(
+                        input_ids, next_sequence_length=1 if model_kwargs["use_cache"] else None, **model_kwargs)
+                    if runner is not None:
+                        runner.last_step = None
+                    outputs = model_forward(**model_inputs, return_dict=True)
+                prefill_consumed = True
+                if decode_step and runner is not None and not advance_refused:
+                    widest = max(max_length, length + 1)
+                    advance = runner.step_advance(widest, n_stop, suppress, n_suppress_most, _select)
+                    advance_refused = advance is None  # nothing later in the call changes the answer
+                if advance is not None:
+                    runner.note_advanced_call()
+                    tokens, unfinished = advance.start(unfinished, pad if has_stop else None,
+                                                       stop_ids if has_stop else None, suppress, length)
+                    advance_suppress = suppress
+                    advance.run()
+                else:
+                    model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs,
+                                                                             is_encoder_decoder=False)
+                    logits = outputs.logits[:, -1]
+                    if logits.device != device:
+                        logits = logits.to(device)
+                    _select(logits, ids[:, length], unfinished, pad if has_stop else None,
+                            stop_ids if has_stop else None, suppress)
+                del outputs
+            if advance is not None:
+                ids[:, length].copy_(tokens)
             length += 1
             input_ids = ids[:, :length]
             if length >= max_length:  # the maximum-length criterion: every row is done
                 unfinished.zero_()
             finished = stop_check(unfinished, ids[:, length - 1], length)
-            del outputs
+    if runner is not None:
+        runner.last_step = None
     undo = stop_check.finish()
     return input_ids[:, :length - undo].contiguous() if undo else input_ids.contiguous()

@@ -38,6 +38,7 @@ import torch
 
 from .. import _compat
 from ..batch import NO_LORA_BATCH, ForwardBatch
+from . import step_advance
 from .capture import EmulatedGraph, GraphPool, GraphUnsafe, capture
 from .static_cache import CacheUnavailable, StaticCacheStore, cache_state_tensors
 
@@ -70,9 +71,12 @@ class DecodeGraphRunner:
         self._batch_info_backend = None  # the backend whose graph batch info is initialised
         self._counters = {"captures": 0, "replays": 0, "eager_steps": 0, "capture_s": 0.0,
                           "capture_failures": 0, "evictions": 0, "graphs_dropped": 0,
-                          "deferred_stop_calls": 0, "steps_undone": 0, "fused_selection_calls": 0}
+                          "deferred_stop_calls": 0, "steps_undone": 0, "fused_selection_calls": 0,
+                          "advanced_calls": 0, "advanced_steps": 0}
         self.eager_reasons: Dict[str, int] = {}
         self.selection_reasons: Dict[str, int] = {}  # why deferred calls kept transformers' token selection
+        self.advance_reasons: Dict[str, int] = {}  # why fused-selection calls built their inputs on the host
+        self.last_step = None  # (graph entry, rows, the step's inputs, batch info) of the last replay
 
     @property
     def max_graphs(self) -> int:
@@ -94,6 +98,7 @@ class DecodeGraphRunner:
         out["graph_pool_bytes"] = (self.pool.reserved_bytes() if self.pool is not None else 0)
         out["eager_reasons"] = dict(self.eager_reasons)
         out["selection_reasons"] = dict(self.selection_reasons)
+        out["advance_reasons"] = dict(self.advance_reasons)
         return out
 
     def note_eager(self, reason: str, steps: int = 0):
@@ -154,6 +159,7 @@ class DecodeGraphRunner:
         if self.graphs:
             self._counters["graphs_dropped"] += len(self.graphs)
         self.graphs.clear()
+        self.last_step = None
         self.failed.clear()
         if self.pool is not None:
             self.pool = None
@@ -161,6 +167,8 @@ class DecodeGraphRunner:
                 torch.cuda.empty_cache()  # hand the pool's memory back to the device
 
     def _drop(self, key):
+        if self.last_step is not None and self.last_step[0] is self.graphs[key]:
+            self.last_step = None
         self.graphs.pop(key)
         self._counters["graphs_dropped"] += 1
         if not self.graphs:
@@ -209,13 +217,57 @@ class DecodeGraphRunner:
             self.graphs.move_to_end(key)
         self._copy_inputs(entry["static"], inputs, rows)
         batch_info = self._refresh_batch_info(padded)
+        self._replay(entry, batch_info)
+        self.last_step = (entry, rows, inputs, batch_info)
+        return entry["view"](rows)
+
+    def _replay(self, entry, batch_info):
         if self.emulate:  # the emulated replay runs the layers again, in the captured context
             with self.state.forward_context(batch_info):
                 entry["graph"].replay()
         else:
             entry["graph"].replay()
         self._counters["replays"] += 1
-        return entry["view"](rows)
+
+    # -- greedy steps whose next inputs the GPU writes (``step_advance``) ---------------------------
+    def step_advance(self, max_length: int, n_stop: Optional[int], suppress: Optional[torch.Tensor],
+                     n_suppress_most: int, select):
+        """A ``StepAdvance`` for the step just replayed (``last_step``), or None with the reason
+        recorded in ``advance_reasons``. Captured on first use; where that fails, it runs its ops
+        eagerly (the reason is logged and counted). ``n_stop``: the EOS ids' count (None: no EOS
+        criterion); ``suppress``: the ids a minimum length suppresses now; ``n_suppress_most``: the
+        most it will; ``select``: the loop's token selection."""
+        if self.last_step is None:
+            why = "the step was not replayed from a graph"
+        else:
+            entry, rows, inputs, _ = self.last_step
+            why = step_advance.blocker(inputs, rows, max_length, n_suppress_most)
+        if why is not None:
+            self.advance_reasons[why] = self.advance_reasons.get(why, 0) + 1
+            return None
+        key = (rows, n_stop, 0 if suppress is None else suppress.numel())
+        adv = entry.setdefault("advance", {}).get(key)
+        if adv is None:
+            adv = step_advance.StepAdvance(entry["static"], entry["output"].logits, rows, n_stop, key[2], select)
+            if not self.emulate:
+                try:
+                    adv.capture(self.pool, capture)
+                except Exception as e:  # noqa: BLE001 - its ops then run eagerly, as captured they would
+                    why = f"step-advance capture failed ({type(e).__name__}: {e})"
+                    logger.warning("fastlora: %s; its ops run eagerly", why)
+                    self.advance_reasons[why] = self.advance_reasons.get(why, 0) + 1
+            entry["advance"][key] = adv
+        return adv
+
+    def replay_advanced(self, adv):
+        """One greedy step from the GPU's own inputs: the last step's graph, then ``adv``'s."""
+        entry, _, _, batch_info = self.last_step
+        self._replay(entry, batch_info)
+        adv.run()
+        self._counters["advanced_steps"] += 1
+
+    def note_advanced_call(self):
+        self._counters["advanced_calls"] += 1
 
     @staticmethod
     def _flat(inputs):

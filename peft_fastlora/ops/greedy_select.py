@@ -126,7 +126,8 @@ def _ids(ids: Optional[torch.Tensor], device, name: str) -> torch.Tensor:
 
 def greedy_select(logits: torch.Tensor, tokens: torch.Tensor, unfinished: Optional[torch.Tensor] = None,
                   pad: Optional[torch.Tensor] = None, stop_ids: Optional[torch.Tensor] = None,
-                  suppress_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  suppress_ids: Optional[torch.Tensor] = None,
+                  workspace: Optional[SelectWorkspace] = None) -> torch.Tensor:
     """The next tokens of a greedy step: transformers' loop from the logits on.
 
     Args:
@@ -137,6 +138,8 @@ def greedy_select(logits: torch.Tensor, tokens: torch.Tensor, unfinished: Option
         pad: () int64, the token of a row that had finished (with ``stop_ids``).
         stop_ids: the EOS criterion's ids (None: no EOS criterion, rows never finish here).
         suppress_ids: ids set to -inf before the argmax (a minimum length not yet reached).
+        workspace: slots and tickets of at least ``rows`` (None: the device's shared one, which a
+            larger launch replaces: a launch captured in a CUDA graph needs its own).
     Returns:
         ``tokens``.
     """
@@ -160,7 +163,9 @@ def greedy_select(logits: torch.Tensor, tokens: torch.Tensor, unfinished: Option
         raise ValueError(f"greedy_select: no Triton kernel runs on {dev} here")
     if rows == 0:
         return tokens
-    ws = workspace_for(dev, rows)
+    ws = workspace if workspace is not None else workspace_for(dev, rows)
+    if ws.slots.numel() < rows:
+        raise ValueError(f"greedy_select: a workspace of {ws.slots.numel()} rows for {rows} rows")
     block = BLOCK or block_for(rows)
     _greedy_select_kernel[(triton.cdiv(vocab, block), rows)](
         logits, unfinished if has_stop else tokens, tokens, pad if has_stop else tokens, suppress, stop,

@@ -1,0 +1,174 @@
+"""Greedy steps whose next inputs the GPU writes (``decode/step_advance.py``), without a GPU: the
+graphs emulated, CUDA events stood in for. The oracle is twofold: the static inputs each replay
+reads equal those transformers' loop builds and the runner copies (step by step, switched off
+against on), and the tokens equal PEFT's own ``generate``."""
+
+import pytest
+import torch
+
+import peft_fastlora as fastlora
+from peft_fastlora import _compat
+from peft_fastlora.decode import step_advance
+from peft_fastlora.decode.runner import DecodeGraphRunner
+from _models import build_peft_lm, left_padded_batch, with_sliding_window
+
+NAMES = ["a0", "__base__", "a1", "a2", "a0"]
+
+
+@pytest.fixture(autouse=True)
+def _advance_on(monkeypatch):
+    monkeypatch.setattr(step_advance, "ENABLED", True)  # off by default until validated on the GPU
+LENGTHS = [5, 9, 3, 7, 4]  # five rows: a bucket of eight, so three padding rows
+
+
+def _model(arch, attn):
+    prepare = with_sliding_window(64) if arch in ("mistral", "gemma2") else None
+    model = build_peft_lm(arch, prepare_base=prepare)
+    _compat.set_attn_implementation(model.get_base_model(), attn)
+    return model
+
+
+def _record(monkeypatch, rows):
+    """Every replay's static tensor inputs (their first ``rows`` rows), in order."""
+    seen = []
+    original = DecodeGraphRunner._replay
+
+    def recording(self, entry, batch_info):
+        step = {}
+        for name, v in DecodeGraphRunner._flat(entry["static"]):
+            if isinstance(v, torch.Tensor):
+                step[name] = (v[:rows] if v.dim() and v.shape[0] > 1 else v).clone()
+        seen.append(step)
+        return original(self, entry, batch_info)
+
+    monkeypatch.setattr(DecodeGraphRunner, "_replay", recording)
+    return seen
+
+
+def _generate(model, names, **gen):
+    batch = left_padded_batch(LENGTHS[:len(names)])
+    gen = dict(dict(do_sample=False, pad_token_id=0), **gen)
+    with torch.no_grad():
+        return model.generate(**batch, adapter_names=names, **gen)
+
+
+@pytest.mark.parametrize("arch,attn", [("llama", "eager"), ("qwen2", "sdpa"), ("mistral", "sdpa"),
+                                       ("gemma2", "eager")])
+def test_each_replay_reads_the_inputs_transformers_builds(arch, attn, cpu_events, monkeypatch):
+    """Off, every step's inputs come from transformers' loop through the runner's copies; on,
+    all but the first decode step's come from the GPU. Both runs must feed the graphs the same
+    tensors (additive and boolean masks, Gemma 2's dict of masks, left padding, padding rows)."""
+    model = _model(arch, attn)
+    gen = dict(max_new_tokens=7, eos_token_id=[2, 7])
+    ref = _generate(model, NAMES, **gen)
+    runs = {}
+    seen = _record(monkeypatch, len(NAMES))
+    for enabled in (False, True):
+        monkeypatch.setattr(step_advance, "ENABLED", enabled)
+        seen.clear()
+        with fastlora.patched(model, cuda_graphs="emulate"):
+            out = _generate(model, NAMES, **gen)
+            stats = fastlora.get_state(model).graph_runner.stats
+        assert torch.equal(out, ref), (enabled, out, ref)
+        runs[enabled] = (list(seen), stats)
+    (off, off_stats), (on, on_stats) = runs[False], runs[True]
+    assert off_stats["advanced_steps"] == 0 and off_stats["advance_reasons"] == {
+        "step inputs on the GPU switched off": 1}, off_stats
+    assert on_stats["advanced_calls"] == 1 and on_stats["advanced_steps"] == len(on) - 1 > 3, on_stats
+    assert len(on) == len(off) and set(on[0]) == set(off[0]), (len(on), len(off), set(on[0]), set(off[0]))
+    assert "attention_mask" in on[0] or any(k.startswith("attention_mask.") for k in on[0]), set(on[0])
+    for i, (a, b) in enumerate(zip(off, on)):
+        for name in a:
+            assert torch.equal(a[name], b[name]), (i, name, a[name], b[name])
+
+
+def one_row_unmasked() -> bool:
+    """Whether transformers drops the 2-D mask of one unpadded row (5.24 and later)."""
+    from packaging.version import Version
+
+    return Version(_compat.TRANSFORMERS_VERSION) >= Version("5.24")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+def test_tokens_equal_peft_over_calls_of_changing_shape(arch, cpu_events):
+    """Calls of 1-5 rows (other buckets, other EOS id counts, none) one after the other: each equals
+    PEFT's, each after the first decode step advances on the GPU, each step-advance graph is kept
+    per (rows, EOS count) of its decode graph."""
+    model = _model(arch, "eager" if arch == "gemma2" else "sdpa")
+    calls = [(NAMES, dict(max_new_tokens=6, eos_token_id=[2, 7])),
+             (NAMES[:1], dict(max_new_tokens=5)),
+             (NAMES[:3], dict(max_new_tokens=6, eos_token_id=3)),
+             (NAMES, dict(max_new_tokens=4, eos_token_id=[2, 7])),
+             (NAMES[:4], dict(max_new_tokens=6, eos_token_id=[9, 8, 7, 6, 5]))]
+    refs = [_generate(model, names, **gen) for names, gen in calls]
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        outs = [_generate(model, names, **gen) for names, gen in calls]
+        runner = fastlora.get_state(model).graph_runner
+        stats = runner.stats
+        kept = sorted(k for entry in runner.graphs.values() for k in entry.get("advance", {}))
+    for out, ref in zip(outs, refs):
+        assert torch.equal(out, ref), (out, ref)
+    # the one-row call has no padding and so no 2-D mask (transformers >= 5.24): under Gemma 2's
+    # window, shorter than the cache, the step mask and this path are transformers' own
+    refused = 1 if arch == "gemma2" and one_row_unmasked() else 0
+    assert stats["advanced_calls"] == len(calls) - refused, stats
+    assert stats["advance_reasons"] == ({"a mask fastlora's step mask did not build": 1} if refused else {}), stats
+    want = [(5, 2, 0), (3, 1, 0), (4, 5, 0)] + ([] if refused else [(1, 1, 0)])  # one row: the config's EOS
+    assert kept == sorted(want), kept  # the fourth call reused the first's
+
+
+def test_rows_that_stop_are_padded_and_the_extra_step_undone(cpu_events):
+    """EOS ids taken from a free run's tokens, so rows stop at different steps and all stop before
+    the maximum: the GPU's unfinished flags, the pad and the deferred check's undo stay right."""
+    model = _model("llama", "sdpa")
+    free = _generate(model, NAMES, max_new_tokens=8)
+    start = max(LENGTHS)
+    eos = sorted({int(free[0, start + 2]), int(free[2, start + 4])})
+    ref = _generate(model, NAMES, max_new_tokens=8, eos_token_id=eos, pad_token_id=5)
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        out = _generate(model, NAMES, max_new_tokens=8, eos_token_id=eos, pad_token_id=5)
+        stats = fastlora.get_state(model).graph_runner.stats
+    assert torch.equal(out, ref), (out, ref)
+    assert (ref[:, start:] == 5).any()  # the premise: some row finished early and was padded
+    assert stats["advanced_calls"] == 1, stats
+
+
+def test_a_minimum_length_advances_once_it_stops_suppressing(cpu_events):
+    model = _model("llama", "sdpa")
+    free = _generate(model, NAMES, max_new_tokens=8)
+    start = max(LENGTHS)
+    eos = sorted({int(t) for t in free[:, start + 1]})  # the rows' second tokens, hidden until the 4th
+    ref = _generate(model, NAMES, max_new_tokens=8, eos_token_id=eos, min_new_tokens=4)
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        out = _generate(model, NAMES, max_new_tokens=8, eos_token_id=eos, min_new_tokens=4)
+        runner = fastlora.get_state(model).graph_runner
+        stats = runner.stats
+        kept = [k for entry in runner.graphs.values() for k in entry.get("advance", {})]
+    assert torch.equal(out, ref), (out, ref)
+    # from the first decode step on the GPU, with the suppressed ids, then without them
+    assert stats["advanced_calls"] == 1 and not stats["advance_reasons"], stats
+    assert sorted(kept) == [(5, len(eos), 0), (5, len(eos), len(eos))], kept
+
+
+def test_blocker_names_what_it_cannot_advance():
+    mask = torch.zeros(2, 1, 1, 16, dtype=torch.bool)
+    setattr(mask, step_advance.MASK_TAG, 0)
+    ok = dict(input_ids=torch.zeros(2, 1, dtype=torch.int64), attention_mask=mask,
+              position_ids=torch.zeros(2, 1, dtype=torch.int64), use_cache=True, cache=object())
+    assert step_advance.blocker(ok, 2, 16, 16) is None
+    windowed = mask.clone()
+    setattr(windowed, step_advance.MASK_TAG, 8)
+    cases = {
+        "more than 16 suppressed ids": (ok, 17, 16),
+        "a step input it does not advance (token_type_ids)": (dict(ok, token_type_ids=torch.zeros(2, 1)), 0, 16),
+        "a mask fastlora's step mask did not build": (dict(ok, attention_mask=mask.clone()), 0, 16),
+        "the call outgrows its mask (a sliding window or the cache)": (ok, 0, 17),
+        "no (rows, 1) int64 input_ids": (dict(ok, input_ids=torch.zeros(2, 1, dtype=torch.int32)), 0, 16),
+        "position_ids not (rows, 1) integers": (dict(ok, position_ids=torch.zeros(2, 3, dtype=torch.int64)),
+                                                0, 16),
+    }
+    for why, (inputs, n_suppress, widest) in cases.items():
+        assert step_advance.blocker(inputs, 2, widest, n_suppress) == why
+    assert step_advance.blocker(dict(ok, attention_mask=windowed), 2, 9, 0) == \
+        "the call outgrows its mask (a sliding window or the cache)"
+    assert step_advance.blocker(dict(ok, attention_mask={"full": mask, "sliding": mask}), 2, 16, 0) is None
