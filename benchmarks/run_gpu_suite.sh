@@ -3,7 +3,8 @@
 # benchmark, end-to-end benchmark. Results land in $OUT (and are committed under
 # benchmarks/results/). Parts: all (default) or any of tests soak kernels generate host pdl
 # profile attention continuous prefill many resources; never part of all: tma (probe_tma_gemm.py rewrites the TMA kernel's
-# tile table in the tree, then the 8B steps at TMA_BATCHES with the kernel off and on); and, on the two-GPU
+# tile table in the tree, then the 8B steps at TMA_BATCHES with the kernel off and on), advance (the
+# step-advance path's GPU tests and 8B A/B); and, on the two-GPU
 # machine only, multigpu (TP_MODEL, TP_ARGS: e.g. 32b --skip-tp1) and devicemap.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -77,6 +78,15 @@ if [[ $parts == *" tma "* ]]; then
     timeout ${TMA_BENCH_LIMIT:-200} python3 benchmarks/bench_generate.py --models 8b --graphs-only \
       --batches ${TMA_BATCHES:-128} --tma-gemm $t --csv generate_tma_${t}_h200.csv --out "$OUT" 2>&1 \
       | grep -v -i warn | tee "$OUT/bench_tma_$t.log" | tail -6
+  done
+fi
+if [[ $parts == *" advance "* ]]; then  # never part of all: the step-advance path's GPU tests, then 8B on / off / on
+  timeout 200 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_step_advance_gpu.py \
+    tests/test_greedy_select_gpu.py 2>&1 | tee "$OUT/gpu_tests_advance.log" | tail -20
+  for v in on off on2; do
+    timeout 120 python3 benchmarks/bench_generate.py --models 8b --graphs-only --batches 1 32 128 \
+      --step-advance ${v%2} --out "$OUT" --csv generate_advance_${v}_h200.csv 2>&1 | grep -v -i warn \
+      | tee "$OUT/bench_advance_$v.log" | tail -8
   done
 fi
 if [[ $parts == *" multigpu "* ]]; then
