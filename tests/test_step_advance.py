@@ -46,7 +46,7 @@ def _record(monkeypatch, rows):
 
 
 def _generate(model, names, **gen):
-    batch = left_padded_batch(LENGTHS[:len(names)])
+    batch = left_padded_batch((LENGTHS * 2)[:len(names)])
     gen = dict(dict(do_sample=False, pad_token_id=0), **gen)
     with torch.no_grad():
         return model.generate(**batch, adapter_names=names, **gen)
@@ -172,3 +172,25 @@ def test_blocker_names_what_it_cannot_advance():
     assert step_advance.blocker(dict(ok, attention_mask=windowed), 2, 9, 0) == \
         "the call outgrows its mask (a sliding window or the cache)"
     assert step_advance.blocker(dict(ok, attention_mask={"full": mask, "sliding": mask}), 2, 16, 0) is None
+
+
+def test_step_advance_graphs_kept_per_decode_graph_are_bounded(cpu_events, monkeypatch):
+    """Calls of 1-8 rows with 0-3 EOS ids, all in the bucket of eight: at most ``MAX_PER_GRAPH``
+    step-advance graphs stay with the decode graph, and every call equals PEFT's."""
+    monkeypatch.setattr(step_advance, "MAX_PER_GRAPH", 3)
+    model = _model("llama", "sdpa")
+    names = (NAMES * 2)[:8]
+    calls = [(names[:r], dict(max_new_tokens=3, eos_token_id=list(range(90, 90 + e)) or None))
+             for r, e in ((5, 1), (6, 2), (7, 3), (8, 1), (7, 3), (6, 0))]
+    refs = [_generate(model, n, **g) for n, g in calls]
+    with fastlora.patched(model, cuda_graphs="emulate", graph_buckets=(8,)):
+        outs = [_generate(model, n, **g) for n, g in calls]
+        runner = fastlora.get_state(model).graph_runner
+        kept = [list(entry.get("advance", {})) for entry in runner.graphs.values()]
+        stats = runner.stats
+    for out, ref in zip(outs, refs):
+        assert torch.equal(out, ref), (out, ref)
+    assert stats["advanced_calls"] == len(calls), stats
+    # the last three keys used, least recently used first: the fifth call reused the third's graph;
+    # the sixth (eos_token_id=None: no EOS criterion) evicted the second's
+    assert kept == [[(8, 1, 0), (7, 3, 0), (6, None, 0)]], kept

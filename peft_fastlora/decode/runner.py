@@ -246,8 +246,13 @@ class DecodeGraphRunner:
             self.advance_reasons[why] = self.advance_reasons.get(why, 0) + 1
             return None
         key = (rows, n_stop, 0 if suppress is None else suppress.numel())
-        adv = entry.setdefault("advance", {}).get(key)
-        if adv is None:
+        kept = entry.setdefault("advance", OrderedDict())  # least recently used first
+        adv = kept.get(key)
+        if adv is not None:
+            kept.move_to_end(key)
+        else:
+            while len(kept) >= step_advance.MAX_PER_GRAPH:
+                kept.popitem(last=False)  # a loop still running it holds its own reference
             adv = step_advance.StepAdvance(entry["static"], entry["output"].logits, rows, n_stop, key[2], select)
             if not self.emulate:
                 try:
@@ -256,7 +261,7 @@ class DecodeGraphRunner:
                     why = f"step-advance capture failed ({type(e).__name__}: {e})"
                     logger.warning("fastlora: %s; its ops run eagerly", why)
                     self.advance_reasons[why] = self.advance_reasons.get(why, 0) + 1
-            entry["advance"][key] = adv
+            kept[key] = adv
         return adv
 
     def replay_advanced(self, adv):

@@ -29,6 +29,7 @@ import torch
 # session 28); tests and benchmarks switch it on. False: every step builds its inputs on the host
 ENABLED = False
 
+MAX_PER_GRAPH = 8  # step-advance graphs kept per decode graph (one per rows / EOS / suppressed count)
 MASK_TAG = "_fastlora_step_mask"  # set by ``step_mask`` on the masks it builds: value, the window (or 0)
 _ADVANCED = ("input_ids", "position_ids", "cache_position", "attention_mask")
 
