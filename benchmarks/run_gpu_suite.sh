@@ -4,7 +4,7 @@
 # benchmarks/results/). Parts: all (default) or any of tests soak kernels generate host pdl
 # profile attention continuous prefill many resources; never part of all: tma (probe_tma_gemm.py rewrites the TMA kernel's
 # tile table in the tree, then the 8B steps at TMA_BATCHES with the kernel off and on), advance (the
-# step-advance path's GPU tests and 8B A/B); and, on the two-GPU
+# step-advance path's GPU tests, 8B A/B and timeline); and, on the two-GPU
 # machine only, multigpu (TP_MODEL, TP_ARGS: e.g. 32b --skip-tp1) and devicemap.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -88,6 +88,8 @@ if [[ $parts == *" advance "* ]]; then  # never part of all: the step-advance pa
       --step-advance ${v%2} --out "$OUT" --csv generate_advance_${v}_h200.csv 2>&1 | grep -v -i warn \
       | tee "$OUT/bench_advance_$v.log" | tail -8
   done
+  timeout 150 python3 benchmarks/step_timeline.py --model 8b --batches 1 32 --new-tokens 40 --step-advance on \
+    --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/step_timeline_advance.log" | tail -4
 fi
 if [[ $parts == *" multigpu "* ]]; then
   nvidia-smi topo -m | tee "$OUT/multi_gpu_topology.txt" | head -5

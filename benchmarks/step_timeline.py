@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_generate as bg  # noqa: E402
 import peft_fastlora as fastlora  # noqa: E402
-from peft_fastlora.decode import greedy_loop  # noqa: E402
+from peft_fastlora.decode import greedy_loop, step_advance  # noqa: E402
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -95,16 +95,20 @@ def host_steps(runtime):
 
 def split_steps(gpu, graph_launches, layers=None):
     """Per replay (after the first two and before the last): a dict of the split, in microseconds
-    (``layers``: see ``_charges``)."""
+    (``layers``: see ``_charges``). A step's graph is one with at least half the kernels of the
+    largest; smaller graphs (``step_advance``'s, between two steps) count as work outside."""
     replays = collections.defaultdict(list)  # correlation -> its kernels
     for start, end, name, corr in gpu:
         if corr in graph_launches:
             replays[corr].append((start, end, name))
-    spans = sorted((min(k[0] for k in ks), max(k[1] for k in ks), sorted(ks)) for ks in replays.values())
+    most = max((len(ks) for ks in replays.values()), default=0)
+    step_launches = {corr for corr, ks in replays.items() if 2 * len(ks) >= most}
+    spans = sorted((min(k[0] for k in ks), max(k[1] for k in ks), sorted(ks))
+                   for corr, ks in replays.items() if corr in step_launches)
     steps = []
     for (s0, e0, kernels), (s1, _, _) in zip(spans[2:-1], spans[3:]):
         busy = _union(kernels)
-        outside = [(a, b, name) for a, b, name, corr in gpu if corr not in graph_launches and a >= e0 and b <= s1]
+        outside = [(a, b, name) for a, b, name, corr in gpu if corr not in step_launches and a >= e0 and b <= s1]
         out_busy = _union(outside)
         steps.append(dict(period=s1 - s0, graph_span=e0 - s0, graph_busy=busy, graph_gaps=(e0 - s0) - busy,
                           graph_kernels=len(kernels), outside_busy=out_busy, outside_idle=(s1 - e0) - out_busy,
@@ -193,9 +197,12 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="folder for step_timeline_<model>.csv")
     p.add_argument("--token-select", choices=["fused", "hf"], default="fused",
                    help="hf: transformers' token selection between steps (decode.greedy_loop.ENABLED), for an A/B")
+    p.add_argument("--step-advance", choices=["on", "off"], default="off",
+                   help="on: greedy steps' next inputs written on the GPU (decode.step_advance.ENABLED)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script's set-up only")
     args = p.parse_args(argv)
     greedy_loop.ENABLED = args.token_select == "fused"
+    step_advance.ENABLED = args.step_advance == "on"
     if args.smoke:
         bg.DEVICE, args.model, args.batches, args.new_tokens = "cpu", "tiny", [2], 4
     base = bg.build_base(args.model)
@@ -217,7 +224,8 @@ def main(argv=None):
             if not steps:
                 print(f"batch {b}: no graph replays in the trace", flush=True)
                 continue
-            row = dict(bg.versions(), model=args.model, method=method, token_select=args.token_select, batch=b,
+            row = dict(bg.versions(), model=args.model, method=method, token_select=args.token_select,
+                       step_advance=args.step_advance, batch=b,
                        steps=len(steps),
                        **summarise(steps, args.top, host_steps(runtime)))
             print(row, flush=True)
@@ -229,7 +237,8 @@ def main(argv=None):
         fastlora.unpatch(model)
     if rows and args.out:
         os.makedirs(args.out, exist_ok=True)
-        stem = f"step_timeline_{args.model}" + ("_hf_select" if args.token_select == "hf" else "")
+        stem = (f"step_timeline_{args.model}" + ("_hf_select" if args.token_select == "hf" else "")
+                + ("_advance" if args.step_advance == "on" else ""))
         path = os.path.join(args.out, f"{stem}.csv")
         _write(path, rows)
         print("wrote", path)

@@ -119,6 +119,25 @@ def test_step_timeline_split():
     assert charged == {"k1": 30.0, "k2": 30.0}  # k2's run and the bubble before it
 
 
+def test_step_timeline_small_graphs_count_outside():
+    """A small graph between two steps' graphs (``step_advance``'s) is work outside the step, not a
+    step of its own."""
+    sys.path.insert(0, BENCH)
+    import step_timeline
+
+    gpu, launches = [], set()
+    for i in range(6):  # a step graph of four kernels, then a graph of one kernel, every 100 us
+        t = 100.0 * i
+        launches.update({i, 50 + i})
+        gpu += [(t + 10 * j, t + 10 * j + 9, f"k{j}", i) for j in range(4)]
+        gpu += [(t + 45, t + 52, "select", 50 + i)]
+    steps = step_timeline.split_steps(sorted(gpu), launches)
+    assert len(steps) == 3
+    row = step_timeline.summarise(steps, 3)
+    assert (row["period_us"], row["graph_kernels"], row["outside_busy_us"]) == (100.0, 4, 7.0)
+    assert row["top_outside"] == "select 7.0"
+
+
 def test_step_timeline_host_side():
     """The host's steps between graph launches: blocking calls are waits, the rest the host's work."""
     sys.path.insert(0, BENCH)
