@@ -88,6 +88,7 @@ def armed(inner, runner: DecodeGraphRunner, adapter_names, cache=None):
             yield runner
         finally:
             runner.adapter_names = None
+            runner.last_step = None  # the last step's inputs (a sampling loop never clears them)
             if cache is not None:
                 cache.__dict__.pop(deferred_stop.CALL_ATTR, None)
 
