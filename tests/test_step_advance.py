@@ -17,7 +17,7 @@ NAMES = ["a0", "__base__", "a1", "a2", "a0"]
 
 @pytest.fixture(autouse=True)
 def _advance_on(monkeypatch):
-    monkeypatch.setattr(step_advance, "ENABLED", True)  # off by default until validated on the GPU
+    monkeypatch.setattr(step_advance, "ENABLED", True)  # the default; benchmarks switch it off for A/Bs
 LENGTHS = [5, 9, 3, 7, 4]  # five rows: a bucket of eight, so three padding rows
 
 
@@ -92,8 +92,8 @@ def one_row_unmasked() -> bool:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
 def test_tokens_equal_peft_over_calls_of_changing_shape(arch, cpu_events):
     """Calls of 1-5 rows (other buckets, other EOS id counts, none) one after the other: each equals
-    PEFT's, each after the first decode step advances on the GPU, each step-advance graph is kept
-    per (rows, EOS count) of its decode graph."""
+    PEFT's, each after the first decode step advances on the GPU, and calls of one bucket share
+    its step-advance graph whatever their rows and EOS ids."""
     model = _model(arch, "eager" if arch == "gemma2" else "sdpa")
     calls = [(NAMES, dict(max_new_tokens=6, eos_token_id=[2, 7])),
              (NAMES[:1], dict(max_new_tokens=5)),
@@ -113,8 +113,8 @@ def test_tokens_equal_peft_over_calls_of_changing_shape(arch, cpu_events):
     refused = 1 if arch == "gemma2" and one_row_unmasked() else 0
     assert stats["advanced_calls"] == len(calls) - refused, stats
     assert stats["advance_reasons"] == ({"a mask fastlora's step mask did not build": 1} if refused else {}), stats
-    want = [(5, 2, 0), (3, 1, 0), (4, 5, 0)] + ([] if refused else [(1, 1, 0)])  # one row: the config's EOS
-    assert kept == sorted(want), kept  # the fourth call reused the first's
+    # buckets 8 (five rows, twice), 4 (three and four rows, other EOS lists), 1 (the config's EOS)
+    assert kept == [(True, False)] * (3 - refused), kept
 
 
 def test_rows_that_stop_are_padded_and_the_extra_step_undone(cpu_events):
@@ -147,7 +147,7 @@ def test_a_minimum_length_advances_once_it_stops_suppressing(cpu_events):
     assert torch.equal(out, ref), (out, ref)
     # from the first decode step on the GPU, with the suppressed ids, then without them
     assert stats["advanced_calls"] == 1 and not stats["advance_reasons"], stats
-    assert sorted(kept) == [(5, len(eos), 0), (5, len(eos), len(eos))], kept
+    assert sorted(kept) == [(True, False), (True, True)], kept
 
 
 def test_blocker_names_what_it_cannot_advance():
@@ -174,23 +174,41 @@ def test_blocker_names_what_it_cannot_advance():
     assert step_advance.blocker(dict(ok, attention_mask={"full": mask, "sliding": mask}), 2, 16, 0) is None
 
 
-def test_step_advance_graphs_kept_per_decode_graph_are_bounded(cpu_events, monkeypatch):
-    """Calls of 1-8 rows with 0-3 EOS ids, all in the bucket of eight: at most ``MAX_PER_GRAPH``
-    step-advance graphs stay with the decode graph, and every call equals PEFT's."""
-    monkeypatch.setattr(step_advance, "MAX_PER_GRAPH", 3)
+def test_one_step_advance_graph_per_kind_of_call(cpu_events):
+    """Calls of 5-8 rows with 0-3 EOS ids and minimum lengths, all in the bucket of eight, share
+    one step-advance graph per kind of call (an EOS criterion or not, EOS ids suppressed or not),
+    and every call equals PEFT's."""
     model = _model("llama", "sdpa")
     names = (NAMES * 2)[:8]
-    calls = [(names[:r], dict(max_new_tokens=3, eos_token_id=list(range(90, 90 + e)) or None))
-             for r, e in ((5, 1), (6, 2), (7, 3), (8, 1), (7, 3), (6, 0))]
+    calls = [(names[:r], dict(max_new_tokens=4, eos_token_id=list(range(90, 90 + e)) or None, **extra))
+             for r, e, extra in ((5, 1, {}), (6, 2, {}), (7, 3, dict(min_new_tokens=3)), (8, 1, {}),
+                                 (7, 3, dict(min_new_tokens=2)), (6, 0, {}), (5, 2, dict(min_new_tokens=3)))]
     refs = [_generate(model, n, **g) for n, g in calls]
     with fastlora.patched(model, cuda_graphs="emulate", graph_buckets=(8,)):
         outs = [_generate(model, n, **g) for n, g in calls]
         runner = fastlora.get_state(model).graph_runner
-        kept = [list(entry.get("advance", {})) for entry in runner.graphs.values()]
+        kept = [sorted(entry.get("advance", {})) for entry in runner.graphs.values()]
         stats = runner.stats
     for out, ref in zip(outs, refs):
         assert torch.equal(out, ref), (out, ref)
     assert stats["advanced_calls"] == len(calls), stats
-    # the last three keys used, least recently used first: the fifth call reused the third's graph;
-    # the sixth (eos_token_id=None: no EOS criterion) evicted the second's
-    assert kept == [[(8, 1, 0), (7, 3, 0), (6, None, 0)]], kept
+    # (EOS criterion, suppressing): the sixth call has none; the minimum lengths suppress at first
+    assert kept == [[(False, False), (True, False), (True, True)]], kept
+
+
+def test_warmup_captures_the_step_advance_graphs_calls_use(cpu_events):
+    """After ``warmup`` every decode graph has its step-advance graphs for the model's EOS ids
+    with and without a minimum length: greedy calls of any rows in the buckets add none."""
+    model = _model("llama", "sdpa")
+    model.generation_config.eos_token_id = [90, 91]
+    with fastlora.patched(model, cuda_graphs="emulate", graph_buckets=(4, 8)):
+        fastlora.warmup(model, max_length=64)
+        runner = fastlora.get_state(model).graph_runner
+        before = {k: sorted(e.get("advance", {})) for k, e in runner.graphs.items()}
+        for rows, extra in ((3, {}), (5, {}), (8, dict(min_new_tokens=2)), (1, {})):
+            _generate(model, (NAMES * 2)[:rows], max_new_tokens=4, **extra)
+        after = {k: sorted(e.get("advance", {})) for k, e in runner.graphs.items()}
+        stats = runner.stats
+    assert stats["advanced_calls"] >= 4 + len(before), stats
+    assert before and all(kinds == [(True, False), (True, True)] for kinds in before.values()), before
+    assert after == before, (before, after)

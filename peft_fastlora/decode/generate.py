@@ -152,7 +152,7 @@ def warmup(model, batch_sizes: Optional[Sequence[int]] = None, max_length: int =
     """Capture the decode graphs of a patched model before traffic arrives.
 
     For each batch size (mapped to its bucket; default: every bucket), largest first, runs a
-    two-token ``generate`` whose static cache holds ``max_length`` tokens: the shared cache
+    three-token ``generate`` whose static cache holds ``max_length`` tokens: the shared cache
     buffer is sized once for the largest bucket, and later calls up to ``max_length`` tokens reuse
     these caches and graphs. ``adapter_names``: the adapters of the warm-up rows (cycled; default:
     every adapter in turn, or the first ones that fill the GPU slots). Where some sites fold their
@@ -200,7 +200,9 @@ def warmup(model, batch_sizes: Optional[Sequence[int]] = None, max_length: int =
             mixes += [["__base__"], state.fold_prone_adapters(min(rows, state.registry.num_slots))]
         for mix in mixes:
             ids = torch.full((rows, 1), int(pad), dtype=torch.long, device=state.device)
-            kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
+            # three tokens, EOS suppressed for two: a decode step with the EOS ids suppressed and
+            # one without, so that both of the bucket's step-advance graphs exist too
+            kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
                           min_new_tokens=2, do_sample=False, pad_token_id=int(pad))
             if state.has_lora:
                 kwargs["adapter_names"] = [mix[i % len(mix)] for i in range(rows)]

@@ -165,7 +165,7 @@ def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generatio
                     advance = runner.step_advance(widest, n_stop, suppress, n_suppress_most, _select)
                     if advance is None:  # the same inputs passed at the call's first decode step
                         raise RuntimeError("fastlora: a step-advance graph was refused mid-call; report this")
-                    tokens, unfinished = advance.start(unfinished, pad if has_stop else None,
+                    tokens, unfinished = advance.start(rows, unfinished, pad if has_stop else None,
                                                        stop_ids if has_stop else None, suppress, length)
                     advance_suppress = suppress
                 runner.replay_advanced(advance)
@@ -184,7 +184,7 @@ def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generatio
                     advance_refused = advance is None  # nothing later in the call changes the answer
                 if advance is not None:
                     runner.note_advanced_call()
-                    tokens, unfinished = advance.start(unfinished, pad if has_stop else None,
+                    tokens, unfinished = advance.start(rows, unfinished, pad if has_stop else None,
                                                        stop_ids if has_stop else None, suppress, length)
                     advance_suppress = suppress
                     advance.run()

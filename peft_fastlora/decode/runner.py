@@ -245,15 +245,12 @@ class DecodeGraphRunner:
         if why is not None:
             self.advance_reasons[why] = self.advance_reasons.get(why, 0) + 1
             return None
-        key = (rows, n_stop, 0 if suppress is None else suppress.numel())
-        kept = entry.setdefault("advance", OrderedDict())  # least recently used first
+        # one per kind of call: any rows of the bucket, EOS list and suppressed ids share it (at most four)
+        key = (n_stop is not None, suppress is not None)
+        kept = entry.setdefault("advance", {})
         adv = kept.get(key)
-        if adv is not None:
-            kept.move_to_end(key)
-        else:
-            while len(kept) >= step_advance.MAX_PER_GRAPH:
-                kept.popitem(last=False)  # a loop still running it holds its own reference
-            adv = step_advance.StepAdvance(entry["static"], entry["output"].logits, rows, n_stop, key[2], select)
+        if adv is None:
+            adv = step_advance.StepAdvance(entry["static"], entry["output"].logits, *key, select)
             if not self.emulate:
                 try:
                     adv.capture(self.pool, capture)

@@ -9,9 +9,10 @@ inputs follow fixed rules, ``StepAdvance`` replaces all of that with one small g
 the step's own: the token selection (``ops.greedy_select``) writes the next ids straight into the
 static ``input_ids``, ``position_ids`` and ``cache_position`` advance by one, and the static 4-D
 masks (built by ``step_mask``: the 2-D padding mask laid into the first columns) get their next
-column. The static cache advances its own lengths inside the step's graph, as on every replay.
-While a minimum length suppresses EOS ids the selection takes them from a static buffer; the loop
-moves to the graph without them at the step the rule ends.
+column (those three in one more kernel, ``ops.step_inputs``). The static cache advances its own
+lengths inside the step's graph, as on every replay. While a minimum length suppresses EOS ids
+the selection takes them from a static buffer; the loop moves to the graph without them at the
+step the rule ends.
 
 ``blocker`` says why a step's inputs do not follow those rules (then the call keeps the loop's own
 per-step work): an input other than those four and the cache, a mask ``step_mask`` did not build,
@@ -25,11 +26,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-# off by default until its GPU traffic test passes under real CUDA graphs (benchmarks/NOTES.md,
-# session 28); tests and benchmarks switch it on. False: every step builds its inputs on the host
+# False: every greedy step builds its inputs on the host (transformers' loop), for an A/B
 ENABLED = False
 
-MAX_PER_GRAPH = 8  # step-advance graphs kept per decode graph (one per rows / EOS / suppressed count)
+# the next inputs in one kernel (``ops.step_inputs``); False: torch's few ops (an A/B switch)
+FUSED_INPUTS = True
 MASK_TAG = "_fastlora_step_mask"  # set by ``step_mask`` on the masks it builds: value, the window (or 0)
 _ADVANCED = ("input_ids", "position_ids", "cache_position", "attention_mask")
 
@@ -75,48 +76,53 @@ def blocker(inputs: Dict[str, object], rows: int, max_length: int, n_suppress: i
 
 
 class StepAdvance:
-    """The token selection and the next step's inputs of one captured decode graph, for calls of
-    ``rows`` rows, as a graph of its own (``EmulatedGraph``-style re-runs when emulating).
+    """The token selection and the next step's inputs of one captured decode graph, for every row
+    of its bucket, as a graph of its own (``EmulatedGraph``-style re-runs when emulating). A call
+    of fewer rows reads the first ones; the bucket's padding rows count as finished (they select
+    ``pad``) and their tokens, like their inputs on the host-built path, are never read. One per
+    decode graph and kind of call (an EOS criterion or not, EOS ids suppressed or not): the ids
+    sit in ``MAX_IDS`` slots padded with -1, which no column matches, so any EOS list and any
+    minimum length share the graph, and ``warmup`` captures the ones a server's calls use.
 
     Args:
         static: the decode graph's static inputs (the runner's copies, ``padded`` rows).
         logits: the decode graph's static logits, (padded, 1 or more, vocab).
-        rows: the call's rows (the first ``rows`` of the padded buffers).
-        n_stop: the EOS criterion's id count (None: no EOS criterion).
-        n_suppress: the ids a minimum length suppresses (0: none).
-        select: ``(logits, tokens, unfinished, pad, stop_ids, suppress)``, the loop's selection.
+        has_stop: the calls have an EOS criterion (rows finish on a stop id; finished rows take ``pad``).
+        suppressing: a minimum length suppresses EOS ids at these steps.
+        select: ``(logits, tokens, unfinished, pad, stop_ids, suppress, workspace)``, the loop's selection.
     """
 
-    def __init__(self, static: Dict[str, object], logits: torch.Tensor, rows: int, n_stop: Optional[int],
-                 n_suppress: int, select):
+    def __init__(self, static: Dict[str, object], logits: torch.Tensor, has_stop: bool, suppressing: bool,
+                 select):
+        from ..ops.greedy_select import MAX_IDS, SelectWorkspace
+
         dev = logits.device
-        self.rows = rows
-        self.tokens = static["input_ids"][:rows, 0]  # the selection writes the next ids here
-        self.logits = logits[:rows, -1]
-        self.unfinished = torch.ones(rows, dtype=torch.int64, device=dev)
+        self.tokens = static["input_ids"][:, 0]  # the selection writes the next ids here
+        self.logits = logits[:, -1]
+        padded = self.tokens.shape[0]
+        self.unfinished = torch.ones(padded, dtype=torch.int64, device=dev)
         self.pad = torch.zeros((), dtype=torch.int64, device=dev)
-        self.stop = None if n_stop is None else torch.zeros(n_stop, dtype=torch.int64, device=dev)
-        self.suppress = torch.zeros(n_suppress, dtype=torch.int64, device=dev) if n_suppress else None
+        self.stop = torch.full((MAX_IDS,), -1, dtype=torch.int64, device=dev) if has_stop else None
+        self.suppress = torch.full((MAX_IDS,), -1, dtype=torch.int64, device=dev) if suppressing else None
         self.column = torch.zeros(1, dtype=torch.int64, device=dev)
         self.counters = [t for t in (static.get("position_ids"), static.get("cache_position")) if t is not None]
         self.masks = _masks(static["attention_mask"])
         self.last_column = self.masks[0].shape[-1] - 1
         self._select = select
+        from ..ops.step_inputs import advance_inputs, advance_inputs_reference, kernel_takes
+        fused = FUSED_INPUTS and kernel_takes(self.masks, self.counters, self.column)
+        self._advance = advance_inputs if fused else advance_inputs_reference
         # its own slots and tickets: the shared workspace is replaced when a larger batch selects,
         # and a captured launch would keep the freed one
-        from ..ops.greedy_select import SelectWorkspace
-        self.workspace = SelectWorkspace(dev, rows)
+        self.workspace = SelectWorkspace(dev, padded)
         self.graph = None  # a CUDA graph, or None: ``run`` calls the work directly (emulation, eager)
 
     def _work(self):
         self._select(self.logits, self.tokens, self.unfinished, self.pad if self.stop is not None else None,
                      self.stop, self.suppress, self.workspace)
-        for t in self.counters:
-            t.add_(1)
-        for m in self.masks:
-            m.index_fill_(-1, self.column, True if m.dtype == torch.bool else 0.0)
-        # past the cache's last column only the deferred check's extra step reads it: stay in range
-        self.column.add_(1).clamp_(max=self.last_column)
+        # the masks' next column, the counters and the column in one launch; past the cache's
+        # last column only the deferred check's extra step reads the mask: the column stays in range
+        self._advance(self.masks, self.counters, self.column, self.last_column)
 
     def _state(self) -> List[torch.Tensor]:
         return [self.tokens, self.unfinished, self.column] + self.counters + self.masks
@@ -136,19 +142,19 @@ class StepAdvance:
             raise
         self.graph.fastlora_step_advance = True  # benchmarks time the step graphs' replays alone
 
-    def start(self, unfinished: torch.Tensor, pad: Optional[torch.Tensor], stop_ids: Optional[torch.Tensor],
+    def start(self, rows: int, unfinished: torch.Tensor, pad: Optional[torch.Tensor], stop_ids: Optional[torch.Tensor],
               suppress_ids: Optional[torch.Tensor], next_column: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """A call's values (from this step on) into the graph's buffers; returns (tokens,
-        unfinished), the buffers the loop reads from now on."""
-        if unfinished is not self.unfinished:
-            self.unfinished.copy_(unfinished)
+        """A call's values (from this step on; its ``rows`` first rows) into the graph's buffers;
+        returns (tokens, unfinished) of those rows, the buffers the loop reads from now on."""
+        self.unfinished[:rows].copy_(unfinished)
+        self.unfinished[rows:].zero_()  # the bucket's padding rows: finished
         if self.stop is not None:
             self.pad.copy_(pad)
-            self.stop.copy_(stop_ids)
+            self.stop.fill_(-1)[:stop_ids.numel()].copy_(stop_ids)
         if self.suppress is not None:
-            self.suppress.copy_(suppress_ids)
+            self.suppress.fill_(-1)[:suppress_ids.numel()].copy_(suppress_ids)
         self.column.fill_(min(next_column, self.last_column))
-        return self.tokens, self.unfinished
+        return self.tokens[:rows], self.unfinished[:rows]
 
     def run(self):
         if self.graph is not None:
