@@ -505,8 +505,8 @@ def main(argv=None):
                    help="off: the rotary and the KV write as two kernels (attention_forwards.ONE_KERNEL), for an A/B")
     p.add_argument("--token-select", choices=["fused", "hf"], default="fused",
                    help="hf: greedy calls keep transformers' token selection (decode.greedy_loop.ENABLED), for an A/B")
-    p.add_argument("--step-advance", choices=["on", "off"], default="off",
-                   help="on: greedy steps' next inputs written on the GPU (decode.step_advance.ENABLED), for an A/B")
+    p.add_argument("--step-advance", choices=["on", "off"], default="on",
+                   help="off: greedy steps' next inputs built on the host (decode.step_advance.ENABLED), for an A/B")
     p.add_argument("--expand", choices=["library", "blocks"], default="library",
                    help="decode expand launch: the library's (rank-sized spans) or the column blocks of before")
     p.add_argument("--kernel-split", type=int, default=0, metavar="STEPS",

@@ -197,8 +197,8 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="folder for step_timeline_<model>.csv")
     p.add_argument("--token-select", choices=["fused", "hf"], default="fused",
                    help="hf: transformers' token selection between steps (decode.greedy_loop.ENABLED), for an A/B")
-    p.add_argument("--step-advance", choices=["on", "off"], default="off",
-                   help="on: greedy steps' next inputs written on the GPU (decode.step_advance.ENABLED)")
+    p.add_argument("--step-advance", choices=["on", "off"], default="on",
+                   help="off: greedy steps' next inputs built on the host (decode.step_advance.ENABLED)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script's set-up only")
     args = p.parse_args(argv)
     greedy_loop.ENABLED = args.token_select == "fused"
@@ -238,7 +238,7 @@ def main(argv=None):
     if rows and args.out:
         os.makedirs(args.out, exist_ok=True)
         stem = (f"step_timeline_{args.model}" + ("_hf_select" if args.token_select == "hf" else "")
-                + ("_advance" if args.step_advance == "on" else ""))
+                + ("_host_inputs" if args.step_advance == "off" else ""))
         path = os.path.join(args.out, f"{stem}.csv")
         _write(path, rows)
         print("wrote", path)

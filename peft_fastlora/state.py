@@ -402,7 +402,7 @@ class FastLoRAState:
 
     def _update_graph_runner(self):
         """Create, keep or release the decode graph runner as the model now allows."""
-        from .decode import deferred_stop, greedy_loop
+        from .decode import deferred_stop, greedy_loop, step_advance
         from .decode.generate import graphs_wanted
         from .decode.runner import DecodeGraphRunner
 
@@ -423,7 +423,11 @@ class FastLoRAState:
         self.report.stop_check = ("deferred" if self.stop_check_blocker is None
                                   else f"per step ({self.stop_check_blocker})")
         why = "the stop check is read every step" if self.stop_check_blocker else greedy_loop.patch_blocker(self.inner)
-        self.report.token_selection = "one kernel for greedy calls" if why is None else f"transformers' ({why})"
+        if why is None:  # step_advance's blocker names the calls it leaves to the host (advance_reasons)
+            self.report.token_selection = "one kernel for greedy calls" + (
+                ", their next inputs written on the GPU" if step_advance.ENABLED else "")
+        else:
+            self.report.token_selection = f"transformers' ({why})"
 
     def _log_disabled(self, report: PatchReport):
         """Warn once per patch about features that are off on a GPU for a reason other than the

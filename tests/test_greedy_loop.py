@@ -9,7 +9,7 @@ import torch
 from transformers.generation import StoppingCriteria, StoppingCriteriaList
 
 import peft_fastlora as fastlora
-from peft_fastlora.decode import greedy_loop
+from peft_fastlora.decode import greedy_loop, step_advance
 from _models import tiny_peft_llama
 
 NAMES = ["a", "__base__", "b", "a"]
@@ -113,8 +113,11 @@ def test_other_forms_keep_transformers_loop_and_say_why(model, cpu_events, extra
 
 def test_the_report_says_which_token_selection_greedy_calls_get(model, cpu_events, monkeypatch):
     with fastlora.patched(model, cuda_graphs="emulate") as report:
+        assert report.token_selection == "one kernel for greedy calls, their next inputs written on the GPU"
+        assert "token selection one kernel for greedy calls, their next inputs written on the GPU" in str(report)
+    monkeypatch.setattr(step_advance, "ENABLED", False)
+    with fastlora.patched(model, cuda_graphs="emulate") as report:
         assert report.token_selection == "one kernel for greedy calls"
-        assert "token selection one kernel for greedy calls" in str(report)
     with fastlora.patched(model, cuda_graphs="emulate", defer_stop_check=False) as report:
         assert report.token_selection == "transformers' (the stop check is read every step)"
     monkeypatch.setattr(greedy_loop, "ENABLED", False)

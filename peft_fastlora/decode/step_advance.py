@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 # False: every greedy step builds its inputs on the host (transformers' loop), for an A/B
-ENABLED = False
+ENABLED = True
 
 # the next inputs in one kernel (``ops.step_inputs``); False: torch's few ops (an A/B switch)
 FUSED_INPUTS = True
