@@ -50,6 +50,12 @@ def test_probe_tma_gemm_smoke(tmp_path):
     assert "every sweep tile equals x @ w.T" in out
 
 
+def test_probe_gemm_bound_smoke():
+    out = _run([os.path.join(BENCH, "probe_gemm_bound.py"), "--smoke", "--fold-rows", "128"],
+               env_extra={"TRITON_INTERPRET": "1"})
+    assert "'qkv': (4096, 6528)" in out and "the read-only kernel sums each weight row" in out
+
+
 def test_probe_tma_gemm_table_from_a_committed_run(tmp_path):
     """The library's tile table is what the probe chooses from the committed run's measurements."""
     import json
