@@ -4,8 +4,9 @@ under the Triton interpreter; shared helpers and tolerances come from test_trito
 from __future__ import annotations
 import pytest
 import torch
+from peft_fastlora.backend.torch_native import TorchNativeLoRABackend  # noqa: E402
 from peft_fastlora.backend.triton import TritonLoRABackend  # noqa: E402
-from peft_fastlora.batch import NO_ADAPTER, ForwardBatch  # noqa: E402
+from peft_fastlora.batch import NO_ADAPTER, ForwardBatch, ForwardMode  # noqa: E402
 
 from test_triton_kernels import (  # noqa: E402
     TOLERANCES,
@@ -15,6 +16,7 @@ from test_triton_kernels import (  # noqa: E402
     SLOT_SCALINGS,
     K,
     MAX_LORAS,
+    NUM_SLOTS,
     COMPOSITIONS,
     assert_close,
     make_backends,
@@ -205,3 +207,31 @@ def test_fused_launch_choice():
         small = fused_config(16, 4096, [4096], torch.bfloat16, mixed_ranks=m)
         assert (small["r_sub"], small["block_r"], small["prefetch"], small["max_registers"]) == (16, 16, True, None)
     assert fused_config(64, 4096, [4096], torch.bfloat16, rank_block=64, mixed_ranks=True)["r_sub"] == 64
+
+
+def test_fused_workspace_is_sized_once_for_every_launch(fused_calls):
+    """The fused kernel's workspace is sized at the first buffers for the most chunks any fused
+    launch can plan. Decode buckets are captured first (small plans); an eager forward of a few
+    hundred tokens over every adapter (a short prefill) then has many more chunks, and must not
+    grow it: a grown-out buffer stays held for the graphs that captured it."""
+    dtype, atol, rtol = TOLERANCES[0]
+    tri = TritonLoRABackend(MAX_LORAS, CPU)
+    tri.new_graph_buffers(4, 4, max_slots=NUM_SLOTS)  # a 4-row decode bucket
+    ws = tri._workspace(CPU)
+    acc, sync = ws.acc, ws.sync
+    seq_lens = [17, 1, 30, 9, 60, 2, 33, 3, 41, 4, 2, 1]  # 203 tokens, every slot in several runs
+    wi = [[0, 1, 2, 3, NO_ADAPTER][i % 5] for i in range(len(seq_lens))]
+    ref = TorchNativeLoRABackend(MAX_LORAS, CPU)
+    fb = ForwardBatch(len(seq_lens), seq_lens, ForwardMode.EXTEND, CPU)
+    for b in (tri, ref):
+        b.prepare_lora_batch(fb, wi, SLOT_RANKS, SLOT_SCALINGS, use_cuda_graph=False)
+    chunks = int((tri.batch_info.chunk_len > 0).sum())
+    assert tri.batch_info.block_m == 16 and chunks > 4  # more than the 4-row bucket's plans hold
+    tok = token_slots(wi, seq_lens)
+    x, a, b, base, ranks, scalings = site_inputs("linear", tok, dtype)
+    got = run_fused_site(tri, "linear", x, a, b, base.clone(), ranks, scalings)
+    want = run_fused_site(ref, "linear", x, a, b, base.clone(), ranks, scalings)
+    assert fused_calls == [16]
+    assert_close(got, want, atol, rtol, "fused linear, 203 tokens")
+    assert ws.acc is acc and ws.sync is sync and not ws._retired, "the workspace grew"
+    assert_workspace_clean(tri)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import LoRABatchInfo
+from ..batch import BLOCK_M_TIERS, BatchInfoBuffers, LoRABatchInfo, max_chunks_for
 from ..kernel_support import interpreting
 from .segmented import SegmentedLoRABackend
 
@@ -45,12 +45,27 @@ class TritonLoRABackend(SegmentedLoRABackend):
             ws = self._workspaces[device] = _ops.FusedWorkspace(device)
         return ws
 
+    def _reserve_fused(self, buffers: BatchInfoBuffers) -> None:
+        """Size the fused kernel's workspace, at the first buffers of its row tile, for every launch
+        it can ever take: any site (the most modules and rank block) and the most chunks of the
+        tile's largest forward over ``max_loras_per_batch`` adapters. Sized for these buffers alone,
+        a later call with more chunks (an eager prefill of a few hundred tokens after the decode
+        buckets were captured) would grow it, and each grown-out buffer stays for the graphs that
+        captured it."""
+        tile, limit = BLOCK_M_TIERS[0]
+        if not (self.fused_decode and buffers.block_m <= tile):
+            return
+        most = max(buffers.max_chunks, max_chunks_for(limit, tile, max(self.max_loras_per_batch, buffers.max_loras)))
+        self._workspace(self.device).reserve(most, _ops.FUSED_MAX_MODULES, _ops.FUSED_MAX_BLOCK_R, tile)
+
     def new_graph_buffers(self, max_bs: int, max_tokens: int, *, max_slots: int = 0):
         buffers = super().new_graph_buffers(max_bs, max_tokens, max_slots=max_slots)
-        if self.fused_decode and buffers.block_m <= 16:
-            # sized for any site now, so that no capture has to allocate it
-            self._workspace(self.device).reserve(buffers.max_chunks, _ops.FUSED_MAX_MODULES,
-                                                 _ops.FUSED_MAX_BLOCK_R, buffers.block_m)
+        self._reserve_fused(buffers)  # now, so that no capture has to allocate it
+        return buffers
+
+    def _eager_buffers_for(self, bs: int, num_tokens: int, num_slots: int) -> BatchInfoBuffers:
+        buffers = super()._eager_buffers_for(bs, num_tokens, num_slots)
+        self._reserve_fused(buffers)
         return buffers
 
     def fused_timeouts(self) -> int:
