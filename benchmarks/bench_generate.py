@@ -438,7 +438,7 @@ def run_model(shape, batches, args, bw, vers, rows, kernel_rows=None):
                     round((split["gemm_us"] + split["attention_us"]) / 1e3 / floor, 3) if ks else "")
                 for r in ks or ():
                     kernel_rows.append(dict(model=rows[-1]["model"], batch=b, method=method, **r))
-    del peft_model, model
+    peft_model = model = None  # (the lambdas above close over both names: rebinding frees them too)
     gc.collect()
     if mem:
         mem.empty_cache()
