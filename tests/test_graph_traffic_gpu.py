@@ -271,7 +271,9 @@ def test_base_weight_given_new_storage_between_graphed_calls(pair):
 
 def test_memory_bounded_over_a_random_sequence(pair):
     """After a warm-up of every bucket and a first call of the largest shape (what a server does),
-    40 random calls hold no more memory in their second half than in their first."""
+    no later call of 40 random ones leaves more memory allocated than the first did (the fused
+    LoRA kernel's workspace included: sized once for every launch), and the second half reserves
+    no more than the first (the caching allocator keeps freed blocks)."""
     buckets = [1, 2, 4, 8, 16, 24, 32, 48]
     fastlora.patch(pair[0], graph_buckets=buckets)
     g = torch.Generator().manual_seed(60)
@@ -294,6 +296,6 @@ def test_memory_bounded_over_a_random_sequence(pair):
         stats = get_state(pair[0]).graph_runner.stats
     finally:
         fastlora.unpatch(pair[0])
-    assert max(allocated[20:]) <= max(allocated[:20]), allocated
+    assert max(allocated[1:]) <= allocated[0], allocated
     assert max(reserved[20:]) <= max(reserved[:20]), reserved
     assert stats["capture_failures"] == 0 and stats["captures"] == report.captures, stats
