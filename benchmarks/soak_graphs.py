@@ -9,7 +9,9 @@ server would do at its start and after changing its adapters, which drops the gr
 "memory after the change no higher than before it" tests that nothing accumulates, not the luck of
 the draw. (Without the second warm-up, the graphs are captured again as traffic needs them and
 PyTorch's caching allocator, emptied with the old graphs' pool, keeps one more block size for each
-new largest prefill: reserved memory grows in steps while allocated memory stays flat.)
+new largest prefill: reserved memory grows in steps while allocated memory stays flat.) The summary's
+``memory_bounded`` compares the reserved peaks after and before the change; ``allocated_flat`` asks
+that in each half no call leaves more allocated than its first call did.
 
 With --compare-peft (the tiny fp32 models), every greedy call is also run on an identical
 unpatched model and the tokens compared. Where they differ, the first differing step is looked up
@@ -230,6 +232,9 @@ def main(argv=None):
                    allocated_mib_before_max=peak(before, "allocated_mib"),
                    allocated_mib_after_max=peak(after, "allocated_mib"),
                    memory_bounded=bool(after) and peak(after, "reserved_mib") <= peak(before, "reserved_mib"),
+                   # each window's first call is its largest shape, after a warm-up: no later call
+                   # of the window may leave more allocated (the caching allocator's reserve aside)
+                   allocated_flat=all(peak(w, "allocated_mib") <= w[0]["allocated_mib"] for w in (before, after) if w),
                    seconds=round(time.perf_counter() - t_start, 1),
                    warmup_captures=warm.captures, warmup_s=round(warm.seconds, 2),
                    rewarm_captures=rewarm.captures if rewarm is not None else None)
