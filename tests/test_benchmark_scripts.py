@@ -1,6 +1,6 @@
 """The benchmark scripts' ``--smoke`` runs (tiny models on the CPU): a script broken by a change
-should fail here, not in a device call. They measure nothing; ``bench_generate.py --smoke`` is left
-out (it times every method of the real benchmark and takes minutes on the CPU)."""
+should fail here, not in a device call. They measure nothing; ``bench_generate.py --smoke`` runs its
+tiny shape only (its real shapes take minutes on the CPU)."""
 
 import os
 import subprocess
@@ -21,6 +21,18 @@ def _run(args, env_extra=None, torchrun=False):
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return run.stdout + run.stderr
+
+
+def test_bench_generate_smoke(tmp_path):
+    """Every method of the benchmark on the tiny shape, through the table it prints."""
+    out = _run([os.path.join(BENCH, "bench_generate.py"), "--smoke", "--models", "tiny", "--batches", "2",
+                "--new-tokens", "3", "--short-tokens", "2", "--reps", "1", "--out", str(tmp_path)],
+               env_extra={"TRITON_INTERPRET": "1"})
+    for method in ("hf_eager_base", "base_graphs", "peft_native", "fastlora_eager", "fastlora_graphs"):
+        assert f"llama-tiny | 2 | {method} |" in out, out[-3000:]
+    graphs = [line for line in out.splitlines() if line.startswith("llama-tiny | 2 | fastlora_graphs |")][0]
+    assert graphs.endswith("| 1.000"), graphs  # its greedy tokens are PEFT's
+    assert (tmp_path / "generate_h200.csv").exists()
 
 
 def test_bench_device_map_smoke():
