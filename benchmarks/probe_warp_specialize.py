@@ -5,8 +5,9 @@ Session 30 switched ``tma_gemm.WARP_SPECIALIZE`` on for a tile sweep and an 8B r
 (a hang or an endless compile, not told apart). So every measurement here runs in a child process
 with a timeout, and the parent records ``ok``, ``timeout`` or ``error`` for each:
 
-1. the smallest case first, with PDL on and off (PDL's wait before a specialized loop is one suspect),
-   one 8B q/k/v GEMM at 128 rows checked against ``F.linear``;
+1. the smallest case first: a textbook TMA matmul kernel (``_plain_kernel``: no PDL, no split-K, no
+   epilogue), then the library's kernel with PDL on and off (PDL's wait before a specialized loop is
+   one suspect), each one 8B q/k/v GEMM at 128 rows checked against ``F.linear``;
 2. then, per 8B site (by default folded, as the mixed step's ``[W; A]``) one child for cuBLAS and one
    each for the 4-warp tiles without and with specialization, each tile timed as
    ``probe_gemm_bound.py`` times (32 layers of distinct weights in one graph, each after an RMSNorm,
@@ -26,6 +27,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -36,6 +39,32 @@ from probe_stream_gemm import MODELS, sites_of  # noqa: E402
 # (block_n, block_k, num_warps, num_stages): 4-warp tiles (specialization leaves 8-warp ones as they are)
 TILES = [(128, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 6)]
 SPLITS = {"qkv": (1, 2), "o": (2, 4), "gate_up": (1,), "down": (2, 4)}
+
+
+@triton.jit
+def _plain_kernel(x_desc, w_desc, y_ptr, M, N, K, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr):
+    """A textbook TMA-fed ``x @ w.T`` (no PDL, no split, no epilogue): tells Triton's specialization
+    of a plain matmul loop apart from what ``tma_gemm`` adds around it."""
+    n0 = tl.program_id(0) * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
+        acc = tl.dot(x_desc.load([0, k]), tl.trans(w_desc.load([n0, k])), acc)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+def plain_gemm(x, w, out, bn, bk, warps, stages, ws):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_m = max(16, triton.next_power_of_2(x.shape[0]))
+    _plain_kernel[(triton.cdiv(w.shape[0], bn),)](
+        TensorDescriptor.from_tensor(x, [block_m, bk]), TensorDescriptor.from_tensor(w, [bn, bk]), out,
+        x.shape[0], w.shape[0], x.shape[1], out.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+        NUM_STAGES=stages, WARP_SPEC=ws and torch.cuda.is_available(), num_warps=warps)
+    return out
 
 
 def child(a):
@@ -68,8 +97,12 @@ def child(a):
             if device == "cpu":  # the interpreter: small tiles
                 bn, bk, stages = min(bn, 32), min(bk, 32), 2
             cfg = tma.TmaConfig(bn, bk, split, warps, stages)
-            gemm = lambda x_, w, o, cfg=cfg: tma.tma_gemm(x_, w, out=o, config=cfg, workspace=work,  # noqa: E731
-                                                           check=False)
+            if a.impl == "plain":
+                gemm = lambda x_, w, o, c=cfg: plain_gemm(x_, w, o, c.block_n, c.block_k, c.num_warps,  # noqa: E731
+                                                          c.num_stages, bool(a.ws))
+            else:
+                gemm = lambda x_, w, o, cfg=cfg: tma.tma_gemm(x_, w, out=o, config=cfg,  # noqa: E731
+                                                               workspace=work, check=False)
         t0 = time.perf_counter()
         got = gemm(x, ws[0], outs[0]).float()
         if device == "cuda":
@@ -122,7 +155,7 @@ def main(argv=None):
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--site", default="qkv", help=argparse.SUPPRESS)
     p.add_argument("--fold", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--impl", default="tma", choices=["tma", "cublas"], help=argparse.SUPPRESS)
+    p.add_argument("--impl", default="tma", choices=["tma", "plain", "cublas"], help=argparse.SUPPRESS)
     p.add_argument("--ws", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--pdl", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--tiles", nargs="+", default=["128x64x1x4x4"], help=argparse.SUPPRESS)
@@ -144,8 +177,9 @@ def main(argv=None):
         bg.write_out(rows, args.out)
         return new
 
-    # 1. does a specialized launch finish at all, with PDL and without
+    # 1. does a specialized launch finish at all: a textbook kernel, then the library's with PDL and without
     first = ["128x64x1x4x4"]
+    record(first, site="qkv", fold=0, impl="plain", ws=True, pdl=False)
     works = {pdl: record(first, site="qkv", fold=0, impl="tma", ws=True, pdl=pdl)[0]["status"] == "ok"
              for pdl in (True, False)}
     if args.smoke:
