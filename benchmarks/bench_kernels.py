@@ -87,8 +87,25 @@ def copy_bandwidth(timer: Timer) -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     us = timer(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None  # (the lambda above closes over both names: rebinding frees them too)
     return 2 * (1 << 30) / (us * 1e-6)
+
+
+def probe_versions() -> dict:
+    """The GPU and the torch and Triton versions a kernel probe's rows carry."""
+    import bench_generate as bg
+
+    return {k: v for k, v in bg.versions().items() if k in ("gpu", "torch", "triton")}
+
+
+def gpu_probe(name: str, iters: int):
+    """A kernel probe's start: its ``Timer``, the copy bandwidth (printed) and ``probe_versions``;
+    None, with a line saying so, where there is no CUDA GPU."""
+    if not torch.cuda.is_available():
+        print(f"{name} needs a CUDA GPU (or --smoke); nothing measured")
+        return None
+    timer, bw = timer_and_bandwidth(iters)
+    return timer, bw, probe_versions()
 
 
 def timer_and_bandwidth(iters: int):

@@ -122,13 +122,12 @@ def main(argv=None):
         torch.testing.assert_close(sums, w.sum(1), rtol=1e-4, atol=1e-4)
         print("smoke: sites", {s: sites[s] for s in args.sites}, "; the read-only kernel sums each weight row")
         return 0
-    if not torch.cuda.is_available():
-        print("probe_gemm_bound needs a CUDA GPU (or --smoke); nothing measured")
-        return 0
-    from bench_kernels import capture, timer_and_bandwidth
+    from bench_kernels import capture, gpu_probe
 
-    timer, bw = timer_and_bandwidth(args.iters)
-    vers = {k: v for k, v in bg.versions().items() if k in ("gpu", "torch", "triton")}
+    start = gpu_probe("probe_gemm_bound", args.iters)
+    if start is None:
+        return 0
+    timer, bw, vers = start
     rows = []
     sites = sites_of("8b", args.fold_rows)
     for site in args.sites:

@@ -217,13 +217,12 @@ def main(argv=None):
         assert choose({("deep", "cublas"): {a: 2.0, b: 1.0}, ("deep", TmaConfig()): {a: 1.5, b: 1.1}}) == {}
         print("smoke: every sweep tile equals x @ w.T (and the GLU tiles act(gate) * up); a class keeps only a tile that beat cuBLAS everywhere")
         return 0
-    if not torch.cuda.is_available():
-        print("probe_tma_gemm needs a CUDA GPU (or --smoke); nothing measured")
-        return 0
-    from bench_kernels import capture, timer_and_bandwidth
+    from bench_kernels import capture, gpu_probe
 
-    timer, bw = timer_and_bandwidth(args.iters)
-    vers = {k: v for k, v in bg.versions().items() if k in ("gpu", "torch", "triton")}
+    start = gpu_probe("probe_tma_gemm", args.iters)
+    if start is None:
+        return 0
+    timer, bw, vers = start
     rows, results = gemm_sweep(args, timer, bw, capture, vers)
     if args.glu:
         rows += glu_sweep(args, timer, bw, capture, vers, results)

@@ -163,8 +163,9 @@ def main(argv=None):
     if args.child:
         child(args)
         return 0
-    vers = {k: v for k, v in bg.versions().items() if k in ("gpu", "torch", "triton")} if torch.cuda.is_available() \
-        else {"gpu": "cpu (smoke)"}
+    from bench_kernels import probe_versions
+
+    vers = probe_versions() if torch.cuda.is_available() else {"gpu": "cpu (smoke)"}
     rows = []
 
     def record(tiles, **kw):
