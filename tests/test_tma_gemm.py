@@ -89,3 +89,91 @@ def test_alignment_and_shared_memory_helpers():
 def test_bad_inputs_name_the_problem(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()
+
+
+def _tail_case(m, k, n, ranks, dtype, glu, seed=0):
+    """Slots of ``ranks`` packed back to back (then padding to a multiple of 8 columns), each row of
+    a random slot or none (-1); A (per slot, per gate/up with ``glu``) and B drawn alike. Returns x,
+    w, the tail and the per-row oracle's deltas (float32, (m, w's rows)): row by row, its own slot's
+    ``(x A.T * scale) B.T``, as PEFT's LoRA layer computes it."""
+    from peft_fastlora.ops.tma_gemm import LoraTail
+
+    g = torch.Generator().manual_seed(seed)
+    parts = 2 if glu else 1
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(parts * n, k, generator=g) / k ** 0.5).to(dtype)
+    t = -(-sum(ranks) // 8) * 8
+    col_slot = torch.full((t,), -2, dtype=torch.int32)
+    scale = torch.zeros(t)
+    a = torch.zeros(parts, t, k, dtype=dtype)
+    b = torch.zeros(parts * n, t, dtype=dtype)
+    c = 0
+    for slot, r in enumerate(ranks):
+        col_slot[c:c + r], scale[c:c + r] = slot, 0.25 * (1 + slot)
+        a[:, c:c + r] = (torch.randn(parts, r, k, generator=g) / k ** 0.5).to(dtype)
+        b[:, c:c + r] = (torch.randn(parts * n, r, generator=g) * 0.5 / r ** 0.5).to(dtype)
+        c += r
+    row_slot = torch.randint(-1, len(ranks), (m,), generator=g, dtype=torch.int32)
+    s = torch.cat([(x.float() @ a[p].float().T).to(dtype) for p in range(parts)], dim=1)
+    tail = LoraTail(s, b, row_slot, col_slot, scale)
+    want = torch.zeros(m, parts * n)
+    for i, slot in enumerate(row_slot.tolist()):
+        if slot >= 0:
+            cols = col_slot == slot
+            for p in range(parts):
+                sp = s[i, p * t:(p + 1) * t][cols].float() * scale[cols]
+                want[i, p * n:(p + 1) * n] = sp.to(dtype).float() @ b[p * n:(p + 1) * n][:, cols].float().T
+    return x, w, tail, want
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}s{c.split_k}")
+@pytest.mark.parametrize("m,ranks", [(70, [16, 8, 24]), (5, [16]), (130, [4, 64, 1, 16])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_tail_adds_each_rows_own_slot(config, m, ranks, dtype):
+    """``tail``: each row gets its own slot's delta and no other's (rows of no adapter none), mixed
+    and odd ranks, padding columns, more tail columns than one block_k (ranks 4+64+1+16 = 85), a
+    second row block (130), split-K (the first range adds it), with a bias: against the per-row
+    oracle through the float32 reference, and the reference against the oracle."""
+    from peft_fastlora.ops.tma_gemm import lora_tail_reference
+
+    x, w, tail, want = _tail_case(m, 48, 40, ranks, dtype, glu=False)
+    bias = torch.randn(40).to(dtype)
+    out = tma_gemm(x, w, bias, config=config, workspace=_ws(m, 40), tail=tail)
+    ref = lora_tail_reference(x, w, bias, tail)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(ref.float(), (stream_gemm_reference(x, w, bias).float() + want).to(dtype).float(),
+                               atol=atol, rtol=rtol)
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+    assert (want[tail.row_slot < 0] == 0).all() and (want[tail.row_slot >= 0].abs().sum(1) > 0).all()
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("m,ranks", [(70, [16, 8, 24]), (3, [32, 16])])
+def test_lora_tail_before_the_gated_activation(act, m, ranks):
+    """``glu`` with ``tail``: gate's delta from the first T shrink columns and gate's B rows, up's
+    from the next T and up's rows, both before the activation. The gated output is the bits of the
+    plain tailed GEMM's through ``act_mul`` (as ``glu_case``: the composite against torch would need
+    a tolerance as wide as the activation's slope makes one ulp), and that GEMM the oracle's."""
+    from peft_fastlora.ops.silu_mul import act_mul
+
+    x, w, tail, want = _tail_case(m, 64, 24, ranks, torch.bfloat16, glu=True, seed=1)
+    cfg = TmaConfig(16, 32, 1, 4, 2)
+    out = tma_gemm(x, w, config=cfg, tail=tail, glu=act)
+    t = tail.b.shape[1]
+    gate = tma_gemm(x, w[:24], config=cfg, tail=tail._replace(s=tail.s[:, :t], b=tail.b[:24]))
+    up = tma_gemm(x, w[24:], config=cfg, tail=tail._replace(s=tail.s[:, t:], b=tail.b[24:]))
+    both = torch.cat([gate, up], dim=1)
+    torch.testing.assert_close(out.float(), act_mul(both[:, :24], both[:, 24:], act).float(), atol=0, rtol=0)
+    atol, rtol = TOL[torch.bfloat16]
+    torch.testing.assert_close(both.float(), (x.float() @ w.float().T + want).to(torch.bfloat16).float(),
+                               atol=atol, rtol=rtol)
+
+
+def test_lora_tail_bad_inputs_name_the_part():
+    x, w, tail, _ = _tail_case(4, 32, 16, [8], torch.float32, glu=False)
+    with pytest.raises(ValueError, match="tail.row_slot"):
+        tma_gemm(x, w, tail=tail._replace(row_slot=tail.row_slot.long()))
+    with pytest.raises(ValueError, match="tail.s"):  # glu wants gate's and up's shrink columns
+        tma_gemm(x, torch.cat([w, w]), tail=tail._replace(b=torch.cat([tail.b, tail.b])), glu="silu")
+    with pytest.raises(ValueError, match="tail.col_scale"):
+        tma_gemm(x, w, tail=tail._replace(col_scale=tail.col_scale[:-1]))
