@@ -89,34 +89,3 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
     start while the norm runs and wait before their first load) the outputs equal launches with PDL
     off."""
     pdl_chain_equals_plain(monkeypatch, tma_gemm, [CONFIGS[0], CONFIGS[3]], rows=96)
-
-
-@pytest.mark.parametrize("glu", [True, False])
-@pytest.mark.parametrize("m,ranks", [(128, [16] * 8), (96, [8, 64, 16, 32]), (65, [4, 16, 1])])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_lora_tail_at_the_gate_up_width(glu, m, ranks, dtype):
-    """The LoRA tail (``LoraTail``) on the 8B gate/up (gated, the base model's tile) or o (split 2,
-    4 warps) at 65-128 rows: mixed and odd ranks, rows of no adapter, against the per-row oracle (each
-    row's own slot, as PEFT computes it); the gated output the bits of the plain tailed GEMM's through
-    ``act_mul``."""
-    from test_tma_gemm import _tail_case
-
-    k, n = (4096, 14336) if glu else (4096, 4096)
-    torch.manual_seed(0)
-    x, w, tail, want = _tail_case(m, k, n, ranks, dtype, glu=glu)
-    x, w, want = x.cuda(), w.cuda(), want.cuda()
-    tail = type(tail)(*(v.cuda() for v in tail))
-    atol, rtol = TOL[dtype]
-    work = StreamWorkspace("cuda", 4 * m * 2 * n, 2 * n)
-    if glu:
-        cfg = TmaConfig(128, 64, 1, 8, 4 if dtype != torch.float32 else 2)  # float32: 4 stages overflow shared memory
-        t = tail.b.shape[1]
-        gate = tma_gemm(x, w[:n], config=cfg, tail=tail._replace(s=tail.s[:, :t], b=tail.b[:n]))
-        up = tma_gemm(x, w[n:], config=cfg, tail=tail._replace(s=tail.s[:, t:], b=tail.b[n:]))
-        out = tma_gemm(x, w, config=cfg, tail=tail, glu="silu")
-        torch.testing.assert_close(out, act_mul(gate, up, "silu"), atol=0, rtol=0)
-        got = torch.cat([gate, up], dim=1)
-    else:
-        got = tma_gemm(x, w, config=TmaConfig(64, 128, 2, 4, 4 if dtype != torch.float32 else 2), workspace=work,
-                       tail=tail)
-    torch.testing.assert_close(got.float(), (x.float() @ w.float().T + want).to(dtype).float(), atol=atol, rtol=rtol)

@@ -346,20 +346,16 @@ def stream_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
 
 
 def stream_gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                          add: Optional[torch.Tensor] = None, glu: Optional[str] = None,
-                          extra: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """float32 ``x @ w.T (+ extra) + bias (+ add on the first columns)``, rounded once to x's dtype;
-    with ``glu``, torch's ``act(gate) * up`` of those (``ops.silu_mul.act_mul_reference``). ``extra``:
-    float32, one column per row of ``w`` (``ops.tma_gemm``'s LoRA tail)."""
+                          add: Optional[torch.Tensor] = None, glu: Optional[str] = None) -> torch.Tensor:
+    """float32 ``x @ w.T + bias (+ add on the first columns)``, rounded once to x's dtype; with
+    ``glu``, torch's ``act(gate) * up`` of those (``ops.silu_mul.act_mul_reference``)."""
     if glu is not None:
         from .silu_mul import act_mul_reference
 
-        both = stream_gemm_reference(x, w, bias, extra=extra)
+        both = stream_gemm_reference(x, w, bias)
         n = both.shape[1] // 2
         return act_mul_reference(both[:, :n], both[:, n:], glu)
     y = x.float() @ w.float().T
-    if extra is not None:
-        y = y + extra
     if bias is not None:
         y = y + bias.float()
     if add is not None:

@@ -15,12 +15,6 @@ write float32 partials to the caller's ``StreamWorkspace`` and the last range of
 take its ticket (acquire-release) sums them in range order, adds the epilogue, stores, and puts the
 ticket back to zero; ``add`` is a residual on the first columns, added before the one rounding;
 ``glu`` computes a fused [gate; up] weight's ``act(gate) * up`` in ``ops.silu_mul``'s roundings.
-
-*LoRA tail* (``LoraTail``): the expand of a mixed-adapter batch as more reduction columns after K.
-The shrink of every slot's A rows (``s``, one column per A row) times those rows' B columns, each
-row keeping only its own slot's columns, scaled: the delta lands in the float32 accumulator before
-the epilogue, so a gated [gate; up] GEMM applies its activation to base + LoRA in one launch (no
-pre-activation output written, no expand or act-mul launch after it).
 The caller picks the tiles per shape (``base_ops.stream_linears``, from
 ``benchmarks/probe_tma_gemm.py``).
 
@@ -50,58 +44,19 @@ MAX_ROWS = _stream.MAX_ROWS  # rows one program covers (split_plan's blocks); mo
 WARP_SPECIALIZE = False
 
 
-class LoraTail(NamedTuple):
-    """The LoRA expand as reduction columns after K (``tma_gemm(tail=)``). ``T`` shrink columns,
-    one per A row of every slot (any packing, any ranks; a multiple of 8 for the descriptors):
-
-    - ``s``: (M, T), or (M, 2T) with ``glu`` (gate's T columns, then up's), in x's dtype: the shrink
-      ``x @ A.T`` of every slot, unscaled;
-    - ``b``: (w's rows, T), x's dtype: ``b[n, c]`` is output row n's B entry for shrink column c
-      (with ``glu``: gate's rows, then up's);
-    - ``row_slot``: (M,) int32, each row's slot, -1 for a row of no adapter;
-    - ``col_slot``: (T,) int32, each column's slot (-2 for a padding column);
-    - ``col_scale``: (T,) float32, each column's slot's scaling.
-    Row m adds ``sum_c s[m, c] * col_scale[c] * b[n, c]`` over the columns of its own slot.
-    """
-
-    s: torch.Tensor
-    b: torch.Tensor
-    row_slot: torch.Tensor
-    col_slot: torch.Tensor
-    col_scale: torch.Tensor
-
-
-@triton.jit
-def _tail_dot(xt_desc, bt_desc, m0, s_col, n_row, t, row_slot, col_slot_ptr, col_scale_ptr, T, acc,
-              BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc`` plus one BLOCK_K block of the tail: the shrink columns ``s_col + t ..`` masked to each
-    row's slot and scaled, times B's columns ``t ..`` of output rows ``n_row ..``."""
-    offs_t = t + tl.arange(0, BLOCK_K)
-    t_ok = offs_t < T  # past T: padding, or (gate's block) up's columns: never kept
-    cs = tl.load(col_slot_ptr + offs_t, mask=t_ok, other=-2)
-    sc = tl.load(col_scale_ptr + offs_t, mask=t_ok, other=0.0)
-    keep = (row_slot[:, None] == cs[None, :]) & (row_slot[:, None] >= 0)
-    s = xt_desc.load([m0, s_col + t])
-    s = (s.to(tl.float32) * tl.where(keep, sc[None, :], 0.0)).to(s.dtype)
-    return _tile_dot(s, bt_desc.load([n_row, t]), acc, UPCAST)
-
-
 @triton.jit
 def _tma_gemm_kernel(
     # tensor descriptors: x (M, K) in (BLOCK_M, BLOCK_K) tiles, w (N or 2N with GLU, K) in (BLOCK_N, BLOCK_K)
     x_desc, w_desc,
-    # the LoRA tail (``LoraTail``; read with HAS_TAIL): s (M, T or 2T) and b (N or 2N, T) descriptors
-    xt_desc, bt_desc,
     # pointers
-    bias_ptr, add_ptr, y_ptr, part_ptr, ticket_ptr, row_slot_ptr, col_slot_ptr, col_scale_ptr,
-    # dimensions (N: output columns; N_ADD: the first ones ``add`` covers; T: the tail's columns)
-    M, N, K, K_PER_SPLIT, N_ADD, T,
+    bias_ptr, add_ptr, y_ptr, part_ptr, ticket_ptr,
+    # dimensions (N: output columns; N_ADD: the first ones ``add`` covers)
+    M, N, K, K_PER_SPLIT, N_ADD,
     # strides (unit stride on N for y and add)
     stride_ym, stride_am,
     # meta-parameters
     HAS_BIAS: tl.constexpr,
     HAS_ADD: tl.constexpr,
-    HAS_TAIL: tl.constexpr,
     GLU: tl.constexpr,  # 0: x @ w.T; 1 / 2: silu / gelu_tanh(x @ gate.T) * (x @ up.T), w = [gate; up]
     LIBDEVICE: tl.constexpr,  # GELU-tanh's tanh from libdevice (not under the interpreter)
     SPLIT_K: tl.constexpr,
@@ -130,15 +85,6 @@ def _tma_gemm_kernel(
         if GLU:
             acc_up = _tile_dot(x, w_desc.load([N + n0, k]), acc_up, UPCAST)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    if HAS_TAIL:
-        if pid_k == 0:  # one range adds it; the split-K sum carries it to the others' partials
-            row_slot = tl.load(row_slot_ptr + offs_m, mask=offs_m < M, other=-1)
-            for t in range(0, T, BLOCK_K):
-                acc = _tail_dot(xt_desc, bt_desc, m0, 0, n0, t, row_slot, col_slot_ptr, col_scale_ptr, T, acc,
-                                BLOCK_K, UPCAST)
-                if GLU:
-                    acc_up = _tail_dot(xt_desc, bt_desc, m0, T, N + n0, t, row_slot, col_slot_ptr, col_scale_ptr,
-                                       T, acc_up, BLOCK_K, UPCAST)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
@@ -175,11 +121,9 @@ def tma_aligned(t: torch.Tensor) -> bool:
 def tma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
              out: Optional[torch.Tensor] = None, config: TmaConfig = TmaConfig(),
              workspace: Optional[StreamWorkspace] = None, check: bool = True,
-             add: Optional[torch.Tensor] = None, glu: Optional[str] = None,
-             tail: Optional[LoraTail] = None) -> torch.Tensor:
+             add: Optional[torch.Tensor] = None, glu: Optional[str] = None) -> torch.Tensor:
     """``x @ w.T + bias`` (``F.linear``) through the TMA-fed kernel, plus ``add`` on the first
-    columns when given, plus each row's LoRA delta when ``tail`` is given. The arguments are
-    ``ops.stream_gemm.stream_gemm``'s:
+    columns when given. The arguments are ``ops.stream_gemm.stream_gemm``'s:
 
     Args:
         x: (M, K), unit stride on K, 16-byte aligned start and row stride (``tma_aligned``).
@@ -193,8 +137,6 @@ def tma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = No
         glu: optional activation of ``ops.silu_mul.ACTIVATIONS``: ``w`` (and ``bias``) stack gate's
             rows over up's, and the output is ``act(x @ gate.T) * (x @ up.T)``, (M, N / 2). One K
             range, no ``add``.
-        tail: optional ``LoraTail``: each row's LoRA delta added to the accumulator (before ``glu``'s
-            activation, the bias and ``add``).
     """
     if check:
         check_operands(x, w, bias)
@@ -204,65 +146,22 @@ def tma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = No
             raise ValueError(f"config {config}: block_k a multiple of 16, block_n >= 16, split_k and stages >= 1")
     out, m, n, k = checked_output(x, w, out, add, glu, check, glu_takes=config.split_k == 1,
                                   glu_needs="split_k 1 and no add")
-    if check and tail is not None:
-        check_tail(x, w, tail, glu)
     if m == 0 or n == 0:
         return out
     if k == 0:  # nothing for a descriptor to read
-        return out.copy_(lora_tail_reference(x, w, bias, tail, add=add, glu=glu))
+        return out.copy_(stream_gemm_reference(x, w, bias, add=add, glu=glu))
     block_m, k_per, split, grid, part, ticket = split_plan(config, m, n, k, workspace, out)
     x_desc = TensorDescriptor.from_tensor(x, [block_m, config.block_k])
     w_desc = TensorDescriptor.from_tensor(w, [config.block_n, config.block_k])
-    if tail is not None:
-        t = tail.b.shape[1]
-        xt_desc = TensorDescriptor.from_tensor(tail.s, [block_m, config.block_k])
-        bt_desc = TensorDescriptor.from_tensor(tail.b, [config.block_n, config.block_k])
-        tail_ptrs = (tail.row_slot, tail.col_slot, tail.col_scale)
-    else:
-        t, xt_desc, bt_desc, tail_ptrs = 0, x_desc, w_desc, (w, w, w)  # not read
     use_pdl = pdl.mode(x)
     _tma_gemm_kernel[grid](
-        x_desc, w_desc, xt_desc, bt_desc,
-        bias if bias is not None else w, add if add is not None else w, out, part, ticket, *tail_ptrs,
-        m, n, k, k_per, add.shape[1] if add is not None else 0, t,
+        x_desc, w_desc, bias if bias is not None else w, add if add is not None else w, out, part, ticket,
+        m, n, k, k_per, add.shape[1] if add is not None else 0,
         out.stride(0), add.stride(0) if add is not None else 0,
-        HAS_BIAS=bias is not None, HAS_ADD=add is not None, HAS_TAIL=tail is not None,
-        GLU=0 if glu is None else 1 + ACTIVATIONS.index(glu),
+        HAS_BIAS=bias is not None, HAS_ADD=add is not None, GLU=0 if glu is None else 1 + ACTIVATIONS.index(glu),
         LIBDEVICE=not interpreting(), SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
         UPCAST=x.dtype == torch.float32 or interpreting(), USE_PDL=use_pdl,
         WARP_SPEC=WARP_SPECIALIZE and not interpreting(),
         num_warps=config.num_warps, launch_pdl=use_pdl > 0)
     return out
-
-
-def check_tail(x: torch.Tensor, w: torch.Tensor, tail: LoraTail, glu: Optional[str]):
-    """A ``LoraTail``'s shapes, dtypes and alignment against x (M, K) and w, or a ValueError naming
-    the part that is wrong."""
-    m, t = x.shape[0], tail.b.shape[1] if tail.b.dim() == 2 else -1
-    want = {"s": ((m, 2 * t if glu else t), x.dtype), "b": ((w.shape[0], t), x.dtype),
-            "row_slot": ((m,), torch.int32), "col_slot": ((t,), torch.int32), "col_scale": ((t,), torch.float32)}
-    for name, (shape, dtype) in want.items():
-        v = getattr(tail, name)
-        if tuple(v.shape) != shape or v.dtype != dtype or v.device != x.device:
-            raise ValueError(f"tail.{name} {tuple(v.shape)} {v.dtype} on {v.device}: expected {shape} {dtype} "
-                             f"on {x.device}")
-    if t < 1 or not (tma_aligned(tail.s) and tma_aligned(tail.b)):
-        raise ValueError("tail.s and tail.b need at least one column, unit stride on it and 16-byte aligned "
-                         "starts and row strides")
-
-
-def lora_tail_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], tail: Optional[LoraTail],
-                        add: Optional[torch.Tensor] = None, glu: Optional[str] = None) -> torch.Tensor:
-    """``tma_gemm`` in float32 torch ops: the base GEMM plus each row's tail (its own slot's shrink
-    columns, scaled, rounded to x's dtype as the kernel feeds them to the tensor cores, times B), then
-    bias, ``add`` or ``act(gate) * up`` as ``stream_gemm_reference`` (one rounding at the end)."""
-    if tail is None:
-        return stream_gemm_reference(x, w, bias, add=add, glu=glu)
-    t = tail.b.shape[1]
-    keep = (tail.row_slot[:, None] == tail.col_slot[None, :]) & (tail.row_slot[:, None] >= 0)
-    scale = torch.where(keep, tail.col_scale[None, :], 0.0)
-    parts = [tail.s[:, :t]] + ([tail.s[:, t:]] if glu else [])
-    deltas = [(p.float() * scale).to(x.dtype).float() @ b.float().T
-              for p, b in zip(parts, tail.b.chunk(len(parts)))]
-    return stream_gemm_reference(x, w, bias, add=add, glu=glu, extra=torch.cat(deltas, dim=1))
