@@ -39,8 +39,9 @@ from .stream_gemm import (StreamWorkspace, _tile_dot, check_operands, checked_ou
 
 MAX_ROWS = _stream.MAX_ROWS  # rows one program covers (split_plan's blocks); more take more row blocks
 # Triton's warp specialization of the K loop (on Hopper a 4-warp tile becomes a TMA-load warp group
-# and two wgmma ones; 8-warp tiles compile as without it). Off: on the H200 it did not finish
-# (session 30); ``benchmarks/probe_warp_specialize.py`` tries it in child processes with a timeout.
+# and two wgmma ones; 8-warp tiles compile as without it). Off: with Triton 3.6 on the H200 no
+# specialized launch finished, not even a textbook TMA matmul's (``benchmarks/probe_warp_specialize.py``
+# runs them in child processes with a timeout; NOTES sessions 30-31). Kept for a later Triton.
 WARP_SPECIALIZE = False
 
 
