@@ -62,6 +62,14 @@ def test_probe_tma_gemm_smoke(tmp_path):
     assert "every sweep tile equals x @ w.T" in out
 
 
+def test_probe_rotary_lora_smoke():
+    """The probe's kernel (the q/k/v expand inside the rotary and KV write) gives the library's two
+    launches' q and cache, and the LoRA delta it checks is there."""
+    out = _run([os.path.join(BENCH, "probe_rotary_lora.py"), "--smoke", "--out", os.devnull],
+               env_extra={"TRITON_INTERPRET": "1"})
+    assert "smoke: every variant ran and matched the library's launches" in out, out[-2000:]
+
+
 def test_probe_gemm_bound_smoke():
     out = _run([os.path.join(BENCH, "probe_gemm_bound.py"), "--smoke", "--fold-rows", "128"],
                env_extra={"TRITON_INTERPRET": "1"})
