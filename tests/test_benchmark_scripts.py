@@ -70,6 +70,12 @@ def test_probe_rotary_lora_smoke():
     assert "smoke: every variant ran and matched the library's launches" in out, out[-2000:]
 
 
+def test_probe_glu_kext_smoke():
+    out = _run([os.path.join(BENCH, "probe_glu_kext.py"), "--smoke", "--out", os.devnull],
+               env_extra={"TRITON_INTERPRET": "1"})
+    assert "smoke: every variant ran and equals the reference" in out, out[-2000:]
+
+
 def test_probe_gemm_bound_smoke():
     out = _run([os.path.join(BENCH, "probe_gemm_bound.py"), "--smoke", "--fold-rows", "128"],
                env_extra={"TRITON_INTERPRET": "1"})
