@@ -76,6 +76,14 @@ def test_probe_glu_kext_smoke():
     assert "smoke: every variant ran and equals the reference" in out, out[-2000:]
 
 
+def test_probe_glu_hidden_shrink_smoke():
+    """The one-launch gate/up (the shrink in extra programs, the tiles waiting on them for their tail)
+    equals float32 math on the same operands, as the library's launches do, and puts its counters back."""
+    out = _run([os.path.join(BENCH, "probe_glu_hidden_shrink.py"), "--smoke", "--out", os.devnull],
+               env_extra={"TRITON_INTERPRET": "1"})
+    assert "smoke: every variant ran and matched the library's launches" in out, out[-2000:]
+
+
 def test_probe_gemm_bound_smoke():
     out = _run([os.path.join(BENCH, "probe_gemm_bound.py"), "--smoke", "--fold-rows", "128"],
                env_extra={"TRITON_INTERPRET": "1"})
