@@ -150,7 +150,6 @@ def capture(fn) -> torch.cuda.CUDAGraph:
 
 def launch_floor(timer: Timer, n_launches: int) -> float:
     import triton
-    import triton.language as tl
 
     @triton.jit
     def _empty(ptr):

@@ -45,7 +45,7 @@ def main(argv=None):
                 ws = [torch.randn(n + tail, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5 for _ in range(LAYERS)]
                 g = capture(lambda: [F.linear(x, w) for w in ws])
                 us = timer(g.replay) / LAYERS
-                del g, ws
+                g = ws = None  # rebound, not deleted: the lambda above names ws
                 torch.cuda.empty_cache()
                 base_us = us if base_us is None else base_us
                 extra = us - base_us
