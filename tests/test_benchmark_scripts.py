@@ -1,10 +1,18 @@
 """The benchmark scripts' ``--smoke`` runs (tiny models on the CPU): a script broken by a change
 should fail here, not in a device call. They measure nothing; ``bench_generate.py --smoke`` runs its
-tiny shape only (its real shapes take minutes on the CPU)."""
+tiny shape only (its real shapes take minutes on the CPU). Each script runs in a child forked by
+``_script_runner.py``, which imports the heavy packages once per test process (a fresh ``python``
+a script spent several seconds on imports alone); torchrun's scripts keep their own processes."""
 
+import atexit
+import json
 import os
+import queue
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 
 import pytest
 
@@ -12,15 +20,76 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 
 
-def _run(args, env_extra=None, torchrun=False):
+class _Runner:
+    """This test process's ``_script_runner.py`` (started at its first script): the scripts run in
+    children it forks after importing the heavy packages once."""
+
+    proc = None
+    lines: "queue.Queue" = None
+
+    @classmethod
+    def get(cls, env):
+        if cls.proc is None or cls.proc.poll() is not None:
+            cls.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "_script_runner.py")],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+            cls.lines = queue.Queue()
+            threading.Thread(target=cls._pump, args=(cls.proc.stdout, cls.lines), daemon=True).start()
+            atexit.register(cls.proc.stdin.close)
+        return cls.proc
+
+    @staticmethod
+    def _pump(out, lines):
+        for line in out:
+            lines.put(line)
+
+    @classmethod
+    def reply(cls, timeout):
+        line = cls.lines.get(timeout=timeout)
+        return json.loads(line)
+
+
+def _run(args, env_extra=None, torchrun=False, timeout=300):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                PYTHONHASHSEED="0", **(env_extra or {}))
-    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-                              if torchrun else []) + args
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    return run.stdout + run.stderr
+    if torchrun or not hasattr(os, "fork"):
+        cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+                                  if torchrun else []) + args
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+        return run.stdout + run.stderr
+    proc = _Runner.get(env)
+    with tempfile.NamedTemporaryFile("r", suffix=".log") as out:
+        proc.stdin.write(json.dumps(dict(argv=args, env=env, cwd=ROOT, out=out.name)) + "\n")
+        proc.stdin.flush()
+        pid = _Runner.reply(60)["pid"]
+        try:
+            rc = _Runner.reply(timeout)["rc"]
+        except queue.Empty:
+            os.kill(pid, signal.SIGKILL)
+            _Runner.reply(60)
+            pytest.fail(f"{args[0]} ran past {timeout} s:\n" + out.read()[-6000:])
+        text = out.read()
+    assert rc == 0, text[-6000:]
+    return text
+
+
+def test_scripts_run_in_forked_children_and_their_failures_show(tmp_path):
+    """``_run``'s forked children: a script's output comes back, a raised error or a non-zero exit
+    fails the caller with the script's output, and each child starts from the runner's state (a
+    module global one script sets is not there for the next)."""
+    ok = tmp_path / "ok.py"
+    ok.write_text("import peft_fastlora.ops.pdl as pdl\nprint('setting', pdl.SETTING)\npdl.SETTING = 'changed'\n")
+    first, second = _run([str(ok)]), _run([str(ok)])
+    assert "setting" in first and first == second and "changed" not in second
+    raises = tmp_path / "raises.py"
+    raises.write_text("print('before')\nraise ValueError('boom')\n")
+    with pytest.raises(AssertionError, match="boom"):
+        _run([str(raises)])
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\nprint('exit three')\nsys.exit(3)\n")
+    with pytest.raises(AssertionError, match="exit three"):
+        _run([str(exits)])
 
 
 def test_bench_generate_smoke(tmp_path):
