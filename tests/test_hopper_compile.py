@@ -24,6 +24,7 @@ KERNEL_TESTS = [
     "tests/test_stream_gemm.py::test_matches_reference", "tests/test_stream_gemm.py::test_glu_equals_gemm_then_act_mul",
     "tests/test_stream_gemm.py::test_add_on_the_first_columns", "tests/test_tma_gemm.py",
     "tests/test_segment_copy.py", "tests/test_greedy_select.py",
+    "tests/test_glu_lora.py::test_matches_reference[70-33-64-dtype1]",
 ]
 
 
