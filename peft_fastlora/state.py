@@ -20,7 +20,7 @@ from torch import nn
 from . import _compat
 from ._compat import LoraEmbedding, LoraLinear, base_layer_of, is_conv1d, is_lora_layer, linear_in_out
 from .backend import get_backend, resolve_backend_name
-from .base_ops import BaseOps, install_base_ops
+from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_ops
 from .batch import ForwardBatch, TokenSegments
 from .lora.fusion import FOLD_MIN_USE, FusedGroup, find_groups, fusion_blocker
 from .lora.host_copy import copy_from_host, prestage
@@ -251,13 +251,20 @@ class FastLoRAState:
         Continuous-batching forwards keep cuBLAS: the streaming GEMM was measured in ``generate``'s
         decode steps only."""
         gemm = self.base_ops.gemm
-        if self.base_ops.stream is not None:
-            self.base_ops.stream.skip = lambda: self.token_segments is not None
+        stream = self.base_ops.stream
+        if stream is not None:
+            stream.skip = lambda: self.token_segments is not None
+            stream.clear_gated_lora()
         for g in self.groups:
             g.gemm = gemm
         for site in self.sites:
             if site.pool.fold is not None:
                 site.pool.fold.gemm = gemm
+            mlp = getattr(site, "parent", None)
+            if (stream is not None and stream.lora_gated_on() and site.kind == "gate_up" and site.pool.column_slots
+                    and mlp is not None and has_gated_forward(mlp)):
+                # 65-128 rows: gate/up, both deltas and the activation in one launch (ops.glu_lora)
+                stream.fold_gated_lora(mlp, site.gated(self, mlp, stream, activation_kind(mlp.act_fn)))
 
     def _report_base_ops(self, report: PatchReport):
         ops = self.base_ops
@@ -271,6 +278,7 @@ class FastLoRAState:
         report.stream_gemm_layers = ops.count("stream_gemm")
         if ops.stream is not None:
             report.stream_residual_layers, report.stream_gated_mlps = ops.stream.residual_layers, ops.stream.gated_mlps
+            report.stream_lora_gated_mlps = ops.stream.lora_gated_mlps
         if self.continuous is not None:
             why = self.continuous.blocker
             if why is not None:
@@ -331,8 +339,11 @@ class FastLoRAState:
                                 g.in_features)
                 if fold_off is None:  # (under TP: each rank's shards, column-sharded alike)
                     pool.fold = g
+                    # its tables keep each arena row's slot: a gated MLP may take ops.glu_lora
+                    pool.column_slots = g.kind == "gate_up"
                 site_name = f"{g.parent_name}.{g.kind}" if g.parent_name else g.kind
-                self.sites.append(FusedSite(site_name, g, pool))
+                parent = model.get_submodule(g.parent_name) if g.parent_name else model
+                self.sites.append(FusedSite(site_name, g, pool, parent))
                 served |= {id(m) for m in g.members}
         declared = _compat.declared_tp_plans(model)
         for name, m in lora_layers:

@@ -289,12 +289,12 @@ def test_row_arena_first_fit_and_compaction():
 
 def test_compaction_under_slot_traffic_equals_peft(monkeypatch):
     """Slots swapped among adapters of ranks 2-16 fragment the arenas until a block only fits
-    after compaction; the blocks that moved are moved on the device, and every call still
-    equals PEFT."""
+    after compaction; the blocks that moved are moved on the device, every call still equals
+    PEFT, and the gate/up sites' table of each arena row's slot follows the blocks."""
     from peft_fastlora.lora import arena as arena_module
 
     m, ref = _pair()
-    fastlora.patch(m, max_loras_per_batch=2)
+    fastlora.patch(m, max_loras_per_batch=2, fold_shrink=True)  # (folded sites keep each arena row's slot)
     compactions, alloc = [], arena_module.RowArena.alloc
 
     def counted(self, slot, rows):
@@ -304,9 +304,18 @@ def test_compaction_under_slot_traffic_equals_peft(monkeypatch):
 
     monkeypatch.setattr(arena_module.RowArena, "alloc", counted)
     rng = random.Random(4)
+    gate_up = [site.pool for site in get_state(m).sites if site.pool.column_slots]
+    assert gate_up
     for call in range(60):
         used = rng.sample(NAMES, 2)
         _same(m, ref, used + [rng.choice(used + ["__base__"]) for _ in range(2)], seed=call)
+        for pool in gate_up:  # ops.glu_lora's table: each arena row's slot follows the blocks
+            want = torch.full_like(pool.col_slot, -1)
+            for (slot, j), rank in zip(torch.cartesian_prod(torch.arange(2), torch.arange(2)).tolist(),
+                                       pool.ranks.flatten().tolist()):
+                row = int(pool.packed.a_rows[slot, j])
+                want[row: row + rank] = slot
+            assert torch.equal(pool.col_slot, want), call
     assert sum(1 for n in compactions if n) >= 2, compactions  # this seed compacts twice
 
 

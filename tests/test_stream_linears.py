@@ -508,3 +508,60 @@ def test_a_folded_deep_weight_with_its_residual_pending_takes_the_add_tile(monke
     streams.expect_add(folded, residual)
     streams.linear(x, folded)
     assert not streams.took_add() and calls["tma_gemm"] == 1
+
+
+def test_lora_gate_up_takes_shrink_deltas_and_activation_in_one_launch(monkeypatch):
+    """Off by default; on, past ``MAX_ROWS`` (lowered) a folded gate/up LoRA site gives
+    ``act(gate) * up`` with both deltas from one ``ops.glu_lora`` launch: mixed ranks, an adapter on gate only, "__base__" rows,
+    through emulated graphs; then an adapter added and one deleted mid-way (the sites rebuilt, the
+    MLPs' path replaced, not doubled). PEFT's tokens and logits each time."""
+    import peft_fastlora as fastlora
+    from _models import left_padded_batch
+    from peft_fastlora.patch import get_state
+
+    _fp32_streams(monkeypatch, tma_tiles=TINY_TMA)
+    monkeypatch.setattr(sl, "MAX_ROWS", 2)
+    base = tiny_llama(0, vocab_size=128)
+    base.generation_config.eos_token_id = None
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "q_proj"],
+                                            init_lora_weights=False), adapter_name="a").eval()
+    model.add_adapter("b", LoraConfig(r=4, lora_alpha=4, target_modules=["gate_proj", "down_proj"],
+                                      init_lora_weights=False))
+    with fastlora.patched(model, backend="triton", stream_gemm=True, fold_shrink=True) as report:
+        assert report.stream_lora_gated_mlps == 0  # off by default: measured slower on the H200 (NOTES, session 32)
+        assert not any("_fastlora_gated" in m.__dict__ for m in model.modules())
+    monkeypatch.setattr(sl, "GLU_LORA", True)
+    batch, names = left_padded_batch([5, 7, 3, 6], seed=5), ["a", "__base__", "b", "a"]
+    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(**batch, adapter_names=names, **kwargs)
+    taken = []
+    original = sl.StreamLinears.gated_lora
+
+    def spy(self, *args, **kw):
+        out = original(self, *args, **kw)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(sl.StreamLinears, "gated_lora", spy)
+    layers = model.config.num_hidden_layers
+    got = []
+    with fastlora.patched(model, backend="triton", stream_gemm=True, fuse_norms=True, fuse_silu_mul=True,
+                          fold_shrink=True, cuda_graphs="emulate") as report, torch.no_grad():
+        assert report.stream_lora_gated_mlps == layers and "LoRA gate/up, its shrink" in str(report)
+        _same_decode(model.generate(**batch, adapter_names=names, **kwargs), want)
+        assert sum(taken) >= layers * 3, taken  # every layer's MLP, the prefill and each decode step
+        model.add_adapter("c", LoraConfig(r=8, lora_alpha=8, target_modules=["up_proj"], init_lora_weights=False))
+        names = ["c", "b", "__base__", "c"]
+        for change in ("added", "deleted"):
+            taken.clear()
+            got.append(model.generate(**batch, adapter_names=names, **kwargs))
+            assert get_state(model).base_ops.stream.lora_gated_mlps == layers and sum(taken) >= layers * 3, change
+            if change == "added":
+                model.delete_adapter("a")
+                model.set_adapter("b")  # (PEFT's model keeps the deleted name as its active adapter)
+    assert not any("_fastlora_gated" in m.__dict__ for m in model.modules())
+    with torch.no_grad():
+        want = model.generate(**batch, adapter_names=names, **kwargs)
+    for g in got:
+        _same_decode(g, want)

@@ -241,3 +241,31 @@ def test_base_model_at_65_128_rows_takes_the_tables_gated_tile_as_close_to_hf_as
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     results = _reference_then_tma_on_and_off(monkeypatch, base, "hf", batch, kw)
     _rows_as_close_as_cublas(results, "hf", batch["input_ids"].shape[1], 6)
+
+
+def test_generate_at_96_rows_gate_up_in_one_launch_as_close_to_peft_as_without(model, monkeypatch):
+    """96 rows of mixed adapters (ranks 16 and 32 on gate/up, one adapter not there), the committed
+    tiles: the gate/up site takes ``ops.glu_lora`` (shrink, deltas and act-mul in one launch) in the
+    prefill and the graphs' decode steps, and stays as close to PEFT's own mixed batch as the folded
+    GEMM, expand and act-mul it replaces (``GLU_LORA`` off)."""
+    import peft_fastlora.base_ops.stream_linears as sl
+    import peft_fastlora.ops.glu_lora as gl
+
+    if model.config.intermediate_size != WIDTHS["8b"]["intermediate_size"]:
+        pytest.skip("the committed gated tile starts at 8B's reduction (K = 4,096)")
+    lengths = [int(v) for v in torch.randint(2, 10, (96,), generator=torch.Generator().manual_seed(6))]
+    names = [NAMES[i % len(NAMES)] for i in range(96)]
+    batch = {k: v.cuda() for k, v in left_padded_batch(lengths, seed=12).items()}
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, adapter_names=names, output_logits=True,
+              return_dict_in_generate=True)
+    results = {}
+    with torch.no_grad():
+        results["peft"] = model.generate(**batch, **kw)
+        for on in (True, False):
+            monkeypatch.setattr(sl, "GLU_LORA", on)
+            calls = count_calls(monkeypatch, gl, ["glu_lora"])
+            with fastlora.patched(model, stream_gemm=True) as report:
+                assert (report.stream_lora_gated_mlps > 0) == on == ("LoRA gate/up, its shrink" in str(report))
+                results[on] = model.generate(**batch, **kw)
+            assert (calls["glu_lora"] > 0) == on, calls
+    _rows_as_close_as_cublas(results, "peft", batch["input_ids"].shape[1], 6)

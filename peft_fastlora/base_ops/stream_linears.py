@@ -29,6 +29,9 @@ the delta to the base output; DoRA and other variants rescale it, so they keep t
 
 A gated MLP whose gate/up pair is a plain fused group (no LoRA on either) takes ``act(gate) * up``
 from one GEMM over the fused weight (``gated``, the kernel's ``glu`` epilogue) where it applies.
+One whose gate/up pair is a folded LoRA site does at 65-128 rows, where the gated tile applies,
+through ``ops.glu_lora`` (``gated_lora``): the site's shrink, gate/up, the rows' deltas and the
+act-mul in one launch, in place of the folded GEMM, the expand and the act-mul.
 
 Past ``MAX_ROWS`` (a batch of 65-128 rows) the arithmetic is no longer small beside the weight's
 bytes and the streaming kernel loses to cuBLAS; there the TMA-fed tensor-core kernel
@@ -62,6 +65,10 @@ MIN_K = 2048  # the shallowest reduction measured (a 1B model's gate/up); shallo
 EPILOGUE_FOLDS = True  # the residual add and the gated activation in GEMM epilogues (off: benchmarks' A/B)
 SPLIT_MAX_N = 16384  # widest layer a split-K launch covers (wider ones need no split)
 TMA_GEMM = True  # 65-128 rows through ops.tma_gemm where TMA_TILES has a tile (off: benchmarks' A/B)
+# folded LoRA gate/up sites at 65-128 rows through ops.glu_lora. Off: with B gathered from the packed
+# arena it measured slower than the folded GEMM, expand and act-mul (benchmarks/NOTES.md, session 32);
+# on for its tests and the benchmarks' A/B (read when the model is patched)
+GLU_LORA = False
 TMA_TILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tma_tiles_h200.json")
 # A folded deep layer ([W; A] of a LoRA down_proj) at 65-128 rows whose residual add rides along: the TMA
 # kernel's best deep tile of benchmarks/results/probe_tma_gemm_s21b_h200.csv, at reductions as deep as it
@@ -172,6 +179,8 @@ class StreamLinears:
         self._streamed: set = set()  # ids of the modules with the instance forward
         self._folding: List[nn.Module] = []  # decoder layers told to fold their residual add, gated MLPs
         self.residual_layers = self.gated_mlps = 0  # how many of each (the patch report's)
+        self._lora_gated: List[nn.Module] = []  # gated MLPs given ``gated_lora`` by their gate/up LoRA site
+        self.lora_gated_mlps = 0
         # the residual a decoder layer is folding: (down weight's address, residual, taken), per thread
         # (a forward on another thread, say the continuous-batching engine's, never takes this one's)
         self._pending = threading.local()
@@ -255,6 +264,44 @@ class StreamLinears:
         out = stream_gemm(x2, weight, bias, config=config, check=False, glu=act)
         return out.view(*x.shape[:-1], n)
 
+    def gated_lora(self, x: torch.Tensor, weight: torch.Tensor, n: int, act: str, lora) -> Optional[torch.Tensor]:
+        """``gated`` for a folded LoRA gate/up site: ``weight`` is ``[gate; up; A arena]`` (n rows
+        each, then the arena) and ``lora`` its ``ops.glu_lora.GluLora`` (checked once per scratch by
+        the caller's ``check``). ``act(gate + dg) * (up + du)`` in one launch at 65-128 rows where
+        the gated tile applies; None elsewhere (the caller takes its folded GEMM and expand)."""
+        if not (self.epilogue_folds and GLU_LORA):
+            return None
+        rows = self._rows(x, weight[: 2 * n], None, glu=True)
+        k = weight.shape[1]
+        tile = self._tma_tile(rows, 2 * n, k, glu=True) if rows else None
+        if tile is None:
+            return None
+        from ..ops.glu_lora import glu_lora
+        from ..ops.tma_gemm import tma_aligned
+
+        x2 = x.reshape(rows, k)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        if not (tma_aligned(x2) and tma_aligned(weight)):
+            return None
+        return glu_lora(x2, weight, n, lora, act, tile, check=False).view(*x.shape[:-1], n)
+
+    def lora_gated_on(self) -> bool:
+        """Whether folded LoRA gate/up sites get ``gated_lora`` (``GLU_LORA``, ``EPILOGUE_FOLDS``)."""
+        return self.epilogue_folds and GLU_LORA
+
+    def fold_gated_lora(self, mlp: nn.Module, gated: Callable) -> None:
+        """Give ``mlp``, whose gate/up is a folded LoRA site, ``gated`` (the site's ``gated_lora``
+        caller); taken back when the sites are rebuilt (``clear_gated_lora``)."""
+        mlp._fastlora_gated = gated
+        self._lora_gated.append(mlp)
+        self.lora_gated_mlps += 1
+
+    def clear_gated_lora(self) -> None:
+        for m in self._lora_gated:
+            m.__dict__.pop("_fastlora_gated", None)
+        self._lora_gated, self.lora_gated_mlps = [], 0
+
     def fold_gated(self, mlp: nn.Module, gated: Callable) -> None:
         """Give ``mlp`` (a gated MLP forward of ``mlp_forwards``) its one-GEMM gate/up and activation."""
         mlp._fastlora_gated = gated
@@ -307,6 +354,7 @@ class StreamLinears:
             self.residual_layers += 1
 
     def remove(self) -> None:
+        self.clear_gated_lora()
         for m in self._folding:
             m.__dict__.pop("_fastlora_stream", None)
             m.__dict__.pop("_fastlora_gated", None)

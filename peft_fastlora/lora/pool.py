@@ -46,6 +46,9 @@ from . import fusion
 from .slots import AdapterRegistry
 
 __all__ = ["AdapterRegistry", "SitePool", "ValueRefresher", "copy_values"]
+# rows of a gate/up site's ``ops.glu_lora`` scratch: the most a launch takes (``ops.tma_gemm.MAX_ROWS``)
+GLU_SCRATCH_ROWS = 128
+GLU_PAD = 64  # how far past B's end and a scratch row's arena columns it may read (``ops.glu_lora.MAX_RANK``)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -137,6 +140,11 @@ class SitePool:
         # packed weights that read A from there
         self.stage: Optional[torch.Tensor] = None
         self.staged_packed: Optional[PackedWeights] = None
+        # a gated MLP's gate/up site (set by the model state): its arena rows' slots in the tables,
+        # and, folded (not staged), the scratch and counters of ``ops.glu_lora``
+        self.column_slots = False
+        self.col_slot: Optional[torch.Tensor] = None  # (arena rows,) int32: the slot of each row, -1 free
+        self.glu_buffers: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (scratch, counters)
 
     @property
     def stack_num(self) -> int:
@@ -255,6 +263,13 @@ class SitePool:
             self._views_of(slot)
         self._tables = torch.empty(self._table_words(), dtype=torch.int32, device=device)
         self.ranks, self.scalings, a_rows, b_offs = self._table_views(self._tables)
+        self.col_slot = self._tables[self._table_words() - self._column_words():] if self.column_slots else None
+        self.glu_buffers = None
+        if self.column_slots and self._fold_attached and self.stage is None:
+            # (its rows 16 bytes aligned, the kernel's reads past R in them)
+            cols = -(-self.lora_a.shape[0] // 8) * 8 + GLU_PAD
+            self.glu_buffers = (torch.empty(GLU_SCRATCH_ROWS, cols, dtype=dtype, device=device),
+                                torch.zeros(2, dtype=torch.int32, device=device))
         self._write_tables()
         # all ranks multiples of 8: so is every block's place (sums of ranks), and B's rows load 16
         # bytes at a time
@@ -300,7 +315,8 @@ class SitePool:
             self.stage, self.lora_a = self.lora_a, None
         if self.lora_a is None:
             self.lora_a = torch.zeros(max(rows_total, 1), self.in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(max(elems_total, 8), dtype=dtype, device=device)
+        pad = GLU_PAD if self.column_slots else 0  # (ops.glu_lora reads past a block's end)
+        self.lora_b = torch.zeros(max(elems_total, 8) + pad, dtype=dtype, device=device)[: max(elems_total, 8)]
         self._flat_a = self.lora_a.view(-1) if self.lora_a.is_contiguous() else None
 
     def _stage_rows(self, n_slots: int) -> int:
@@ -311,6 +327,10 @@ class SitePool:
             return 0
         rows = fusion.FOLD_STAGE_MARGIN * n_slots * sum(sizes) / len(sizes)
         return -(-int(rows) // 8) * 8
+
+    def region_start(self, j: int) -> int:
+        """Module j's first row in the A arena (its region: ``lora.arena``)."""
+        return self._a_base[j]
 
     def folded(self) -> bool:
         """The A arena (or, staged, the staging rows) is the tail of the base weight it was attached
@@ -494,9 +514,13 @@ class SitePool:
 
     # the (num_slots, c) tables the kernels read live in one int32 buffer, written in place by one
     # copy per load: ranks, scalings (float32 bits), A rows, B offsets (int64, 8-byte aligned)
+    # (a gate/up site's (``column_slots``) then the slot of each A arena row, int32)
     def _table_words(self) -> int:
         n = len(self._slot_ranks) * self.stack_num
-        return 3 * n + (3 * n) % 2 + 2 * n
+        return 3 * n + (3 * n) % 2 + 2 * n + self._column_words()
+
+    def _column_words(self) -> int:
+        return sum(arena.capacity for arena in self._arenas) if self.column_slots else 0
 
     def _table_views(self, buf: torch.Tensor):
         n_slots, c = len(self._slot_ranks), self.stack_num
@@ -514,6 +538,13 @@ class SitePool:
         if len(words) % 8:  # the int64 offsets start at an 8-byte boundary
             words += bytes(4)
         words += array("q", [x for row in self._slot_b_offs for x in row]).tobytes()
+        if self.column_slots:
+            cols = array("i", [-1]) * self._column_words()
+            for slot, (rows, ranks) in enumerate(zip(self._slot_a_rows, self._slot_ranks)):
+                for row, rank in zip(rows, ranks):
+                    if rank:
+                        cols[row: row + rank] = array("i", [slot]) * rank
+            words += cols.tobytes()
         assert len(words) == 4 * self._table_words()
         return torch.frombuffer(words, dtype=torch.int32)
 

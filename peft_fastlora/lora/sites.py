@@ -14,9 +14,10 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from .._compat import (base_layer_of, is_dtensor, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
-                      layer_is_merged, local, tp_gather_finish, tp_gather_partial, tp_group, tp_rowwise_finish,
-                      tp_rowwise_finish_columns, tp_rowwise_partial, tp_sum, tp_vocab_ids, tp_vocab_partial)
+from .._compat import (base_layer_of, has_forward_hooks, is_dtensor, is_lora_layer, layer_adapters_disabled,
+                      layer_dropout_active, layer_is_merged, local, tp_gather_finish, tp_gather_partial, tp_group,
+                      tp_rowwise_finish, tp_rowwise_finish_columns, tp_rowwise_partial, tp_sum, tp_vocab_ids,
+                      tp_vocab_partial)
 from .fusion import FusedGroup
 from .pool import SitePool
 
@@ -311,11 +312,54 @@ class FusedSite(Site):
     call runs the member's own forward.
     """
 
-    def __init__(self, name: str, group: FusedGroup, pool: SitePool):
+    def __init__(self, name: str, group: FusedGroup, pool: SitePool, parent: Optional[nn.Module] = None):
         super().__init__(name, group.members, pool)
         self.group = group
         self.kind = group.kind
+        self.parent = parent  # the module holding the members (a gate/up site's: the MLP)
         self._stash = None  # (input tensor, [output or None per member])
+        self._glu_checked = None  # the scratch whose operands ``ops.glu_lora`` has checked
+
+    def gated(self, state, mlp: nn.Module, stream, act: str):
+        """For the gate/up site of a gated ``mlp``: ``x -> act(gate(x)) * up(x)`` with both LoRA
+        deltas in one launch (``StreamLinears.gated_lora``: 65-128 rows of a folded, unstaged site
+        without a bias), or None where that does not apply and the MLP calls the members as usual."""
+        gate, up = self.members
+
+        def forward(x):
+            if (mlp.gate_proj is not gate or mlp.up_proj is not up or getattr(state.backend, "name", None) != "triton"
+                    or not self.group.is_intact() or self.group.ext_bias is not None
+                    or has_forward_hooks(gate) or has_forward_hooks(up)):
+                return None
+            bi = self._fast_path_info(state, x, (), {})
+            if bi is None:
+                return None  # the members' forwards decide (PEFT's path, or a graph-unsafe refusal)
+            pool = state.pool_for(self, x.dtype)
+            n = pool.offsets[1]
+            if (pool.glu_buffers is None or not _folded(state, pool, bi) or pool.stage is not None
+                    or list(pool.offsets) != [0, n, 2 * n]):
+                return None
+            lora = self._glu_lora(pool, bi, x)
+            return None if lora is None else stream.gated_lora(x, pool.fold.ext, n, act, lora)
+
+        return forward
+
+    def _glu_lora(self, pool: SitePool, bi, x):
+        """The site's ``ops.glu_lora.GluLora`` for this batch, its operands checked once per scratch;
+        None where an adapter's rank is past what the kernel takes."""
+        from ..ops.glu_lora import MAX_RANK, GluLora, check_glu_lora
+
+        scratch, counters = pool.glu_buffers
+        packed = pool.packed
+        if packed.max_rank > MAX_RANK:
+            return None
+        lora = GluLora(bi.token_slot, pool.col_slot, pool.region_start(1), packed.b, pool.ranks, pool.scalings,
+                       packed.a_rows, packed.b_offs, scratch, counters, packed.max_rank, packed.align)
+        if self._glu_checked is not scratch:
+            check_glu_lora(x.reshape(-1, x.shape[-1])[: min(x.numel() // x.shape[-1], scratch.shape[0])],
+                           pool.fold.ext, pool.offsets[1], lora)
+            self._glu_checked = scratch
+        return lora
 
     def clear_stash(self):
         self._stash = None
