@@ -494,6 +494,9 @@ def main(argv=None):
     p.add_argument("--tma-add", choices=["on", "off"], default="on",
                    help="off: a 65-128-row folded down_proj whose residual add rides along keeps cuBLAS and an add kernel "
                         "where the TMA table has no deep tile (stream_linears.ADD_TMA), for an A/B")
+    p.add_argument("--glu-lora", choices=["on", "off"], default="off",
+                   help="on: a 65-128-row folded LoRA gate/up takes ops.glu_lora's one launch instead of the folded "
+                        "GEMM, expand and act-mul (stream_linears.GLU_LORA, off by default), for an A/B")
     p.add_argument("--epilogue-folds", choices=["on", "off"], default="on",
                    help="off: the KV length's increment, the MLP's residual add and (plain gate/up) its "
                         "activation as kernels of their own, for an A/B")
@@ -531,6 +534,7 @@ def main(argv=None):
         sl.MIN_N = sl.NARROW_N
     importlib.import_module("peft_fastlora.base_ops.stream_linears").TMA_GEMM = args.tma_gemm == "on"
     importlib.import_module("peft_fastlora.base_ops.stream_linears").ADD_TMA = args.tma_add == "on"
+    importlib.import_module("peft_fastlora.base_ops.stream_linears").GLU_LORA = args.glu_lora == "on"
     if args.epilogue_folds == "off":
         importlib.import_module("peft_fastlora.decode.static_cache").KV_TICKET = False
         importlib.import_module("peft_fastlora.base_ops.stream_linears").EPILOGUE_FOLDS = False
@@ -542,7 +546,7 @@ def main(argv=None):
     importlib.import_module("peft_fastlora.decode.greedy_loop").ENABLED = args.token_select == "fused"
     importlib.import_module("peft_fastlora.decode.step_advance").ENABLED = args.step_advance == "on"
     vers = dict(versions(), expand=args.expand, stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms,
-                tma_gemm=args.tma_gemm, tma_add=args.tma_add,
+                tma_gemm=args.tma_gemm, tma_add=args.tma_add, glu_lora=args.glu_lora,
                 epilogue_folds=args.epilogue_folds, attention_prewait=args.attention_prewait,
                 attention_block_n=args.attention_block_n, rotary_kv=args.rotary_kv, token_select=args.token_select,
                 step_advance=args.step_advance)

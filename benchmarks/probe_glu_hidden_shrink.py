@@ -122,10 +122,13 @@ def layer_operands(k, n, ranks, rows, device, dtype, gen):
     from bench_kernels import packed_layout
 
     c = 2  # gate, up
-    a_rows, b_offs, t_rows, b_len = packed_layout((0, n, 2 * n), ranks)
+    _, b_offs, t_rows, b_len = packed_layout((0, n, 2 * n), ranks)
+    # A as ``lora.pool`` lays a site out: a region per module (gate's blocks, then up's)
+    starts = [sum(ranks[:s]) for s in range(len(ranks))]
+    a_rows = torch.tensor([[st, sum(ranks) + st] for st in starts], dtype=torch.int32)
     ext = torch.empty(2 * n + t_rows, k, device=device, dtype=dtype)
     ext[: 2 * n].normal_(generator=gen).mul_(k ** -0.5)
-    b_flat = torch.empty(b_len, device=device, dtype=dtype)
+    b_flat = torch.zeros(b_len + 64, device=device, dtype=dtype)[:b_len]  # (ops.glu_lora reads past its end)
     t = sum(ranks)
     a_tail = torch.empty(2 * t, k, device=device, dtype=dtype)
     b_tail = torch.zeros(2 * n, t, device=device, dtype=dtype)
@@ -141,7 +144,7 @@ def layer_operands(k, n, ranks, rows, device, dtype, gen):
         col += r
     return dict(ext=ext, w=ext[: 2 * n], b_flat=b_flat, a_rows=a_rows.to(device), b_offs=b_offs.to(device),
                 a_tail=a_tail, b_tail=b_tail, y=torch.empty(rows, 2 * n + t_rows, device=device, dtype=dtype),
-                s=torch.empty(rows, 2 * t, device=device, dtype=dtype),
+                s=torch.empty(rows, 2 * t + 64, device=device, dtype=dtype),
                 h=torch.empty(rows, n, device=device, dtype=dtype))
 
 
@@ -202,8 +205,31 @@ def main(argv=None):
                     y_cols=o["a_rows"], max_rank=args.rank)
         return act_mul(o["y"][:, :n], o["y"][:, n: 2 * n], "silu")
 
+    from peft_fastlora.ops.glu_lora import GluLora, glu_lora
+
+    t_all = sum(ranks)
+
+    t0_pad = -(-t_all // 64) * 64
+
+    def b_columns(o):  # GluLora.bt: B's columns as the arena's rows, gate's then (from t0_pad) up's
+        if "bt" not in o:
+            o["bt"] = torch.zeros(n, t0_pad + t_all, device=device, dtype=dtype)
+            o["bt"][:, :t_all] = o["b_tail"][:n]
+            o["bt"][:, t0_pad:] = o["b_tail"][n:]
+        return o["bt"]
+
+    def library_one_launch(o, xn, align=8 if args.rank % 8 == 0 else 1, bt=False):
+        # ops.glu_lora: B read from the packed arena (align 1: 2-byte loads), or from its columns (bt)
+        lora = GluLora(row_slot, col_slot.repeat(2), t_all, o["b_flat"], rt, sc, o["a_rows"], o["b_offs"],
+                       o["s"], counters, args.rank, align, b_columns(o) if bt else None, t0_pad if bt else 0)
+        return glu_lora(xn, o["ext"], n, lora, "silu", base_cfg, out=o["h"], check=False)
+
     variants = {
         "library: folded cuBLAS + expand + act-mul": library,
+        "library: ops.glu_lora (one launch, B from the packed arena, 4 slots a K block)": library_one_launch,
+        "library: ops.glu_lora, B's columns through a descriptor (bt)":
+            lambda o, xn: library_one_launch(o, xn, bt=True),
+        "library: ops.glu_lora, B's loads not vectorized (align 1)": lambda o, xn: library_one_launch(o, xn, 1),
         "base only: the gated tile, no LoRA": lambda o, xn: tma_gemm(xn, o["w"], out=o["h"], config=base_cfg,
                                                                      glu="silu", check=False),
     }
