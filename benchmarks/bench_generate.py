@@ -494,9 +494,9 @@ def main(argv=None):
     p.add_argument("--tma-add", choices=["on", "off"], default="on",
                    help="off: a 65-128-row folded down_proj whose residual add rides along keeps cuBLAS and an add kernel "
                         "where the TMA table has no deep tile (stream_linears.ADD_TMA), for an A/B")
-    p.add_argument("--glu-lora", choices=["on", "off"], default="off",
-                   help="on: a 65-128-row folded LoRA gate/up takes ops.glu_lora's one launch instead of the folded "
-                        "GEMM, expand and act-mul (stream_linears.GLU_LORA, off by default), for an A/B")
+    p.add_argument("--glu-lora", choices=["on", "off"], default="on",
+                   help="off: a 65-128-row folded LoRA gate/up takes the folded GEMM, expand and act-mul instead of "
+                        "ops.glu_lora's one launch (stream_linears.GLU_LORA), for an A/B")
     p.add_argument("--epilogue-folds", choices=["on", "off"], default="on",
                    help="off: the KV length's increment, the MLP's residual add and (plain gate/up) its "
                         "activation as kernels of their own, for an A/B")

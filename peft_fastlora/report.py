@@ -18,7 +18,8 @@ class PatchReport:
     adapter_fallbacks: List[Tuple[str, str, str]] = field(default_factory=list)  # (module, adapter, reason)
     fusion_blocked: List[Tuple[str, str]] = field(default_factory=list)  # (group, reason)
     stack_bytes: int = 0
-    adapter_bytes: int = 0  # the adapters' own weights in the stacks' dtype (stack_bytes adds the padding)
+    # the adapters' own weights in the stacks' dtype (stack_bytes adds padding and ops.glu_lora's buffers)
+    adapter_bytes: int = 0
     gpu_slots: str = "all adapters"  # what the stacks hold: every adapter, or N slots loaded on demand
     registered: int = 0  # adapters registered by name (fastlora.register_adapter), held in CPU memory
     store_bytes: int = 0  # their bytes there

@@ -20,7 +20,7 @@ from torch import nn
 from . import _compat
 from ._compat import LoraEmbedding, LoraLinear, base_layer_of, is_conv1d, is_lora_layer, linear_in_out
 from .backend import get_backend, resolve_backend_name
-from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_ops
+from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_ops, stream_linears, stream_wanted
 from .batch import ForwardBatch, TokenSegments
 from .lora.fusion import FOLD_MIN_USE, FusedGroup, find_groups, fusion_blocker
 from .lora.host_copy import copy_from_host, prestage
@@ -326,6 +326,7 @@ class FastLoRAState:
 
         served = set()
         fold_off = self._fold_blocker()
+        glu_wanted = stream_linears.lora_gated_wanted() and stream_wanted(self.options, self.device)
         if self.options.fuse:
             groups, blocked = find_groups(model)
             report.fusion_blocked = [(f"{name_of.get(id(model), '')}{g}", why) for g, why in blocked]
@@ -339,8 +340,9 @@ class FastLoRAState:
                                 g.in_features)
                 if fold_off is None:  # (under TP: each rank's shards, column-sharded alike)
                     pool.fold = g
-                    # its tables keep each arena row's slot: a gated MLP may take ops.glu_lora
-                    pool.column_slots = g.kind == "gate_up"
+                    # its tables keep each arena row's slot, and it keeps B's columns: a gated MLP may
+                    # take ops.glu_lora (only where it is on: its buffers and their upkeep cost)
+                    pool.column_slots = g.kind == "gate_up" and glu_wanted
                 site_name = f"{g.parent_name}.{g.kind}" if g.parent_name else g.kind
                 parent = model.get_submodule(g.parent_name) if g.parent_name else model
                 self.sites.append(FusedSite(site_name, g, pool, parent))
@@ -663,6 +665,9 @@ class FastLoRAState:
         if self._local.fold_now:  # staged sites: the call's A blocks (current values) under the base weight
             for site in self.sites:
                 site.pool.stage_call(slots, self._stage_cache)
+        if fold:  # gate/up sites for ops.glu_lora: B's columns from the values and places just set
+            for site in self.sites:
+                site.pool.sync_b_columns()
 
     def _load_slots(self, placed):
         """Adapters newly given slots: every site loads them there (stacks keep their addresses:

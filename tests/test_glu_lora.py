@@ -117,6 +117,17 @@ def test_b_columns_through_a_descriptor_match_reference(dtype):
     check_against_reference(x, w, 33, with_bt(lora, 33), "silu", dtype)
 
 
+def test_b_columns_kernel_lays_b_out_as_the_arena_rows():
+    """``b_columns`` writes what ``with_bt`` builds on the host, zeros over NaN in the free and
+    padding columns."""
+    for ranks in RANKS.values():
+        _, _, lora = glu_case(3, 40, 32, ranks, torch.float32)
+        want = with_bt(lora, 40)
+        got = torch.full_like(want.bt, float("nan"))
+        gl.b_columns(want.b, want.col_slot, want.ranks, want.a_rows, want.b_offs, want.t0, want.t0_pad, got)
+        assert torch.equal(got, want.bt)
+
+
 def test_gelu_tanh_and_a_second_launch():
     """GELU-tanh; a second launch with other rows' slots on the same counters and scratch."""
     x, w, lora = glu_case(20, 24, 32, [(8, 8), (8, 16)], torch.float32, gap=0)

@@ -17,7 +17,7 @@ import peft_fastlora.ops.glu_lora as gl
 from peft_fastlora.ops.glu_lora import glu_lora, glu_lora_reference, glu_lora_shrink_reference
 from peft_fastlora.ops.tma_gemm import TmaConfig
 
-from test_glu_lora import TOL, glu_case
+from test_glu_lora import TOL, glu_case, with_bt
 
 pytestmark = pytest.mark.gpu
 
@@ -48,6 +48,18 @@ def _check(x, w, n, lora, dtype, config=GLU_TILE):
 def test_llama_8b_gate_up(dtype, m, ranks):
     x, w, lora = glu_case(m, 14336, 4096, RANKS[ranks], dtype, device="cuda", seed=m)
     _check(x, w, 14336, lora, dtype)
+
+
+@pytest.mark.parametrize("ranks", sorted(RANKS))
+def test_llama_8b_gate_up_with_b_columns(ranks):
+    """B's columns through a descriptor (``GluLora.bt``, written by ``b_columns``: the host's layout)."""
+    n = 14336
+    x, w, lora = glu_case(128, n, 4096, RANKS[ranks], torch.bfloat16, device="cuda", seed=3)
+    want = with_bt(lora, n)
+    got = torch.full_like(want.bt, float("nan"))
+    gl.b_columns(lora.b, lora.col_slot, lora.ranks, lora.a_rows, lora.b_offs, lora.t0, want.t0_pad, got)
+    assert torch.equal(got, want.bt)
+    _check(x, w, n, want._replace(bt=got), torch.bfloat16)
 
 
 @pytest.mark.parametrize("m,n,k", [(70, 1000, 520), (128, 77, 4104), (100, 4096, 104)])

@@ -293,8 +293,14 @@ def test_compaction_under_slot_traffic_equals_peft(monkeypatch):
     PEFT, and the gate/up sites' table of each arena row's slot follows the blocks."""
     from peft_fastlora.lora import arena as arena_module
 
+    import peft_fastlora.base_ops.stream_linears as sl
+
+    from peft_fastlora.lora import fusion
+
+    monkeypatch.setattr(sl, "GLU_LORA", True)  # (with stream_gemm: gate/up sites keep ops.glu_lora's tables)
+    monkeypatch.setattr(fusion, "FOLD_MAX_SHARE", 1.0)  # (and, folded whatever their size, B's columns)
     m, ref = _pair()
-    fastlora.patch(m, max_loras_per_batch=2, fold_shrink=True)  # (folded sites keep each arena row's slot)
+    fastlora.patch(m, max_loras_per_batch=2, fold_shrink=True, stream_gemm=True)
     compactions, alloc = [], arena_module.RowArena.alloc
 
     def counted(self, slot, rows):
@@ -306,6 +312,7 @@ def test_compaction_under_slot_traffic_equals_peft(monkeypatch):
     rng = random.Random(4)
     gate_up = [site.pool for site in get_state(m).sites if site.pool.column_slots]
     assert gate_up
+    checked = []
     for call in range(60):
         used = rng.sample(NAMES, 2)
         _same(m, ref, used + [rng.choice(used + ["__base__"]) for _ in range(2)], seed=call)
@@ -316,7 +323,19 @@ def test_compaction_under_slot_traffic_equals_peft(monkeypatch):
                 row = int(pool.packed.a_rows[slot, j])
                 want[row: row + rank] = slot
             assert torch.equal(pool.col_slot, want), call
+            if pool.glu_buffers is not None:  # and B's columns (ops.glu_lora's bt) follow the blocks and values
+                checked.append(pool)
+                bt = torch.zeros_like(pool.glu_buffers.bt)
+                t0, t0_pad, n = pool.region_start(1), pool.glu_buffers.t0_pad, bt.shape[0]
+                for c in (pool.col_slot >= 0).nonzero().flatten().tolist():
+                    slot, j = int(pool.col_slot[c]), int(c >= t0)
+                    rank, first = int(pool.ranks[slot, j]), int(pool.packed.a_rows[slot, j])
+                    off = int(pool.packed.b_offs[slot, j])
+                    block = pool.packed.b[off: off + n * rank].view(n, rank)
+                    bt[:, c if c < t0 else t0_pad + c - t0] = block[:, c - first]
+                assert torch.equal(pool.glu_buffers.bt, bt), call
     assert sum(1 for n in compactions if n) >= 2, compactions  # this seed compacts twice
+    assert checked  # (some gate/up sites folded without staging: they keep B's columns)
 
 
 def test_a_load_that_fails_after_compaction_leaves_every_slot_right(monkeypatch):

@@ -58,6 +58,17 @@ class BaseOps:
         self.installed, self.fused_groups, self.stream = {}, [], None
 
 
+def stream_wanted(options, device: torch.device) -> bool:
+    """Whether ``options`` ask for the decode GEMMs' kernel (``StreamLinears``) on ``device``:
+    ``stream_gemm=True`` on CUDA (or on the CPU under Triton's interpreter: the CPU tests' model
+    path), ``"auto"`` on a Hopper GPU with graphs on. (A model on several devices gets none.)"""
+    on_cuda = device.type == "cuda"
+    if options.stream_gemm is True:
+        return on_cuda or (device.type == "cpu" and interpreting())
+    return (options.stream_gemm == "auto" and on_cuda and options.cuda_graphs in (True, "auto")
+            and supported_device(device))
+
+
 def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps:
     """Install what ``options`` (a ``PatchOptions``) asks for on ``model`` (the transformers model).
 
@@ -112,10 +123,7 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
                 ops.skipped.extend((option, cls, why) for cls, why in skipped)
         else:
             ops.off[option] = f"{option}=False" if value is False else why_not
-    value = options.stream_gemm
-    hopper = on_cuda and supported_device(device)
-    if (value is True and (on_cuda or interpreted_stream)) or (
-            value == "auto" and graphed and hopper):
+    if stream_wanted(options, device):
         ops.stream = StreamLinears(device)
         ops.installed["stream_gemm"] = ops.stream.install(model)
         for g in ops.fused_groups:
@@ -126,8 +134,9 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
         ops.stream.fold_residuals([(n, m) for n, m in ops.installed.get("fuse_add_norm", ())
                                    if not hasattr(m, "pre_feedforward_layernorm")])  # (Gemma 2's: a norm after)
     else:
+        value = options.stream_gemm
         ops.off["stream_gemm"] = ("stream_gemm=False" if value is False else "the model is not on CUDA" if not on_cuda
-                                  else "not a Hopper GPU (the tiles were chosen on one)" if not hopper
+                                  else "not a Hopper GPU (the tiles were chosen on one)" if not supported_device(device)
                                   else not_graphed)
     return ops
 

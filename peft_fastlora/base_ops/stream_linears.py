@@ -65,10 +65,9 @@ MIN_K = 2048  # the shallowest reduction measured (a 1B model's gate/up); shallo
 EPILOGUE_FOLDS = True  # the residual add and the gated activation in GEMM epilogues (off: benchmarks' A/B)
 SPLIT_MAX_N = 16384  # widest layer a split-K launch covers (wider ones need no split)
 TMA_GEMM = True  # 65-128 rows through ops.tma_gemm where TMA_TILES has a tile (off: benchmarks' A/B)
-# folded LoRA gate/up sites at 65-128 rows through ops.glu_lora. Off: with B gathered from the packed
-# arena it measured slower than the folded GEMM, expand and act-mul (benchmarks/NOTES.md, session 32);
-# on for its tests and the benchmarks' A/B (read when the model is patched)
-GLU_LORA = False
+# folded LoRA gate/up sites at 65-128 rows through ops.glu_lora (off: benchmarks' A/B; read when the
+# model is patched: the sites then keep its buffers, B's columns among them)
+GLU_LORA = True
 TMA_TILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tma_tiles_h200.json")
 # A folded deep layer ([W; A] of a LoRA down_proj) at 65-128 rows whose residual add rides along: the TMA
 # kernel's best deep tile of benchmarks/results/probe_tma_gemm_s21b_h200.csv, at reductions as deep as it
@@ -141,6 +140,12 @@ def tma_tiles(path: Optional[str] = None) -> Dict[str, TmaTile]:
         classes = json.load(f).get("classes", {})
     return {name: TmaTile(TmaConfig(**{k: fields[k] for k in TmaConfig._fields}), fields.get("min_k", 0))
             for name, fields in classes.items()}
+
+
+def lora_gated_wanted() -> bool:
+    """``GLU_LORA`` and ``EPILOGUE_FOLDS``: folded LoRA gate/up sites keep ``ops.glu_lora``'s buffers
+    and take it where it applies."""
+    return GLU_LORA and EPILOGUE_FOLDS
 
 
 class StreamLinears:
@@ -287,8 +292,8 @@ class StreamLinears:
         return glu_lora(x2, weight, n, lora, act, tile, check=False).view(*x.shape[:-1], n)
 
     def lora_gated_on(self) -> bool:
-        """Whether folded LoRA gate/up sites get ``gated_lora`` (``GLU_LORA``, ``EPILOGUE_FOLDS``)."""
-        return self.epilogue_folds and GLU_LORA
+        """Whether folded LoRA gate/up sites get ``gated_lora`` (``lora_gated_wanted``)."""
+        return self.epilogue_folds and lora_gated_wanted()
 
     def fold_gated_lora(self, mlp: nn.Module, gated: Callable) -> None:
         """Give ``mlp``, whose gate/up is a folded LoRA site, ``gated`` (the site's ``gated_lora``

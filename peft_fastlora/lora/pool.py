@@ -48,6 +48,17 @@ from .slots import AdapterRegistry
 __all__ = ["AdapterRegistry", "SitePool", "ValueRefresher", "copy_values"]
 # rows of a gate/up site's ``ops.glu_lora`` scratch: the most a launch takes (``ops.tma_gemm.MAX_ROWS``)
 GLU_SCRATCH_ROWS = 128
+
+
+class GluBuffers(NamedTuple):
+    """A gate/up site's buffers for ``ops.glu_lora`` (``GluLora``'s fields of the same names)."""
+
+    scratch: torch.Tensor
+    counters: torch.Tensor
+    bt: torch.Tensor
+    t0_pad: int
+
+
 GLU_PAD = 64  # how far past B's end and a scratch row's arena columns it may read (``ops.glu_lora.MAX_RANK``)
 
 
@@ -144,7 +155,7 @@ class SitePool:
         # and, folded (not staged), the scratch and counters of ``ops.glu_lora``
         self.column_slots = False
         self.col_slot: Optional[torch.Tensor] = None  # (arena rows,) int32: the slot of each row, -1 free
-        self.glu_buffers: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (scratch, counters)
+        self.glu_buffers: Optional[GluBuffers] = None
 
     @property
     def stack_num(self) -> int:
@@ -156,7 +167,10 @@ class SitePool:
         return self.ranks.shape[0] if self.ranks is not None else 0
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b) if t is not None)
+        """The stacks' bytes, and ``ops.glu_lora``'s buffers where the site keeps them (B's columns: a
+        second copy of its B)."""
+        extra = (self.glu_buffers.scratch, self.glu_buffers.bt) if self.glu_buffers is not None else ()
+        return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b, *extra) if t is not None)
 
     def adapter_nbytes(self) -> int:
         """The adapters' own weights for this site, in the stacks' dtype (every adapter fastlora
@@ -265,11 +279,17 @@ class SitePool:
         self.ranks, self.scalings, a_rows, b_offs = self._table_views(self._tables)
         self.col_slot = self._tables[self._table_words() - self._column_words():] if self.column_slots else None
         self.glu_buffers = None
-        if self.column_slots and self._fold_attached and self.stage is None:
-            # (its rows 16 bytes aligned, the kernel's reads past R in them)
+        if (self.column_slots and self._fold_attached and self.stage is None and c == 2
+                and self.out_features[0] == self.out_features[1]):
+            # the scratch (its rows 16 bytes aligned, the kernel's reads past R in them), the counters,
+            # and B's columns as the arena's rows (up's region from a multiple of GLU_PAD)
             cols = -(-self.lora_a.shape[0] // 8) * 8 + GLU_PAD
-            self.glu_buffers = (torch.empty(GLU_SCRATCH_ROWS, cols, dtype=dtype, device=device),
-                                torch.zeros(2, dtype=torch.int32, device=device))
+            t0 = self._a_base[1]
+            t0_pad = -(-t0 // GLU_PAD) * GLU_PAD
+            width = -(-(t0_pad + self.lora_a.shape[0] - t0) // 8) * 8
+            self.glu_buffers = GluBuffers(torch.empty(GLU_SCRATCH_ROWS, cols, dtype=dtype, device=device),
+                                          torch.zeros(2, dtype=torch.int32, device=device),
+                                          torch.zeros(self.out_features[0], width, dtype=dtype, device=device), t0_pad)
         self._write_tables()
         # all ranks multiples of 8: so is every block's place (sums of ranks), and B's rows load 16
         # bytes at a time
@@ -288,6 +308,18 @@ class SitePool:
         for runs in self._runs.values():
             for run in runs:
                 run.dst[run.offset: run.offset + run.numel].copy_(run.src.view(-1))
+        self.sync_b_columns()
+
+    def sync_b_columns(self) -> None:
+        """A gate/up site with ``glu_buffers``: B's columns as the arena's rows, from the packed B and
+        its tables as they are now (the model state calls it after each call's loads and copies)."""
+        if self.glu_buffers is None:
+            return
+        from ..ops.glu_lora import b_columns
+
+        p = self.packed
+        b_columns(p.b, self.col_slot, self.ranks, p.a_rows, p.b_offs, self._a_base[1], self.glu_buffers.t0_pad,
+                  self.glu_buffers.bt)
 
     def _allocate_packed(self, n_slots: int, dtype: torch.dtype, device, per_call_ok: bool = True) -> None:
         """Arenas with a region per module, each sized for the ``n_slots`` largest blocks any

@@ -349,16 +349,17 @@ class FusedSite(Site):
         None where an adapter's rank is past what the kernel takes."""
         from ..ops.glu_lora import MAX_RANK, GluLora, check_glu_lora
 
-        scratch, counters = pool.glu_buffers
+        buffers = pool.glu_buffers
         packed = pool.packed
         if packed.max_rank > MAX_RANK:
             return None
         lora = GluLora(bi.token_slot, pool.col_slot, pool.region_start(1), packed.b, pool.ranks, pool.scalings,
-                       packed.a_rows, packed.b_offs, scratch, counters, packed.max_rank, packed.align)
-        if self._glu_checked is not scratch:
-            check_glu_lora(x.reshape(-1, x.shape[-1])[: min(x.numel() // x.shape[-1], scratch.shape[0])],
+                       packed.a_rows, packed.b_offs, buffers.scratch, buffers.counters, packed.max_rank, packed.align,
+                       buffers.bt, buffers.t0_pad)
+        if self._glu_checked is not buffers.scratch:
+            check_glu_lora(x.reshape(-1, x.shape[-1])[: min(x.numel() // x.shape[-1], buffers.scratch.shape[0])],
                            pool.fold.ext, pool.offsets[1], lora)
-            self._glu_checked = scratch
+            self._glu_checked = buffers.scratch
         return lora
 
     def clear_stash(self):

@@ -211,6 +211,42 @@ def _glu_lora_kernel(
         tl.atomic_xchg(counters_ptr + 1, 0)
 
 
+@triton.jit
+def _b_columns_kernel(b_ptr, col_slot_ptr, ranks_ptr, a_rows_ptr, b_offs_ptr, out_ptr, N, T0, R, T0_PAD, W, stride_o,
+                      BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # columns of out
+    n_ok = offs_n < N
+    up = cc >= T0_PAD
+    c = tl.where(up, T0 + cc - T0_PAD, cc)  # the arena row each holds (none in [T0, T0_PAD))
+    ok = (cc < T0) | (up & (c < R))
+    slot = tl.load(col_slot_ptr + c, mask=ok, other=-1)
+    used = slot >= 0
+    module = up.to(tl.int32)
+    rank = tl.load(ranks_ptr + slot * 2 + module, mask=used, other=0)
+    first = tl.load(a_rows_ptr + slot * 2 + module, mask=used, other=0)
+    b_off = tl.load(b_offs_ptr + slot * 2 + module, mask=used, other=0)
+    vals = tl.load(b_ptr + (b_off + (c - first))[None, :] + offs_n.to(tl.int64)[:, None] * rank[None, :],
+                   mask=n_ok[:, None] & used[None, :], other=0.0)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * stride_o + cc[None, :], vals,
+             mask=n_ok[:, None] & (cc < W)[None, :])
+
+
+def b_columns(b: torch.Tensor, col_slot: torch.Tensor, ranks: torch.Tensor, a_rows: torch.Tensor,
+              b_offs: torch.Tensor, t0: int, t0_pad: int, out: torch.Tensor) -> torch.Tensor:
+    """Fill ``out`` (N, W), in place, with B's columns laid out as the arena's rows (``GluLora.bt``;
+    the arguments are ``GluLora``'s): gate's region from column 0, up's from ``t0_pad``, zeros in
+    free and padding columns and past the arena. Run after anything changes the packed B or its tables."""
+    n, r = out.shape[0], col_slot.shape[0]
+    if out.dim() != 2 or out.shape[1] < t0_pad + r - t0 or out.stride(1) != 1 or out.dtype != b.dtype:
+        raise ValueError(f"b_columns: out must be (N, {t0_pad + r - t0}+) of B's dtype with unit column stride")
+    grid = (triton.cdiv(n, 64), triton.cdiv(out.shape[1], 64))
+    _b_columns_kernel[grid](b, col_slot, ranks, a_rows, b_offs, out, n, t0, r, t0_pad, out.shape[1], out.stride(0),
+                            BLOCK_N=64, BLOCK_C=64)
+    return out
+
+
 def check_glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora) -> None:
     """Why the kernel cannot take these operands, as a ValueError (module doc for their layout)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or x.dtype != w.dtype or x.device != w.device:
