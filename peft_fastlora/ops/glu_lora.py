@@ -11,10 +11,13 @@ launch gives ``act(gate(x) + dg) * (up(x) + du)``:
   small scratch; each then counts itself done on ``counters[0]`` (release);
 - the other programs are the gated tiles of ``ops.tma_gemm`` (all rows, ``BLOCK_N`` columns of
   gate and the same of up). Once their K loop has streamed the weight they wait for the count
-  (acquire) and add the deltas as a few more K blocks, ``G`` slots of ``RB`` columns each: the
-  scratch's columns of each slot's block against its (N, rank) B block, read from the pool's flat
-  packed B (``backend.packed``) a row's slot part at a time (16 bytes a load where every rank and
-  place is a multiple of 8). Then the act-mul epilogue in ``ops.silu_mul``'s roundings;
+  (acquire) and add the deltas as a few more K blocks of the scratch's columns against B's. With
+  ``bt`` (what the model path passes: B's columns laid out as the arena's rows, kept by the site
+  with ``b_columns``) those come through a tensor descriptor, ``TAIL_BLOCK`` columns a block;
+  without, from the pool's flat packed B (``backend.packed``), ``G`` slots of ``RB`` columns a
+  block, each row's part of a slot one contiguous load (16 bytes where every rank and place is a
+  multiple of 8): slower, measured in ``benchmarks/probe_glu_hidden_shrink.py``. Then the act-mul
+  epilogue in ``ops.silu_mul``'s roundings;
 - the last program to finish puts both counters back to zero (``counters[1]`` is its ticket), so the
   launch can be captured in a CUDA graph and replayed.
 
@@ -27,6 +30,10 @@ yet written.
 The arena's rows are gate's region (``t0`` rows) then up's, as ``lora.pool`` lays them out;
 ``col_slot`` names the slot whose block holds each row (-1: free), which the shrink masks by. The
 tables ``ranks``, ``scalings``, ``a_rows`` and ``b_offs`` are the pool's (num_slots, 2) ones.
+
+Every resident adapter's columns enter each row's dot (times a zero shrink where the row is not
+its adapter's): an adapter whose B holds inf or NaN makes every row's gate/up non-finite here,
+where PEFT's path would spoil its own rows only.
 """
 
 from __future__ import annotations
