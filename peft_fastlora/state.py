@@ -326,7 +326,7 @@ class FastLoRAState:
 
         served = set()
         fold_off = self._fold_blocker()
-        glu_wanted = stream_linears.lora_gated_wanted() and stream_wanted(self.options, self.device)
+        glu_wanted = stream_linears.lora_gated_wanted() and stream_wanted(self.inner, self.options, self.device)
         if self.options.fuse:
             groups, blocked = find_groups(model)
             report.fusion_blocked = [(f"{name_of.get(id(model), '')}{g}", why) for g, why in blocked]

@@ -58,10 +58,13 @@ class BaseOps:
         self.installed, self.fused_groups, self.stream = {}, [], None
 
 
-def stream_wanted(options, device: torch.device) -> bool:
-    """Whether ``options`` ask for the decode GEMMs' kernel (``StreamLinears``) on ``device``:
-    ``stream_gemm=True`` on CUDA (or on the CPU under Triton's interpreter: the CPU tests' model
-    path), ``"auto"`` on a Hopper GPU with graphs on. (A model on several devices gets none.)"""
+def stream_wanted(model: nn.Module, options, device: torch.device) -> bool:
+    """Whether ``install_base_ops`` gives ``model`` the decode GEMMs' kernel (``StreamLinears``) on
+    ``device``: ``stream_gemm=True`` on CUDA (or on the CPU under Triton's interpreter: the CPU
+    tests' model path), ``"auto"`` on a Hopper GPU with graphs on; never to a model on several
+    devices."""
+    if _compat.multi_device_reason(model) is not None:
+        return False
     on_cuda = device.type == "cuda"
     if options.stream_gemm is True:
         return on_cuda or (device.type == "cpu" and interpreting())
@@ -123,7 +126,7 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
                 ops.skipped.extend((option, cls, why) for cls, why in skipped)
         else:
             ops.off[option] = f"{option}=False" if value is False else why_not
-    if stream_wanted(options, device):
+    if stream_wanted(model, options, device):
         ops.stream = StreamLinears(device)
         ops.installed["stream_gemm"] = ops.stream.install(model)
         for g in ops.fused_groups:

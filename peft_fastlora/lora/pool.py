@@ -34,6 +34,7 @@ The stacks are copies of PEFT's weights, kept current in two ways:
 
 from __future__ import annotations
 
+import contextlib
 from array import array
 from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -317,9 +318,9 @@ class SitePool:
             return
         from ..ops.glu_lora import b_columns
 
-        p = self.packed
-        b_columns(p.b, self.col_slot, self.ranks, p.a_rows, p.b_offs, self._a_base[1], self.glu_buffers.t0_pad,
-                  self.glu_buffers.bt)
+        p, bt = self.packed, self.glu_buffers.bt
+        with torch.cuda.device(bt.device) if bt.is_cuda else contextlib.nullcontext():  # (Triton's launch device)
+            b_columns(p.b, self.col_slot, self.ranks, p.a_rows, p.b_offs, self._a_base[1], self.glu_buffers.t0_pad, bt)
 
     def _allocate_packed(self, n_slots: int, dtype: torch.dtype, device, per_call_ok: bool = True) -> None:
         """Arenas with a region per module, each sized for the ``n_slots`` largest blocks any
