@@ -37,6 +37,36 @@ from peft_fastlora.ops.silu_mul import act_mul_rounded  # noqa: E402
 from peft_fastlora.ops.stream_gemm import _tile_dot  # noqa: E402
 
 
+# ops.glu_lora's tail, by its probe knobs (``variant``); the "timing only" ones leave out part of the
+# work (their results are wrong) to split the kernel's time over the base tile
+TAIL_VARIANTS = {
+    "a loop a module (session 32)": dict(TAIL_FORM=1),
+    "one loop": dict(TAIL_FORM=2),
+    "one loop, early ticket": dict(TAIL_FORM=2, EARLY_TICKET=True),
+    "one loop, early ticket, L2 prefetch 8 K blocks before the end": dict(TAIL_FORM=2, EARLY_TICKET=True,
+                                                                          PREFETCH_AT=8),
+    "one loop, early ticket, L2 prefetch 24 K blocks before the end": dict(TAIL_FORM=2, EARLY_TICKET=True,
+                                                                           PREFETCH_AT=24),
+    "one loop, early ticket, L2 prefetch at the start": dict(TAIL_FORM=2, EARLY_TICKET=True, PREFETCH_AT=1 << 20),
+    "shrink programs at the highest ids": dict(SHRINK_LAST=True),
+    "32-row shrink programs": dict(SHRINK_COLUMNS=32),
+    "64-row shrink programs": dict(SHRINK_COLUMNS=64),
+    "64-row shrink programs at the highest ids": dict(SHRINK_COLUMNS=64, SHRINK_LAST=True),
+    "sync: polls by acquire loads": dict(POLL=1),
+    "sync: early ticket, release only": dict(EARLY_TICKET=True, TICKET_RELEASE=True),
+    "sync: polls by acquire loads, early ticket, release only": dict(POLL=1, EARLY_TICKET=True, TICKET_RELEASE=True),
+    "sync: the same with 64-row shrink programs": dict(POLL=1, EARLY_TICKET=True, TICKET_RELEASE=True,
+                                                       SHRINK_COLUMNS=64),
+    "sync: the same with one tail loop": dict(POLL=1, EARLY_TICKET=True, TICKET_RELEASE=True, TAIL_FORM=2),
+    "timing only: no tail (the wait kept)": dict(SKIP=1),
+    "timing only: no wait, no tail (the shrink programs kept)": dict(SKIP=2),
+    "timing only: nor any shrink work (its programs idle)": dict(SKIP=3),
+    "timing only: nor any ticket": dict(SKIP=4),
+    "timing only: the bare tiles (no shrink programs)": dict(SKIP=5),
+    "timing only: no wait, no tail, shrink programs at the highest ids": dict(SKIP=2, SHRINK_LAST=True),
+}
+
+
 @triton.jit
 def _glu_hidden_shrink_kernel(x_desc, w_desc, a_desc, bt_desc, s_ptr, y_ptr, row_slot_ptr, col_slot_ptr,
                               col_scale_ptr, flag_ptr, ticket_ptr, M, N, K, T, stride_s, stride_y,
@@ -157,6 +187,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--shrink-blocks", type=int, nargs="+", default=[16, 32], help="shrink columns a program")
+    p.add_argument("--only", nargs="+", default=None, help="run the variants whose names hold one of these")
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): tiny shapes, no timing")
     args = p.parse_args(argv)
     from bench_kernels import capture, gpu_probe
@@ -218,11 +249,11 @@ def main(argv=None):
             o["bt"][:, t0_pad:] = o["b_tail"][n:]
         return o["bt"]
 
-    def library_one_launch(o, xn, align=8 if args.rank % 8 == 0 else 1, bt=False):
+    def library_one_launch(o, xn, align=8 if args.rank % 8 == 0 else 1, bt=False, variant=None):
         # ops.glu_lora: B read from the packed arena (align 1: 2-byte loads), or from its columns (bt)
         lora = GluLora(row_slot, col_slot.repeat(2), t_all, o["b_flat"], rt, sc, o["a_rows"], o["b_offs"],
                        o["s"], counters, args.rank, align, b_columns(o) if bt else None, t0_pad if bt else 0)
-        return glu_lora(xn, o["ext"], n, lora, "silu", base_cfg, out=o["h"], check=False)
+        return glu_lora(xn, o["ext"], n, lora, "silu", base_cfg, out=o["h"], check=False, variant=variant)
 
     variants = {
         "library: folded cuBLAS + expand + act-mul": library,
@@ -230,6 +261,8 @@ def main(argv=None):
         "library: ops.glu_lora, B's columns through a descriptor (bt)":
             lambda o, xn: library_one_launch(o, xn, bt=True),
         "library: ops.glu_lora, B's loads not vectorized (align 1)": lambda o, xn: library_one_launch(o, xn, 1),
+        **{f"library: ops.glu_lora, bt, {name}": (lambda o, xn, v=v: library_one_launch(o, xn, bt=True, variant=v))
+           for name, v in TAIL_VARIANTS.items()},
         "base only: the gated tile, no LoRA": lambda o, xn: tma_gemm(xn, o["w"], out=o["h"], config=base_cfg,
                                                                      glu="silu", check=False),
     }
@@ -256,10 +289,14 @@ def main(argv=None):
 
     library_err = error(run(library)[0])
     rows_out = []
+    if args.only:
+        variants = {name: fn for name, fn in variants.items() if any(o in name for o in args.only)}
+    if args.smoke:  # (the interpreter runs programs in id order: tiles first would poll SPIN_LIMIT times each)
+        variants = {name: fn for name, fn in variants.items() if "highest ids" not in name}
     for name, fn in variants.items():
         got = run(fn)[0].clone()
         err = ""
-        if "base only" not in name:
+        if "base only" not in name and "timing only" not in name:
             err = error(got)
             if err > max(2 * library_err, 2 ** -7 if dtype != torch.float32 else 1e-5) or counters.any():
                 print(f"{name}: error {err:.3g} against float32 (the library's {library_err:.3g}) or counters left "
