@@ -497,9 +497,6 @@ def main(argv=None):
     p.add_argument("--glu-lora", choices=["on", "off"], default="on",
                    help="off: a 65-128-row folded LoRA gate/up takes the folded GEMM, expand and act-mul instead of "
                         "ops.glu_lora's one launch (stream_linears.GLU_LORA), for an A/B")
-    p.add_argument("--glu-sync", choices=["s32", "loads"], default="s32",
-                   help="ops.glu_lora's synchronization (its VARIANT): session 32's read-modify-write polls and "
-                        "tickets, or acquire loads and an early release ticket, for an A/B")
     p.add_argument("--epilogue-folds", choices=["on", "off"], default="on",
                    help="off: the KV length's increment, the MLP's residual add and (plain gate/up) its "
                         "activation as kernels of their own, for an A/B")
@@ -538,9 +535,6 @@ def main(argv=None):
     importlib.import_module("peft_fastlora.base_ops.stream_linears").TMA_GEMM = args.tma_gemm == "on"
     importlib.import_module("peft_fastlora.base_ops.stream_linears").ADD_TMA = args.tma_add == "on"
     importlib.import_module("peft_fastlora.base_ops.stream_linears").GLU_LORA = args.glu_lora == "on"
-    if args.glu_sync == "loads":
-        importlib.import_module("peft_fastlora.ops.glu_lora").VARIANT.update(POLL=1, EARLY_TICKET=True,
-                                                                             TICKET_RELEASE=True)
     if args.epilogue_folds == "off":
         importlib.import_module("peft_fastlora.decode.static_cache").KV_TICKET = False
         importlib.import_module("peft_fastlora.base_ops.stream_linears").EPILOGUE_FOLDS = False
@@ -552,7 +546,7 @@ def main(argv=None):
     importlib.import_module("peft_fastlora.decode.greedy_loop").ENABLED = args.token_select == "fused"
     importlib.import_module("peft_fastlora.decode.step_advance").ENABLED = args.step_advance == "on"
     vers = dict(versions(), expand=args.expand, stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms,
-                tma_gemm=args.tma_gemm, tma_add=args.tma_add, glu_lora=args.glu_lora, glu_sync=args.glu_sync,
+                tma_gemm=args.tma_gemm, tma_add=args.tma_add, glu_lora=args.glu_lora,
                 epilogue_folds=args.epilogue_folds, attention_prewait=args.attention_prewait,
                 attention_block_n=args.attention_block_n, rotary_kv=args.rotary_kv, token_select=args.token_select,
                 step_advance=args.step_advance)

@@ -37,33 +37,20 @@ from peft_fastlora.ops.silu_mul import act_mul_rounded  # noqa: E402
 from peft_fastlora.ops.stream_gemm import _tile_dot  # noqa: E402
 
 
-# ops.glu_lora's tail, by its probe knobs (``variant``); the "timing only" ones leave out part of the
-# work (their results are wrong) to split the kernel's time over the base tile
+# ops.glu_lora with B's columns, by its arguments: the shrink programs' size, and the "timing only"
+# ones, which leave out part of the work (``skip``: their results are wrong) to split the launch's time
+# over the base tile. Session 33's other forms (the tail in one loop, an L2 prefetch of B's columns,
+# early or release-only tickets, polls by acquire loads, the shrink programs at the highest ids) were
+# measured at commit 1958eb3 (probe_glu_tail_s33*_h200.csv) and removed: none was faster.
 TAIL_VARIANTS = {
-    "a loop a module (session 32)": dict(TAIL_FORM=1),
-    "one loop": dict(TAIL_FORM=2),
-    "one loop, early ticket": dict(TAIL_FORM=2, EARLY_TICKET=True),
-    "one loop, early ticket, L2 prefetch 8 K blocks before the end": dict(TAIL_FORM=2, EARLY_TICKET=True,
-                                                                          PREFETCH_AT=8),
-    "one loop, early ticket, L2 prefetch 24 K blocks before the end": dict(TAIL_FORM=2, EARLY_TICKET=True,
-                                                                           PREFETCH_AT=24),
-    "one loop, early ticket, L2 prefetch at the start": dict(TAIL_FORM=2, EARLY_TICKET=True, PREFETCH_AT=1 << 20),
-    "shrink programs at the highest ids": dict(SHRINK_LAST=True),
-    "32-row shrink programs": dict(SHRINK_COLUMNS=32),
-    "64-row shrink programs": dict(SHRINK_COLUMNS=64),
-    "64-row shrink programs at the highest ids": dict(SHRINK_COLUMNS=64, SHRINK_LAST=True),
-    "sync: polls by acquire loads": dict(POLL=1),
-    "sync: early ticket, release only": dict(EARLY_TICKET=True, TICKET_RELEASE=True),
-    "sync: polls by acquire loads, early ticket, release only": dict(POLL=1, EARLY_TICKET=True, TICKET_RELEASE=True),
-    "sync: the same with 64-row shrink programs": dict(POLL=1, EARLY_TICKET=True, TICKET_RELEASE=True,
-                                                       SHRINK_COLUMNS=64),
-    "sync: the same with one tail loop": dict(POLL=1, EARLY_TICKET=True, TICKET_RELEASE=True, TAIL_FORM=2),
-    "timing only: no tail (the wait kept)": dict(SKIP=1),
-    "timing only: no wait, no tail (the shrink programs kept)": dict(SKIP=2),
-    "timing only: nor any shrink work (its programs idle)": dict(SKIP=3),
-    "timing only: nor any ticket": dict(SKIP=4),
-    "timing only: the bare tiles (no shrink programs)": dict(SKIP=5),
-    "timing only: no wait, no tail, shrink programs at the highest ids": dict(SKIP=2, SHRINK_LAST=True),
+    "16-row shrink programs (session 32)": {},
+    "32-row shrink programs": dict(shrink_columns=32),
+    "64-row shrink programs": dict(shrink_columns=64),
+    "timing only: no tail (the wait kept)": dict(skip=1),
+    "timing only: no wait, no tail (the shrink programs kept)": dict(skip=2),
+    "timing only: nor any shrink work (its programs idle)": dict(skip=3),
+    "timing only: nor any counter touched": dict(skip=4),
+    "timing only: the bare tiles (no shrink programs)": dict(skip=5),
 }
 
 
@@ -253,7 +240,7 @@ def main(argv=None):
         # ops.glu_lora: B read from the packed arena (align 1: 2-byte loads), or from its columns (bt)
         lora = GluLora(row_slot, col_slot.repeat(2), t_all, o["b_flat"], rt, sc, o["a_rows"], o["b_offs"],
                        o["s"], counters, args.rank, align, b_columns(o) if bt else None, t0_pad if bt else 0)
-        return glu_lora(xn, o["ext"], n, lora, "silu", base_cfg, out=o["h"], check=False, variant=variant)
+        return glu_lora(xn, o["ext"], n, lora, "silu", base_cfg, out=o["h"], check=False, **(variant or {}))
 
     variants = {
         "library: folded cuBLAS + expand + act-mul": library,
@@ -291,8 +278,6 @@ def main(argv=None):
     rows_out = []
     if args.only:
         variants = {name: fn for name, fn in variants.items() if any(o in name for o in args.only)}
-    if args.smoke:  # (the interpreter runs programs in id order: tiles first would poll SPIN_LIMIT times each)
-        variants = {name: fn for name, fn in variants.items() if "highest ids" not in name}
     for name, fn in variants.items():
         got = run(fn)[0].clone()
         err = ""

@@ -76,12 +76,12 @@ def truncated(t):
     return (t.float().contiguous().view(torch.int32) & -65536).view(torch.float32)
 
 
-def check_against_reference(x, w, n, lora, act, dtype, config=CONFIG, variant=None):
+def check_against_reference(x, w, n, lora, act, dtype, config=CONFIG, **kwargs):
     """The kernel's output the reference's, and the counters back at zero. In the interpreter a
     bfloat16 result is held to the reference in the interpreter's (truncating) roundings, bit for
     bit; elsewhere to ``TOL``."""
     out = torch.full((x.shape[0], n), float("nan"), dtype=dtype, device=x.device)
-    glu_lora(x, w, n, lora, act, config, out=out, variant=variant)
+    glu_lora(x, w, n, lora, act, config, out=out, **kwargs)
     assert not lora.counters.any(), lora.counters  # put back for the next launch
     if interpreting() and dtype == torch.bfloat16:
         want = glu_lora_reference(x, w, n, lora, act, rounding=truncated)
@@ -110,19 +110,17 @@ def test_matches_reference(m, n, k, dtype, ranks):
     assert (out.float() - base.float()).abs().max() > 0.05
 
 
-TAIL_FORMS = {"a loop a module": dict(TAIL_FORM=1), "one loop, early ticket": dict(TAIL_FORM=2, EARLY_TICKET=True),
-              "64-row shrink programs": dict(SHRINK_COLUMNS=64)}
+SHRINK_SIZES = {"16-row-shrink": {}, "64-row-shrink": dict(shrink_columns=64)}  # the shrink programs
 
 
-@pytest.mark.parametrize("form", sorted(TAIL_FORMS))
-@pytest.mark.parametrize("ranks", [RANKS["odd"], [(8, 40), (0, 16)]], ids=["gate wider", "up wider"])
+@pytest.mark.parametrize("form", sorted(SHRINK_SIZES))
+@pytest.mark.parametrize("ranks", [RANKS["odd"], [(8, 40), (0, 16)]], ids=["gate-wider", "up-wider"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_b_columns_through_a_descriptor_match_reference(dtype, ranks, form):
-    """``bt`` given: the tail reads B's columns through a tensor descriptor; the same result, in
-    either form of the tail, whichever module's region is the wider (one loop: the narrower one's
-    blocks past its end read zeros)."""
+    """``bt`` given: the tail reads B's columns through a tensor descriptor; the same result,
+    whichever module's region is the wider, with shrink programs of 16 rows or 64."""
     x, w, lora = glu_case(70, 33, 64, ranks, dtype)
-    check_against_reference(x, w, 33, with_bt(lora, 33), "silu", dtype, variant=TAIL_FORMS[form])
+    check_against_reference(x, w, 33, with_bt(lora, 33), "silu", dtype, **SHRINK_SIZES[form])
 
 
 def test_b_columns_kernel_lays_b_out_as_the_arena_rows():

@@ -17,26 +17,20 @@ import peft_fastlora.ops.glu_lora as gl
 from peft_fastlora.ops.glu_lora import glu_lora, glu_lora_reference, glu_lora_shrink_reference
 from peft_fastlora.ops.tma_gemm import TmaConfig
 
-from test_glu_lora import TAIL_FORMS, TOL, glu_case, with_bt
+from test_glu_lora import SHRINK_SIZES, TOL, glu_case, with_bt
 
 pytestmark = pytest.mark.gpu
 
 GLU_TILE = TmaConfig(128, 64, 1, 8, 4)  # the committed table's gated tile
 RANKS = {"8x16": [(16, 16)] * 8, "mixed": [(8, 8), (16, 0), (32, 32), (64, 16), (16, 16)]}
-# the tail's forms with B's columns (the L2 prefetch runs on the GPU only)
-FORMS = dict(TAIL_FORMS, **{"one loop, early ticket, L2 prefetch": dict(TAIL_FORM=2, EARLY_TICKET=True,
-                                                                        PREFETCH_AT=8),
-                            "shrink programs last": dict(SHRINK_LAST=True),
-                            "acquire loads, early release ticket": dict(POLL=1, EARLY_TICKET=True,
-                                                                        TICKET_RELEASE=True)})
 
 
-def _check(x, w, n, lora, dtype, config=GLU_TILE, variant=None):
+def _check(x, w, n, lora, dtype, config=GLU_TILE, **kwargs):
     """The scratch the shrink programs wrote against the reference's shrink, and the output against
     the reference from that scratch (a shrink sum rounding the other way moves a delta by a unit of
     the shrink's last place, times B: more than ``TOL`` allows in an output near zero), each within
     ``TOL``; the counters back at zero."""
-    out = glu_lora(x, w, n, lora, "silu", config, variant=variant)
+    out = glu_lora(x, w, n, lora, "silu", config, **kwargs)
     torch.cuda.synchronize()
     assert not lora.counters.any(), lora.counters
     atol, rtol = TOL[dtype]
@@ -56,28 +50,29 @@ def test_llama_8b_gate_up(dtype, m, ranks):
     _check(x, w, 14336, lora, dtype)
 
 
-@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("form", sorted(SHRINK_SIZES))
 @pytest.mark.parametrize("ranks", sorted(RANKS))
 def test_llama_8b_gate_up_with_b_columns(ranks, form):
     """B's columns through a descriptor (``GluLora.bt``, written by ``b_columns``: the host's layout),
-    in each form of the tail."""
+    with shrink programs of 16 rows or 64."""
     n = 14336
     x, w, lora = glu_case(128, n, 4096, RANKS[ranks], torch.bfloat16, device="cuda", seed=3)
     want = with_bt(lora, n)
     got = torch.full_like(want.bt, float("nan"))
     gl.b_columns(lora.b, lora.col_slot, lora.ranks, lora.a_rows, lora.b_offs, lora.t0, want.t0_pad, got)
     assert torch.equal(got, want.bt)
-    _check(x, w, n, want._replace(bt=got), torch.bfloat16, variant=FORMS[form])
+    _check(x, w, n, want._replace(bt=got), torch.bfloat16, **SHRINK_SIZES[form])
 
 
-@pytest.mark.parametrize("form", [None] + sorted(FORMS))
+@pytest.mark.parametrize("form", [None] + sorted(SHRINK_SIZES))
 @pytest.mark.parametrize("m,n,k", [(70, 1000, 520), (128, 77, 4104), (100, 4096, 104)])
 def test_odd_shapes_in_float32(m, n, k, form):
-    """Odd shapes, B gathered from the packed arena (form None) or its columns in each tail form."""
+    """Odd shapes, B gathered from the packed arena (form None) or its columns, with shrink programs
+    of 16 rows or 64."""
     x, w, lora = glu_case(m, n, k, RANKS["mixed"], torch.float32, device="cuda")
     if form is not None:
         lora = with_bt(lora, n)
-    _check(x, w, n, lora, torch.float32, config=TmaConfig(64, 32, 1, 4, 2), variant=FORMS.get(form))
+    _check(x, w, n, lora, torch.float32, config=TmaConfig(64, 32, 1, 4, 2), **SHRINK_SIZES.get(form, {}))
 
 
 def test_graph_replays_follow_the_rows_adapters():

@@ -56,7 +56,6 @@ TAIL_BLOCK = 64  # columns of a tail K block (G slots of RB columns, RB the larg
 MAX_RANK = 64  # the largest rank a slot may hold here (one slot's block in one tail K block), and how far
 # past their ends the tail may read the scratch's rows and B
 SPIN_LIMIT = 1 << 20  # polls of the count before a tile computes the shrink itself
-VARIANT: dict = {}  # the kernel's knobs every launch takes (``glu_lora``'s ``variant``): benchmarks' A/B
 
 
 class GluLora(NamedTuple):
@@ -146,55 +145,15 @@ def _lora_tail_bt(acc, bt_desc, s_ptr, offs_m, m_ok, n0, lo, hi, bt_lo, stride_s
 
 
 @triton.jit
-def _lora_tails_bt(acc, acc_up, bt_desc, s_ptr, offs_m, m_ok, n0, T0, R, T0_PAD, stride_s, BLOCK_T: tl.constexpr,
-                   UPCAST: tl.constexpr):
-    """Both modules' deltas in one loop (``_lora_tail_bt``'s twice, one K block of each a step): the
-    blocks of both are in flight together. Gate's blocks past ``T0`` read zeros from the scratch
-    (its mask) against whatever ``bt`` holds there; up's past ``R`` read zeros from both."""
-    for t in range(0, tl.maximum(T0, R - T0), BLOCK_T):
-        cols = t + tl.arange(0, BLOCK_T)
-        s_at = s_ptr + offs_m[:, None] * stride_s + cols[None, :]
-        sg = tl.load(s_at, mask=m_ok[:, None] & (cols < T0)[None, :], other=0.0, cache_modifier=".cg")
-        su = tl.load(s_at + T0, mask=m_ok[:, None] & (cols < R - T0)[None, :], other=0.0, cache_modifier=".cg")
-        acc = _tile_dot(sg, bt_desc.load([n0, t]), acc, UPCAST)
-        acc_up = _tile_dot(su, bt_desc.load([n0, T0_PAD + t]), acc_up, UPCAST)
-    return acc, acc_up
-
-
-@triton.jit
-def _load_acquire(ptr):
-    """``*ptr`` (int32) read with acquire semantics at GPU scope: a load, not a read-modify-write."""
-    return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _poll(ptr, POLL: tl.constexpr):
-    """The count, one value for the whole program (a load is each thread's own: their minimum)."""
-    if POLL == 1:
-        return tl.min(_load_acquire(ptr + tl.zeros([128], dtype=tl.int32)), axis=0)
-    return tl.atomic_add(ptr, 0, sem="acquire")
-
-
-@triton.jit
-def _bulk_prefetch_if(addr, size, flag):
-    """Ask the L2 for ``size`` bytes at each ``addr`` where ``flag`` is nonzero (a hint: no result)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [addr, size, flag], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _glu_lora_kernel(
     # tensor descriptors over x (M, K) and w ([gate; up; arena], K): x's tiles, w's tiles for the
     # gated K loop, the shrink's A tiles
     x_desc, w_desc, a_desc, bt_desc,
     # pointers (the tables are the pool's (S, 2) ones)
-    s_ptr, y_ptr, b_ptr, bt_ptr, token_slot_ptr, col_slot_ptr, ranks_ptr, scal_ptr, a_rows_ptr, b_offs_ptr,
-    counters_ptr,
+    s_ptr, y_ptr, b_ptr, token_slot_ptr, col_slot_ptr, ranks_ptr, scal_ptr, a_rows_ptr, b_offs_ptr, counters_ptr,
     # dimensions: N outputs of gate (and of up); T0 arena rows of gate's region, R in all; S slots
     M, N, K, T0, R, S, T0_PAD,
-    stride_s, stride_y, stride_bt, BT_BYTES,
+    stride_s, stride_y,
     # meta-parameters
     NS: tl.constexpr,  # shrink programs, the lowest ids
     SB: tl.constexpr,  # arena rows each computes
@@ -208,56 +167,36 @@ def _glu_lora_kernel(
     UPCAST: tl.constexpr,
     USE_PDL: tl.constexpr,
     SPIN: tl.constexpr,  # polls before a tile computes the shrink itself
-    TAIL_FORM: tl.constexpr,  # with HAS_BT: 1 a loop a module, 2 one loop for both
-    PREFETCH_AT: tl.constexpr,  # with HAS_BT: K blocks before the loop's end at which a tile asks the L2 for
-    # its rows of ``bt`` (0: never)
-    EARLY_TICKET: tl.constexpr,  # take the ticket once the count is read, not at the end
-    SKIP: tl.constexpr,  # probes only (wrong results): 1 no tail; 2 no wait either; 3 the shrink programs do
-    # nothing either; 4 nor does anyone take a ticket; 5 (with no shrink programs in the grid) the bare tiles
-    SHRINK_LAST: tl.constexpr,  # the shrink programs take the highest ids, not the lowest
-    POLL: tl.constexpr,  # 0: the count read by an acquire read-modify-write, 1: by an acquire load
-    TICKET_RELEASE: tl.constexpr,  # a tile's early ticket with release semantics only (not acq_rel)
+    SKIP: tl.constexpr,  # probes only, to split the launch's time (results wrong): 1 no tail; 2 no wait
+    # either; 3 the shrink programs idle; 4 no counters touched (no count, no tickets); 5 (no shrink programs
+    # in the grid) the bare tiles
 ):
     pdl.launch_dependents(USE_PDL)
     pid = tl.program_id(0)
-    tiles = tl.num_programs(0) - NS
-    is_shrink = pid >= tiles if SHRINK_LAST else pid < NS
-    tile = pid if SHRINK_LAST else pid - NS
-    sp = pid - tiles if SHRINK_LAST else pid
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     N2 = 2 * N  # w's first arena row
     pdl.wait(USE_PDL)
     row_slot = tl.load(token_slot_ptr + offs_m, mask=m_ok, other=-1)
-    if is_shrink:
+    if pid < NS:
         if SKIP < 3:
-            _store_shrink(x_desc, a_desc, s_ptr, stride_s, row_slot, offs_m, m_ok, sp * SB, col_slot_ptr, scal_ptr,
+            _store_shrink(x_desc, a_desc, s_ptr, stride_s, row_slot, offs_m, m_ok, pid * SB, col_slot_ptr, scal_ptr,
                           N2, K, T0, R, BLOCK_M, SB, BLOCK_K, NUM_STAGES, UPCAST)
         if SKIP < 4:
             tl.atomic_add(counters_ptr, 1, sem="release")
-            ticket = tl.atomic_add(counters_ptr + 1, 1, sem="acq_rel")
-        else:
-            ticket = 0
     else:
-        n0 = tile * BLOCK_N
+        n0 = (pid - NS) * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if PREFETCH_AT > 0:
-            pf_rows = n0 + tl.arange(0, BLOCK_N)
-            pf_at = (bt_ptr + pf_rows.to(tl.int64) * stride_bt).to(tl.pointer_type(tl.int8))
-            pf_k = tl.maximum(K - PREFETCH_AT * BLOCK_K, 0)
         for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            if PREFETCH_AT > 0:
-                _bulk_prefetch_if(pf_at, tl.full((BLOCK_N,), BT_BYTES, tl.int32),
-                                  ((pf_rows < N) & (k == pf_k)).to(tl.int32))
             xk = x_desc.load([0, k])
             acc = _tile_dot(xk, w_desc.load([n0, k]), acc, UPCAST)
             acc_up = _tile_dot(xk, w_desc.load([N + n0, k]), acc_up, UPCAST)
         if SKIP < 2:
-            done = _poll(counters_ptr, POLL)
+            done = tl.atomic_add(counters_ptr, 0, sem="acquire")
             polls = 0
             while (done < NS) & (polls < SPIN):
-                done = _poll(counters_ptr, POLL)
+                done = tl.atomic_add(counters_ptr, 0, sem="acquire")
                 polls += 1
             if done < NS:
                 # waited too long: write the whole shrink itself (the same bits the shrink programs
@@ -266,19 +205,10 @@ def _glu_lora_kernel(
                     _store_shrink(x_desc, a_desc, s_ptr, stride_s, row_slot, offs_m, m_ok, c0, col_slot_ptr,
                                   scal_ptr, N2, K, T0, R, BLOCK_M, SB, BLOCK_K, NUM_STAGES, UPCAST)
                 tl.debug_barrier()  # (the block's stores visible to all its threads)
-        if SKIP >= 4:
-            ticket = 0
-        elif EARLY_TICKET and TICKET_RELEASE:  # (every read of the count is done)
-            ticket = tl.atomic_add(counters_ptr + 1, 1, sem="release")
-        elif EARLY_TICKET:
-            ticket = tl.atomic_add(counters_ptr + 1, 1, sem="acq_rel")
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         if SKIP > 0:
             pass
-        elif HAS_BT and TAIL_FORM == 2:
-            acc, acc_up = _lora_tails_bt(acc, acc_up, bt_desc, s_ptr, offs_m, m_ok, n0, T0, R, T0_PAD, stride_s,
-                                         G * RB, UPCAST)
         elif HAS_BT:
             acc = _lora_tail_bt(acc, bt_desc, s_ptr, offs_m, m_ok, n0, 0, T0, 0, stride_s, G * RB, UPCAST)
             acc_up = _lora_tail_bt(acc_up, bt_desc, s_ptr, offs_m, m_ok, n0, T0, R, T0_PAD, stride_s, G * RB, UPCAST)
@@ -290,12 +220,11 @@ def _glu_lora_kernel(
         dt = y_ptr.dtype.element_ty
         out = act_mul_rounded(acc.to(dt).to(tl.float32), acc_up.to(dt).to(tl.float32), dt, GLU == 2, LIBDEVICE)
         tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], out.to(dt), mask=m_ok[:, None] & n_ok[None, :])
-        if (not EARLY_TICKET) and SKIP < 4:
-            ticket = tl.atomic_add(counters_ptr + 1, 1, sem="acq_rel")
-    # the last program to take a ticket puts the counters back (every tile has read the count by then)
-    if (ticket == tl.num_programs(0) - 1) and SKIP < 4:
-        tl.atomic_xchg(counters_ptr, 0, sem="acq_rel")
-        tl.atomic_xchg(counters_ptr + 1, 0, sem="acq_rel")
+    # the last program to finish puts the counters back (every tile has read the count by then)
+    if SKIP < 4:
+        if tl.atomic_add(counters_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            tl.atomic_xchg(counters_ptr, 0)
+            tl.atomic_xchg(counters_ptr + 1, 0)
 
 
 @triton.jit
@@ -383,7 +312,8 @@ def check_glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora) -> N
 
 
 def glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora, act: str, config: TmaConfig,
-             out: Optional[torch.Tensor] = None, check: bool = True, variant: Optional[dict] = None) -> torch.Tensor:
+             out: Optional[torch.Tensor] = None, check: bool = True, shrink_columns: int = SHRINK_COLUMNS,
+             skip: int = 0) -> torch.Tensor:
     """``act(x @ gate.T + dg) * (x @ up.T + du)`` (module doc), (M, n) of x's dtype.
 
     Args:
@@ -394,10 +324,14 @@ def glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora, act: str, 
         act: one of ``ops.silu_mul.ACTIVATIONS``.
         config: the gated tile (``TmaConfig``; split_k is ignored).
         out: optional (M, n) output, unit column stride.
-        variant: probes only, the tail's form (``TAIL_FORM``, ``PREFETCH_AT``, ``EARLY_TICKET``, ``SKIP``).
+        shrink_columns: arena rows a shrink program computes (a power of 2, 16 or more).
+        skip: probes only (``benchmarks/probe_glu_hidden_shrink.py``): leave out part of the work to
+            split the launch's time (the kernel's ``SKIP``); the result is then wrong.
     """
     if check:
         check_glu_lora(x, w, n, lora)
+        if shrink_columns < 16 or shrink_columns & (shrink_columns - 1):
+            raise ValueError(f"glu_lora: shrink_columns must be a power of 2 of 16 or more, got {shrink_columns}")
         if act not in ACTIVATIONS:
             raise ValueError(f"glu_lora: activation {act!r} is not one of {ACTIVATIONS}")
     m, k = x.shape
@@ -409,30 +343,22 @@ def glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora, act: str, 
     if m == 0:
         return out
     block_m = max(16, triton.next_power_of_2(m))
+    ns = 0 if skip >= 5 else triton.cdiv(r, shrink_columns)
     rb = max(16, triton.next_power_of_2(lora.max_rank))
     use_pdl = pdl.mode(x)
     upcast = x.dtype == torch.float32 or interpreting()
-    knobs = {"TAIL_FORM": 1, "PREFETCH_AT": 0, "EARLY_TICKET": False, "SKIP": 0, "SHRINK_LAST": False,
-             "POLL": 0, "TICKET_RELEASE": False, "SHRINK_COLUMNS": SHRINK_COLUMNS, **VARIANT, **(variant or {})}
-    sb = knobs.pop("SHRINK_COLUMNS")
-    ns = 0 if knobs["SKIP"] >= 5 else triton.cdiv(r, sb)
-    if interpreting():
-        knobs["POLL"] = 0  # (inline PTX)
-    if interpreting() or lora.bt is None:
-        knobs["PREFETCH_AT"] = 0
-    bt = lora.bt if lora.bt is not None else w
-    _glu_lora_kernel[(ns + triton.cdiv(n, config.block_n),)](  # (sb, ns: the knobs' SHRINK_COLUMNS)
+    _glu_lora_kernel[(ns + triton.cdiv(n, config.block_n),)](
         TensorDescriptor.from_tensor(x, [block_m, config.block_k]),
         TensorDescriptor.from_tensor(w, [config.block_n, config.block_k]),
-        TensorDescriptor.from_tensor(w, [sb, config.block_k]),
-        TensorDescriptor.from_tensor(bt, [config.block_n, TAIL_BLOCK]),
-        lora.scratch, out, lora.b, bt, lora.token_slot, lora.col_slot, lora.ranks, lora.scalings, lora.a_rows,
+        TensorDescriptor.from_tensor(w, [shrink_columns, config.block_k]),
+        TensorDescriptor.from_tensor(lora.bt if lora.bt is not None else w, [config.block_n, TAIL_BLOCK]),
+        lora.scratch, out, lora.b, lora.token_slot, lora.col_slot, lora.ranks, lora.scalings, lora.a_rows,
         lora.b_offs, lora.counters, m, n, k, lora.t0, r, lora.ranks.shape[0], lora.t0_pad, lora.scratch.stride(0),
-        out.stride(0), bt.stride(0), -(-(lora.t0_pad + r - lora.t0) * bt.element_size() // 16) * 16,
-        NS=ns, SB=sb, GLU=1 + ACTIVATIONS.index(act), LIBDEVICE=not interpreting(),
+        out.stride(0),
+        NS=ns, SB=shrink_columns, GLU=1 + ACTIVATIONS.index(act), LIBDEVICE=not interpreting(),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, G=max(1, TAIL_BLOCK // rb), RB=rb,
         NUM_STAGES=config.num_stages, ALIGNED=lora.align % 8 == 0, HAS_BT=lora.bt is not None, UPCAST=upcast,
-        USE_PDL=use_pdl, SPIN=SPIN_LIMIT, **knobs,
+        USE_PDL=use_pdl, SPIN=SPIN_LIMIT, SKIP=skip,
         num_warps=config.num_warps, launch_pdl=use_pdl > 0)
     return out
 
