@@ -76,7 +76,7 @@ def tiny_peft(arch: str, device: str):
 
 
 def draw(rng: random.Random, args, names, first: bool):
-    rows = args.max_rows if first else rng.randint(1, args.max_rows)
+    rows = args.max_rows if first else rng.randint(args.min_rows, args.max_rows)
     lengths = [args.max_prompt if first else rng.randint(1, args.max_prompt) for _ in range(rows)]
     new = args.max_new if first else rng.randint(1, args.max_new)
     mix = [rng.choice(names + ["__base__"]) for _ in range(rows)]
@@ -119,6 +119,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-llama", choices=["tiny-llama", "tiny-qwen2", "tiny-gemma2", "1b", "8b"])
     p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--min-rows", type=int, default=1,
+                   help="the fewest rows a call draws (65 with --max-rows 128: every call in ops.glu_lora's range)")
     p.add_argument("--max-rows", type=int, default=300)
     p.add_argument("--max-prompt", type=int, default=600)
     p.add_argument("--max-new", type=int, default=90)
@@ -130,6 +132,8 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--smoke", action="store_true", help="CPU, emulated graphs, tiny sizes: checks the script")
     args = p.parse_args(argv)
+    if not 1 <= args.min_rows <= args.max_rows:
+        p.error(f"--min-rows must be 1 to --max-rows ({args.max_rows}), got {args.min_rows}")
     import peft_fastlora as fastlora
     from peft import LoraConfig
 
@@ -215,6 +219,9 @@ def main(argv=None):
         rows_out.append(row)
         if i % 10 == 0 or not ok:
             print(row, flush=True)
+        else:  # (a run stopped from outside still shows every call's shape)
+            print(f"call {i}: {rows} rows, {new} new tokens, {'sampled' if sample else 'greedy'}, ok {int(ok)}, "
+                  f"{dt:.1f} s", flush=True)
     # before and after the change (no change made: the two halves of the calls)
     half = change_at if change_at is not None else len(rows_out) // 2
     before, after = rows_out[:half], rows_out[half:]

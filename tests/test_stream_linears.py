@@ -567,3 +567,19 @@ def test_lora_gate_up_takes_shrink_deltas_and_activation_in_one_launch(monkeypat
         want = model.generate(**batch, adapter_names=names, **kwargs)
     for g in got:
         _same_decode(g, want)
+
+
+def test_a_model_on_several_devices_gets_no_decode_gemm_kernel(monkeypatch):
+    """``stream_wanted`` (which also decides whether gate/up pools keep ``ops.glu_lora``'s buffers)
+    says no for a model whose parameters span two devices, whatever ``stream_gemm`` asks; the same
+    model on one device gets the kernel (under the interpreter, the CPU tests' path)."""
+    import peft_fastlora.base_ops as base_ops
+    from peft_fastlora import PatchOptions
+
+    monkeypatch.setattr(base_ops, "interpreting", lambda: True)
+    model = tiny_llama(0, vocab_size=128)
+    options = PatchOptions(stream_gemm=True)
+    assert base_ops.stream_wanted(model, options, torch.device("cpu"))
+    model.model.layers[1].mlp.down_proj.to("meta")  # (accelerate's device_map leaves layers elsewhere)
+    assert not base_ops.stream_wanted(model, options, torch.device("cpu"))
+    assert not base_ops.stream_wanted(model, PatchOptions(stream_gemm="auto"), torch.device("cpu"))
