@@ -57,9 +57,10 @@ TAIL_VARIANTS = {
 @triton.jit
 def _glu_hidden_shrink_kernel(x_desc, w_desc, a_desc, bt_desc, s_ptr, y_ptr, row_slot_ptr, col_slot_ptr,
                               col_scale_ptr, flag_ptr, ticket_ptr, M, N, K, T, stride_s, stride_y,
+                              ad_desc, ds_ptr, RD,
                               NS: tl.constexpr, SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
-                              USE_PDL: tl.constexpr):
+                              USE_PDL: tl.constexpr, DOWN: tl.constexpr, BLOCK_R: tl.constexpr):
     pdl.launch_dependents(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -81,6 +82,11 @@ def _glu_hidden_shrink_kernel(x_desc, w_desc, a_desc, bt_desc, s_ptr, y_ptr, row
         s = tl.where(keep, s_acc * sc[None, :], 0.0)
         tl.store(s_ptr + offs_m[:, None] * stride_s + offs_c[None, :], s.to(s_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & c_ok[None, :])
+        if DOWN:  # down's shrink sum back to zero before any tile adds to it (the count orders them)
+            for c in range(pid * BLOCK_R, RD, NS * BLOCK_R):
+                cols = c + tl.arange(0, BLOCK_R)
+                tl.store(ds_ptr + offs_m[:, None] * RD + cols[None, :], tl.zeros((BLOCK_M, BLOCK_R), tl.float32),
+                         mask=m_ok[:, None] & (cols < RD)[None, :])
         tl.atomic_add(flag_ptr, 1, sem="release")
     else:
         n0 = (pid - NS) * BLOCK_N
@@ -107,28 +113,43 @@ def _glu_hidden_shrink_kernel(x_desc, w_desc, a_desc, bt_desc, s_ptr, y_ptr, row
         out = act_mul_rounded(acc.to(dt).to(tl.float32), acc_up.to(dt).to(tl.float32), dt, False, False)
         tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], out.to(dt),
                  mask=m_ok[:, None] & (offs_n < N)[None, :])
+        if DOWN:
+            # down_proj's shrink, this tile's part: its BLOCK_N columns of the act-mul output (down's
+            # K) against the same columns of down's A arena (RD rows), summed over the tiles in float32
+            h = out.to(dt)
+            for r0 in range(0, RD, BLOCK_R):
+                rr = r0 + tl.arange(0, BLOCK_R)
+                part = _tile_dot(h, ad_desc.load([r0, n0]), tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), UPCAST)
+                tl.atomic_add(ds_ptr + offs_m[:, None] * RD + rr[None, :], part, mask=m_ok[:, None] & (rr < RD)[None, :],
+                              sem="relaxed")
         # the last tile puts the flag back for the next launch (every tile has read it by then)
         if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == tl.num_programs(0) - NS - 1:
             tl.atomic_xchg(flag_ptr, 0)
             tl.atomic_xchg(ticket_ptr, 0)
 
 
-def glu_hidden_shrink(x, w, a2, bt, s, out, row_slot, col_slot, col_scale, counters, cfg, sb=16):
+def glu_hidden_shrink(x, w, a2, bt, s, out, row_slot, col_slot, col_scale, counters, cfg, sb=16, down=None):
     """``act(x @ gate.T + dg) * (x @ up.T + du)`` with the shrink in the same launch (module doc).
     x (M <= 128, K); w (2N, K) [gate; up]; a2 (2T, K) every slot's gate A rows then up's; bt (2N, T)
-    their B columns; s (M, 2T) scratch; counters (2,) int32 zeros (flag, ticket), zero again after."""
+    their B columns; s (M, 2T) scratch; counters (2,) int32 zeros (flag, ticket), zero again after.
+    ``down``: (A_down (RD, N), ds (M, RD) float32): the launch also writes down_proj's shrink of its
+    output, ``out @ A_down.T``, to ``ds`` (``probe_down_shrink_in_glu.py``)."""
     m, k = x.shape
     n, t = w.shape[0] // 2, bt.shape[1]
     block_m = max(16, triton.next_power_of_2(m))
     bn, bk, stages, warps = cfg
     ns = triton.cdiv(2 * t, sb)
     use_pdl = pdl.mode(x)
+    block_r = 64
+    ad, ds = down if down is not None else (w, s)
     _glu_hidden_shrink_kernel[(ns + triton.cdiv(n, bn),)](
         TensorDescriptor.from_tensor(x, [block_m, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
         TensorDescriptor.from_tensor(a2, [sb, bk]), TensorDescriptor.from_tensor(bt, [bn, bk]),
         s, out, row_slot, col_slot, col_scale, counters, counters[1:], m, n, k, t, s.stride(0), out.stride(0),
+        TensorDescriptor.from_tensor(ad, [block_r, bn]), ds, ad.shape[0] if down is not None else 0,
         NS=ns, SB=sb, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages,
-        UPCAST=x.dtype == torch.float32 or interpreting(), USE_PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl > 0)
+        UPCAST=x.dtype == torch.float32 or interpreting(), USE_PDL=use_pdl, DOWN=down is not None, BLOCK_R=block_r,
+        num_warps=warps, launch_pdl=use_pdl > 0)
     return out
 
 
