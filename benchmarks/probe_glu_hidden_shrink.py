@@ -120,8 +120,8 @@ def _glu_hidden_shrink_kernel(x_desc, w_desc, a_desc, bt_desc, s_ptr, y_ptr, row
             for r0 in range(0, RD, BLOCK_R):
                 rr = r0 + tl.arange(0, BLOCK_R)
                 part = _tile_dot(h, ad_desc.load([r0, n0]), tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), UPCAST)
-                tl.atomic_add(ds_ptr + offs_m[:, None] * RD + rr[None, :], part, mask=m_ok[:, None] & (rr < RD)[None, :],
-                              sem="relaxed")
+                tl.atomic_add(ds_ptr + offs_m[:, None] * RD + rr[None, :], part,
+                              mask=m_ok[:, None] & (rr < RD)[None, :], sem="relaxed")
         # the last tile puts the flag back for the next launch (every tile has read it by then)
         if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == tl.num_programs(0) - NS - 1:
             tl.atomic_xchg(flag_ptr, 0)
