@@ -58,55 +58,33 @@ def down_operands(n_out, k, ranks, rows, device, dtype, gen):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results/probe_down_shrink_in_glu_h200.csv")
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--adapters", type=int, default=8)
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): tiny shapes, no timing")
+    pg.probe_arguments(p, "benchmarks/results/probe_down_shrink_in_glu_h200.csv")
     args = p.parse_args(argv)
-    from bench_kernels import capture, gpu_probe
-    from peft_fastlora import ForwardBatch, get_backend
-    from peft_fastlora.base_ops.stream_linears import ADD_TILES, tma_tiles
+    from bench_kernels import capture
+    from peft_fastlora.base_ops.stream_linears import ADD_TILES
     from peft_fastlora.ops.lora_expand import lora_expand
     from peft_fastlora.ops.rms_norm import rms_norm
     from peft_fastlora.ops.stream_gemm import StreamWorkspace
     from peft_fastlora.ops.tma_gemm import TmaConfig, tma_gemm
 
-    if args.smoke:
-        device, dtype, k, n, layers, rows = "cpu", torch.float32, 64, 48, 2, 5
-        timer, vers, cfg = None, {"gpu": "cpu (smoke)"}, (16, 16, 2, 4)
-        deep_cfg = TmaConfig(16, 16, 2, 4, 2)
-    else:
-        probe = gpu_probe("probe_down_shrink_in_glu", args.iters)
-        if probe is None:
-            return 0
-        timer, bw, vers = probe
-        device, dtype, k, n, layers, rows = "cuda", torch.bfloat16, 4096, 14336, args.layers, args.batch
-        base_cfg = tma_tiles()["glu"].config
-        cfg = (base_cfg.block_n, base_cfg.block_k, base_cfg.num_stages, base_cfg.num_warps)
-        deep_cfg = TmaConfig(**ADD_TILES["deep"][0])  # the library's folded down with the add
-    ranks = [args.rank] * args.adapters
+    setup = pg.probe_setup(args, "probe_down_shrink_in_glu")
+    if setup is None:
+        return 0
+    device, dtype, k, n, layers, rows = setup.device, setup.dtype, setup.k, setup.n, setup.layers, setup.rows
+    timer, vers, cfg = setup.timer, setup.vers, setup.cfg
+    # the library's folded down with the add (a split-K tile of the CPU's size under --smoke)
+    deep_cfg = TmaConfig(16, 16, 2, 4, 2) if args.smoke else TmaConfig(**ADD_TILES["deep"][0])
+    mb = pg.mixed_batch(args, rows, device)
+    ranks, bi, plan = mb.ranks, mb.bi, mb.plan
+    col_slot, col_scale, row_slot, counters = mb.col_slot, mb.col_scale, mb.row_slot, mb.counters
     gen = torch.Generator(device=device).manual_seed(0)
     gu = [pg.layer_operands(k, n, ranks, rows, device, dtype, gen) for _ in range(layers)]
     dn = [down_operands(k, n, ranks, rows, device, dtype, gen) for _ in range(layers)]
     x = torch.randn(rows, k, generator=gen, device=device, dtype=dtype)
     residual = torch.randn(rows, k, generator=gen, device=device, dtype=dtype)
     norm_w = torch.ones(k, device=device, dtype=dtype)
-    slots = [i % (args.adapters + 1) for i in range(rows)]
-    slots = [-1 if sl == args.adapters else sl for sl in slots]  # -1: a row of no adapter
-    scalings = [0.5 + 0.25 * (s % 4) for s in range(args.adapters)]
-    backend = get_backend("triton")(args.adapters, device)
-    bi = backend.prepare_lora_batch(ForwardBatch.from_shape(rows, 1, device), slots, ranks, scalings,
-                                    use_cuda_graph=False)
-    plan = (bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len)
     rt = torch.tensor([[r] for r in ranks], dtype=torch.int32, device=device)
-    sc = torch.tensor([[v] for v in scalings], dtype=torch.float32, device=device)
-    col_slot = torch.tensor([s for s, r in enumerate(ranks) for _ in range(r)], dtype=torch.int32, device=device)
-    col_scale = torch.tensor([scalings[s] for s, r in enumerate(ranks) for _ in range(r)], device=device)
-    row_slot = torch.tensor(slots, dtype=torch.int32, device=device)
-    counters = torch.zeros(2, dtype=torch.int32, device=device)
+    sc = torch.tensor([[v] for v in mb.scalings], dtype=torch.float32, device=device)
     workspace = StreamWorkspace(device, 1 << 22, 1 << 12)
     align = 8 if args.rank % 8 == 0 else 1
 

@@ -186,56 +186,90 @@ def layer_operands(k, n, ranks, rows, device, dtype, gen):
                 h=torch.empty(rows, n, device=device, dtype=dtype))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results/probe_glu_hidden_shrink_h200.csv")
+def probe_arguments(p: argparse.ArgumentParser, out: str) -> None:
+    """The arguments the gate/up probes share."""
+    p.add_argument("--out", default=out)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--shrink-blocks", type=int, nargs="+", default=[16, 32], help="shrink columns a program")
-    p.add_argument("--only", nargs="+", default=None, help="run the variants whose names hold one of these")
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): tiny shapes, no timing")
-    args = p.parse_args(argv)
-    from bench_kernels import capture, gpu_probe
-    from peft_fastlora import ForwardBatch, get_backend
+
+
+def probe_setup(args, name: str):
+    """The shapes, timer and tiles of a gate/up probe: the 8B shapes on the GPU, tiny ones on the CPU
+    (``--smoke``); None where there is no GPU. Returns a namespace of device, dtype, k, n, layers,
+    rows, timer, vers, cfg (the prototype's tile), base_cfg (the library's gated tile)."""
+    from types import SimpleNamespace
+
+    from bench_kernels import gpu_probe
     from peft_fastlora.base_ops.stream_linears import tma_tiles
-    from peft_fastlora.ops.lora_expand import lora_expand
-    from peft_fastlora.ops.rms_norm import rms_norm
-    from peft_fastlora.ops.silu_mul import act_mul
-    from peft_fastlora.ops.tma_gemm import TmaConfig, tma_gemm
+    from peft_fastlora.ops.tma_gemm import TmaConfig
 
     if args.smoke:
-        device, dtype, k, n, layers, rows = "cpu", torch.float32, 64, 48, 2, 5
-        timer, vers, cfg = None, {"gpu": "cpu (smoke)"}, (16, 16, 2, 4)
-        base_cfg = TmaConfig(16, 16, 1, 4, 2)
-    else:
-        probe = gpu_probe("probe_glu_hidden_shrink", args.iters)
-        if probe is None:
-            return 0
-        timer, bw, vers = probe
-        device, dtype, k, n, layers, rows = "cuda", torch.bfloat16, 4096, 14336, args.layers, args.batch
-        base_cfg = tma_tiles()["glu"].config  # the base model's gated tile
-        cfg = (base_cfg.block_n, base_cfg.block_k, base_cfg.num_stages, base_cfg.num_warps)
+        return SimpleNamespace(device="cpu", dtype=torch.float32, k=64, n=48, layers=2, rows=5, timer=None,
+                               vers={"gpu": "cpu (smoke)"}, cfg=(16, 16, 2, 4), base_cfg=TmaConfig(16, 16, 1, 4, 2))
+    probe = gpu_probe(name, args.iters)
+    if probe is None:
+        return None
+    timer, _, vers = probe
+    base_cfg = tma_tiles()["glu"].config  # the base model's gated tile
+    return SimpleNamespace(device="cuda", dtype=torch.bfloat16, k=4096, n=14336, layers=args.layers, rows=args.batch,
+                           timer=timer, vers=vers, base_cfg=base_cfg,
+                           cfg=(base_cfg.block_n, base_cfg.block_k, base_cfg.num_stages, base_cfg.num_warps))
+
+
+def mixed_batch(args, rows: int, device):
+    """The probes' batch: rows taking the adapters in turn and every (adapters + 1)-th row none,
+    scalings 0.5-1.25. Returns a namespace of ranks, scalings, bi (the backend's batch), plan (its
+    expand plan), col_slot and col_scale (each arena column's slot and scaling, one module), row_slot,
+    counters (zeros)."""
+    from types import SimpleNamespace
+
+    from peft_fastlora import ForwardBatch, get_backend
+
     ranks = [args.rank] * args.adapters
-    gen = torch.Generator(device=device).manual_seed(0)
-    ops = [layer_operands(k, n, ranks, rows, device, dtype, gen) for _ in range(layers)]
-    x = torch.randn(rows, k, generator=gen, device=device, dtype=dtype)
-    norm_w = torch.ones(k, device=device, dtype=dtype)
     slots = [i % (args.adapters + 1) for i in range(rows)]
     slots = [-1 if sl == args.adapters else sl for sl in slots]  # -1: a row of no adapter
     scalings = [0.5 + 0.25 * (s % 4) for s in range(args.adapters)]
     backend = get_backend("triton")(args.adapters, device)
     bi = backend.prepare_lora_batch(ForwardBatch.from_shape(rows, 1, device), slots, ranks, scalings,
                                     use_cuda_graph=False)
-    plan = (bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len)
+    return SimpleNamespace(
+        ranks=ranks, scalings=scalings, bi=bi, plan=(bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len),
+        col_slot=torch.tensor([s for s, r in enumerate(ranks) for _ in range(r)], dtype=torch.int32, device=device),
+        col_scale=torch.tensor([scalings[s] for s, r in enumerate(ranks) for _ in range(r)], device=device),
+        row_slot=torch.tensor(slots, dtype=torch.int32, device=device),
+        counters=torch.zeros(2, dtype=torch.int32, device=device))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    probe_arguments(p, "benchmarks/results/probe_glu_hidden_shrink_h200.csv")
+    p.add_argument("--shrink-blocks", type=int, nargs="+", default=[16, 32], help="shrink columns a program")
+    p.add_argument("--only", nargs="+", default=None, help="run the variants whose names hold one of these")
+    args = p.parse_args(argv)
+    from bench_kernels import capture
+    from peft_fastlora.ops.lora_expand import lora_expand
+    from peft_fastlora.ops.rms_norm import rms_norm
+    from peft_fastlora.ops.silu_mul import act_mul
+    from peft_fastlora.ops.tma_gemm import tma_gemm
+
+    setup = probe_setup(args, "probe_glu_hidden_shrink")
+    if setup is None:
+        return 0
+    device, dtype, k, n, layers, rows = setup.device, setup.dtype, setup.k, setup.n, setup.layers, setup.rows
+    timer, vers, cfg, base_cfg = setup.timer, setup.vers, setup.cfg, setup.base_cfg
+    mb = mixed_batch(args, rows, device)
+    ranks, scalings, bi, plan = mb.ranks, mb.scalings, mb.bi, mb.plan
+    col_slot, col_scale, row_slot, counters = mb.col_slot, mb.col_scale, mb.row_slot, mb.counters
+    gen = torch.Generator(device=device).manual_seed(0)
+    ops = [layer_operands(k, n, ranks, rows, device, dtype, gen) for _ in range(layers)]
+    x = torch.randn(rows, k, generator=gen, device=device, dtype=dtype)
+    norm_w = torch.ones(k, device=device, dtype=dtype)
     rt = torch.tensor([[r, r] for r in ranks], dtype=torch.int32, device=device)
     sc = torch.tensor([[v, v] for v in scalings], dtype=torch.float32, device=device)
-    col_slot = torch.tensor([s for s, r in enumerate(ranks) for _ in range(r)], dtype=torch.int32, device=device)
-    col_scale = torch.tensor([scalings[s] for s, r in enumerate(ranks) for _ in range(r)], device=device)
-    row_slot = torch.tensor(slots, dtype=torch.int32, device=device)
-    counters = torch.zeros(2, dtype=torch.int32, device=device)
 
     def library(o, xn):  # what the mixed step runs today at 65-128 rows
         torch.matmul(xn, o["ext"].T, out=o["y"])
