@@ -153,6 +153,14 @@ def test_probe_glu_hidden_shrink_smoke():
     assert "smoke: every variant ran and matched the library's launches" in out, out[-2000:]
 
 
+def test_probe_down_shrink_in_glu_smoke():
+    """down_proj's shrink summed in gate/up's launch, down then on the base model's path: its output
+    equals float32 math, as today's folded down's does (the check fails without the partial sums)."""
+    out = _run([os.path.join(BENCH, "probe_down_shrink_in_glu.py"), "--smoke", "--out", os.devnull],
+               env_extra={"TRITON_INTERPRET": "1"})
+    assert "smoke: every variant ran and matched float32 math" in out, out[-2000:]
+
+
 def test_probe_gemm_bound_smoke():
     out = _run([os.path.join(BENCH, "probe_gemm_bound.py"), "--smoke", "--fold-rows", "128"],
                env_extra={"TRITON_INTERPRET": "1"})
