@@ -33,6 +33,7 @@ import bench_generate as bg  # noqa: E402
 
 from peft_fastlora.kernel_support import interpreting  # noqa: E402
 from peft_fastlora.ops import pdl  # noqa: E402
+from peft_fastlora.ops.glu_lora import gated_k_loop  # noqa: E402
 from peft_fastlora.ops.silu_mul import act_mul_rounded  # noqa: E402
 from peft_fastlora.ops.stream_gemm import _tile_dot  # noqa: E402
 
@@ -90,12 +91,7 @@ def _glu_hidden_shrink_kernel(x_desc, w_desc, a_desc, bt_desc, s_ptr, y_ptr, row
         tl.atomic_add(flag_ptr, 1, sem="release")
     else:
         n0 = (pid - NS) * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            xk = x_desc.load([0, k])
-            acc = _tile_dot(xk, w_desc.load([n0, k]), acc, UPCAST)
-            acc_up = _tile_dot(xk, w_desc.load([N + n0, k]), acc_up, UPCAST)
+        acc, acc_up = gated_k_loop(x_desc, w_desc, n0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, UPCAST)
         done = tl.atomic_add(flag_ptr, 0, sem="acquire")
         while done < NS:  # the shrink programs (lower ids: already running or done)
             done = tl.atomic_add(flag_ptr, 0, sem="acquire")

@@ -82,6 +82,20 @@ class GluLora(NamedTuple):
 
 
 @triton.jit
+def gated_k_loop(x_desc, w_desc, n0, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr):
+    """A gated tile's reduction: ``x @ gate.T`` and ``x @ up.T`` over columns ``[n0, n0 + BLOCK_N)`` of
+    each (w = ``[gate (N); up (N); ...]``), float32, x's tile loaded once for both."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        xk = x_desc.load([0, k])
+        acc = _tile_dot(xk, w_desc.load([n0, k]), acc, UPCAST)
+        acc_up = _tile_dot(xk, w_desc.load([N + n0, k]), acc_up, UPCAST)
+    return acc, acc_up
+
+
+@triton.jit
 def _store_shrink(x_desc, a_desc, s_ptr, stride_s, row_slot, offs_m, m_ok, c0, col_slot_ptr, scal_ptr, N2, K, T0, R,
                   BLOCK_M: tl.constexpr, SB: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
                   UPCAST: tl.constexpr):
@@ -186,12 +200,7 @@ def _glu_lora_kernel(
             tl.atomic_add(counters_ptr, 1, sem="release")
     else:
         n0 = (pid - NS) * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            xk = x_desc.load([0, k])
-            acc = _tile_dot(xk, w_desc.load([n0, k]), acc, UPCAST)
-            acc_up = _tile_dot(xk, w_desc.load([N + n0, k]), acc_up, UPCAST)
+        acc, acc_up = gated_k_loop(x_desc, w_desc, n0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, UPCAST)
         if SKIP < 2:
             done = tl.atomic_add(counters_ptr, 0, sem="acquire")
             polls = 0
