@@ -49,7 +49,12 @@ def down_operands(n_out, k, ranks, rows, device, dtype, gen):
             torch.randn(r, k, generator=gen, device=device, dtype=dtype) * k ** -0.5)
         b_flat[b_offs[s, 0]: b_offs[s, 0] + n_out * r] = (
             torch.randn(n_out * r, generator=gen, device=device, dtype=dtype) * r ** -0.5)
+    bt = torch.zeros(n_out, t_rows, device=device, dtype=dtype)  # every slot's B as columns
+    for s, r in enumerate(ranks):
+        bt[:, a_rows[s, 0]: a_rows[s, 0] + r] = b_flat[b_offs[s, 0]: b_offs[s, 0] + n_out * r].view(n_out, r)
     return dict(ext=ext, w=ext[:n_out], a=ext[n_out:], b_flat=b_flat, a_rows=a_rows.to(device),
+                wk=torch.cat([ext[:n_out], bt], dim=1),  # down folded along K: [W | B]
+                hk=torch.empty(rows, k + t_rows, device=device, dtype=dtype),  # [h | rounded shrink]
                 b_offs=b_offs.to(device), y=torch.empty(rows, n_out + t_rows, device=device, dtype=dtype),
                 ds=torch.zeros(rows, t_rows, device=device, dtype=torch.float32),
                 ds_rounded=torch.empty(rows, t_rows, device=device, dtype=dtype),
@@ -92,9 +97,19 @@ def main(argv=None):
         return lora_expand(shrink, o["b_flat"], (0, k), rt, sc, out, *plan, block_m=bi.block_m, check=False,
                            b_offs=o["b_offs"], b_align=align, y_cols=o["a_rows"], max_rank=args.rank)
 
-    def gate_up(o, xn, d=None):  # the prototype launch, with down's shrink (d) or without
-        return pg.glu_hidden_shrink(xn, o["w"], o["a_tail"], o["b_tail"], o["s"], o["h"], row_slot, col_slot,
-                                    col_scale, counters, cfg, down=None if d is None else (d["a"], d["ds"]))
+    def gate_up(o, xn, d=None, own=False, k_fold=False):  # the prototype launch, with down's shrink (d)
+        # or without; own: only each row's own slot's sums (down has one module: its columns' slots
+        # are gate's); k_fold: the sum scaled and rounded into d["hk"]'s last columns by the last tile
+        down = None if d is None else (d["a"], d["ds"], col_slot, k_fold) if own or k_fold else (d["a"], d["ds"])
+        out = d["hk"][:, :n] if k_fold else o["h"]
+        pg.glu_hidden_shrink(xn, o["w"], o["a_tail"], o["b_tail"], o["s"], out, row_slot, col_slot,
+                             col_scale, counters, cfg, down=down)
+        return d["hk"] if k_fold else out
+
+    def down_k_fold(d, hk, addmm=True):  # one cuBLAS GEMM over [h | s] and [W | B]: base and LoRA
+        if addmm:
+            return torch.addmm(residual, hk, d["wk"].T, out=d["out"])
+        return torch.add(residual, torch.nn.functional.linear(hk, d["wk"]), out=d["out"])
 
     def down_library(d, h):  # what the library runs today: [W; A] with the add, then the expand
         y = tma_gemm(h, d["ext"], out=d["y"], config=deep_cfg, workspace=workspace, check=False, add=residual)
@@ -117,11 +132,25 @@ def main(argv=None):
             lambda: [down_after(d, gate_up(o, norm(), d)) for o, d in zip(gu, dn)],
         "both: gate/up with down's shrink; down addmm, round, expand":
             lambda: [down_after(d, gate_up(o, norm(), d), addmm=True) for o, d in zip(gu, dn)],
+        "both: gate/up with down's shrink, own slot's sums; down addmm, round, expand":
+            lambda: [down_after(d, gate_up(o, norm(), d, own=True), addmm=True) for o, d in zip(gu, dn)],
+        "both: gate/up with down's shrink rounded by its last tile; down addmm over [W | B]":
+            lambda: [down_k_fold(d, gate_up(o, norm(), d, k_fold=True)) for o, d in zip(gu, dn)],
+        "both: gate/up with down's shrink rounded by its last tile; down F.linear over [W | B] + add":
+            lambda: [down_k_fold(d, gate_up(o, norm(), d, k_fold=True), False) for o, d in zip(gu, dn)],
         "part: gate/up alone (prototype)": lambda: [gate_up(o, norm()) for o in gu],
         "part: gate/up with down's shrink": lambda: [gate_up(o, norm(), d) for o, d in zip(gu, dn)],
+        "part: gate/up with down's shrink, own slot's sums": lambda: [gate_up(o, norm(), d, own=True)
+                                                                      for o, d in zip(gu, dn)],
         "part: down [W; A] TMA + add, expand (today)": lambda: [down_library(d, o["h"]) for o, d in zip(gu, dn)],
         "part: down F.linear + add, round, expand": lambda: [down_after(d, o["h"]) for o, d in zip(gu, dn)],
         "part: down addmm, round, expand": lambda: [down_after(d, o["h"], True) for o, d in zip(gu, dn)],
+        "part: gate/up with down's shrink rounded by its last tile": lambda: [gate_up(o, norm(), d, k_fold=True)
+                                                                              for o, d in zip(gu, dn)],
+        "part: down addmm over [W | B]": lambda: [down_k_fold(d, d["hk"]) for d in dn],
+        "part: down F.linear over [W | B] + add": lambda: [down_k_fold(d, d["hk"], False) for d in dn],
+        "part: down addmm (the base model's W)": lambda: [torch.addmm(
+            residual, o["h"], d["w"].T, out=d["out"]) for o, d in zip(gu, dn)],
         "part: down F.linear + add (the base model's)": lambda: [torch.add(
             residual, torch.nn.functional.linear(o["h"], d["w"]), out=d["out"]) for o, d in zip(gu, dn)],
     }
@@ -139,7 +168,12 @@ def main(argv=None):
 
     rows_out = []
     for name, fn in variants.items():
-        got = fn()
+        try:
+            got = fn()
+        except Exception as e:  # noqa: BLE001 - one variant's failure (a compile, say) leaves the others' rows
+            print(f"{name}: failed: {type(e).__name__}: {e}", flush=True)
+            counters.zero_()
+            continue
         err = ""
         if name.startswith("both"):
             want = exact_down(gu[0], dn[0])

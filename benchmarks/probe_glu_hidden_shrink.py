@@ -58,7 +58,7 @@ TAIL_VARIANTS = {
 @triton.jit
 def _glu_hidden_shrink_kernel(x_desc, w_desc, a_desc, bt_desc, s_ptr, y_ptr, row_slot_ptr, col_slot_ptr,
                               col_scale_ptr, flag_ptr, ticket_ptr, M, N, K, T, stride_s, stride_y,
-                              ad_desc, ds_ptr, RD,
+                              ad_desc, ds_ptr, dslot_ptr, RD,
                               NS: tl.constexpr, SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
                               USE_PDL: tl.constexpr, DOWN: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -112,14 +112,33 @@ def _glu_hidden_shrink_kernel(x_desc, w_desc, a_desc, bt_desc, s_ptr, y_ptr, row
         if DOWN:
             # down_proj's shrink, this tile's part: its BLOCK_N columns of the act-mul output (down's
             # K) against the same columns of down's A arena (RD rows), summed over the tiles in float32
+            # (DOWN == 2: only the sums a row's expand reads, its own slot's columns, are added)
             h = out.to(dt)
+            rs = tl.load(row_slot_ptr + offs_m, mask=m_ok, other=-1)
             for r0 in range(0, RD, BLOCK_R):
                 rr = r0 + tl.arange(0, BLOCK_R)
                 part = _tile_dot(h, ad_desc.load([r0, n0]), tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32), UPCAST)
-                tl.atomic_add(ds_ptr + offs_m[:, None] * RD + rr[None, :], part,
-                              mask=m_ok[:, None] & (rr < RD)[None, :], sem="relaxed")
+                add = m_ok[:, None] & (rr < RD)[None, :]
+                if DOWN >= 2:
+                    ds_slot = tl.load(dslot_ptr + rr, mask=rr < RD, other=-2)
+                    add = add & (rs[:, None] == ds_slot[None, :])
+                tl.atomic_add(ds_ptr + offs_m[:, None] * RD + rr[None, :], part, mask=add, sem="relaxed")
+        if DOWN == 3:
+            tl.debug_barrier()  # (all the block's partials before its ticket's release)
         # the last tile puts the flag back for the next launch (every tile has read it by then)
         if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == tl.num_programs(0) - NS - 1:
+            if DOWN == 3:
+                # every tile's partials are in (their tickets released them): the sum, scaled and
+                # rounded, goes to the output's columns [N, N + RD), where a down_proj folded along
+                # K ([W | B]) reads it as more of its input
+                for r0 in range(0, RD, BLOCK_R):
+                    rr = r0 + tl.arange(0, BLOCK_R)
+                    r_ok = rr < RD
+                    v = tl.load(ds_ptr + offs_m[:, None] * RD + rr[None, :], mask=m_ok[:, None] & r_ok[None, :],
+                                other=0.0, cache_modifier=".cg")
+                    v = v * tl.load(col_scale_ptr + rr, mask=r_ok, other=0.0)[None, :]
+                    tl.store(y_ptr + offs_m[:, None] * stride_y + N + rr[None, :], v.to(dt),
+                             mask=m_ok[:, None] & r_ok[None, :])
             tl.atomic_xchg(flag_ptr, 0)
             tl.atomic_xchg(ticket_ptr, 0)
 
@@ -129,7 +148,10 @@ def glu_hidden_shrink(x, w, a2, bt, s, out, row_slot, col_slot, col_scale, count
     x (M <= 128, K); w (2N, K) [gate; up]; a2 (2T, K) every slot's gate A rows then up's; bt (2N, T)
     their B columns; s (M, 2T) scratch; counters (2,) int32 zeros (flag, ticket), zero again after.
     ``down``: (A_down (RD, N), ds (M, RD) float32): the launch also writes down_proj's shrink of its
-    output, ``out @ A_down.T``, to ``ds`` (``probe_down_shrink_in_glu.py``)."""
+    output, ``out @ A_down.T``, to ``ds`` (``probe_down_shrink_in_glu.py``); (A_down, ds, slot of each
+    of A_down's rows): only each row's own slot's sums, the rest left zero; (A_down, ds, slots, True):
+    also the sum scaled by ``col_scale`` and rounded into ``out``'s next RD columns (``out`` a view of
+    a wider buffer), for a down_proj folded along K."""
     m, k = x.shape
     n, t = w.shape[0] // 2, bt.shape[1]
     block_m = max(16, triton.next_power_of_2(m))
@@ -137,14 +159,16 @@ def glu_hidden_shrink(x, w, a2, bt, s, out, row_slot, col_slot, col_scale, count
     ns = triton.cdiv(2 * t, sb)
     use_pdl = pdl.mode(x)
     block_r = 64
-    ad, ds = down if down is not None else (w, s)
+    ad, ds, ds_slot, k_fold = (tuple(down) + (None, False))[:4] if down is not None else (w, s, None, False)
     _glu_hidden_shrink_kernel[(ns + triton.cdiv(n, bn),)](
         TensorDescriptor.from_tensor(x, [block_m, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
         TensorDescriptor.from_tensor(a2, [sb, bk]), TensorDescriptor.from_tensor(bt, [bn, bk]),
         s, out, row_slot, col_slot, col_scale, counters, counters[1:], m, n, k, t, s.stride(0), out.stride(0),
-        TensorDescriptor.from_tensor(ad, [block_r, bn]), ds, ad.shape[0] if down is not None else 0,
+        TensorDescriptor.from_tensor(ad, [block_r, bn]), ds, col_slot if ds_slot is None else ds_slot,
+        ad.shape[0] if down is not None else 0,
         NS=ns, SB=sb, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=stages,
-        UPCAST=x.dtype == torch.float32 or interpreting(), USE_PDL=use_pdl, DOWN=down is not None, BLOCK_R=block_r,
+        UPCAST=x.dtype == torch.float32 or interpreting(), USE_PDL=use_pdl,
+        DOWN=0 if down is None else 1 if ds_slot is None else 3 if k_fold else 2, BLOCK_R=block_r,
         num_warps=warps, launch_pdl=use_pdl > 0)
     return out
 
