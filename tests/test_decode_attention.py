@@ -178,28 +178,6 @@ def test_mask_scan_before_the_wait_gives_the_same_bits(case):
         decode_attention(q, k, v, mask, prewait="early")
 
 
-@needs_interpreter
-@pytest.mark.parametrize("case", ["gqa4_pad_len1_end", "mha_odd_len", "gqa4_kv4_many"])
-def test_kv_heads_in_turn_give_the_same_bits(case):
-    """``kv_per_program``: a program takes several kv heads of its row one after the other (one
-    mask scan for all). Each head's arithmetic is unchanged, so every divisor of the kv heads gives
-    the bits of one head a program, with one split or several, the scan before or after the wait."""
-    b, h, kvh, kv_len, d, starts, ends, splits, bn = CASES.get(case) or (
-        3, 8, 4, 41, 16, [0, 9, 40], [41, 30, 41], 2, 16)
-    q, k, v = rand_qkv(b, h, kvh, kv_len, d, torch.float32, strided=True)
-    mask = make_mask(starts, ends, kv_len)
-    for n_splits in (1, splits):
-        for prewait in ("off", "span"):
-            one = decode_attention(q, k, v, mask, num_splits=n_splits, block_n=bn, prewait=prewait, kv_per_program=1)
-            assert_close(one, decode_attention_reference(q, k, v, mask), 2e-5, 2e-5, case)
-            for per in [p for p in range(2, kvh + 1) if kvh % p == 0]:
-                got = decode_attention(q, k, v, mask, num_splits=n_splits, block_n=bn, prewait=prewait,
-                                       kv_per_program=per)
-                assert torch.equal(got, one), f"{case}: {per} kv heads a program, {n_splits} splits, {prewait}"
-    with pytest.raises(ValueError, match="kv_per_program"):
-        decode_attention(q, k, v, mask, kv_per_program=kvh + 1)
-
-
 def test_config_is_static_and_sane(monkeypatch):
     monkeypatch.setattr(importlib.import_module("peft_fastlora.ops.decode_attention"), "_sm_count", lambda d: 132)
     cpu = torch.device("cpu")  # an H200's 132 SMs, Llama-3-8B's 8 kv heads of 4 query heads, 128 dims
@@ -210,13 +188,6 @@ def test_config_is_static_and_sane(monkeypatch):
     assert mid["num_splits"] == 1 and mid["block_n"] == 128 and mid["prewait"] == "off"
     big = decode_attention_config(128, 8, 4, 512, 128, cpu)
     assert big["num_splits"] == 1 and big["block_n"] == 64 and big["prewait"] == "off"
-    module = importlib.import_module("peft_fastlora.ops.decode_attention")
-    assert one["kv_per_program"] == mid["kv_per_program"] == 1
-    assert big["kv_per_program"] == module.BIG_KV_PER_PROGRAM
-    monkeypatch.setattr(module, "BIG_KV_PER_PROGRAM", 4)  # (at 3+ programs an SM only, where it divides)
-    assert decode_attention_config(128, 8, 4, 512, 128, cpu)["kv_per_program"] == 4
-    assert decode_attention_config(32, 8, 4, 512, 128, cpu)["kv_per_program"] == 1
-    assert decode_attention_config(128, 6, 4, 512, 128, cpu)["kv_per_program"] == 1
     assert decode_attention_config(1, 1, 1, 30, 256, cpu)["block_n"] == 32
     assert decode_attention_config(32, 8, 1, 512, 256, cpu)["block_n"] == 32  # wide heads keep theirs
 

@@ -3,18 +3,16 @@
 ``out[b, 0, h] = softmax(scale * q[b, h] . k[b, h // G, :] + mask[b, :]) @ v[b, h // G, :]``
 with ``G = H / KVH`` query heads per kv head (the repeated K/V is never materialised).
 
-Stage 1 (``_decode_attention_split_kernel``): one program per (row, kv head, split), or per (row,
-run of kv heads, split) taken one head after the other (``kv_per_program``: fewer, longer programs
-where there are many). It holds the G query heads of a kv head as the M rows of a tile (padded to 16
-for ``tl.dot``). It first reads the row's mask (L bytes, the same for all programs of the row) to
-find the span [first, last] of attended positions; K/V outside the span are never read (in a static
-cache: the left padding and the slots not yet filled), so only filled positions cost cache bytes.
-The span's KV blocks are dealt to the splits round-robin (``split, split + S, ...``), so the splits
-share the filled part evenly however long it is. Inside the span, K/V loads are predicated on the
-span only, not on the mask values, so that they need not wait for the mask load and the loop can
-pipeline; a masked hole inside the span is read and then masked out of the softmax. The program
-writes (log2-sum-exp, normalised partial output) per split to a small fp32 workspace, or the final
-output when there is one split.
+Stage 1 (``_decode_attention_split_kernel``): one program per (row, kv head, split). It holds the G query heads of
+its kv head as the M rows of a tile (padded to 16 for ``tl.dot``). It first reads the row's mask
+(L bytes, the same for all programs of the row) to find the span [first, last] of attended
+positions; K/V outside the span are never read (in a static cache: the left padding and the slots
+not yet filled), so only filled positions cost cache bytes. The span's KV blocks are dealt to the
+splits round-robin (``split, split + S, ...``), so the splits share the filled part evenly however
+long it is. Inside the span, K/V loads are predicated on the span only, not on the mask values,
+so that they need not wait for the mask load and the loop can pipeline; a masked hole inside the
+span is read and then masked out of the softmax. The program writes (log2-sum-exp, normalised
+partial output) per split to a small fp32 workspace, or the final output when there is one split.
 
 Under PDL the split program may scan the mask before its wait (``PREWAIT``), so that the scan's
 round trip overlaps the kernels before it; q and every load the softmax uses come after the wait.
@@ -61,17 +59,82 @@ def _load_q(q_ptr, row_offset, heads, stride_qh, offs_d, stride_qd, h_mask, d_ma
 
 
 @triton.jit
-def _attend_one_head(q, k_ptr, v_ptr, m_base, out_ptr, part_o_ptr, part_lse_ptr, b64, kvh, split, lo, hi,
-                     D, KVH, G, qk_scale, softcap, mask_min,
-                     stride_kb, stride_kh, stride_kl, stride_kd, stride_vb, stride_vh, stride_vl, stride_vd,
-                     stride_ml, stride_ob, stride_oh, stride_od, offs_h, offs_d, offs_n, h_mask, d_mask,
-                     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     MASK_IS_BOOL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr):
-    """One kv head of one row over the span [lo, hi): this split's blocks, written as the output
-    (one split) or as the split's partial (normalised output and log2-sum-exp)."""
+def _decode_attention_split_kernel(
+    # pointers
+    q_ptr,  # (B, H, D) through strides
+    k_ptr,  # (B, KVH, L, D)
+    v_ptr,  # (B, KVH, L, D)
+    mask_ptr,  # (B, L): uint8 (1 = attend) or float (additive)
+    out_ptr,  # (B, H, D): written when NUM_SPLITS == 1
+    part_o_ptr,  # (B, H, NUM_SPLITS, D) fp32, contiguous: written when NUM_SPLITS > 1
+    part_lse_ptr,  # (B, H, NUM_SPLITS) fp32, contiguous
+    # dimensions
+    L,
+    D,
+    KVH,
+    G,  # query heads per kv head
+    qk_scale,  # scaling * log2(e), or scaling alone with a softcap
+    softcap,
+    mask_min,  # additive mask values <= this are "masked" (finfo(mask dtype).min; -inf too)
+    # strides
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kl, stride_kd,
+    stride_vb, stride_vh, stride_vl, stride_vd,
+    stride_mb, stride_ml,
+    stride_ob, stride_oh, stride_od,
+    # meta-parameters
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SCAN: tl.constexpr,  # mask positions read per step of the span scan
+    MASK_IS_BOOL: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr,  # compute the dots in fp32 (fp32 inputs, or the interpreter)
+    USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py
+    EARLY_SPAN: tl.constexpr,  # scan the mask before the PDL wait (no PDL kernel writes it)
+):
+    pdl.launch_dependents(USE_PDL)
+    if not EARLY_SPAN:
+        pdl.wait(USE_PDL)
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // KVH
+    kvh = pid % KVH
+    b64 = b.to(tl.int64)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_mask = offs_h < G
+    d_mask = offs_d < D
     heads = kvh * G + offs_h  # the query heads of this kv head
+
+    if not EARLY_SPAN:  # the q load overlaps the mask scan
+        q = _load_q(q_ptr, b64 * stride_qb, heads, stride_qh, offs_d, stride_qd, h_mask, d_mask,
+                    k_ptr.dtype.element_ty, UPCAST)
     k_base = k_ptr + b64 * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + b64 * stride_vb + kvh.to(tl.int64) * stride_vh
+    m_base = mask_ptr + b64 * stride_mb
+
+    # 1. the attended span [lo, hi) of this row, from the mask alone (L bytes per row, L2-hot
+    #    for all programs of the row after the first): K/V outside it are never read
+    # (int32 tensors from the start: a loop-carried variable may not change type)
+    lo = tl.full([], 0, tl.int32) + L
+    hi = tl.full([], 0, tl.int32)
+    for c0 in range(0, L, BLOCK_SCAN):
+        offs_c = c0 + tl.arange(0, BLOCK_SCAN)
+        valid_c = _attended(m_base, offs_c, L, stride_ml, mask_min, MASK_IS_BOOL)
+        lo = tl.minimum(lo, tl.min(tl.where(valid_c, offs_c, L), axis=0))
+        hi = tl.maximum(hi, tl.max(tl.where(valid_c, offs_c + 1, 0), axis=0))
+    if EARLY_SPAN:
+        pdl.wait(USE_PDL)
+
+        q = _load_q(q_ptr, b64 * stride_qb, heads, stride_qh, offs_d, stride_qd, h_mask, d_mask,
+                    k_ptr.dtype.element_ty, UPCAST)
+
+    # 2. this split's blocks of the span: lo_blk + split, + NUM_SPLITS, ... (strided, so the
+    #    splits share the span evenly whatever its length)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -136,93 +199,6 @@ def _attend_one_head(q, k_ptr, v_ptr, m_base, out_ptr, part_o_ptr, part_lse_ptr,
 
 
 @triton.jit
-def _decode_attention_split_kernel(
-    # pointers
-    q_ptr,  # (B, H, D) through strides
-    k_ptr,  # (B, KVH, L, D)
-    v_ptr,  # (B, KVH, L, D)
-    mask_ptr,  # (B, L): uint8 (1 = attend) or float (additive)
-    out_ptr,  # (B, H, D): written when NUM_SPLITS == 1
-    part_o_ptr,  # (B, H, NUM_SPLITS, D) fp32, contiguous: written when NUM_SPLITS > 1
-    part_lse_ptr,  # (B, H, NUM_SPLITS) fp32, contiguous
-    # dimensions
-    L,
-    D,
-    KVH,
-    G,  # query heads per kv head
-    qk_scale,  # scaling * log2(e), or scaling alone with a softcap
-    softcap,
-    mask_min,  # additive mask values <= this are "masked" (finfo(mask dtype).min; -inf too)
-    # strides
-    stride_qb, stride_qh, stride_qd,
-    stride_kb, stride_kh, stride_kl, stride_kd,
-    stride_vb, stride_vh, stride_vl, stride_vd,
-    stride_mb, stride_ml,
-    stride_ob, stride_oh, stride_od,
-    # meta-parameters
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_SCAN: tl.constexpr,  # mask positions read per step of the span scan
-    MASK_IS_BOOL: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    UPCAST: tl.constexpr,  # compute the dots in fp32 (fp32 inputs, or the interpreter)
-    USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py
-    EARLY_SPAN: tl.constexpr,  # scan the mask before the PDL wait (no PDL kernel writes it)
-    KV_PER_PROGRAM: tl.constexpr,  # kv heads of one row a program takes in turn (divides KVH)
-):
-    pdl.launch_dependents(USE_PDL)
-    if not EARLY_SPAN:
-        pdl.wait(USE_PDL)
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid // (KVH // KV_PER_PROGRAM)
-    kv0 = (pid % (KVH // KV_PER_PROGRAM)) * KV_PER_PROGRAM
-    b64 = b.to(tl.int64)
-
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    h_mask = offs_h < G
-    d_mask = offs_d < D
-
-    if not EARLY_SPAN:  # the first head's q load overlaps the mask scan
-        q = _load_q(q_ptr, b64 * stride_qb, kv0 * G + offs_h, stride_qh, offs_d, stride_qd, h_mask, d_mask,
-                    k_ptr.dtype.element_ty, UPCAST)
-    m_base = mask_ptr + b64 * stride_mb
-
-    # 1. the attended span [lo, hi) of this row, from the mask alone (L bytes per row, L2-hot
-    #    for all programs of the row after the first): K/V outside it are never read
-    # (int32 tensors from the start: a loop-carried variable may not change type)
-    lo = tl.full([], 0, tl.int32) + L
-    hi = tl.full([], 0, tl.int32)
-    for c0 in range(0, L, BLOCK_SCAN):
-        offs_c = c0 + tl.arange(0, BLOCK_SCAN)
-        valid_c = _attended(m_base, offs_c, L, stride_ml, mask_min, MASK_IS_BOOL)
-        lo = tl.minimum(lo, tl.min(tl.where(valid_c, offs_c, L), axis=0))
-        hi = tl.maximum(hi, tl.max(tl.where(valid_c, offs_c + 1, 0), axis=0))
-    if EARLY_SPAN:
-        pdl.wait(USE_PDL)
-
-        q = _load_q(q_ptr, b64 * stride_qb, kv0 * G + offs_h, stride_qh, offs_d, stride_qd, h_mask, d_mask,
-                    k_ptr.dtype.element_ty, UPCAST)
-
-    # 2. for each of the program's kv heads (one span scan for all), this split's blocks of the
-    #    span: lo_blk + split, + NUM_SPLITS, ... (strided, so the splits share the span evenly
-    #    whatever its length)
-    for hh in tl.static_range(KV_PER_PROGRAM):
-        _attend_one_head(q, k_ptr, v_ptr, m_base, out_ptr, part_o_ptr, part_lse_ptr, b64, kv0 + hh, split,
-                         lo, hi, D, KVH, G, qk_scale, softcap, mask_min,
-                         stride_kb, stride_kh, stride_kl, stride_kd, stride_vb, stride_vh, stride_vl, stride_vd,
-                         stride_ml, stride_ob, stride_oh, stride_od, offs_h, offs_d, offs_n, h_mask, d_mask,
-                         NUM_SPLITS, BLOCK_H, BLOCK_N, BLOCK_D, MASK_IS_BOOL, HAS_SOFTCAP, UPCAST)
-        if hh + 1 < KV_PER_PROGRAM:  # the next head's queries
-            q = _load_q(q_ptr, b64 * stride_qb, (kv0 + hh + 1) * G + offs_h, stride_qh, offs_d, stride_qd,
-                        h_mask, d_mask, k_ptr.dtype.element_ty, UPCAST)
-
-
-@triton.jit
 def _decode_attention_combine_kernel(
     # pointers
     part_o_ptr,  # (B, H, NUM_SPLITS, D) fp32, contiguous
@@ -276,9 +252,6 @@ def _sm_count(device: torch.device) -> int:
 # completes before any later kernel starts.
 PREWAIT = "auto"
 MID_BLOCK_N = 128  # block_n at one to three programs per SM (benchmarks set 64 for an A/B)
-# kv heads of a row per program where rows x kv heads give three or more programs per SM (a
-# divisor of the kv heads; benchmarks set others for an A/B)
-BIG_KV_PER_PROGRAM = 1
 _PREWAITS = ("auto", "off", "span")
 
 
@@ -294,9 +267,6 @@ def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int,
       sweep behind this choice is ``benchmarks/bench_attention.py`` (results in
       ``benchmarks/results/attention_h200.csv``).
     - ``prewait``: ``PREWAIT``, "auto" resolved.
-    - ``kv_per_program``: the kv heads of one row a program takes in turn (one mask scan for
-      all): ``BIG_KV_PER_PROGRAM`` (where it divides the kv heads) at three or more programs per
-      SM with no split, else 1.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(groups))
@@ -308,11 +278,8 @@ def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int,
     num_blocks = triton.cdiv(kv_len, block_n)
     num_splits = 1 if pairs >= sms else min(num_blocks, triton.cdiv(4 * sms, pairs), 64)
     prewait = PREWAIT if PREWAIT != "auto" else "span" if num_splits > 1 else "off"
-    per_program = 1
-    if pairs >= 3 * sms and kv_heads % BIG_KV_PER_PROGRAM == 0:
-        per_program = BIG_KV_PER_PROGRAM
     return dict(block_h=block_h, block_n=block_n, block_d=block_d, num_splits=max(1, num_splits),
-                num_warps=4, num_stages=2, prewait=prewait, kv_per_program=per_program)
+                num_warps=4, num_stages=2, prewait=prewait)
 
 
 def decode_attention(
@@ -329,7 +296,6 @@ def decode_attention(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     prewait: Optional[str] = None,
-    kv_per_program: Optional[int] = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over a static KV cache.
 
@@ -343,8 +309,7 @@ def decode_attention(
         scaling: score scale (default ``D ** -0.5``).
         softcap: logit soft-capping ``softcap * tanh(score / softcap)``, before the mask.
         out: optional (B, 1, H, D) output in ``q.dtype``.
-        num_splits, block_n, num_warps, num_stages, prewait, kv_per_program: override
-            ``decode_attention_config``.
+        num_splits, block_n, num_warps, num_stages, prewait: override ``decode_attention_config``.
     Returns:
         (B, 1, H, D) in ``q.dtype``: the layout ``sdpa_attention_forward`` returns.
     """
@@ -370,11 +335,6 @@ def decode_attention(
         cfg["num_splits"] = num_splits
     if prewait is not None and prewait != "auto":
         cfg["prewait"] = prewait
-    if kv_per_program is not None:
-        if kv_per_program < 1 or kv_heads % kv_per_program:
-            raise ValueError(f"decode_attention: kv_per_program {kv_per_program} does not divide the "
-                             f"{kv_heads} kv heads")
-        cfg["kv_per_program"] = kv_per_program
     if cfg["prewait"] not in _PREWAITS[1:]:
         raise ValueError(f"decode_attention: prewait {cfg['prewait']!r} is not one of {_PREWAITS}")
     cfg["num_splits"] = max(1, min(cfg["num_splits"], triton.cdiv(kv_len, cfg["block_n"])))
@@ -404,7 +364,7 @@ def decode_attention(
     upcast = q.dtype == torch.float32 or interpreting()
     use_pdl = pdl.mode(q)
 
-    _decode_attention_split_kernel[(bsz * kv_heads // cfg["kv_per_program"], splits)](
+    _decode_attention_split_kernel[(bsz * kv_heads, splits)](
         q, k, v, mask2, out, part_o, part_lse,
         kv_len, dim, kv_heads, groups,
         scale if has_softcap else scale * _LOG2E,
@@ -423,7 +383,6 @@ def decode_attention(
         UPCAST=upcast,
         USE_PDL=use_pdl,
         EARLY_SPAN=cfg["prewait"] == "span",
-        KV_PER_PROGRAM=cfg["kv_per_program"],
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
         launch_pdl=use_pdl > 0,
