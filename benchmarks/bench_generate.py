@@ -497,9 +497,6 @@ def main(argv=None):
     p.add_argument("--glu-lora", choices=["on", "off"], default="on",
                    help="off: a 65-128-row folded LoRA gate/up takes the folded GEMM, expand and act-mul instead of "
                         "ops.glu_lora's one launch (stream_linears.GLU_LORA), for an A/B")
-    p.add_argument("--glu-two-launches", choices=["on", "off"], default=None,
-                   help="ops.glu_lora's shrink as a launch of its own before the tiles' (glu_lora.TWO_LAUNCHES), "
-                        "for an A/B")
     p.add_argument("--epilogue-folds", choices=["on", "off"], default="on",
                    help="off: the KV length's increment, the MLP's residual add and (plain gate/up) its "
                         "activation as kernels of their own, for an A/B")
@@ -538,9 +535,6 @@ def main(argv=None):
     importlib.import_module("peft_fastlora.base_ops.stream_linears").TMA_GEMM = args.tma_gemm == "on"
     importlib.import_module("peft_fastlora.base_ops.stream_linears").ADD_TMA = args.tma_add == "on"
     importlib.import_module("peft_fastlora.base_ops.stream_linears").GLU_LORA = args.glu_lora == "on"
-    glu_ops = importlib.import_module("peft_fastlora.ops.glu_lora")
-    if args.glu_two_launches is not None:
-        glu_ops.TWO_LAUNCHES = args.glu_two_launches == "on"
     if args.epilogue_folds == "off":
         importlib.import_module("peft_fastlora.decode.static_cache").KV_TICKET = False
         importlib.import_module("peft_fastlora.base_ops.stream_linears").EPILOGUE_FOLDS = False
@@ -553,7 +547,6 @@ def main(argv=None):
     importlib.import_module("peft_fastlora.decode.step_advance").ENABLED = args.step_advance == "on"
     vers = dict(versions(), expand=args.expand, stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms,
                 tma_gemm=args.tma_gemm, tma_add=args.tma_add, glu_lora=args.glu_lora,
-                glu_two_launches=glu_ops.TWO_LAUNCHES,
                 epilogue_folds=args.epilogue_folds, attention_prewait=args.attention_prewait,
                 attention_block_n=args.attention_block_n, rotary_kv=args.rotary_kv, token_select=args.token_select,
                 step_advance=args.step_advance)

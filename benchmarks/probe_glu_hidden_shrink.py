@@ -47,7 +47,6 @@ TAIL_VARIANTS = {
     "16-row shrink programs (session 32)": {},
     "32-row shrink programs": dict(shrink_columns=32),
     "64-row shrink programs": dict(shrink_columns=64),
-    "two launches (the shrink's, then the tiles', no counters)": dict(two_launches=True),
     "timing only: no tail (the wait kept)": dict(skip=1),
     "timing only: no wait, no tail (the shrink programs kept)": dict(skip=2),
     "timing only: nor any shrink work (its programs idle)": dict(skip=3),

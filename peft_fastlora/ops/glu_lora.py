@@ -56,9 +56,6 @@ TAIL_BLOCK = 64  # columns of a tail K block (G slots of RB columns, RB the larg
 MAX_RANK = 64  # the largest rank a slot may hold here (one slot's block in one tail K block), and how far
 # past their ends the tail may read the scratch's rows and B
 SPIN_LIMIT = 1 << 20  # polls of the count before a tile computes the shrink itself
-# the shrink as a launch of its own before the tiles' (no counters; benchmarks set it for an A/B):
-# ``glu_lora``'s ``two_launches``
-TWO_LAUNCHES = False
 
 
 class GluLora(NamedTuple):
@@ -187,33 +184,24 @@ def _glu_lora_kernel(
     SKIP: tl.constexpr,  # probes only, to split the launch's time (results wrong): 1 no tail; 2 no wait
     # either; 3 the shrink programs idle; 4 no counters touched (no count, no tickets); 5 (no shrink programs
     # in the grid) the bare tiles
-    ROLE: tl.constexpr = 0,  # 0 one launch (shrink programs and tiles); of two launches, 1 the shrink, 2 the tiles
 ):
-    if ROLE != 1:
-        pdl.launch_dependents(USE_PDL)
+    pdl.launch_dependents(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     N2 = 2 * N  # w's first arena row
-    if ROLE != 2:
-        pdl.wait(USE_PDL)
-    if ROLE == 1:
-        # the tiles' launch may start only now: they read x before their wait, and x's writer is
-        # complete once this launch's wait has returned (``glu_lora``'s two launches)
-        pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     row_slot = tl.load(token_slot_ptr + offs_m, mask=m_ok, other=-1)
-    if ROLE == 1 or (ROLE == 0 and pid < NS):
+    if pid < NS:
         if SKIP < 3:
             _store_shrink(x_desc, a_desc, s_ptr, stride_s, row_slot, offs_m, m_ok, pid * SB, col_slot_ptr, scal_ptr,
                           N2, K, T0, R, BLOCK_M, SB, BLOCK_K, NUM_STAGES, UPCAST)
-        if ROLE == 0 and SKIP < 4:
+        if SKIP < 4:
             tl.atomic_add(counters_ptr, 1, sem="release")
     else:
         n0 = (pid - NS) * BLOCK_N
         acc, acc_up = gated_k_loop(x_desc, w_desc, n0, N, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, UPCAST)
-        if ROLE == 2:
-            pdl.wait(USE_PDL)  # the shrink launch complete: its scratch written and visible
-        elif SKIP < 2:
+        if SKIP < 2:
             done = tl.atomic_add(counters_ptr, 0, sem="acquire")
             polls = 0
             while (done < NS) & (polls < SPIN):
@@ -242,7 +230,7 @@ def _glu_lora_kernel(
         out = act_mul_rounded(acc.to(dt).to(tl.float32), acc_up.to(dt).to(tl.float32), dt, GLU == 2, LIBDEVICE)
         tl.store(y_ptr + offs_m[:, None] * stride_y + offs_n[None, :], out.to(dt), mask=m_ok[:, None] & n_ok[None, :])
     # the last program to finish puts the counters back (every tile has read the count by then)
-    if ROLE == 0 and SKIP < 4:
+    if SKIP < 4:
         if tl.atomic_add(counters_ptr + 1, 1, sem="acq_rel") == tl.num_programs(0) - 1:
             tl.atomic_xchg(counters_ptr, 0)
             tl.atomic_xchg(counters_ptr + 1, 0)
@@ -334,7 +322,7 @@ def check_glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora) -> N
 
 def glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora, act: str, config: TmaConfig,
              out: Optional[torch.Tensor] = None, check: bool = True, shrink_columns: int = SHRINK_COLUMNS,
-             skip: int = 0, two_launches: Optional[bool] = None) -> torch.Tensor:
+             skip: int = 0) -> torch.Tensor:
     """``act(x @ gate.T + dg) * (x @ up.T + du)`` (module doc), (M, n) of x's dtype.
 
     Args:
@@ -348,11 +336,6 @@ def glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora, act: str, 
         shrink_columns: arena rows a shrink program computes (a power of 2, 16 or more).
         skip: probes only (``benchmarks/probe_glu_hidden_shrink.py``): leave out part of the work to
             split the launch's time (the kernel's ``SKIP``); the result is then wrong.
-        two_launches: the shrink programs as a launch of their own, then the tiles' (default
-            ``TWO_LAUNCHES``). Under PDL the tiles' launch starts once the shrink's programs have
-            passed their wait (so x's writer is complete) and streams the weight while they run;
-            each tile waits for the shrink launch only before its tail. No counters, no order
-            between programs of one launch.
     """
     if check:
         check_glu_lora(x, w, n, lora)
@@ -368,33 +351,24 @@ def glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora, act: str, 
         raise ValueError(f"glu_lora: out must be ({m}, {n}) {x.dtype} with unit column stride")
     if m == 0:
         return out
-    two = TWO_LAUNCHES if two_launches is None else two_launches
-    if two and skip:
-        raise ValueError("glu_lora: skip levels are for the one launch only")
     block_m = max(16, triton.next_power_of_2(m))
     ns = 0 if skip >= 5 else triton.cdiv(r, shrink_columns)
-    tiles = triton.cdiv(n, config.block_n)
     rb = max(16, triton.next_power_of_2(lora.max_rank))
     use_pdl = pdl.mode(x)
     upcast = x.dtype == torch.float32 or interpreting()
-    args = (
+    _glu_lora_kernel[(ns + triton.cdiv(n, config.block_n),)](
         TensorDescriptor.from_tensor(x, [block_m, config.block_k]),
         TensorDescriptor.from_tensor(w, [config.block_n, config.block_k]),
         TensorDescriptor.from_tensor(w, [shrink_columns, config.block_k]),
         TensorDescriptor.from_tensor(lora.bt if lora.bt is not None else w, [config.block_n, TAIL_BLOCK]),
         lora.scratch, out, lora.b, lora.token_slot, lora.col_slot, lora.ranks, lora.scalings, lora.a_rows,
         lora.b_offs, lora.counters, m, n, k, lora.t0, r, lora.ranks.shape[0], lora.t0_pad, lora.scratch.stride(0),
-        out.stride(0))
-    meta = dict(SB=shrink_columns, GLU=1 + ACTIVATIONS.index(act), LIBDEVICE=not interpreting(),
-                BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, G=max(1, TAIL_BLOCK // rb), RB=rb,
-                NUM_STAGES=config.num_stages, ALIGNED=lora.align % 8 == 0, HAS_BT=lora.bt is not None,
-                UPCAST=upcast, USE_PDL=use_pdl, SPIN=SPIN_LIMIT, SKIP=skip, num_warps=config.num_warps,
-                launch_pdl=use_pdl > 0)
-    if two:
-        _glu_lora_kernel[(ns,)](*args, NS=ns, ROLE=1, **meta)
-        _glu_lora_kernel[(tiles,)](*args, NS=0, ROLE=2, **meta)
-    else:
-        _glu_lora_kernel[(ns + tiles,)](*args, NS=ns, **meta)
+        out.stride(0),
+        NS=ns, SB=shrink_columns, GLU=1 + ACTIVATIONS.index(act), LIBDEVICE=not interpreting(),
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, G=max(1, TAIL_BLOCK // rb), RB=rb,
+        NUM_STAGES=config.num_stages, ALIGNED=lora.align % 8 == 0, HAS_BT=lora.bt is not None, UPCAST=upcast,
+        USE_PDL=use_pdl, SPIN=SPIN_LIMIT, SKIP=skip,
+        num_warps=config.num_warps, launch_pdl=use_pdl > 0)
     return out
 
 
