@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import peft_fastlora.ops.glu_lora as gl
-from peft_fastlora.ops.glu_lora import GluLora, glu_lora, glu_lora_reference
+from peft_fastlora.ops.glu_lora import GluLora, glu_lora, glu_lora_reference, glu_lora_shrink_reference
 from peft_fastlora.kernel_support import interpreting
 from peft_fastlora.ops.tma_gemm import TmaConfig
 
@@ -76,16 +76,32 @@ def truncated(t):
     return (t.float().contiguous().view(torch.int32) & -65536).view(torch.float32)
 
 
+def assert_within_a_unit(got, want, name):
+    """Each of ``got`` within one bfloat16 unit (of the last place) of ``want`` (float32 tensors)."""
+    unit = torch.ldexp(torch.ones_like(want), torch.frexp(want)[1] - 8)
+    off = (got - want).abs() > unit
+    assert not off.any(), f"{name}: {int(off.sum())} values more than a bfloat16 unit off, first at " \
+        f"{tuple(off.nonzero()[0].tolist())}"
+
+
 def check_against_reference(x, w, n, lora, act, dtype, config=CONFIG, **kwargs):
     """The kernel's output the reference's, and the counters back at zero. In the interpreter a
-    bfloat16 result is held to the reference in the interpreter's (truncating) roundings, bit for
-    bit; elsewhere to ``TOL``."""
+    bfloat16 result is held to the reference in the interpreter's (truncating) roundings (below);
+    elsewhere to ``TOL``."""
     out = torch.full((x.shape[0], n), float("nan"), dtype=dtype, device=x.device)
     glu_lora(x, w, n, lora, act, config, out=out, **kwargs)
     assert not lora.counters.any(), lora.counters  # put back for the next launch
     if interpreting() and dtype == torch.bfloat16:
-        want = glu_lora_reference(x, w, n, lora, act, rounding=truncated)
-        torch.testing.assert_close(out.float(), want.float(), atol=0, rtol=0)
+        # in the interpreter's (truncating) roundings. Its float32 dots (numpy's) and torch's matmul
+        # sum in orders that depend on the machine's BLAS, so a sum at a truncation boundary may land
+        # one bfloat16 unit away: the shrink and the output are held to one unit each, and the
+        # output, from the kernel's own shrink, to the reference's bits in all but a few places
+        m, r = x.shape[0], w.shape[0] - 2 * n
+        shrink = lora.scratch[:m, :r].float()
+        assert_within_a_unit(shrink, glu_lora_shrink_reference(x, w, n, lora, rounding=truncated), "shrink")
+        want = glu_lora_reference(x, w, n, lora, act, rounding=truncated, shrink=shrink).float()
+        assert_within_a_unit(out.float(), want, "output")
+        assert (out.float() != want).float().mean() <= 0.01, "more than 1% of the outputs are off the reference's bits"
         return out
     want = glu_lora_reference(x, w, n, lora, act)
     atol, rtol = TOL[dtype]

@@ -1,9 +1,10 @@
 """The one-launch LoRA gate/up (``ops.glu_lora``) on the GPU: Llama-3-8B's gate/up at 65-128 rows with
 8 adapters of rank 16 and with mixed ranks (one adapter on gate only), bf16 and fp16, against the
 torch reference; float32 at odd shapes; CUDA graph replays with the rows' adapters changed between
-them (the counters back at zero each time); tiles that stop waiting; and a patched float32 model's
-greedy tokens equal to PEFT's through the graphs under random traffic (batch sizes across the
-65-128 band and below it, adapters added and deleted, a sampled call). Run on the device machine:
+them (the counters back at zero each time); x written by a long PDL launch just before, in one
+graph; tiles that stop waiting; and a patched float32 model's greedy tokens equal to PEFT's through
+the graphs under random traffic (batch sizes across the 65-128 band and below it, adapters added
+and deleted, a sampled call). Run on the device machine:
 
     python -m pytest -m gpu tests/test_glu_lora_gpu.py
 """
@@ -101,6 +102,52 @@ def test_graph_replays_follow_the_rows_adapters():
         atol, rtol = TOL[torch.bfloat16]
         want = glu_lora_reference(x, w, n, lora, "silu", shrink=lora.scratch[:128])
         torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=rtol)
+        torch.testing.assert_close(lora.scratch[:128, :w.shape[0] - 2 * n].float(),
+                                   glu_lora_shrink_reference(x, w, n, lora), atol=atol, rtol=rtol)
+
+
+def test_x_written_by_a_long_pdl_gemm_just_before_in_a_graph():
+    """x written by a long PDL launch (``ops.tma_gemm``, which lets the next launch start at once)
+    right before, in one graph: the launch's programs, resident early, must read x only after their
+    wait. Each replay, with new inputs to the GEMM, equals the reference from that replay's x: within
+    ``TOL`` but for at most one output in 10^5 (the GEMM's x meets, once in a few million outputs, a
+    gate or up sum at a rounding boundary where the float32 reference rounds the other way), and
+    within twice ``TOL`` everywhere; an x read early, the last replay's, would be far off nearly
+    everywhere."""
+    from peft_fastlora.ops.tma_gemm import tma_gemm
+
+    n, k, k_in = 14336, 4096, 32768
+    x, w, lora = glu_case(128, n, k, RANKS["8x16"], torch.bfloat16, device="cuda", seed=11)
+    g = torch.Generator(device="cuda").manual_seed(12)
+    h = torch.randn(128, k_in, device="cuda", dtype=torch.bfloat16, generator=g)
+    w_in = torch.randn(k, k_in, device="cuda", dtype=torch.bfloat16, generator=g) * k_in ** -0.5
+    out = torch.empty(128, n, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        tma_gemm(h, w_in, out=x, config=TmaConfig(64, 64, 1, 4, 4))
+        glu_lora(x, w, n, lora, "silu", GLU_TILE, out=out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    atol, rtol = TOL[torch.bfloat16]
+    for seed in range(4):
+        h.copy_(torch.randn(128, k_in, device="cuda", dtype=torch.bfloat16,
+                            generator=torch.Generator(device="cuda").manual_seed(100 + seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not lora.counters.any(), lora.counters
+        want_x = (h.float() @ w_in.float().T).to(torch.bfloat16)
+        torch.testing.assert_close(x.float(), want_x.float(), atol=2e-2, rtol=2e-2)
+        want = glu_lora_reference(x, w, n, lora, "silu", shrink=lora.scratch[:128]).float()
+        err = (out.float() - want).abs()
+        assert (err > atol + rtol * want.abs()).float().mean() <= 1e-5, f"replay {seed}: outputs off the reference"
+        torch.testing.assert_close(out.float(), want, atol=2 * atol, rtol=2 * rtol)
         torch.testing.assert_close(lora.scratch[:128, :w.shape[0] - 2 * n].float(),
                                    glu_lora_shrink_reference(x, w, n, lora), atol=atol, rtol=rtol)
 
