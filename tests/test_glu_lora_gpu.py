@@ -18,6 +18,7 @@ import peft_fastlora.ops.glu_lora as gl
 from peft_fastlora.ops.glu_lora import glu_lora, glu_lora_reference, glu_lora_shrink_reference
 from peft_fastlora.ops.tma_gemm import TmaConfig
 
+from _graphs import captured
 from test_glu_lora import SHRINK_SIZES, TOL, glu_case, with_bt
 
 pytestmark = pytest.mark.gpu
@@ -127,14 +128,7 @@ def test_x_written_by_a_long_pdl_gemm_just_before_in_a_graph():
         tma_gemm(h, w_in, out=x, config=TmaConfig(64, 64, 1, 4, 4))
         glu_lora(x, w, n, lora, "silu", GLU_TILE, out=out)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = captured(step)
     atol, rtol = TOL[torch.bfloat16]
     for seed in range(4):
         h.copy_(torch.randn(128, k_in, device="cuda", dtype=torch.bfloat16,

@@ -12,6 +12,8 @@ from peft_fastlora.ops import pdl
 from peft_fastlora.ops.rms_norm import rms_norm
 from peft_fastlora.ops.stream_gemm import StreamConfig, StreamWorkspace, stream_gemm, stream_gemm_reference
 
+from _graphs import captured
+
 pytestmark = pytest.mark.gpu
 
 # (atol, rtol): float32 accumulation on both sides, one rounding each; about 2-4 ulps of margin
@@ -19,19 +21,6 @@ TOL = {torch.bfloat16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3), torch.float32:
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 CONFIGS = [StreamConfig(16, 512, 1, 4, 4), StreamConfig(32, 256, 1, 4, 4, 4096), StreamConfig(64, 256, 4, 4, 4),
            StreamConfig(64, 128, 1, 4, 6, preload=True), StreamConfig(128, 128, 2, 8, 4, 2048, True)]
-
-
-def _captured(fn):
-    """``fn`` run once on a side stream (compiles, allocates), then captured: (graph, its output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 def _ids(c):
@@ -80,7 +69,7 @@ def test_residual_added_in_the_epilogue(config, m, n_add):
     w = (torch.randn(n, k, device="cuda") / k ** 0.5).bfloat16()
     add = torch.randn(m, n + 64, device="cuda").bfloat16()[:, :n_add]
     ws = StreamWorkspace("cuda", 4 * m * n, n)
-    graph, out = _captured(lambda: stream_gemm(x, w, config=config, workspace=ws, add=add))
+    graph, out = captured(lambda: stream_gemm(x, w, config=config, workspace=ws, add=add))
     atol, rtol = TOL[torch.bfloat16]
     for _ in range(2):
         graph.replay()
@@ -130,7 +119,7 @@ def split_k_replays_equal_eager(gemm, cfg, rows):
         for w, o in zip(ws, outs):
             gemm(x, w, out=o, config=cfg, workspace=work)
 
-    graph, _ = _captured(step)
+    graph, _ = captured(step)
     for trial in range(3):
         x.copy_(torch.randn_like(x))
         expect = [gemm(x, w, config=cfg, workspace=work) for w in ws]
@@ -167,7 +156,7 @@ def pdl_chain_equals_plain(monkeypatch, gemm, cfgs, rows):
     results = {}
     for setting in (pdl.OFF, pdl.FULL):
         monkeypatch.setattr(pdl, "SETTING", setting)
-        graph, out = _captured(chain)
+        graph, out = captured(chain)
         graph.replay()
         torch.cuda.synchronize()
         results[setting] = out.clone()
