@@ -934,6 +934,18 @@ def new_graph_pool():
     return None, torch.cuda.graph_pool_handle()
 
 
+def new_cuda_graph(keep: bool):
+    """``torch.cuda.CUDAGraph``; with ``keep``, one whose captured graph stays editable until its
+    ``instantiate()`` (torch 2.8 and later; older torch: None)."""
+    if not keep:
+        return torch.cuda.CUDAGraph()
+    try:
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:
+        return None
+    return graph if hasattr(graph, "raw_cuda_graph") and hasattr(graph, "instantiate") else None
+
+
 def graph_pool_bytes(pool_id) -> Optional[int]:
     """Bytes the CUDA caching allocator has reserved for this pool (None when torch cannot say)."""
     try:

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import _compat
+from . import early_launch
 
 
 class GraphUnsafe(RuntimeError):
@@ -56,7 +57,10 @@ def capture(fn: Callable, pool: GraphPool, restore: Callable[[], None], warmup: 
     """Capture ``fn()`` (one decode step) into a new CUDA graph sharing ``pool``.
 
     ``restore`` puts back whatever a run of ``fn`` advances (the cache lengths); it runs before
-    every warm-up run and before the capture. Returns (graph, captured output).
+    every warm-up run and before the capture. The captured graph's expands behind cuBLAS GEMMs are
+    set to launch early (``early_launch``) before it is instantiated; ``graph.fastlora_early_edges``
+    says how many. Should that edit fail, early launch is turned off for the process and the step
+    captured again as it is. Returns (graph, captured output).
     """
     device = torch.cuda.current_device()
     side = torch.cuda.Stream()
@@ -68,13 +72,27 @@ def capture(fn: Callable, pool: GraphPool, restore: Callable[[], None], warmup: 
     torch.cuda.current_stream().wait_stream(side)
     restore()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
+    try:
+        return _capture_once(fn, pool, device, early_launch.wanted())
+    except early_launch.EditFailed as failed:
+        held = failed.graph  # a use of the pool until the new graph holds one
+        restore()
+        graph, output = _capture_once(fn, pool, device, False)
+        del held
+        return graph, output
+
+
+def _capture_once(fn: Callable, pool: GraphPool, device: int, early: bool):
+    graph = _compat.new_cuda_graph(keep=True) if early else None
+    if graph is None:
+        graph, early = torch.cuda.CUDAGraph(), False
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         try:
             graph.capture_begin(pool=pool.id)
             output = fn()
             graph.capture_end()
+            graph.fastlora_early_edges = early_launch.edit(graph) if early else 0
         except BaseException:
             _abandon(graph, pool, device)
             raise

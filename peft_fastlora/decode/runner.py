@@ -38,7 +38,7 @@ import torch
 
 from .. import _compat
 from ..batch import NO_LORA_BATCH, ForwardBatch
-from . import step_advance
+from . import early_launch, step_advance
 from .capture import EmulatedGraph, GraphPool, GraphUnsafe, capture
 from .static_cache import CacheUnavailable, StaticCacheStore, cache_state_tensors
 
@@ -72,7 +72,7 @@ class DecodeGraphRunner:
         self._counters = {"captures": 0, "replays": 0, "eager_steps": 0, "capture_s": 0.0,
                           "capture_failures": 0, "evictions": 0, "graphs_dropped": 0,
                           "deferred_stop_calls": 0, "steps_undone": 0, "fused_selection_calls": 0,
-                          "advanced_calls": 0, "advanced_steps": 0}
+                          "advanced_calls": 0, "advanced_steps": 0, "early_edges": 0}
         self.eager_reasons: Dict[str, int] = {}
         self.selection_reasons: Dict[str, int] = {}  # why deferred calls kept transformers' token selection
         self.advance_reasons: Dict[str, int] = {}  # why fused-selection calls built their inputs on the host
@@ -91,7 +91,8 @@ class DecodeGraphRunner:
     def stats(self) -> dict:
         """Counters, the reasons any decode step or call ran eagerly, and the memory held now:
         ``cache_bytes`` (the static KV caches) and ``graph_pool_bytes`` (reserved by the graphs'
-        pool; None when torch cannot say)."""
+        pool; None when torch cannot say). ``early_edges``: expands set to launch early in the
+        graphs captured (``early_launch``); ``early_launch_off``: why none are (None: they may be)."""
         out = dict(self._counters)
         out["graphs"] = len(self.graphs)
         out["cache_bytes"] = self.caches.nbytes()
@@ -99,6 +100,7 @@ class DecodeGraphRunner:
         out["eager_reasons"] = dict(self.eager_reasons)
         out["selection_reasons"] = dict(self.selection_reasons)
         out["advance_reasons"] = dict(self.advance_reasons)
+        out["early_launch_off"] = early_launch.unavailable if early_launch.ENABLED else "disabled"
         return out
 
     def note_eager(self, reason: str, steps: int = 0):
@@ -395,6 +397,7 @@ class DecodeGraphRunner:
             return None
         restore()  # the emulated capture ran the step once; the replay runs it for real
         self._counters["captures"] += 1
+        self._counters["early_edges"] += getattr(graph, "fastlora_early_edges", 0)
         self._counters["capture_s"] += time.perf_counter() - t0
         entry = {"graph": graph, "static": static, "output": output,
                  "view": self._output_view(output, padded)}

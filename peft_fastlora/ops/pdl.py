@@ -16,6 +16,11 @@ intact for everything else:
   completes before the one it follows: the next kernel's wait then covers all earlier ones;
 - it lets the next kernel launch early (``launch_dependents()`` at its start; not in ``WAIT_ONLY``).
 
+In a captured decode step, ``decode.early_launch`` lets the kernels it names (the expands) launch
+as soon as every block of the cuBLAS GEMM before them has started, and the kernels after them can
+follow: the kernels so named read before their wait nothing the GEMM writes, and kernels after
+them read before theirs only what was written before the GEMM started.
+
 Kernels from cuBLAS or PyTorch are launched as usual and keep full stream order. ``mode`` says
 how a launch on a tensor's device uses PDL: ``FULL`` (the default on CUDA devices of compute
 capability 9.0 or more), ``WAIT_ONLY`` (launched with PDL, but the next kernel launches only
