@@ -4,10 +4,10 @@ CUDA graph whose inputs change in place between replays."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
+
+from _graphs import captured
 
 pytestmark = pytest.mark.gpu
 
@@ -73,18 +73,7 @@ def test_inside_a_cuda_graph(bsz):
     dtype = torch.bfloat16
     atol, rtol = TOLERANCES[dtype]
     q, k, v, mask = _inputs(bsz, dtype, seed=1)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        decode_attention(q, k, v, mask)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    gc.disable()
-    try:
-        with torch.cuda.graph(graph):
-            out = decode_attention(q, k, v, mask)
-    finally:
-        gc.enable()
+    graph, out = captured(lambda: decode_attention(q, k, v, mask))
     for seed, filled in ((2, 137), (3, CACHE_LEN), (4, 1)):
         q2, k2, v2, m2 = _inputs(bsz, dtype, seed=seed, filled=filled)
         q.copy_(q2), k.copy_(k2), v.copy_(v2), mask.copy_(m2)
@@ -122,18 +111,7 @@ def test_after_pdl_kernels_that_write_q_and_the_cache_in_a_graph(bsz, prewait):
         kv_cache_write(k, v_raw, k_cache, v_cache, length, ticket=ticket)
         return q, decode_attention(q, k_cache, v_cache, mask, prewait=prewait)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    gc.disable()
-    try:
-        with torch.cuda.graph(graph):
-            q_out, out = chain()
-    finally:
-        gc.enable()
+    graph, (q_out, out) = captured(chain)
     pos = torch.arange(CACHE_LEN, device="cuda")
     for step, slot in enumerate((FILLED, 37, CACHE_LEN - 1, 0)):
         length.fill_(slot)

@@ -84,14 +84,7 @@ def test_graph_replays_follow_the_rows_adapters():
     n = 14336
     x, w, lora = glu_case(128, n, 4096, RANKS["8x16"], torch.bfloat16, device="cuda")
     out = torch.empty(128, n, dtype=torch.bfloat16, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        glu_lora(x, w, n, lora, "silu", GLU_TILE, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        glu_lora(x, w, n, lora, "silu", GLU_TILE, out=out, check=False)
+    graph, _ = captured(lambda: glu_lora(x, w, n, lora, "silu", GLU_TILE, out=out, check=False))
     gen = torch.Generator().manual_seed(3)
     mixes = [torch.randint(-1, 8, (128,), generator=gen), torch.full((128,), -1), torch.full((128,), 5),
              torch.randint(-1, 8, (128,), generator=gen)]

@@ -5,6 +5,7 @@ equal to the torch ops run as many times."""
 import pytest
 import torch
 
+from _graphs import captured
 from peft_fastlora.ops.step_inputs import advance_inputs, advance_inputs_reference
 from test_step_inputs import CASES, buffers, check_case
 
@@ -29,18 +30,13 @@ def test_captured_and_replayed_step_after_step():
     masks, counters, column, last = buffers(case, gen, "cuda")
     want = [t.clone() for t in masks], [t.clone() for t in counters], column.clone()
     saved = [t.clone() for t in masks + counters + [column]]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        advance_inputs(masks, counters, column, last)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    for t, s in zip(masks + counters + [column], saved):
-        t.copy_(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        advance_inputs(masks, counters, column, last)
-    for t, s in zip(masks + counters + [column], saved):  # capture does not run the work; be sure
-        t.copy_(s)
+
+    def reset():
+        for t, s in zip(masks + counters + [column], saved):
+            t.copy_(s)
+
+    graph, _ = captured(lambda: advance_inputs(masks, counters, column, last), reset=reset)
+    reset()  # capture does not run the work; be sure
     for step in range(12):  # past the last column: the clamp holds it there
         graph.replay()
         advance_inputs_reference(*want, last)

@@ -6,12 +6,12 @@ of a batch with more distinct adapters than the one captured. Run on the device 
 
 from __future__ import annotations
 
-import gc
 import importlib
 
 import pytest
 import torch
 
+from _graphs import captured
 from peft_fastlora.backend.torch_native import TorchNativeLoRABackend
 from peft_fastlora.batch import NO_ADAPTER, ForwardBatch, ForwardMode
 
@@ -151,19 +151,7 @@ def test_cuda_graph_replay_with_more_adapters_than_captured():
         # no layer tables: the ranks and scalings come from the static batch info too
         tri.run_qkv_lora(static_x, a, b, output_offset=offsets, base_output=static_out)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile the kernels outside the capture
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    gc.disable()  # a collected Triton kernel object must not unload its module mid-capture
-    try:
-        with torch.cuda.graph(graph):
-            step()
-    finally:
-        gc.enable()
+    graph, _ = captured(step, warmups=2)
 
     wi = mixed_indices(bs, NUM_ADAPTERS)
     assert len({w for w in wi if w >= 0}) == NUM_ADAPTERS
@@ -241,19 +229,7 @@ def test_fused_graph_replays_share_a_clean_workspace():
             else:
                 tri.run_stacked_lora(t["x"], t["a"], t["b"], output_offset=t["offsets"], **kw)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    gc.disable()
-    try:
-        with torch.cuda.graph(graph):
-            step()
-    finally:
-        gc.enable()
+    graph, _ = captured(step, warmups=2)
 
     ref = TorchNativeLoRABackend(NUM_ADAPTERS, "cuda")
     gen = torch.Generator().manual_seed(1)
