@@ -61,7 +61,7 @@ def main(argv=None):
     bw = copy_bandwidth()
     vers = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 transformers=transformers.__version__, peft=peft.__version__, copy_bw_tbs=round(bw / 1e12, 3))
-    rows_out, defaults = [], (gs.BLOCK, gs.NUM_WARPS, gs.BY_VALUE)
+    rows_out, defaults = [], (gs.BLOCK, gs.NUM_WARPS)
     for rows in args.rows:
         xs = [torch.randn(rows, VOCAB, device="cuda", dtype=torch.bfloat16) for _ in range(args.chain)]
         tokens = torch.empty(rows, dtype=torch.long, device="cuda")
@@ -77,14 +77,12 @@ def main(argv=None):
             return unfinished & ~torch.isin(nxt, eos)
 
         variants = [("transformers", "copy+argmax+pad+isin", hf)]
-        for by_value in (False, True):
-            for block in (1024, 2048, 4096, 8192, 16384):
-                for warps in (4, 8):
-                    def fused(i, block=block, warps=warps, by_value=by_value):
-                        gs.BLOCK, gs.NUM_WARPS, gs.BY_VALUE = block, warps, by_value
-                        return gs.greedy_select(xs[i], tokens, unfinished, pad, eos)
-                    variants.append(("greedy_select", f"block={block} warps={warps}"
-                                     + (" by_value" if by_value else ""), fused))
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8):
+                def fused(i, block=block, warps=warps):
+                    gs.BLOCK, gs.NUM_WARPS = block, warps
+                    return gs.greedy_select(xs[i], tokens, unfinished, pad, eos)
+                variants.append(("greedy_select", f"block={block} warps={warps}", fused))
         for impl, config, fn in variants:
             try:
                 us = _graph_time_us(fn, args.chain)
@@ -95,7 +93,7 @@ def main(argv=None):
                        byte_floor_us=round(floor_us, 2))
             print(row, flush=True)
             rows_out.append(row)
-        gs.BLOCK, gs.NUM_WARPS, gs.BY_VALUE = defaults
+        gs.BLOCK, gs.NUM_WARPS = defaults
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows_out[0]))

@@ -13,13 +13,6 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 B = gs.block_for(1)  # the block of the tests' few rows
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["by_key", "by_value"])
-def by_value(request, monkeypatch):
-    """Every test with either way of finding a program's best (``gs.BY_VALUE``)."""
-    monkeypatch.setattr(gs, "BY_VALUE", request.param)
-    return request.param
-
-
 def _both(logits, unfinished=None, pad=None, stop=None, suppress=None):
     """(kernel tokens, reference tokens, kernel's unfinished after, reference's unfinished after)."""
     rows = logits.shape[0]

@@ -12,9 +12,7 @@ the selection, for rows of ``(chunks, rows)`` programs:
   minimum length forbids: set to -inf, as ``torch.where`` does), and packs its best column into
   one int64 key: an order-preserving integer of the value above the column's complement, so the
   largest key is the largest value at its first column. NaN ranks above everything (``argmax``'s
-  rule), and -0.0 equals 0.0. ``BY_VALUE``: the program finds its best value and that value's
-  first column (or its first NaN) with 32-bit reductions and packs only that one key; otherwise
-  it packs a key for every logit and takes their int64 maximum (emulated 64-bit compares).
+  rule), and -0.0 equals 0.0.
 - it folds its key into the row's slot with ``atomic_max`` and takes a ticket; the row's last
   program reads and resets the slot and the ticket (so the workspace is ready for the next launch),
   writes the token (``pad`` for a row already finished when there is an EOS criterion) and clears
@@ -36,7 +34,6 @@ from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
 
 BLOCK = None  # logits a program reads; None: ``block_for(rows)`` (benchmarks/probe_greedy_select.py sets it)
 NUM_WARPS = 4
-BY_VALUE = False  # a program's best by 32-bit reductions, one key packed (see the module docstring)
 
 
 def block_for(rows: int) -> int:
@@ -66,7 +63,6 @@ def _greedy_select_kernel(
     HAS_STOP: tl.constexpr,  # an EOS criterion: finished rows take pad, stop ids finish rows
     EMPTY: tl.constexpr,  # EMPTY_KEY
     BLOCK: tl.constexpr,
-    BY_VALUE: tl.constexpr,
 ):
     chunk = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
@@ -76,28 +72,14 @@ def _greedy_select_kernel(
     for i in tl.static_range(N_SUPPRESS):
         x = tl.where(cols == tl.load(suppress_ptr + i), float("-inf"), x)
     x = x + 0.0  # -0.0 + 0.0 is +0.0: the two zeros get one key
+    bits = x.to(tl.int32, bitcast=True)
+    # order-preserving: negative floats flip their magnitude bits; NaN above +inf
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = tl.where(x != x, 0x7FFFFFFF, key)
     low32 = tl.full([], 0xFFFFFFFF, tl.int64)
-    if BY_VALUE:
-        nan = (x != x) & ok
-        first_nan = tl.min(tl.where(nan, cols, 0x7FFFFFFF), axis=0)
-        v = tl.where(nan | (cols >= vocab), float("-inf"), x)
-        best_v = tl.max(v, axis=0)
-        first = tl.min(tl.where((v == best_v) & ok, cols, 0x7FFFFFFF), axis=0)
-        any_nan = first_nan < 0x7FFFFFFF
-        bits = best_v.to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving, as below
-        key = tl.where(any_nan, 0x7FFFFFFF, key)
-        col = tl.where(any_nan, first_nan, first)
-        best = (key.to(tl.int64) << 32) + (low32 - col.to(tl.int64))
-    else:
-        bits = x.to(tl.int32, bitcast=True)
-        # order-preserving: negative floats flip their magnitude bits; NaN above +inf
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        key = tl.where(x != x, 0x7FFFFFFF, key)
-        low = low32 - cols.to(tl.int64)  # the first column ranks highest among equal values
-        packed = tl.where(ok, (key.to(tl.int64) << 32) + low, EMPTY)
-        best = tl.max(packed, axis=0)
-    tl.atomic_max(slot_ptr + row, best)
+    low = low32 - cols.to(tl.int64)  # the first column ranks highest among equal values
+    packed = tl.where(ok, (key.to(tl.int64) << 32) + low, EMPTY)
+    tl.atomic_max(slot_ptr + row, tl.max(packed, axis=0))
     if tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         best = tl.atomic_xchg(slot_ptr + row, EMPTY)
         tl.atomic_xchg(ticket_ptr + row, 0)
@@ -190,7 +172,7 @@ def greedy_select(logits: torch.Tensor, tokens: torch.Tensor, unfinished: Option
         ws.slots, ws.tickets,
         vocab, logits.stride(0), tokens.stride(0),
         N_SUPPRESS=suppress.numel(), N_STOP=stop.numel(), HAS_STOP=has_stop, EMPTY=EMPTY_KEY, BLOCK=block,
-        BY_VALUE=BY_VALUE, num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS,
     )
     return tokens
 
