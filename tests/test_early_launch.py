@@ -9,9 +9,10 @@ import pytest
 from peft_fastlora.decode import early_launch as el
 from peft_fastlora.decode.early_launch import Edge
 
-GEMM, EXPAND, WIDE, NORM, MEMSET = 1, 2, 3, 4, 5
+GEMM, EXPAND, WIDE, NORM, MEMSET, OWN_GEMM = 1, 2, 3, 4, 5, 6
 NAMES = {GEMM: "nvjet_hsh_128x64_64x4_1x2_v_bz_coopA_NTN", EXPAND: "_lora_expand_kernel",
-         WIDE: "_lora_expand_wide_kernel", NORM: "_add_rms_norm_kernel", MEMSET: None}
+         WIDE: "_lora_expand_wide_kernel", NORM: "_add_rms_norm_kernel", MEMSET: None,
+         OWN_GEMM: "_stream_gemm_kernel"}
 
 
 def _moved(edges):
@@ -32,6 +33,15 @@ def test_programmatic_edges_into_an_expand_move():
 ])
 def test_other_edges_stay(edge, why):
     assert _moved([edge]) == [], why
+
+
+def test_an_expand_behind_a_kernel_launched_with_pdl_stays():
+    """Such a source is fastlora's own and signals its port at its start already."""
+    into_own = Edge(NORM, OWN_GEMM, el.PORT_PROGRAMMATIC, 0, el.TYPE_PROGRAMMATIC)
+    own_to_expand = Edge(OWN_GEMM, EXPAND, el.PORT_PROGRAMMATIC, 0, el.TYPE_PROGRAMMATIC)
+    into_cublas = Edge(NORM, GEMM, el.PORT_DEFAULT, 0, el.TYPE_DEFAULT)
+    cublas_to_wide = Edge(GEMM, WIDE, el.PORT_PROGRAMMATIC, 0, el.TYPE_PROGRAMMATIC)
+    assert _moved([into_own, own_to_expand, into_cublas, cublas_to_wide]) == [cublas_to_wide]
 
 
 def test_the_early_kernels_are_the_expands():

@@ -50,10 +50,15 @@ class Edge(NamedTuple):
 
 def edges_to_move(edges: Iterable[Edge], kernel_name: Callable[[int], Optional[str]]) -> List[Edge]:
     """The edges ``launch_early`` moves: programmatic edges leaving their source's programmatic
-    port into a kernel named in ``EARLY_KERNELS`` (``kernel_name(node)``: None for other nodes)."""
+    port into a kernel named in ``EARLY_KERNELS`` (``kernel_name(node)``: None for other nodes),
+    from a source launched without PDL (no programmatic edge into it: cuBLAS, PyTorch). A source
+    launched with PDL is one of fastlora's kernels, which signal their port at their start: there
+    the move gains nothing."""
+    edges = list(edges)
+    pdl_launched = {e.dst for e in edges if e.type == TYPE_PROGRAMMATIC}
     return [e for e in edges
             if e.type == TYPE_PROGRAMMATIC and e.from_port == PORT_PROGRAMMATIC
-            and kernel_name(e.dst) in EARLY_KERNELS]
+            and e.src not in pdl_launched and kernel_name(e.dst) in EARLY_KERNELS]
 
 
 class _EdgeData(ctypes.Structure):
