@@ -65,6 +65,13 @@ def test_wanted_follows_the_switch_and_a_past_failure(monkeypatch):
     assert not el.wanted()
 
 
+def test_disable_keeps_the_reason(monkeypatch):
+    monkeypatch.setattr(el, "unavailable", None)
+    monkeypatch.setattr(el, "ENABLED", True)
+    el.disable("torch 2.7 cannot keep a captured graph to edit (no keep_graph)")
+    assert not el.wanted() and "keep_graph" in el.unavailable
+
+
 class _FakeGraph:
     def __init__(self):
         self.calls = []

@@ -84,6 +84,8 @@ def capture(fn: Callable, pool: GraphPool, restore: Callable[[], None], warmup: 
 
 def _capture_once(fn: Callable, pool: GraphPool, device: int, early: bool):
     graph = _compat.new_cuda_graph(keep=True) if early else None
+    if early and graph is None:
+        early_launch.disable(f"torch {torch.__version__} cannot keep a captured graph to edit (no keep_graph)")
     if graph is None:
         graph, early = torch.cuda.CUDAGraph(), False
     stream = torch.cuda.Stream()

@@ -185,6 +185,13 @@ def wanted() -> bool:
     return ENABLED and unavailable is None
 
 
+def disable(reason: str) -> None:
+    """Early launch off for the process, ``reason`` kept in ``unavailable`` (the runner's stats)."""
+    global unavailable
+    unavailable = reason
+    logger.info("fastlora: expands launch after cuBLAS GEMMs complete: %s", reason)
+
+
 def launch_early(graph_handle: int) -> List[Edge]:
     """Move ``edges_to_move``'s edges of a captured graph (``CUDAGraph.raw_cuda_graph()``, before
     it is instantiated) to the launch-order port; returns them as they were ([] where the driver
