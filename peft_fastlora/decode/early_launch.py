@@ -94,7 +94,6 @@ class _Driver:
         p = ctypes.POINTER
         self._fns = {}
         for name, args in (
-                ("cuGraphGetNodes", [vp, p(vp), p(sz)]),
                 ("cuGraphGetEdges_v2", [vp, p(vp), p(vp), p(_EdgeData), p(sz)]),
                 ("cuGraphNodeGetType", [vp, p(ctypes.c_int)]),
                 ("cuGraphKernelNodeGetParams_v2", [vp, p(_KernelParams)]),
