@@ -161,6 +161,11 @@ def test_probe_down_shrink_in_glu_smoke():
     assert "smoke: every variant ran and matched float32 math" in out, out[-2000:]
 
 
+def test_probe_greedy_select_smoke():
+    out = _run([os.path.join(BENCH, "probe_greedy_select.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
+    assert "smoke: every variant ran and matched argmax" in out, out[-2000:]
+
+
 def test_probe_gemm_bound_smoke():
     out = _run([os.path.join(BENCH, "probe_gemm_bound.py"), "--smoke", "--fold-rows", "128"],
                env_extra={"TRITON_INTERPRET": "1"})
