@@ -315,7 +315,7 @@ def model_runner_stats(model):
         return None
     return {k: v for k, v in runner.stats.items() if k in (
         "replays", "eager_steps", "advanced_calls", "advanced_steps", "advance_reasons", "selection_reasons",
-        "early_edges", "early_launch_off")}
+        "early_edges", "early_launch_off", "rotary_table_off")}
 
 
 def run_model(shape, batches, args, bw, vers, rows, kernel_rows=None):
@@ -511,6 +511,8 @@ def main(argv=None):
                    help="hf: greedy calls keep transformers' token selection (decode.greedy_loop.ENABLED), for an A/B")
     p.add_argument("--step-advance", choices=["on", "off"], default="on",
                    help="off: greedy steps' next inputs built on the host (decode.step_advance.ENABLED), for an A/B")
+    p.add_argument("--rotary-table", choices=["on", "off"], default="on",
+                   help="off: graphs compute rotary cos/sin with the module's forward (base_ops.rotary_tables), for an A/B")
     p.add_argument("--early-launch", choices=["on", "off"], default="on",
                    help="off: expands behind cuBLAS GEMMs launch as they complete (decode.early_launch), for an A/B")
     p.add_argument("--expand", choices=["library", "blocks"], default="library",
@@ -549,11 +551,12 @@ def main(argv=None):
     importlib.import_module("peft_fastlora.decode.greedy_loop").ENABLED = args.token_select == "fused"
     importlib.import_module("peft_fastlora.decode.step_advance").ENABLED = args.step_advance == "on"
     importlib.import_module("peft_fastlora.decode.early_launch").ENABLED = args.early_launch == "on"
+    importlib.import_module("peft_fastlora.base_ops.rotary_tables").ENABLED = args.rotary_table == "on"
     vers = dict(versions(), expand=args.expand, stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms,
                 tma_gemm=args.tma_gemm, tma_add=args.tma_add, glu_lora=args.glu_lora,
                 epilogue_folds=args.epilogue_folds, attention_prewait=args.attention_prewait,
                 attention_block_n=args.attention_block_n, rotary_kv=args.rotary_kv, token_select=args.token_select,
-                step_advance=args.step_advance, early_launch=args.early_launch)
+                step_advance=args.step_advance, early_launch=args.early_launch, rotary_table=args.rotary_table)
     bw = copy_bandwidth() if DEVICE == "cuda" else 1e11
     print(vers, f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, kernel_rows = [], []

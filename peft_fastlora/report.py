@@ -28,6 +28,7 @@ class PatchReport:
     fused_add_norms: int = 0  # decoder layers whose residual add and post-attention norm are one kernel
     fused_rotary: int = 0  # attention modules whose rotary embedding is one kernel
     fused_rotary_kv: int = 0  # of those, the ones that also write fastlora's static caches in that kernel
+    rotary_tables: int = 0  # rotary embedding modules whose cos / sin decode graphs read from a table
     fused_mlps: int = 0  # gated MLPs whose silu(gate) * up is one kernel
     fused_base_groups: int = 0  # q/k/v and gate/up siblings without LoRA computed by one GEMM
     stream_gemm_layers: int = 0  # plain linear layers whose decode GEMMs the streaming kernel runs
@@ -104,6 +105,8 @@ class PatchReport:
                 ops[-1] += f" ({self.fused_add_norms} with the residual add)"
             if option == "fuse_rotary" and not why and self.fused_rotary_kv:
                 ops[-1] += f" ({self.fused_rotary_kv} with the KV write)"
+            if option == "fuse_rotary" and not why and self.rotary_tables:
+                ops[-1] += f", cos/sin from a table in graphs x{self.rotary_tables}"
         return line + "; one-kernel " + ", ".join(ops)
 
     __str__ = summary

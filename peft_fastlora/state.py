@@ -273,6 +273,7 @@ class FastLoRAState:
         report.fused_add_norms = ops.count("fuse_add_norm")
         report.fused_rotary = ops.count("fuse_rotary")
         report.fused_rotary_kv = ops.count("fuse_rotary_kv")
+        report.rotary_tables = ops.count("rotary_table")
         report.fused_mlps = ops.count("fuse_silu_mul")
         report.fused_base_groups = len(ops.fused_groups)
         report.stream_gemm_layers = ops.count("stream_gemm")

@@ -25,6 +25,7 @@ from .layer_forwards import install_decoder_layers
 from .mlp_forwards import activation_kind, has_gated_forward, install_gated_mlps
 from .norm_forwards import install_norms
 from .rotary_forwards import install_rotary
+from .rotary_tables import RotaryTables
 from .stream_linears import StreamLinears, supported_device
 
 
@@ -38,6 +39,7 @@ class BaseOps:
     off: Dict[str, str] = field(default_factory=dict)  # option -> why nothing was installed for it
     fused_groups: List[PlainFusedGroup] = field(default_factory=list)  # siblings without LoRA in one GEMM
     stream: Optional[StreamLinears] = None  # the decode GEMMs' kernel, where ``stream_gemm`` is on
+    rotary_tables: Optional[RotaryTables] = None  # cos / sin from tables in decode graphs (``fuse_rotary``)
 
     @property
     def gemm(self):
@@ -55,7 +57,9 @@ class BaseOps:
             g.remove()
         if self.stream is not None:
             self.stream.remove()
-        self.installed, self.fused_groups, self.stream = {}, [], None
+        if self.rotary_tables is not None:
+            self.rotary_tables.remove()
+        self.installed, self.fused_groups, self.stream, self.rotary_tables = {}, [], None, None
 
 
 def stream_wanted(model: nn.Module, options, device: torch.device) -> bool:
@@ -116,6 +120,9 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
             if option == "fuse_rotary":  # and, in Llama-family forwards, the KV write in its kernel
                 ops.installed["fuse_rotary_kv"] = []
                 done, skipped = install(model, ops.installed["fuse_rotary_kv"])
+                ops.rotary_tables = RotaryTables()  # and the rotary embeddings' cos / sin from tables
+                ops.installed["rotary_table"], table_skipped = ops.rotary_tables.install(model)
+                ops.skipped.extend(("rotary_table", cls, why) for cls, why in table_skipped)
             else:
                 done, skipped = install(model)
             ops.installed[option] = done

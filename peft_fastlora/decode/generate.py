@@ -114,6 +114,7 @@ def run_generate(state, generate, args, kwargs, min_cache_len: int = 0):
             return generate(*args, **kwargs)
         kwargs = dict(kwargs)
         kwargs[_compat.cache_kwarg_name(state.inner)] = cache
+        runner.own_positions = kwargs.get("position_ids") is not None
         deferred = state.stop_check_blocker is None and deferred_stop.call_reason(state.inner, args, kwargs) is None
         if deferred:
             kwargs["custom_generate"] = deferred_stop.decoding_method(kwargs.get("streamer"))

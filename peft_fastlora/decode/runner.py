@@ -28,6 +28,7 @@ logged once.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -77,6 +78,8 @@ class DecodeGraphRunner:
         self.selection_reasons: Dict[str, int] = {}  # why deferred calls kept transformers' token selection
         self.advance_reasons: Dict[str, int] = {}  # why fused-selection calls built their inputs on the host
         self.last_step = None  # (graph entry, rows, the step's inputs, batch info) of the last replay
+        # the armed call passed its own position_ids (they may pass the cache's length): no rotary tables
+        self.own_positions = False
 
     @property
     def max_graphs(self) -> int:
@@ -92,7 +95,8 @@ class DecodeGraphRunner:
         """Counters, the reasons any decode step or call ran eagerly, and the memory held now:
         ``cache_bytes`` (the static KV caches) and ``graph_pool_bytes`` (reserved by the graphs'
         pool; None when torch cannot say). ``early_edges``: expands set to launch early in the
-        graphs captured (``early_launch``); ``early_launch_off``: why none are (None: they may be)."""
+        graphs captured (``early_launch``); ``early_launch_off``: why none are (None: they may be);
+        ``rotary_table_off``: rotary embedding classes whose table failed its check (``rotary_tables``)."""
         out = dict(self._counters)
         out["graphs"] = len(self.graphs)
         out["cache_bytes"] = self.caches.nbytes()
@@ -101,6 +105,8 @@ class DecodeGraphRunner:
         out["selection_reasons"] = dict(self.selection_reasons)
         out["advance_reasons"] = dict(self.advance_reasons)
         out["early_launch_off"] = early_launch.unavailable if early_launch.ENABLED else "disabled"
+        ops = self.state.base_ops
+        out["rotary_table_off"] = dict(ops.rotary_tables.off) if ops is not None and ops.rotary_tables else {}
         return out
 
     def note_eager(self, reason: str, steps: int = 0):
@@ -225,7 +231,7 @@ class DecodeGraphRunner:
 
     def _replay(self, entry, batch_info):
         if self.emulate:  # the emulated replay runs the layers again, in the captured context
-            with self.state.forward_context(batch_info):
+            with self.state.forward_context(batch_info), self._rotary_context(entry["cache_len"]):
                 entry["graph"].replay()
         else:
             entry["graph"].replay()
@@ -283,7 +289,7 @@ class DecodeGraphRunner:
                 yield name, v
 
     def _key(self, inputs, serial, cache, rows, padded):
-        parts = [serial, padded, ("fold", self.state.fold_now)]
+        parts = [serial, padded, ("fold", self.state.fold_now), ("rotary_table", self._rotary_tables() is not None)]
         for name, v in self._flat(inputs):
             if isinstance(v, torch.Tensor):
                 shape = tuple(v.shape)
@@ -377,7 +383,8 @@ class DecodeGraphRunner:
         try:
             static = self._clone_inputs(inputs, rows, padded)
             batch_info = self._refresh_batch_info(padded)
-            with self.state.forward_context(batch_info):
+            cache_len = self.caches.length_of(cache)
+            with self.state.forward_context(batch_info), self._rotary_context(cache_len):
                 if self.emulate:
                     graph = EmulatedGraph()
                     restore()
@@ -399,10 +406,31 @@ class DecodeGraphRunner:
         self._counters["captures"] += 1
         self._counters["early_edges"] += getattr(graph, "fastlora_early_edges", 0)
         self._counters["capture_s"] += time.perf_counter() - t0
-        entry = {"graph": graph, "static": static, "output": output,
-                 "view": self._output_view(output, padded)}
+        tables = self._rotary_tables()
+        entry = {"graph": graph, "static": static, "output": output, "cache_len": cache_len,
+                 "view": self._output_view(output, padded),
+                 "rotary_tables": tables.held() if tables is not None else []}  # the graph reads them
         self.graphs[key] = entry
         return entry
+
+    def _rotary_tables(self):
+        """The model's ``RotaryTables`` where this call's steps may read cos / sin from them: positions
+        transformers derives (below the cache's length), tables installed and switched on."""
+        from ..base_ops import rotary_tables
+
+        ops = self.state.base_ops
+        tables = ops.rotary_tables if ops is not None else None
+        if self.own_positions or not rotary_tables.ENABLED or tables is None or not tables.modules:
+            return None
+        return tables
+
+    def _rotary_context(self, cache_len):
+        """Inside a captured or emulated step: the rotary tables active for the cache's positions (the
+        deferred stop check's extra step reads one past them)."""
+        tables = self._rotary_tables()
+        if tables is None or cache_len is None:
+            return contextlib.nullcontext()
+        return tables.active(cache_len + 1)
 
     def drop_graphs_keep_failures(self):
         """After a failed capture with no graph alive: release the pool, keep the failure memo."""
