@@ -511,6 +511,9 @@ def main(argv=None):
                    help="hf: greedy calls keep transformers' token selection (decode.greedy_loop.ENABLED), for an A/B")
     p.add_argument("--step-advance", choices=["on", "off"], default="on",
                    help="off: greedy steps' next inputs built on the host (decode.step_advance.ENABLED), for an A/B")
+    p.add_argument("--step-record", choices=["on", "off"], default="on",
+                   help="off: greedy steps keep transformers' deferred stop check and the loop's ids copy "
+                        "(decode.deferred_stop.FLAG_CHECK), for an A/B")
     p.add_argument("--rotary-table", choices=["on", "off"], default="on",
                    help="off: graphs compute rotary cos/sin with the module's forward (base_ops.rotary_tables), for an A/B")
     p.add_argument("--early-launch", choices=["on", "off"], default="on",
@@ -552,11 +555,13 @@ def main(argv=None):
     importlib.import_module("peft_fastlora.decode.step_advance").ENABLED = args.step_advance == "on"
     importlib.import_module("peft_fastlora.decode.early_launch").ENABLED = args.early_launch == "on"
     importlib.import_module("peft_fastlora.base_ops.rotary_tables").ENABLED = args.rotary_table == "on"
+    importlib.import_module("peft_fastlora.decode.deferred_stop").FLAG_CHECK = args.step_record == "on"
     vers = dict(versions(), expand=args.expand, stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms,
                 tma_gemm=args.tma_gemm, tma_add=args.tma_add, glu_lora=args.glu_lora,
                 epilogue_folds=args.epilogue_folds, attention_prewait=args.attention_prewait,
                 attention_block_n=args.attention_block_n, rotary_kv=args.rotary_kv, token_select=args.token_select,
-                step_advance=args.step_advance, early_launch=args.early_launch, rotary_table=args.rotary_table)
+                step_advance=args.step_advance, early_launch=args.early_launch, rotary_table=args.rotary_table,
+                step_record=args.step_record)
     bw = copy_bandwidth() if DEVICE == "cuda" else 1e11
     print(vers, f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, kernel_rows = [], []

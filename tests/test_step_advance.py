@@ -10,6 +10,7 @@ import peft_fastlora as fastlora
 from peft_fastlora import _compat
 from peft_fastlora.decode import step_advance
 from peft_fastlora.decode.runner import DecodeGraphRunner
+from _helpers import count_calls
 from _models import build_peft_lm, left_padded_batch, with_sliding_window
 
 NAMES = ["a0", "__base__", "a1", "a2", "a0"]
@@ -212,3 +213,34 @@ def test_warmup_captures_the_step_advance_graphs_calls_use(cpu_events):
     assert stats["advanced_calls"] >= 4 + len(before), stats
     assert before and all(kinds == [(True, False), (True, True)] for kinds in before.values()), before
     assert after == before, (before, after)
+
+
+@pytest.mark.parametrize("flag_check", [True, False])
+def test_stop_flag_and_tokens_from_the_step_advance_launch(flag_check, cpu_events, monkeypatch):
+    """With the flag check (the default) the stop check reads the flag the step-advance launch sets
+    and the ids come from its history, once; without, transformers' deferred check and the loop's
+    copy a step. Rows stop at different steps on EOS ids, a minimum length switches the advance
+    graph mid-call, and the extra step is undone: the tokens equal PEFT's either way."""
+    from peft_fastlora.decode import deferred_stop
+
+    monkeypatch.setattr(deferred_stop, "FLAG_CHECK", flag_check)
+    calls = count_calls(monkeypatch, deferred_stop.FlagStopCheck, ["__call__"])
+    flushes = count_calls(monkeypatch, step_advance.StepAdvance, ["flush"])
+    model = _model("llama", "sdpa")
+    free = _generate(model, NAMES, max_new_tokens=9)
+    start = max(LENGTHS)
+    eos = sorted({int(free[0, start + 5]), int(free[2, start + 6]), int(free[1, start + 1])})
+    gens = [dict(max_new_tokens=9, eos_token_id=eos, pad_token_id=5),
+            dict(max_new_tokens=9, eos_token_id=eos, pad_token_id=5, min_new_tokens=3),
+            dict(max_new_tokens=7)]
+    refs = [_generate(model, NAMES, **g) for g in gens]
+    with fastlora.patched(model, cuda_graphs="emulate"):
+        outs = [_generate(model, NAMES, **g) for g in gens]
+        stats = fastlora.get_state(model).graph_runner.stats
+    for out, ref in zip(outs, refs):
+        assert torch.equal(out, ref), (out, ref)
+    assert stats["advanced_calls"] == 3 and stats["deferred_stop_calls"] == 3, stats
+    if flag_check:  # a check a step; a flush a call, and one more where the minimum length ended
+        assert calls["__call__"] >= sum(o.shape[1] for o in outs) - 3 * start - 3 and flushes["flush"] == 4
+    else:
+        assert calls["__call__"] == 0 and flushes["flush"] == 0

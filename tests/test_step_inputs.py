@@ -102,3 +102,55 @@ def test_buffers_the_kernel_does_not_take_get_the_torch_ops():
     assert bool((two_queries[..., 2] == 0).all())
     assert torch.equal(two_queries, want.index_fill_(-1, torch.tensor([2]), 0.0))
     assert int(column) == 3
+
+
+def random_record(rows, width, column, gen, device="cpu", all_done=False):
+    """A ``StepRecord`` of random tokens and flags (``all_done``: every row finished)."""
+    unfinished = torch.zeros(rows, dtype=torch.int64) if all_done else (torch.rand(rows, generator=gen) < 0.3).long()
+    return step_inputs.StepRecord(
+        tokens=torch.randint(0, 50000, (rows,), generator=gen).to(device),
+        history=torch.randint(-5, 0, (rows, width), generator=gen).to(device),
+        column=torch.tensor([column], dtype=torch.int64, device=device),
+        unfinished=unfinished.to(device),
+        done=torch.tensor([not all_done], device=device))  # the opposite of the answer
+
+
+def _clone_record(record):
+    return step_inputs.StepRecord(*(t.clone() for t in record))
+
+
+@pytest.mark.parametrize("rows,width,column,all_done,max_block", [
+    (1, 6, 0, False, None), (5, 9, 4, True, None), (37, 40, 39, False, 16), (37, 40, 12, True, 16),
+    (3, 4, 3, False, None),
+])
+def test_the_record_equals_the_torch_ops(rows, width, column, all_done, max_block, monkeypatch):
+    """The tokens land in the history's column (clamped at its last), the column moves on, and the
+    done flag is ``unfinished.max() == 0``; the masks and counters move as without a record."""
+    if max_block is not None:
+        monkeypatch.setattr(step_inputs, "MAX_BLOCK", max_block)
+    gen = torch.Generator().manual_seed(rows + column)
+    case = dict(rows=rows, length=12, masks=[torch.bool], counters=["position_ids", "cache_position"], column=4,
+                mask_rows=[rows + 3])
+    masks, counters, mcol, last = buffers(case, gen)
+    record = random_record(rows, width, column, gen, all_done=all_done)
+    want = [t.clone() for t in masks], [t.clone() for t in counters], mcol.clone(), _clone_record(record)
+    history_before = record.history.clone()
+    assert kernel_takes(masks, counters, mcol, record)
+    advance_inputs(masks, counters, mcol, last, record)
+    advance_inputs_reference(*want[:3], last, want[3])
+    for got, ref in zip(masks + counters + [mcol] + list(record), want[0] + want[1] + [want[2]] + list(want[3])):
+        assert got.dtype == ref.dtype and torch.equal(got, ref), (got, ref)
+    assert torch.equal(record.history[:, column], record.tokens)
+    others = torch.arange(width) != column
+    assert torch.equal(record.history[:, others], history_before[:, others])
+    assert int(record.column) == min(column + 1, width - 1) and bool(record.done) == all_done
+
+
+def test_a_bad_record_is_refused():
+    gen = torch.Generator().manual_seed(9)
+    rec = random_record(4, 6, 0, gen)
+    column = torch.tensor([1])
+    with pytest.raises(ValueError, match="int64"):
+        advance_inputs([], [], column, 3, rec._replace(tokens=rec.tokens.int()))
+    with pytest.raises(ValueError, match="rows"):
+        advance_inputs([], [], column, 3, rec._replace(unfinished=rec.unfinished[:3]))

@@ -7,7 +7,7 @@ import torch
 
 from _graphs import captured
 from peft_fastlora.ops.step_inputs import advance_inputs, advance_inputs_reference
-from test_step_inputs import CASES, buffers, check_case
+from test_step_inputs import CASES, _clone_record, buffers, check_case, random_record
 
 pytestmark = pytest.mark.gpu
 
@@ -44,3 +44,32 @@ def test_captured_and_replayed_step_after_step():
         for got, ref in zip(masks + counters + [column], want[0] + want[1] + [want[2]]):
             assert torch.equal(got, ref), step
     assert int(column) == last
+
+
+def test_the_record_captured_and_replayed_with_new_tokens_and_flags():
+    """A ``StepRecord`` in the captured launch: each replay's tokens (new every step) land in the
+    history's next column and the done flag follows ``unfinished`` as rows finish, up to all."""
+    gen = torch.Generator().manual_seed(11)
+    case = dict(rows=96, length=30, masks=[torch.bool], counters=["position_ids", "cache_position"], column=3,
+                mask_rows=[96])
+    masks, counters, column, last = buffers(case, gen, "cuda")
+    record = random_record(96, 33, 5, gen, "cuda")
+    record.unfinished.fill_(1)
+    want = [t.clone() for t in masks], [t.clone() for t in counters], column.clone(), _clone_record(record)
+    graph, _ = captured(lambda: advance_inputs(masks, counters, column, last, record))
+    for t, w in zip(masks + counters + [column] + list(record), want[0] + want[1] + [want[2]] + list(want[3])):
+        t.copy_(w)  # the capture's warm-up ran the work: start again from the same state
+    for step in range(31):  # past the history's last column: the clamp holds it there
+        new = torch.randint(0, 128256, (96,), device="cuda")
+        record.tokens.copy_(new)
+        want[3].tokens.copy_(new)
+        finished = torch.arange(96, device="cuda") < 4 * (step + 1)  # rows finish a few at a time
+        for rec in (record, want[3]):
+            rec.unfinished.masked_fill_(finished, 0)
+        graph.replay()
+        advance_inputs_reference(*want[:3], last, want[3])
+        torch.cuda.synchronize()
+        for got, ref in zip(list(record) + masks + counters, list(want[3]) + want[0] + want[1]):
+            assert torch.equal(got, ref), step
+        assert bool(record.done) == bool(finished.all()), step
+    assert int(record.column) == 32

@@ -145,11 +145,17 @@ def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generatio
                              is_first_iteration=not generation_config.is_assistant)
     cache = _compat.generation_output_cache(outputs)
     cache_is_returned = generation_config.return_dict_in_generate or getattr(cache, "_is_user_defined", False)
-    if stop_check_cls.is_supported(device, cache, cache_is_returned, is_assistant=generation_config.is_assistant):
-        stop_check = stop_check_cls(input_ids, max_length, cache, cache_is_returned, None)
+    runner = fastlora_runner
+    from .deferred_stop import FlagStopCheck, flag_check_applies
+
+    is_assistant = generation_config.is_assistant
+    if stop_check_cls.is_supported(device, cache, cache_is_returned, is_assistant=is_assistant):
+        stop_check = (FlagStopCheck(device, max_length, runner) if flag_check_applies(device, runner, is_assistant)
+                      else stop_check_cls(input_ids, max_length, cache, cache_is_returned, None))
     else:
         stop_check = _compat.per_step_stop_check()
-    runner = fastlora_runner
+    # the flag check's calls take advanced steps' tokens from the step-advance history, once
+    from_history = isinstance(stop_check, FlagStopCheck)
     advance_refused = False
     n_stop = stop_ids.numel() if has_stop else None
     n_suppress_most = suppression.most()
@@ -162,6 +168,8 @@ def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generatio
             suppress = suppression.at(length)
             if advance is not None:
                 if suppress is not advance_suppress:  # a minimum length ended: its graph without the ids
+                    if from_history:
+                        advance.flush(ids, length)
                     advance = runner.step_advance(widest, n_stop, suppress, n_suppress_most, _select)
                     if advance is None:  # the same inputs passed at the call's first decode step
                         raise RuntimeError("fastlora: a step-advance graph was refused mid-call; report this")
@@ -197,13 +205,18 @@ def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generatio
                     _select(logits, ids[:, length], unfinished, pad if has_stop else None,
                             stop_ids if has_stop else None, suppress)
                 del outputs
-            if advance is not None:
+            if advance is not None and not from_history:
                 ids[:, length].copy_(tokens)
             length += 1
             input_ids = ids[:, :length]
             if length >= max_length:  # the maximum-length criterion: every row is done
                 unfinished.zero_()
-            finished = stop_check(unfinished, ids[:, length - 1], length)
+            if from_history:
+                finished = stop_check(advance.done() if advance is not None else unfinished.max() == 0, length)
+            else:
+                finished = stop_check(unfinished, ids[:, length - 1], length)
+    if advance is not None and from_history:
+        advance.flush(ids, length)
     if runner is not None:
         runner.last_step = None
     undo = stop_check.finish()

@@ -9,7 +9,10 @@ inputs follow fixed rules, ``StepAdvance`` replaces all of that with one small g
 the step's own: the token selection (``ops.greedy_select``) writes the next ids straight into the
 static ``input_ids``, ``position_ids`` and ``cache_position`` advance by one, and the static 4-D
 masks (built by ``step_mask``: the 2-D padding mask laid into the first columns) get their next
-column (those three in one more kernel, ``ops.step_inputs``). The static cache advances its own
+column (those three in one more kernel, ``ops.step_inputs``). That kernel also writes the tokens
+into a history buffer's next column and sets a flag when every row has finished, so the loop
+launches nothing else between steps: it copies the history into its ids once, at the end, and
+its stop check reads the flag (``deferred_stop.FlagStopCheck``). The static cache advances its own
 lengths inside the step's graph, as on every replay. While a minimum length suppresses EOS ids
 the selection takes them from a static buffer; the loop moves to the graph without them at the
 step the rule ends.
@@ -109,8 +112,14 @@ class StepAdvance:
         self.masks = _masks(static["attention_mask"])
         self.last_column = self.masks[0].shape[-1] - 1
         self._select = select
-        from ..ops.step_inputs import advance_inputs, advance_inputs_reference, kernel_takes
-        fused = FUSED_INPUTS and kernel_takes(self.masks, self.counters, self.column)
+        from ..ops.step_inputs import StepRecord, advance_inputs, advance_inputs_reference, kernel_takes
+        # a call's tokens stop at its maximum length (at most the mask's width, ``blocker``), one
+        # past it for the deferred check's extra step: two columns more than the mask's
+        self.record = StepRecord(tokens=self.tokens, column=torch.zeros(1, dtype=torch.int64, device=dev),
+                                 history=torch.zeros(padded, self.last_column + 3, dtype=torch.int64, device=dev),
+                                 unfinished=self.unfinished, done=torch.zeros(1, dtype=torch.bool, device=dev))
+        self.first_column = 0  # the call's first column in the history (``start``)
+        fused = FUSED_INPUTS and kernel_takes(self.masks, self.counters, self.column, self.record)
         self._advance = advance_inputs if fused else advance_inputs_reference
         # its own slots and tickets: the shared workspace is replaced when a larger batch selects,
         # and a captured launch would keep the freed one
@@ -122,10 +131,12 @@ class StepAdvance:
                      self.stop, self.suppress, self.workspace)
         # the masks' next column, the counters and the column in one launch; past the cache's
         # last column only the deferred check's extra step reads the mask: the column stays in range
-        self._advance(self.masks, self.counters, self.column, self.last_column)
+        self._advance(self.masks, self.counters, self.column, self.last_column, self.record)
 
     def _state(self) -> List[torch.Tensor]:
-        return [self.tokens, self.unfinished, self.column] + self.counters + self.masks
+        rec = self.record
+        return [self.tokens, self.unfinished, self.column, rec.history, rec.column, rec.done,
+                *self.counters, *self.masks]
 
     def capture(self, pool, capture_fn):
         """Capture the work as a CUDA graph in ``pool``; warm-up runs are undone."""
@@ -154,7 +165,20 @@ class StepAdvance:
         if self.suppress is not None:
             self.suppress.fill_(-1)[:suppress_ids.numel()].copy_(suppress_ids)
         self.column.fill_(min(next_column, self.last_column))
+        self.record.column.fill_(next_column)
+        self.first_column = next_column
         return self.tokens[:rows], self.unfinished[:rows]
+
+    def done(self) -> torch.Tensor:
+        """(1,) bool: whether every row had finished after the last run (the stop check's flag)."""
+        return self.record.done
+
+    def flush(self, ids: torch.Tensor, length: int) -> None:
+        """The tokens of the runs since ``start`` (columns ``first_column .. length - 1``) into the
+        call's ``ids`` (its rows, in one copy)."""
+        first = self.first_column
+        if length > first:
+            ids[:, first:length].copy_(self.record.history[:ids.shape[0], first:length])
 
     def run(self):
         if self.graph is not None:
