@@ -12,6 +12,14 @@ row's largest. It leaves out the stop ids and the pad (a few scalar ops of the s
 every variant's tokens are first checked against ``argmax``. ``--smoke`` runs that check alone
 on the CPU (Triton's interpreter), with ties, NaN, infinities and signed zeros.
 
+``looped`` and ``looped_keys`` (probe only): whether the library kernel is latency-bound (a program
+loads, computes, reduces and exits, so few bytes are in flight an SM) and its per-element int64 key
+work heavy. A few programs a row (``seg`` columns each) loop over their segment in ``tile``-wide
+loads that ``tl.range(num_stages=stages)`` pipelines (``stages=1``: not, the control). ``looped``
+keeps a float32 running maximum and its first column a lane and packs one key a lane at the end;
+``looped_keys`` packs every element's key (the library's work, looped). Each stores its segment's
+key and ``two_pass``'s second launch picks the row's.
+
     python benchmarks/probe_greedy_select.py --out benchmarks/results/probe_greedy_select_h200.csv
 """
 
@@ -61,20 +69,79 @@ def _pick_kernel(keys_ptr, token_ptr, rows, n_chunks, EMPTY: tl.constexpr, ROWS:
     tl.store(token_ptr + r, low32 - (best & low32), mask=r < rows)
 
 
-def two_pass(logits, tokens, keys, block: int, warps: int, rows_per_program: int = 8):
-    rows, vocab = logits.shape
-    n_chunks = triton.cdiv(vocab, block)
-    _chunk_keys_kernel[(n_chunks, rows)](logits, keys, vocab, logits.stride(0), n_chunks, EMPTY=EMPTY_KEY,
-                                         BLOCK=block, num_warps=warps)
+@triton.jit
+def _key(x, cols):
+    """``ops.greedy_select``'s packing: the value's order-preserving key above the column's complement."""
+    x = x + 0.0  # -0.0 + 0.0 is +0.0: the two zeros get one key
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = tl.where(x != x, 0x7FFFFFFF, key)
+    low32 = tl.full([], 0xFFFFFFFF, tl.int64)
+    return (key.to(tl.int64) << 32) + (low32 - cols.to(tl.int64))
+
+
+@triton.jit
+def _segment_keys_kernel(logits_ptr, keys_ptr, vocab, stride_lr, n_segs, EMPTY: tl.constexpr, SEG: tl.constexpr,
+                         TILE: tl.constexpr, STAGES: tl.constexpr, PACK_EACH: tl.constexpr):
+    """Pass 1, looped: a program's segment in ``TILE``-wide loads, its best key stored."""
+    seg = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    start = seg * SEG
+    n = tl.minimum(SEG, vocab - start)
+    base = logits_ptr + row * stride_lr + start
+    lanes = tl.arange(0, TILE)
+    if PACK_EACH:
+        best = tl.full([TILE], EMPTY, tl.int64)
+    else:
+        best = tl.full([TILE], float("-inf"), tl.float32)
+        # a lane that never takes (its values all -inf) keeps its first column, which ranks it right
+        col = lanes
+    for t in tl.range(0, n, TILE, num_stages=STAGES):
+        ok = t + lanes < n
+        x = tl.load(base + t + lanes, mask=ok, other=float("-inf")).to(tl.float32)
+        if PACK_EACH:
+            best = tl.maximum(best, tl.where(ok, _key(x, start + t + lanes), EMPTY))
+        else:
+            # strictly larger (a later equal value loses), or the lane's first NaN (argmax's maximum)
+            take = (x > best) | ((x != x) & (best == best))
+            best = tl.where(take, x, best)
+            col = tl.where(take, t + lanes, col)
+    if not PACK_EACH:
+        best = _key(best, start + col)
+    tl.store(keys_ptr + row * n_segs + seg, tl.max(best, axis=0))
+
+
+def _pick(keys, tokens, n_chunks: int, rows_per_program: int = 8):
+    rows = tokens.shape[0]
     _pick_kernel[(triton.cdiv(rows, rows_per_program),)](keys, tokens, rows, n_chunks, EMPTY=EMPTY_KEY,
                                                          ROWS=rows_per_program,
                                                          CHUNKS=max(2, triton.next_power_of_2(n_chunks)), num_warps=1)
     return tokens
 
 
+def two_pass(logits, tokens, keys, block: int, warps: int, rows_per_program: int = 8):
+    rows, vocab = logits.shape
+    n_chunks = triton.cdiv(vocab, block)
+    _chunk_keys_kernel[(n_chunks, rows)](logits, keys, vocab, logits.stride(0), n_chunks, EMPTY=EMPTY_KEY,
+                                         BLOCK=block, num_warps=warps)
+    return _pick(keys, tokens, n_chunks, rows_per_program)
+
+
+def looped(logits, tokens, keys, seg: int, tile: int, warps: int, stages: int, pack_each: bool = False,
+           rows_per_program: int = 8):
+    rows, vocab = logits.shape
+    n_segs = triton.cdiv(vocab, seg)
+    _segment_keys_kernel[(n_segs, rows)](logits, keys, vocab, logits.stride(0), n_segs, EMPTY=EMPTY_KEY, SEG=seg,
+                                         TILE=tile, STAGES=stages, PACK_EACH=pack_each, num_warps=warps)
+    return _pick(keys, tokens, n_segs, rows_per_program)
+
+
 def smoke() -> int:
-    """The two-pass variant's tokens against ``argmax`` under the interpreter (a small vocabulary)."""
+    """Every probe variant's tokens against ``argmax`` under the interpreter (a small vocabulary)."""
     vocab, block = 1000, 128
+    # (seg, tile, stages, pack_each): several tiles a segment and a lane; segments not a tile multiple;
+    # a last segment (104 columns) shorter than one tile
+    loops = [(256, 64, 2, pack) for pack in (False, True)] + [(448, 128, 1, False)]
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         x = torch.randn(9, vocab).to(dtype)
@@ -84,13 +151,17 @@ def smoke() -> int:
         x[3] = float("-inf")
         x[4, 600], x[4, 200] = float("nan"), float("nan")  # the first NaN wins
         x[5] = -0.0
-        x[5, 400] = 0.0  # -0.0 equals 0.0: column 0
+        x[5, 1], x[5, 400] = 0.0, 0.0  # -0.0 equals 0.0: column 0
         x[6, 10], x[6, 999] = float("inf"), float("inf")
-        tokens = torch.empty(9, dtype=torch.long)
-        keys = torch.empty(9, triton.cdiv(vocab, block), dtype=torch.long)
-        got = two_pass(x, tokens, keys, block, 4, rows_per_program=4)
+        x[7, 20], x[7, 84], x[7, 148] = 50.0, 50.0, 50.0  # a tie in one lane of later tiles
+        x[8, 44], x[8, 172], x[8, 300] = float("nan"), float("nan"), float("nan")  # NaNs in one lane
         want = torch.argmax(x.float(), dim=-1)
-        assert torch.equal(got, want), (dtype, got, want)
+        keys = torch.empty(9, triton.cdiv(vocab, 64), dtype=torch.long)
+        got = two_pass(x, torch.empty(9, dtype=torch.long), keys, block, 4, rows_per_program=4)
+        assert torch.equal(got, want), ("two_pass", dtype, got, want)
+        for seg, tile, stages, pack in loops:
+            got = looped(x, torch.empty(9, dtype=torch.long), keys, seg, tile, 4, stages, pack, rows_per_program=4)
+            assert torch.equal(got, want), ("looped", seg, tile, pack, dtype, got, want)
     print("smoke: every variant ran and matched argmax")
     return 0
 
@@ -119,7 +190,7 @@ def main(argv=None):
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--chain", type=int, default=16)
     p.add_argument("--out", default="benchmarks/results/probe_greedy_select_h200.csv")
-    p.add_argument("--smoke", action="store_true", help="the two-pass variant's check on the CPU (interpreter)")
+    p.add_argument("--smoke", action="store_true", help="the probe variants' check on the CPU (interpreter)")
     args = p.parse_args(argv)
     if args.smoke:
         return smoke()
@@ -163,6 +234,18 @@ def main(argv=None):
                 def two(i, block=block, warps=warps):
                     return two_pass(xs[i], tokens, keys, block, warps)
                 variants.append(("two_pass", f"block={block} warps={warps}", two))
+        # (tile, warps): 8 or 16 logits a thread a load (16 or 32 bytes)
+        for seg in (8192, 16384, 32768):
+            for tile, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8)):
+                for stages in (1, 3):
+                    def loop(i, seg=seg, tile=tile, warps=warps, stages=stages):
+                        return looped(xs[i], tokens, keys, seg, tile, warps, stages)
+                    variants.append(("looped", f"seg={seg} tile={tile} warps={warps} stages={stages}", loop))
+        for seg in (8192, 16384):
+            for tile, warps in ((1024, 4), (2048, 8)):
+                def loop_keys(i, seg=seg, tile=tile, warps=warps):
+                    return looped(xs[i], tokens, keys, seg, tile, warps, 3, pack_each=True)
+                variants.append(("looped_keys", f"seg={seg} tile={tile} warps={warps} stages=3", loop_keys))
         for impl, config, fn in variants:
             if impl != "transformers":  # the tokens first
                 unfinished.fill_(1)
