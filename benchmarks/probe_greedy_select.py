@@ -1,4 +1,4 @@
-"""The greedy token selection alone: ``ops.greedy_select`` at its block sizes and warps against
+"""The greedy token selection alone: ``ops.greedy_select`` at its own launch shape and others against
 what transformers' loop runs for it (the float32 copy of the logits, ``argmax``, the padding of
 finished rows, the EOS ``isin``), at an 8B vocabulary (128,256) in bf16.
 
@@ -12,13 +12,14 @@ row's largest. It leaves out the stop ids and the pad (a few scalar ops of the s
 every variant's tokens are first checked against ``argmax``. ``--smoke`` runs that check alone
 on the CPU (Triton's interpreter), with ties, NaN, infinities and signed zeros.
 
-``looped`` and ``looped_keys`` (probe only): whether the library kernel is latency-bound (a program
+``looped`` and ``looped_keys`` (probe only; session 36): whether the library kernel was latency-bound (a program
 loads, computes, reduces and exits, so few bytes are in flight an SM) and its per-element int64 key
 work heavy. A few programs a row (``seg`` columns each) loop over their segment in ``tile``-wide
 loads that ``tl.range(num_stages=stages)`` pipelines (``stages=1``: not, the control). ``looped``
 keeps a float32 running maximum and its first column a lane and packs one key a lane at the end;
 ``looped_keys`` packs every element's key (the library's work, looped). Each stores its segment's
-key and ``two_pass``'s second launch picks the row's.
+key and ``two_pass``'s second launch picks the row's. ``looped`` won (session 36) and is now the
+library kernel's form (with its atomic finish); both stay here as the experiment.
 
     python benchmarks/probe_greedy_select.py --out benchmarks/results/probe_greedy_select_h200.csv
 """
@@ -206,7 +207,7 @@ def main(argv=None):
     bw = copy_bandwidth()
     vers = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 transformers=transformers.__version__, peft=peft.__version__, copy_bw_tbs=round(bw / 1e12, 3))
-    rows_out, defaults = [], (gs.BLOCK, gs.NUM_WARPS)
+    rows_out, default = [], gs.CONFIG
     for rows in args.rows:
         xs = [torch.randn(rows, VOCAB, device="cuda", dtype=torch.bfloat16) for _ in range(args.chain)]
         tokens = torch.empty(rows, dtype=torch.long, device="cuda")
@@ -222,12 +223,15 @@ def main(argv=None):
             return unfinished & ~torch.isin(nxt, eos)
 
         variants = [("transformers", "copy+argmax+pad+isin", hf)]
-        for block in (1024, 2048, 4096, 8192):
-            for warps in (4, 8):
-                def fused(i, block=block, warps=warps):
-                    gs.BLOCK, gs.NUM_WARPS = block, warps
-                    return gs.greedy_select(xs[i], tokens, unfinished, pad, eos)
-                variants.append(("greedy_select", f"block={block} warps={warps}", fused))
+        # the library's kernel: its own choice for these rows, then the loops' other shapes
+        for config in [None, (8192, 4096, 8, 3), (8192, 1024, 4, 3), (8192, 2048, 8, 1), (16384, 1024, 4, 1),
+                       (32768, 2048, 8, 1)]:
+            def fused(i, config=config):
+                gs.CONFIG = config
+                return gs.greedy_select(xs[i], tokens, unfinished, pad, eos)
+            shape = config or gs.config_for(rows)
+            label = "seg={} tile={} warps={} stages={}".format(*shape) + (" (default)" if config is None else "")
+            variants.append(("greedy_select", label, fused))
         keys = torch.empty(rows, triton.cdiv(VOCAB, 1024), dtype=torch.long, device="cuda")
         for block in (2048, 4096, 8192):
             for warps in (4, 8):
@@ -263,7 +267,7 @@ def main(argv=None):
                        byte_floor_us=round(floor_us, 2))
             print(row, flush=True)
             rows_out.append(row)
-        gs.BLOCK, gs.NUM_WARPS = defaults
+        gs.CONFIG = default
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows_out[0]))

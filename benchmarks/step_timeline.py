@@ -41,7 +41,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_generate as bg  # noqa: E402
 import peft_fastlora as fastlora  # noqa: E402
-from peft_fastlora.decode import greedy_loop, step_advance  # noqa: E402
+from peft_fastlora.base_ops import rotary_tables  # noqa: E402
+from peft_fastlora.decode import deferred_stop, greedy_loop, step_advance  # noqa: E402
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -199,10 +200,17 @@ def main(argv=None):
                    help="hf: transformers' token selection between steps (decode.greedy_loop.ENABLED), for an A/B")
     p.add_argument("--step-advance", choices=["on", "off"], default="on",
                    help="off: greedy steps' next inputs built on the host (decode.step_advance.ENABLED)")
+    p.add_argument("--rotary-table", choices=["on", "off"], default="on",
+                   help="off: graphs compute rotary cos/sin with the module (base_ops.rotary_tables.ENABLED)")
+    p.add_argument("--step-record", choices=["on", "off"], default="on",
+                   help="off: transformers' deferred stop check and the ids copy between greedy steps "
+                        "(decode.deferred_stop.FLAG_CHECK)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script's set-up only")
     args = p.parse_args(argv)
     greedy_loop.ENABLED = args.token_select == "fused"
     step_advance.ENABLED = args.step_advance == "on"
+    rotary_tables.ENABLED = args.rotary_table == "on"
+    deferred_stop.FLAG_CHECK = args.step_record == "on"
     if args.smoke:
         bg.DEVICE, args.model, args.batches, args.new_tokens = "cpu", "tiny", [2], 4
     base = bg.build_base(args.model)
@@ -225,7 +233,8 @@ def main(argv=None):
                 print(f"batch {b}: no graph replays in the trace", flush=True)
                 continue
             row = dict(bg.versions(), model=args.model, method=method, token_select=args.token_select,
-                       step_advance=args.step_advance, batch=b,
+                       step_advance=args.step_advance, rotary_table=args.rotary_table,
+                       step_record=args.step_record, batch=b,
                        steps=len(steps),
                        **summarise(steps, args.top, host_steps(runtime)))
             print(row, flush=True)
@@ -238,7 +247,9 @@ def main(argv=None):
     if rows and args.out:
         os.makedirs(args.out, exist_ok=True)
         stem = (f"step_timeline_{args.model}" + ("_hf_select" if args.token_select == "hf" else "")
-                + ("_host_inputs" if args.step_advance == "off" else ""))
+                + ("_host_inputs" if args.step_advance == "off" else "")
+                + ("_no_rotary_table" if args.rotary_table == "off" else "")
+                + ("_no_step_record" if args.step_record == "off" else ""))
         path = os.path.join(args.out, f"{stem}.csv")
         _write(path, rows)
         print("wrote", path)

@@ -114,3 +114,30 @@ def test_an_own_workspace_is_used_and_checked(monkeypatch):
     assert (own.slots == gs.EMPTY_KEY).all() and (own.tickets == 0).all()  # left reset for the next launch
     with pytest.raises(ValueError, match="workspace of 2 rows for 3 rows"):
         greedy_select(x, tokens, workspace=gs.SelectWorkspace(x.device, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [(64, 16, 1, 1), (96, 32, 2, 2), (64, 64, 1, 1)])
+def test_lanes_across_tiles_keep_argmax_rules(dtype, config, monkeypatch):
+    """Small segments and tiles (several tiles a segment, segments not a tile multiple, a partial
+    last tile): a lane sees the same column offset in every tile, so ties, NaNs and signed zeros
+    one tile apart must keep the first column, as within a tile."""
+    monkeypatch.setattr(gs, "CONFIG", config)
+    seg, tile = config[:2]
+    vocab = 3 * seg + tile // 2 + 5
+    x = torch.randn(8, vocab).to(dtype)
+    top = 40.0
+    x[0, 3], x[0, 3 + tile], x[0, 3 + 2 * tile] = top, top, top  # a tie in one lane
+    x[1, 5 + tile], x[1, 5 + 2 * tile] = float("nan"), float("nan")  # NaNs in one lane: the first
+    x[2] = float("-inf")
+    x[2, vocab - 1] = float("-inf")
+    x[3] = -1.0
+    x[3, 2], x[3, 2 + tile] = -0.0, 0.0  # the zeros tie: the first
+    x[4, 1 + tile] = float("nan")
+    x[4, 1] = float("inf")  # NaN beats +inf in the same lane
+    x[5, vocab - 1] = top  # the partial last tile of the last segment
+    x[6, seg + 7], x[6, 2 * seg + 7] = top, top  # a tie across segments, same lane offset
+    x[7] = float("-inf")
+    x[7, seg + tile - 1] = -1e30  # the only finite value, in one lane's later tile
+    got, want, *_ = _both(x)
+    assert torch.equal(got, want), (got, want)

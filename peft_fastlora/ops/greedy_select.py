@@ -7,12 +7,16 @@ float32 copy, the length processors' ``arange`` / ``isin`` / ``clone`` / ``where
 of finished rows, the ``cat`` of the new column and the stopping criteria. Here one kernel does
 the selection, for rows of ``(chunks, rows)`` programs:
 
-- each program reads ``BLOCK`` logits of one row (any float dtype, compared in float32, which
-  orders the float32 copy transformers takes exactly), drops the suppressed ids (the EOS ids a
-  minimum length forbids: set to -inf, as ``torch.where`` does), and packs its best column into
-  one int64 key: an order-preserving integer of the value above the column's complement, so the
-  largest key is the largest value at its first column. NaN ranks above everything (``argmax``'s
-  rule), and -0.0 equals 0.0.
+- each program reads a segment of one row (any float dtype, compared in float32, which orders
+  the float32 copy transformers takes exactly) in a loop of tile-wide loads, drops the suppressed
+  ids (the EOS ids a minimum length forbids: set to -inf, as ``torch.where`` does), and keeps in
+  each lane its largest value and the first column holding it (a value replaces the lane's only
+  if larger; the lane's first NaN replaces any number: NaN ranks above everything, ``argmax``'s
+  rule). A few programs a row, each looping, cost less than one short program per tile: the
+  per-element work is float32 compares, and the cross-lane reduction runs once a segment.
+- at the end each lane packs its best into one int64 key (an order-preserving integer of the
+  value above the column's complement, -0.0 made 0.0), so the largest key is the largest value at
+  its first column, and the program reduces its lanes' keys.
 - it folds its key into the row's slot with ``atomic_max`` and takes a ticket; the row's last
   program reads and resets the slot and the ticket (so the workspace is ready for the next launch),
   writes the token (``pad`` for a row already finished when there is an EOS criterion) and clears
@@ -24,7 +28,7 @@ that share a workspace must run one after another (one stream).
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
@@ -32,14 +36,26 @@ import triton.language as tl
 
 from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
 
-BLOCK = None  # logits a program reads; None: ``block_for(rows)`` (benchmarks/probe_greedy_select.py sets it)
-NUM_WARPS = 4
+# (segment, tile, warps, stages): columns a program reads, columns a loop step loads, warps, load
+# pipeline depth; None: ``config_for(rows)`` (benchmarks/probe_greedy_select.py sets it to sweep)
+CONFIG: Optional[Tuple[int, int, int, int]] = None
+
+
+def config_for(rows: int) -> Tuple[int, int, int, int]:
+    """The launch for ``rows`` rows (the probe's best at an 8B vocabulary): a few rows want many
+    programs a row (a short tail), many rows a few long loops."""
+    if rows < 16:
+        return 8192, 4096, 8, 3
+    if rows < 64:
+        return 8192, 1024, 4, 3
+    return 32768, 2048, 8, 1
 
 
 def block_for(rows: int) -> int:
-    """Logits a program reads: many small programs for a few rows (a short tail), fewer for many
-    (fewer atomics a row); the probe's best at an 8B vocabulary."""
-    return 1024 if rows < 16 else 4096
+    """Logits a program of a ``rows``-row launch reads."""
+    return (CONFIG or config_for(rows))[0]
+
+
 MAX_IDS = 16  # suppressed / stop ids a launch takes (more: the caller keeps transformers' loop)
 EMPTY_KEY = -(2 ** 63)  # a slot with no key yet: below every packed key
 
@@ -62,24 +78,36 @@ def _greedy_select_kernel(
     N_STOP: tl.constexpr,
     HAS_STOP: tl.constexpr,  # an EOS criterion: finished rows take pad, stop ids finish rows
     EMPTY: tl.constexpr,  # EMPTY_KEY
-    BLOCK: tl.constexpr,
+    SEGMENT: tl.constexpr,  # columns a program reads
+    TILE: tl.constexpr,  # columns a loop step loads
+    STAGES: tl.constexpr,  # the loads' pipeline depth (1: none)
 ):
-    chunk = tl.program_id(0)
+    segment = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < vocab
-    x = tl.load(logits_ptr + row * stride_lr + cols, mask=ok, other=float("-inf")).to(tl.float32)
-    for i in tl.static_range(N_SUPPRESS):
-        x = tl.where(cols == tl.load(suppress_ptr + i), float("-inf"), x)
-    x = x + 0.0  # -0.0 + 0.0 is +0.0: the two zeros get one key
+    start = segment * SEGMENT
+    n = tl.minimum(SEGMENT, vocab - start)
+    row_ptr = logits_ptr + row * stride_lr + start
+    lanes = tl.arange(0, TILE)
+    top = tl.full([TILE], float("-inf"), tl.float32)
+    # a lane that never takes a value (all -inf, or past the row's end) keeps its first column:
+    # where -inf is the segment's maximum, that column is right
+    at = lanes
+    for t in tl.range(0, n, TILE, num_stages=STAGES):
+        x = tl.load(row_ptr + t + lanes, mask=t + lanes < n, other=float("-inf")).to(tl.float32)
+        for i in tl.static_range(N_SUPPRESS):
+            x = tl.where(start + t + lanes == tl.load(suppress_ptr + i), float("-inf"), x)
+        # strictly larger (an equal value later in the lane loses), or the lane's first NaN
+        take = (x > top) | ((x != x) & (top == top))
+        top = tl.where(take, x, top)
+        at = tl.where(take, t + lanes, at)
+    x = top + 0.0  # -0.0 + 0.0 is +0.0: the two zeros get one key
     bits = x.to(tl.int32, bitcast=True)
     # order-preserving: negative floats flip their magnitude bits; NaN above +inf
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     key = tl.where(x != x, 0x7FFFFFFF, key)
     low32 = tl.full([], 0xFFFFFFFF, tl.int64)
-    low = low32 - cols.to(tl.int64)  # the first column ranks highest among equal values
-    packed = tl.where(ok, (key.to(tl.int64) << 32) + low, EMPTY)
-    tl.atomic_max(slot_ptr + row, tl.max(packed, axis=0))
+    low = low32 - (start + at).to(tl.int64)  # the first column ranks highest among equal values
+    tl.atomic_max(slot_ptr + row, tl.max((key.to(tl.int64) << 32) + low, axis=0))
     if tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         best = tl.atomic_xchg(slot_ptr + row, EMPTY)
         tl.atomic_xchg(ticket_ptr + row, 0)
@@ -166,13 +194,13 @@ def greedy_select(logits: torch.Tensor, tokens: torch.Tensor, unfinished: Option
     ws = workspace if workspace is not None else workspace_for(dev, rows)
     if ws.slots.numel() < rows:
         raise ValueError(f"greedy_select: a workspace of {ws.slots.numel()} rows for {rows} rows")
-    block = BLOCK or block_for(rows)
-    _greedy_select_kernel[(triton.cdiv(vocab, block), rows)](
+    segment, tile, warps, stages = CONFIG or config_for(rows)
+    _greedy_select_kernel[(triton.cdiv(vocab, segment), rows)](
         logits, unfinished if has_stop else tokens, tokens, pad if has_stop else tokens, suppress, stop,
         ws.slots, ws.tickets,
         vocab, logits.stride(0), tokens.stride(0),
-        N_SUPPRESS=suppress.numel(), N_STOP=stop.numel(), HAS_STOP=has_stop, EMPTY=EMPTY_KEY, BLOCK=block,
-        num_warps=NUM_WARPS,
+        N_SUPPRESS=suppress.numel(), N_STOP=stop.numel(), HAS_STOP=has_stop, EMPTY=EMPTY_KEY,
+        SEGMENT=segment, TILE=min(tile, segment), STAGES=stages, num_warps=warps,
     )
     return tokens
 
@@ -191,4 +219,5 @@ def greedy_select_reference(logits, tokens, unfinished=None, pad=None, stop_ids=
     return tokens
 
 
-__all__ = ["MAX_IDS", "block_for", "SelectWorkspace", "greedy_select", "greedy_select_reference", "workspace_for"]
+__all__ = ["MAX_IDS", "block_for", "config_for", "SelectWorkspace", "greedy_select", "greedy_select_reference",
+           "workspace_for"]
