@@ -224,8 +224,8 @@ def main(argv=None):
 
         variants = [("transformers", "copy+argmax+pad+isin", hf)]
         # the library's kernel: its own choice for these rows, then the loops' other shapes
-        for config in [None, (8192, 4096, 8, 3), (8192, 1024, 4, 3), (8192, 2048, 8, 1), (16384, 1024, 4, 1),
-                       (32768, 2048, 8, 1)]:
+        for config in [None, (1024, 1024, 8, 1), (2048, 2048, 8, 1), (8192, 4096, 8, 3), (8192, 1024, 4, 3),
+                       (8192, 2048, 8, 1), (16384, 1024, 4, 1), (32768, 2048, 8, 1)]:
             def fused(i, config=config):
                 gs.CONFIG = config
                 return gs.greedy_select(xs[i], tokens, unfinished, pad, eos)
