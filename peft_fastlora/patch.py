@@ -59,7 +59,9 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             q and k in one Triton kernel (inference only): ``"auto"`` (on CUDA with graphs on),
             ``True`` or ``False``. Where the whole attention forward is the Llama family's (Llama,
             Mistral, Qwen2, Gemma, ...) and ``fuse_kv_write`` is on, that kernel also writes the
-            step's keys and values into fastlora's static caches.
+            step's keys and values into fastlora's static caches. With it, the decode graphs read
+            the rotary embedding module's cos / sin from a table of its own outputs (static rope
+            types; calls that pass ``position_ids`` keep the module).
         fuse_silu_mul: Llama-family gated MLPs whose activation is SiLU or torch's GELU-tanh
             (Gemma) compute ``act(gate) * up`` in one Triton kernel (inference only; the report's
             "act-mul"): ``"auto"`` (on CUDA with graphs on), ``True`` or ``False``.

@@ -38,6 +38,7 @@ from typing import Dict, Optional
 import torch
 
 from .. import _compat
+from ..base_ops import rotary_tables
 from ..batch import NO_LORA_BATCH, ForwardBatch
 from . import early_launch, step_advance
 from .capture import EmulatedGraph, GraphPool, GraphUnsafe, capture
@@ -416,8 +417,6 @@ class DecodeGraphRunner:
     def _rotary_tables(self):
         """The model's ``RotaryTables`` where this call's steps may read cos / sin from them: positions
         transformers derives (below the cache's length), tables installed and switched on."""
-        from ..base_ops import rotary_tables
-
         ops = self.state.base_ops
         tables = ops.rotary_tables if ops is not None else None
         if self.own_positions or not rotary_tables.ENABLED or tables is None or not tables.modules:
