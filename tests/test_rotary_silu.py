@@ -214,7 +214,7 @@ def test_patched_model_equals_peft_with_all_small_ops(arch, monkeypatch):
         after = model(**batch, adapter_names=names).logits
     assert report.fused_rotary == 2 and report.fused_mlps == 2
     with_kv = " (2 with the KV write)" if arch == "llama" else ""  # (test_rotary_kv.py)
-    assert f"rotary x2{with_kv}, act-mul x2" in str(report)
+    assert f"rotary x2{with_kv}, cos/sin from a table in graphs x1, act-mul x2" in str(report)
     rotations = rotary_calls["apply_rotary"] + rotary_kv_calls["rotary_kv_write"]
     assert rotations >= 2 * 7 and silu_calls["act_mul"] >= 2 * 7  # prefill and every step
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-4)
