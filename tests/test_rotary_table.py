@@ -188,3 +188,25 @@ def test_switched_off_the_graphs_keep_the_module(monkeypatch):
         tokens = _generate(model, batch, ["a0", "a1"])
         fastlora.unpatch(model)
     assert calls["gather_cos_sin"] == 0 and torch.equal(tokens, ref)
+
+
+class FailingRotaryEmbedding(BatchDependentRotaryEmbedding):
+    """Its forward fails on the table's one-row batch of every position (a shape it cannot take)."""
+
+    def forward(self, x, position_ids):
+        if position_ids.shape[1] > 1:
+            raise RuntimeError("one position a row only")
+        return super().forward(x, position_ids)
+
+
+def test_a_module_whose_table_cannot_be_built_keeps_its_forward():
+    module = FailingRotaryEmbedding()
+    tables = RotaryTables()
+    tables.install(nn.ModuleDict({"rotary_emb": module}))
+    x, pos = torch.zeros(2, 1, 4), torch.tensor([[3], [5]])
+    with tables.active(16):
+        got = module(x, pos)
+    assert "building its table failed (RuntimeError: one position a row only)" in tables.off["FailingRotaryEmbedding"]
+    want = type(module).forward(module, x, pos)
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    tables.remove()

@@ -135,9 +135,11 @@ class RotaryTables:
                 return None  # the runner's warm-up runs build it before the capture
             try:
                 table = build_table(module, forward, length, dtype, device)
-            except TableMismatch as e:
-                self.off[cls] = str(e)
-                logger.warning("fastlora: rotary cos/sin keep the module's own forward: %s", e)
+            except Exception as e:  # noqa: BLE001 - a failed check, or a forward the build cannot call
+                why = (str(e) if isinstance(e, TableMismatch)
+                       else f"{cls}: building its table failed ({type(e).__name__}: {e})")
+                self.off[cls] = why
+                logger.warning("fastlora: rotary cos/sin keep the module's own forward: %s", why)
                 return None
             tables[(dtype, device)] = table  # graphs captured with the old one hold it (``held``)
         return table
