@@ -516,9 +516,6 @@ def main(argv=None):
                         "(decode.deferred_stop.FLAG_CHECK), for an A/B")
     p.add_argument("--rotary-table", choices=["on", "off"], default="on",
                    help="off: graphs compute rotary cos/sin with the module's forward (base_ops.rotary_tables), for an A/B")
-    p.add_argument("--l2-prefetch", default="table", metavar="table|off|TILES",
-                   help="the TMA and one-launch gate/up kernels' L2 prefetch before their PDL wait (ops.l2_prefetch): "
-                        "the tiles' own, none, or TILES K tiles for every launch, for an A/B")
     p.add_argument("--early-launch", choices=["on", "off"], default="on",
                    help="off: expands behind cuBLAS GEMMs launch as they complete (decode.early_launch), for an A/B")
     p.add_argument("--expand", choices=["library", "blocks"], default="library",
@@ -559,15 +556,12 @@ def main(argv=None):
     importlib.import_module("peft_fastlora.decode.early_launch").ENABLED = args.early_launch == "on"
     importlib.import_module("peft_fastlora.base_ops.rotary_tables").ENABLED = args.rotary_table == "on"
     importlib.import_module("peft_fastlora.decode.deferred_stop").FLAG_CHECK = args.step_record == "on"
-    prefetch = importlib.import_module("peft_fastlora.ops.l2_prefetch")
-    prefetch.ENABLED = args.l2_prefetch != "off"
-    prefetch.OVERRIDE = int(args.l2_prefetch) if args.l2_prefetch not in ("table", "off") else None
     vers = dict(versions(), expand=args.expand, stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms,
                 tma_gemm=args.tma_gemm, tma_add=args.tma_add, glu_lora=args.glu_lora,
                 epilogue_folds=args.epilogue_folds, attention_prewait=args.attention_prewait,
                 attention_block_n=args.attention_block_n, rotary_kv=args.rotary_kv, token_select=args.token_select,
                 step_advance=args.step_advance, early_launch=args.early_launch, rotary_table=args.rotary_table,
-                step_record=args.step_record, l2_prefetch=args.l2_prefetch)
+                step_record=args.step_record)
     bw = copy_bandwidth() if DEVICE == "cuda" else 1e11
     print(vers, f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, kernel_rows = [], []

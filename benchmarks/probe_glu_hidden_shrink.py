@@ -269,8 +269,6 @@ def main(argv=None):
     probe_arguments(p, "benchmarks/results/probe_glu_hidden_shrink_h200.csv")
     p.add_argument("--shrink-blocks", type=int, nargs="+", default=[16, 32], help="shrink columns a program")
     p.add_argument("--only", nargs="+", default=None, help="run the variants whose names hold one of these")
-    p.add_argument("--prefetch", type=int, nargs="*", default=[],
-                   help="the library's launch with its gated tiles asking the L2 for this many K tiles first")
     args = p.parse_args(argv)
     from bench_kernels import capture
     from peft_fastlora.ops.lora_expand import lora_expand
@@ -313,11 +311,11 @@ def main(argv=None):
             o["bt"][:, t0_pad:] = o["b_tail"][n:]
         return o["bt"]
 
-    def library_one_launch(o, xn, align=8 if args.rank % 8 == 0 else 1, bt=False, variant=None, cfg=base_cfg):
+    def library_one_launch(o, xn, align=8 if args.rank % 8 == 0 else 1, bt=False, variant=None):
         # ops.glu_lora: B read from the packed arena (align 1: 2-byte loads), or from its columns (bt)
         lora = GluLora(row_slot, col_slot.repeat(2), t_all, o["b_flat"], rt, sc, o["a_rows"], o["b_offs"],
                        o["s"], counters, args.rank, align, b_columns(o) if bt else None, t0_pad if bt else 0)
-        return glu_lora(xn, o["ext"], n, lora, "silu", cfg, out=o["h"], check=False, **(variant or {}))
+        return glu_lora(xn, o["ext"], n, lora, "silu", base_cfg, out=o["h"], check=False, **(variant or {}))
 
     variants = {
         "library: folded cuBLAS + expand + act-mul": library,
@@ -327,9 +325,6 @@ def main(argv=None):
         "library: ops.glu_lora, B's loads not vectorized (align 1)": lambda o, xn: library_one_launch(o, xn, 1),
         **{f"library: ops.glu_lora, bt, {name}": (lambda o, xn, v=v: library_one_launch(o, xn, bt=True, variant=v))
            for name, v in TAIL_VARIANTS.items()},
-        **{f"library: ops.glu_lora, bt, L2 prefetch of {pf} K tiles":
-           (lambda o, xn, pf=pf: library_one_launch(o, xn, bt=True, cfg=base_cfg._replace(prefetch=pf)))
-           for pf in args.prefetch},
         "base only: the gated tile, no LoRA": lambda o, xn: tma_gemm(xn, o["w"], out=o["h"], config=base_cfg,
                                                                      glu="silu", check=False),
     }

@@ -59,14 +59,7 @@ def sweep(n: int):
 
 
 def name_of(c: TmaConfig) -> str:
-    return "tma_n{}_k{}_s{}_w{}_st{}".format(*c) + (f"_pf{c.prefetch}" if c.prefetch else "")
-
-
-def candidates(args, n: int):
-    """The sweep's tiles for ``n`` outputs (only those named in ``--tiles``, without the ``_pf``
-    part, where given), each with every ``--prefetch``."""
-    tiles = [c for c in sweep(n) if not args.tiles or name_of(c) in args.tiles]
-    return [c._replace(prefetch=p) for c in tiles for p in args.prefetch]
+    return "tma_n{}_k{}_s{}_w{}_st{}".format(*c)
 
 
 def timed(args, timer, capture, fn, layers):
@@ -95,7 +88,7 @@ def gemm_sweep(args, timer, bw, capture, vers):
             outs = [torch.empty(bs, n, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
             ref = F.linear(x, ws[0]).float()
             times = {}
-            for cfg in [None] + candidates(args, n):
+            for cfg in [None] + sweep(n):
                 if cfg is None:
                     gemm = lambda a, w, o: torch.matmul(a, w.T, out=o)  # noqa: E731
                 else:
@@ -142,8 +135,7 @@ def glu_sweep(args, timer, bw, capture, vers, results):
         x, both, outs, ref = gate_up_buffers(ws, bs)
         impls = [("cublas+act_mul", None, lambda a, w, o, t: act_mul(*torch.matmul(a, w.T, out=t).split(n, dim=1), "silu"))]
         impls += [(name_of(c) + "_glu", c, lambda a, w, o, t, c=c: tma_gemm(a, w, out=o, config=c, check=False, glu="silu"))
-                  for c in (TmaConfig(bn, bk, 1, w, st, p) for bn, bk, w, st in GLU_TILES for p in args.prefetch)
-                  if not args.tiles or name_of(c._replace(prefetch=0)) in args.tiles]
+                  for c in (TmaConfig(bn, bk, 1, w, st) for bn, bk, w, st in GLU_TILES)]
         times = {}
         for name, cfg, fn1 in impls:
             try:
@@ -202,11 +194,6 @@ def main(argv=None):
     p.add_argument("--fold-rows", type=int, nargs="+", default=[0, 128],
                    help="A rows stacked under each weight (0: the plain layer; 128: 8 adapters of rank 16)")
     p.add_argument("--glu", action="store_true", help="also gate/up with the activation in the epilogue")
-    p.add_argument("--prefetch", type=int, nargs="+", default=[0],
-                   help="K tiles each program asks of the L2 before its PDL wait (TmaConfig.prefetch): each tile "
-                        "with each")
-    p.add_argument("--tiles", nargs="+", default=None, metavar="NAME",
-                   help="only these tiles (names as the CSV's, e.g. tma_n64_k128_s2_w4_st4, without _pf)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): each sweep tile on a tiny shape")
     p.add_argument("--from-csv", nargs="+", metavar="CSV",
@@ -255,8 +242,8 @@ def table_from_csv(args) -> int:
         with open(path) as f:
             for row in csv.DictReader(f):
                 vers = {k: row[k] for k in ("gpu", "torch", "triton")}
-                match = re.match(r"tma_n(\d+)_k(\d+)_s(\d+)_w(\d+)_st(\d+)(?:_pf(\d+))?", row["impl"])
-                cfg = TmaConfig(*(int(g or 0) for g in match.groups())) if match else "cublas"
+                match = re.match(r"tma_n(\d+)_k(\d+)_s(\d+)_w(\d+)_st(\d+)", row["impl"])
+                cfg = TmaConfig(*map(int, match.groups())) if match else "cublas"
                 key = (row["site"], int(row["k"]), int(row["fold_rows"]), int(row["batch"]))
                 results.setdefault((row["shape_class"], cfg), {})[key] = float(row["us"])
     args.batches = sorted({key[3] for times in results.values() for key in times})

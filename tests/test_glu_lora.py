@@ -139,17 +139,6 @@ def test_b_columns_through_a_descriptor_match_reference(dtype, ranks, form):
     check_against_reference(x, w, 33, with_bt(lora, 33), "silu", dtype, **SHRINK_SIZES[form])
 
 
-@pytest.mark.parametrize("prefetch", [1, 4])
-def test_l2_prefetch_changes_no_result(prefetch):
-    """The gated tiles asking the L2 for their first K tiles of gate and up (``ops.l2_prefetch``; 4
-    tiles: past K's end) give the result without it, bit for bit."""
-    x, w, lora = glu_case(70, 33, 64, RANKS["odd"], torch.float32)
-    plain = glu_lora(x, w, 33, lora, "silu", CONFIG)
-    got = glu_lora(x, w, 33, lora, "silu", CONFIG._replace(prefetch=prefetch))
-    torch.testing.assert_close(got, plain, rtol=0, atol=0)
-    assert not lora.counters.any()
-
-
 def test_b_columns_kernel_lays_b_out_as_the_arena_rows():
     """``b_columns`` writes what ``with_bt`` builds on the host, zeros over NaN in the free and
     padding columns."""

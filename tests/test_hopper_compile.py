@@ -99,22 +99,3 @@ def test_launches_are_recorded_as_the_jit_specializes_them(tmp_path, monkeypatch
                          text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["vector", "scalar"], run.stdout
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records launches under the interpreter (no GPU)")
-def test_l2_prefetch_is_in_the_device_build(tmp_path):
-    """The interpreter leaves ``ops.l2_prefetch``'s PTX out; built for sm_90 (PDL and inline PTX on,
-    as on the device), a config with ``prefetch`` issues the bulk prefetch (gate's and up's rows in
-    the gated tiles) and one without issues none."""
-    tests = ["tests/test_tma_gemm.py::test_l2_prefetch_changes_no_result",
-             "tests/test_glu_lora.py::test_l2_prefetch_changes_no_result"]
-    run = subprocess.run([sys.executable, os.path.join(HERE, "hopper_compile.py"), "--ptx", str(tmp_path), *tests],
-                         capture_output=True, text=True, cwd=os.path.dirname(HERE), timeout=900)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    counts = {}
-    for name in os.listdir(tmp_path):
-        with open(tmp_path / name) as f:
-            counts.setdefault(name.rsplit("_", 1)[0], []).append(f.read().count("cp.async.bulk.prefetch.L2.global"))
-    # each test launches its kernel with and without the prefetch
-    assert 0 in counts["_tma_gemm_kernel"] and max(counts["_tma_gemm_kernel"]) == 2, counts
-    assert sorted(set(counts["_glu_lora_kernel"])) == [0, 2], counts

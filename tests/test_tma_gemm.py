@@ -59,20 +59,6 @@ def test_glu_equals_gemm_then_act_mul(act, m, n, k, bias):
     glu_case(tma_gemm, TmaConfig(32, 32, 1, 4, 2), act, m, n, k, bias)
 
 
-@pytest.mark.parametrize("config", [TmaConfig(32, 32, 1, 4, 2, prefetch=2), TmaConfig(16, 16, 3, 4, 2, prefetch=8)],
-                         ids=["prefetch2", "prefetch8-split3"])
-@pytest.mark.parametrize("glu", [None, "silu"])
-def test_l2_prefetch_changes_no_result(config, glu):
-    """A config asking the L2 for its first K tiles (``ops.l2_prefetch``; 8 tiles: past a K range's
-    end) gives the result without it. The hint is PTX, left out under the interpreter:
-    ``test_hopper_compile.py`` checks that the device's build issues it."""
-    if glu and config.split_k > 1:
-        pytest.skip("glu takes one K range")
-    x, w, _ = _inputs(70, 40, 104, torch.float32, bias=False)
-    plain = tma_gemm(x, w, config=config._replace(prefetch=0), workspace=_ws(70, 40), glu=glu)
-    torch.testing.assert_close(tma_gemm(x, w, config=config, workspace=_ws(70, 40), glu=glu), plain, rtol=0, atol=0)
-
-
 def test_rows_with_zeros_and_empty_shapes():
     zeros_and_empty_case(tma_gemm, CONFIGS[0])
 
@@ -93,7 +79,6 @@ def test_alignment_and_shared_memory_helpers():
     (lambda: tma_gemm(torch.randn(2, 8), torch.randn(4, 8), torch.randn(3)), "bias"),
     (lambda: tma_gemm(torch.randn(2, 8), torch.randn(4, 8), out=torch.empty(2, 5)), "out"),
     (lambda: tma_gemm(torch.randn(2, 8), torch.randn(4, 8), config=TmaConfig(16, 8)), "config"),
-    (lambda: tma_gemm(torch.randn(2, 16), torch.randn(4, 16), config=TmaConfig(16, 16, prefetch=-1)), "prefetch"),
     (lambda: tma_gemm(torch.randn(2, 64), torch.randn(4, 64), config=TmaConfig(16, 16, 2)), "StreamWorkspace"),
     (lambda: tma_gemm(torch.randn(2, 8), torch.randn(4, 8), add=torch.randn(2, 5)), "add"),
     (lambda: tma_gemm(torch.randn(2, 8), torch.randn(4, 8), add=torch.randn(3, 4)), "add"),

@@ -89,28 +89,3 @@ def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
     start while the norm runs and wait before their first load) the outputs equal launches with PDL
     off."""
     pdl_chain_equals_plain(monkeypatch, tma_gemm, [CONFIGS[0], CONFIGS[3]], rows=96)
-
-
-@pytest.mark.parametrize("glu", [None, "silu"])
-def test_l2_prefetch_in_a_pdl_chain_equals_plain_launches(monkeypatch, glu):
-    """Configs that ask the L2 for their first K tiles before the PDL wait (2, and 40: past a K
-    range's end), in the norm -> GEMM chain of a graph, give the bits of launches with PDL off
-    (no prefetch then); and odd shapes (rows past N's last tile, K not a multiple of 8 columns a
-    row's prefetch rounds down) the reference's."""
-    cfgs = [TmaConfig(128, 64, 1, 8, 4, prefetch=2), TmaConfig(64, 128, 2, 4, 4, prefetch=40)]
-    if glu is None:
-        pdl_chain_equals_plain(monkeypatch, tma_gemm, cfgs, rows=96)
-        for m, n, k in [(70, 1000, 520), (129, 77, 4104)]:
-            x = torch.randn(m, k, device="cuda")
-            w = torch.randn(n, k, device="cuda") / k ** 0.5
-            for cfg in cfgs:
-                out = tma_gemm(x, w, config=cfg._replace(num_stages=2), workspace=StreamWorkspace("cuda", 4 * m * n, n))
-                torch.testing.assert_close(out, stream_gemm_reference(x, w), atol=1e-4, rtol=1e-4)
-        return
-    k, n2 = SHAPES["gate_up"]
-    x = torch.randn(128, k, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(n2, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
-    plain = tma_gemm(x, w, config=TmaConfig(128, 64, 1, 8, 4), glu=glu)
-    for pf in (2, 8):
-        torch.testing.assert_close(tma_gemm(x, w, config=TmaConfig(128, 64, 1, 8, 4, prefetch=pf), glu=glu), plain,
-                                   atol=0, rtol=0)

@@ -138,7 +138,7 @@ def tma_tiles(path: Optional[str] = None) -> Dict[str, TmaTile]:
         return {}
     with open(path) as f:
         classes = json.load(f).get("classes", {})
-    return {name: TmaTile(TmaConfig(**{k: fields[k] for k in TmaConfig._fields if k in fields}), fields.get("min_k", 0))
+    return {name: TmaTile(TmaConfig(**{k: fields[k] for k in TmaConfig._fields}), fields.get("min_k", 0))
             for name, fields in classes.items()}
 
 

@@ -46,8 +46,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernel_support import interpreting
-from . import l2_prefetch, pdl
-from .l2_prefetch import prefetch_rows
+from . import pdl
 from .silu_mul import ACTIVATIONS, act_mul_rounded
 from .stream_gemm import _tile_dot
 from .tma_gemm import MAX_ROWS, TmaConfig, tma_aligned
@@ -164,11 +163,11 @@ def _glu_lora_kernel(
     # tensor descriptors over x (M, K) and w ([gate; up; arena], K): x's tiles, w's tiles for the
     # gated K loop, the shrink's A tiles
     x_desc, w_desc, a_desc, bt_desc,
-    # pointers (the tables are the pool's (S, 2) ones; w_ptr: w itself, for the L2 prefetch)
-    w_ptr, s_ptr, y_ptr, b_ptr, token_slot_ptr, col_slot_ptr, ranks_ptr, scal_ptr, a_rows_ptr, b_offs_ptr, counters_ptr,
+    # pointers (the tables are the pool's (S, 2) ones)
+    s_ptr, y_ptr, b_ptr, token_slot_ptr, col_slot_ptr, ranks_ptr, scal_ptr, a_rows_ptr, b_offs_ptr, counters_ptr,
     # dimensions: N outputs of gate (and of up); T0 arena rows of gate's region, R in all; S slots
     M, N, K, T0, R, S, T0_PAD,
-    stride_w, stride_s, stride_y,
+    stride_s, stride_y,
     # meta-parameters
     NS: tl.constexpr,  # shrink programs, the lowest ids
     SB: tl.constexpr,  # arena rows each computes
@@ -185,20 +184,12 @@ def _glu_lora_kernel(
     SKIP: tl.constexpr,  # probes only, to split the launch's time (results wrong): 1 no tail; 2 no wait
     # either; 3 the shrink programs idle; 4 no counters touched (no count, no tickets); 5 (no shrink programs
     # in the grid) the bare tiles
-    PREFETCH: tl.constexpr,  # K tiles of a gated tile's gate and up rows asked of the L2 before the PDL wait
-    PTX: tl.constexpr,  # inline PTX allowed (not under the interpreter)
 ):
     pdl.launch_dependents(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     N2 = 2 * N  # w's first arena row
-    if PREFETCH > 0 and USE_PDL > 0:
-        if pid >= NS:  # a gated tile: its weight rows are no kernel's output (``ops.l2_prefetch``)
-            rows = (pid - NS) * BLOCK_N + tl.arange(0, BLOCK_N)
-            span = tl.minimum(PREFETCH * BLOCK_K, K)
-            prefetch_rows(w_ptr, rows, rows < N, stride_w, 0, span, PTX)
-            prefetch_rows(w_ptr, N + rows, rows < N, stride_w, 0, span, PTX)
     pdl.wait(USE_PDL)
     row_slot = tl.load(token_slot_ptr + offs_m, mask=m_ok, other=-1)
     if pid < NS:
@@ -340,8 +331,7 @@ def glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora, act: str, 
         n: gate's (and up's) outputs.
         lora: the batch's slots and the site's packed LoRA (``GluLora``).
         act: one of ``ops.silu_mul.ACTIVATIONS``.
-        config: the gated tile (``TmaConfig``; split_k is ignored; prefetch: its tiles' first K tiles
-            of gate and up asked of the L2 before the PDL wait).
+        config: the gated tile (``TmaConfig``; split_k is ignored).
         out: optional (M, n) output, unit column stride.
         shrink_columns: arena rows a shrink program computes (a power of 2, 16 or more).
         skip: probes only (``benchmarks/probe_glu_hidden_shrink.py``): leave out part of the work to
@@ -371,14 +361,13 @@ def glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora, act: str, 
         TensorDescriptor.from_tensor(w, [config.block_n, config.block_k]),
         TensorDescriptor.from_tensor(w, [shrink_columns, config.block_k]),
         TensorDescriptor.from_tensor(lora.bt if lora.bt is not None else w, [config.block_n, TAIL_BLOCK]),
-        w, lora.scratch, out, lora.b, lora.token_slot, lora.col_slot, lora.ranks, lora.scalings, lora.a_rows,
-        lora.b_offs, lora.counters, m, n, k, lora.t0, r, lora.ranks.shape[0], lora.t0_pad, w.stride(0),
-        lora.scratch.stride(0), out.stride(0),
+        lora.scratch, out, lora.b, lora.token_slot, lora.col_slot, lora.ranks, lora.scalings, lora.a_rows,
+        lora.b_offs, lora.counters, m, n, k, lora.t0, r, lora.ranks.shape[0], lora.t0_pad, lora.scratch.stride(0),
+        out.stride(0),
         NS=ns, SB=shrink_columns, GLU=1 + ACTIVATIONS.index(act), LIBDEVICE=not interpreting(),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, G=max(1, TAIL_BLOCK // rb), RB=rb,
         NUM_STAGES=config.num_stages, ALIGNED=lora.align % 8 == 0, HAS_BT=lora.bt is not None, UPCAST=upcast,
         USE_PDL=use_pdl, SPIN=SPIN_LIMIT, SKIP=skip,
-        PREFETCH=l2_prefetch.tiles(config.prefetch), PTX=not interpreting(),
         num_warps=config.num_warps, launch_pdl=use_pdl > 0)
     return out
 

@@ -37,8 +37,14 @@ import triton.language as tl
 
 from ..kernel_support import interpreting
 from . import pdl
-from .l2_prefetch import prefetch_rows
 from .silu_mul import ACTIVATIONS, act_mul_rounded
+
+
+@triton.jit
+def _bulk_prefetch(addr, size):
+    return tl.inline_asm_elementwise(
+        "{ cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -159,9 +165,9 @@ def _stream_gemm_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
     if PREFETCH > 0:
-        # (the host passes 0 under the interpreter: the PTX is always allowed here)
-        elem_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_rows(w_ptr, offs_n, n_ok, stride_wn, k_lo, PREFETCH // elem_bytes, True)
+        row_start = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn + k_lo
+        _bulk_prefetch(row_start.to(tl.pointer_type(tl.int8)),
+                       tl.full((BLOCK_N,), PREFETCH, tl.int32))
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     if GLU:  # up's rows, N below gate's (no split, no preload: the wrapper's rule)
         acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)

@@ -18,8 +18,7 @@ ticket back to zero; ``add`` is a residual on the first columns, added before th
 The caller picks the tiles per shape (``base_ops.stream_linears``, from
 ``benchmarks/probe_tma_gemm.py``).
 
-Under PDL (``ops.pdl``) every program waits before its first load of x; before it, a program may ask
-the L2 for the first ``TmaConfig.prefetch`` K tiles of its weight rows (``ops.l2_prefetch``).
+Under PDL (``ops.pdl``) every program waits before its first load: the preamble is addresses only.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernel_support import interpreting
-from . import l2_prefetch, pdl
-from .l2_prefetch import prefetch_rows
+from . import pdl
 from .silu_mul import ACTIVATIONS
 from . import stream_gemm as _stream
 from .stream_gemm import (StreamWorkspace, _tile_dot, check_operands, checked_output, split_plan, store_output,
@@ -51,12 +49,12 @@ WARP_SPECIALIZE = False
 def _tma_gemm_kernel(
     # tensor descriptors: x (M, K) in (BLOCK_M, BLOCK_K) tiles, w (N or 2N with GLU, K) in (BLOCK_N, BLOCK_K)
     x_desc, w_desc,
-    # pointers (w_ptr: w itself, for the L2 prefetch)
-    w_ptr, bias_ptr, add_ptr, y_ptr, part_ptr, ticket_ptr,
+    # pointers
+    bias_ptr, add_ptr, y_ptr, part_ptr, ticket_ptr,
     # dimensions (N: output columns; N_ADD: the first ones ``add`` covers)
     M, N, K, K_PER_SPLIT, N_ADD,
     # strides (unit stride on N for y and add)
-    stride_wn, stride_ym, stride_am,
+    stride_ym, stride_am,
     # meta-parameters
     HAS_BIAS: tl.constexpr,
     HAS_ADD: tl.constexpr,
@@ -68,8 +66,6 @@ def _tma_gemm_kernel(
     UPCAST: tl.constexpr,  # the dot in float32 ("ieee"): float32 inputs, or the interpreter
     USE_PDL: tl.constexpr,
     WARP_SPEC: tl.constexpr,  # Triton's warp specialization of the K loop (``WARP_SPECIALIZE``)
-    PREFETCH: tl.constexpr,  # K tiles of w asked of the L2 before the PDL wait (``ops.l2_prefetch``)
-    PTX: tl.constexpr,  # inline PTX allowed (not under the interpreter)
 ):
     pdl.launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
@@ -82,12 +78,6 @@ def _tma_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if GLU:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PREFETCH > 0 and USE_PDL > 0:  # the weight is no kernel's output: its stream may start before the wait
-        rows = n0 + tl.arange(0, BLOCK_N)
-        span = tl.minimum(PREFETCH * BLOCK_K, k_hi - k_lo)
-        prefetch_rows(w_ptr, rows, rows < N, stride_wn, k_lo, span, PTX)
-        if GLU:
-            prefetch_rows(w_ptr, N + rows, rows < N, stride_wn, k_lo, span, PTX)
     pdl.wait(USE_PDL)
     # the descriptors read zeros past K and past the last row of x or w: no masks in the loop
     for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
@@ -112,7 +102,6 @@ class TmaConfig(NamedTuple):
     split_k: int = 1
     num_warps: int = 8
     num_stages: int = 4
-    prefetch: int = 0  # K tiles of each program's weight rows asked of the L2 before its PDL wait
 
 
 SHARED_BYTES = 220 * 1024  # what the pipeline's buffers may take of an SM's shared memory
@@ -142,7 +131,7 @@ def tma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = No
         w: (N, K), likewise: an ``nn.Linear`` weight, or rows of one.
         bias: optional (N,).
         out: optional (M, N) output, unit stride on N; allocated when None.
-        config: tiles, split-K, warps, stages and L2 prefetch (``TmaConfig``).
+        config: tiles, split-K, warps and stages (``TmaConfig``).
         workspace: where a split-K launch keeps its partials (``StreamWorkspace``).
         add: optional (M, N_add <= N), unit stride on N_add, not overlapping ``out``: added to the
             first N_add output columns before the one rounding.
@@ -154,10 +143,8 @@ def tma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = No
         check_operands(x, w, bias)
         if x.numel() and w.numel() and not (tma_aligned(x) and tma_aligned(w)):  # empty: nothing read
             raise ValueError("x and w need unit stride on K and 16-byte aligned starts and row strides")
-        if (config.block_k % 16 or config.block_n < 16 or config.split_k < 1 or config.num_stages < 1
-                or config.prefetch < 0):
-            raise ValueError(f"config {config}: block_k a multiple of 16, block_n >= 16, split_k and stages >= 1, "
-                             "prefetch >= 0")
+        if config.block_k % 16 or config.block_n < 16 or config.split_k < 1 or config.num_stages < 1:
+            raise ValueError(f"config {config}: block_k a multiple of 16, block_n >= 16, split_k and stages >= 1")
     out, m, n, k = checked_output(x, w, out, add, glu, check, glu_takes=config.split_k == 1,
                                   glu_needs="split_k 1 and no add")
     if m == 0 or n == 0:
@@ -169,14 +156,13 @@ def tma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = No
     w_desc = TensorDescriptor.from_tensor(w, [config.block_n, config.block_k])
     use_pdl = pdl.mode(x)
     _tma_gemm_kernel[grid](
-        x_desc, w_desc, w, bias if bias is not None else w, add if add is not None else w, out, part, ticket,
+        x_desc, w_desc, bias if bias is not None else w, add if add is not None else w, out, part, ticket,
         m, n, k, k_per, add.shape[1] if add is not None else 0,
-        w.stride(0), out.stride(0), add.stride(0) if add is not None else 0,
+        out.stride(0), add.stride(0) if add is not None else 0,
         HAS_BIAS=bias is not None, HAS_ADD=add is not None, GLU=0 if glu is None else 1 + ACTIVATIONS.index(glu),
         LIBDEVICE=not interpreting(), SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
         UPCAST=x.dtype == torch.float32 or interpreting(), USE_PDL=use_pdl,
         WARP_SPEC=WARP_SPECIALIZE and not interpreting(),
-        PREFETCH=l2_prefetch.tiles(config.prefetch), PTX=not interpreting(),
         num_warps=config.num_warps, launch_pdl=use_pdl > 0)
     return out
