@@ -127,6 +127,102 @@ def fused(y, s_col0, b_flat, tok_slot, a_rows, b_offs, ranks, scal, cos, sin, q_
     return q_out
 
 
+@triton.jit
+def _rotary_kv_chunks_kernel(y_ptr, stride_y, s_col0, b_ptr, tok_slot_ptr, sorted_ptr, chunk_slot_ptr, chunk_start_ptr,
+                             chunk_len_ptr, a_rows_ptr, b_offs_ptr, ranks_ptr, scal_ptr, cos_ptr, sin_ptr, q_out_ptr,
+                             k_cache_ptr, v_cache_ptr, length_ptr, M, NQ, NKV, half, max_len, kc_sb, kc_sh, kc_ss,
+                             MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, HB: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_R: tl.constexpr, LORA: tl.constexpr, USE_PDL: tl.constexpr):
+    """Session 37's form: a program takes ``HB`` heads of one module (q, k or v) for the rows of one
+    plan chunk (rows of one slot, ``BLOCK_M`` at most: B's tile read once, the delta a tensor-core
+    dot) or, past the chunks, a tile of ``BLOCK_M`` rows of no adapter (rotary only). The plan,
+    B's tile, the slot's rank, scaling and shrink column are read before the PDL wait."""
+    pdl.launch_dependents(USE_PDL)
+    pid = tl.program_id(0)
+    h0 = tl.program_id(1) * HB  # the block's first head: q heads, then k's, then v's
+    j = tl.where(h0 < NQ, 0, tl.where(h0 < NQ + NKV, 1, 2))
+    mod_h0 = tl.where(j == 0, 0, tl.where(j == 1, NQ, NQ + NKV))
+    dim = 2 * half
+    offs_i = tl.arange(0, HB * BLOCK_D)
+    h_loc = offs_i // BLOCK_D
+    d = offs_i % BLOCK_D
+    i_ok = d < half
+    col1 = (h0 + h_loc) * dim + d  # the first half's columns in y; the second's are half past
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    is_chunk = pid < MAX_CHUNKS
+    # a chunk: its rows and slot; past the chunks: a tile of rows, those of no adapter kept
+    c = tl.minimum(pid, MAX_CHUNKS - 1)
+    slot = tl.where(is_chunk, tl.load(chunk_slot_ptr + c), -1)
+    tile_rows = (pid - MAX_CHUNKS) * BLOCK_M + offs_m
+    tile_ok = (tile_rows >= 0) & (tile_rows < M)  # (a chunk's program: all below 0)
+    tile_ok = tile_ok & (tl.load(tok_slot_ptr + tile_rows, mask=tile_ok, other=0) < 0)
+    chunk_ok = offs_m < tl.where(is_chunk, tl.load(chunk_len_ptr + c), 0)
+    chunk_rows = tl.load(sorted_ptr + tl.load(chunk_start_ptr + c) + offs_m, mask=chunk_ok, other=0)
+    m_ok = chunk_ok | tile_ok
+    rows = tl.where(is_chunk, chunk_rows, tile_rows)
+    sl = tl.maximum(slot, 0)
+    r = tl.where(LORA & (slot >= 0), tl.load(ranks_ptr + sl * 3 + j), 0)
+    a0 = tl.load(a_rows_ptr + sl * 3 + j)
+    sc = tl.load(scal_ptr + sl * 3 + j)
+    b_rows = (h0 - mod_h0 + h_loc) * dim + d
+    bm = i_ok[:, None] & (offs_r < r)[None, :]
+    b_at = b_ptr + tl.load(b_offs_ptr + sl * 3 + j) + b_rows[:, None].to(tl.int64) * r + offs_r[None, :]
+    b1 = tl.load(b_at, mask=bm, other=0.0)
+    b2 = tl.load(b_at + half * r, mask=bm, other=0.0)
+    pdl.wait(USE_PDL)
+    rows64 = rows.to(tl.int64)
+    y_at = y_ptr + rows64[:, None] * stride_y + col1[None, :]
+    mask = m_ok[:, None] & i_ok[None, :]
+    x1 = tl.load(y_at, mask=mask, other=0.0)
+    x2 = tl.load(y_at + half, mask=mask, other=0.0)
+    dt = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    if r > 0:  # a chunk of an adapter's rows: its delta, rounded as the expand stores it
+        s = tl.load(y_ptr + rows64[:, None] * stride_y + s_col0 + a0 + offs_r[None, :],
+                    mask=m_ok[:, None] & (offs_r < r)[None, :], other=0.0)
+        x1 = (x1 + tl.dot(s, tl.trans(b1)) * sc).to(dt).to(tl.float32)
+        x2 = (x2 + tl.dot(s, tl.trans(b2)) * sc).to(dt).to(tl.float32)
+    pos = tl.load(length_ptr).to(tl.int64)
+    kh = (h0 - mod_h0 + h_loc).to(tl.int64)
+    cache_at = rows64[:, None] * kc_sb + kh[None, :] * kc_sh + pos * kc_ss + d[None, :]
+    keep = mask & ((tl.zeros([BLOCK_M], dtype=tl.int64) + pos) < max_len)[:, None]
+    if j == 2:
+        tl.store(v_cache_ptr + cache_at, x1.to(dt), mask=keep)
+        tl.store(v_cache_ptr + cache_at + half, x2.to(dt), mask=keep)
+    else:
+        c_at = rows64[:, None] * dim + d[None, :]
+        c1 = tl.load(cos_ptr + c_at, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + c_at + half, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + c_at, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + c_at + half, mask=mask, other=0.0).to(tl.float32)
+        y1, y2 = rotate_halves(x1, x2, c1, c2, s1, s2, dt)
+        if j == 0:
+            q_at = q_out_ptr + (rows64[:, None] * NQ + (h0 + h_loc)[None, :]) * dim + d[None, :]
+            tl.store(q_at, y1, mask=mask)
+            tl.store(q_at + half, y2, mask=mask)
+        else:
+            tl.store(k_cache_ptr + cache_at, y1, mask=keep)
+            tl.store(k_cache_ptr + cache_at + half, y2, mask=keep)
+
+
+def chunked(y, s_col0, b_flat, tok_slot, plan, a_rows, b_offs, ranks, scal, cos, sin, q_out, k_cache, v_cache, length,
+            nq, nkv, head_dim, max_rank, lora, heads=4):
+    use_pdl = pdl.mode(y)
+    sorted_ids, chunk_slot, chunk_start, chunk_len = plan
+    max_chunks, block_m = chunk_slot.shape[0], 16
+    heads = min(heads, nkv)
+    _rotary_kv_chunks_kernel[(max_chunks + triton.cdiv(y.shape[0], block_m), (nq + 2 * nkv) // heads)](
+        y, y.stride(0), s_col0, b_flat, tok_slot, sorted_ids, chunk_slot, chunk_start, chunk_len, a_rows, b_offs,
+        ranks, scal, cos, sin, q_out, k_cache, v_cache, length, y.shape[0], nq, nkv, head_dim // 2, k_cache.shape[2],
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        MAX_CHUNKS=max_chunks, BLOCK_M=block_m, HB=heads, BLOCK_D=triton.next_power_of_2(head_dim // 2),
+        BLOCK_R=max(16, triton.next_power_of_2(max_rank)), LORA=lora, USE_PDL=use_pdl, num_warps=4,
+        enable_fp_fusion=False, launch_pdl=use_pdl > 0)
+    return q_out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/results/probe_rotary_lora_h200.csv")
@@ -136,6 +232,8 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): tiny shapes, no timing")
+    p.add_argument("--only", nargs="+", default=None,
+                   help="the library's launches and the variants whose names hold one of these")
     args = p.parse_args(argv)
     from bench_kernels import capture, gpu_probe, packed_layout
     from peft_fastlora import ForwardBatch, get_backend
@@ -145,7 +243,7 @@ def main(argv=None):
 
     if args.smoke:
         device, dtype, k, nq, nkv, d, layers = "cpu", torch.float32, 64, 4, 2, 16, 2
-        timer, vers, batches = None, {"gpu": "cpu (smoke)"}, [3]
+        timer, vers, batches = None, {"gpu": "cpu (smoke)"}, [3, 20]
     else:
         probe = gpu_probe("probe_rotary_lora", args.iters)
         if probe is None:
@@ -202,10 +300,22 @@ def main(argv=None):
             return fused(y, n, b, tok_slot, a_rows, b_offs, rt, sc, cos, sin, q_out, k_cache, v_cache, length,
                          nq, nkv, d, args.rank, lora)
 
+        def chunk_kernel(w, b, lora=True, heads=4):
+            gemm(w)
+            return chunked(y, n, b, tok_slot, plan, a_rows, b_offs, rt, sc, cos, sin, q_out, k_cache, v_cache,
+                           length, nq, nkv, d, args.rank, lora, heads)
+
         variants = {"library: expand + rotary_kv": library,
                     "probe kernel: the expand inside": probe_kernel,
+                    "chunk kernel: the expand inside, 4 heads a program": chunk_kernel,
+                    "chunk kernel: the expand inside, 2 heads a program": lambda w, b: chunk_kernel(w, b, heads=2),
+                    "chunk kernel: the expand inside, 8 heads a program": lambda w, b: chunk_kernel(w, b, heads=8),
                     "library rotary_kv, no LoRA": lambda w, b: library(w, b, lora=False),
-                    "probe kernel, no LoRA": lambda w, b: probe_kernel(w, b, lora=False)}
+                    "probe kernel, no LoRA": lambda w, b: probe_kernel(w, b, lora=False),
+                    "chunk kernel, no LoRA": lambda w, b: chunk_kernel(w, b, lora=False)}
+        if args.only:
+            variants = {k: v for k, v in variants.items() if k == "library: expand + rotary_kv"
+                        or any(o in k for o in args.only)}
         want = {}
         for name, fn in variants.items():
             q = fn(ws[0], bs[0]).clone()
