@@ -10,7 +10,7 @@ from peft_fastlora.ops import greedy_select as gs
 from peft_fastlora.ops.greedy_select import greedy_select, greedy_select_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-B = gs.block_for(1)  # the block of the tests' few rows
+B = gs.block_for(6)  # the block of the tests' few rows (2-6: one launch shape)
 
 
 def _both(logits, unfinished=None, pad=None, stop=None, suppress=None):
@@ -24,7 +24,7 @@ def _both(logits, unfinished=None, pad=None, stop=None, suppress=None):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, vocab", [(1, 5), (3, B), (2, B + 1), (5, 3 * B + 17),
+@pytest.mark.parametrize("rows, vocab", [(1, 5), (1, 2 * gs.block_for(1) + 1), (3, B), (2, B + 1), (5, 3 * B + 17),
                                          (17, 2 * gs.block_for(17) + 3)])
 def test_random_logits_with_ties(dtype, rows, vocab):
     x = torch.randn(rows, vocab).to(dtype)
