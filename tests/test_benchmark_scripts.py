@@ -139,6 +139,14 @@ def test_probe_rotary_lora_smoke():
     assert "smoke: every variant ran and matched the library's launches" in out, out[-2000:]
 
 
+def test_probe_lora_branch_smoke():
+    """The probe's branch form (the GEMM over W, the shrink and the expand into a delta) gives the
+    library's folded output once the delta is added, and the delta is there."""
+    out = _run([os.path.join(BENCH, "probe_lora_branch.py"), "--smoke", "--out", os.devnull],
+               env_extra={"TRITON_INTERPRET": "1"})
+    assert "smoke: the branch's output plus its delta matched the library's" in out, out[-2000:]
+
+
 def test_probe_glu_kext_smoke():
     out = _run([os.path.join(BENCH, "probe_glu_kext.py"), "--smoke", "--out", os.devnull],
                env_extra={"TRITON_INTERPRET": "1"})
