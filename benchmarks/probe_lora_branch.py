@@ -38,6 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import bench_generate as bg  # noqa: E402
+from probe_rotary_lora import attention_setup, rotary_inputs  # noqa: E402
 
 
 def main(argv=None):
@@ -51,22 +52,16 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU (TRITON_INTERPRET=1): tiny shapes, no timing, no branch")
     args = p.parse_args(argv)
-    from bench_kernels import capture, gpu_probe, packed_layout
+    from bench_kernels import capture, packed_layout
     from peft_fastlora import ForwardBatch, get_backend
     from peft_fastlora.ops.lora_expand import lora_expand
     from peft_fastlora.ops.rms_norm import add_rms_norm, rms_norm
     from peft_fastlora.ops.rotary_kv import rotary_kv_write
 
-    if args.smoke:
-        device, dtype, k, nq, nkv, d, layers = "cpu", torch.float32, 64, 4, 2, 16, 2
-        timer, vers, batches = None, {"gpu": "cpu (smoke)"}, [20]
-    else:
-        probe = gpu_probe("probe_lora_branch", args.iters)
-        if probe is None:
-            return 0
-        timer, _, vers = probe
-        device, dtype, k, nq, nkv, d = "cuda", torch.bfloat16, 4096, 32, 8, 128
-        layers, batches = args.layers, args.batches
+    setup = attention_setup(args, "probe_lora_branch", [20])
+    if setup is None:
+        return 0
+    device, dtype, k, nq, nkv, d, layers, timer, vers, batches = setup
     branch = torch.cuda.Stream() if device == "cuda" else None
     ranks = [args.rank] * args.adapters
     scalings = [0.5 + 0.25 * (s % 4) for s in range(args.adapters)]
@@ -94,12 +89,7 @@ def main(argv=None):
             y = torch.empty(rows, n + t_rows, device=device, dtype=dtype)
             s = torch.empty(rows, t_rows, device=device, dtype=dtype)
             delta = torch.empty(rows, n, device=device, dtype=dtype)
-            ang = torch.rand(rows, 1, d // 2, generator=gen, device=device) * 6.28
-            cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
-            sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
-            k_cache = torch.zeros(rows, nkv, 64, d, device=device, dtype=dtype)
-            v_cache = torch.zeros_like(k_cache)
-            length = torch.tensor([5], dtype=torch.int32, device=device)
+            cos, sin, k_cache, v_cache, length = rotary_inputs(rows, nkv, d, dtype, device, gen)
 
             def expand(shrink, b, out):
                 lora_expand(shrink, b, offsets, rt, sc, out, *plan, block_m=bi.block_m, check=False, b_offs=b_offs,

@@ -223,6 +223,31 @@ def chunked(y, s_col0, b_flat, tok_slot, plan, a_rows, b_offs, ranks, scal, cos,
     return q_out
 
 
+def attention_setup(args, name: str, smoke_batches):
+    """The shapes of an attention-site probe: the 8B's on the GPU (``args.layers``, ``args.batches``),
+    tiny ones on the CPU (``args.smoke``); None where there is no GPU. Returns (device, dtype, hidden,
+    q heads, kv heads, head dim, layers, timer, versions, batches)."""
+    from bench_kernels import gpu_probe
+
+    if args.smoke:
+        return "cpu", torch.float32, 64, 4, 2, 16, 2, None, {"gpu": "cpu (smoke)"}, smoke_batches
+    probe = gpu_probe(name, args.iters)
+    if probe is None:
+        return None
+    timer, _, vers = probe
+    return "cuda", torch.bfloat16, 4096, 32, 8, 128, args.layers, timer, vers, args.batches
+
+
+def rotary_inputs(rows: int, nkv: int, d: int, dtype, device, gen):
+    """A decode step's rotary and cache operands: random angles' cos and sin (rows, 1, d), zeroed K
+    and V caches of 64 positions, the fill length at 5."""
+    ang = torch.rand(rows, 1, d // 2, generator=gen, device=device) * 6.28
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
+    k_cache = torch.zeros(rows, nkv, 64, d, device=device, dtype=dtype)
+    return cos, sin, k_cache, torch.zeros_like(k_cache), torch.tensor([5], dtype=torch.int32, device=device)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/results/probe_rotary_lora_h200.csv")
@@ -235,22 +260,16 @@ def main(argv=None):
     p.add_argument("--only", nargs="+", default=None,
                    help="the library's launches and the variants whose names hold one of these")
     args = p.parse_args(argv)
-    from bench_kernels import capture, gpu_probe, packed_layout
+    from bench_kernels import capture, packed_layout
     from peft_fastlora import ForwardBatch, get_backend
     from peft_fastlora.ops.lora_expand import lora_expand
     from peft_fastlora.ops.rms_norm import rms_norm
     from peft_fastlora.ops.rotary_kv import rotary_kv_write
 
-    if args.smoke:
-        device, dtype, k, nq, nkv, d, layers = "cpu", torch.float32, 64, 4, 2, 16, 2
-        timer, vers, batches = None, {"gpu": "cpu (smoke)"}, [3, 20]
-    else:
-        probe = gpu_probe("probe_rotary_lora", args.iters)
-        if probe is None:
-            return 0
-        timer, _, vers = probe
-        device, dtype, k, nq, nkv, d = "cuda", torch.bfloat16, 4096, 32, 8, 128
-        layers, batches = args.layers, args.batches
+    setup = attention_setup(args, "probe_rotary_lora", [3, 20])
+    if setup is None:
+        return 0
+    device, dtype, k, nq, nkv, d, layers, timer, vers, batches = setup
     offsets = (0, nq * d, (nq + nkv) * d, (nq + 2 * nkv) * d)
     n = offsets[-1]
     ranks = [args.rank] * args.adapters
@@ -274,12 +293,7 @@ def main(argv=None):
         plan = (bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len)
         x = torch.randn(rows, k, generator=gen, device=device, dtype=dtype)
         y = torch.empty(rows, n + t_rows, device=device, dtype=dtype)
-        ang = torch.rand(rows, 1, d // 2, generator=gen, device=device) * 6.28
-        cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
-        sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
-        k_cache = torch.zeros(rows, nkv, 64, d, device=device, dtype=dtype)
-        v_cache = torch.zeros_like(k_cache)
-        length = torch.tensor([5], dtype=torch.int32, device=device)
+        cos, sin, k_cache, v_cache, length = rotary_inputs(rows, nkv, d, dtype, device, gen)
         q_out = torch.empty(rows, nq, 1, d, device=device, dtype=dtype)
 
         def gemm(w):
