@@ -36,9 +36,10 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from peft_fastlora.ops.greedy_select import EMPTY_KEY, segment_of  # noqa: E402
 
 VOCAB = 128256
-EMPTY_KEY = -(2 ** 63)
 
 
 @triton.jit
@@ -86,11 +87,7 @@ def _segment_keys_kernel(logits_ptr, keys_ptr, vocab, stride_lr, n_segs, EMPTY: 
                          TILE: tl.constexpr, STAGES: tl.constexpr, PACK_EACH: tl.constexpr):
     """Pass 1, looped: a program's segment in ``TILE``-wide loads, its best key stored."""
     seg = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    start = seg * SEG
-    n = tl.minimum(SEG, vocab - start)
-    base = logits_ptr + row * stride_lr + start
-    lanes = tl.arange(0, TILE)
+    row, start, n, base, lanes = segment_of(logits_ptr, vocab, stride_lr, SEG, TILE)
     if PACK_EACH:
         best = tl.full([TILE], EMPTY, tl.int64)
     else:

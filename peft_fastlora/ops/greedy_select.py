@@ -63,6 +63,16 @@ EMPTY_KEY = -(2 ** 63)  # a slot with no key yet: below every packed key
 
 
 @triton.jit
+def segment_of(logits_ptr, vocab, stride_lr, SEGMENT: tl.constexpr, TILE: tl.constexpr):
+    """A program's segment of its row (grid: segments, rows): (row, the segment's first column,
+    its columns within the vocabulary, a pointer to its first logit, a tile's lanes)."""
+    segment = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    start = segment * SEGMENT
+    return row, start, tl.minimum(SEGMENT, vocab - start), logits_ptr + row * stride_lr + start, tl.arange(0, TILE)
+
+
+@triton.jit
 def _greedy_select_kernel(
     # pointers
     logits_ptr,  # (rows, vocab), unit stride on vocab
@@ -84,12 +94,7 @@ def _greedy_select_kernel(
     TILE: tl.constexpr,  # columns a loop step loads
     STAGES: tl.constexpr,  # the loads' pipeline depth (1: none)
 ):
-    segment = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    start = segment * SEGMENT
-    n = tl.minimum(SEGMENT, vocab - start)
-    row_ptr = logits_ptr + row * stride_lr + start
-    lanes = tl.arange(0, TILE)
+    row, start, n, row_ptr, lanes = segment_of(logits_ptr, vocab, stride_lr, SEGMENT, TILE)
     top = tl.full([TILE], float("-inf"), tl.float32)
     # a lane that never takes a value (all -inf, or past the row's end) keeps its first column:
     # where -inf is the segment's maximum, that column is right
