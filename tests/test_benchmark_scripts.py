@@ -353,3 +353,14 @@ def test_soak_graphs_smoke(tmp_path):
     assert summary["greedy_calls_compared"] > 0, summary
     assert summary["greedy_calls_token_equal"] == summary["greedy_calls_compared"], summary
     assert summary["rewarm_captures"] == summary["warmup_captures"] == 3, summary
+
+
+def test_ncu_step_summarize_reads_the_committed_profiles():
+    """``ncu_step.py --summarize``: a kernel a line from Nsight Compute's raw CSV (the session-38
+    profile of the mixed 8B step at 128 rows: its one-launch gate/up and decode attention there)."""
+    path = os.path.join(BENCH, "results", "ncu_step_mixed_b128_s38a.csv")
+    out = _run([os.path.join(BENCH, "ncu_step.py"), "--summarize", path])
+    lines = [line for line in out.splitlines() if line.startswith(("_glu_lora_kernel", "_decode_attention"))]
+    assert len(lines) == 8, out[-2000:]  # two replays of a 4-layer model
+    us, dram_mb = float(lines[0].split()[1]), float(lines[0].split()[2])
+    assert 10 < us < 1000 and dram_mb > 1, lines[0]
