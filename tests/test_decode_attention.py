@@ -178,56 +178,6 @@ def test_mask_scan_before_the_wait_gives_the_same_bits(case):
         decode_attention(q, k, v, mask, prewait="early")
 
 
-@needs_interpreter
-@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("kvp", [2, 4])
-def test_several_kv_heads_a_program(kvp, dtype, atol, rtol):
-    """``kv_per_program``: one program takes several kv heads of a row in one loop over (head, block),
-    its softmax state reset at each head's first block and the head's output stored at its last.
-    Rows padded on the left, one of one position, one with nothing attended, blocks of a head that
-    straddle the span; the same bits as the one-head kernel, and the reference's values."""
-    b, h, kvh, kv_len, d = 4, 16, 4, 45, 16
-    q, k, v = rand_qkv(b, h, kvh, kv_len, d, dtype, strided=True)
-    mask = make_mask([3, 0, 44, 0], [40, 45, 45, 0], kv_len)
-    ref = decode_attention_reference(q, k, v, mask)
-    one = decode_attention(q, k, v, mask, num_splits=1, block_n=16, kv_per_program=1)
-    out = decode_attention(q, k, v, mask, num_splits=1, block_n=16, kv_per_program=kvp)
-    assert torch.equal(out, one)
-    assert torch.equal(out[3], torch.zeros_like(out[3]))
-    assert_close(out, ref, atol, rtol, f"kv_per_program={kvp}")
-    additive = make_mask([3, 0, 44, 0], [40, 45, 45, 0], kv_len, additive_dtype=dtype)
-    additive[1, ..., 10:20] += torch.linspace(-2, 2, 10, dtype=dtype)
-    for softcap in (None, 2.0):
-        got = decode_attention(q * 4, k, v, additive, scaling=0.37, softcap=softcap, num_splits=1, block_n=16,
-                               kv_per_program=kvp)
-        want = decode_attention_reference(q * 4, k, v, additive, scaling=0.37, softcap=softcap)
-        assert_close(got, want, atol, rtol, f"kv_per_program={kvp} softcap={softcap}")
-
-
-@needs_interpreter
-def test_several_kv_heads_a_program_read_only_the_span():
-    """NaN outside each row's span: the (head, block) loop must not read it for any head."""
-    b, h, kvh, kv_len, d = 2, 8, 4, 64, 16
-    q, k, v = rand_qkv(b, h, kvh, kv_len, d, torch.float32)
-    starts, ends = [16, 0], [48, 16]
-    mask = make_mask(starts, ends, kv_len)
-    ref = decode_attention_reference(q, k, v, mask)
-    for row, (s, e) in enumerate(zip(starts, ends)):
-        k[row, :, :s] = v[row, :, :s] = float("nan")
-        k[row, :, e:] = v[row, :, e:] = float("nan")
-    out = decode_attention(q, k, v, mask, num_splits=1, block_n=16, kv_per_program=4)
-    assert_close(out, ref, 2e-5, 2e-5, "span only")
-
-
-def test_kv_per_program_must_divide_the_kv_heads_and_take_one_split():
-    q, k, v = rand_qkv(2, 8, 4, 20, 8, torch.float32)
-    mask = torch.ones(2, 1, 1, 20, dtype=torch.bool)
-    with pytest.raises(ValueError, match="kv_per_program 3 must divide the 4 kv heads"):
-        decode_attention(q, k, v, mask, num_splits=1, kv_per_program=3)
-    with pytest.raises(ValueError, match="needs one split"):
-        decode_attention(q, k, v, mask, num_splits=2, block_n=8, kv_per_program=2)
-
-
 def test_config_is_static_and_sane(monkeypatch):
     monkeypatch.setattr(importlib.import_module("peft_fastlora.ops.decode_attention"), "_sm_count", lambda d: 132)
     cpu = torch.device("cpu")  # an H200's 132 SMs, Llama-3-8B's 8 kv heads of 4 query heads, 128 dims
@@ -238,12 +188,6 @@ def test_config_is_static_and_sane(monkeypatch):
     assert mid["num_splits"] == 1 and mid["block_n"] == 128 and mid["prewait"] == "off"
     big = decode_attention_config(128, 8, 4, 512, 128, cpu)
     assert big["num_splits"] == 1 and big["block_n"] == 64 and big["prewait"] == "off"
-    module = importlib.import_module("peft_fastlora.ops.decode_attention")
-    assert mid["kv_per_program"] == 1 and big["kv_per_program"] == module.KV_PER_PROGRAM
-    monkeypatch.setattr(module, "KV_PER_PROGRAM", 2)
-    assert decode_attention_config(128, 8, 4, 512, 128, cpu)["kv_per_program"] == 2
-    assert decode_attention_config(128, 3, 4, 512, 128, cpu)["kv_per_program"] == 1  # 2 does not divide 3
-    assert decode_attention_config(32, 8, 4, 512, 128, cpu)["kv_per_program"] == 1  # two programs an SM
     assert decode_attention_config(1, 1, 1, 30, 256, cpu)["block_n"] == 32
     assert decode_attention_config(32, 8, 1, 512, 256, cpu)["block_n"] == 32  # wide heads keep theirs
 

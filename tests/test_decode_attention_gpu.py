@@ -130,30 +130,6 @@ def test_after_pdl_kernels_that_write_q_and_the_cache_in_a_graph(bsz, prewait):
         assert (without.float() - ref.float()).abs().max().item() > 50 * atol
 
 
-@pytest.mark.parametrize("kvp", [2, 4, 8])
-@pytest.mark.parametrize("bsz", [50, 128])
-def test_several_kv_heads_a_program_on_cuda(bsz, kvp):
-    """``kv_per_program``: the same bits as the one-head kernel at 8B shapes (bf16, block_n 32 and 64,
-    2 and 3 stages), and in a graph replayed over new fills (one of a single position, where
-    padded rows attend nothing), the reference's values."""
-    from peft_fastlora.ops.decode_attention import decode_attention, decode_attention_reference
-
-    dtype = torch.bfloat16
-    atol, rtol = TOLERANCES[dtype]
-    q, k, v, mask = _inputs(bsz, dtype, seed=7)
-    for block_n, stages in ((64, 2), (32, 3)):
-        one = decode_attention(q, k, v, mask, num_splits=1, block_n=block_n, num_stages=stages, kv_per_program=1)
-        got = decode_attention(q, k, v, mask, num_splits=1, block_n=block_n, num_stages=stages, kv_per_program=kvp)
-        assert torch.equal(got, one), f"block_n={block_n} stages={stages}: bits differ from one head a program"
-    graph, out = captured(lambda: decode_attention(q, k, v, mask, num_splits=1, kv_per_program=kvp))
-    for seed, filled in ((8, 137), (9, CACHE_LEN), (10, 1)):
-        q2, k2, v2, m2 = _inputs(bsz, dtype, seed=seed, filled=filled)
-        q.copy_(q2), k.copy_(k2), v.copy_(v2), mask.copy_(m2)
-        graph.replay()
-        torch.cuda.synchronize()
-        _check(out, decode_attention_reference(q, k, v, mask), atol, rtol, f"kvp={kvp} replay filled={filled}")
-
-
 def test_tiny_llama_generate_on_cuda_equal_tokens():
     from _models import tiny_llama
 

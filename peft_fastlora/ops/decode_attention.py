@@ -199,121 +199,6 @@ def _decode_attention_split_kernel(
 
 
 @triton.jit
-def _decode_attention_heads_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
-    L, D, KVH, G, qk_scale, softcap, mask_min,
-    stride_qb, stride_qh, stride_qd,
-    stride_kb, stride_kh, stride_kl, stride_kd,
-    stride_vb, stride_vh, stride_vl, stride_vd,
-    stride_mb, stride_ml,
-    stride_ob, stride_oh, stride_od,
-    KV_PER_PROGRAM: tl.constexpr,  # kv heads of one row a program takes in turn (divides KVH)
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_SCAN: tl.constexpr,
-    MASK_IS_BOOL: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    UPCAST: tl.constexpr,
-    USE_PDL: tl.constexpr,
-    EARLY_SPAN: tl.constexpr,
-):
-    """The one-split kernel for several kv heads of one row a program: one mask scan, then ONE loop
-    over (kv head, block) pairs, so that the K/V loads stay pipelined across the heads (a loop per
-    head restarts the pipeline at each one). The softmax state resets at a head's first block and
-    its output is stored at its last (a predicated store)."""
-    pdl.launch_dependents(USE_PDL)
-    if not EARLY_SPAN:
-        pdl.wait(USE_PDL)
-    pid = tl.program_id(0)
-    programs_per_row = KVH // KV_PER_PROGRAM
-    b = pid // programs_per_row
-    kvh0 = (pid % programs_per_row) * KV_PER_PROGRAM
-    b64 = b.to(tl.int64)
-
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
-    h_mask = offs_h < G
-    d_mask = offs_d < D
-    hd_mask = h_mask[:, None] & d_mask[None, :]
-    m_base = mask_ptr + b64 * stride_mb
-
-    lo = tl.full([], 0, tl.int32) + L
-    hi = tl.full([], 0, tl.int32)
-    for c0 in range(0, L, BLOCK_SCAN):
-        offs_c = c0 + tl.arange(0, BLOCK_SCAN)
-        valid_c = _attended(m_base, offs_c, L, stride_ml, mask_min, MASK_IS_BOOL)
-        lo = tl.minimum(lo, tl.min(tl.where(valid_c, offs_c, L), axis=0))
-        hi = tl.maximum(hi, tl.max(tl.where(valid_c, offs_c + 1, 0), axis=0))
-    if EARLY_SPAN:
-        pdl.wait(USE_PDL)
-
-    first_blk = lo // BLOCK_N
-    # at least one (empty) block a head when nothing is attended: its zero output is still stored
-    nb = tl.maximum(tl.cdiv(hi, BLOCK_N) - first_blk, 1)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for it in range(0, KV_PER_PROGRAM * nb):
-        j = it // nb
-        step = it - j * nb
-        kvh = kvh0 + j
-        heads = kvh * G + offs_h
-        q = _load_q(q_ptr, b64 * stride_qb, heads, stride_qh, offs_d, stride_qd, h_mask, d_mask,
-                    k_ptr.dtype.element_ty, UPCAST)
-        offs = (first_blk + step) * BLOCK_N + offs_n
-        span = (offs >= lo) & (offs < hi)
-        kv_mask = span[:, None] & d_mask[None, :]
-        kvh64 = kvh.to(tl.int64)
-        k = tl.load(k_ptr + b64 * stride_kb + kvh64 * stride_kh + offs[:, None] * stride_kl
-                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + b64 * stride_vb + kvh64 * stride_vh + offs[:, None] * stride_vl
-                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if MASK_IS_BOOL:
-            mv = tl.load(m_base + offs * stride_ml, mask=span, other=0)
-            valid = span & (mv != 0)
-        else:
-            madd = tl.load(m_base + offs * stride_ml, mask=span, other=float("-inf")).to(tl.float32)
-            valid = span & (madd > mask_min)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if HAS_SOFTCAP:
-            x = s * qk_scale / softcap
-            e = tl.exp2(tl.abs(x) * (-2.0 * 1.4426950408889634))
-            t = (1.0 - e) / (1.0 + e)
-            s = tl.where(x < 0, -t, t) * (softcap * 1.4426950408889634)
-        else:
-            s = s * qk_scale
-        if not MASK_IS_BOOL:
-            s = s + tl.where(valid, madd, 0.0)[None, :] * 1.4426950408889634
-        s = tl.where(valid[None, :], s, float("-inf"))
-        fresh = step == 0  # a new head: its softmax state starts empty
-        m_i = tl.where(fresh, float("-inf"), m_i)
-        l_i = tl.where(fresh, 0.0, l_i)
-        acc = tl.where(fresh, 0.0, acc)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-        has = l_i > 0.0
-        o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
-        o_ptrs = out_ptr + b64 * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
-        last = (tl.zeros([BLOCK_H], dtype=tl.int32) + step) == nb - 1  # the head's last block
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=hd_mask & last[:, None])
-
-
-@triton.jit
 def _decode_attention_combine_kernel(
     # pointers
     part_o_ptr,  # (B, H, NUM_SPLITS, D) fp32, contiguous
@@ -367,9 +252,6 @@ def _sm_count(device: torch.device) -> int:
 # completes before any later kernel starts.
 PREWAIT = "auto"
 MID_BLOCK_N = 128  # block_n at one to three programs per SM (benchmarks set 64 for an A/B)
-# kv heads of one row a program takes where rows x kv heads give three programs per SM or more (one
-# split); 1 is the one-head kernel (``_decode_attention_split_kernel``)
-KV_PER_PROGRAM = 1
 _PREWAITS = ("auto", "off", "span")
 
 
@@ -385,8 +267,6 @@ def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int,
       sweep behind this choice is ``benchmarks/bench_attention.py`` (results in
       ``benchmarks/results/attention_h200.csv``).
     - ``prewait``: ``PREWAIT``, "auto" resolved.
-    - ``kv_per_program``: ``KV_PER_PROGRAM`` at three programs per SM or more, where it divides the
-      kv heads; else 1.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(groups))
@@ -398,9 +278,8 @@ def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int,
     num_blocks = triton.cdiv(kv_len, block_n)
     num_splits = 1 if pairs >= sms else min(num_blocks, triton.cdiv(4 * sms, pairs), 64)
     prewait = PREWAIT if PREWAIT != "auto" else "span" if num_splits > 1 else "off"
-    kv_per_program = KV_PER_PROGRAM if pairs >= 3 * sms and kv_heads % KV_PER_PROGRAM == 0 else 1
     return dict(block_h=block_h, block_n=block_n, block_d=block_d, num_splits=max(1, num_splits),
-                num_warps=4, num_stages=2, prewait=prewait, kv_per_program=kv_per_program)
+                num_warps=4, num_stages=2, prewait=prewait)
 
 
 def decode_attention(
@@ -417,7 +296,6 @@ def decode_attention(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     prewait: Optional[str] = None,
-    kv_per_program: Optional[int] = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over a static KV cache.
 
@@ -431,8 +309,7 @@ def decode_attention(
         scaling: score scale (default ``D ** -0.5``).
         softcap: logit soft-capping ``softcap * tanh(score / softcap)``, before the mask.
         out: optional (B, 1, H, D) output in ``q.dtype``.
-        num_splits, block_n, num_warps, num_stages, prewait, kv_per_program: override
-            ``decode_attention_config`` (``kv_per_program`` > 1 needs one split and must divide KVH).
+        num_splits, block_n, num_warps, num_stages, prewait: override ``decode_attention_config``.
     Returns:
         (B, 1, H, D) in ``q.dtype``: the layout ``sdpa_attention_forward`` returns.
     """
@@ -462,12 +339,6 @@ def decode_attention(
         raise ValueError(f"decode_attention: prewait {cfg['prewait']!r} is not one of {_PREWAITS}")
     cfg["num_splits"] = max(1, min(cfg["num_splits"], triton.cdiv(kv_len, cfg["block_n"])))
     splits = cfg["num_splits"]
-    if kv_per_program is not None:
-        cfg["kv_per_program"] = kv_per_program
-    kvp = cfg["kv_per_program"]
-    if kvp < 1 or kv_heads % kvp or (kvp > 1 and splits > 1):
-        raise ValueError(f"decode_attention: kv_per_program {kvp} must divide the {kv_heads} kv heads "
-                         f"and needs one split (got {splits})")
 
     if out is None:
         out = torch.empty(bsz, 1, heads, dim, device=q.device, dtype=q.dtype)
@@ -493,31 +364,6 @@ def decode_attention(
     upcast = q.dtype == torch.float32 or interpreting()
     use_pdl = pdl.mode(q)
 
-    if kvp > 1:
-        _decode_attention_heads_kernel[(bsz * kv_heads // kvp,)](
-            q, k, v, mask2, out,
-            kv_len, dim, kv_heads, groups,
-            scale if has_softcap else scale * _LOG2E,
-            float(softcap) if has_softcap else 1.0,
-            mask_min,
-            q.stride(0), q.stride(1), q.stride(3),
-            k.stride(0), k.stride(1), k.stride(2), k.stride(3),
-            v.stride(0), v.stride(1), v.stride(2), v.stride(3),
-            stride_mb, mask2.stride(3),
-            out.stride(0), out.stride(2), out.stride(3),
-            KV_PER_PROGRAM=kvp,
-            BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], BLOCK_D=cfg["block_d"],
-            BLOCK_SCAN=min(2048, max(16, triton.next_power_of_2(kv_len))),
-            MASK_IS_BOOL=mask.dtype == torch.bool,
-            HAS_SOFTCAP=has_softcap,
-            UPCAST=upcast,
-            USE_PDL=use_pdl,
-            EARLY_SPAN=cfg["prewait"] == "span",
-            num_warps=num_warps or cfg["num_warps"],
-            num_stages=num_stages or cfg["num_stages"],
-            launch_pdl=use_pdl > 0,
-        )
-        return out
     _decode_attention_split_kernel[(bsz * kv_heads, splits)](
         q, k, v, mask2, out, part_o, part_lse,
         kv_len, dim, kv_heads, groups,
