@@ -8,8 +8,7 @@ own cache, so no call finds its K/V in L2) and timed as graph replays, L2 flushe
   (transformers 5.17's path for a masked GQA decode step);
 - ``sdpa_pack_gqa``: the query heads of a kv head packed as query rows, sdpa with the mask
   (transformers >= 5.2x's path).
-Then a short coordinate sweep of the kernel's launch parameters (the L2 prefetch before the PDL
-wait, splits, block_n, warps, stages; within the graph each call's prefetch overlaps the call before it),
+Then a short coordinate sweep of the kernel's launch parameters (splits, block_n, warps, stages),
 reported as ``fastlora[...]`` rows, so one GPU run also says how to tune the defaults.
 
 Shapes: H 32, KVH 8, D 128, bf16, cache of ``--cache-len`` slots filled to ``--filled`` (every row to
@@ -120,8 +119,8 @@ def time_graph(timer, capture, fn, layers, inputs):
 
 def sweep_configs():
     """Coordinate sweep: each axis varied around the best point found so far (None: the default)."""
-    return [("prefetch", [0, 1, 2, 4, 16]), ("num_splits", [1, 2, 4, 8, 16]), ("block_n", [32, 64, 128, 256]),
-            ("num_warps", [2, 4, 8]), ("num_stages", [1, 2, 3, 4])]
+    return [("num_splits", [1, 2, 4, 8, 16]), ("block_n", [32, 64, 128, 256]), ("num_warps", [2, 4, 8]),
+            ("num_stages", [1, 2, 3, 4])]
 
 
 def bench_batch(args, bsz, timer, capture, launch_floor, bandwidth, meta, deadline):
@@ -159,13 +158,13 @@ def bench_batch(args, bsz, timer, capture, launch_floor, bandwidth, meta, deadli
             torch.cuda.empty_cache()
             continue
         config = (f"splits={cfg['num_splits']} block_n={cfg['block_n']} warps={cfg['num_warps']} "
-                  f"stages={cfg['num_stages']} prefetch={cfg['prefetch']}") if name == "fastlora" else ""
+                  f"stages={cfg['num_stages']}") if name == "fastlora" else ""
         add(name, config, us, err)
         torch.cuda.empty_cache()
 
     if not args.no_sweep:
         best = {"num_splits": cfg["num_splits"], "block_n": cfg["block_n"], "num_warps": cfg["num_warps"],
-                "num_stages": cfg["num_stages"], "prefetch": cfg["prefetch"]}
+                "num_stages": cfg["num_stages"]}
         best_us = next(r["time_us"] for r in rows if r["impl"] == "fastlora")
         seen = {tuple(sorted(best.items()))}
         for axis, values in sweep_configs():

@@ -33,11 +33,11 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 def as_on_the_device(entry: dict) -> dict:
     """A recorded launch's constexprs as the device's launch sets them where the interpreter sets
-    its own: libdevice, PDL (``pdl.FULL``), inline PTX, and no float32 upcast of 16-bit operands
-    (the interpreter's bfloat16 dot is wrong, so its GEMMs upcast)."""
+    its own: libdevice, PDL (``pdl.FULL``), and no float32 upcast of 16-bit operands (the
+    interpreter's bfloat16 dot is wrong, so its GEMMs upcast)."""
     consts = dict(entry["constexprs"])
     sixteen = any(t in ("*bf16", "*fp16") for t in entry["signature"].values())
-    for name, value in (("LIBDEVICE", True), ("USE_PDL", 2), ("UPCAST", not sixteen), ("PTX", True)):
+    for name, value in (("LIBDEVICE", True), ("USE_PDL", 2), ("UPCAST", not sixteen)):
         if name in consts:
             consts[name] = value
     return consts

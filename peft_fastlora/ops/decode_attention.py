@@ -16,10 +16,6 @@ partial output) per split to a small fp32 workspace, or the final output when th
 
 Under PDL the split program may scan the mask before its wait (``PREWAIT``), so that the scan's
 round trip overlaps the kernels before it; q and every load the softmax uses come after the wait.
-With the span known there, it may also ask the L2 for the first ``PREFETCH_BLOCKS`` K and V blocks
-of its span (``cp.async.bulk.prefetch.L2``, Hopper) before the wait: the cache is no kernel's output
-but the slot this step writes, and the L2 is where that write lands, so a prefetched line is never
-stale; the stream then starts while the kernels before it (rotary and the KV write) run.
 
 Stage 2 (``_decode_attention_combine_kernel``): one program per (row, query head) merges the S partials in a fixed
 order (deterministic, no atomics).
@@ -63,27 +59,6 @@ def _load_q(q_ptr, row_offset, heads, stride_qh, offs_d, stride_qd, h_mask, d_ma
 
 
 @triton.jit
-def _prefetch_span(base, lo, hi, first, step, row_elems, BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
-                   SUB: tl.constexpr, ROW_BYTES: tl.constexpr, PTX: tl.constexpr):
-    """Ask the L2 for positions [lo, hi) of the blocks ``first, first + step, ...`` (``BLOCKS`` of
-    them) of a cache whose positions are contiguous rows of ``row_elems`` elements: one bulk
-    prefetch a lane, ``SUB`` lanes a block (so that no two threads ask for the same bytes). A hint:
-    it reads nothing into registers. Left out under the interpreter (``PTX`` false)."""
-    if PTX:
-        lane = tl.arange(0, BLOCKS * SUB)
-        piece: tl.constexpr = BLOCK_N // SUB
-        blk = first + (lane // SUB) * step
-        start = tl.maximum(blk * BLOCK_N + (lane % SUB) * piece, lo)
-        end = tl.minimum(blk * BLOCK_N + (lane % SUB + 1) * piece, hi)
-        nbytes = tl.maximum(end - start, 0) * ROW_BYTES
-        go = (nbytes > 0).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-            "=r,l,r,r", [base + start.to(tl.int64) * row_elems, go, nbytes],
-            dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _decode_attention_split_kernel(
     # pointers
     q_ptr,  # (B, H, D) through strides
@@ -118,10 +93,6 @@ def _decode_attention_split_kernel(
     UPCAST: tl.constexpr,  # compute the dots in fp32 (fp32 inputs, or the interpreter)
     USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py
     EARLY_SPAN: tl.constexpr,  # scan the mask before the PDL wait (no PDL kernel writes it)
-    PREFETCH: tl.constexpr = 0,  # K and V blocks of the span asked of the L2 before the wait (EARLY_SPAN)
-    PREFETCH_SUB: tl.constexpr = 1,  # prefetch lanes a block
-    ROW_BYTES: tl.constexpr = 0,  # bytes of one cache position (contiguous K and V rows)
-    PTX: tl.constexpr = False,  # inline PTX allowed (not the interpreter)
 ):
     pdl.launch_dependents(USE_PDL)
     if not EARLY_SPAN:
@@ -157,12 +128,6 @@ def _decode_attention_split_kernel(
         lo = tl.minimum(lo, tl.min(tl.where(valid_c, offs_c, L), axis=0))
         hi = tl.maximum(hi, tl.max(tl.where(valid_c, offs_c + 1, 0), axis=0))
     if EARLY_SPAN:
-        if PREFETCH > 0:
-            first = lo // BLOCK_N + split
-            _prefetch_span(k_base, lo, hi, first, NUM_SPLITS, stride_kl, BLOCK_N, PREFETCH, PREFETCH_SUB,
-                           ROW_BYTES, PTX)
-            _prefetch_span(v_base, lo, hi, first, NUM_SPLITS, stride_vl, BLOCK_N, PREFETCH, PREFETCH_SUB,
-                           ROW_BYTES, PTX)
         pdl.wait(USE_PDL)
 
         q = _load_q(q_ptr, b64 * stride_qb, heads, stride_qh, offs_d, stride_qd, h_mask, d_mask,
@@ -287,9 +252,6 @@ def _sm_count(device: torch.device) -> int:
 # completes before any later kernel starts.
 PREWAIT = "auto"
 MID_BLOCK_N = 128  # block_n at one to three programs per SM (benchmarks set 64 for an A/B)
-# K and V blocks of its span a program asks the L2 for before its PDL wait (0: none); with it, the
-# mask scan runs before the wait too ("span")
-PREFETCH_BLOCKS = 0
 _PREWAITS = ("auto", "off", "span")
 
 
@@ -304,9 +266,7 @@ def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int,
       reach one per SM (then the first kernel writes the output and the combine is skipped); the
       sweep behind this choice is ``benchmarks/bench_attention.py`` (results in
       ``benchmarks/results/attention_h200.csv``).
-    - ``prewait``: ``PREWAIT``, "auto" resolved ("span" where the program prefetches).
-    - ``prefetch``: ``PREFETCH_BLOCKS`` (taken where the cache's positions are contiguous rows and
-      the launch uses PDL, with ``prewait`` "span").
+    - ``prewait``: ``PREWAIT``, "auto" resolved.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(groups))
@@ -317,9 +277,9 @@ def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int,
         block_n = MID_BLOCK_N  # one or two programs per SM, each streaming its whole span: fewer, longer trips
     num_blocks = triton.cdiv(kv_len, block_n)
     num_splits = 1 if pairs >= sms else min(num_blocks, triton.cdiv(4 * sms, pairs), 64)
-    prewait = PREWAIT if PREWAIT != "auto" else "span" if num_splits > 1 or PREFETCH_BLOCKS else "off"
+    prewait = PREWAIT if PREWAIT != "auto" else "span" if num_splits > 1 else "off"
     return dict(block_h=block_h, block_n=block_n, block_d=block_d, num_splits=max(1, num_splits),
-                num_warps=4, num_stages=2, prewait=prewait, prefetch=PREFETCH_BLOCKS)
+                num_warps=4, num_stages=2, prewait=prewait)
 
 
 def decode_attention(
@@ -336,7 +296,6 @@ def decode_attention(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     prewait: Optional[str] = None,
-    prefetch: Optional[int] = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over a static KV cache.
 
@@ -350,8 +309,7 @@ def decode_attention(
         scaling: score scale (default ``D ** -0.5``).
         softcap: logit soft-capping ``softcap * tanh(score / softcap)``, before the mask.
         out: optional (B, 1, H, D) output in ``q.dtype``.
-        num_splits, block_n, num_warps, num_stages, prewait, prefetch: override
-            ``decode_attention_config`` (``prefetch``: K/V blocks asked of the L2 before the PDL wait).
+        num_splits, block_n, num_warps, num_stages, prewait: override ``decode_attention_config``.
     Returns:
         (B, 1, H, D) in ``q.dtype``: the layout ``sdpa_attention_forward`` returns.
     """
@@ -379,10 +337,6 @@ def decode_attention(
         cfg["prewait"] = prewait
     if cfg["prewait"] not in _PREWAITS[1:]:
         raise ValueError(f"decode_attention: prewait {cfg['prewait']!r} is not one of {_PREWAITS}")
-    if prefetch is not None:
-        if prefetch < 0:
-            raise ValueError(f"decode_attention: prefetch {prefetch} is negative")
-        cfg["prefetch"] = prefetch
     cfg["num_splits"] = max(1, min(cfg["num_splits"], triton.cdiv(kv_len, cfg["block_n"])))
     splits = cfg["num_splits"]
 
@@ -409,17 +363,6 @@ def decode_attention(
     has_softcap = softcap is not None and softcap > 0
     upcast = q.dtype == torch.float32 or interpreting()
     use_pdl = pdl.mode(q)
-    row_bytes = dim * k.element_size()
-    rows_contiguous = all(t.stride(3) == 1 and t.stride(2) == dim and t.data_ptr() % 16 == 0 for t in (k, v))
-    # the bulk prefetch takes 16-byte multiples; without PDL there is no window before the wait (the
-    # interpreter takes the path, its PTX left out, so that CPU tests and their sm_90 builds cover it)
-    window = use_pdl > 0 or interpreting()
-    prefetch_blocks = cfg["prefetch"] if window and rows_contiguous and row_bytes % 16 == 0 else 0
-    if prefetch_blocks:
-        prefetch_blocks = triton.next_power_of_2(prefetch_blocks)
-        cfg["prewait"] = "span"  # the span is what it prefetches
-    lanes = 32 * (num_warps or cfg["num_warps"])
-    prefetch_sub = max(1, min(lanes // prefetch_blocks, cfg["block_n"])) if prefetch_blocks else 1
 
     _decode_attention_split_kernel[(bsz * kv_heads, splits)](
         q, k, v, mask2, out, part_o, part_lse,
@@ -440,10 +383,6 @@ def decode_attention(
         UPCAST=upcast,
         USE_PDL=use_pdl,
         EARLY_SPAN=cfg["prewait"] == "span",
-        PREFETCH=prefetch_blocks,
-        PREFETCH_SUB=prefetch_sub,
-        ROW_BYTES=row_bytes,
-        PTX=not interpreting(),
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
         launch_pdl=use_pdl > 0,
