@@ -505,6 +505,9 @@ def main(argv=None):
                    help="what decode attention's programs do before their PDL wait (ops.decode_attention.PREWAIT), for an A/B")
     p.add_argument("--attention-block-n", choices=["auto", "64"], default="auto",
                    help="64: decode attention's block_n at one to three programs per SM stays 64, for an A/B")
+    p.add_argument("--attention-dense-spans", choices=["on", "off"], default="on",
+                   help="off: decode attention's blocks read the mask even where the span is dense "
+                        "(ops.decode_attention.DENSE_SPANS), for an A/B")
     p.add_argument("--rotary-kv", choices=["on", "off"], default="on",
                    help="off: the rotary and the KV write as two kernels (attention_forwards.ONE_KERNEL), for an A/B")
     p.add_argument("--token-select", choices=["fused", "hf"], default="fused",
@@ -550,6 +553,7 @@ def main(argv=None):
     attention.PREWAIT = args.attention_prewait
     if args.attention_block_n == "64":
         attention.MID_BLOCK_N = 64
+    attention.DENSE_SPANS = args.attention_dense_spans == "on"
     importlib.import_module("peft_fastlora.base_ops.attention_forwards").ONE_KERNEL = args.rotary_kv == "on"
     importlib.import_module("peft_fastlora.decode.greedy_loop").ENABLED = args.token_select == "fused"
     importlib.import_module("peft_fastlora.decode.step_advance").ENABLED = args.step_advance == "on"
@@ -559,7 +563,8 @@ def main(argv=None):
     vers = dict(versions(), expand=args.expand, stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms,
                 tma_gemm=args.tma_gemm, tma_add=args.tma_add, glu_lora=args.glu_lora,
                 epilogue_folds=args.epilogue_folds, attention_prewait=args.attention_prewait,
-                attention_block_n=args.attention_block_n, rotary_kv=args.rotary_kv, token_select=args.token_select,
+                attention_block_n=args.attention_block_n, attention_dense_spans=args.attention_dense_spans,
+                rotary_kv=args.rotary_kv, token_select=args.token_select,
                 step_advance=args.step_advance, early_launch=args.early_launch, rotary_table=args.rotary_table,
                 step_record=args.step_record)
     bw = copy_bandwidth() if DEVICE == "cuda" else 1e11

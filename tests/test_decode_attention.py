@@ -178,6 +178,31 @@ def test_mask_scan_before_the_wait_gives_the_same_bits(case):
         decode_attention(q, k, v, mask, prewait="early")
 
 
+@needs_interpreter
+@pytest.mark.parametrize("case", ["gqa4_pad_len1_end", "gqa4_many_splits"])
+def test_dense_spans_skip_the_mask_with_the_same_bits(case, monkeypatch):
+    """A dense span (all attended, no additive value but 0) lets the blocks skip the mask load;
+    holes and a bias inside the span keep it. Each gives the bits of blocks that always read it."""
+    module = importlib.import_module("peft_fastlora.ops.decode_attention")
+    b, h, kvh, kv_len, d, starts, ends, splits, bn = CASES[case]
+    monkeypatch.setattr(module, "_sm_count", lambda device: 100)  # the split class: dense spans skip the mask
+    assert decode_attention_config(b, kvh, h // kvh, kv_len, d, torch.device("cpu"))["dense_spans"]
+    q, k, v = rand_qkv(b, h, kvh, kv_len, d, torch.float32)
+    dense = make_mask(starts, ends, kv_len)
+    holes = dense.clone()
+    holes[0, ..., starts[0] + 2] = False
+    biased = make_mask(starts, ends, kv_len, additive_dtype=torch.float32)
+    biased[0, ..., starts[0] + 1:starts[0] + 4] += 0.5
+    for name, mask in (("dense", dense), ("holes", holes), ("additive", biased),
+                       ("additive dense", make_mask(starts, ends, kv_len, additive_dtype=torch.float32))):
+        monkeypatch.setattr(module, "DENSE_SPANS", True)
+        got = decode_attention(q, k, v, mask, num_splits=splits, block_n=bn)
+        monkeypatch.setattr(module, "DENSE_SPANS", False)
+        always = decode_attention(q, k, v, mask, num_splits=splits, block_n=bn)
+        assert torch.equal(got, always), name
+        assert_close(got, decode_attention_reference(q, k, v, mask), 2e-5, 2e-5, f"{case} {name}")
+
+
 def test_config_is_static_and_sane(monkeypatch):
     monkeypatch.setattr(importlib.import_module("peft_fastlora.ops.decode_attention"), "_sm_count", lambda d: 132)
     cpu = torch.device("cpu")  # an H200's 132 SMs, Llama-3-8B's 8 kv heads of 4 query heads, 128 dims
@@ -188,6 +213,10 @@ def test_config_is_static_and_sane(monkeypatch):
     assert mid["num_splits"] == 1 and mid["block_n"] == 128 and mid["prewait"] == "off"
     big = decode_attention_config(128, 8, 4, 512, 128, cpu)
     assert big["num_splits"] == 1 and big["block_n"] == 64 and big["prewait"] == "off"
+    # dense spans skip the mask at one row (splits) and 128 rows, not at 32 (measured slower there)
+    assert one["dense_spans"] and big["dense_spans"] and not mid["dense_spans"]
+    monkeypatch.setattr(importlib.import_module("peft_fastlora.ops.decode_attention"), "DENSE_SPANS", False)
+    assert not decode_attention_config(128, 8, 4, 512, 128, cpu)["dense_spans"]
     assert decode_attention_config(1, 1, 1, 30, 256, cpu)["block_n"] == 32
     assert decode_attention_config(32, 8, 1, 512, 256, cpu)["block_n"] == 32  # wide heads keep theirs
 

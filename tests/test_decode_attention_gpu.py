@@ -130,6 +130,25 @@ def test_after_pdl_kernels_that_write_q_and_the_cache_in_a_graph(bsz, prewait):
         assert (without.float() - ref.float()).abs().max().item() > 50 * atol
 
 
+@pytest.mark.parametrize("bsz", [1, 32, 128])
+def test_spans_with_holes_or_a_bias_on_cuda(bsz):
+    """A span that is not dense (holes inside it; an additive mask with values other than 0) makes
+    the blocks read the mask again: every row of such a batch matches the reference, and dense rows
+    beside them too (the choice is a program's, made from its own row's scan)."""
+    from peft_fastlora.ops.decode_attention import decode_attention, decode_attention_reference
+
+    dtype = torch.bfloat16
+    atol, rtol = TOLERANCES[dtype]
+    q, k, v, mask = _inputs(bsz, dtype, seed=12)
+    g = torch.Generator(device="cuda").manual_seed(13)
+    holes = mask.clone()
+    holes[::2] &= torch.rand(holes[::2].shape, device="cuda", generator=g) < 0.7  # every other row
+    _check(decode_attention(q, k, v, holes), decode_attention_reference(q, k, v, holes), atol, rtol, "holes")
+    add = torch.zeros(mask.shape, device="cuda", dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+    add[::2, ..., 60:90] += torch.linspace(-3, 3, 30, device="cuda", dtype=dtype)  # a bias inside the span
+    _check(decode_attention(q, k, v, add), decode_attention_reference(q, k, v, add), atol, rtol, "bias")
+
+
 def test_tiny_llama_generate_on_cuda_equal_tokens():
     from _models import tiny_llama
 

@@ -11,8 +11,11 @@ not yet filled), so only filled positions cost cache bytes. The span's KV blocks
 splits round-robin (``split, split + S, ...``), so the splits share the filled part evenly however
 long it is. Inside the span, K/V loads are predicated on the span only, not on the mask values,
 so that they need not wait for the mask load and the loop can pipeline; a masked hole inside the
-span is read and then masked out of the softmax. The program writes (log2-sum-exp, normalised
-partial output) per split to a small fp32 workspace, or the final output when there is one split.
+span is read and then masked out of the softmax. Where the scan finds the span dense (every position
+attended, none with an additive value other than 0: a static cache's mask), the blocks do not read
+the mask again: that load is one a block's scores would otherwise wait on. The program writes
+(log2-sum-exp, normalised partial output) per split to a small fp32 workspace, or the final output
+when there is one split.
 
 Under PDL the split program may scan the mask before its wait (``PREWAIT``), so that the scan's
 round trip overlaps the kernels before it; q and every load the softmax uses come after the wait.
@@ -40,13 +43,17 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attended(m_base, offs, L, stride_ml, mask_min, MASK_IS_BOOL: tl.constexpr):
-    """Which positions of ``offs`` the mask row attends (False past L)."""
+    """Which positions of ``offs`` the mask row attends (False past L), and which of those add
+    nothing to the score (a bool mask's all do; an additive mask's where its value is 0)."""
     in_range = offs < L
     if MASK_IS_BOOL:
-        ok = tl.load(m_base + offs * stride_ml, mask=in_range, other=0) != 0
+        ok = in_range & (tl.load(m_base + offs * stride_ml, mask=in_range, other=0) != 0)
+        plain = ok
     else:
-        ok = tl.load(m_base + offs * stride_ml, mask=in_range, other=float("-inf")).to(tl.float32) > mask_min
-    return in_range & ok
+        val = tl.load(m_base + offs * stride_ml, mask=in_range, other=float("-inf")).to(tl.float32)
+        ok = in_range & (val > mask_min)
+        plain = ok & (val == 0.0)
+    return ok, plain
 
 
 @triton.jit
@@ -93,6 +100,7 @@ def _decode_attention_split_kernel(
     UPCAST: tl.constexpr,  # compute the dots in fp32 (fp32 inputs, or the interpreter)
     USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py
     EARLY_SPAN: tl.constexpr,  # scan the mask before the PDL wait (no PDL kernel writes it)
+    DENSE_SPANS: tl.constexpr = True,  # a dense span's blocks skip the mask (the config's ``dense_spans``)
 ):
     pdl.launch_dependents(USE_PDL)
     if not EARLY_SPAN:
@@ -122,11 +130,16 @@ def _decode_attention_split_kernel(
     # (int32 tensors from the start: a loop-carried variable may not change type)
     lo = tl.full([], 0, tl.int32) + L
     hi = tl.full([], 0, tl.int32)
+    n_plain = tl.full([], 0, tl.int32)
     for c0 in range(0, L, BLOCK_SCAN):
         offs_c = c0 + tl.arange(0, BLOCK_SCAN)
-        valid_c = _attended(m_base, offs_c, L, stride_ml, mask_min, MASK_IS_BOOL)
+        valid_c, plain_c = _attended(m_base, offs_c, L, stride_ml, mask_min, MASK_IS_BOOL)
         lo = tl.minimum(lo, tl.min(tl.where(valid_c, offs_c, L), axis=0))
         hi = tl.maximum(hi, tl.max(tl.where(valid_c, offs_c + 1, 0), axis=0))
+        n_plain += tl.sum(plain_c.to(tl.int32), axis=0)
+    # a span every position of which is attended and adds nothing (a static cache's usual mask):
+    # the blocks need not read the mask again (a dependent load the loop would wait on)
+    dense = (n_plain == hi - lo) & DENSE_SPANS
     if EARLY_SPAN:
         pdl.wait(USE_PDL)
 
@@ -146,9 +159,12 @@ def _decode_attention_split_kernel(
         kv_mask = span[:, None] & d_mask[None, :]
         k = tl.load(k_base + offs[:, None] * stride_kl + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(v_base + offs[:, None] * stride_vl + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if MASK_IS_BOOL:
-            mv = tl.load(m_base + offs * stride_ml, mask=span, other=0)
-            valid = span & (mv != 0)
+        if dense:
+            valid = span
+            madd = tl.zeros([BLOCK_N], dtype=tl.float32)
+        elif MASK_IS_BOOL:
+            valid = span & (tl.load(m_base + offs * stride_ml, mask=span, other=0) != 0)
+            madd = tl.zeros([BLOCK_N], dtype=tl.float32)
         else:
             madd = tl.load(m_base + offs * stride_ml, mask=span, other=float("-inf")).to(tl.float32)
             valid = span & (madd > mask_min)
@@ -252,6 +268,9 @@ def _sm_count(device: torch.device) -> int:
 # completes before any later kernel starts.
 PREWAIT = "auto"
 MID_BLOCK_N = 128  # block_n at one to three programs per SM (benchmarks set 64 for an A/B)
+# a dense span's blocks skip the mask outside the one-to-three-programs-an-SM class (there it
+# measured slower); False: every block reads it everywhere (benchmarks' A/B)
+DENSE_SPANS = True
 _PREWAITS = ("auto", "off", "span")
 
 
@@ -267,19 +286,22 @@ def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int,
       sweep behind this choice is ``benchmarks/bench_attention.py`` (results in
       ``benchmarks/results/attention_h200.csv``).
     - ``prewait``: ``PREWAIT``, "auto" resolved.
+    - ``dense_spans``: whether a dense span's blocks skip the mask: ``DENSE_SPANS`` outside the
+      one-to-three-programs-an-SM class (``benchmarks/results/attention_s38e_dense_*.csv``).
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(groups))
     sms = _sm_count(device)
     pairs = batch * kv_heads
     block_n = 64 if block_d <= 128 else 32
-    if block_d <= 128 and sms <= pairs < 3 * sms:
+    mid = block_d <= 128 and sms <= pairs < 3 * sms
+    if mid:
         block_n = MID_BLOCK_N  # one or two programs per SM, each streaming its whole span: fewer, longer trips
     num_blocks = triton.cdiv(kv_len, block_n)
     num_splits = 1 if pairs >= sms else min(num_blocks, triton.cdiv(4 * sms, pairs), 64)
     prewait = PREWAIT if PREWAIT != "auto" else "span" if num_splits > 1 else "off"
     return dict(block_h=block_h, block_n=block_n, block_d=block_d, num_splits=max(1, num_splits),
-                num_warps=4, num_stages=2, prewait=prewait)
+                num_warps=4, num_stages=2, prewait=prewait, dense_spans=DENSE_SPANS and not mid)
 
 
 def decode_attention(
@@ -383,6 +405,7 @@ def decode_attention(
         UPCAST=upcast,
         USE_PDL=use_pdl,
         EARLY_SPAN=cfg["prewait"] == "span",
+        DENSE_SPANS=cfg["dense_spans"],
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
         launch_pdl=use_pdl > 0,
