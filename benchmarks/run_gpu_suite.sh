@@ -4,7 +4,9 @@
 # benchmarks/results/). Parts: all (default) or any of tests soak kernels generate host pdl
 # profile attention continuous prefill many resources; never part of all: tma (probe_tma_gemm.py rewrites the TMA kernel's
 # tile table in the tree, then the 8B steps at TMA_BATCHES with the kernel off and on), advance (the
-# step-advance path's GPU tests, 8B A/B and timeline); and, on the two-GPU
+# step-advance path's GPU tests, 8B A/B and timeline), ncu (Nsight Compute over one graphed 8B step,
+# base and mixed at NCU_BATCHES, a kernel a line), cublaslt (every cuBLASLt algorithm at the 8B
+# decode GEMMs, built with the machine's nvcc); and, on the two-GPU
 # machine only, multigpu (TP_MODEL, TP_ARGS: e.g. 32b --skip-tp1) and devicemap.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -90,6 +92,22 @@ if [[ $parts == *" advance "* ]]; then  # never part of all: the step-advance pa
   done
   timeout 150 python3 benchmarks/step_timeline.py --model 8b --batches 1 32 --new-tokens 40 --step-advance on \
     --out "$OUT" 2>&1 | grep -v -i warn | tee "$OUT/step_timeline_advance.log" | tail -4
+fi
+if [[ $parts == *" ncu "* ]]; then  # never part of all: per-kernel DRAM and L2 counters of one decode step
+  for b in ${NCU_BATCHES:-32 128}; do for m in base mixed; do
+    timeout 200 ncu --profile-from-start off --graph-profiling node --clock-control none --csv --page raw \
+      --metrics "$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); import ncu_step; print(ncu_step.METRICS)')" \
+      --log-file "$OUT/ncu_step_${m}_b$b.csv" python3 benchmarks/ncu_step.py --method $m --batch $b --layers 4 \
+      > "$OUT/ncu_step_${m}_b$b.out" 2>&1
+    python3 benchmarks/ncu_step.py --summarize "$OUT/ncu_step_${m}_b$b.csv" | tee "$OUT/ncu_step_${m}_b$b.txt" | head -16
+  done; done
+fi
+if [[ $parts == *" cublaslt "* ]]; then  # never part of all: cuBLASLt's algorithms at the 8B GEMMs (32 and 128 rows)
+  lib=$(python3 -c "import glob, nvidia, os; print(sorted(glob.glob(os.path.join(list(nvidia.__path__)[0], '*', 'lib', 'libcublasLt.so*')))[0])")
+  mkdir -p /tmp/cublaslt && ln -sf "$lib" /tmp/cublaslt/libcublasLt.so && ln -sf "$(dirname "$lib")"/libcublas.so.* /tmp/cublaslt/libcublas.so
+  nvcc -O2 -std=c++17 -arch=sm_90a benchmarks/cublaslt_search.cu -L/tmp/cublaslt -lcublasLt -lcublas -o /tmp/cublaslt/search \
+    && LD_LIBRARY_PATH=$(dirname "$lib"):${LD_LIBRARY_PATH:-} timeout 330 /tmp/cublaslt/search "$OUT/cublaslt_search_h200.csv" 128 32 \
+    | tee "$OUT/cublaslt_search.log"
 fi
 if [[ $parts == *" multigpu "* ]]; then
   nvidia-smi topo -m | tee "$OUT/multi_gpu_topology.txt" | head -5

@@ -364,3 +364,10 @@ def test_ncu_step_summarize_reads_the_committed_profiles():
     assert len(lines) == 8, out[-2000:]  # two replays of a 4-layer model
     us, dram_mb = float(lines[0].split()[1]), float(lines[0].split()[2])
     assert 10 < us < 1000 and dram_mb > 1, lines[0]
+
+
+def test_ncu_step_smoke():
+    """``ncu_step.py``'s set-up (a few-layer model with adapters, patched, ``generate`` with per-row
+    adapter names twice) on the tiny shape; the profiler range needs CUDA graphs, so none opens here."""
+    out = _run([os.path.join(BENCH, "ncu_step.py"), "--smoke", "--batch", "3", "--layers", "2"])
+    assert "smoke: mixed batch 3 built, patched and generated twice" in out, out[-2000:]
