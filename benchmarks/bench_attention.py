@@ -49,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--no-sweep", action="store_true", help="skip the launch-parameter sweep")
     p.add_argument("--dense-spans", choices=["on", "off"], default="on",
                    help="off: every block reads the mask, dense span or not (decode_attention.DENSE_SPANS)")
+    p.add_argument("--constant-shape", choices=["on", "off"], default="off",
+                   help="on: the head dim and cache stride compiled in (decode_attention.CONSTANT_SHAPE)")
     p.add_argument("--sweep-budget-s", type=float, default=90.0, help="stop sweeping after this")
     return p.parse_args(argv)
 
@@ -220,13 +222,15 @@ def main(argv=None) -> int:
 
     from bench_kernels import Timer, capture, copy_bandwidth, launch_floor
 
-    importlib.import_module("peft_fastlora.ops.decode_attention").DENSE_SPANS = args.dense_spans == "on"
+    attention = importlib.import_module("peft_fastlora.ops.decode_attention")
+    attention.DENSE_SPANS = args.dense_spans == "on"
+    attention.CONSTANT_SHAPE = args.constant_shape == "on"
     torch.manual_seed(0)
     timer = Timer(args.iters)
     bandwidth = copy_bandwidth(timer)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 transformers=transformers.__version__, copy_bw_gbs=round(bandwidth / 1e9, 1),
-                layers_per_graph=args.layers, dense_spans=args.dense_spans)
+                layers_per_graph=args.layers, dense_spans=args.dense_spans, constant_shape=args.constant_shape)
     print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  transformers "
           f"{meta['transformers']}  copy bandwidth {meta['copy_bw_gbs']} GB/s (read + written)")
     results = []

@@ -508,6 +508,9 @@ def main(argv=None):
     p.add_argument("--attention-dense-spans", choices=["on", "off"], default="on",
                    help="off: decode attention's blocks read the mask even where the span is dense "
                         "(ops.decode_attention.DENSE_SPANS), for an A/B")
+    p.add_argument("--attention-constant-shape", choices=["on", "off"], default="off",
+                   help="on: decode attention with its head dim and cache stride compiled in "
+                        "(ops.decode_attention.CONSTANT_SHAPE), for an A/B")
     p.add_argument("--rotary-kv", choices=["on", "off"], default="on",
                    help="off: the rotary and the KV write as two kernels (attention_forwards.ONE_KERNEL), for an A/B")
     p.add_argument("--token-select", choices=["fused", "hf"], default="fused",
@@ -554,6 +557,7 @@ def main(argv=None):
     if args.attention_block_n == "64":
         attention.MID_BLOCK_N = 64
     attention.DENSE_SPANS = args.attention_dense_spans == "on"
+    attention.CONSTANT_SHAPE = args.attention_constant_shape == "on"
     importlib.import_module("peft_fastlora.base_ops.attention_forwards").ONE_KERNEL = args.rotary_kv == "on"
     importlib.import_module("peft_fastlora.decode.greedy_loop").ENABLED = args.token_select == "fused"
     importlib.import_module("peft_fastlora.decode.step_advance").ENABLED = args.step_advance == "on"
@@ -564,6 +568,7 @@ def main(argv=None):
                 tma_gemm=args.tma_gemm, tma_add=args.tma_add, glu_lora=args.glu_lora,
                 epilogue_folds=args.epilogue_folds, attention_prewait=args.attention_prewait,
                 attention_block_n=args.attention_block_n, attention_dense_spans=args.attention_dense_spans,
+                attention_constant_shape=args.attention_constant_shape,
                 rotary_kv=args.rotary_kv, token_select=args.token_select,
                 step_advance=args.step_advance, early_launch=args.early_launch, rotary_table=args.rotary_table,
                 step_record=args.step_record)

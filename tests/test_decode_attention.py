@@ -203,6 +203,25 @@ def test_dense_spans_skip_the_mask_with_the_same_bits(case, monkeypatch):
         assert_close(got, decode_attention_reference(q, k, v, mask), 2e-5, 2e-5, f"{case} {name}")
 
 
+@needs_interpreter
+@pytest.mark.parametrize("case", ["gqa4_pad_len1_end", "gqa8_one_split", "gqa4_many_splits", "head_dim_24_block64"])
+def test_constant_shape_gives_the_same_bits(case, monkeypatch):
+    """``CONSTANT_SHAPE``: the head dim (where it fills the block) and the caches' position stride
+    (where K and V are contiguous) compiled in. The same bits as the run-time strides and mask,
+    for contiguous caches, strided views (which keep the run-time strides) and a head dim of 24."""
+    module = importlib.import_module("peft_fastlora.ops.decode_attention")
+    b, h, kvh, kv_len, d, starts, ends, splits, bn = CASES[case]
+    mask = make_mask(starts, ends, kv_len)
+    for strided in (False, True):
+        q, k, v = rand_qkv(b, h, kvh, kv_len, d, torch.float32, strided=strided)
+        monkeypatch.setattr(module, "CONSTANT_SHAPE", False)
+        plain = decode_attention(q, k, v, mask, num_splits=splits, block_n=bn)
+        monkeypatch.setattr(module, "CONSTANT_SHAPE", True)
+        got = decode_attention(q, k, v, mask, num_splits=splits, block_n=bn)
+        assert torch.equal(got, plain), f"strided={strided}"
+        assert_close(got, decode_attention_reference(q, k, v, mask), 2e-5, 2e-5, case)
+
+
 def test_config_is_static_and_sane(monkeypatch):
     monkeypatch.setattr(importlib.import_module("peft_fastlora.ops.decode_attention"), "_sm_count", lambda d: 132)
     cpu = torch.device("cpu")  # an H200's 132 SMs, Llama-3-8B's 8 kv heads of 4 query heads, 128 dims

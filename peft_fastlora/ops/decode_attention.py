@@ -101,6 +101,8 @@ def _decode_attention_split_kernel(
     USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py
     EARLY_SPAN: tl.constexpr,  # scan the mask before the PDL wait (no PDL kernel writes it)
     DENSE_SPANS: tl.constexpr = True,  # a dense span's blocks skip the mask (the config's ``dense_spans``)
+    EXACT_D: tl.constexpr = False,  # D == BLOCK_D, compiled in: no column mask (``CONSTANT_SHAPE``)
+    ROW: tl.constexpr = 0,  # K's and V's position stride, compiled in (0: the run-time strides)
 ):
     pdl.launch_dependents(USE_PDL)
     if not EARLY_SPAN:
@@ -115,7 +117,10 @@ def _decode_attention_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     h_mask = offs_h < G
-    d_mask = offs_d < D
+    if EXACT_D:
+        d_mask = offs_d < BLOCK_D
+    else:
+        d_mask = offs_d < D
     heads = kvh * G + offs_h  # the query heads of this kv head
 
     if not EARLY_SPAN:  # the q load overlaps the mask scan
@@ -157,8 +162,14 @@ def _decode_attention_split_kernel(
         # K/V predicated on the span only (not on the mask values): the loads do not wait for
         # the mask load, so the loop pipelines; a hole inside the span is read, then masked
         kv_mask = span[:, None] & d_mask[None, :]
-        k = tl.load(k_base + offs[:, None] * stride_kl + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs[:, None] * stride_vl + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if ROW > 0:
+            k = tl.load(k_base + offs[:, None] * ROW + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + offs[:, None] * ROW + offs_d[None, :], mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_base + offs[:, None] * stride_kl + offs_d[None, :] * stride_kd, mask=kv_mask,
+                        other=0.0)
+            v = tl.load(v_base + offs[:, None] * stride_vl + offs_d[None, :] * stride_vd, mask=kv_mask,
+                        other=0.0)
         if dense:
             valid = span
             madd = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -271,6 +282,10 @@ MID_BLOCK_N = 128  # block_n at one to three programs per SM (benchmarks set 64 
 # a dense span's blocks skip the mask outside the one-to-three-programs-an-SM class (there it
 # measured slower); False: every block reads it everywhere (benchmarks' A/B)
 DENSE_SPANS = True
+# the head dim and the cache's position stride compiled into the kernel (no column mask, constant
+# address strides: fewer instructions a block in its sm_90 build) rather than read at run time;
+# off until measured on the GPU (benchmarks' A/B: ``--attention-constant-shape``)
+CONSTANT_SHAPE = False
 _PREWAITS = ("auto", "off", "span")
 
 
@@ -406,6 +421,8 @@ def decode_attention(
         USE_PDL=use_pdl,
         EARLY_SPAN=cfg["prewait"] == "span",
         DENSE_SPANS=cfg["dense_spans"],
+        EXACT_D=CONSTANT_SHAPE and dim == cfg["block_d"],
+        ROW=dim if CONSTANT_SHAPE and all(t.stride(3) == 1 and t.stride(2) == dim for t in (k, v)) else 0,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
         launch_pdl=use_pdl > 0,
