@@ -472,6 +472,34 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+# A/B switches that set one module attribute to (flag == "on"): flag, default, module, attribute, help
+# (what "off" or "on" does); each is recorded in the CSV rows under the flag's name
+SWITCHES = [
+    ("tma-gemm", "on", "peft_fastlora.base_ops.stream_linears", "TMA_GEMM",
+     "off: 65-128-row GEMMs on cuBLAS instead of the TMA kernel's table"),
+    ("tma-add", "on", "peft_fastlora.base_ops.stream_linears", "ADD_TMA",
+     "off: a 65-128-row folded down_proj whose residual add rides along keeps cuBLAS and an add kernel "
+     "where the TMA table has no deep tile"),
+    ("glu-lora", "on", "peft_fastlora.base_ops.stream_linears", "GLU_LORA",
+     "off: a 65-128-row folded LoRA gate/up takes the folded GEMM, expand and act-mul instead of "
+     "ops.glu_lora's one launch"),
+    ("attention-dense-spans", "on", "peft_fastlora.ops.decode_attention", "DENSE_SPANS",
+     "off: decode attention's blocks read the mask even where the span is dense"),
+    ("attention-constant-shape", "off", "peft_fastlora.ops.decode_attention", "CONSTANT_SHAPE",
+     "on: decode attention with its head dim and cache stride compiled in"),
+    ("rotary-kv", "on", "peft_fastlora.base_ops.attention_forwards", "ONE_KERNEL",
+     "off: the rotary and the KV write as two kernels"),
+    ("step-advance", "on", "peft_fastlora.decode.step_advance", "ENABLED",
+     "off: greedy steps' next inputs built on the host"),
+    ("step-record", "on", "peft_fastlora.decode.deferred_stop", "FLAG_CHECK",
+     "off: greedy steps keep transformers' deferred stop check and the loop's ids copy"),
+    ("rotary-table", "on", "peft_fastlora.base_ops.rotary_tables", "ENABLED",
+     "off: graphs compute rotary cos/sin with the module's forward"),
+    ("early-launch", "on", "peft_fastlora.decode.early_launch", "ENABLED",
+     "off: expands behind cuBLAS GEMMs launch as they complete"),
+]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["1b", "8b"], choices=sorted(SHAPES))
@@ -490,14 +518,6 @@ def main(argv=None):
                    help="off: the base GEMMs on cuBLAS (patch(stream_gemm=False)), for an A/B")
     p.add_argument("--narrow-gemms", choices=["on", "off"], default="on",
                    help="off: layers narrower than 4,096 outputs (a 1B model's q/k/v, o, down) keep cuBLAS, for an A/B")
-    p.add_argument("--tma-gemm", choices=["on", "off"], default="on",
-                   help="off: 65-128-row GEMMs on cuBLAS instead of the TMA kernel's table (stream_linears.TMA_GEMM), for an A/B")
-    p.add_argument("--tma-add", choices=["on", "off"], default="on",
-                   help="off: a 65-128-row folded down_proj whose residual add rides along keeps cuBLAS and an add kernel "
-                        "where the TMA table has no deep tile (stream_linears.ADD_TMA), for an A/B")
-    p.add_argument("--glu-lora", choices=["on", "off"], default="on",
-                   help="off: a 65-128-row folded LoRA gate/up takes the folded GEMM, expand and act-mul instead of "
-                        "ops.glu_lora's one launch (stream_linears.GLU_LORA), for an A/B")
     p.add_argument("--epilogue-folds", choices=["on", "off"], default="on",
                    help="off: the KV length's increment, the MLP's residual add and (plain gate/up) its "
                         "activation as kernels of their own, for an A/B")
@@ -505,25 +525,8 @@ def main(argv=None):
                    help="what decode attention's programs do before their PDL wait (ops.decode_attention.PREWAIT), for an A/B")
     p.add_argument("--attention-block-n", choices=["auto", "64"], default="auto",
                    help="64: decode attention's block_n at one to three programs per SM stays 64, for an A/B")
-    p.add_argument("--attention-dense-spans", choices=["on", "off"], default="on",
-                   help="off: decode attention's blocks read the mask even where the span is dense "
-                        "(ops.decode_attention.DENSE_SPANS), for an A/B")
-    p.add_argument("--attention-constant-shape", choices=["on", "off"], default="off",
-                   help="on: decode attention with its head dim and cache stride compiled in "
-                        "(ops.decode_attention.CONSTANT_SHAPE), for an A/B")
-    p.add_argument("--rotary-kv", choices=["on", "off"], default="on",
-                   help="off: the rotary and the KV write as two kernels (attention_forwards.ONE_KERNEL), for an A/B")
     p.add_argument("--token-select", choices=["fused", "hf"], default="fused",
                    help="hf: greedy calls keep transformers' token selection (decode.greedy_loop.ENABLED), for an A/B")
-    p.add_argument("--step-advance", choices=["on", "off"], default="on",
-                   help="off: greedy steps' next inputs built on the host (decode.step_advance.ENABLED), for an A/B")
-    p.add_argument("--step-record", choices=["on", "off"], default="on",
-                   help="off: greedy steps keep transformers' deferred stop check and the loop's ids copy "
-                        "(decode.deferred_stop.FLAG_CHECK), for an A/B")
-    p.add_argument("--rotary-table", choices=["on", "off"], default="on",
-                   help="off: graphs compute rotary cos/sin with the module's forward (base_ops.rotary_tables), for an A/B")
-    p.add_argument("--early-launch", choices=["on", "off"], default="on",
-                   help="off: expands behind cuBLAS GEMMs launch as they complete (decode.early_launch), for an A/B")
     p.add_argument("--expand", choices=["library", "blocks"], default="library",
                    help="decode expand launch: the library's (rank-sized spans) or the column blocks of before")
     p.add_argument("--kernel-split", type=int, default=0, metavar="STEPS",
@@ -531,6 +534,9 @@ def main(argv=None):
                         "other), GEMMs + attention alone against the floor, and <csv stem>_kernels.csv")
     p.add_argument("--graphs-only", action="store_true",
                    help="only fastlora_graphs and base_graphs_attn (a quick check of the graphed step)")
+    for flag, default, module, attr, text in SWITCHES:
+        p.add_argument(f"--{flag}", choices=["on", "off"], default=default,
+                       help=f"{text} ({module}.{attr}), for an A/B")
     args = p.parse_args(argv)
     global DEVICE
     if args.smoke:
@@ -546,9 +552,6 @@ def main(argv=None):
     if args.narrow_gemms == "off":
         sl = importlib.import_module("peft_fastlora.base_ops.stream_linears")
         sl.MIN_N = sl.NARROW_N
-    importlib.import_module("peft_fastlora.base_ops.stream_linears").TMA_GEMM = args.tma_gemm == "on"
-    importlib.import_module("peft_fastlora.base_ops.stream_linears").ADD_TMA = args.tma_add == "on"
-    importlib.import_module("peft_fastlora.base_ops.stream_linears").GLU_LORA = args.glu_lora == "on"
     if args.epilogue_folds == "off":
         importlib.import_module("peft_fastlora.decode.static_cache").KV_TICKET = False
         importlib.import_module("peft_fastlora.base_ops.stream_linears").EPILOGUE_FOLDS = False
@@ -556,22 +559,14 @@ def main(argv=None):
     attention.PREWAIT = args.attention_prewait
     if args.attention_block_n == "64":
         attention.MID_BLOCK_N = 64
-    attention.DENSE_SPANS = args.attention_dense_spans == "on"
-    attention.CONSTANT_SHAPE = args.attention_constant_shape == "on"
-    importlib.import_module("peft_fastlora.base_ops.attention_forwards").ONE_KERNEL = args.rotary_kv == "on"
     importlib.import_module("peft_fastlora.decode.greedy_loop").ENABLED = args.token_select == "fused"
-    importlib.import_module("peft_fastlora.decode.step_advance").ENABLED = args.step_advance == "on"
-    importlib.import_module("peft_fastlora.decode.early_launch").ENABLED = args.early_launch == "on"
-    importlib.import_module("peft_fastlora.base_ops.rotary_tables").ENABLED = args.rotary_table == "on"
-    importlib.import_module("peft_fastlora.decode.deferred_stop").FLAG_CHECK = args.step_record == "on"
+    switches = {}  # recorded in every CSV row
+    for flag, _, module, attr, _ in SWITCHES:
+        switches[flag.replace("-", "_")] = value = getattr(args, flag.replace("-", "_"))
+        setattr(importlib.import_module(module), attr, value == "on")
     vers = dict(versions(), expand=args.expand, stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms,
-                tma_gemm=args.tma_gemm, tma_add=args.tma_add, glu_lora=args.glu_lora,
                 epilogue_folds=args.epilogue_folds, attention_prewait=args.attention_prewait,
-                attention_block_n=args.attention_block_n, attention_dense_spans=args.attention_dense_spans,
-                attention_constant_shape=args.attention_constant_shape,
-                rotary_kv=args.rotary_kv, token_select=args.token_select,
-                step_advance=args.step_advance, early_launch=args.early_launch, rotary_table=args.rotary_table,
-                step_record=args.step_record)
+                attention_block_n=args.attention_block_n, token_select=args.token_select, **switches)
     bw = copy_bandwidth() if DEVICE == "cuda" else 1e11
     print(vers, f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, kernel_rows = [], []
