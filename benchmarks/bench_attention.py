@@ -49,9 +49,12 @@ def parse_args(argv=None):
     p.add_argument("--no-sweep", action="store_true", help="skip the launch-parameter sweep")
     p.add_argument("--dense-spans", choices=["on", "off"], default="on",
                    help="off: every block reads the mask, dense span or not (decode_attention.DENSE_SPANS)")
-    p.add_argument("--constant-shape", choices=["on", "off"], default="off",
-                   help="on: the head dim and cache stride compiled in (decode_attention.CONSTANT_SHAPE)")
+    p.add_argument("--lean", choices=["on", "off"], default="on",
+                   help="off: four warps in every shape class (decode_attention.LEAN)")
     p.add_argument("--sweep-budget-s", type=float, default=90.0, help="stop sweeping after this")
+    p.add_argument("--grid", default=None,
+                   help='instead of the coordinate sweep, every combination of the given values, e.g. '
+                        '"num_warps=1,2,4 block_n=32,64 num_splits=1,2 num_stages=1,2"')
     return p.parse_args(argv)
 
 
@@ -128,6 +131,19 @@ def sweep_configs():
             ("num_stages", [1, 2, 3, 4])]
 
 
+def grid_configs(spec: str) -> list:
+    """Every combination of the values in ``spec`` ("axis=v1,v2 axis=v1 ...")."""
+    import itertools
+
+    axes = []
+    for item in spec.split():
+        axis, _, values = item.partition("=")
+        if axis not in dict(sweep_configs()) or not values:
+            raise ValueError(f"--grid: {item!r} is not axis=v1,v2 with an axis of {[a for a, _ in sweep_configs()]}")
+        axes.append((axis, [int(v) for v in values.split(",")]))
+    return [dict(zip([a for a, _ in axes], combo)) for combo in itertools.product(*[v for _, v in axes])]
+
+
 def bench_batch(args, bsz, timer, capture, launch_floor, bandwidth, meta, deadline):
     from peft_fastlora.ops import decode_attention, decode_attention_config
 
@@ -172,28 +188,32 @@ def bench_batch(args, bsz, timer, capture, launch_floor, bandwidth, meta, deadli
                 "num_stages": cfg["num_stages"]}
         best_us = next(r["time_us"] for r in rows if r["impl"] == "fastlora")
         seen = {tuple(sorted(best.items()))}
-        for axis, values in sweep_configs():
-            for value in values:
-                if time.perf_counter() > deadline:
-                    break
-                trial = dict(best, **{axis: value})
-                key = tuple(sorted(trial.items()))
-                if key in seen:
-                    continue
-                seen.add(key)
+        if args.grid:  # each trial from the launcher's config, not from the best so far
+            trials = [(None, dict(best, **combo)) for combo in grid_configs(args.grid)]
+        else:
+            trials = [(axis, value) for axis, values in sweep_configs() for value in values]
+        label = "fastlora[grid]" if args.grid else "fastlora[sweep]"
+        for axis, value in trials:
+            if time.perf_counter() > deadline:
+                break
+            trial = value if axis is None else dict(best, **{axis: value})
+            key = tuple(sorted(trial.items()))
+            if key in seen:
+                continue
+            seen.add(key)
 
-                def fn(q, k, v, m, trial=trial):
-                    return decode_attention(q, k, v, m, scaling=scale, **trial)
+            def fn(q, k, v, m, trial=trial):
+                return decode_attention(q, k, v, m, scaling=scale, **trial)
 
-                try:
-                    err = max_err(fn(qs[0], ks[0], vs[0], mask), qs[0], ks[0], vs[0], mask, scale)
-                    us = time_graph(timer, capture, fn, args.layers, inputs)
-                except Exception as e:  # a config that does not compile (registers, shared memory)
-                    print(f"  sweep {trial}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-                    continue
-                add("fastlora[sweep]", " ".join(f"{k}={v}" for k, v in trial.items()), us, err)
-                if us < best_us:
-                    best, best_us = trial, us
+            try:
+                err = max_err(fn(qs[0], ks[0], vs[0], mask), qs[0], ks[0], vs[0], mask, scale)
+                us = time_graph(timer, capture, fn, args.layers, inputs)
+            except Exception as e:  # a config that does not compile (registers, shared memory)
+                print(f"  sweep {trial}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+                continue
+            add(label, " ".join(f"{k}={v}" for k, v in trial.items()), us, err)
+            if us < best_us:
+                best, best_us = trial, us
         add("fastlora[best]", " ".join(f"{k}={v}" for k, v in best.items()), best_us, float("nan"))
     hf = next((r["time_us"] for r in rows if r["impl"] == "hf_sdpa"), None)
     for r in rows:
@@ -224,13 +244,13 @@ def main(argv=None) -> int:
 
     attention = importlib.import_module("peft_fastlora.ops.decode_attention")
     attention.DENSE_SPANS = args.dense_spans == "on"
-    attention.CONSTANT_SHAPE = args.constant_shape == "on"
+    attention.LEAN = args.lean == "on"
     torch.manual_seed(0)
     timer = Timer(args.iters)
     bandwidth = copy_bandwidth(timer)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 transformers=transformers.__version__, copy_bw_gbs=round(bandwidth / 1e9, 1),
-                layers_per_graph=args.layers, dense_spans=args.dense_spans, constant_shape=args.constant_shape)
+                layers_per_graph=args.layers, dense_spans=args.dense_spans, lean=args.lean)
     print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  transformers "
           f"{meta['transformers']}  copy bandwidth {meta['copy_bw_gbs']} GB/s (read + written)")
     results = []

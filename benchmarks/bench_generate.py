@@ -485,8 +485,8 @@ SWITCHES = [
      "ops.glu_lora's one launch"),
     ("attention-dense-spans", "on", "peft_fastlora.ops.decode_attention", "DENSE_SPANS",
      "off: decode attention's blocks read the mask even where the span is dense"),
-    ("attention-constant-shape", "off", "peft_fastlora.ops.decode_attention", "CONSTANT_SHAPE",
-     "on: decode attention with its head dim and cache stride compiled in"),
+    ("attention-lean", "on", "peft_fastlora.ops.decode_attention", "LEAN",
+     "off: decode attention with four warps in every shape class, block_n 128 over its whole mid class"),
     ("rotary-kv", "on", "peft_fastlora.base_ops.attention_forwards", "ONE_KERNEL",
      "off: the rotary and the KV write as two kernels"),
     ("step-advance", "on", "peft_fastlora.decode.step_advance", "ENABLED",
@@ -525,6 +525,9 @@ def main(argv=None):
                    help="what decode attention's programs do before their PDL wait (ops.decode_attention.PREWAIT), for an A/B")
     p.add_argument("--attention-block-n", choices=["auto", "64"], default="auto",
                    help="64: decode attention's block_n at one to three programs per SM stays 64, for an A/B")
+    p.add_argument("--attention-lean-block-n", type=int, choices=[16, 32, 64], default=None,
+                   help="decode attention's block_n in its one-warp class (ops.decode_attention.LEAN_BLOCK_N), "
+                        "for an A/B")
     p.add_argument("--token-select", choices=["fused", "hf"], default="fused",
                    help="hf: greedy calls keep transformers' token selection (decode.greedy_loop.ENABLED), for an A/B")
     p.add_argument("--expand", choices=["library", "blocks"], default="library",
@@ -559,6 +562,8 @@ def main(argv=None):
     attention.PREWAIT = args.attention_prewait
     if args.attention_block_n == "64":
         attention.MID_BLOCK_N = 64
+    if args.attention_lean_block_n:
+        attention.LEAN_BLOCK_N = args.attention_lean_block_n
     importlib.import_module("peft_fastlora.decode.greedy_loop").ENABLED = args.token_select == "fused"
     switches = {}  # recorded in every CSV row
     for flag, _, module, attr, _ in SWITCHES:
@@ -566,7 +571,8 @@ def main(argv=None):
         setattr(importlib.import_module(module), attr, value == "on")
     vers = dict(versions(), expand=args.expand, stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms,
                 epilogue_folds=args.epilogue_folds, attention_prewait=args.attention_prewait,
-                attention_block_n=args.attention_block_n, token_select=args.token_select, **switches)
+                attention_block_n=args.attention_block_n, attention_lean_block_n=attention.LEAN_BLOCK_N,
+                token_select=args.token_select, **switches)
     bw = copy_bandwidth() if DEVICE == "cuda" else 1e11
     print(vers, f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows, kernel_rows = [], []

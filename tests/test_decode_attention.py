@@ -204,22 +204,22 @@ def test_dense_spans_skip_the_mask_with_the_same_bits(case, monkeypatch):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("case", ["gqa4_pad_len1_end", "gqa8_one_split", "gqa4_many_splits", "head_dim_24_block64"])
-def test_constant_shape_gives_the_same_bits(case, monkeypatch):
-    """``CONSTANT_SHAPE``: the head dim (where it fills the block) and the caches' position stride
-    (where K and V are contiguous) compiled in. The same bits as the run-time strides and mask,
-    for contiguous caches, strided views (which keep the run-time strides) and a head dim of 24."""
-    module = importlib.import_module("peft_fastlora.ops.decode_attention")
-    b, h, kvh, kv_len, d, starts, ends, splits, bn = CASES[case]
+@pytest.mark.parametrize("bsz,block_n,warps", [(1, 64, 4), (2, 128, 4), (5, 64, 4), (7, 64, 4), (14, 16, 1)])
+def test_every_launch_class_of_the_config(bsz, block_n, warps):
+    """The launcher's own config in each of its classes (on the interpreter's 4 "SMs", 2 kv heads:
+    split, one to two programs an SM, two to three, four warps, one warp over 16 positions) against
+    the reference, rows of different spans, one with holes."""
+    kv_heads, kv_len = 2, 150
+    cfg = decode_attention_config(bsz, kv_heads, 4, kv_len, 32, torch.device("cpu"))
+    assert (cfg["block_n"], cfg["num_warps"]) == (block_n, warps)
+    torch.manual_seed(bsz)
+    q, k, v = rand_qkv(bsz, 8, kv_heads, kv_len, 32, torch.float32)
+    starts = [(7 * i) % 40 for i in range(bsz)]
+    ends = [kv_len - (5 * i) % 60 for i in range(bsz)]
     mask = make_mask(starts, ends, kv_len)
-    for strided in (False, True):
-        q, k, v = rand_qkv(b, h, kvh, kv_len, d, torch.float32, strided=strided)
-        monkeypatch.setattr(module, "CONSTANT_SHAPE", False)
-        plain = decode_attention(q, k, v, mask, num_splits=splits, block_n=bn)
-        monkeypatch.setattr(module, "CONSTANT_SHAPE", True)
-        got = decode_attention(q, k, v, mask, num_splits=splits, block_n=bn)
-        assert torch.equal(got, plain), f"strided={strided}"
-        assert_close(got, decode_attention_reference(q, k, v, mask), 2e-5, 2e-5, case)
+    mask[0, ..., starts[0] + 3:starts[0] + 20:2] = False
+    assert_close(decode_attention(q, k, v, mask), decode_attention_reference(q, k, v, mask), 2e-5, 2e-5,
+                 f"bsz={bsz}")
 
 
 def test_config_is_static_and_sane(monkeypatch):
@@ -228,16 +228,30 @@ def test_config_is_static_and_sane(monkeypatch):
     one = decode_attention_config(1, 8, 4, 512, 128, cpu)
     assert one["block_h"] == 16 and one["block_d"] == 128 and one["block_n"] == 64
     assert one["num_splits"] == 8 and one["prewait"] == "span"  # split: the mask scan before the wait
+    assert one["num_warps"] == 4
     mid = decode_attention_config(32, 8, 4, 512, 128, cpu)  # 256 programs: two per SM, longer blocks
     assert mid["num_splits"] == 1 and mid["block_n"] == 128 and mid["prewait"] == "off"
-    big = decode_attention_config(128, 8, 4, 512, 128, cpu)
-    assert big["num_splits"] == 1 and big["block_n"] == 64 and big["prewait"] == "off"
+    assert decode_attention_config(48, 8, 4, 512, 128, cpu)["block_n"] == 64  # 384: nearly three per SM
+    four = decode_attention_config(64, 8, 4, 512, 128, cpu)  # 512 programs: under seven per SM
+    assert four["num_warps"] == 4 and four["block_n"] == 64
+    big = decode_attention_config(128, 8, 4, 512, 128, cpu)  # 1,024: one-warp programs
+    assert big["num_splits"] == 1 and big["prewait"] == "off"
+    assert big["num_warps"] == 1 and big["block_n"] == 16
+    assert decode_attention_config(116, 8, 4, 512, 128, cpu)["num_warps"] == 1  # 928 >= 7 x 132
+    assert decode_attention_config(115, 8, 4, 512, 128, cpu)["num_warps"] == 4
+    assert decode_attention_config(96, 8, 4, 512, 128, cpu)["num_warps"] == 4
     # dense spans skip the mask at one row (splits) and 128 rows, not at 32 (measured slower there)
     assert one["dense_spans"] and big["dense_spans"] and not mid["dense_spans"]
-    monkeypatch.setattr(importlib.import_module("peft_fastlora.ops.decode_attention"), "DENSE_SPANS", False)
-    assert not decode_attention_config(128, 8, 4, 512, 128, cpu)["dense_spans"]
     assert decode_attention_config(1, 1, 1, 30, 256, cpu)["block_n"] == 32
     assert decode_attention_config(32, 8, 1, 512, 256, cpu)["block_n"] == 32  # wide heads keep theirs
+    wide = decode_attention_config(128, 8, 2, 512, 256, cpu)  # no one-warp programs for them
+    assert wide["block_n"] == 32 and wide["num_warps"] == 4
+    module = importlib.import_module("peft_fastlora.ops.decode_attention")
+    monkeypatch.setattr(module, "DENSE_SPANS", False)
+    assert not decode_attention_config(128, 8, 4, 512, 128, cpu)["dense_spans"]
+    monkeypatch.setattr(module, "LEAN", False)  # the benchmarks' A/B: four warps, block_n 128 at 1-3 per SM
+    assert decode_attention_config(128, 8, 4, 512, 128, cpu)["num_warps"] == 4
+    assert decode_attention_config(48, 8, 4, 512, 128, cpu)["block_n"] == 128
 
 
 def test_launcher_rejects_bad_shapes():

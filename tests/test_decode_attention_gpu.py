@@ -27,15 +27,15 @@ class _AttnStub(torch.nn.Module):
         self.is_causal = True
 
 
-def _inputs(bsz, dtype, seed=0, filled=FILLED):
+def _inputs(bsz, dtype, seed=0, filled=FILLED, cache_len=CACHE_LEN):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(bsz, HEADS, 1, HEAD_DIM, device="cuda", dtype=dtype, generator=g)
-    k = torch.randn(bsz, KV_HEADS, CACHE_LEN, HEAD_DIM, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(bsz, KV_HEADS, CACHE_LEN, HEAD_DIM, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(bsz, KV_HEADS, cache_len, HEAD_DIM, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(bsz, KV_HEADS, cache_len, HEAD_DIM, device="cuda", dtype=dtype, generator=g)
     # every row filled to the same cache index, left padding of 0..47 positions
     pad = torch.randint(0, 48, (bsz,), device="cuda", generator=g)
     pad[0] = 0
-    pos = torch.arange(CACHE_LEN, device="cuda")
+    pos = torch.arange(cache_len, device="cuda")
     mask = ((pos[None] >= pad[:, None]) & (pos[None] < filled))[:, None, None, :]
     return q, k, v, mask
 
@@ -64,6 +64,38 @@ def test_8b_shapes_match_reference_and_hf_sdpa(bsz, dtype):
     _check(decode_attention(q, k, v, add), decode_attention_reference(q, k, v, add), atol, rtol, "additive")
     hf, _ = sdpa_attention_forward(_AttnStub(HEADS // KV_HEADS), q, k, v, mask, scaling=HEAD_DIM ** -0.5)
     _check(out, hf, 2 * atol, 2 * rtol, "hf sdpa")
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "four_warps"])
+@pytest.mark.parametrize("bsz", [17, 33, 48, 96, 116, 200])
+def test_every_launch_class_on_cuda(bsz, lean, monkeypatch):
+    """Batches on both sides of each class boundary of the launcher's config (8 kv heads on 132
+    SMs: 1-2, 2-3, 3-7 and 7+ programs an SM), with the one-warp class (``LEAN``) on and off, over
+    short, long and one-position contexts, dense spans and spans with holes."""
+    import importlib
+
+    from peft_fastlora.ops.decode_attention import decode_attention, decode_attention_reference
+
+    monkeypatch.setattr(importlib.import_module("peft_fastlora.ops.decode_attention"), "LEAN", lean)
+    dtype = torch.bfloat16
+    atol, rtol = TOLERANCES[dtype]
+    for seed, filled, cache_len in ((20, 200, 512), (21, 1500, 2048), (22, 1, 512)):
+        q, k, v, mask = _inputs(bsz, dtype, seed=seed, filled=filled, cache_len=cache_len)
+        holes = mask.clone()
+        holes[1::2] &= torch.rand(holes[1::2].shape, device="cuda") < 0.6
+        for name, m in (("dense", mask), ("holes", holes)):
+            _check(decode_attention(q, k, v, m), decode_attention_reference(q, k, v, m), atol, rtol,
+                   f"bsz={bsz} filled={filled} {name}")
+
+
+def test_one_warp_class_in_fp32_on_cuda():
+    """fp32 inputs (the dots in fp32) through the one-warp programs of 128 rows."""
+    from peft_fastlora.ops.decode_attention import decode_attention, decode_attention_config, decode_attention_reference
+
+    assert decode_attention_config(128, KV_HEADS, HEADS // KV_HEADS, CACHE_LEN, HEAD_DIM,
+                                   torch.device("cuda"))["num_warps"] == 1
+    q, k, v, mask = _inputs(128, torch.float32, seed=30)
+    _check(decode_attention(q, k, v, mask), decode_attention_reference(q, k, v, mask), 2e-5, 2e-5, "fp32")
 
 
 @pytest.mark.parametrize("bsz", [1, 4, 32, 128])

@@ -101,8 +101,6 @@ def _decode_attention_split_kernel(
     USE_PDL: tl.constexpr,  # pdl.mode(); see pdl.py
     EARLY_SPAN: tl.constexpr,  # scan the mask before the PDL wait (no PDL kernel writes it)
     DENSE_SPANS: tl.constexpr = True,  # a dense span's blocks skip the mask (the config's ``dense_spans``)
-    EXACT_D: tl.constexpr = False,  # D == BLOCK_D, compiled in: no column mask (``CONSTANT_SHAPE``)
-    ROW: tl.constexpr = 0,  # K's and V's position stride, compiled in (0: the run-time strides)
 ):
     pdl.launch_dependents(USE_PDL)
     if not EARLY_SPAN:
@@ -117,10 +115,7 @@ def _decode_attention_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     h_mask = offs_h < G
-    if EXACT_D:
-        d_mask = offs_d < BLOCK_D
-    else:
-        d_mask = offs_d < D
+    d_mask = offs_d < D
     heads = kvh * G + offs_h  # the query heads of this kv head
 
     if not EARLY_SPAN:  # the q load overlaps the mask scan
@@ -162,14 +157,8 @@ def _decode_attention_split_kernel(
         # K/V predicated on the span only (not on the mask values): the loads do not wait for
         # the mask load, so the loop pipelines; a hole inside the span is read, then masked
         kv_mask = span[:, None] & d_mask[None, :]
-        if ROW > 0:
-            k = tl.load(k_base + offs[:, None] * ROW + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + offs[:, None] * ROW + offs_d[None, :], mask=kv_mask, other=0.0)
-        else:
-            k = tl.load(k_base + offs[:, None] * stride_kl + offs_d[None, :] * stride_kd, mask=kv_mask,
-                        other=0.0)
-            v = tl.load(v_base + offs[:, None] * stride_vl + offs_d[None, :] * stride_vd, mask=kv_mask,
-                        other=0.0)
+        k = tl.load(k_base + offs[:, None] * stride_kl + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs[:, None] * stride_vl + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
         if dense:
             valid = span
             madd = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -282,10 +271,14 @@ MID_BLOCK_N = 128  # block_n at one to three programs per SM (benchmarks set 64 
 # a dense span's blocks skip the mask outside the one-to-three-programs-an-SM class (there it
 # measured slower); False: every block reads it everywhere (benchmarks' A/B)
 DENSE_SPANS = True
-# the head dim and the cache's position stride compiled into the kernel (no column mask, constant
-# address strides: fewer instructions a block in its sm_90 build) rather than read at run time;
-# off until measured on the GPU (benchmarks' A/B: ``--attention-constant-shape``)
-CONSTANT_SHAPE = False
+# one-warp programs over LEAN_BLOCK_N positions a step where rows x kv heads give LEAN_MIN_PROGRAMS
+# or more programs per SM (head dims <= 128): a program's softmax then needs no barrier between
+# warps, and several times more programs share an SM; and block_n 64 (not MID_BLOCK_N) at two to
+# three programs per SM. False: four warps everywhere, MID_BLOCK_N over the whole mid class
+# (benchmarks' A/B: ``--attention-lean``; the sweeps: ``benchmarks/results/attention_s39*``)
+LEAN = True
+LEAN_MIN_PROGRAMS = 7
+LEAN_BLOCK_N = 16
 _PREWAITS = ("auto", "off", "span")
 
 
@@ -294,8 +287,10 @@ def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int,
     """Launch parameters by shape class (no autotuning: graphs need a fixed launch).
 
     - ``block_h``: the query heads of one kv head, padded to 16 (the smallest ``tl.dot`` M).
-    - ``block_n``: 64 cache positions per step (32 for head dims over 128, to bound registers);
-      128 where rows x kv heads give one to three programs per SM and no split.
+    - ``block_n``, ``num_warps``: 64 cache positions per step and four warps (32 positions for head
+      dims over 128, to bound registers); 128 positions where rows x kv heads give one to two
+      programs per SM and no split; one warp over ``LEAN_BLOCK_N`` positions from
+      ``LEAN_MIN_PROGRAMS`` programs per SM (``LEAN``).
     - ``num_splits``: enough (row, kv head, split) programs for ~4 per SM; 1 once rows x kv heads
       reach one per SM (then the first kernel writes the output and the combine is skipped); the
       sweep behind this choice is ``benchmarks/bench_attention.py`` (results in
@@ -310,13 +305,16 @@ def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int,
     pairs = batch * kv_heads
     block_n = 64 if block_d <= 128 else 32
     mid = block_d <= 128 and sms <= pairs < 3 * sms
-    if mid:
+    if mid and (pairs < 2 * sms or not LEAN):
         block_n = MID_BLOCK_N  # one or two programs per SM, each streaming its whole span: fewer, longer trips
     num_blocks = triton.cdiv(kv_len, block_n)
     num_splits = 1 if pairs >= sms else min(num_blocks, triton.cdiv(4 * sms, pairs), 64)
     prewait = PREWAIT if PREWAIT != "auto" else "span" if num_splits > 1 else "off"
+    num_warps = 4
+    if LEAN and block_d <= 128 and pairs >= LEAN_MIN_PROGRAMS * sms:
+        block_n, num_warps = LEAN_BLOCK_N, 1
     return dict(block_h=block_h, block_n=block_n, block_d=block_d, num_splits=max(1, num_splits),
-                num_warps=4, num_stages=2, prewait=prewait, dense_spans=DENSE_SPANS and not mid)
+                num_warps=num_warps, num_stages=2, prewait=prewait, dense_spans=DENSE_SPANS and not mid)
 
 
 def decode_attention(
@@ -421,8 +419,6 @@ def decode_attention(
         USE_PDL=use_pdl,
         EARLY_SPAN=cfg["prewait"] == "span",
         DENSE_SPANS=cfg["dense_spans"],
-        EXACT_D=CONSTANT_SHAPE and dim == cfg["block_d"],
-        ROW=dim if CONSTANT_SHAPE and all(t.stride(3) == 1 and t.stride(2) == dim for t in (k, v)) else 0,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"],
         launch_pdl=use_pdl > 0,
