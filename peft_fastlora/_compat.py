@@ -1278,3 +1278,75 @@ def cb_emulate_graphs(processor) -> None:
     runner = processor.model_runner
     runner.pad_inputs = True
     runner.use_cuda_graph_varlen = runner.use_cuda_graph_decode = True
+
+
+# The engine's token selection and step failures (``model_runner._sample`` writes the step's tokens
+# into ``output_ids[0]`` in the order of the requests that get one; ``handle_batch_error`` fails a
+# step's requests and frees their cache). Checked on 5.17 and 5.25.
+def cb_logit_requests(processor) -> list:
+    """The states of the step's requests that get a token, in the order of the logits' rows."""
+    return [fs.state for fs in processor.inputs_and_outputs.requests_in_batch if fs.has_new_token]
+
+
+def cb_wrap_sample(processor, wrapper) -> None:
+    """The engine's selection of this processor's tokens goes through
+    ``wrapper(original, scores, output_ids)``; ``cb_unwrap_sample`` takes it off."""
+    runner = processor.model_runner
+    original = runner._sample
+    runner._sample = lambda scores, output_ids: wrapper(original, scores, output_ids)
+
+
+def cb_unwrap_sample(processor) -> None:
+    processor.model_runner.__dict__.pop("_sample", None)
+
+
+def cb_fail_step(processor, error: Exception) -> None:
+    """Fail the requests of the step that just raised (each delivered with the error), free their
+    cache; the engine's other requests go on at the next step."""
+    processor.handle_batch_error(error)
+
+
+def cb_generated_len(request_state) -> int:
+    """How many tokens the request has generated."""
+    return int(request_state.generated_len())
+
+
+def cb_generated_tokens(request_state) -> list:
+    return list(request_state.generated_tokens)
+
+
+def cb_cache_tokens(processor) -> int:
+    """The most tokens (prompt and output) one request can hold in the engine's cache."""
+    cache = processor.cache
+    most = getattr(cache, "max_tokens_read", None)  # 5.24+: the largest allocator's pages
+    if isinstance(most, int) and most > 0:
+        return most
+    return int(cache.num_blocks) * int(cache.block_size)
+
+
+def cb_vocab_size(model: nn.Module) -> int:
+    """Columns of the model's logits."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if head is not None and hasattr(head, "out_features"):
+        return int(head.out_features)
+    return int(model.config.get_text_config().vocab_size)
+
+
+def cb_fatal_error(manager) -> Optional[BaseException]:
+    """The error that ended the manager's thread (None when it ended normally or runs)."""
+    status = getattr(manager, "background_thread_status", None)
+    return getattr(status, "fatal_error", None)
+
+
+def input_vocab_size(model: nn.Module) -> int:
+    """How many token ids the model's input embedding takes."""
+    embed = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    if embed is not None and hasattr(embed, "num_embeddings"):
+        return int(embed.num_embeddings)
+    return int(model.config.get_text_config().vocab_size)
+
+
+def position_limit(model: nn.Module) -> Optional[int]:
+    """The model's ``max_position_embeddings`` (None when its config has none)."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) and limit > 0 else None

@@ -18,6 +18,7 @@ when the last one stops.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from typing import Dict, List, Optional, Sequence
 
@@ -29,8 +30,14 @@ from ..batch import TokenSegments
 from ..decode.capture import GraphUnsafe
 from ..instance_methods import InstanceMethods
 from .graphs import EngineGraphs
+from .sampling import RequestSampling, SamplingParams
+from .step_sampling import StepSampler
 
 BASE = "__base__"
+logger = logging.getLogger("peft_fastlora")
+# a step that raises fails its own requests and the engine goes on; this many failing steps in a
+# row mean the engine itself is broken: the error then ends its thread as transformers would
+MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
 class RequestAdapters:
@@ -306,29 +313,36 @@ class ContinuousBatchingHook:
 
     # -- one manager --------------------------------------------------------------------------
     def _enable(self, manager):
-        hook, adapters = self, RequestAdapters()
+        hook, adapters, records = self, RequestAdapters(), RequestSampling()
         manager._fastlora_enabled = True
         manager.fastlora_adapters = adapters
+        manager.fastlora_sampling = records
         add_request, add_requests = manager.add_request, manager.add_requests
         cancel_request, stop, destroy = manager.cancel_request, manager.stop, manager.destroy
         create = manager._create_batch_processor
 
-        def add_request_(input_ids, request_id=None, *args, adapter_name=None, **kwargs):
+        def add_request_(input_ids, request_id=None, *args, adapter_name=None, sampling=None, **kwargs):
             name = adapter_name if adapter_name is not None else hook._next_pending()
             if name is None:
                 name = hook.default_adapter()
             hook.check_names([name])
             hook._check_servable([name])
+            if sampling is not None and not isinstance(sampling, SamplingParams):
+                raise TypeError(f"sampling must be a peft_fastlora SamplingParams, got {type(sampling).__name__}")
             if request_id is None:
                 request_id = _compat.cb_new_request_id(manager)
             adapters.assign(request_id, name)
+            if sampling is not None:
+                records.assign(request_id, sampling)
             try:
                 rid = add_request(input_ids, request_id, *args, **kwargs)
             except BaseException:
                 adapters.forget([request_id])
+                records.release(request_id)
                 raise
             if rid is None:  # not accepted (manager stopping): nothing will run
                 adapters.forget([request_id])
+                records.release(request_id)
             return rid
 
         def add_requests_(inputs, *args, adapter_names=None, **kwargs):
@@ -343,6 +357,7 @@ class ContinuousBatchingHook:
 
         def cancel_request_(request_id):
             adapters.cancel(request_id)
+            records.forget([request_id])
             return cancel_request(request_id)
 
         made: List = []  # batch processors this manager made (fastlora's wrappers on each)
@@ -353,6 +368,7 @@ class ContinuousBatchingHook:
             if getattr(manager, "_fastlora_holds", False) and not manager.is_running():
                 manager._fastlora_holds = False
                 adapters.clear()
+                records.clear()
                 hook._resume_attention()
             if manager.batch_processor is None:  # not kept for a next session
                 # the wrappers close reference cycles over the processor (and its KV cache and
@@ -376,7 +392,7 @@ class ContinuousBatchingHook:
         def create_():
             processor = create()
             if not getattr(processor, "_fastlora_enabled", False):
-                hook._wrap_step(processor, adapters)
+                hook._wrap_step(processor, adapters, records)
                 manager.fastlora_graphs = processor._fastlora_graphs
                 made.append(processor)
             return processor
@@ -402,17 +418,23 @@ class ContinuousBatchingHook:
             return None
         return EngineGraphs(self.state, processor, emulate=emulate)
 
-    def _wrap_step(self, processor, adapters: RequestAdapters):
+    def _wrap_step(self, processor, adapters: RequestAdapters, records: RequestSampling):
         """The engine thread's side: from the moment the next batch is scheduled to the end of its
         forward it holds fastlora's call lock, so no adapter is added or deleted in between (PEFT's
         adapter methods take the lock); requests whose adapter went are failed before scheduling.
         Each forward (a step's, or a warm-up's from the caller's thread) runs with its requests'
-        adapters, through the engine's graphs where it uses them."""
+        adapters, through the engine's graphs where it uses them, and its requests' own sampling.
+        A step whose forward raises fails its own requests only (``MAX_FAILED_STEPS_IN_A_ROW``)."""
         state, step, prepare = self.state, processor._generation_step, processor.prepare_next_batch
         schedule, compute = processor.scheduler.schedule_batch, processor.model_runner.compute_batch
+        update = processor.update_batch
         lock, held = state._call_lock, [0]
         last: List = []
+        failed = [0, False]  # failing steps in a row; whether the last step's update is skipped
         graphs = self._engine_graphs(processor)
+        max_tokens, max_requests = _compat.cb_capacity(processor)
+        sampler = StepSampler(records, processor, rows=min(max_tokens, max_requests) + 1,
+                              vocab=_compat.cb_vocab_size(self.inner))
         local = threading.local()  # the segments of the step the engine thread is running
 
         def release():
@@ -444,13 +466,33 @@ class ContinuousBatchingHook:
                                        "manager ran; start a new manager")
                 requests, lens, num_tokens = _compat.cb_step(processor)
                 ids = [r.request_id for r in requests]
-                adapters.forget([r.request_id for r in last if _compat.cb_request_done(r)], running=ids)
+                done = [r.request_id for r in last if _compat.cb_request_done(r)]
+                adapters.forget(done, running=ids)
+                records.forget(done)
                 last[:] = requests
                 local.segments = TokenSegments([adapters.name_of(rid) for rid in ids], lens, num_tokens)
-                return step(model)
+                sampler.plan()
+                try:
+                    step(model)
+                except Exception as error:  # noqa: BLE001  (confined to this step's requests, below)
+                    failed[0] += 1
+                    if failed[0] >= MAX_FAILED_STEPS_IN_A_ROW:
+                        raise
+                    logger.error("fastlora: a continuous-batching step failed; its %d requests fail with "
+                                 "it and the engine goes on: %r", len(ids), error)
+                    _compat.cb_fail_step(processor, error)
+                    failed[1] = True
+                else:
+                    failed[0] = 0
             finally:
                 local.segments = None
                 release()
+
+        def update_batch(*args, **kwargs):
+            if failed[1]:  # the failed step's requests are over: nothing to update
+                failed[1] = False
+                return None
+            return update(*args, **kwargs)
 
         def compute_batch(model, batch_data):
             segments = getattr(local, "segments", None)
@@ -460,28 +502,38 @@ class ContinuousBatchingHook:
             with _compat.on_stream(_compat.cb_stream(processor)), state.segments(segments):
                 if graphs is not None and graphs.graphed():
                     try:
+                        sampler.before_forward(graphed=True, device=state.device)
                         with graphs.step(segments):
-                            return compute(model, batch_data)
+                            compute(model, batch_data)
+                        return sampler.finish()
                     except GraphUnsafe as e:  # raised before any capture began: run it eagerly
                         graphs.give_up(str(e))
                         state.warn_once(f"continuous batching runs eagerly from now on: {e}")
                 if graphs is not None:
                     graphs.stats["eager_steps"] += 1
-                return compute(model, batch_data)
+                sampler.before_forward(graphed=False, device=state.device)
+                compute(model, batch_data)
+                return sampler.finish()
 
         processor._generation_step = generation_step
         processor.prepare_next_batch = prepare_next_batch
+        processor.update_batch = update_batch
         processor.scheduler.schedule_batch = schedule_batch
         processor.model_runner.compute_batch = compute_batch
         processor._fastlora_graphs = graphs
+        processor._fastlora_sampler = sampler
         processor._fastlora_enabled = True
 
     @staticmethod
     def _unwrap_step(processor) -> None:
         """Take fastlora's wrappers off a processor that will not run again."""
         for obj, name in ((processor, "_generation_step"), (processor, "prepare_next_batch"),
-                          (processor.scheduler, "schedule_batch"), (processor.model_runner, "compute_batch")):
+                          (processor, "update_batch"), (processor.scheduler, "schedule_batch"),
+                          (processor.model_runner, "compute_batch")):
             obj.__dict__.pop(name, None)
+        sampler = processor.__dict__.pop("_fastlora_sampler", None)
+        if sampler is not None:
+            sampler.close()
         graphs = processor.__dict__.pop("_fastlora_graphs", None)
         if graphs is not None:
             graphs.close()

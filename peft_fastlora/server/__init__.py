@@ -1,5 +1,6 @@
 """An OpenAI-compatible HTTP endpoint over the continuous-batching manager (``app.py``)."""
 
 from .app import create_app
+from .config import ServerConfig
 
-__all__ = ["create_app"]
+__all__ = ["ServerConfig", "create_app"]

@@ -1,314 +1,226 @@
 """An OpenAI-compatible HTTP endpoint for many adapters, over transformers' continuous batching.
 
 ``create_app(model, tokenizer)`` returns a FastAPI app: ``POST /v1/completions`` and
-``POST /v1/chat/completions`` (streaming and not), ``GET /v1/models``, ``GET /health``. The
-request's ``"model"`` names the adapter (``base_name`` for none), as multi-LoRA servers do. One
-continuous-batching manager (the patched model's, see ``continuous/engine.py``) serves every
-request; it starts and stops with the app.
+``POST /v1/chat/completions`` (streamed or not), ``GET /v1/models``, ``POST /v1/load_lora_adapter``
+and ``/v1/unload_lora_adapter``, ``GET /health`` and ``GET /metrics``. A request's ``"model"``
+names the adapter (``base_name`` for none), as multi-LoRA servers do. One continuous-batching
+manager (the patched model's, see ``continuous/engine.py``) serves every request; it starts and
+stops with the app and is restarted if it dies (``supervisor.py``).
+
+Every request is validated before anything is queued (``schemas.py``; the model's context in
+``service.py``): a bad one gets a 4xx in OpenAI's error shape naming the field, and no request can
+take the engine down. Sampling is per request (``continuous/sampling.py``).
 
 transformers' own ``serve`` is not extended: it loads models by id, keeps one manager per model id
 (switching adapters would restart it) and passes nothing per request but the token ids.
-
-Decoding follows the server's ``generation_config``: a request that asks for other sampling
-settings, several choices, stop strings or log-probabilities is refused (400), never answered with
-settings it did not ask for.
 """
 
+from __future__ import annotations
 
-import asyncio
 import json
-import time
-import uuid
+import logging
+import secrets
 from contextlib import asynccontextmanager
-from typing import Optional
+from typing import Optional, Sequence
 
-from .. import _compat
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from transformers import GenerationConfig
 
-BASE = "__base__"
-_UNSUPPORTED = ("stop", "logprobs", "top_logprobs", "logit_bias", "tools", "functions", "suffix", "echo",
-                "best_of", "presence_penalty", "frequency_penalty", "seed", "response_format")
+from ..patch import get_state
+from .adapters import AdapterCatalog
+from .config import ServerConfig
+from .errors import APIError
+from .metrics import Metrics
+from .schemas import ChatCompletionRequest, CompletionRequest, LoadAdapterRequest, UnloadAdapterRequest, parse
+from .service import CompletionService, default_sampling
+from .supervisor import EngineSupervisor
+
+logger = logging.getLogger("peft_fastlora")
+_ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+           "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
-class RequestError(Exception):
-    """A bad request: HTTP status, OpenAI error type and code."""
+class _JSON(JSONResponse):
+    """JSON with non-ASCII escaped: a lone surrogate a client sent, echoed in an error, still encodes."""
 
-    def __init__(self, message: str, status: int = 400, code: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.code = status, code
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def create_app(model, tokenizer, *, generation_config=None, continuous_batching_config=None,
-               base_name: str = "base", max_tokens_default: int = 16, adapters=None):
+def create_app(model, tokenizer, config: Optional[ServerConfig] = None, *, generation_config=None,
+               continuous_batching_config=None, adapters: Optional[Sequence[str]] = None,
+               base_name: Optional[str] = None, max_tokens_default: Optional[int] = None) -> FastAPI:
     """The app serving a ``fastlora.patch``-ed PeftModel's adapters.
 
     Args:
         model: the patched model (its continuous batching takes one adapter per request).
         tokenizer: encodes prompts and chat messages (``apply_chat_template``), decodes outputs.
-        generation_config: how every request decodes (default: the model's, greedy if unset).
-        continuous_batching_config: the engine's sizes (see transformers' ``ContinuousBatchingConfig``).
-        base_name: the ``"model"`` that means no adapter.
-        max_tokens_default: ``max_tokens`` of a request that sets none (OpenAI's default is 16).
+        config: the server's settings (``ServerConfig``: limits, API key, adapter root, ...).
+        generation_config: EOS and the default sampling of a request that sets none (default: the
+            model's; greedy if it does not sample). Fields that would process every row's logits
+            (``repetition_penalty``, ...) are refused.
+        continuous_batching_config: the engine's sizes (transformers' ``ContinuousBatchingConfig``).
         adapters: the adapter names served (default: every adapter of the model, PEFT's and the
             registered ones); others are answered like unknown ones.
+        base_name, max_tokens_default: shorthands for the ``config`` fields of those names.
     """
-    try:
-        from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse, StreamingResponse
-    except ImportError as e:
-        raise ImportError("the HTTP endpoint needs fastapi and uvicorn: pip install 'peft-fastlora[serve]'") from e
-    from ..patch import get_state
-
     state = get_state(model)
     if state is None or state.continuous is None or state.continuous.blocker is not None:
         why = "the model is not patched" if state is None or state.continuous is None else state.continuous.blocker
         raise ValueError(f"create_app needs a fastlora-patched model with continuous batching on ({why})")
+    config = config if config is not None else ServerConfig()
+    shorthands = {k: v for k, v in (("base_name", base_name), ("max_tokens_default", max_tokens_default))
+                  if v is not None}
+    config = config.replace(**shorthands) if shorthands else config
     gen = generation_config if generation_config is not None else model.generation_config
-    if getattr(gen, "eos_token_id", None) is None:
-        gen.eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
-    server = _Server(model, tokenizer, gen, base_name, max_tokens_default, adapters)
+    defaults = default_sampling(gen)
+    eos = gen.eos_token_id if gen.eos_token_id is not None else tokenizer.eos_token_id
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    engine_gen = _engine_generation_config(gen, eos_ids, tokenizer)
+
+    metrics = Metrics()
+    catalog = AdapterCatalog(model, adapters, config.base_name, config.adapter_root)
+    supervisor = EngineSupervisor(model, engine_gen, continuous_batching_config, config, metrics)
+    service = CompletionService(model, tokenizer, config, catalog, supervisor, metrics, defaults, eos_ids)
 
     @asynccontextmanager
     async def lifespan(app):
-        server.manager = model.init_continuous_batching(generation_config=gen,
-                                                        continuous_batching_config=continuous_batching_config)
-        server.manager.start()
+        await supervisor.start()
         try:
             yield
         finally:
-            server.manager.stop(block=True, timeout=30)
+            await supervisor.stop(in_flight=lambda: service.pending)
 
-    app = FastAPI(title="peft_fastlora", lifespan=lifespan)
-    app.state.fastlora = server
+    app = FastAPI(title="peft_fastlora", lifespan=lifespan, default_response_class=_JSON)
+    app.state.fastlora = service
+    app.add_middleware(_CountResponses, metrics=metrics)
 
-    @app.exception_handler(RequestError)
-    async def bad_request(request, exc: RequestError):
-        kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return JSONResponse({"error": {"message": str(exc), "type": kind, "code": exc.code, "param": None}},
-                            status_code=exc.status)
+    @app.exception_handler(APIError)
+    async def api_error(request, exc: APIError):
+        return _JSON(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):
+        return _JSON(APIError(str(exc.detail), exc.status_code).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, exc: Exception):
+        logger.exception("fastlora server: unexpected error on %s", request.url.path)
+        return _JSON(APIError("internal server error", 500).body(), status_code=500)
+
+    def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode("utf-8", "replace")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given, config.api_key.encode("utf-8")):
+            raise APIError("invalid or missing API key (Authorization: Bearer <key>)", 401, code="invalid_api_key")
+
+    async def body_of(request: Request, schema):
+        authorize(request)
+        return parse(schema, await _read_json(request, config.max_body_bytes))
 
     @app.get("/health")
     async def health():
-        running = server.manager is not None and server.manager.is_running()
-        return JSONResponse({"status": "ok" if running else "down"}, status_code=200 if running else 503)
+        report = supervisor.health()
+        return _JSON(report, status_code=200 if report["status"] == "ok" else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        content, media_type = metrics.render()
+        return Response(content, media_type=media_type)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        authorize(request)
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "peft_fastlora"}
-            for name in [base_name] + server.adapters()]}
+            for name in [config.base_name] + catalog.names()]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _json(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = list(tokenizer(prompt)["input_ids"])
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = prompt
-        else:
-            raise RequestError("prompt must be a string or a list of token ids (one prompt per request)")
-        return await server.answer(request, body, ids, chat=False, streaming=StreamingResponse)
+        return _respond(await service.completions(request, await body_of(request, CompletionRequest)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _json(request)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages must be a non-empty list")
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise RequestError("this server's tokenizer has no chat template: use /v1/completions")
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return await server.answer(request, body, list(ids), chat=True, streaming=StreamingResponse)
+        return _respond(await service.chat(request, await body_of(request, ChatCompletionRequest)))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_adapter(request: Request):
+        body = await body_of(request, LoadAdapterRequest)
+        await catalog.load(body.lora_name, body.lora_path)
+        return {"status": "loaded", "lora_name": body.lora_name}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_adapter(request: Request):
+        body = await body_of(request, UnloadAdapterRequest)
+        await catalog.unload(body.lora_name)
+        return {"status": "unloaded", "lora_name": body.lora_name}
 
     return app
 
 
-async def _json(request) -> dict:
+def _respond(result):
+    if result is None or isinstance(result, dict):
+        return result
+    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _engine_generation_config(gen, eos_ids, tokenizer):
+    """What the engine decodes with: greedy, no logits processor (the per-request sampling redoes
+    the rows that sample), the server's EOS."""
+    pad = gen.pad_token_id if gen.pad_token_id is not None else tokenizer.pad_token_id
+    return GenerationConfig(do_sample=False, eos_token_id=eos_ids or -1, pad_token_id=pad,
+                            max_new_tokens=gen.max_new_tokens)
+
+
+async def _read_json(request: Request, limit: int):
+    """The request's JSON body; 413 past ``limit`` bytes (read no further), 400 for what is not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(f"the body has {int(declared)} bytes; this server takes at most {limit}", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(f"the body is over this server's limit of {limit} bytes", 413)
+        chunks.append(chunk)
     try:
-        body = await request.json()
-    except json.JSONDecodeError as e:
-        raise RequestError(f"the body is not JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise RequestError("the body must be a JSON object")
-    return body
+        text = b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError:
+        raise APIError("the body is not valid UTF-8") from None
+    try:
+        return json.loads(text, parse_constant=_no_constants)
+    except RecursionError:
+        raise APIError("the body's JSON is nested too deeply") from None
+    except ValueError as e:
+        raise APIError(f"the body is not valid JSON: {e}") from None
 
 
-class _Server:
-    """The manager and everything a request needs besides the HTTP layer."""
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
-    def __init__(self, model, tokenizer, gen, base_name, max_tokens_default, adapters=None):
-        self.model, self.tokenizer, self.gen = model, tokenizer, gen
-        self.base_name, self.max_tokens_default = base_name, max_tokens_default
-        self.served = None if adapters is None else sorted(adapters)
-        self.manager = None
 
-    def adapters(self):
-        from ..patch import get_state
+class _CountResponses:
+    """ASGI middleware: every HTTP response counted by route and status (``fastlora_http_requests``)."""
 
-        if self.served is not None:
-            return self.served
-        state = get_state(self.model)
-        registered = state.stored if state is not None else ()
-        return sorted(set(getattr(self.model, "peft_config", None) or ()) | set(registered))
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
 
-    def adapter_of(self, name) -> str:
-        if name == self.base_name:
-            return BASE
-        if not isinstance(name, str) or name not in self.adapters():
-            raise RequestError(f"The model {name!r} does not exist: this server has {self.base_name!r} and "
-                               f"the adapters {', '.join(self.adapters()) or '(none)'}", 404, "model_not_found")
-        return name
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope.get("path") if scope.get("path") in _ROUTES else "other"
+        status = [500]
 
-    def check_options(self, body: dict) -> int:
-        """max_tokens of the request; 400 for what this server cannot honour."""
-        asked = [k for k in _UNSUPPORTED if body.get(k) not in (None, False, [], {})]
-        if int(body.get("n", 1) or 1) != 1:
-            asked.append("n")
-        sampling = bool(getattr(self.gen, "do_sample", False))
-        for key, mine in (("temperature", self.gen.temperature if sampling else 0.0),
-                          ("top_p", self.gen.top_p if sampling else 1.0)):
-            value = body.get(key)
-            if value is not None and not (float(value) == float(mine) or (not sampling and key == "top_p")):
-                asked.append(f"{key}={value} (this server decodes with {key}={mine})")
-        if asked:
-            raise RequestError("not supported by this server: " + ", ".join(asked))
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        limit = self.max_tokens_default if limit is None else limit
-        if not isinstance(limit, int) or limit < 1:
-            raise RequestError(f"max_tokens must be a positive integer, got {limit!r}")
-        return limit
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
 
-    async def answer(self, request, body, ids, chat: bool, streaming):
-        adapter = self.adapter_of(body.get("model"))
-        max_tokens = self.check_options(body)
-        if not ids:
-            raise RequestError("the prompt is empty")
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        results: asyncio.Queue = asyncio.Queue()
-        manager = self.manager
-        # the handler first: a request that finishes at once must still find it
-        manager.register_result_handler(rid, results.put_nowait)
         try:
-            # add_request may wait for room in the engine's queue: off the event loop
-            added = await asyncio.to_thread(manager.add_request, ids, request_id=rid, max_new_tokens=max_tokens,
-                                            streaming=bool(body.get("stream")), adapter_name=adapter)
-        except BaseException:
-            _compat.cb_drop_result_handler(manager, rid)
-            raise
-        if added is None:
-            _compat.cb_drop_result_handler(manager, rid)
-            raise RequestError("the server is shutting down", 503)
-        reply = _Reply(rid, body["model"], chat, len(ids), max_tokens, self.tokenizer)
-        if body.get("stream"):
-            return streaming(self._stream(request, rid, results, reply), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
-        return await self._whole(request, rid, results, reply)
-
-    def _cancel(self, rid):
-        self.manager.cancel_request(rid)
-        _compat.cb_drop_result_handler(self.manager, rid)
-
-    async def _next(self, request, rid, results):
-        """The next output of ``rid``; None when the client went away (the request is cancelled)."""
-        while True:
-            try:
-                return await asyncio.wait_for(results.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    self._cancel(rid)
-                    return None
-
-    async def _whole(self, request, rid, results, reply):
-        while True:
-            out = await self._next(request, rid, results)
-            if out is None:
-                return None
-            if out.is_finished():
-                if out.error is not None:
-                    raise RequestError(f"generation failed: {out.error}", 500)
-                return reply.whole(out.generated_tokens)
-
-    async def _stream(self, request, rid, results, reply):
-        finished = False
-        try:
-            if reply.chat:
-                yield reply.event(reply.chunk({"role": "assistant", "content": ""}, None))
-            while not finished:
-                out = await self._next(request, rid, results)
-                if out is None:
-                    return
-                finished = out.is_finished()
-                if finished and out.error is not None:
-                    yield reply.event({"error": {"message": f"generation failed: {out.error}",
-                                                 "type": "server_error"}})
-                    return
-                text = reply.new_text(out.generated_tokens)
-                if text:
-                    yield reply.event(reply.chunk(text, None))
-                if finished:
-                    yield reply.event(reply.chunk("" if not reply.chat else {}, reply.finish_reason(out.generated_tokens),
-                                                  usage=reply.usage(out.generated_tokens)))
-            yield "data: [DONE]\n\n"
+            await self.app(scope, receive, send_counted)
         finally:
-            if not finished:  # the client went away (or the send failed): stop generating for it
-                self._cancel(rid)
-
-
-class _Reply:
-    """The OpenAI JSON of one request."""
-
-    def __init__(self, rid, model_name, chat, prompt_tokens, max_tokens, tokenizer):
-        self.rid, self.model_name, self.chat = rid, model_name, chat
-        self.prompt_tokens, self.max_tokens, self.tokenizer = prompt_tokens, max_tokens, tokenizer
-        self.created = int(time.time())
-        self._sent = ""
-
-    def finish_reason(self, tokens) -> str:
-        return "length" if len(tokens) >= self.max_tokens else "stop"
-
-    def usage(self, tokens) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(tokens),
-                "total_tokens": self.prompt_tokens + len(tokens)}
-
-    def text(self, tokens) -> str:
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
-
-    def new_text(self, tokens) -> str:
-        """What the decoded text gained since the last chunk (held back while a character is
-        incomplete: decoding a prefix may end in a replacement character)."""
-        text = self.text(tokens)
-        if text.endswith("\ufffd") or not text.startswith(self._sent):
-            return ""
-        new, self._sent = text[len(self._sent):], text
-        return new
-
-    def whole(self, tokens) -> dict:
-        text = self.text(tokens)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = self.finish_reason(tokens)
-        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model_name, "choices": [choice],
-                "usage": self.usage(tokens)}
-
-    def chunk(self, content, finish_reason, usage=None) -> dict:
-        if self.chat:
-            delta = content if isinstance(content, dict) else {"content": content}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
-        out = {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": self.model_name, "choices": [choice]}
-        if usage is not None:
-            out["usage"] = usage
-        return out
-
-    @staticmethod
-    def event(payload: dict) -> str:
-        return f"data: {json.dumps(payload)}\n\n"
+            self.metrics.requests.labels(route, str(status[0])).inc()

@@ -1,0 +1,104 @@
+"""One batch processor's per-request token selection (``sampling.select``), around its steps.
+
+Before a step's forward, ``plan`` reads which of the rows that get a token belong to requests with
+sampling parameters. The engine's own selection runs as always (inside its CUDA graph where the
+step is graphed) and leaves its logits here: a reference to them on eager steps, a copy into a
+buffer of this object's on graphed steps (made inside the graph, so every replay refreshes it).
+After the forward, ``finish`` selects again for the planned rows only and overwrites their tokens
+before the engine reads them back; a step with no such row costs nothing more than that copy.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from .. import _compat
+from .sampling import RequestSampling, SamplingParams, select
+
+
+class _Plan:
+    """The rows of one step that ``finish`` selects for."""
+
+    __slots__ = ("rows", "request_ids", "params", "positions", "outputs")
+
+    def __init__(self, rows, request_ids, params, positions, outputs):
+        self.rows: List[int] = rows
+        self.request_ids: List[str] = request_ids
+        self.params: List[SamplingParams] = params
+        self.positions: List[int] = positions
+        self.outputs: List[List[int]] = outputs
+
+
+class StepSampler:
+    """Args:
+        records: the manager's ``RequestSampling``.
+        processor: the engine's batch processor (its selection is wrapped until ``close``).
+        rows: the most rows of logits one step has (the buffer of graphed steps).
+        vocab: the logits' columns.
+    """
+
+    def __init__(self, records: RequestSampling, processor, rows: int, vocab: int):
+        self.records, self.processor = records, processor
+        self._rows, self._vocab = rows, vocab
+        self._plan: Optional[_Plan] = None
+        self._scores: Optional[torch.Tensor] = None  # this eager step's logits
+        self._output_ids: Optional[torch.Tensor] = None
+        self._graph_scores: Optional[torch.Tensor] = None  # what graphed steps copy their logits into
+        self._graphed = False
+        _compat.cb_wrap_sample(processor, self._sample)
+
+    def close(self) -> None:
+        _compat.cb_unwrap_sample(self.processor)
+        self._scores = self._output_ids = self._graph_scores = self._plan = None
+
+    def plan(self) -> None:
+        """Read the step about to run (its inputs are prepared)."""
+        self._plan = None
+        if not len(self.records):
+            return
+        states = _compat.cb_logit_requests(self.processor)
+        params = self.records.params_of([s.request_id for s in states])
+        rows = [i for i, p in enumerate(params) if p is not None]
+        if not rows:
+            return
+        chosen = [params[i] for i in rows]
+        outputs = [_compat.cb_generated_tokens(states[i]) if (p.presence_penalty or p.frequency_penalty) else []
+                   for i, p in zip(rows, chosen)]
+        self._plan = _Plan(rows, [states[i].request_id for i in rows], chosen,
+                           [_compat.cb_generated_len(states[i]) for i in rows], outputs)
+
+    def before_forward(self, graphed: bool, device: torch.device) -> None:
+        """``graphed``: the forward is captured or replayed in a graph (or emulates one)."""
+        self._graphed = graphed
+        if graphed and self._graph_scores is None:  # made before any capture, outside its pool
+            self._graph_scores = torch.empty(self._rows, self._vocab, dtype=torch.float32, device=device)
+
+    def _sample(self, original, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
+        original(scores, output_ids)
+        self._output_ids = output_ids
+        if self._graphed:
+            rows = min(scores.shape[-2], self._rows)
+            self._graph_scores[:rows].copy_(scores[0, :rows])
+            self._scores = None
+        else:
+            self._scores = scores[0]
+
+    def finish(self) -> None:
+        """After the forward: the planned rows' tokens selected again, their log-probabilities
+        recorded."""
+        plan, self._plan = self._plan, None
+        scores = self._graph_scores if self._graphed else self._scores
+        self._scores = None
+        if plan is None:
+            return
+        if scores is None or self._output_ids is None:
+            raise RuntimeError("fastlora: the engine's step selected no tokens through its sampler")
+        index = torch.tensor(plan.rows, device=scores.device)
+        tokens, logprobs = select(scores.index_select(0, index), plan.params, plan.positions, plan.outputs)
+        self._output_ids[0].index_copy_(0, index.to(self._output_ids.device),
+                                        tokens.to(self._output_ids.dtype).to(self._output_ids.device))
+        for rid, entry in zip(plan.request_ids, logprobs):
+            if entry is not None:
+                self.records.record(rid, entry)

@@ -1,0 +1,188 @@
+"""One completion of a request (a ``choice``) as the engine produces it: its tokens turned into
+the text a client sees, stop strings and stop token ids applied, log-probabilities in OpenAI's
+two formats, and the JSON of answers and stream chunks."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import List, Optional, Sequence
+
+from ..continuous.sampling import TokenLogprobs
+
+
+class Choice:
+    """Args:
+        index: the choice's place in the answer.
+        request_id: its engine request.
+        prompt_tokens: its prompt's length.
+        max_tokens: its limit.
+        stop: stop strings (the text ends before the first one found).
+        end_token_ids: the tokens that end it (EOS and the request's stop token ids); the text
+            leaves the last one out.
+        tokenizer: decodes its tokens.
+    """
+
+    def __init__(self, index: int, request_id: str, prompt_tokens: int, max_tokens: int, stop: Sequence[str],
+                 end_token_ids: Sequence[int], tokenizer):
+        self.index, self.request_id = index, request_id
+        self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
+        self.stop, self.end_token_ids, self.tokenizer = list(stop), set(end_token_ids), tokenizer
+        self.tokens: List[int] = []
+        self.finished = False
+        self.finish_reason: Optional[str] = None
+        self.error: Optional[str] = None
+        self.accepted = time.perf_counter()
+        self.first_token: Optional[float] = None
+        self.last_token: Optional[float] = None
+        self._sent = ""  # text already streamed
+        self._logprobs_sent = 0
+        self._hold = max((len(s) for s in self.stop), default=1) - 1  # a stop string may still be forming
+
+    def update(self, tokens: Sequence[int], engine_finished: bool, error: Optional[str]) -> bool:
+        """Take the engine's output; True when the choice just finished (by a stop string here
+        while the engine goes on, the caller cancels its request)."""
+        if self.finished:
+            return False
+        now = time.perf_counter()
+        if len(tokens) > len(self.tokens):
+            self.first_token = self.first_token or now
+            self.last_token = now
+        self.tokens = list(tokens)
+        if error is not None:
+            self.finished, self.error = True, error
+            return True
+        if self.stop and self._stop_index(self._decoded()) is not None:
+            self.finished, self.finish_reason = True, "stop"
+            return True
+        if engine_finished:
+            self.finished = True
+            self.finish_reason = "stop" if self.tokens and self.tokens[-1] in self.end_token_ids else "length"
+            return True
+        return False
+
+    # -- text ------------------------------------------------------------------------------------
+    def _kept_tokens(self) -> List[int]:
+        tokens = self.tokens
+        if tokens and tokens[-1] in self.end_token_ids:
+            tokens = tokens[:-1]
+        return tokens
+
+    def _decoded(self) -> str:
+        return self.tokenizer.decode(self._kept_tokens(), skip_special_tokens=True)
+
+    def _stop_index(self, text: str) -> Optional[int]:
+        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def text(self) -> str:
+        text = self._decoded()
+        cut = self._stop_index(text) if self.stop else None
+        return text if cut is None else text[:cut]
+
+    def new_text(self) -> str:
+        """What the text gained since the last call, holding back what a stop string or an
+        incomplete character may still change."""
+        text = self.text()
+        if not self.finished:
+            if text.endswith("\ufffd"):
+                return ""
+            text = text[:len(text) - self._hold] if self._hold else text
+        if not text.startswith(self._sent) or len(text) <= len(self._sent):
+            return ""
+        new, self._sent = text[len(self._sent):], text
+        return new
+
+    # -- accounting ------------------------------------------------------------------------------
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+    def time_per_output_token(self) -> Optional[float]:
+        if self.first_token is None or len(self.tokens) < 2:
+            return None
+        return (self.last_token - self.first_token) / (len(self.tokens) - 1)
+
+    def new_logprobs(self, entries: Sequence[TokenLogprobs]) -> List[TokenLogprobs]:
+        """The entries of the tokens not reported yet (``entries``: the request's from its first token)."""
+        limit = len(self._kept_tokens())
+        new = list(entries[self._logprobs_sent:limit])
+        self._logprobs_sent += len(new)
+        return new
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], tokenizer) -> dict:
+    def one(token, logprob):
+        text = tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+    content = []
+    for e in entries:
+        item = one(e.token, e.logprob)
+        item["top_logprobs"] = [one(t, lp) for t, lp in e.top]
+        content.append(item)
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries: Sequence[TokenLogprobs], tokenizer, offset: int = 0) -> dict:
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(offset)
+        tokens.append(tokenizer.decode([e.token]))
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+class Answer:
+    """The OpenAI JSON of one request's choices."""
+
+    def __init__(self, request_id: str, model_name: str, chat: bool, tokenizer):
+        self.id, self.model_name, self.chat, self.tokenizer = request_id, model_name, chat, tokenizer
+        self.created = int(time.time())
+
+    def logprobs(self, entries: Optional[Sequence[TokenLogprobs]], offset: int = 0):
+        if entries is None:
+            return None
+        return chat_logprobs(entries, self.tokenizer) if self.chat else completion_logprobs(entries, self.tokenizer,
+                                                                                             offset)
+
+    def whole(self, choices: Sequence[Choice], prompt_tokens: int, logprobs) -> dict:
+        out = []
+        for c in choices:
+            lp = self.logprobs(logprobs.get(c.index)) if logprobs is not None else None
+            if self.chat:
+                item = {"index": c.index, "message": {"role": "assistant", "content": c.text()}, "logprobs": lp}
+            else:
+                item = {"index": c.index, "text": c.text(), "logprobs": lp}
+            item["finish_reason"] = c.finish_reason
+            out.append(item)
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model_name, "choices": out,
+                "usage": usage(prompt_tokens, choices)}
+
+    def chunk(self, index: int, text: Optional[str], finish_reason: Optional[str], logprobs=None,
+              role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model_name, "choices": [choice]}
+
+    def usage_chunk(self, prompt_tokens: int, choices: Sequence[Choice]) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model_name, "choices": [],
+                "usage": usage(prompt_tokens, choices)}
+
+
+def usage(prompt_tokens: int, choices: Sequence[Choice]) -> dict:
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
