@@ -186,7 +186,7 @@ def test_probe_tma_gemm_table_from_a_committed_run(tmp_path):
 
     table = tmp_path / "t.json"
     _run([os.path.join(BENCH, "probe_tma_gemm.py"), "--table", str(table), "--from-csv",
-          os.path.join(BENCH, "results", "probe_tma_gemm_s21b_h200.csv")])
+          os.path.join(BENCH, "results", "gemm_8b_tma_h200.csv")])
     with open(os.path.join(ROOT, "peft_fastlora", "base_ops", "tma_tiles_h200.json")) as f:
         assert json.loads(table.read_text())["classes"] == json.load(f)["classes"]
 
@@ -358,7 +358,7 @@ def test_soak_graphs_smoke(tmp_path):
 def test_ncu_step_summarize_reads_the_committed_profiles():
     """``ncu_step.py --summarize``: a kernel a line from Nsight Compute's raw CSV (the session-38
     profile of the mixed 8B step at 128 rows: its one-launch gate/up and decode attention there)."""
-    path = os.path.join(BENCH, "results", "ncu_step_mixed_b128_s38a.csv")
+    path = os.path.join(BENCH, "results", "ncu_step_mixed_b128_h200.csv")
     out = _run([os.path.join(BENCH, "ncu_step.py"), "--summarize", path])
     lines = [line for line in out.splitlines() if line.startswith(("_glu_lora_kernel", "_decode_attention"))]
     assert len(lines) == 8, out[-2000:]  # two replays of a 4-layer model
