@@ -114,94 +114,6 @@ def test_bench_many_adapters_smoke():
     assert "'mode': 'slots'" in out and "'mode': 'resident'" in out
 
 
-def test_probe_fold_smoke():
-    out = _run([os.path.join(BENCH, "probe_fold.py"), "--smoke", "--batches", "3", "--expand-block-n", "32"],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "every mode ran at batch 3" in out
-
-
-def test_probe_stream_gemm_smoke():
-    out = _run([os.path.join(BENCH, "probe_stream_gemm.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
-    assert "every sweep config equals x @ w.T" in out
-
-
-def test_probe_tma_gemm_smoke(tmp_path):
-    out = _run([os.path.join(BENCH, "probe_tma_gemm.py"), "--smoke", "--table", str(tmp_path / "t.json")],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "every sweep tile equals x @ w.T" in out
-
-
-def test_probe_rotary_lora_smoke():
-    """The probe's kernel (the q/k/v expand inside the rotary and KV write) gives the library's two
-    launches' q and cache, and the LoRA delta it checks is there."""
-    out = _run([os.path.join(BENCH, "probe_rotary_lora.py"), "--smoke", "--out", os.devnull],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "smoke: every variant ran and matched the library's launches" in out, out[-2000:]
-
-
-def test_probe_lora_branch_smoke():
-    """The probe's branch form (the GEMM over W, the shrink and the expand into a delta) gives the
-    library's folded output once the delta is added, and the delta is there."""
-    out = _run([os.path.join(BENCH, "probe_lora_branch.py"), "--smoke", "--out", os.devnull],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "smoke: the branch's output plus its delta matched the library's" in out, out[-2000:]
-
-
-def test_probe_glu_kext_smoke():
-    out = _run([os.path.join(BENCH, "probe_glu_kext.py"), "--smoke", "--out", os.devnull],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "smoke: every variant ran and equals the reference" in out, out[-2000:]
-
-
-def test_probe_glu_hidden_shrink_smoke():
-    """The one-launch gate/up (the shrink in extra programs, the tiles waiting on them for their tail)
-    equals float32 math on the same operands, as the library's launches do, and puts its counters back."""
-    out = _run([os.path.join(BENCH, "probe_glu_hidden_shrink.py"), "--smoke", "--out", os.devnull],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "smoke: every variant ran and matched the library's launches" in out, out[-2000:]
-
-
-def test_probe_down_shrink_in_glu_smoke():
-    """down_proj's shrink summed in gate/up's launch, down then on the base model's path: its output
-    equals float32 math, as today's folded down's does (the check fails without the partial sums)."""
-    out = _run([os.path.join(BENCH, "probe_down_shrink_in_glu.py"), "--smoke", "--out", os.devnull],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "smoke: every variant ran and matched float32 math" in out, out[-2000:]
-
-
-def test_probe_greedy_select_smoke():
-    out = _run([os.path.join(BENCH, "probe_greedy_select.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
-    assert "smoke: every variant ran and matched argmax" in out, out[-2000:]
-
-
-def test_probe_gemm_bound_smoke():
-    out = _run([os.path.join(BENCH, "probe_gemm_bound.py"), "--smoke", "--fold-rows", "128"],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "'qkv': (4096, 6528)" in out and "the read-only kernel sums each weight row" in out
-
-
-def test_probe_tma_gemm_table_from_a_committed_run(tmp_path):
-    """The library's tile table is what the probe chooses from the committed run's measurements."""
-    import json
-
-    table = tmp_path / "t.json"
-    _run([os.path.join(BENCH, "probe_tma_gemm.py"), "--table", str(table), "--from-csv",
-          os.path.join(BENCH, "results", "gemm_8b_tma_h200.csv")])
-    with open(os.path.join(ROOT, "peft_fastlora", "base_ops", "tma_tiles_h200.json")) as f:
-        assert json.loads(table.read_text())["classes"] == json.load(f)["classes"]
-
-
-def test_probe_deferred_stop_smoke():
-    out = _run([os.path.join(BENCH, "probe_deferred_stop.py"), "--smoke"])
-    assert "'mode': 'deferred_step_mask'" in out and "'mode': 'per_step'" in out
-    assert "False" not in out.split("'tokens_equal_length_stop'")[-1]
-
-
-def test_probe_pdl_smoke():
-    out = _run([os.path.join(BENCH, "probe_pdl.py"), "--smoke", "--base"])
-    assert "'mode': 'no_pdl'" in out and "'what': 'base'" in out and "'tokens_equal_first_run': False" not in out
-
-
 def test_host_gap_smoke():
     out = _run([os.path.join(BENCH, "host_gap.py"), "--smoke"])
     assert "decode step" in out and "# by cumulative" in out
@@ -211,21 +123,6 @@ def test_bench_tp_smoke():
     pytest.importorskip("torch.distributed.tensor")
     out = _run([os.path.join(BENCH, "bench_tp.py"), "--smoke", "--skip-tp1"], torchrun=True)
     assert "'method': 'tp2'" in out
-
-
-def test_probe_tile_layout_smoke():
-    """Every layout and tiles-in-flight variant of the tile stream reads the whole buffer."""
-    out = _run([os.path.join(BENCH, "probe_tile_layout.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
-    assert "every layout and depth sums the whole buffer" in out, out[-2000:]
-
-
-def test_probe_rank_blocks_smoke(tmp_path):
-    out = _run([os.path.join(BENCH, "probe_rank_blocks.py"), "--smoke", "--workloads", "32x8_r64",
-                "--rank-blocks", "16", "64", "--out", str(tmp_path)],
-               env_extra={"TRITON_INTERPRET": "1"})
-    errs = [float(s.split("'")[0]) for s in out.split("'max_rel_err': '")[1:]]
-    assert len(errs) == 2 and max(errs) < 1e-5, out[-2000:]
-    assert "'r_sub': 16" in out and "'r_sub': 64" in out  # the setting reached the kernel's config
 
 
 def test_step_timeline_split():
@@ -318,12 +215,6 @@ def test_step_timeline_charges_by_place_in_the_layer():
 def test_step_timeline_smoke():
     out = _run([os.path.join(BENCH, "step_timeline.py"), "--smoke"])
     assert "fastlora_graphs fastlora: patched" in out
-
-
-def test_probe_rotary_kv_smoke():
-    """The probe's one-kernel rotary and KV write gives the two kernels' q, caches and length exactly."""
-    out = _run([os.path.join(BENCH, "probe_rotary_kv.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
-    assert "equal the two kernels'" in out
 
 
 def test_kernel_resources_smoke(tmp_path):
