@@ -4,19 +4,20 @@
 For each GEMM of one layer (q/k/v fused, o, gate/up fused, down; ``--fold-rows``: the adapters' A
 rows stacked under each weight, as the mixed step's folded ``[W; A]`` GEMMs are) and each batch,
 the model's layer count of distinct weights are multiplied in one CUDA graph (L2 holds none of
-them), each GEMM after fastlora's RMSNorm writing its input as in a step (``--chains alone``: back to
-back), and the replay is timed with the L2 flushed. Reported: microseconds a GEMM, the weight's bytes
+them), each GEMM after fastlora's RMSNorm writing its input as in a step (``--chains alone``: back
+to back), and the replay is timed with the L2 flushed. Reported: microseconds a GEMM, the weight's bytes
 over that time as a share of the copy bandwidth measured in the same run, and the ratio to cuBLAS.
 Every candidate is first checked against ``F.linear``. Implementations:
 
 - ``cublas``: ``torch.matmul`` (``--bound`` adds ``cublaslt``, the same through
-  ``preferred_blas_library("cublaslt")``, and ``inductor``: ``torch.compile`` max-autotune of
-  ``x @ w.T``, Inductor's own search over its Triton templates and cuBLAS);
+  ``preferred_blas_library("cublaslt")``, and ``inductor`` / ``inductor_triton``: ``torch.compile``
+  max-autotune of ``x @ w.T``, Inductor's own search over its Triton templates and ATen's GEMM, or
+  the templates alone);
 - ``stream_*``: ``ops.stream_gemm`` at each config of its sweep (layers narrower than 4,096 outputs
   take the narrow sweep: more K ranges), for batches up to 64;
 - ``tma_*``: ``ops.tma_gemm`` at each tile of its sweep, for batches of 65-128;
-- ``read_*``: a kernel that only streams the weight (sums each row): what the bytes alone cost a
-  kernel, not a GEMM (``--bound``);
+- ``read_bound_*``: a kernel that only streams the weight (sums each row): what the bytes alone cost
+  a kernel, not a GEMM (at the run's first batch);
 - ``--glu``: gate/up with the activation, cuBLAS then ``act_mul`` against the kernels' gated
   epilogue.
 
@@ -56,17 +57,22 @@ from peft_fastlora.ops.tma_gemm import MAX_ROWS, SHARED_BYTES, TmaConfig, shared
 # StreamConfig: (block_n, block_k, split_k, num_warps, num_stages, prefetch bytes, preload)
 STREAM_SWEEP = [(64, 128, 1, 4, 6, 0, False), (64, 128, 1, 4, 8, 0, False), (64, 64, 1, 4, 8, 0, False),
                 (64, 256, 1, 4, 4, 0, False), (64, 128, 1, 8, 6, 0, False), (64, 128, 1, 4, 6, 0, True),
-                (32, 128, 1, 4, 8, 0, False), (32, 256, 1, 4, 4, 0, True), (128, 64, 1, 4, 6, 0, False),
-                (128, 128, 1, 8, 4, 0, False), (16, 256, 1, 4, 6, 0, True), (64, 128, 2, 4, 6, 0, True),
-                (128, 128, 2, 8, 4, 0, True), (64, 256, 4, 4, 4, 0, False), (128, 128, 4, 8, 4, 0, True)]
+                (64, 128, 1, 4, 6, 4096, False), (64, 128, 1, 4, 6, 4096, True), (32, 128, 1, 4, 8, 0, False),
+                (32, 256, 1, 4, 4, 0, False), (32, 256, 1, 4, 4, 0, True), (128, 64, 1, 4, 6, 0, False),
+                (128, 128, 1, 8, 4, 0, False), (16, 512, 1, 4, 4, 0, False), (16, 256, 1, 4, 6, 0, True),
+                (64, 128, 2, 4, 6, 0, True), (128, 128, 2, 8, 4, 0, True), (64, 256, 4, 4, 4, 0, False),
+                (128, 128, 4, 8, 4, 0, True)]
 # layers narrower than 4,096 outputs (a 1B model's q/k/v, o and down): too few column blocks to cover
 # the SMs without splitting K, so narrow tiles and 2-8 K ranges
 NARROW_SWEEP = [(64, 128, 1, 4, 8, 0, False), (32, 128, 1, 4, 8, 0, False), (64, 128, 2, 4, 6, 0, True),
                 (64, 128, 2, 4, 6, 0, False), (64, 128, 4, 4, 6, 0, False), (64, 128, 4, 4, 4, 0, True),
-                (64, 256, 4, 4, 4, 0, False), (64, 128, 8, 4, 4, 0, False), (32, 128, 4, 4, 6, 0, False),
-                (32, 256, 2, 4, 4, 0, False), (16, 256, 4, 4, 4, 0, False), (64, 128, 3, 4, 6, 0, False)]
-STREAM_GLU = [(64, 128, 1, 8, 4, 0, False), (64, 128, 1, 4, 4, 0, False), (64, 64, 1, 4, 6, 0, False),
-              (32, 128, 1, 4, 6, 0, False)]
+                (64, 256, 4, 4, 4, 0, False), (64, 128, 8, 4, 4, 0, False), (32, 128, 2, 4, 8, 0, False),
+                (32, 128, 4, 4, 6, 0, False), (32, 256, 2, 4, 4, 0, False), (32, 256, 4, 4, 4, 0, False),
+                (32, 128, 8, 4, 4, 0, False), (16, 256, 2, 4, 6, 0, False), (16, 256, 4, 4, 4, 0, False),
+                (128, 128, 4, 8, 4, 0, False), (64, 128, 3, 4, 6, 0, False), (64, 128, 2, 4, 8, 0, False)]
+STREAM_GLU = [(64, 128, 1, 8, 4, 0, False), (64, 128, 1, 4, 4, 0, False), (64, 128, 1, 8, 3, 0, False),
+              (64, 64, 1, 4, 6, 0, False), (32, 128, 1, 4, 6, 0, False), (32, 256, 1, 4, 3, 0, False),
+              (128, 64, 1, 8, 3, 0, False)]
 # TmaConfig: (block_n, block_k, num_warps, num_stages), each in 1, 2 or 4 K ranges where the layer is
 # narrow enough to split; the widest tiles also at the K ranges that give about one program an SM
 TMA_TILES = [(128, 64, 8, 4), (128, 64, 8, 6), (128, 64, 4, 4), (128, 128, 8, 3), (64, 128, 4, 4), (64, 64, 4, 6),
@@ -127,8 +133,13 @@ def read_bound(w, y, tile):
                                                        num_stages=stages, launch_pdl=use_pdl > 0)
 
 
-def compiled_linear():
-    """A fresh ``x @ w.T`` compiled with max-autotune (a new function object: its own cache entry)."""
+def compiled_linear(triton_only: bool):
+    """A fresh ``x @ w.T`` compiled with max-autotune (a new function object: its own cache entry),
+    searching Inductor's Triton templates and ATen's GEMM, or the templates alone."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.max_autotune_gemm_backends = "TRITON" if triton_only else "ATEN,TRITON"
+
     def linear(x, w):
         return x @ w.T
 
@@ -136,7 +147,8 @@ def compiled_linear():
 
 
 def candidates(args, n, bs, work, sums):
-    """(name, config, gemm(a, w, out)) of every implementation timed at this width and batch."""
+    """(name, config, gemm(a, w, out)) of every implementation timed at this width and batch (the
+    read-only kernel at the run's first batch: it does not depend on the rows)."""
     def blas(lib):
         def gemm(a, w, o):
             torch.backends.cuda.preferred_blas_library(lib)
@@ -146,9 +158,11 @@ def candidates(args, n, bs, work, sums):
     out = [("cublas", None, blas("cublas"))]
     if args.bound:
         out.append(("cublaslt", None, blas("cublaslt")))
-        fn = compiled_linear()
-        out.append(("inductor", None, lambda a, w, o, fn=fn: fn(a, w)))
-        out += [("read_n{}_k{}_w{}_st{}".format(*t), t, lambda a, w, o, t=t: read_bound(w, sums, t))
+        for name, triton_only in (("inductor", False), ("inductor_triton", True)):
+            fn = compiled_linear(triton_only)
+            out.append((name, None, lambda a, w, o, fn=fn: fn(a, w)))
+    if bs == args.batches[0]:
+        out += [("read_bound_n{}_k{}_w{}_st{}".format(*t), t, lambda a, w, o, t=t: read_bound(w, sums, t))
                 for t in READ_TILES]
     if bs <= 64:
         sweep = NARROW_SWEEP if n < 4096 else STREAM_SWEEP
@@ -204,26 +218,31 @@ def gemm_sweep(args, timer, bw, vers, results):
                     if not name.startswith("read") and not checked(
                             f"{site} {name} b{bs}", lambda: gemm(x, ws[0], outs[0]), ref):
                         continue
-                    if args.chain == "alone":
-                        chain = lambda gemm=gemm: [gemm(x, w, o) for w, o in zip(ws, outs)]  # noqa: E731
-                    else:
-                        chain = lambda gemm=gemm: [gemm(rms_norm(x, norm_w, 1e-5), w, o)  # noqa: E731
-                                                   for w, o in zip(ws, outs)]
-                    us = time_chain(timer, chain, layers)
-                    if us is None:
-                        continue
-                    times[name] = us
-                    if name == "cublas" or name.startswith("tma"):
-                        results.setdefault((cls, cfg or "cublas"), {})[(site, k, fold, bs)] = us
-                for name, us in times.items():
+                    for chain in args.chains:
+                        if chain == "alone":
+                            fn = lambda gemm=gemm: [gemm(x, w, o) for w, o in zip(ws, outs)]  # noqa: E731
+                        else:
+                            fn = lambda gemm=gemm: [gemm(rms_norm(x, norm_w, 1e-5), w, o)  # noqa: E731
+                                                    for w, o in zip(ws, outs)]
+                        us = time_chain(timer, fn, layers)
+                        if us is None:
+                            break
+                        times[(name, chain)] = us
+                        if chain == "after_norm" and bs > 64 and (name == "cublas" or name.startswith("tma")):
+                            results.setdefault((cls, cfg or "cublas"), {})[(site, k, fold, bs)] = us
+                for (name, chain), us in times.items():
+                    base = times.get(("cublas", chain))
                     rows.append(dict(vers, model=args.model, fold_rows=fold, site=site, shape_class=cls, n=n, k=k,
-                                     batch=bs, chain=args.chain, impl=name, us=round(us, 2),
+                                     batch=bs, chain=chain, impl=name, us=round(us, 2),
                                      of_copy_bw=round(n * k * 2 / (us * 1e-6) / bw, 3),
-                                     vs_cublas=round(us / times["cublas"], 3) if "cublas" in times else ""))
-                best = min((nm for nm in times if nm != "cublas" and not nm.startswith("read")), key=times.get,
-                           default=None)
-                print(f"{site:8s} fold {fold:3d} b{bs:<3d} cublas {times.get('cublas', 0):8.2f} us; best "
-                      f"{best} {times.get(best, 0):8.2f} us", flush=True)
+                                     vs_cublas=round(us / base, 3) if base else ""))
+                for chain in args.chains:
+                    mine = {nm: t for (nm, ch), t in times.items() if ch == chain and nm != "cublas"
+                            and not nm.startswith("read")}
+                    best = min(mine, key=mine.get, default=None)
+                    base = times.get(("cublas", chain), 0)
+                    print(f"{site:8s} fold {fold:3d} b{bs:<3d} {chain:10s} cublas {base:8.2f} us; best {best} "
+                          f"{mine.get(best, 0):8.2f} us", flush=True)
             ws = outs = work = None
             if dev == "cuda":
                 torch.cuda.empty_cache()
@@ -266,7 +285,7 @@ def glu_sweep(args, timer, bw, vers, results):
                     results.setdefault(("glu", cfg or "cublas"), {})[("gate_up_act", k, 0, bs)] = us
         for name, us in times.items():
             rows.append(dict(vers, model=args.model, fold_rows=0, site="gate_up_act", shape_class="glu", n=n2, k=k,
-                             batch=bs, chain=args.chain, impl=name, us=round(us, 2),
+                             batch=bs, chain="after_norm", impl=name, us=round(us, 2),
                              of_copy_bw=round(n2 * k * 2 / (us * 1e-6) / bw, 3),
                              vs_cublas=round(us / times["cublas+act_mul"], 3) if "cublas+act_mul" in times else ""))
     return rows
@@ -360,7 +379,8 @@ def main(argv=None):
     p.add_argument("--sites", nargs="+", default=["qkv", "o", "gate_up", "down"])
     p.add_argument("--fold-rows", type=int, nargs="+", default=[0],
                    help="A rows stacked under each weight (0: the plain layer; 128: 8 adapters of rank 16)")
-    p.add_argument("--chain", choices=["after_norm", "alone"], default="after_norm")
+    p.add_argument("--chains", nargs="+", choices=["after_norm", "alone"], default=["after_norm"],
+                   help="each GEMM after an RMSNorm that writes its input (as in a step), or back to back")
     p.add_argument("--glu", action="store_true", help="also gate/up with the activation in the epilogue")
     p.add_argument("--bound", action="store_true",
                    help="also cuBLASLt, Inductor's max-autotune and the read-only kernel")

@@ -5,7 +5,7 @@ Implementations, each timed in this one run on this GPU:
   graph replays: decode-sized batches (16-row chunks) run shrink + expand as one fused launch,
   prefill the shrink and expand kernels;
 - ``triton_2k``: the same backend with ``fused_decode=False``: always the shrink and expand
-  kernels (two launches), the path decode took before the fused kernel;
+  kernels (two launches), the path prefill takes;
 - ``torch_native``: the reference backend, eager (it syncs with the host, so no graph);
 - ``peft_loop``: PEFT's mixed-batch path re-implemented (``_mixed_batch_forward`` of
   ``peft/tuners/lora/layer.py``): per projection, per distinct adapter, index the rows, run

@@ -107,8 +107,8 @@ def main(argv=None) -> int:
         rows.append((f"tp{world}", world, b, prefill, step))
     stats = fastlora.get_state(model).graph_runner.stats if fastlora.get_state(model).graph_runner else {}
     stats = dict(stats)
-    # release the graphs (and the collectives captured in them) before the process group goes: the
-    # last run's processes outlived the device call after writing their results
+    # release the graphs (and the collectives captured in them) before the process group goes:
+    # graphs holding captured collectives keep the ranks' processes from exiting
     fastlora.unpatch(model)
     if rank == 0:
         print("graph runner:", stats, flush=True)
