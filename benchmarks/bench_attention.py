@@ -16,13 +16,15 @@ the same index, left padding of 0..47 slots expressed by the mask, as fastlora's
 hold them). The byte floor of one call is the K/V of the attended positions + q + output + mask over
 the measured copy bandwidth; the launch floor is a graph of as many empty kernels.
 
-    python benchmarks/bench_attention.py --out benchmarks/results/attention_h200.csv
+    python benchmarks/bench_attention.py                      # attention_h200.csv
+    python benchmarks/bench_attention.py --batches 16 48 64 96 192 256 --no-sweep --tag batches
+    python benchmarks/bench_attention.py --grid "num_warps=1,2,4 block_n=16,32,64" --batches 128
+    python benchmarks/bench_attention.py --smoke            # CPU (Triton's interpreter): checks the script
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib
 import os
 import sys
@@ -31,6 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness as hx  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 MODEL_LAYERS = 32  # Llama-3-8B: the "per step" column is the per-call time times this
@@ -40,7 +43,9 @@ MAX_PAD = 48
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results/attention_h200.csv", help="CSV path")
+    p.add_argument("--out", default=hx.RESULTS, help="folder for attention[_<tag>]_<gpu>.csv")
+    p.add_argument("--tag", default="", help="added to the CSV's name")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under Triton's interpreter")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--cache-len", type=int, default=512)
     p.add_argument("--filled", type=int, default=200, help="cache index every row is filled to")
@@ -59,16 +64,26 @@ def parse_args(argv=None):
 
 
 # ---- inputs and implementations --------------------------------------------------------------
+def smoke_settings(args):
+    """Heads, widths and lengths a few interpreted launches cover (fp32: the interpreter's bf16
+    rounds differently from the GPU's), a two-point grid."""
+    global HEADS, KV_HEADS, HEAD_DIM, DTYPE, MAX_PAD
+    HEADS, KV_HEADS, HEAD_DIM, DTYPE, MAX_PAD = 4, 2, 16, torch.float32, 4
+    args.batches, args.cache_len, args.filled, args.layers, args.iters = [2], 32, 20, 2, 1
+    args.grid = args.grid or "num_warps=1 block_n=16,32"
+
+
 def make_inputs(bsz, layers, cache_len, filled, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = hx.DEVICE
+    g = torch.Generator(device=dev).manual_seed(seed)
     qs, ks, vs = [], [], []
     for _ in range(layers):
-        qs.append(torch.randn(bsz, HEADS, 1, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g))
-        ks.append(torch.randn(bsz, KV_HEADS, cache_len, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g))
-        vs.append(torch.randn(bsz, KV_HEADS, cache_len, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g))
-    pad = torch.randint(0, MAX_PAD, (bsz,), device="cuda", generator=g)
+        qs.append(torch.randn(bsz, HEADS, 1, HEAD_DIM, device=dev, dtype=DTYPE, generator=g))
+        ks.append(torch.randn(bsz, KV_HEADS, cache_len, HEAD_DIM, device=dev, dtype=DTYPE, generator=g))
+        vs.append(torch.randn(bsz, KV_HEADS, cache_len, HEAD_DIM, device=dev, dtype=DTYPE, generator=g))
+    pad = torch.randint(0, MAX_PAD, (bsz,), device=dev, generator=g)
     pad[0] = 0
-    pos = torch.arange(cache_len, device="cuda")
+    pos = torch.arange(cache_len, device=dev)
     mask = ((pos[None] >= pad[:, None]) & (pos[None] < filled))[:, None, None, :]
     return qs, ks, vs, mask
 
@@ -176,12 +191,12 @@ def bench_batch(args, bsz, timer, capture, launch_floor, bandwidth, meta, deadli
             us = time_graph(timer, capture, fn, args.layers, inputs)
         except torch.cuda.OutOfMemoryError as e:
             print(f"  {name} batch {bsz}: out of memory ({e})", file=sys.stderr)
-            torch.cuda.empty_cache()
+            empty_cache()
             continue
         config = (f"splits={cfg['num_splits']} block_n={cfg['block_n']} warps={cfg['num_warps']} "
                   f"stages={cfg['num_stages']}") if name == "fastlora" else ""
         add(name, config, us, err)
-        torch.cuda.empty_cache()
+        empty_cache()
 
     if not args.no_sweep:
         best = {"num_splits": cfg["num_splits"], "block_n": cfg["block_n"], "num_warps": cfg["num_warps"],
@@ -219,8 +234,13 @@ def bench_batch(args, bsz, timer, capture, launch_floor, bandwidth, meta, deadli
     for r in rows:
         r["speedup_vs_hf_sdpa"] = round(hf / r["time_us"], 2) if hf else ""
     del inputs, qs, ks, vs
-    torch.cuda.empty_cache()
+    empty_cache()
     return rows
+
+
+def empty_cache():
+    if hx.DEVICE == "cuda":
+        torch.cuda.empty_cache()
 
 
 def print_table(results):
@@ -234,38 +254,30 @@ def print_table(results):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_attention: needs a CUDA GPU (nothing measured)")
+    if args.smoke:
+        hx.use_cpu()
+        smoke_settings(args)
+        args.out = None if args.out == hx.RESULTS else args.out
+    elif hx.needs_gpu("bench_attention"):
         return 0
-    import triton
-    import transformers
-
-    from bench_kernels import Timer, capture, copy_bandwidth, launch_floor
-
     attention = importlib.import_module("peft_fastlora.ops.decode_attention")
     attention.DENSE_SPANS = args.dense_spans == "on"
     attention.LEAN = args.lean == "on"
     torch.manual_seed(0)
-    timer = Timer(args.iters)
-    bandwidth = copy_bandwidth(timer)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                transformers=transformers.__version__, copy_bw_gbs=round(bandwidth / 1e9, 1),
-                layers_per_graph=args.layers, dense_spans=args.dense_spans, lean=args.lean)
+    timer = hx.GpuTimer(args.iters)
+    bandwidth = hx.copy_bandwidth()
+    meta = dict(hx.versions(), copy_bw_gbs=round(bandwidth / 1e9, 1), layers_per_graph=args.layers,
+                dense_spans=args.dense_spans, lean=args.lean)
     print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  transformers "
           f"{meta['transformers']}  copy bandwidth {meta['copy_bw_gbs']} GB/s (read + written)")
     results = []
     per_batch = args.sweep_budget_s / max(1, len(args.batches))
     for bsz in args.batches:
         deadline = time.perf_counter() + per_batch
-        results += bench_batch(args, bsz, timer, capture, launch_floor, bandwidth, meta, deadline)
+        results += bench_batch(args, bsz, timer, hx.capture, hx.launch_floor, bandwidth, meta, deadline)
         print(f"  batch {bsz}: done", file=sys.stderr)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    fields = list(dict.fromkeys(k for r in results for k in r))
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(results)
-    print(f"csv: {args.out}")
+    if args.out:
+        hx.write_csv(results, hx.out_path(args.out, "_".join(x for x in ("attention", args.tag) if x), meta["gpu"]))
     print_table(results)
     return 0
 

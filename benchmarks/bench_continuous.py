@@ -1,6 +1,6 @@
 """Continuous batching with one adapter per request: throughput and latency on a server-like load.
 
-    python benchmarks/bench_continuous.py --model 8b --adapters 32 --requests 2000 --out benchmarks/results
+    python benchmarks/bench_continuous.py --model 8b --adapters 32 --requests 2000   # continuous_8b_h200.csv
     python benchmarks/bench_continuous.py --smoke      # CPU: checks the script, measures nothing
 
 Requests have log-normal prompt and output lengths (means ``--prompt-mean`` / ``--output-mean``,
@@ -8,23 +8,28 @@ outputs capped at ``--output-cap``) and adapters drawn from a Zipf distribution 
 (random weights never emit EOS: every request produces exactly its output length). All are queued
 at once (offline throughput). Modes, each on the same requests:
 
-- ``fastlora``: the patched PeftModel through transformers' continuous batching, one adapter per
-  request (``add_request(..., adapter_name=...)``);
-- ``base``: the base model alone through the same engine (what the adapters cost);
-- ``base_graphs`` / ``fastlora_graphs``: the same two with the engine's CUDA graphs on
-  (``use_cuda_graph=True``; warmed up before the clock starts, as a server would be);
-- ``base_varlen`` / ``fastlora_varlen``: graphs on, and the engine's attention replaced by
+- ``base`` / ``base_graphs``: the unpatched HF base model through the same engine, its CUDA graphs
+  off / on (``use_cuda_graph=True``; warmed up before the clock starts, as a server would be), the
+  engine's own attention;
+- ``base_varlen``: the unpatched base model, graphs on, its engine attention replaced by fastlora's
   ``paged|fastlora_varlen`` (each request's queries against its own keys, PyTorch's flash varlen
-  kernel) instead of its masked attention over the whole step (the other modes set
-  ``engine_attention="engine"``);
+  kernel) instead of the engine's masked attention over the whole step;
+- ``base_patched`` / ``base_patched_graphs`` / ``base_patched_varlen``: the base model patched by
+  fastlora (``fastlora.patch`` on the plain model, no adapters) through the same engine: the
+  like-for-like references of the three fastlora modes;
+- ``fastlora`` / ``fastlora_graphs`` / ``fastlora_varlen``: the patched PeftModel through the engine,
+  one adapter per request (``add_request(..., adapter_name=...)``), graphs off / on / on with the
+  varlen attention (``patch(engine_attention=...)``: "engine" for the first two, "varlen" for the third);
 - ``static``: the patched model through ``generate`` in static batches of ``--static-batch`` rows
-  (left-padded; every row waits for the longest);
+  (left-padded; every row waits for the longest), on the first ``--static-requests`` requests;
 - ``peft``: PEFT's own mixed-batch ``generate`` (unpatched) in the same static batches, on a sample:
   the first ``--peft-requests`` requests with outputs capped at ``--peft-tokens`` (it is far slower).
 
 Per mode: output tokens/s (the tokens the requests asked for; a static batch computes more),
 request latency p50/p99 (queued to last token), time to first token
-p50/p99 (from the engine's timestamps). One CSV row per mode, with the GPU and package versions.
+p50/p99 (from the engine's timestamps); for the fastlora modes the time per output token against
+the patched base model in the same engine mode (``time_per_token_vs_base_patched``) and against the
+unpatched one (``time_per_token_vs_base``). One CSV row per mode, with the GPU and package versions.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_generate as bg  # noqa: E402  (model shapes, builders, versions)
+import harness as hx  # noqa: E402
 
 
 def workload(args):
@@ -52,7 +57,7 @@ def workload(args):
 
     weights = [1 / (k + 1) ** args.zipf for k in range(args.adapters)]
     names = [f"a{i}" for i in range(args.adapters)]
-    vocab = bg.SHAPES[args.model]["vocab_size"]
+    vocab = hx.SHAPES[args.model]["vocab_size"]
     reqs = []
     for _ in range(args.requests):
         prompt = [rng.randrange(3, vocab) for _ in range(lognormal(args.prompt_mean, args.prompt_cap))]
@@ -127,10 +132,10 @@ def run_static(model, reqs, args):
             ids[r, width - len(p):] = torch.tensor(p)
             mask[r, width - len(p):] = 1
         with torch.no_grad():
-            model.generate(input_ids=ids.to(bg.DEVICE), attention_mask=mask.to(bg.DEVICE),
+            model.generate(input_ids=ids.to(hx.DEVICE), attention_mask=mask.to(hx.DEVICE),
                            adapter_names=[n for _, n, _ in group], max_new_tokens=max(k for _, _, k in group),
                            do_sample=False, pad_token_id=0)
-        bg.sync()
+        hx.sync()
         latency += [time.perf_counter() - t0] * len(group)  # all were queued at t0
     seconds = time.perf_counter() - t0
     return seconds, latency, [], {}
@@ -143,25 +148,81 @@ def pct(values, q):
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-MODES = ["base", "base_graphs", "base_varlen", "fastlora", "fastlora_graphs", "fastlora_varlen", "static", "peft"]
+MODES = ["base", "base_graphs", "base_varlen", "base_patched", "base_patched_graphs", "base_patched_varlen",
+         "fastlora", "fastlora_graphs", "fastlora_varlen", "static", "peft"]
+# each fastlora mode's references: the patched base model and the unpatched one, same engine mode
+REFERENCES = {"fastlora": ("base_patched", "base"), "fastlora_graphs": ("base_patched_graphs", "base_graphs"),
+              "fastlora_varlen": ("base_patched_varlen", "base_varlen")}
 
 
 def varlen_attention_on(model, on: bool):
-    """The base model's engine attention: fastlora's varlen one (on) or the engine's own."""
-    from peft_fastlora import _compat
+    """The unpatched model's engine attention: fastlora's varlen one (on) or the model's own, through
+    transformers' public attention registry."""
+    from transformers import AttentionInterface
+
     from peft_fastlora.base_ops.paged_attention import PAGED_NAME, paged_varlen_attention
 
+    def set_attention(name):
+        setter = getattr(model, "set_attn_implementation", None)
+        if setter is not None:
+            setter(name)
+        else:  # older transformers: the config attribute is the switch
+            model.config._attn_implementation = name
+
     if on:
-        model.__dict__["_bench_attn"] = _compat.attn_implementation(model)
-        _compat.register_paged_attention(PAGED_NAME, paged_varlen_attention)
-        _compat.set_attn_implementation(model, PAGED_NAME)
+        model.__dict__["_bench_attn"] = model.config._attn_implementation
+        AttentionInterface.register(PAGED_NAME, paged_varlen_attention)
+        set_attention(PAGED_NAME)
     elif "_bench_attn" in model.__dict__:
-        _compat.set_attn_implementation(model, model.__dict__.pop("_bench_attn"))
+        set_attention(model.__dict__.pop("_bench_attn"))
+
+
+def engine_attention(mode: str) -> str:
+    return "varlen" if mode.endswith("_varlen") else "engine"
+
+
+def run_mode(mode, base, model, reqs, args):
+    """(requests used, (seconds, latencies, times to first token, graph stats), the PeftModel): one
+    mode's run; the PeftModel is made at the first mode that needs it (after every base mode: adding
+    adapters changes the base model's modules in place)."""
+    import peft_fastlora as fastlora
+
+    graphs = mode.endswith(("_graphs", "_varlen"))
+    if mode in ("base", "base_graphs", "base_varlen"):
+        varlen_attention_on(base, mode == "base_varlen")
+        try:
+            return reqs, run_engine(base, reqs, args, False, graphs), model
+        finally:
+            varlen_attention_on(base, False)
+    if mode.startswith("base_patched"):
+        print(fastlora.patch(base, engine_attention=engine_attention(mode)), file=sys.stderr)
+        try:
+            return reqs, run_engine(base, reqs, args, False, graphs), model
+        finally:
+            fastlora.unpatch(base)
+    if model is None:
+        model = hx.add_adapters(base, args.adapters, args.rank)
+    state = fastlora.get_state(model)
+    if mode == "peft":  # PEFT's own path: unpatched, on a capped sample
+        if state is not None:
+            fastlora.unpatch(model)
+        used = [(q, n, min(k, args.peft_tokens)) for q, n, k in reqs[:args.peft_requests]]
+        return used, run_static(model, used, args), model
+    attention = engine_attention(mode) if mode.startswith("fastlora") else (
+        state.options.engine_attention if state is not None else "engine")
+    if state is None or state.options.engine_attention != attention:
+        if state is not None:
+            fastlora.unpatch(model)
+        print(fastlora.patch(model, engine_attention=attention), file=sys.stderr)
+    if mode.startswith("fastlora"):
+        return reqs, run_engine(model, reqs, args, True, graphs), model
+    used = reqs[:args.static_requests or len(reqs)]
+    return used, run_static(model, used, args), model
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bg.add_model_args(p, adapters=32)
+    hx.add_model_args(p, adapters=32)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--prompt-mean", type=float, default=300)
     p.add_argument("--prompt-cap", type=int, default=4000)
@@ -171,73 +232,48 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--cache-tokens", type=int, default=0, help="0: the engine sizes its cache from free memory")
     p.add_argument("--static-batch", type=int, default=32)
-    p.add_argument("--static-requests", type=int, default=0,
+    p.add_argument("--static-requests", type=int, default=128,
                    help="static mode on the first N requests only (0: all); its tokens/s is over those")
     p.add_argument("--peft-requests", type=int, default=32)
     p.add_argument("--peft-tokens", type=int, default=16)
-    p.add_argument("--modes", nargs="+", default=["base", "fastlora", "static"], choices=MODES,
-                   help="the CSV is rewritten after each mode, so a cut-off run keeps what finished")
+    p.add_argument("--modes", nargs="+", default=["base_patched_varlen", "base_varlen", "fastlora_varlen", "static"],
+                   choices=MODES, help="the CSV is rewritten after each mode, so a cut-off run keeps what finished")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="folder for continuous_<gpu>.csv")
-    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few requests")
+    hx.add_run_args(p)
     args = p.parse_args(argv)
+    if not hx.start(args, "bench_continuous"):
+        return 0
     if args.smoke:
-        bg.DEVICE = "cpu"
         args.model, args.adapters, args.requests = "tiny", 4, 12
         args.prompt_mean, args.output_mean, args.output_cap, args.prompt_cap = 20, 6, 12, 60
-        args.max_batch_tokens, args.cache_tokens, args.static_batch = 64, 4096, 4
-    import peft_fastlora as fastlora
+        args.max_batch_tokens, args.cache_tokens, args.static_batch, args.static_requests = 64, 4096, 4, 0
 
     reqs = workload(args)
-    info = bg.versions()
-    base = bg.build_base(args.model)
-    model = None
-    table = []
-    # base first: adding adapters changes the base model's modules in place
+    info = hx.versions()
+    base = hx.build_base(args.model)
+    model, table = None, []
     for mode in sorted(set(args.modes), key=MODES.index):
-        graphs, varlen = mode.endswith(("_graphs", "_varlen")), mode.endswith("_varlen")
-        if mode.startswith("base"):
-            varlen_attention_on(base, varlen)
-            used, (seconds, latency, ttft, stats) = reqs, run_engine(base, reqs, args, False, graphs)
-            varlen_attention_on(base, False)
-        else:
-            attention = "varlen" if varlen else "engine"
-            if model is None:
-                model = bg.add_adapters(base, args.adapters, args.rank)
-            state = fastlora.get_state(model)
-            if mode == "peft":  # PEFT's own path: unpatched, on a capped sample
-                if state is not None:
-                    fastlora.unpatch(model)
-                used = [(q, n, min(k, args.peft_tokens)) for q, n, k in reqs[:args.peft_requests]]
-                seconds, latency, ttft, stats = run_static(model, used, args)
-            else:
-                if state is None or state.options.engine_attention != attention:
-                    if state is not None:
-                        fastlora.unpatch(model)
-                    print(fastlora.patch(model, engine_attention=attention), file=sys.stderr)
-                if mode.startswith("fastlora"):
-                    used, (seconds, latency, ttft, stats) = reqs, run_engine(model, reqs, args, True, graphs)
-                else:
-                    used = reqs[:args.static_requests or len(reqs)]
-                    seconds, latency, ttft, stats = run_static(model, used, args)
+        used, (seconds, latency, ttft, stats), model = run_mode(mode, base, model, reqs, args)
         out_tokens = sum(n for _, _, n in used)
-        table.append(dict(mode=mode, model=args.model, adapters=args.adapters, rank=args.rank, requests=len(used),
-                          output_tokens=out_tokens, seconds=round(seconds, 3),
-                          tokens_per_s=round(out_tokens / seconds, 1),
-                          latency_p50_s=round(pct(latency, 0.5), 3), latency_p99_s=round(pct(latency, 0.99), 3),
-                          ttft_p50_s=round(pct(ttft, 0.5), 3), ttft_p99_s=round(pct(ttft, 0.99), 3),
-                          mean_prompt=round(statistics.mean(len(q) for q, _, _ in used), 1),
-                          max_batch_tokens=args.max_batch_tokens,
-                          lora_graphed_steps=stats.get("graphed_steps", ""),
-                          lora_eager_steps=stats.get("eager_steps", ""), time_per_token_vs_base="", **info))
-        same = {"fastlora": "base", "fastlora_graphs": "base_graphs", "fastlora_varlen": "base_varlen"}.get(mode)
-        for row in table:
-            if row["mode"] == same:  # time per output token against the adapter-free engine
-                table[-1]["time_per_token_vs_base"] = round(row["tokens_per_s"] / table[-1]["tokens_per_s"], 3)
-        print(table[-1], file=sys.stderr)
-        if args.out and not args.smoke:
-            path = bg.write_csv(table, args.out, f"continuous_{info['gpu'].split()[-1].lower()}.csv")
-            print(f"written {path}", file=sys.stderr)
+        row = dict(mode=mode, model=args.model, adapters=0 if mode.startswith("base") else args.adapters,
+                   rank=args.rank, requests=len(used), output_tokens=out_tokens, seconds=round(seconds, 3),
+                   tokens_per_s=round(out_tokens / seconds, 1),
+                   latency_p50_s=round(pct(latency, 0.5), 3), latency_p99_s=round(pct(latency, 0.99), 3),
+                   ttft_p50_s=round(pct(ttft, 0.5), 3), ttft_p99_s=round(pct(ttft, 0.99), 3),
+                   mean_prompt=round(statistics.mean(len(q) for q, _, _ in used), 1),
+                   max_batch_tokens=args.max_batch_tokens, lora_graphed_steps=stats.get("graphed_steps", ""),
+                   lora_eager_steps=stats.get("eager_steps", ""), time_per_token_vs_base_patched="",
+                   time_per_token_vs_base="", **info)
+        table.append(row)
+        patched, unpatched = REFERENCES.get(mode, (None, None))
+        for ref in table:  # time per output token against the adapter-free engine runs
+            if ref["mode"] == patched:
+                row["time_per_token_vs_base_patched"] = round(ref["tokens_per_s"] / row["tokens_per_s"], 3)
+            if ref["mode"] == unpatched:
+                row["time_per_token_vs_base"] = round(ref["tokens_per_s"] / row["tokens_per_s"], 3)
+        print(row, file=sys.stderr)
+        if args.out:
+            hx.write_csv(table, hx.out_path(args.out, f"continuous_{args.model}", info["gpu"]))
     return 0
 
 

@@ -1,7 +1,7 @@
-"""Mixed-adapter decode with the model split over GPUs by accelerate's device_map (#16): PEFT's own
+"""Mixed-adapter decode with the model split over GPUs by accelerate's device_map: PEFT's own
 mixed batch against fastlora, in one run.
 
-    python benchmarks/bench_device_map.py --model 8b --out benchmarks/results     # every visible GPU
+    python benchmarks/bench_device_map.py --model 8b     # every visible GPU: device_map_8b_h200.csv
     python benchmarks/bench_device_map.py --smoke                                # CPU: checks the script
 
 The model is built on the first GPU (random bf16 weights), its decoder layers dispatched in equal
@@ -24,7 +24,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_generate as bg  # noqa: E402  (shapes, builders, timing, floors, versions)
+import harness as hx  # noqa: E402
 
 
 def split_over(model, devices: list):
@@ -45,22 +45,27 @@ def split_over(model, devices: list):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bg.add_model_args(p, adapters=8)
-    bg.add_decode_args(p, new_tokens=32, reps=2)
+    hx.add_model_args(p, adapters=8)
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--reps", type=int, default=2)
+    hx.add_run_args(p)
     p.add_argument("--short-tokens", type=int, default=8, help="new tokens for PEFT's (slow) mixed batch")
     args = p.parse_args(argv)
+    if not hx.start(args, "bench_device_map"):
+        return 0
     if args.smoke:
-        bg.DEVICE = "cpu"
         args.model, args.adapters, args.batches, args.prompt = "tiny", 2, [2], 8
         args.new_tokens, args.short_tokens, args.reps = 4, 3, 1
     import peft_fastlora as fastlora
 
-    cuda = bg.DEVICE == "cuda"
+    cuda = hx.DEVICE == "cuda"
     n_gpus = torch.cuda.device_count() if cuda else 0
-    info = bg.versions()
-    bw = bg.copy_bandwidth() if cuda else 1e11
-    base = bg.build_base(args.model)
-    wbytes = bg.weight_bytes(base)
+    info = hx.versions()
+    bw = hx.copy_bandwidth() if cuda else 1e11
+    base = hx.build_base(args.model)
+    wbytes = hx.weight_bytes(base)
     if n_gpus > 1 or not cuda:  # (the smoke test checks the map on two "devices" of the CPU)
         base = split_over(base, list(range(n_gpus)) if cuda else ["cpu", "cpu"])
     devices = sorted({str(q.device) for q in base.parameters()})
@@ -75,25 +80,25 @@ def main(argv=None) -> int:
 
     results = {}
     for b in args.batches:
-        results[("hf_eager_base", b)] = bg.measure(lambda n, b=b: base.generate(**kw(b, n)), args.short_tokens, 1)
-    model = bg.add_adapters(base, args.adapters, args.rank)
-    names = {b: [f"a{i % args.adapters}" for i in range(b)] for b in args.batches}
+        results[("hf_eager_base", b)] = hx.measure(lambda n, b=b: base.generate(**kw(b, n)), args.short_tokens, 1)
+    model = hx.add_adapters(base, args.adapters, args.rank)
+    names = {b: hx.round_robin(b, args.adapters) for b in args.batches}
     for b in args.batches:
-        results[("peft_native", b)] = bg.measure(
+        results[("peft_native", b)] = hx.measure(
             lambda n, b=b: model.generate(**kw(b, n), adapter_names=names[b]), args.short_tokens, 1)
     report = fastlora.patch(model)
     print("fastlora", report, flush=True)
     for b in args.batches:
-        results[("fastlora", b)] = bg.measure(
+        results[("fastlora", b)] = hx.measure(
             lambda n, b=b: model.generate(**kw(b, n), adapter_names=names[b]), args.new_tokens, args.reps)
     fastlora.unpatch(model)
     rows = []
     for (method, b), (prefill, step, _) in results.items():
         used = min(b, args.adapters) if method != "hf_eager_base" else 0
-        floor = 1e3 * (wbytes + used * bg.lora_bytes_per_adapter(args.model, args.rank)
-                       + bg.kv_bytes(args.model, b, args.prompt + args.new_tokens / 2)) / bw
+        floor = 1e3 * (wbytes + used * hx.lora_bytes_per_adapter(args.model, args.rank)
+                       + hx.kv_bytes(args.model, b, args.prompt + args.new_tokens / 2)) / bw
         peft_step = results[("peft_native", b)][1]
-        rows.append(dict(**info, model=f"llama-{args.model}", gpus=len(devices), method=method, batch=b,
+        rows.append(dict(**info, model=hx.model_label(args.model), gpus=len(devices), method=method, batch=b,
                          adapters=args.adapters, rank=args.rank, prefill_ms=round(prefill, 2),
                          decode_ms_per_step=round(step, 3), tokens_per_s=round(1e3 * b / step, 1),
                          floor_ms=round(floor, 3), ratio_to_floor=round(step / floor, 3),
@@ -101,9 +106,8 @@ def main(argv=None) -> int:
                          fastlora_report=str(report) if method == "fastlora" else ""))
         print({k: rows[-1][k] for k in ("method", "batch", "decode_ms_per_step", "tokens_per_s", "ratio_to_floor",
                                         "speedup_vs_peft")}, flush=True)
-    if args.out and not args.smoke:
-        path = bg.write_csv(rows, args.out, f"device_map_{info['gpu'].split()[-1].lower()}.csv")
-        print("written", path, flush=True)
+    if args.out:
+        hx.write_csv(rows, hx.out_path(args.out, f"device_map_{args.model}", info["gpu"]))
     return 0
 
 

@@ -5,7 +5,7 @@ Implementations, each timed in this one run on this GPU:
   graph replays: decode-sized batches (16-row chunks) run shrink + expand as one fused launch,
   prefill the shrink and expand kernels;
 - ``triton_2k``: the same backend with ``fused_decode=False``: always the shrink and expand
-  kernels (two launches), the path decode took before the fused kernel;
+  kernels (two launches), the path prefill takes;
 - ``torch_native``: the reference backend, eager (it syncs with the host, so no graph);
 - ``peft_loop``: PEFT's mixed-batch path re-implemented (``_mixed_batch_forward`` of
   ``peft/tuners/lora/layer.py``): per projection, per distinct adapter, index the rows, run
@@ -21,27 +21,29 @@ bandwidth; the byte floor of an op is (A and B bytes of the adapters used, at th
 floor), ``x_floor_1k`` by max(byte floor, one-launch floor). ``fused_timeouts`` counts readers of
 the fused kernel that gave up waiting (must be 0).
 
-    python benchmarks/bench_kernels.py --out benchmarks/results/kernels_h200.csv
+    python benchmarks/bench_kernels.py                # kernels_h200.csv (and .png)
+    python benchmarks/bench_kernels.py --smoke        # CPU (Triton's interpreter): checks the script
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import gc
 import os
-import statistics
 import sys
 
 import torch
 
-HIDDEN, Q, KV, INTER = 4096, 4096, 1024, 14336
-SITES = {  # name: (input dim, column offsets of the stacked modules in the output)
-    "qkv": (HIDDEN, (0, Q, Q + KV, Q + 2 * KV)),
-    "o": (HIDDEN, (0, HIDDEN)),
-    "gate_up": (HIDDEN, (0, INTER, 2 * INTER)),
-    "down": (INTER, (0, HIDDEN)),
-}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness as hx  # noqa: E402
+
+
+def sites_of(hidden: int, q: int, kv: int, inter: int) -> dict:
+    """name: (input dim, column offsets of the stacked modules in the output)."""
+    return {"qkv": (hidden, (0, q, q + kv, q + 2 * kv)), "o": (hidden, (0, hidden)),
+            "gate_up": (hidden, (0, inter, 2 * inter)), "down": (inter, (0, hidden))}
+
+
+SITES = sites_of(4096, 4096, 1024, 14336)  # Llama-3-8B's widths
 DTYPE = torch.bfloat16
 MAX_LORAS = 32  # the pool size and max_loras_per_batch of every run (the graph grid depends on it)
 DECODE = [(1, 1), (32, 1), (32, 8), (32, 32), (128, 1), (128, 8), (128, 32)]  # (rows, adapters)
@@ -52,116 +54,20 @@ IMPLS = ("triton", "triton_2k", "torch_native", "peft_loop")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results/kernels_h200.csv", help="CSV path")
-    p.add_argument("--plot", default=None, help="PNG path (default: next to --out, if matplotlib)")
+    p.add_argument("--out", default=hx.RESULTS, help="folder for kernels_<gpu>.csv and its plot")
     p.add_argument("--iters", type=int, default=40, help="timed iterations per measurement")
     p.add_argument("--quick", action="store_true", help="qkv and rank 16 only")
+    p.add_argument("--smoke", action="store_true", help="tiny widths on the CPU under Triton's interpreter")
     return p.parse_args(argv)
 
 
-# ---- measurement -------------------------------------------------------------------------------
-class Timer:
-    def __init__(self, iters: int):
-        self.iters = iters
-        self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-
-    def __call__(self, fn) -> float:
-        """Median microseconds of ``fn()``, L2 evicted before each call."""
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        events = []
-        for _ in range(self.iters):
-            self.flush.zero_()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            events.append((a, b))
-        torch.cuda.synchronize()
-        return 1e3 * statistics.median(a.elapsed_time(b) for a, b in events)
-
-
-def copy_bandwidth(timer: Timer) -> float:
-    """Bytes read + written per second by a large device-to-device copy."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = timer(lambda: dst.copy_(src))
-    src = dst = None  # (the lambda above closes over both names: rebinding frees them too)
-    return 2 * (1 << 30) / (us * 1e-6)
-
-
-def probe_versions() -> dict:
-    """The GPU and the torch and Triton versions a kernel probe's rows carry."""
-    import bench_generate as bg
-
-    return {k: v for k, v in bg.versions().items() if k in ("gpu", "torch", "triton")}
-
-
-def gpu_probe(name: str, iters: int):
-    """A kernel probe's start: its ``Timer``, the copy bandwidth (printed) and ``probe_versions``;
-    None, with a line saying so, where there is no CUDA GPU."""
-    if not torch.cuda.is_available():
-        print(f"{name} needs a CUDA GPU (or --smoke); nothing measured")
-        return None
-    timer, bw = timer_and_bandwidth(iters)
-    return timer, bw, probe_versions()
-
-
-def timer_and_bandwidth(iters: int):
-    """A probe's start: its ``Timer``, the copy bandwidth measured with it (printed), a fixed seed."""
-    timer = Timer(iters)
-    bw = copy_bandwidth(timer)
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    torch.manual_seed(0)
-    return timer, bw
-
-
-def packed_layout(offsets, ranks):
-    """A probe's packed tables for slots of these ranks, every module at the slot's rank, blocks
-    back to back: (a_rows, b_offs) on the CPU, A rows and B elements in all."""
-    c, n = len(offsets) - 1, len(ranks)
-    a_rows = torch.zeros(n, c, dtype=torch.int32)
-    b_offs = torch.zeros(n, c, dtype=torch.int64)
-    row = off = 0
-    for s, r in enumerate(ranks):
-        for j in range(c):
-            a_rows[s, j], b_offs[s, j] = row, off
-            row += r
-            off += (offsets[j + 1] - offsets[j]) * r
-    return a_rows, b_offs, row, off
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    gc.disable()  # a collected Triton kernel object must not unload its module mid-capture
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    finally:
-        gc.enable()
-    return graph
-
-
-def launch_floor(timer: Timer, n_launches: int) -> float:
-    import triton
-
-    @triton.jit
-    def _empty(ptr):
-        pass
-
-    buf = torch.empty(1, device="cuda")
-
-    def launches():
-        for _ in range(n_launches):
-            _empty[(1,)](buf)
-
-    return timer(capture(launches).replay)
+def smoke_settings():
+    """Widths, rows and ranks a few interpreted launches cover (fp32: the interpreter's bf16 rounds
+    differently from the GPU's)."""
+    global SITES, DTYPE, MAX_LORAS, DECODE, PREFILL, RANKS
+    SITES = {k: v for k, v in sites_of(64, 64, 32, 96).items() if k != "down"}  # down: o's path, deeper
+    DTYPE, MAX_LORAS = torch.float32, 4
+    DECODE, PREFILL, RANKS = [(2, 2)], [(2, 8, 2)], (8,)
 
 
 # ---- the three implementations -----------------------------------------------------------------
@@ -202,21 +108,22 @@ def bench_config(timer, site, rank, rows, seq, n_adapters, weights, bandwidth, f
     from peft_fastlora import ForwardBatch, get_backend
     from peft_fastlora.ops import fused_supported
 
+    dev = hx.DEVICE
     TritonLoRABackend, TorchNativeLoRABackend = get_backend("triton"), get_backend("torch_native")
 
     k, offsets = SITES[site]
     c, n_total, s = len(offsets) - 1, offsets[-1], rows * seq
     a, b, ranks, scalings = weights
     wi = [i % n_adapters for i in range(rows)]
-    fb = ForwardBatch.from_shape(rows, seq, "cuda")
+    fb = ForwardBatch.from_shape(rows, seq, dev)
     slot_ranks, slot_scalings = ranks[:, 0].tolist(), scalings[:, 0].tolist()
-    x = torch.randn(s, k, device="cuda", dtype=DTYPE)
-    out = torch.randn(s, n_total, device="cuda", dtype=DTYPE)
+    x = torch.randn(s, k, device=dev, dtype=DTYPE)
+    out = torch.randn(s, n_total, device=dev, dtype=DTYPE)
 
     times, timing, errs = {}, {}, {}
-    tri = TritonLoRABackend(MAX_LORAS, "cuda")
-    tri_2k = TritonLoRABackend(MAX_LORAS, "cuda", fused_decode=False)
-    ref = TorchNativeLoRABackend(MAX_LORAS, "cuda")
+    tri = TritonLoRABackend(MAX_LORAS, dev)
+    tri_2k = TritonLoRABackend(MAX_LORAS, dev, fused_decode=False)
+    ref = TorchNativeLoRABackend(MAX_LORAS, dev)
     for be in (tri, tri_2k, ref):
         be.prepare_lora_batch(fb, wi, slot_ranks, slot_scalings, use_cuda_graph=False)
     want = run_site(ref, site, x, a, b, offsets, out.clone(), ranks, scalings).float()
@@ -225,7 +132,7 @@ def bench_config(timer, site, rank, rows, seq, n_adapters, weights, bandwidth, f
         got = run_site(be, site, x, a, b, offsets, out.clone(), ranks, scalings).float()
         errs[name] = (got - want).abs().max().item()
     for name, be in impls:
-        graph = capture(lambda: run_site(be, site, x, a, b, offsets, out, ranks, scalings))
+        graph = hx.capture(lambda: run_site(be, site, x, a, b, offsets, out, ranks, scalings))
         times[name], timing[name] = timer(graph.replay), "graph"
         del graph
     fused = fused_supported(c, b.shape[2], tri.batch_info.block_m, b.dtype)
@@ -240,7 +147,7 @@ def bench_config(timer, site, rank, rows, seq, n_adapters, weights, bandwidth, f
     n_launches = 1 + -(-c // 4)  # the two-kernel path: one shrink, one expand per 4 modules
     for n in (n_launches, 1):
         if n not in floors:
-            floors[n] = launch_floor(timer, n)
+            floors[n] = hx.launch_floor(timer, n)
     launches = {"triton": 1 if fused else n_launches, "triton_2k": n_launches}
     floor_bytes = 2 * (n_adapters * rank * (c * k + n_total) + s * k + 2 * s * n_total)
     floor_us = floor_bytes / bandwidth * 1e6
@@ -266,10 +173,11 @@ def make_weights(site, rank):
     """Stacked A (MAX_LORAS, c*rank, K) and B (MAX_LORAS, N, rank) and the rank/scaling tables."""
     k, offsets = SITES[site]
     c = len(offsets) - 1
-    a = torch.randn(MAX_LORAS, c * rank, k, device="cuda", dtype=DTYPE) / k ** 0.5
-    b = torch.randn(MAX_LORAS, offsets[-1], rank, device="cuda", dtype=DTYPE) / rank ** 0.5
-    ranks = torch.full((MAX_LORAS, c), rank, dtype=torch.int32, device="cuda")
-    scalings = torch.full((MAX_LORAS, c), 2.0, dtype=torch.float32, device="cuda")
+    dev = hx.DEVICE
+    a = torch.randn(MAX_LORAS, c * rank, k, device=dev, dtype=DTYPE) / k ** 0.5
+    b = torch.randn(MAX_LORAS, offsets[-1], rank, device=dev, dtype=DTYPE) / rank ** 0.5
+    ranks = torch.full((MAX_LORAS, c), rank, dtype=torch.int32, device=dev)
+    scalings = torch.full((MAX_LORAS, c), 2.0, dtype=torch.float32, device=dev)
     return a, b, ranks, scalings
 
 
@@ -328,20 +236,21 @@ def plot(results, path):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_kernels: needs a CUDA GPU (nothing measured)")
+    if args.smoke:
+        hx.use_cpu()
+        smoke_settings()
+        args.out, args.iters = None if args.out == hx.RESULTS else args.out, 1
+    elif hx.needs_gpu("bench_kernels"):
         return 0
-    import triton
-
     torch.manual_seed(0)
-    timer = Timer(args.iters)
-    bandwidth = copy_bandwidth(timer)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                copy_bw_gbs=round(bandwidth / 1e9, 1))
+    timer = hx.GpuTimer(args.iters)
+    bandwidth = hx.copy_bandwidth()
+    vers = hx.versions()
+    meta = dict(vers, copy_bw_gbs=round(bandwidth / 1e9, 1))
     print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  "
           f"copy bandwidth {meta['copy_bw_gbs']} GB/s (read + written)")
     sites = ["qkv"] if args.quick else list(SITES)
-    ranks = (16,) if args.quick else RANKS
+    ranks = RANKS[:1] if args.quick else RANKS
     configs = [(rows, 1, ad) for rows, ad in DECODE] + list(PREFILL)
     results, floors = [], {}
     for site in sites:
@@ -353,14 +262,11 @@ def main(argv=None) -> int:
                 print(f"  {site} rank {rank} rows {rows} x {seq} tokens, {ad} adapters: done",
                       file=sys.stderr)
             del weights
-            torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(results[0]))
-        writer.writeheader()
-        writer.writerows(results)
-    print(f"csv: {args.out}")
-    plot(results, args.plot or os.path.splitext(args.out)[0] + ".png")
+            if hx.DEVICE == "cuda":
+                torch.cuda.empty_cache()
+    if args.out:
+        path = hx.write_csv(results, hx.out_path(args.out, "kernels", vers["gpu"]))
+        plot(results, os.path.splitext(path)[0] + ".png")
     print_table(results)
     return 0
 

@@ -1,20 +1,26 @@
-"""Hundreds of registered adapters served from M GPU slots (#14), against all of them resident.
+"""Hundreds of registered adapters served from M GPU slots, against all of them resident, against the
+same base model patched by fastlora (no adapters) and against the unpatched HF model, in one run.
 
-    python benchmarks/bench_many_adapters.py --model 8b --adapters 512 --slots 64 --out benchmarks/results
+    python benchmarks/bench_many_adapters.py --model 8b --adapters 512 --slots 64   # many_adapters_8b_h200.csv
     python benchmarks/bench_many_adapters.py --smoke      # CPU: checks the script, measures nothing
 
 Random-weight Llama shape in bf16. One PEFT adapter (rank 8) makes the LoRA layers; ``--adapters``
-more, of ranks drawn from 8-64, are registered by name from state dicts
+more, of ranks drawn from ``--ranks``, are registered by name from state dicts
 (``fastlora.register_adapters``: pinned CPU memory, no PEFT modules). Batches of ``--batch`` rows
-draw their adapters from a Zipf distribution over the registered ones. Per mode (``slots``: the
-stacks hold ``--slots`` adapters, loaded on demand; ``resident``: every adapter in the stacks):
+draw their adapters from a Zipf distribution over the registered ones. Modes:
 
-- time to first token of a fresh batch, loads included (``generate`` with one new token), p50 / p99;
-- steady-state decode: output tokens/s over batches of ``--new`` tokens each (loads included);
-- the decode step (ms) with ``--batch`` distinct adapters in the batch, and with none (the base
-  step), from (time of T new tokens - time of 1) / (T - 1);
-- GPU memory allocated, the stacks' bytes (beside all the adapters' own bytes), the CPU store's
-  bytes and the process's resident memory.
+- ``base_patched``: the base model patched by fastlora, no adapters, the same batches (the
+  like-for-like reference of the two adapter modes);
+- ``hf_base``: the unpatched HF base model, the same batches;
+- ``slots``: the stacks hold ``--slots`` adapters, loaded on demand (least recently used out);
+- ``resident``: every adapter in the stacks.
+
+Per mode: time to first token of a fresh batch, loads included (``generate`` with one new token),
+p50 / p99; steady-state decode, output tokens/s over batches of ``--new`` tokens each (loads
+included), and its time per token against ``base_patched`` and ``hf_base``; the decode step (ms)
+with ``--batch`` distinct adapters in the batch and with none (the base step), from (time of T new
+tokens - time of 1) / (T - 1); GPU memory allocated, the stacks' bytes (beside all the adapters' own
+bytes), the CPU store's bytes and the process's resident memory.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_generate as bg  # noqa: E402
+import harness as hx  # noqa: E402
 
 
 def rss_gb() -> float:
@@ -50,7 +56,7 @@ def make_adapters(model, n: int, ranks, targets, seed: int, pin: bool):
         if name.endswith(tuple(f".{t}" for t in targets)) and hasattr(module, "base_layer"):
             base = module.base_layer
             shapes[name] = (base.in_features, base.out_features)
-    rng, gen = random.Random(seed), torch.Generator(device=bg.DEVICE).manual_seed(seed)
+    rng, gen = random.Random(seed), torch.Generator(device=hx.DEVICE).manual_seed(seed)
     out = {}
     for i in range(n):
         r = rng.choice(ranks)
@@ -58,7 +64,7 @@ def make_adapters(model, n: int, ranks, targets, seed: int, pin: bool):
                   for ab, shape in (("A", (r, fan_in)), ("B", (fan_out, r)))]
         total = sum(a * b for _, (a, b) in layout)
         # one random draw and one (pinned) host buffer per adapter; its tensors are views of it
-        flat = torch.randn(total, generator=gen, device=bg.DEVICE, dtype=torch.bfloat16).mul_(0.02)
+        flat = torch.randn(total, generator=gen, device=hx.DEVICE, dtype=torch.bfloat16).mul_(0.02)
         host = torch.empty(total, dtype=torch.bfloat16, pin_memory=pin)
         host.copy_(flat)
         sd, at = {}, 0
@@ -75,12 +81,14 @@ def zipf_batch(rng, names, rows, s):
 
 
 def decode_ms(model, ids, names, new):
+    kw = dict(adapter_names=names) if names is not None else {}
+
     def gen(k):
         with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names,
-                           max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=k, min_new_tokens=k,
+                           do_sample=False, pad_token_id=0, **kw)
 
-    _, step, _ = bg.measure(lambda k: gen(k), new, reps=3)
+    _, step, _ = hx.measure(gen, new, reps=3)
     return step
 
 
@@ -99,7 +107,7 @@ def profile_decode(model, batches, args, mode, new=None):
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=batch,
                            max_new_tokens=new or args.new, min_new_tokens=new or args.new, do_sample=False,
                            pad_token_id=0)
-        bg.sync()
+        hx.sync()
         prof.disable()
     text = io.StringIO()
     text.write(f"{mode}: {len(batches)} batches in {time.perf_counter() - t0:.3f} s under the profiler\n")
@@ -112,17 +120,79 @@ def profile_decode(model, batches, args, mode, new=None):
 
 
 def kernel_profile(model, ids, names, steps, args, tag):
-    """``bench_generate.kernel_times`` of a decode step with these rows' adapters, over ``steps``
+    """``harness.kernel_times`` of a decode step with these rows' adapters, over ``steps``
     steps, printed and written to ``many_adapters_kernels_<tag>.csv`` under --out."""
     def gen(k):
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names,
                        max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
 
-    rows = [dict(tag=tag, **r) for r in bg.kernel_times(gen, steps)]
-    print(f"{tag}: {bg.kernel_split(rows)} us a step; top: "
+    rows = [dict(tag=tag, **r) for r in hx.kernel_times(gen, steps)]
+    print(f"{tag}: {hx.kernel_split(rows)} us a step; top: "
           + "; ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}" for r in rows[:6]), file=sys.stderr)
     if args.out and rows:
-        bg.write_csv(rows, args.out, f"many_adapters_kernels_{tag}.csv")
+        hx.write_csv(rows, os.path.join(args.out, f"many_adapters_kernels_{tag}.csv"))
+
+
+def batch_ids(args, k):
+    g = torch.Generator().manual_seed(k)
+    return torch.randint(3, hx.SHAPES[args.model]["vocab_size"], (args.batch, args.prompt), generator=g).to(hx.DEVICE)
+
+
+def traffic(model, args, names, rng):
+    """First-token times over ``--ttft-batches`` fresh batches, then decode tokens/s over
+    ``--decode-batches`` batches of ``--new`` tokens, and the distinct adapters of those (``names``
+    None: the model serves no adapters, the same prompts)."""
+    def gen(ids, batch, new):
+        kw = dict(adapter_names=batch) if batch is not None else {}
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=0, **kw)
+
+    draw = (lambda: zipf_batch(rng, names, args.batch, args.zipf)) if names else (lambda: None)
+    gen(batch_ids(args, -1), names[:1] * args.batch if names else None, 1)  # prefill compiled before the clock
+    ttft = []
+    for k in range(args.ttft_batches):  # fresh batches: loads of adapters not in slots included
+        ids, batch = batch_ids(args, k), draw()
+        hx.sync()
+        t0 = time.perf_counter()
+        gen(ids, batch, 1)
+        hx.sync()
+        ttft.append(time.perf_counter() - t0)
+    tokens, distinct, t0 = 0, [], time.perf_counter()
+    for k in range(args.decode_batches):
+        batch = draw()
+        distinct.append(len(set(batch)) if batch else 0)
+        gen(batch_ids(args, 100 + k), batch, args.new)
+        tokens += args.batch * args.new
+    hx.sync()
+    ttft.sort()
+    return dict(ttft_p50_s=round(ttft[len(ttft) // 2], 4),
+                ttft_p99_s=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 4),
+                decode_tokens_per_s=round(tokens / (time.perf_counter() - t0), 1),
+                mean_distinct_per_batch=round(sum(distinct) / len(distinct), 1))
+
+
+def memory_columns() -> dict:
+    return dict(gpu_allocated_gb=round(torch.cuda.memory_allocated() / 2**30, 2) if hx.DEVICE == "cuda" else 0,
+                process_rss_gb=round(rss_gb(), 2))
+
+
+def run_base(base, args, mode, rows_out, info):
+    """The base model alone on the same prompts: patched by fastlora (``base_patched``) or not."""
+    import peft_fastlora as fastlora
+
+    if mode == "base_patched":
+        print(fastlora.patch(base), file=sys.stderr)
+        fastlora.warmup(base, batch_sizes=[args.batch], max_length=args.prompt + args.new + 2)
+    row = dict(mode=mode, model=args.model, registered=0, slots=0, batch=args.batch, prompt=args.prompt,
+               new=args.new, zipf=args.zipf, **traffic(base, args, None, random.Random(args.seed)))
+    row["base_step_ms"] = round(decode_ms(base, batch_ids(args, 999), None, args.step_tokens), 3)
+    row["base_replay_ms"] = hx.measure.replay_ms and round(hx.measure.replay_ms, 3)
+    row.update(memory_columns(), **info)
+    if mode == "base_patched":
+        fastlora.unpatch(base)
+    print(row, file=sys.stderr)
+    rows_out.append(row)
 
 
 def run_mode(model, adapters, args, slots, rows_out, info):
@@ -131,71 +201,38 @@ def run_mode(model, adapters, args, slots, rows_out, info):
     fastlora.patch(model, max_loras_per_batch=slots)
     t = time.perf_counter()
     fastlora.register_adapters(model, adapters)
-    bg.sync()
+    hx.sync()
     register_s = time.perf_counter() - t
     state = fastlora.get_state(model)
     mode = "slots" if slots else "resident"
     names = sorted(adapters, key=lambda n: int(n[1:]))
     rng = random.Random(args.seed)
-    vocab = bg.SHAPES[args.model]["vocab_size"]
-
-    def batch_ids(k):
-        g = torch.Generator().manual_seed(k)
-        return torch.randint(3, vocab, (args.batch, args.prompt), generator=g).to(bg.DEVICE)
-
     fastlora.warmup(model, batch_sizes=[args.batch], max_length=args.prompt + args.new + 2)
     if args.gc_freeze:  # what a server does once it is set up: the objects of now are never scanned again
         gc.collect()
         gc.freeze()
-    with torch.no_grad():  # the prefill's kernels compiled before the clock starts
-        model.generate(input_ids=batch_ids(-1), attention_mask=torch.ones_like(batch_ids(-1)),
-                       adapter_names=names[:1] * args.batch, max_new_tokens=1, do_sample=False, pad_token_id=0)
-    ttft = []
-    for k in range(args.ttft_batches):  # fresh batches: loads of adapters not in slots included
-        ids, batch = batch_ids(k), zipf_batch(rng, names, args.batch, args.zipf)
-        bg.sync()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=batch,
-                           max_new_tokens=1, do_sample=False, pad_token_id=0)
-        bg.sync()
-        ttft.append(time.perf_counter() - t0)
-    tokens, t0 = 0, time.perf_counter()
-    distinct = []
-    for k in range(args.decode_batches):
-        ids, batch = batch_ids(100 + k), zipf_batch(rng, names, args.batch, args.zipf)
-        distinct.append(len(set(batch)))
-        with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=batch,
-                           max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
-        tokens += args.batch * args.new
-    bg.sync()
-    decode_tps = tokens / (time.perf_counter() - t0)
+    measured = traffic(model, args, names, rng)
     if args.profile:  # the host's time by function, over more batches of the same traffic (after the clock)
-        profile_decode(model, [(batch_ids(200 + k), zipf_batch(rng, names, args.batch, args.zipf))
+        profile_decode(model, [(batch_ids(args, 200 + k), zipf_batch(rng, names, args.batch, args.zipf))
                                for k in range(args.decode_batches)], args, mode)
         # fresh batches of one token each: what a first token waits for on the host (loads, staging)
-        profile_decode(model, [(batch_ids(300 + k), zipf_batch(rng, names, args.batch, args.zipf))
+        profile_decode(model, [(batch_ids(args, 300 + k), zipf_batch(rng, names, args.batch, args.zipf))
                                for k in range(args.ttft_batches)], args, f"{mode}_first_token", new=1)
-    ids = batch_ids(999)
+    ids = batch_ids(args, 999)
     spread = [names[(k * 7) % len(names)] for k in range(args.batch)]  # --batch distinct adapters
     mixed = decode_ms(model, ids, spread, args.step_tokens)
     mixed_folded = state.fold_now  # the per-call choice of that call (staged sites: its blocks fit)
-    mixed_replay = bg.measure.replay_ms
+    mixed_replay = hx.measure.replay_ms
     base = decode_ms(model, ids, ["__base__"] * args.batch, args.step_tokens)
-    base_replay = bg.measure.replay_ms
+    base_replay = hx.measure.replay_ms
     if args.kernel_profile:
         tag = f"{mode}_{len(adapters)}"
         kernel_profile(model, ids, spread, args.kernel_profile, args, f"{tag}_distinct")
         kernel_profile(model, ids, ["__base__"] * args.batch, args.kernel_profile, args, f"{tag}_base")
     stats = dict(state.registry.stats)
-    ttft.sort()
     row = dict(mode=mode, model=args.model, registered=len(adapters), slots=slots or len(adapters),
-               batch=args.batch, prompt=args.prompt, new=args.new, zipf=args.zipf,
-               mean_distinct_per_batch=round(sum(distinct) / len(distinct), 1),
-               register_s=round(register_s, 2),
-               ttft_p50_s=round(ttft[len(ttft) // 2], 4), ttft_p99_s=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 4),
-               decode_tokens_per_s=round(decode_tps, 1), mixed_step_ms=round(mixed, 3), mixed_folded=mixed_folded,
+               batch=args.batch, prompt=args.prompt, new=args.new, zipf=args.zipf, register_s=round(register_s, 2),
+               **measured, mixed_step_ms=round(mixed, 3), mixed_folded=mixed_folded,
                base_step_ms=round(base, 3), mixed_replay_ms=mixed_replay and round(mixed_replay, 3),
                base_replay_ms=base_replay and round(base_replay, 3),
                mixed_vs_base=round(mixed / base, 3), shrink_folded=state.report.shrink_folded,
@@ -204,18 +241,23 @@ def run_mode(model, adapters, args, slots, rows_out, info):
                stack_gb=round(state.report.stack_bytes / 2**30, 2),
                # every registered adapter's own weights (the stacks hold the resident ones)
                adapter_gb=round(state.report.adapter_bytes / 2**30, 2),
-               cpu_store_gb=round(state.report.store_bytes / 2**30, 2),
-               gpu_allocated_gb=round(torch.cuda.memory_allocated() / 2**30, 2) if bg.DEVICE == "cuda" else 0,
-               process_rss_gb=round(rss_gb(), 2), **info)
+               cpu_store_gb=round(state.report.store_bytes / 2**30, 2), **memory_columns(), **info)
+    for ref in rows_out:  # time per output token against the base model's runs of the same batches
+        if ref["mode"] in ("base_patched", "hf_base"):
+            row[f"decode_time_per_token_vs_{ref['mode']}"] = round(
+                ref["decode_tokens_per_s"] / row["decode_tokens_per_s"], 3)
     print(row, file=sys.stderr)
     rows_out.append(row)
     gc.unfreeze()
     fastlora.unpatch(model)
 
 
+MODES = ["base_patched", "hf_base", "slots", "resident"]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="8b", choices=sorted(bg.SHAPES))
+    p.add_argument("--model", default="8b", choices=sorted(hx.SHAPES))
     p.add_argument("--adapters", type=int, default=512)
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64])
@@ -227,22 +269,22 @@ def main(argv=None) -> int:
     p.add_argument("--ttft-batches", type=int, default=30)
     p.add_argument("--decode-batches", type=int, default=6)
     p.add_argument("--step-tokens", type=int, default=32)
-    p.add_argument("--modes", nargs="+", default=["slots", "resident"], choices=["slots", "resident"])
+    p.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None)
+    hx.add_run_args(p)
     p.add_argument("--fold-limit", type=float, default=None,
                    help="most A rows per base row for a site to fold its shrink into the base GEMM "
-                        "(default: the library's; large: every site folds)")
+                        "(lora.fusion.FOLD_MAX_SHARE; large: every site folds)")
     p.add_argument("--fold-call-share", type=float, default=None,
                    help="most A rows per base row for a site to fold for the calls that use enough of them "
-                        "(default: the library's; 0: no per-call folds, as before session 14)")
+                        "(lora.fusion.FOLD_CALL_SHARE; 0: no per-call folds)")
     p.add_argument("--rank-block", type=int, default=None,
-                   help="rank rows the fused decode kernel takes per step (default: the library's; "
-                        "the largest rank: one tile of the padded rank, as before rank blocks)")
+                   help="rank rows the fused decode kernel takes per step (ops.lora_fused.RANK_BLOCK; "
+                        "the largest rank: one tile of the padded rank)")
     p.add_argument("--expand", choices=["library", "blocks"], default="library",
-                   help="decode expand launch: the library's (rank-sized spans) or the column blocks of before")
-    p.add_argument("--csv", default=None, help="CSV name under --out (default many_adapters_<gpu>.csv)")
-    p.add_argument("--smoke", action="store_true", help="tiny model on CPU, a few adapters")
+                   help="decode expand launch: the library's (rank-sized spans) or column blocks sized for the "
+                        "largest rank (ops.lora_expand_wide.ENABLED off)")
+    p.add_argument("--tag", default="", help="added to the CSV's name (an A/B's side)")
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.freeze() once the adapters are registered and the model warmed up (as servers do)")
     p.add_argument("--kernel-profile", type=int, default=0, metavar="STEPS",
@@ -251,44 +293,39 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="after the measurement, profile the host over as many more decode batches per mode")
     args = p.parse_args(argv)
+    if not hx.start(args, "bench_many_adapters"):
+        return 0
     if args.fold_limit is not None:
-        from peft_fastlora.lora import fusion
-
-        fusion.FOLD_MAX_SHARE = args.fold_limit
+        importlib.import_module("peft_fastlora.lora.fusion").FOLD_MAX_SHARE = args.fold_limit
     if args.fold_call_share is not None:
-        from peft_fastlora.lora import fusion
-
-        fusion.FOLD_CALL_SHARE = args.fold_call_share
+        importlib.import_module("peft_fastlora.lora.fusion").FOLD_CALL_SHARE = args.fold_call_share
     if args.expand == "blocks":
         importlib.import_module("peft_fastlora.ops.lora_expand_wide").ENABLED = False
+    fused_module = importlib.import_module("peft_fastlora.ops.lora_fused")  # the module, not the function
+    if args.rank_block is not None:  # both launches (uniform and mixed ranks) take it
+        fused_module.RANK_BLOCK = fused_module.MIXED_RANK_BLOCK = args.rank_block
     if args.smoke:
-        bg.DEVICE = "cpu"
         args.model, args.adapters, args.slots, args.ranks = "tiny", 12, 6, [2, 4, 8]
         args.batch, args.prompt, args.new, args.ttft_batches, args.decode_batches, args.step_tokens = 6, 8, 4, 3, 2, 4
     from peft import LoraConfig, get_peft_model
 
-    fused_module = importlib.import_module("peft_fastlora.ops.lora_fused")  # the module, not the function
-
-    if args.rank_block is not None:  # both launches (uniform and mixed ranks) take it
-        fused_module.RANK_BLOCK = fused_module.MIXED_RANK_BLOCK = args.rank_block
-    info = dict(bg.versions(), rank_block=args.rank_block or "library", gc_frozen=args.gc_freeze,
+    info = dict(hx.versions(), rank_block=args.rank_block or "library", gc_frozen=args.gc_freeze,
                 fold_call_share="library" if args.fold_call_share is None else args.fold_call_share,
                 expand=args.expand)
-    base = bg.build_base(args.model)
+    path = hx.out_path(args.out, "_".join(x for x in ("many_adapters", args.model, args.tag) if x), info["gpu"])
+    base = hx.build_base(args.model)
+    rows = []
+    for mode in [m for m in MODES if m in args.modes and m in ("base_patched", "hf_base")]:
+        run_base(base, args, mode, rows, info)  # before PEFT wraps the base model's layers
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=args.targets), adapter_name="seed",
                            autocast_adapter_dtype=False).eval()
     t = time.perf_counter()
-    adapters = make_adapters(model, args.adapters, args.ranks, args.targets, args.seed, pin=bg.DEVICE == "cuda")
+    adapters = make_adapters(model, args.adapters, args.ranks, args.targets, args.seed, pin=hx.DEVICE == "cuda")
     print(f"{args.adapters} adapters made in {time.perf_counter() - t:.1f} s", file=sys.stderr)
-    rows = []
-    for mode in args.modes:
+    for mode in [m for m in ("slots", "resident") if m in args.modes]:
         run_mode(model, adapters, args, args.slots if mode == "slots" else None, rows, info)
-        if args.out and not args.smoke:
-            path = bg.write_csv(rows, args.out, args.csv or f"many_adapters_{info['gpu'].split()[-1].lower()}.csv")
-            print(f"written {path}", file=sys.stderr)
-    if len(rows) == 2:
-        print(f"slots / resident decode time per token: {rows[1]['decode_tokens_per_s'] / rows[0]['decode_tokens_per_s']:.3f}",
-              file=sys.stderr)
+        if path:
+            hx.write_csv(rows, path)
     return 0
 
 

@@ -10,7 +10,8 @@ the device's), and its cubin's resources are read. Programs an SM holds: the lea
 registers, 228 KB of shared memory (1 KB of it the runtime's per program), 64 warps and 32
 programs, the register count rounded as the hardware allocates (8 a thread, 256 a warp).
 
-    python benchmarks/kernel_resources.py --out benchmarks/results/kernel_resources_8b_sm90.csv
+    python benchmarks/kernel_resources.py --out benchmarks/results/kernel_resources_8b_sm90_triton36.csv
+    python benchmarks/kernel_resources.py --jit --out benchmarks/results/kernel_resources_8b_jit_h200.csv
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def jit_table(out: str, batches, adapters: int, layers: int) -> int:
     import triton
     from triton.runtime.jit import JITFunction
 
-    import bench_generate as bg
+    import harness as hx
     import hopper_compile
 
     if not torch.cuda.is_available():
@@ -121,7 +122,7 @@ def jit_table(out: str, batches, adapters: int, layers: int) -> int:
                                      triton=triton.__version__, gpu=torch.cuda.get_device_name()))
                     print(f"{name:32s} warps {rows[-1]['num_warps']}: {compiled.n_regs:3d} registers, "
                           f"{compiled.n_spills} spills, {compiled.metadata.shared:6d} B shared", flush=True)
-    bg.write_out(rows, out)
+    hx.write_csv(rows, out)
     return 0
 
 
@@ -162,7 +163,7 @@ def compile_and_write(records: str, out: str) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    import bench_generate as bg
+    import harness as hx
     import hopper_compile
 
     host = torch.cuda.get_device_name() if torch.cuda.is_available() else "a machine with no GPU"
@@ -194,7 +195,7 @@ def compile_and_write(records: str, out: str) -> int:
                          triton=triton.__version__, target=f"sm_90 (compiled ahead of time on {host}; nothing run)"))
         print(f"{rows[-1]['step']:16s} {e['name']:32s} warps {warps} grid {rows[-1]['grid']:>12s}: {regs:3d} registers, {stack} B stack, "
               f"{compiled.metadata.shared:6d} B shared -> {per_sm} programs an SM", flush=True)
-    bg.write_out(rows, out)
+    hx.write_csv(rows, out)
     return 0
 
 

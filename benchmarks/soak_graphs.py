@@ -18,9 +18,9 @@ unpatched model and the tokens compared. Where they differ, the first differing 
 in PEFT's scores: a flip between two logits closer than --tie-tol is a rounding tie (fp32 sums in
 another order: the fused q/k/v GEMM, rows padded to the graph bucket), anything else a mismatch.
 
-    python benchmarks/soak_graphs.py --model tiny-llama --calls 300 --compare-peft --out benchmarks/results
-    python benchmarks/soak_graphs.py --model 8b --calls 50 --out benchmarks/results
-    python benchmarks/soak_graphs.py --model 1b --calls 200 --max-rows 48 --out benchmarks/results
+    python benchmarks/soak_graphs.py --model tiny-llama --calls 300 --compare-peft    # soak_tiny-llama_h200.csv
+    python benchmarks/soak_graphs.py --model 8b --calls 50
+    python benchmarks/soak_graphs.py --model 8b --min-rows 65 --max-rows 128 --tag 65_128
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_generate import add_adapters, build_base, versions  # noqa: E402
+import harness as hx  # noqa: E402
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -130,7 +130,8 @@ def main(argv=None):
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds for the whole run, the model's build and warm-up included: no call starts "
                         "that the longest so far says would end past it (the summary says how many ran)")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default=hx.RESULTS)
+    p.add_argument("--tag", default="", help="added to the CSV's name")
     p.add_argument("--smoke", action="store_true", help="CPU, emulated graphs, tiny sizes: checks the script")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
@@ -144,10 +145,8 @@ def main(argv=None):
         print("soak_graphs needs a CUDA GPU (or --smoke); nothing run")
         return 0
     if args.model in ("1b", "8b"):
-        import bench_generate
-
-        bench_generate.DEVICE = device
-        model = add_adapters(build_base(args.model), 8, 16)
+        hx.DEVICE = device
+        model = hx.add_adapters(hx.build_base(args.model), 8, 16)
         vocab, refs = 128256, None
     else:
         model = tiny_peft(args.model, device)
@@ -254,10 +253,13 @@ def main(argv=None):
     print("SUMMARY", summary, flush=True)
     for i, e in errors[:20]:
         print(f"error in call {i}: {e}")
+    if args.smoke and args.out == hx.RESULTS:  # a smoke run's rows are no result
+        return 0 if not errors else 1
     os.makedirs(args.out, exist_ok=True)
-    suffix = "smoke" if args.smoke else "h200"
-    with open(os.path.join(args.out, f"soak_{args.model}_{suffix}.csv"), "w", newline="") as f:
-        vers = versions() if not args.smoke else {}
+    hx.DEVICE = device
+    vers = hx.versions()
+    stem = "_".join(x for x in ("soak", args.model, args.tag) if x)
+    with open(hx.out_path(args.out, stem, vers["gpu"]), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(vers) + list(rows_out[0]))
         w.writeheader()
         for r in rows_out:

@@ -1,8 +1,8 @@
-"""The benchmark scripts' ``--smoke`` runs (tiny models on the CPU): a script broken by a change
-should fail here, not in a device call. They measure nothing; ``bench_generate.py --smoke`` runs its
-tiny shape only (its real shapes take minutes on the CPU). Each script runs in a child forked by
-``_script_runner.py``, which imports the heavy packages once per test process (a fresh ``python``
-a script spent several seconds on imports alone); torchrun's scripts keep their own processes."""
+"""Every benchmark script's ``--smoke`` run (tiny models on the CPU, Triton's kernels in its
+interpreter): a script broken by a change fails here, not on a GPU machine. They measure nothing.
+Each script runs in a child forked by ``_script_runner.py``, which imports the heavy packages once
+per test process (a fresh ``python`` spends several seconds on imports alone); torchrun's scripts
+keep their own processes."""
 
 import atexit
 import json
@@ -92,8 +92,15 @@ def test_scripts_run_in_forked_children_and_their_failures_show(tmp_path):
         _run([str(exits)])
 
 
+def _csv(path):
+    import csv
+
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
 def test_bench_generate_smoke(tmp_path):
-    """Every method of the benchmark on the tiny shape, through the table it prints."""
+    """Every method on the tiny shape, through the table it prints and the CSV it writes."""
     out = _run([os.path.join(BENCH, "bench_generate.py"), "--smoke", "--models", "tiny", "--batches", "2",
                 "--new-tokens", "3", "--short-tokens", "2", "--reps", "1", "--out", str(tmp_path)],
                env_extra={"TRITON_INTERPRET": "1"})
@@ -101,110 +108,40 @@ def test_bench_generate_smoke(tmp_path):
         assert f"llama-tiny | 2 | {method} |" in out, out[-3000:]
     graphs = [line for line in out.splitlines() if line.startswith("llama-tiny | 2 | fastlora_graphs |")][0]
     assert graphs.endswith("| 1.000"), graphs  # its greedy tokens are PEFT's
-    assert (tmp_path / "generate_h200.csv").exists()
+    rows = _csv(tmp_path / "generate_tiny_cpu.csv")
+    assert {"ratio_to_base_graphs", "ratio_to_hf_eager_base", "ratio_to_floor", "torch"} <= set(rows[0])
+
+
+def test_bench_prefill_smoke(tmp_path):
+    """The patched base model is the reference column, the unpatched one beside it."""
+    _run([os.path.join(BENCH, "bench_prefill.py"), "--smoke", "--out", str(tmp_path)])
+    rows = {r["method"]: r for r in _csv(tmp_path / "prefill_tiny_cpu.csv")}
+    assert set(rows) == {"hf_base", "base_patched", "peft", "fastlora"}
+    assert rows["base_patched"]["ratio_to_base_patched"] == "1.0" and rows["hf_base"]["ratio_to_hf_base"] == "1.0"
+
+
+def test_bench_continuous_smoke(tmp_path):
+    """Each fastlora mode is set against the patched base model through the same engine and the
+    unpatched one."""
+    _run([os.path.join(BENCH, "bench_continuous.py"), "--smoke", "--modes", "base", "base_patched", "fastlora",
+          "static", "peft", "--out", str(tmp_path)])
+    rows = {r["mode"]: r for r in _csv(tmp_path / "continuous_tiny_cpu.csv")}
+    assert set(rows) == {"base", "base_patched", "fastlora", "static", "peft"}
+    assert float(rows["fastlora"]["time_per_token_vs_base_patched"]) > 0
+    assert float(rows["fastlora"]["time_per_token_vs_base"]) > 0
+
+
+def test_bench_many_adapters_smoke(tmp_path):
+    _run([os.path.join(BENCH, "bench_many_adapters.py"), "--smoke", "--fold-limit", "1e9", "--out", str(tmp_path)])
+    rows = {r["mode"]: r for r in _csv(tmp_path / "many_adapters_tiny_cpu.csv")}
+    assert set(rows) == {"base_patched", "hf_base", "slots", "resident"}
+    assert float(rows["slots"]["decode_time_per_token_vs_base_patched"]) > 0
+    assert float(rows["resident"]["decode_time_per_token_vs_hf_base"]) > 0
 
 
 def test_bench_device_map_smoke():
     out = _run([os.path.join(BENCH, "bench_device_map.py"), "--smoke"])
     assert "'method': 'fastlora'" in out and "'method': 'peft_native'" in out
-
-
-def test_bench_many_adapters_smoke():
-    out = _run([os.path.join(BENCH, "bench_many_adapters.py"), "--smoke", "--fold-limit", "1e9"])
-    assert "'mode': 'slots'" in out and "'mode': 'resident'" in out
-
-
-def test_probe_fold_smoke():
-    out = _run([os.path.join(BENCH, "probe_fold.py"), "--smoke", "--batches", "3", "--expand-block-n", "32"],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "every mode ran at batch 3" in out
-
-
-def test_probe_stream_gemm_smoke():
-    out = _run([os.path.join(BENCH, "probe_stream_gemm.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
-    assert "every sweep config equals x @ w.T" in out
-
-
-def test_probe_tma_gemm_smoke(tmp_path):
-    out = _run([os.path.join(BENCH, "probe_tma_gemm.py"), "--smoke", "--table", str(tmp_path / "t.json")],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "every sweep tile equals x @ w.T" in out
-
-
-def test_probe_rotary_lora_smoke():
-    """The probe's kernel (the q/k/v expand inside the rotary and KV write) gives the library's two
-    launches' q and cache, and the LoRA delta it checks is there."""
-    out = _run([os.path.join(BENCH, "probe_rotary_lora.py"), "--smoke", "--out", os.devnull],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "smoke: every variant ran and matched the library's launches" in out, out[-2000:]
-
-
-def test_probe_lora_branch_smoke():
-    """The probe's branch form (the GEMM over W, the shrink and the expand into a delta) gives the
-    library's folded output once the delta is added, and the delta is there."""
-    out = _run([os.path.join(BENCH, "probe_lora_branch.py"), "--smoke", "--out", os.devnull],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "smoke: the branch's output plus its delta matched the library's" in out, out[-2000:]
-
-
-def test_probe_glu_kext_smoke():
-    out = _run([os.path.join(BENCH, "probe_glu_kext.py"), "--smoke", "--out", os.devnull],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "smoke: every variant ran and equals the reference" in out, out[-2000:]
-
-
-def test_probe_glu_hidden_shrink_smoke():
-    """The one-launch gate/up (the shrink in extra programs, the tiles waiting on them for their tail)
-    equals float32 math on the same operands, as the library's launches do, and puts its counters back."""
-    out = _run([os.path.join(BENCH, "probe_glu_hidden_shrink.py"), "--smoke", "--out", os.devnull],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "smoke: every variant ran and matched the library's launches" in out, out[-2000:]
-
-
-def test_probe_down_shrink_in_glu_smoke():
-    """down_proj's shrink summed in gate/up's launch, down then on the base model's path: its output
-    equals float32 math, as today's folded down's does (the check fails without the partial sums)."""
-    out = _run([os.path.join(BENCH, "probe_down_shrink_in_glu.py"), "--smoke", "--out", os.devnull],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "smoke: every variant ran and matched float32 math" in out, out[-2000:]
-
-
-def test_probe_greedy_select_smoke():
-    out = _run([os.path.join(BENCH, "probe_greedy_select.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
-    assert "smoke: every variant ran and matched argmax" in out, out[-2000:]
-
-
-def test_probe_gemm_bound_smoke():
-    out = _run([os.path.join(BENCH, "probe_gemm_bound.py"), "--smoke", "--fold-rows", "128"],
-               env_extra={"TRITON_INTERPRET": "1"})
-    assert "'qkv': (4096, 6528)" in out and "the read-only kernel sums each weight row" in out
-
-
-def test_probe_tma_gemm_table_from_a_committed_run(tmp_path):
-    """The library's tile table is what the probe chooses from the committed run's measurements."""
-    import json
-
-    table = tmp_path / "t.json"
-    _run([os.path.join(BENCH, "probe_tma_gemm.py"), "--table", str(table), "--from-csv",
-          os.path.join(BENCH, "results", "probe_tma_gemm_s21b_h200.csv")])
-    with open(os.path.join(ROOT, "peft_fastlora", "base_ops", "tma_tiles_h200.json")) as f:
-        assert json.loads(table.read_text())["classes"] == json.load(f)["classes"]
-
-
-def test_probe_deferred_stop_smoke():
-    out = _run([os.path.join(BENCH, "probe_deferred_stop.py"), "--smoke"])
-    assert "'mode': 'deferred_step_mask'" in out and "'mode': 'per_step'" in out
-    assert "False" not in out.split("'tokens_equal_length_stop'")[-1]
-
-
-def test_probe_pdl_smoke():
-    out = _run([os.path.join(BENCH, "probe_pdl.py"), "--smoke", "--base"])
-    assert "'mode': 'no_pdl'" in out and "'what': 'base'" in out and "'tokens_equal_first_run': False" not in out
-
-
-def test_host_gap_smoke():
-    out = _run([os.path.join(BENCH, "host_gap.py"), "--smoke"])
-    assert "decode step" in out and "# by cumulative" in out
 
 
 def test_bench_tp_smoke():
@@ -213,132 +150,36 @@ def test_bench_tp_smoke():
     assert "'method': 'tp2'" in out
 
 
-def test_probe_tile_layout_smoke():
-    """Every layout and tiles-in-flight variant of the tile stream reads the whole buffer."""
-    out = _run([os.path.join(BENCH, "probe_tile_layout.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
-    assert "every layout and depth sums the whole buffer" in out, out[-2000:]
-
-
-def test_probe_rank_blocks_smoke(tmp_path):
-    out = _run([os.path.join(BENCH, "probe_rank_blocks.py"), "--smoke", "--workloads", "32x8_r64",
-                "--rank-blocks", "16", "64", "--out", str(tmp_path)],
+def test_bench_kernels_smoke(tmp_path):
+    """The site launches of every implementation, compared with the torch backend before timing."""
+    out = _run([os.path.join(BENCH, "bench_kernels.py"), "--smoke", "--out", str(tmp_path)],
                env_extra={"TRITON_INTERPRET": "1"})
-    errs = [float(s.split("'")[0]) for s in out.split("'max_rel_err': '")[1:]]
-    assert len(errs) == 2 and max(errs) < 1e-5, out[-2000:]
-    assert "'r_sub': 16" in out and "'r_sub': 64" in out  # the setting reached the kernel's config
+    assert "fused-kernel timeouts: 0" in out, out[-2000:]
+    rows = _csv(tmp_path / "kernels_cpu.csv")
+    assert {r["impl"] for r in rows} == {"triton", "triton_2k", "torch_native", "peft_loop"}
+    assert max(float(r["max_abs_err_triton_vs_torch"]) for r in rows) < 1e-3
 
 
-def test_step_timeline_split():
-    """The timeline's split of synthetic steps: graph kernels by their launch's correlation id, the
-    bubbles inside a replay, the work and the idle time between replays."""
-    sys.path.insert(0, BENCH)
-    import step_timeline
-
-    gpu, launches = [], set()
-    for i in range(6):  # a replay every 100 us: two graph kernels with a 2 us bubble, one argmax outside
-        t = 100.0 * i
-        launches.add(i)
-        gpu += [(t, t + 30, "k1", i), (t + 32, t + 60, "k2", i), (t + 65, t + 70, "argmax", 100 + i)]
-    steps = step_timeline.split_steps(sorted(gpu), launches)
-    assert len(steps) == 3  # the first two replays and the last are left out
-    row = step_timeline.summarise(steps, 3)
-    assert (row["period_us"], row["graph_busy_us"], row["graph_gaps_us"]) == (100.0, 58.0, 2.0)
-    assert (row["outside_busy_us"], row["outside_idle_us"], row["graph_kernels"]) == (5.0, 35.0, 2)
-    assert row["top_outside"] == "argmax 5.0"
-    charged = {r["kernel"]: r["charged_us_per_step"] for r in step_timeline.kernel_rows(steps)}
-    assert charged == {"k1": 30.0, "k2": 30.0}  # k2's run and the bubble before it
+def test_bench_attention_smoke(tmp_path):
+    out = _run([os.path.join(BENCH, "bench_attention.py"), "--smoke", "--out", str(tmp_path)],
+               env_extra={"TRITON_INTERPRET": "1"})
+    rows = _csv(tmp_path / "attention_cpu.csv")
+    assert {"fastlora", "hf_sdpa", "fastlora[grid]", "fastlora[best]"} <= {r["impl"] for r in rows}, out[-2000:]
+    assert max(float(r["max_abs_err"]) for r in rows if r["max_abs_err"] != "nan") < 1e-4
 
 
-def test_step_timeline_small_graphs_count_outside():
-    """A small graph between two steps' graphs (``step_advance``'s) is work outside the step, not a
-    step of its own."""
-    sys.path.insert(0, BENCH)
-    import step_timeline
-
-    gpu, launches = [], set()
-    for i in range(6):  # a step graph of four kernels, then a graph of one kernel, every 100 us
-        t = 100.0 * i
-        launches.update({i, 50 + i})
-        gpu += [(t + 10 * j, t + 10 * j + 9, f"k{j}", i) for j in range(4)]
-        gpu += [(t + 45, t + 52, "select", 50 + i)]
-    steps = step_timeline.split_steps(sorted(gpu), launches)
-    assert len(steps) == 3
-    row = step_timeline.summarise(steps, 3)
-    assert (row["period_us"], row["graph_kernels"], row["outside_busy_us"]) == (100.0, 4, 7.0)
-    assert row["top_outside"] == "select 7.0"
+def test_bench_gemm_smoke():
+    out = _run([os.path.join(BENCH, "bench_gemm.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
+    assert "smoke: every sweep entry equals x @ w.T" in out, out[-2000:]
 
 
-def test_step_timeline_host_side():
-    """The host's steps between graph launches: blocking calls are waits, the rest the host's work."""
-    sys.path.insert(0, BENCH)
-    import step_timeline
-
-    runtime = []
-    for i in range(6):  # a launch every 100 us, 30 us of it in an event synchronize, 5 in an async copy
-        t = 100.0 * i
-        runtime += [(t, 4.0, "cudaGraphLaunch"), (t + 20, 30.0, "cudaEventSynchronize"),
-                    (t + 60, 5.0, "cudaMemcpyAsync")]
-    host = step_timeline.host_steps(sorted(runtime))
-    assert len(host) == 3 and host[0] == dict(host_period=100.0, host_wait=30.0, host_busy=70.0)
-    row = step_timeline.summarise([dict(period=1, graph_span=1, graph_busy=1, graph_gaps=0, outside_busy=0,
-                                        outside_idle=0, graph_kernels=1, outside=[])], 1, host)
-    assert (row["host_busy_us"], row["host_wait_us"]) == (70.0, 30.0)
-
-
-def test_step_timeline_charges_overlap_once():
-    """Under PDL a kernel starts before the one before it ends: only its end past the frontier counts."""
-    sys.path.insert(0, BENCH)
-    import step_timeline
-
-    kernels = [(0.0, 10.0, "void gemm<int>(float*)"), (8.0, 12.0, "norm"), (11.0, 11.5, "tiny")]
-    c = step_timeline._charges(kernels)
-    assert (c["gemm"][1], c["norm"][1], c["tiny"][1]) == (10.0, 2.0, 0.0)
-    assert step_timeline.short_name("void at::native::reduce_kernel<512, 1>(at::native::ReduceOp)") == \
-        "at::native::reduce_kernel"
-
-
-def test_step_timeline_charges_by_place_in_the_layer():
-    """Two layers of gemm, norm, gemm: each gemm also charged by its place; the norm (once a
-    layer) and a kernel whose count is no multiple of the layers are not split."""
-    sys.path.insert(0, BENCH)
-    import step_timeline
-
-    kernels, t = [], 0.0
-    for _ in range(2):
-        for name, dur in (("gemm", 10.0), ("norm", 1.0), ("gemm", 30.0)):
-            kernels.append((t, t + dur, name))
-            t += dur
-    kernels.append((t, t + 2.0, "head"))
-    c = step_timeline._charges(kernels, layers=2)
-    assert c["gemm"] == [4, 80.0, 80.0] and c["gemm[0/2]"] == [2, 20.0, 20.0] and c["gemm[1/2]"] == [2, 60.0, 60.0]
-    assert "norm[0/1]" not in c and not any(k.startswith("head[") for k in c)
-    assert step_timeline._charges(kernels) == {k: v for k, v in c.items() if "[" not in k}
-
-
-def test_step_timeline_smoke():
-    out = _run([os.path.join(BENCH, "step_timeline.py"), "--smoke"])
-    assert "fastlora_graphs fastlora: patched" in out
-
-
-def test_probe_rotary_kv_smoke():
-    """The probe's one-kernel rotary and KV write gives the two kernels' q, caches and length exactly."""
-    out = _run([os.path.join(BENCH, "probe_rotary_kv.py"), "--smoke"], env_extra={"TRITON_INTERPRET": "1"})
-    assert "equal the two kernels'" in out
-
-
-def test_kernel_resources_smoke(tmp_path):
-    """The decode step's launches recorded (not run) and compiled for sm_90: rows for the step's
-    kernels with registers read from their cubins."""
-    import csv
-
-    out_csv = tmp_path / "r.csv"
-    _run([os.path.join(BENCH, "kernel_resources.py"), "--smoke", "--batches", "2", "--adapters", "2",
-          "--out", str(out_csv)])
-    with open(out_csv) as f:
-        rows = list(csv.DictReader(f))
-    kernels = {r["kernel"] for r in rows}
-    assert {"_rms_norm_kernel", "_lora_expand_wide_kernel", "_decode_attention_split_kernel"} <= kernels, kernels
-    assert all(int(r["registers"]) > 0 and int(r["programs_per_sm"]) > 0 for r in rows)
+def test_bench_gemm_table_from_the_committed_run(tmp_path):
+    """The library's tile table is what the benchmark chooses from the committed run's measurements."""
+    table = tmp_path / "t.json"
+    _run([os.path.join(BENCH, "bench_gemm.py"), "--table", str(table), "--from-csv",
+          os.path.join(BENCH, "results", "gemm_8b_tma_h200.csv")])
+    with open(os.path.join(ROOT, "peft_fastlora", "base_ops", "tma_tiles_h200.json")) as f:
+        assert json.loads(table.read_text())["classes"] == json.load(f)["classes"]
 
 
 def test_soak_graphs_smoke(tmp_path):
@@ -353,21 +194,123 @@ def test_soak_graphs_smoke(tmp_path):
     assert summary["greedy_calls_compared"] > 0, summary
     assert summary["greedy_calls_token_equal"] == summary["greedy_calls_compared"], summary
     assert summary["rewarm_captures"] == summary["warmup_captures"] == 3, summary
+    assert (tmp_path / "soak_tiny-llama_cpu.csv").exists()
 
 
-def test_ncu_step_summarize_reads_the_committed_profiles():
-    """``ncu_step.py --summarize``: a kernel a line from Nsight Compute's raw CSV (the session-38
-    profile of the mixed 8B step at 128 rows: its one-launch gate/up and decode attention there)."""
-    path = os.path.join(BENCH, "results", "ncu_step_mixed_b128_s38a.csv")
-    out = _run([os.path.join(BENCH, "ncu_step.py"), "--summarize", path])
+def test_kernel_resources_smoke(tmp_path):
+    """The decode step's launches recorded (not run) and compiled for sm_90: rows for the step's
+    kernels with registers read from their cubins."""
+    out_csv = tmp_path / "r.csv"
+    _run([os.path.join(BENCH, "kernel_resources.py"), "--smoke", "--batches", "2", "--adapters", "2",
+          "--out", str(out_csv)])
+    rows = _csv(out_csv)
+    kernels = {r["kernel"] for r in rows}
+    assert {"_rms_norm_kernel", "_lora_expand_wide_kernel", "_decode_attention_split_kernel"} <= kernels, kernels
+    assert all(int(r["registers"]) > 0 and int(r["programs_per_sm"]) > 0 for r in rows)
+
+
+# ---- profile_step.py ------------------------------------------------------------------------------------
+def _profile_step():
+    sys.path.insert(0, BENCH)
+    import profile_step
+
+    return profile_step
+
+
+def test_profile_step_split():
+    """The timeline's split of synthetic steps: graph kernels by their launch's correlation id, the
+    bubbles inside a replay, the work and the idle time between replays."""
+    ps = _profile_step()
+    gpu, launches = [], set()
+    for i in range(6):  # a replay every 100 us: two graph kernels with a 2 us bubble, one argmax outside
+        t = 100.0 * i
+        launches.add(i)
+        gpu += [(t, t + 30, "k1", i), (t + 32, t + 60, "k2", i), (t + 65, t + 70, "argmax", 100 + i)]
+    steps = ps.split_steps(sorted(gpu), launches)
+    assert len(steps) == 3  # the first two replays and the last are left out
+    row = ps.summarise(steps, 3)
+    assert (row["period_us"], row["graph_busy_us"], row["graph_gaps_us"]) == (100.0, 58.0, 2.0)
+    assert (row["outside_busy_us"], row["outside_idle_us"], row["graph_kernels"]) == (5.0, 35.0, 2)
+    assert row["top_outside"] == "argmax 5.0"
+    charged = {r["kernel"]: r["charged_us_per_step"] for r in ps.kernel_rows(steps)}
+    assert charged == {"k1": 30.0, "k2": 30.0}  # k2's run and the bubble before it
+
+
+def test_profile_step_small_graphs_count_outside():
+    """A small graph between two steps' graphs (``step_advance``'s) is work outside the step, not a
+    step of its own."""
+    ps = _profile_step()
+    gpu, launches = [], set()
+    for i in range(6):  # a step graph of four kernels, then a graph of one kernel, every 100 us
+        t = 100.0 * i
+        launches.update({i, 50 + i})
+        gpu += [(t + 10 * j, t + 10 * j + 9, f"k{j}", i) for j in range(4)]
+        gpu += [(t + 45, t + 52, "select", 50 + i)]
+    steps = ps.split_steps(sorted(gpu), launches)
+    assert len(steps) == 3
+    row = ps.summarise(steps, 3)
+    assert (row["period_us"], row["graph_kernels"], row["outside_busy_us"]) == (100.0, 4, 7.0)
+    assert row["top_outside"] == "select 7.0"
+
+
+def test_profile_step_host_side():
+    """The host's steps between graph launches: blocking calls are waits, the rest the host's work."""
+    ps = _profile_step()
+    runtime = []
+    for i in range(6):  # a launch every 100 us, 30 us of it in an event synchronize, 5 in an async copy
+        t = 100.0 * i
+        runtime += [(t, 4.0, "cudaGraphLaunch"), (t + 20, 30.0, "cudaEventSynchronize"),
+                    (t + 60, 5.0, "cudaMemcpyAsync")]
+    host = ps.host_steps(sorted(runtime))
+    assert len(host) == 3 and host[0] == dict(host_period=100.0, host_wait=30.0, host_busy=70.0)
+    row = ps.summarise([dict(period=1, graph_span=1, graph_busy=1, graph_gaps=0, outside_busy=0,
+                             outside_idle=0, graph_kernels=1, outside=[])], 1, host)
+    assert (row["host_busy_us"], row["host_wait_us"]) == (70.0, 30.0)
+
+
+def test_profile_step_charges_overlap_once():
+    """Under PDL a kernel starts before the one before it ends: only its end past the frontier counts."""
+    ps = _profile_step()
+    kernels = [(0.0, 10.0, "void gemm<int>(float*)"), (8.0, 12.0, "norm"), (11.0, 11.5, "tiny")]
+    c = ps._charges(kernels)
+    assert (c["gemm"][1], c["norm"][1], c["tiny"][1]) == (10.0, 2.0, 0.0)
+    assert ps.short_name("void at::native::reduce_kernel<512, 1>(at::native::ReduceOp)") == \
+        "at::native::reduce_kernel"
+
+
+def test_profile_step_charges_by_place_in_the_layer():
+    """Two layers of gemm, norm, gemm: each gemm also charged by its place; the norm (once a
+    layer) and a kernel whose count is no multiple of the layers are not split."""
+    ps = _profile_step()
+    kernels, t = [], 0.0
+    for _ in range(2):
+        for name, dur in (("gemm", 10.0), ("norm", 1.0), ("gemm", 30.0)):
+            kernels.append((t, t + dur, name))
+            t += dur
+    kernels.append((t, t + 2.0, "head"))
+    c = ps._charges(kernels, layers=2)
+    assert c["gemm"] == [4, 80.0, 80.0] and c["gemm[0/2]"] == [2, 20.0, 20.0] and c["gemm[1/2]"] == [2, 60.0, 60.0]
+    assert "norm[0/1]" not in c and not any(k.startswith("head[") for k in c)
+    assert ps._charges(kernels) == {k: v for k, v in c.items() if "[" not in k}
+
+
+def test_profile_step_smoke():
+    """Each view's set-up on the tiny shape: the timeline's (no CUPTI trace on the CPU), the host
+    profile's tables, and the Nsight Compute view's second call (its profiler range needs CUDA graphs)."""
+    out = _run([os.path.join(BENCH, "profile_step.py"), "--smoke"])
+    assert "mixed fastlora: patched" in out and "base fastlora: base model only" in out, out[-2000:]
+    out = _run([os.path.join(BENCH, "profile_step.py"), "--smoke", "--view", "host", "--methods", "base"])
+    assert "decode step" in out and "# by cumulative" in out, out[-2000:]
+    out = _run([os.path.join(BENCH, "profile_step.py"), "--smoke", "--view", "ncu", "--methods", "mixed"])
+    assert "smoke: mixed batch 2 built, patched and generated twice" in out, out[-2000:]
+
+
+def test_profile_step_summarizes_the_committed_ncu_profile():
+    """``--summarize``: a kernel a line from Nsight Compute's raw CSV (the mixed 8B step at 128 rows,
+    4 layers: its one-launch gate/up and decode attention there)."""
+    path = os.path.join(BENCH, "results", "ncu_step_mixed_b128_h200.csv")
+    out = _run([os.path.join(BENCH, "profile_step.py"), "--summarize", path])
     lines = [line for line in out.splitlines() if line.startswith(("_glu_lora_kernel", "_decode_attention"))]
     assert len(lines) == 8, out[-2000:]  # two replays of a 4-layer model
     us, dram_mb = float(lines[0].split()[1]), float(lines[0].split()[2])
     assert 10 < us < 1000 and dram_mb > 1, lines[0]
-
-
-def test_ncu_step_smoke():
-    """``ncu_step.py``'s set-up (a few-layer model with adapters, patched, ``generate`` with per-row
-    adapter names twice) on the tiny shape; the profiler range needs CUDA graphs, so none opens here."""
-    out = _run([os.path.join(BENCH, "ncu_step.py"), "--smoke", "--batch", "3", "--layers", "2"])
-    assert "smoke: mixed batch 3 built, patched and generated twice" in out, out[-2000:]

@@ -1,0 +1,453 @@
+"""What every benchmark shares: model shapes, random-weight models and adapters, timing, the byte
+floor, the copy bandwidth behind it, and CSV rows that carry the GPU and the package versions.
+
+Decode is memory-bound, so each result is set against a floor: the bytes one step must read (the
+base weights, the LoRA weights of the adapters the batch uses, the KV cache it attends) over the
+copy bandwidth measured in the same run (``copy_bandwidth``: back-to-back 1 GiB device copies), with
+the GPU's specified bandwidth (``SPEC_BANDWIDTH``) beside it. Random weights cost the same bytes as
+trained ones, so speed needs no checkpoint.
+
+``DEVICE`` is "cuda" for a measurement and "cpu" for a script's ``--smoke`` run (a tiny model that
+checks the script, measures nothing); ``use_cpu()`` switches it.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
+    # Qwen2.5-32B's widths on Llama's layers: a model that wants tensor parallelism
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064),
+    # other architectures: sliding windows (Mistral); alternating windows, soft-capping and eager
+    # attention (Gemma 2, as transformers runs it)
+    "mistral7b": dict(arch="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, sliding_window=4096),
+    "gemma2-9b": dict(arch="gemma2", hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=256000,
+                      sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                      final_logit_softcapping=30.0, tie_word_embeddings=True),
+    # --smoke runs on the CPU
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024),
+    "tiny-gemma2": dict(arch="gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1024,
+                        sliding_window=16, attn_logit_softcapping=50.0, tie_word_embeddings=True),
+}
+ARCHS = {  # arch -> (config class, model class, attention implementation)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", None),
+    "mistral": ("MistralConfig", "MistralForCausalLM", None),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "eager"),
+}
+# ``fastlora.patch`` options that keep transformers' own attention and small ops (the base model under
+# fastlora's graphs alone, without its decode kernels)
+HF_OPS = dict(decode_attention=False, fuse_norms=False, fuse_rotary=False, fuse_silu_mul=False,
+              fuse_kv_write=False)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# the memory bandwidth each GPU is specified at (bytes/s), reported beside the measured copy bandwidth
+SPEC_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
+SMOKE_BANDWIDTH = 1e11  # a stand-in on the CPU: the floor columns exist, their values mean nothing
+
+DEVICE = "cuda"
+
+
+def use_cpu() -> None:
+    """``--smoke``: everything on the CPU (tiny shapes, emulated graphs)."""
+    global DEVICE
+    DEVICE = "cpu"
+
+
+def needs_gpu(name: str) -> bool:
+    """True (and a line saying so) where a measurement was asked for and there is no CUDA GPU."""
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print(f"{name} needs a CUDA GPU (or --smoke); nothing measured")
+        return True
+    return False
+
+
+def model_label(shape: str) -> str:
+    return shape if "arch" in SHAPES[shape] else f"llama-{shape}"
+
+
+def shape_of(shape: str) -> dict:
+    """The config fields of a shape, with its head dim and arch filled in."""
+    s = dict(SHAPES[shape])
+    s.setdefault("arch", "llama")
+    s.setdefault("head_dim", s["hidden_size"] // s["num_attention_heads"])
+    return s
+
+
+# ---- models and adapters ---------------------------------------------------------------------------
+def build_base(shape: str, layers: int = None):
+    """A random-weight causal LM of ``shape`` in bf16 on ``DEVICE`` (``layers``: fewer layers),
+    that never stops early (random weights would emit EOS at random)."""
+    import transformers
+
+    fields = dict(SHAPES[shape])
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    config_cls, model_cls, attn = ARCHS[fields.pop("arch", "llama")]
+    cfg = getattr(transformers, config_cls)(**fields, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if attn is not None:
+        cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEVICE):
+            model = getattr(transformers, model_cls)(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def add_adapters(model, n: int, rank: int, targets=TARGETS):
+    """A PeftModel over ``model`` with adapters ``a0 .. a{n-1}`` of ``rank`` (B non-zero), in the
+    model's dtype as a server holds them (PEFT would upcast them to fp32)."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), init_lora_weights=False)
+    peft_model = get_peft_model(model, cfg, adapter_name="a0", autocast_adapter_dtype=False)
+    for i in range(1, n):
+        peft_model.add_adapter(f"a{i}", cfg, autocast_adapter_dtype=False)
+    return peft_model.eval()
+
+
+def round_robin(batch: int, adapters: int) -> list:
+    """One adapter name per row: a0, a1, ... cycling."""
+    return [f"a{i % adapters}" for i in range(batch)]
+
+
+# ---- bytes: the floor ------------------------------------------------------------------------------
+def weight_bytes(model) -> int:
+    """Bytes of base weights one decode step reads: every parameter but the LoRA ones (counted per
+    batch) and the input embedding (a few rows are read), the whole table where the LM head shares it."""
+    total = 0
+    for name, p in model.named_parameters():
+        if "lora_" in name or "embed_tokens" in name:
+            continue
+        total += p.numel() * p.element_size()
+    emb = model.get_input_embeddings().weight
+    if model.config.tie_word_embeddings:
+        total += emb.numel() * emb.element_size()
+    return total
+
+
+def lora_bytes_per_adapter(shape: str, rank: int, esize: int = 2) -> int:
+    """Bytes of one adapter of ``rank`` on all seven projections of ``shape``."""
+    s = shape_of(shape)
+    h, i, layers = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"]
+    q, kv = s["num_attention_heads"] * s["head_dim"], s["num_key_value_heads"] * s["head_dim"]
+    in_out = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+    return layers * sum(rank * (a + b) for a, b in in_out) * esize
+
+
+def kv_bytes(shape: str, batch: int, ctx: float, esize: int = 2) -> float:
+    """KV-cache bytes one decode step reads at a filled length of ``ctx`` positions."""
+    s = shape_of(shape)
+    return 2 * s["num_hidden_layers"] * batch * s["num_key_value_heads"] * s["head_dim"] * ctx * esize
+
+
+def spec_bandwidth(gpu: str):
+    """The GPU's specified memory bandwidth in bytes/s (None where this table does not know it)."""
+    return next((bw for key, bw in SPEC_BANDWIDTH.items() if key in gpu), None)
+
+
+def floor_columns(step_ms: float, floor_bytes: float, bw: float, gpu: str) -> dict:
+    """The floor of ``floor_bytes`` at the measured bandwidth and ``step_ms`` against it, and the same
+    at the GPU's specified bandwidth."""
+    floor = 1e3 * floor_bytes / bw
+    spec = spec_bandwidth(gpu)
+    spec_floor = 1e3 * floor_bytes / spec if spec else None
+    return dict(floor_ms=round(floor, 3), ratio_to_floor=round(step_ms / floor, 3),
+                spec_bw_tbs=round(spec / 1e12, 2) if spec else "",
+                ratio_to_spec_floor=round(step_ms / spec_floor, 3) if spec else "")
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a device-to-device copy of 1 GiB (far past the L2), the
+    copies queued back to back: a copy after an idle GPU pays its launch and the clocks' ramp, which
+    would understate the bandwidth and so make the floor lenient. On the CPU: a stand-in."""
+    if DEVICE != "cuda":
+        return SMOKE_BANDWIDTH
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(5):
+        dst.copy_(src)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(20)]
+    for a, b in events:
+        a.record()
+        dst.copy_(src)
+        b.record()
+    torch.cuda.synchronize()
+    seconds = statistics.median(a.elapsed_time(b) for a, b in events) / 1e3
+    del src, dst
+    return 2 * (1 << 30) / seconds
+
+
+# ---- timing ----------------------------------------------------------------------------------------
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps: int) -> float:
+    """Median wall seconds of ``fn()`` over ``reps`` calls, the device synchronised around each."""
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class ReplayTimes:
+    """GPU time of every CUDA graph replay while active (events around ``CUDAGraph.replay``): a
+    decode step's time in ``generate`` minus its replay is host time the GPU waited for. Graphs that
+    only build the next step's inputs (``fastlora_step_advance``) are not steps and are not timed."""
+
+    def __init__(self):
+        self.events = []
+
+    def __enter__(self):
+        self._replay = torch.cuda.CUDAGraph.replay
+        events, replay = self.events, self._replay
+
+        def timed_replay(graph):
+            if getattr(graph, "fastlora_step_advance", False):
+                return replay(graph)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            replay(graph)
+            b.record()
+            events.append((a, b))
+
+        torch.cuda.CUDAGraph.replay = timed_replay
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.CUDAGraph.replay = self._replay
+
+    def median_ms(self):
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) for a, b in self.events) if self.events else None
+
+
+def measure(gen, new_tokens: int, reps: int):
+    """(prefill ms, decode ms/step, tokens of the long run) for ``gen(n)``, a ``generate`` of n new
+    tokens: decode = (time of n tokens - time of 1) / (n - 1), so prefill and set-up cancel.
+    ``measure.replay_ms``: the median GPU time of one graph replay in the long runs (None: none)."""
+    gen(2)  # warm-up: kernels compiled, graphs captured
+    t1 = timed(lambda: gen(1), reps)
+    out = {}
+    replays = ReplayTimes()
+    if DEVICE == "cuda":
+        with replays:
+            tn = timed(lambda: out.setdefault("tokens", gen(new_tokens)), reps)
+    else:
+        tn = timed(lambda: out.setdefault("tokens", gen(new_tokens)), reps)
+    measure.replay_ms = replays.median_ms() if DEVICE == "cuda" else None
+    return 1e3 * t1, 1e3 * (tn - t1) / (new_tokens - 1), out["tokens"]
+
+
+measure.replay_ms = None
+
+
+class GpuTimer:
+    """Median microseconds of a callable, timed with CUDA events, the L2 evicted before each call
+    by a 256 MiB memset (in a model the other layers' weights pass through between two calls of one
+    layer; the memset also keeps the GPU busy while the host enqueues the call, so a graph replay
+    is timed on the GPU alone). On the CPU: wall time, for ``--smoke`` runs."""
+
+    def __init__(self, iters: int):
+        self.iters = iters
+        self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda") if DEVICE == "cuda" else None
+
+    def __call__(self, fn) -> float:
+        if self.flush is None:
+            return 1e6 * timed(fn, max(1, min(self.iters, 2)))
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        events = []
+        for _ in range(self.iters):
+            self.flush.zero_()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            events.append((a, b))
+        torch.cuda.synchronize()
+        return 1e3 * statistics.median(a.elapsed_time(b) for a, b in events)
+
+
+class _Eager:
+    """``capture``'s stand-in on the CPU: ``replay`` runs the function."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+def capture(fn):
+    """``fn`` captured in a CUDA graph (compiled and warmed up on a side stream first); on the CPU
+    an object whose ``replay`` calls it."""
+    if DEVICE != "cuda":
+        return _Eager(fn)
+    import gc
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    gc.disable()  # a collected Triton kernel object must not unload its module mid-capture
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    finally:
+        gc.enable()
+    return graph
+
+
+def launch_floor(timer: GpuTimer, n_launches: int) -> float:
+    """Microseconds of a graph of ``n_launches`` empty Triton kernels: what launches alone cost."""
+    import triton
+
+    @triton.jit
+    def _empty(ptr):
+        pass
+
+    buf = torch.empty(1, device=DEVICE)
+
+    def launches():
+        for _ in range(n_launches):
+            _empty[(1,)](buf)
+
+    return timer(capture(launches).replay)
+
+
+def kernel_times(gen, steps: int) -> list:
+    """GPU time by kernel of one decode step: the profiler's kernel totals over ``gen(1 + steps)``
+    minus those over ``gen(1)`` (prefill and set-up cancel), per step; rows of kernel,
+    launches_per_step, us_per_step, slowest first. CUPTI sees the kernels a graph replay launches.
+    Under PDL a kernel's time includes its wait for the one before: read families, not single small
+    kernels. On the CPU the ops' CPU times stand in."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = DEVICE == "cuda"
+
+    def totals(k):
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            gen(k)
+            sync()
+        out = {}
+        for e in prof.key_averages():
+            us = getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total
+            if us > 0:
+                n, t = out.get(e.key, (0, 0.0))
+                out[e.key] = (n + e.count, t + us)
+        return out
+
+    one, many = totals(1), totals(1 + steps)
+    rows = []
+    for key, (n, t) in many.items():
+        n1, t1 = one.get(key, (0, 0.0))
+        if n > n1:
+            rows.append(dict(kernel=key[:160], launches_per_step=round((n - n1) / steps, 2),
+                             us_per_step=round((t - t1) / steps, 2)))
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+# kernel families of a decode step, by name (cuBLAS's nvjet / cutlass GEMMs and their split-K
+# reductions, fastlora's GEMMs; the decode attention; fastlora's LoRA launches); the rest is "other"
+KERNEL_KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "splitKreduce", "xmma", "glu_lora")),
+                ("attention", ("decode_attention", "flash", "sdpa")), ("lora", ("lora_",)))
+
+
+def kernel_split(rows) -> dict:
+    """us a step by kernel family (``KERNEL_KINDS``) and in all, from ``kernel_times`` rows."""
+    out = {f"{kind}_us": 0.0 for kind, _ in KERNEL_KINDS}
+    out["other_us"] = 0.0
+    for r in rows:
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in r["kernel"] for x in keys)), "other")
+        out[f"{kind}_us"] += r["us_per_step"]
+    out = {k: round(v, 1) for k, v in out.items()}
+    out["kernels_us"] = round(sum(r["us_per_step"] for r in rows), 1)
+    return out
+
+
+# ---- what a row carries, and where it goes ------------------------------------------------------------
+def versions() -> dict:
+    """The GPU (or "cpu (smoke test)") and the versions every CSV row carries."""
+    import peft
+    import transformers
+    import triton
+
+    cuda = DEVICE == "cuda" and torch.cuda.is_available()
+    gpu = torch.cuda.get_device_name() if cuda else "cpu (smoke test)"
+    return dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda or "", triton=triton.__version__,
+                transformers=transformers.__version__, peft=peft.__version__, python=platform.python_version())
+
+
+def gpu_tag(gpu: str = None) -> str:
+    """The GPU's short name for file names ("h200"; "cpu" in smoke runs)."""
+    gpu = gpu or versions()["gpu"]
+    return "cpu" if gpu.startswith("cpu") else gpu.split()[-1].lower()
+
+
+def write_csv(rows, path: str) -> str:
+    """The rows (dicts; the header is the union of their keys, in order of appearance) as ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
+        w.writeheader()
+        w.writerows(rows)
+    print("written", path, flush=True)
+    return path
+
+
+def add_model_args(parser, adapters: int, model: str = "8b"):
+    """--model, --adapters, --rank: the arguments every single-model benchmark shares."""
+    parser.add_argument("--model", default=model, choices=sorted(SHAPES))
+    parser.add_argument("--adapters", type=int, default=adapters)
+    parser.add_argument("--rank", type=int, default=16)
+
+
+RESULTS = "benchmarks/results"
+
+
+def add_run_args(parser):
+    """--out (a folder) and --smoke."""
+    parser.add_argument("--out", default=RESULTS, help="folder for the CSV (empty: none written)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script only")
+
+
+def start(args, name: str) -> bool:
+    """After parsing: ``--smoke`` moves everything to the CPU and writes nothing unless ``--out``
+    names a folder; a measurement without a GPU says so. False: nothing to run."""
+    if args.smoke:
+        use_cpu()
+        if args.out == RESULTS:
+            args.out = None
+        return True
+    return not needs_gpu(name)
+
+
+def out_path(folder: str, stem: str, gpu: str) -> str:
+    """``folder/<stem>_<gpu tag>.csv`` (None where no folder was given)."""
+    return os.path.join(folder, f"{stem}_{gpu_tag(gpu)}.csv") if folder else None
