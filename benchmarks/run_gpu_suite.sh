@@ -6,8 +6,8 @@
 #   bash benchmarks/run_gpu_suite.sh                    # all the single-GPU parts
 #   bash benchmarks/run_gpu_suite.sh generate prefill   # some of them
 #
-# Parts of "all": tests soak kernels attention gemm generate coverage peft prefill continuous many
-# profile resources. Never part of "all": tma (bench_gemm.py at 65-128 rows rewrites the TMA
+# Parts of "all": tests soak kernels attention gemm generate coverage peft prefill continuous serving
+# many profile resources; serving-soak (minutes of load through the endpoint, memory watched) is not. Never part of "all": tma (bench_gemm.py at 65-128 rows rewrites the TMA
 # kernel's tile table in the tree), ncu (Nsight Compute over one graphed 8B step, a kernel a line),
 # and, on a two-GPU machine, multigpu (tests, serve_tp, bench_tp: TP_MODEL, TP_ARGS) and devicemap.
 set -uo pipefail
@@ -69,6 +69,16 @@ if want continuous; then
   timeout 560 python3 benchmarks/bench_continuous.py --model ${CB_MODEL:-8b} --requests ${CB_REQUESTS:-2000} \
     --modes ${CB_MODES:-base_patched_varlen base_varlen fastlora_varlen static} --out "$OUT" 2>&1 | quiet \
     | tee "$OUT/continuous_$TAG.log" | tail -8
+fi
+if want serving; then  # the OpenAI endpoint at Poisson arrival rates, patched base beside the adapters
+  timeout 1500 python3 benchmarks/bench_serving.py --model ${SERVE_MODEL:-8b} --adapters 32 \
+    --rates ${SERVE_RATES:-4 8 16 32} --duration ${SERVE_DURATION:-60} --out "$OUT" 2>&1 | quiet \
+    | tee "$OUT/serving_$TAG.log" | tail -12
+fi
+if [[ $parts == *" serving-soak "* ]]; then  # zero failed requests, memory flat
+  timeout ${SOAK_SERVE_LIMIT:-900} python3 benchmarks/bench_serving.py --model ${SERVE_MODEL:-8b} --adapters 32 \
+    --modes fastlora --rates ${SERVE_SOAK_RATE:-16} --soak ${SERVE_SOAK:-300} --out "$OUT" 2>&1 | quiet \
+    | tee "$OUT/serving_soak_$TAG.log" | tail -6
 fi
 if want many; then
   timeout 400 python3 benchmarks/bench_many_adapters.py --model ${MANY_MODEL:-8b} --adapters ${MANY_ADAPTERS:-512} \

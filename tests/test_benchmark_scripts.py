@@ -314,3 +314,16 @@ def test_profile_step_summarizes_the_committed_ncu_profile():
     assert len(lines) == 8, out[-2000:]  # two replays of a 4-layer model
     us, dram_mb = float(lines[0].split()[1]), float(lines[0].split()[2])
     assert 10 < us < 1000 and dram_mb > 1, lines[0]
+
+
+def test_bench_serving_smoke(tmp_path):
+    """Poisson arrivals through the endpoint with the openai client, patched base beside the
+    adapters; the soak's memory samples."""
+    _run([os.path.join(BENCH, "bench_serving.py"), "--smoke", "--out", str(tmp_path)])
+    rows = {r["mode"]: r for r in _csv(tmp_path / "serving_tiny_cpu.csv")}
+    assert set(rows) == {"base_patched", "fastlora"}
+    for row in rows.values():
+        assert row["failed"] == "0" and int(row["requests"]) > 0 and float(row["output_tokens_per_s"]) > 0
+    _run([os.path.join(BENCH, "bench_serving.py"), "--smoke", "--modes", "fastlora", "--soak", "2",
+          "--out", str(tmp_path)])
+    assert _csv(tmp_path / "serving_tiny_soak_cpu_memory.csv")

@@ -1,0 +1,254 @@
+"""The OpenAI-compatible endpoint under load, measured as users measure a server.
+
+    python benchmarks/bench_serving.py --model 8b --adapters 32 --rates 2 4 8 16 --duration 60
+    python benchmarks/bench_serving.py --model 8b --adapters 32 --soak 300 --rates 8    # memory watched
+    python benchmarks/bench_serving.py --smoke      # CPU: checks the script, measures nothing
+
+The model (random weights, ``harness.build_base``) is served by ``peft_fastlora.server.create_app``
+under uvicorn on the loopback interface; clients are ``openai.AsyncOpenAI`` streaming completions.
+Requests arrive as a Poisson process at each ``--rates`` value for ``--duration`` seconds; their
+prompt and output lengths are ``bench_continuous``'s log-normal workload and their adapters are
+drawn from a Zipf law over ``--adapters``. Random weights never emit EOS, so each request produces
+exactly its output length.
+
+Modes (``--modes``), each through the same endpoint, engine and workload:
+
+- ``fastlora``: the PeftModel with the adapters, patched, one adapter per request;
+- ``base_patched``: the base model patched by fastlora with no adapters (every request ``"base"``):
+  the like-for-like reference.
+
+Per mode and rate, one CSV row: requests sent and failed, output tokens/s, time to first token and
+inter-token latency p50 / p99 (from the chunks' arrival times). ``--soak S``: one rate held for S
+seconds, the GPU memory allocated and the process's resident memory sampled every
+``--sample-every`` seconds into a second CSV (flat when nothing leaks); any failed request is
+reported (a well-formed request should never fail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness as hx  # noqa: E402
+from bench_continuous import workload  # noqa: E402
+
+
+def id_tokenizer(vocab: int):
+    """A tokenizer over token ids ``t0 .. t{vocab-1}`` (requests send ids; answers decode to text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i} ": i for i in range(vocab)}, unk_token="t3 "))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t3 ", pad_token="t0 ")
+
+
+def serve(model, tokenizer, args):
+    """(uvicorn server, its thread, base URL) with the app started."""
+    import uvicorn
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    from peft_fastlora.server import ServerConfig, create_app
+
+    cb = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens, use_cuda_graph=args.engine_graphs,
+                                  **({"num_blocks": max(1, args.cache_tokens // 256)} if args.cache_tokens else {}))
+    gen = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
+    app = create_app(model, tokenizer, ServerConfig(max_pending=args.max_pending, max_tokens_default=16),
+                     generation_config=gen, continuous_batching_config=cb)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+
+
+async def one_request(client, model_name, prompt, max_tokens, temperature, record):
+    began = time.perf_counter()
+    arrivals = []
+    try:
+        stream = await client.completions.create(model=model_name, prompt=prompt, max_tokens=max_tokens,
+                                                 temperature=temperature, stream=True)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                arrivals.append(time.perf_counter())
+        record.append(dict(ok=True, began=began, arrivals=arrivals, tokens=max_tokens))
+    except Exception as e:  # noqa: BLE001  (counted: a failed request is a result)
+        record.append(dict(ok=False, began=began, arrivals=arrivals, tokens=0, error=repr(e)[:200]))
+
+
+async def drive(url, reqs, rate: float, duration: float, with_adapters: bool, temperature: float, seed: int):
+    """Requests at Poisson arrivals of ``rate`` a second for ``duration`` seconds; their records."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    rng, record, tasks = random.Random(seed), [], []
+    start = time.perf_counter()
+    i = 0
+    while True:
+        now = time.perf_counter() - start
+        if now >= duration:
+            break
+        prompt, adapter, out = reqs[i % len(reqs)]
+        i += 1
+        name = adapter if with_adapters else "base"
+        tasks.append(asyncio.create_task(one_request(client, name, prompt, out, temperature, record)))
+        await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.gather(*tasks)
+    await client.close()
+    return record, time.perf_counter() - start
+
+
+def pct(values, q):
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def summarize(record, elapsed: float) -> dict:
+    ok = [r for r in record if r["ok"]]
+    ttft = [r["arrivals"][0] - r["began"] for r in ok if r["arrivals"]]
+    itl = [b - a for r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    return dict(requests=len(record), failed=len(record) - len(ok), elapsed_s=round(elapsed, 2),
+                output_tokens_per_s=round(sum(r["tokens"] for r in ok) / elapsed, 1),
+                ttft_p50_s=round(pct(ttft, 0.5), 4), ttft_p99_s=round(pct(ttft, 0.99), 4),
+                itl_p50_ms=round(1000 * pct(itl, 0.5), 3), itl_p99_ms=round(1000 * pct(itl, 0.99), 3),
+                first_error=next((r["error"] for r in record if not r["ok"]), ""))
+
+
+def resident_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def build(mode: str, args):
+    import peft_fastlora as fastlora
+
+    base = hx.build_base(args.model, args.layers)
+    model = hx.add_adapters(base, args.adapters, args.rank) if mode == "fastlora" else base
+    fastlora.patch(model, **({"cuda_graphs": "emulate"} if args.smoke else {}))
+    return model
+
+
+def run_mode(mode, args, reqs, versions):
+    model = build(mode, args)
+    tokenizer = id_tokenizer(hx.SHAPES[args.model]["vocab_size"])
+    server, thread, url = serve(model, tokenizer, args)
+    rows, samples = [], []
+    try:
+        asyncio.run(drive(url, reqs[:4], 1.0, min(2.0, args.duration), mode == "fastlora", 0.0, 0))  # warm-up
+        if args.soak:
+            rows.append(soak(url, reqs, mode, args, samples, versions))
+        else:
+            for rate in args.rates:
+                record, elapsed = asyncio.run(drive(url, reqs, rate, args.duration, mode == "fastlora",
+                                                    args.temperature, args.seed))
+                row = dict(mode=mode, rate=rate, **summarize(record, elapsed), **versions)
+                print(" | ".join(f"{k}={v}" for k, v in row.items() if k not in versions), flush=True)
+                rows.append(row)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=120)
+    return rows, samples
+
+
+def soak(url, reqs, mode, args, samples, versions):
+    """One rate for ``--soak`` seconds, memory sampled while it runs."""
+    done = threading.Event()
+    began = time.perf_counter()
+
+    def sample():
+        while not done.is_set():
+            gpu = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+            samples.append(dict(mode=mode, t_s=round(time.perf_counter() - began, 1), gpu_allocated_bytes=gpu,
+                                resident_bytes=resident_bytes()))
+            done.wait(args.sample_every)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        record, elapsed = asyncio.run(drive(url, reqs, args.rates[0], args.soak, mode == "fastlora",
+                                            args.temperature, args.seed))
+    finally:
+        done.set()
+        sampler.join()
+    row = dict(mode=mode, rate=args.rates[0], soak_s=args.soak, **summarize(record, elapsed))
+    half = samples[len(samples) // 2:] or samples
+    row["gpu_allocated_growth_bytes"] = half[-1]["gpu_allocated_bytes"] - half[0]["gpu_allocated_bytes"] if half else 0
+    row["resident_growth_bytes"] = half[-1]["resident_bytes"] - half[0]["resident_bytes"] if half else 0
+    row.update(versions)
+    print(" | ".join(f"{k}={v}" for k, v in row.items() if k not in versions), flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    hx.add_model_args(p, adapters=32)
+    hx.add_run_args(p)
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape has")
+    p.add_argument("--modes", nargs="+", default=["base_patched", "fastlora"], choices=["base_patched", "fastlora"])
+    p.add_argument("--rates", nargs="+", type=float, default=[2, 4, 8, 16], help="requests a second")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
+    p.add_argument("--soak", type=float, default=0.0, help="seconds of one rate (the first) with memory sampled")
+    p.add_argument("--sample-every", type=float, default=5.0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-pending", type=int, default=4096)
+    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--cache-tokens", type=int, default=None, help="default: the engine sizes its cache")
+    p.add_argument("--engine-graphs", action="store_true", help="the engine's CUDA graphs on")
+    p.add_argument("--requests", type=int, default=2000, help="distinct requests in the workload pool")
+    p.add_argument("--prompt-mean", type=int, default=289)
+    p.add_argument("--prompt-cap", type=int, default=2048)
+    p.add_argument("--output-mean", type=int, default=201)
+    p.add_argument("--output-cap", type=int, default=1024)
+    p.add_argument("--zipf", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not hx.start(args, "bench_serving"):
+        return 0
+    if args.smoke:
+        args.model, args.adapters, args.requests, args.rates = "tiny", 3, 12, [4.0]
+        args.duration, args.prompt_mean, args.prompt_cap, args.output_mean, args.output_cap = 1.5, 8, 20, 4, 6
+        args.max_batch_tokens, args.cache_tokens = 64, 4096
+        args.soak = min(args.soak, 2.0)
+        args.sample_every = min(args.sample_every, 0.5)
+    reqs = workload(args)
+    versions = hx.versions()
+    rows, samples = [], []
+    for mode in args.modes:
+        r, s = run_mode(mode, args, reqs, versions)
+        rows += r
+        samples += s
+    stem = f"serving_{args.model}" + ("_soak" if args.soak else "")
+    path = hx.out_path(args.out, stem, versions["gpu"])
+    if path:
+        hx.write_csv(rows, path)
+        if samples:
+            hx.write_csv(samples, path.replace(".csv", "_memory.csv"))
+    failed = sum(r["failed"] for r in rows)
+    if failed:
+        print(f"{failed} well-formed requests failed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
