@@ -17,6 +17,7 @@ class PatchReport:
     left_on_peft: List[Tuple[str, str]] = field(default_factory=list)  # (module, reason)
     adapter_fallbacks: List[Tuple[str, str, str]] = field(default_factory=list)  # (module, adapter, reason)
     fusion_blocked: List[Tuple[str, str]] = field(default_factory=list)  # (group, reason)
+    triton_missing: str = ""  # why fastlora's Triton kernels cannot run in this process ("": they can)
     stack_bytes: int = 0
     # the adapters' own weights in the stacks' dtype (stack_bytes adds padding and ops.glu_lora's buffers)
     adapter_bytes: int = 0
@@ -61,9 +62,10 @@ class PatchReport:
             line = "fastlora: base model only (no LoRA adapters)"
         else:
             sites = len(self.sites)
+            triton = f" (Triton kernels off: {self.triton_missing})" if self.triton_missing else ""
             line = (f"fastlora: patched {self.num_patched_layers} LoRA layers in {sites} "
                     f"site{'s' if sites != 1 else ''} ({kinds}) for {len(self.adapters)} adapters on backend "
-                    f"{self.backend!r}; {len(self.left_on_peft)} left on PEFT's path; "
+                    f"{self.backend!r}{triton}; {len(self.left_on_peft)} left on PEFT's path; "
                     f"adapter stacks {self.stack_bytes / 2**20:.1f} MiB "
                     f"(adapters' own weights {self.adapter_bytes / 2**20:.1f} MiB)")
             if self.gpu_slots != "all adapters":

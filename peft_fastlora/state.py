@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from . import _compat
+from . import _compat, kernel_support
 from ._compat import LoraEmbedding, LoraLinear, base_layer_of, is_conv1d, is_lora_layer, linear_in_out
 from .backend import get_backend, resolve_backend_name
 from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_ops, stream_linears, stream_wanted
@@ -323,7 +323,8 @@ class FastLoRAState:
         self._ensure_backend(backend_name)
         report = PatchReport(backend=backend_name, device=str(self.device), adapters=self._users_adapters(),
                              gpu_slots=self.registry.describe(), registered=len(self.stored),
-                             store_bytes=sum(a.nbytes() for a in self.stored.values()))
+                             store_bytes=sum(a.nbytes() for a in self.stored.values()),
+                             triton_missing=kernel_support.triton_missing() or "")
 
         served = set()
         fold_off = self._fold_blocker()

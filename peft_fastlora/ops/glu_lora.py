@@ -41,15 +41,16 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional
 
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ._triton import AVAILABLE, tl, triton
 from ..kernel_support import interpreting
 from . import pdl
 from .silu_mul import ACTIVATIONS, act_mul_rounded
 from .stream_gemm import _tile_dot
 from .tma_gemm import MAX_ROWS, TmaConfig, tma_aligned
+
+if AVAILABLE:
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
 SHRINK_COLUMNS = 16  # arena rows a shrink program computes (more programs, each shorter)
 TAIL_BLOCK = 64  # columns of a tail K block (G slots of RB columns, RB the largest rank's power of 2)

@@ -31,9 +31,8 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import tl, triton
 from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
 
 # (segment, tile, warps, stages): columns a program reads, columns a loop step loads, warps, load

@@ -34,12 +34,13 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra.cuda import globaltimer, smid
 
+from ._triton import AVAILABLE, tl, triton
 from ..kernel_support import num_sms
 from .expand_common import packed_row_stride
+
+if AVAILABLE:
+    from triton.language.extra.cuda import globaltimer, smid
 
 MAX_MODULES = 4  # column offsets travel as scalar arguments, as in the expand
 MAX_BLOCK_R = 128  # larger padded ranks take the two-kernel path

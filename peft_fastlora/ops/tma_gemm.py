@@ -26,16 +26,17 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ._triton import AVAILABLE, tl, triton
 from ..kernel_support import interpreting
 from . import pdl
 from .silu_mul import ACTIVATIONS
 from . import stream_gemm as _stream
 from .stream_gemm import (StreamWorkspace, _tile_dot, check_operands, checked_output, split_plan, store_output,
                           stream_gemm_reference)
+
+if AVAILABLE:
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
 MAX_ROWS = _stream.MAX_ROWS  # rows one program covers (split_plan's blocks); more take more row blocks
 # Triton's warp specialization of the K loop (on Hopper a 4-warp tile becomes a TMA-load warp group
