@@ -21,7 +21,9 @@ class PatchReport:
     stack_bytes: int = 0
     # the adapters' own weights in the stacks' dtype (stack_bytes adds padding and ops.glu_lora's buffers)
     adapter_bytes: int = 0
-    gpu_slots: str = "all adapters"  # what the stacks hold: every adapter, or N slots loaded on demand
+    # what the stacks hold: every adapter, or N slots loaded on demand (GPU slots on CUDA); the
+    # placeholder adapter from_folders makes the LoRA layers with is not counted
+    gpu_slots: str = "all adapters"
     registered: int = 0  # adapters registered by name (fastlora.register_adapter), held in CPU memory
     store_bytes: int = 0  # their bytes there
     decode_attention: str = "off"  # "on", or why not
@@ -68,8 +70,9 @@ class PatchReport:
                     f"{self.backend!r}{triton}; {len(self.left_on_peft)} left on PEFT's path; "
                     f"adapter stacks {self.stack_bytes / 2**20:.1f} MiB "
                     f"(adapters' own weights {self.adapter_bytes / 2**20:.1f} MiB)")
-            if self.gpu_slots != "all adapters":
-                line += f" in GPU slots ({self.gpu_slots})"
+            if self.gpu_slots != "all adapters":  # slots of GPU memory on CUDA, of host memory elsewhere
+                where = "GPU slots" if self.device.startswith("cuda") else "slots"
+                line += f" in {where} ({self.gpu_slots})"
             if self.registered:
                 line += f"; {self.registered} registered in CPU memory ({self.store_bytes / 2**20:.1f} MiB)"
         if self.adapter_fallbacks:
