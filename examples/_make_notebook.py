@@ -437,7 +437,8 @@ elif (csv_path := find_results()) is not None:
     models = sorted({r["model"] for r in records})
     shown = {"peft_native": "PEFT mixed batch", "fastlora_graphs": "fastlora",
              "base_graphs_attn": "base model alone"}
-    print(f"{len(records)} rows from {csv_path} ({records[0].get('gpu', '?')}); models: {', '.join(models)}")
+    shown_path = csv_path.relative_to(csv_path.parents[2])  # benchmarks/results/...: no machine's path
+    print(f"{len(records)} rows from {shown_path} ({records[0].get('gpu', '?')}); models: {', '.join(models)}")
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model_name in zip(axes[0], models):
         for method, label in shown.items():
@@ -531,6 +532,7 @@ def execute(nb: nbformat.NotebookNode) -> None:
     for cell in nb.cells:  # keep what the cells print and plot; drop progress bars and warnings
         if cell.cell_type == "code":
             cell.outputs = [o for o in cell.outputs if not (o.output_type == "stream" and o.name == "stderr")]
+        cell.metadata.pop("execution", None)  # the run's timestamps
 
 
 def main(argv=None) -> None:
