@@ -679,8 +679,8 @@ class FastLoRAState:
         graphs stay valid; the batch info and ranks read from the slots are rebuilt)."""
         t = time.perf_counter()
         # a load makes thousands of small objects, and with hundreds of adapters registered a
-        # collection they trigger scans all of the registry's objects (benchmarks/NOTES.md,
-        # session 11: it cost more than the load): paused for its length, at most one follows
+        # collection they trigger scans all of the registry's objects (measured costing more than
+        # the load itself): paused for its length, at most one follows
         collecting = gc.isenabled()
         gc.disable()
         try:

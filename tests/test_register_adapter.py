@@ -302,7 +302,8 @@ def test_a_registered_adapter_whose_layers_go_is_dropped(folders, caplog, monkey
 
 def test_a_batch_of_more_distinct_registered_adapters_than_the_first_build_had(folders):
     """The default limit of distinct adapters per batch follows the adapters registered later
-    (the 8B benchmark's first run met 'exceed max_loras_per_batch=16' with 512 registered)."""
+    (else a patch with few PEFT adapters, then 512 registered, would refuse a batch of 17 distinct
+    ones with 'exceed max_loras_per_batch=16')."""
     m = build(adapters=PEFT_ADAPTERS[1:])
     ref = build(adapters=PEFT_ADAPTERS[1:])
     fastlora.patch(m)
