@@ -38,9 +38,9 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` or ``"torch_native"``.
         fuse: run sibling q/k/v and gate/up projections as one GEMM and one LoRA call each;
             on CUDA also the siblings no adapter targets (a plain model's among them).
-        max_loras_per_batch: most distinct adapters in one batch, and the GPU slots of the
-            stacks: with fewer than the adapters, each call's adapters are loaded into slots on
-            demand, least recently used out (default: a slot for every adapter).
+        max_loras_per_batch: most distinct adapters in one batch, and the slots of the stacks (GPU
+            memory on CUDA): with fewer than the adapters, each call's adapters are loaded into
+            slots on demand, least recently used out (default: a slot for every adapter).
         cuda_graphs: replay the decode steps of ``generate`` from CUDA graphs: ``"auto"`` (on
             when the model is on CUDA), ``True``, ``False``, or ``"emulate"`` (the same runner with
             the graphs re-executed eagerly: a testing aid that needs no GPU).
