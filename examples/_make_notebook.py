@@ -378,7 +378,7 @@ adapters and the base model, and each row generates 32 tokens. (This toy model i
 realistic numbers; the benchmarks in `benchmarks/` use real model sizes.)
 
 On a CPU there is nothing meaningful to measure: the cell plots the committed GPU results in
-`benchmarks/results/generate_h200.csv` when they exist (8B and 1B Llama shapes, bf16, 8 adapters of
+`benchmarks/results/generate_with_peft_h200.csv` when they exist (8B and 1B Llama shapes, bf16, 8 adapters of
 rank 16), three of its methods, on a log scale:
 
 - **PEFT mixed batch**: PEFT's own `generate(..., adapter_names=...)`, which loops over the adapters
@@ -404,7 +404,7 @@ def measure_tokens_per_s(model, batch_size, new_tokens=32, repeats=3):
     return repeats * batch_size * new_tokens / (time.perf_counter() - t0)
 
 
-def find_results(name="generate_h200.csv"):
+def find_results(name="generate_with_peft_h200.csv"):
     for folder in [Path.cwd(), *Path.cwd().parents]:
         path = folder / "benchmarks" / "results" / name
         if path.is_file():
@@ -437,7 +437,8 @@ elif (csv_path := find_results()) is not None:
     models = sorted({r["model"] for r in records})
     shown = {"peft_native": "PEFT mixed batch", "fastlora_graphs": "fastlora",
              "base_graphs_attn": "base model alone"}
-    print(f"{len(records)} rows from {csv_path} ({records[0].get('gpu', '?')}); models: {', '.join(models)}")
+    shown_path = csv_path.relative_to(csv_path.parents[2])  # benchmarks/results/...: no machine's path
+    print(f"{len(records)} rows from {shown_path} ({records[0].get('gpu', '?')}); models: {', '.join(models)}")
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model_name in zip(axes[0], models):
         for method, label in shown.items():
@@ -454,23 +455,23 @@ elif (csv_path := find_results()) is not None:
     fig.suptitle("Committed benchmark results")
     plt.show()
 else:
-    print("No GPU here and no committed results (benchmarks/results/generate_h200.csv) yet: "
+    print("No GPU here and no committed results (benchmarks/results/generate_with_peft_h200.csv) yet: "
           "nothing to plot.")"""),
     ("md", "slots-md", """\
-## 11. Many adapters: registered by name, served from GPU slots
+## 11. Many adapters: registered by name, served from slots
 
 With hundreds of adapters, loading each into PEFT (one set of modules per adapter, all on the GPU)
 stops scaling. `fastlora.register_adapters` reads saved adapter folders into CPU memory instead, with
-no PEFT module built for them, and `patch(..., max_loras_per_batch=M)` gives the stacks M GPU slots:
-before each call, the adapters it uses are copied into slots (the least recently used others give
-theirs up). `fastlora.from_folders` does all of it from a base model: the LoRA layers come from a
-PEFT adapter of rank 1 and zero weights over every module the folders target (`fastlora_layers`:
-it changes nothing), then `patch`, then `register_adapters`. Two slots for three adapters, so each
+no PEFT module built for them, and `patch(..., max_loras_per_batch=M)` gives the stacks M slots (in
+GPU memory on a GPU): before each call, the adapters it uses are copied into slots (the least
+recently used others give theirs up). `fastlora.from_folders` does all of it from a base model:
+the LoRA layers come from a PEFT adapter of rank 1 and zero weights over every module the folders
+target (`fastlora_layers`: it changes nothing), then `patch`, then `register_adapters`. Two slots for three adapters, so each
 batch below uses at most two of them; the tokens must equal the model above, which loaded the same
 folders into PEFT."""),
     ("code", "slots", """\
 layers = fastlora.from_folders(LlamaForCausalLM.from_pretrained(workdir / "base").to(SERVE_DEVICE),
-                               workdir / "adapters", max_loras_per_batch=2)  # two GPU slots
+                               workdir / "adapters", max_loras_per_batch=2)  # two slots
 print(fastlora.get_state(layers).report)
 
 for pair in [("reverse", "upper"), ("upper", "repeat"), ("repeat", "reverse"), ("reverse", "upper")]:
@@ -531,6 +532,7 @@ def execute(nb: nbformat.NotebookNode) -> None:
     for cell in nb.cells:  # keep what the cells print and plot; drop progress bars and warnings
         if cell.cell_type == "code":
             cell.outputs = [o for o in cell.outputs if not (o.output_type == "stream" and o.name == "stderr")]
+        cell.metadata.pop("execution", None)  # the run's timestamps
 
 
 def main(argv=None) -> None:

@@ -7,6 +7,8 @@ against PEFT's own mixed-batch path.
     python examples/quickstart.py
 """
 
+import warnings
+
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -31,6 +33,9 @@ def build_model(device, dtype):
 
 
 def main():
+    # PEFT (0.21) reads transformers' deprecated is_gradient_checkpointing whenever it wraps a
+    # model: the FutureWarning is about PEFT's code, not this script's
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # float32 so that the token check below is exact on CPU and GPU alike (bf16 rounds the
     # LoRA delta differently from PEFT, which keeps adapters in float32)

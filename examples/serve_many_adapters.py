@@ -15,8 +15,9 @@ waiting one takes its place; each answer line then also has ``"latency_s"`` (fro
 last token), and the summary gives the median and 95th percentile.
 
 ``--register`` loads no adapter into PEFT: ``fastlora.from_folders`` registers each folder by name,
-held in CPU memory and copied into one of ``--slots`` GPU slots when a batch uses it (hundreds of
-adapters on one GPU; a batch may use at most ``--slots`` of them).
+held in CPU memory and copied into one of ``--slots`` slots (GPU memory on a GPU) when a batch uses
+it: hundreds of adapters on one GPU. Each batch then holds at most ``--slots`` distinct adapters (a
+request whose adapter does not fit waits for a later batch; answers stay in request order).
 
 ``--tiny`` builds a random tiny Llama and a character tokenizer instead of loading ``--base``; what
 it is not given it makes in a temporary folder: three random adapters for that base (saved as PEFT
@@ -30,6 +31,7 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 from typing import List
 
 import torch
@@ -126,16 +128,36 @@ def patch_and_register(model, args, names):
     return fastlora.patch(model)
 
 
-def batches(items, size):
-    for i in range(0, len(items), size):
-        yield items[i : i + size]
+def plan_batches(requests, size, max_adapters=None):
+    """Lists of request indices, each at most ``size`` rows and, where ``max_adapters`` is given,
+    at most that many distinct adapters (``"__base__"`` rows need none): a patched model with M
+    slots takes at most M adapters in one batch. Requests keep their order within and across
+    batches, except that a request whose adapter does not fit a batch waits for a later one."""
+    waiting, plan = list(range(len(requests))), []
+    while waiting:
+        batch, adapters, later = [], set(), []
+        for i in waiting:
+            name = requests[i]["adapter"]
+            fits = (name == "__base__" or name in adapters or max_adapters is None
+                    or len(adapters) < max_adapters)
+            if len(batch) < size and fits:
+                batch.append(i)
+                if name != "__base__":
+                    adapters.add(name)
+            else:
+                later.append(i)
+        plan.append(batch)
+        waiting = later
+    return plan
 
 
 def progress(total):
     try:
         from tqdm import tqdm
 
-        return tqdm(total=total, unit="req")
+        # disable=None: a live bar on a terminal only; a log gets the summary line instead of a
+        # line per refresh (and the last state twice: once at 100%, once when the bar closes)
+        return tqdm(total=total, unit="req", disable=None)
     except ImportError:
         class Plain:
             def __init__(self):
@@ -193,6 +215,9 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpF
 
 
 def main(argv=None) -> int:
+    # PEFT (0.21) reads transformers' deprecated is_gradient_checkpointing whenever it wraps a
+    # model: the FutureWarning is about PEFT's code, not this script's
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
     p.add_argument("--base", help="base model folder (save_pretrained)")
     p.add_argument("--tokenizer", help="tokenizer folder (default: --base)")
@@ -206,8 +231,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--no-fastlora", action="store_true", help="serve through PEFT's own mixed batch")
     p.add_argument("--register", action="store_true",
-                   help="register the adapters by name (CPU memory, GPU slots on demand) instead of loading them into PEFT")
-    p.add_argument("--slots", type=int, default=None, help="--register: GPU slots (default: one per adapter)")
+                   help="register the adapters by name (CPU memory, slots on demand) instead of loading them into PEFT")
+    p.add_argument("--slots", type=int, default=None, help="--register: slots, the most adapters one batch uses (default: one per adapter)")
     p.add_argument("--continuous", action="store_true",
                    help="continuous batching (transformers' engine, one adapter per request)")
     p.add_argument("--max-batch-tokens", type=int, default=256, help="--continuous: tokens per forward")
@@ -220,6 +245,8 @@ def main(argv=None) -> int:
                          "in continuous batching")
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise SystemExit("--batch-size and --max-new-tokens must be positive")
+    if args.slots is not None and args.slots < 1:
+        raise SystemExit("--slots must be positive")
     if args.tiny:
         make_tiny_files(args, tempfile.mkdtemp(prefix="fastlora_demo_"))
     missing = [f"--{n}" for n in ("adapters", "requests", "out") if getattr(args, n) is None]
@@ -245,17 +272,24 @@ def main(argv=None) -> int:
               f"p95 {lat[min(len(lat) - 1, int(0.95 * len(lat)))]:.3f} s", file=sys.stderr)
         return 0
 
-    bar = progress(len(requests))
+    # with --register --slots M a batch may use at most M adapters (the model's slots)
+    max_adapters = args.slots if args.register and not args.no_fastlora else None
+    bar, answers, written = progress(len(requests)), [None] * len(requests), 0
     with open(args.out, "w") as out:
-        for group in batches(requests, args.batch_size):
-            enc = tokenizer([r["prompt"] for r in group], return_tensors="pt", padding=True).to(model.device)
+        for group in plan_batches(requests, args.batch_size, max_adapters):
+            enc = tokenizer([requests[i]["prompt"] for i in group], return_tensors="pt", padding=True).to(model.device)
             with torch.no_grad():
-                ids = model.generate(**enc, adapter_names=[r["adapter"] for r in group],
+                ids = model.generate(**enc, adapter_names=[requests[i]["adapter"] for i in group],
                                      max_new_tokens=args.max_new_tokens, do_sample=False,
                                      pad_token_id=tokenizer.pad_token_id)
             texts = tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-            for r, text in zip(group, texts):
-                out.write(json.dumps({"adapter": r["adapter"], "prompt": r["prompt"], "completion": text}) + "\n")
+            for i, text in zip(group, texts):
+                answers[i] = text
+            while written < len(requests) and answers[written] is not None:  # in request order
+                r = requests[written]
+                out.write(json.dumps({"adapter": r["adapter"], "prompt": r["prompt"],
+                                      "completion": answers[written]}) + "\n")
+                written += 1
             bar.update(len(group))
     bar.close()
     print(f"{len(requests)} answers written to {args.out}", file=sys.stderr)

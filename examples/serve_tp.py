@@ -13,6 +13,7 @@ import argparse
 import os
 import shutil
 import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,9 @@ def load(folder: str, tp: bool, device):
 
 
 def main(argv=None) -> int:
+    # PEFT (0.21) reads transformers' deprecated is_gradient_checkpointing whenever it wraps a
+    # model: the FutureWarning is about PEFT's code, not this script's
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--folder", default=None, help="where rank 0 saves the model (default: a temporary folder)")
     args = parser.parse_args(argv)

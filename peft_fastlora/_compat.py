@@ -5,8 +5,9 @@ Each helper checks what it relies on (a feature probe) and, where that no longer
 says so in a clear error naming the version, or answers so that fastlora leaves the feature to
 PEFT / transformers (with the reason in the patch report).
 
-Sections: PEFT's LoRA layers; transformers' decode step, attention registry and static cache;
-torch's CUDA-graph memory pools and generator states; PEFT's forward hooks after an error.
+Sections: wrapping a model in PEFT; PEFT's LoRA layers; transformers' decode step, attention
+registry and static cache; torch's CUDA-graph memory pools and generator states; PEFT's forward
+hooks after an error.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import types
+import warnings
 from typing import Dict, NamedTuple, Optional, Tuple
 
 import peft
@@ -30,6 +32,15 @@ TRANSFORMERS_VERSION = transformers.__version__
 PEFT_VERSION = peft.__version__
 _LORA_ATTRS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "scaling", "use_dora",
                "merged_adapters", "disable_adapters")
+
+
+# ---- PEFT: wrapping a model ----------------------------------------------------------------------
+def get_peft_model_quietly(model: nn.Module, config, adapter_name: str):
+    """PEFT's ``get_peft_model``, without the ``FutureWarning`` that newer transformers gives when
+    PEFT (0.21) reads the deprecated ``is_gradient_checkpointing`` while it wraps the model."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+        return peft.get_peft_model(model, config, adapter_name=adapter_name)
 
 
 # ---- PEFT: LoRA layers ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 from torch import nn
 
+from .backend import check_backend_name
 from .options import DEFAULT_BUCKETS, PatchOptions
 from .report import PatchReport
 from .state import FastLoRAState
@@ -32,13 +33,14 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
     """Serve the LoRA adapters of ``model`` (a ``PeftModel``) through a fastlora backend.
 
     Args:
-        model: a PEFT model with one or more LoRA adapters.
+        model: a PEFT model with one or more LoRA adapters; or a transformers model without PEFT,
+            which gets the base-model speedups alone. Anything else raises ``TypeError``.
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"`` or ``"torch_native"``.
         fuse: run sibling q/k/v and gate/up projections as one GEMM and one LoRA call each;
             on CUDA also the siblings no adapter targets (a plain model's among them).
-        max_loras_per_batch: most distinct adapters in one batch, and the GPU slots of the
-            stacks: with fewer than the adapters, each call's adapters are loaded into slots on
-            demand, least recently used out (default: a slot for every adapter).
+        max_loras_per_batch: most distinct adapters in one batch, and the slots of the stacks (GPU
+            memory on CUDA): with fewer than the adapters, each call's adapters are loaded into
+            slots on demand, least recently used out (default: a slot for every adapter).
         cuda_graphs: replay the decode steps of ``generate`` from CUDA graphs: ``"auto"`` (on
             when the model is on CUDA), ``True``, ``False``, or ``"emulate"`` (the same runner with
             the graphs re-executed eagerly: a testing aid that needs no GPU).
@@ -101,6 +103,7 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         the ``PatchReport``. Patching a patched model with the same options returns its report;
         with other options it raises ``ValueError`` (``unpatch`` first).
     """
+    _check_patchable(model)
     options = PatchOptions(
         backend=backend, fuse=fuse, max_loras_per_batch=max_loras_per_batch, cuda_graphs=cuda_graphs,
         graph_buckets=DEFAULT_BUCKETS if graph_buckets is None else graph_buckets, max_graphs=max_graphs,
@@ -108,6 +111,7 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         fuse_rotary=fuse_rotary, fuse_silu_mul=fuse_silu_mul, fuse_kv_write=fuse_kv_write,
         engine_attention=engine_attention, fold_shrink=fold_shrink, stream_gemm=stream_gemm,
         defer_stop_check=defer_stop_check)
+    check_backend_name(options.backend)  # before the options are compared with a patched model's
     state = get_state(model)
     if state is not None:
         diffs = state.options.differences(options)
@@ -126,6 +130,16 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         raise
     logger.info("%s", report)
     return report
+
+
+def _check_patchable(model) -> None:
+    """``patch`` takes a PEFT model holding LoRA adapters, or a transformers model that generates
+    (its base-model speedups alone). Anything else raises ``TypeError`` saying so."""
+    if not isinstance(model, nn.Module) or not callable(getattr(model, "generate", None)):
+        raise TypeError(
+            "fastlora.patch takes a PeftModel holding LoRA adapters (get_peft_model, PeftModel.from_pretrained), "
+            "or a transformers model that generates (AutoModelForCausalLM and the like); "
+            f"got {type(model).__module__}.{type(model).__name__}")
 
 
 def unpatch(model: nn.Module) -> None:

@@ -100,7 +100,7 @@ def from_folders(base_model, adapters, **patch_kwargs):
     (``"fastlora_layers"``: it changes nothing) over every module the adapters target makes the
     LoRA layers; ``fastlora.patch(model, **patch_kwargs)`` (``max_loras_per_batch=M`` for M GPU
     slots); then ``register_adapters``. Everything is validated as there, before it returns."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     if isinstance(adapters, (str, os.PathLike)):
         root = os.fspath(adapters)
@@ -117,7 +117,8 @@ def from_folders(base_model, adapters, **patch_kwargs):
             raise ValueError(f"fastlora.from_folders: {name!r} targets modules by the pattern {found!r}; list "
                              f"them, or build the PeftModel yourself and call register_adapters")
         targets |= set(found)
-    model = get_peft_model(base_model, LoraConfig(r=1, target_modules=sorted(targets)), adapter_name=LAYERS_ADAPTER)
+    model = _compat.get_peft_model_quietly(base_model, LoraConfig(r=1, target_modules=sorted(targets)),
+                                           adapter_name=LAYERS_ADAPTER)
     model.eval()
     from .patch import patch
 

@@ -17,10 +17,13 @@ class PatchReport:
     left_on_peft: List[Tuple[str, str]] = field(default_factory=list)  # (module, reason)
     adapter_fallbacks: List[Tuple[str, str, str]] = field(default_factory=list)  # (module, adapter, reason)
     fusion_blocked: List[Tuple[str, str]] = field(default_factory=list)  # (group, reason)
+    triton_missing: str = ""  # why fastlora's Triton kernels cannot run in this process ("": they can)
     stack_bytes: int = 0
     # the adapters' own weights in the stacks' dtype (stack_bytes adds padding and ops.glu_lora's buffers)
     adapter_bytes: int = 0
-    gpu_slots: str = "all adapters"  # what the stacks hold: every adapter, or N slots loaded on demand
+    # what the stacks hold: every adapter, or N slots loaded on demand (GPU slots on CUDA); the
+    # placeholder adapter from_folders makes the LoRA layers with is not counted
+    gpu_slots: str = "all adapters"
     registered: int = 0  # adapters registered by name (fastlora.register_adapter), held in CPU memory
     store_bytes: int = 0  # their bytes there
     decode_attention: str = "off"  # "on", or why not
@@ -61,13 +64,15 @@ class PatchReport:
             line = "fastlora: base model only (no LoRA adapters)"
         else:
             sites = len(self.sites)
+            triton = f" (Triton kernels off: {self.triton_missing})" if self.triton_missing else ""
             line = (f"fastlora: patched {self.num_patched_layers} LoRA layers in {sites} "
                     f"site{'s' if sites != 1 else ''} ({kinds}) for {len(self.adapters)} adapters on backend "
-                    f"{self.backend!r}; {len(self.left_on_peft)} left on PEFT's path; "
+                    f"{self.backend!r}{triton}; {len(self.left_on_peft)} left on PEFT's path; "
                     f"adapter stacks {self.stack_bytes / 2**20:.1f} MiB "
                     f"(adapters' own weights {self.adapter_bytes / 2**20:.1f} MiB)")
-            if self.gpu_slots != "all adapters":
-                line += f" in GPU slots ({self.gpu_slots})"
+            if self.gpu_slots != "all adapters":  # slots of GPU memory on CUDA, of host memory elsewhere
+                where = "GPU slots" if self.device.startswith("cuda") else "slots"
+                line += f" in {where} ({self.gpu_slots})"
             if self.registered:
                 line += f"; {self.registered} registered in CPU memory ({self.store_bytes / 2**20:.1f} MiB)"
         if self.adapter_fallbacks:

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from . import _compat
+from . import _compat, kernel_support
 from ._compat import LoraEmbedding, LoraLinear, base_layer_of, is_conv1d, is_lora_layer, linear_in_out
 from .backend import get_backend, resolve_backend_name
 from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_ops, stream_linears, stream_wanted
@@ -25,6 +25,7 @@ from .batch import ForwardBatch, TokenSegments
 from .lora.fusion import FOLD_MIN_USE, FusedGroup, find_groups, fusion_blocker
 from .lora.host_copy import copy_from_host, prestage
 from .lora.pool import AdapterRegistry, SitePool, ValueRefresher, copy_values
+from .lora.slots import check_adapter_names
 from .lora.store import SCAFFOLD_ADAPTER
 from .lora.watch import AdapterWatch
 from .lora.sites import EmbeddingSite, FusedSite, LinearSite, Site
@@ -124,6 +125,7 @@ class FastLoRAState:
         the values of the ones the call uses copied into the stacks once, here; the forwards inside
         skip both. Calls from different threads run one after the other. ``fold=False``: the
         per-call sites keep the fused kernel (continuous-batching steps), nothing is staged."""
+        check_adapter_names(adapter_names)
         if self._in_call:
             yield
             return
@@ -152,6 +154,7 @@ class FastLoRAState:
         hook them itself (beam search, aLoRA, training mode, layers or wrappers fastlora does not
         serve). Unknown names raise PEFT's error."""
         names = kwargs.get("adapter_names")
+        check_adapter_names(names)
         if (names is None or not self._takes_adapter_names or kwargs.get("alora_offsets") is not None
                 or int(kwargs.get("num_beams", 1) or 1) > 1 or self.model.training
                 or not isinstance(names, (list, tuple))):
@@ -322,8 +325,9 @@ class FastLoRAState:
         self.registry = AdapterRegistry(names, num_slots=self.options.max_loras_per_batch)
         self._ensure_backend(backend_name)
         report = PatchReport(backend=backend_name, device=str(self.device), adapters=self._users_adapters(),
-                             gpu_slots=self.registry.describe(), registered=len(self.stored),
-                             store_bytes=sum(a.nbytes() for a in self.stored.values()))
+                             gpu_slots=self.registry.describe(hidden=(SCAFFOLD_ADAPTER,)),
+                             registered=len(self.stored), store_bytes=sum(a.nbytes() for a in self.stored.values()),
+                             triton_missing=kernel_support.triton_missing() or "")
 
         served = set()
         fold_off = self._fold_blocker()
@@ -675,8 +679,8 @@ class FastLoRAState:
         graphs stay valid; the batch info and ranks read from the slots are rebuilt)."""
         t = time.perf_counter()
         # a load makes thousands of small objects, and with hundreds of adapters registered a
-        # collection they trigger scans all of the registry's objects (benchmarks/NOTES.md,
-        # session 11: it cost more than the load): paused for its length, at most one follows
+        # collection they trigger scans all of the registry's objects (measured costing more than
+        # the load itself): paused for its length, at most one follows
         collecting = gc.isenabled()
         gc.disable()
         try:

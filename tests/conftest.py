@@ -19,7 +19,7 @@ if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the device machine)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on a GPU machine)")
     config.addinivalue_line("markers", "slow: slower CPU test")
 
 

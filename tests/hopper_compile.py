@@ -2,8 +2,8 @@
 with no GPU.
 
 Triton's interpreter runs the kernels on CPU tensors but never compiles them, so what only the
-compiler rejects (a name given another type in one branch of an ``if``, say) shows first on the
-device machine, after its start. This records each launch the given tests make under the
+compiler rejects (a name given another type in one branch of an ``if``, say) would show first on
+a GPU. This records each launch the given tests make under the
 interpreter (the kernel, its arguments' types, its constexpr values, warps and stages), then, in a
 process without the interpreter, compiles each distinct one to a cubin for ``cuda:90``. Nothing
 runs on a GPU; the CPU's Triton (whose version may differ from the device's) is the compiler.

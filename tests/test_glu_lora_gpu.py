@@ -4,7 +4,7 @@ torch reference; float32 at odd shapes; CUDA graph replays with the rows' adapte
 them (the counters back at zero each time); x written by a long PDL launch just before, in one
 graph; tiles that stop waiting; and a patched float32 model's greedy tokens equal to PEFT's through
 the graphs under random traffic (batch sizes across the 65-128 band and below it, adapters added
-and deleted, a sampled call). Run on the device machine:
+and deleted, a sampled call). Run on a GPU machine:
 
     python -m pytest -m gpu tests/test_glu_lora_gpu.py
 """

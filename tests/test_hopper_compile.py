@@ -1,7 +1,7 @@
 """Every Triton kernel of ``peft_fastlora.ops`` compiles for Hopper (sm_90) on this CPU machine, in
 the specializations its kernel tests launch (``hopper_compile.py``): what Triton's interpreter
 never checks (the compiler's typing of each name across branches, layouts, the TMA descriptors)
-fails here, before a device machine is started."""
+fails here, before any GPU run."""
 
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""Two GPUs (the ``nvidia-h200-x2`` machine): transformers' tensor parallelism under torchrun, and
+"""Two GPUs of one host: transformers' tensor parallelism under torchrun, and
 accelerate's device_map across both GPUs. fp32 tiny models; PEFT on one GPU is the oracle.
 
 - TP=2 (NCCL): ``_tp_worker.py`` with real CUDA graphs (the all-reduces captured inside), Llama

@@ -43,3 +43,16 @@ def test_committed_notebook_is_the_generators():
     code = [c for c in committed.cells if c.cell_type == "code"]
     assert all(c.execution_count is not None for c in code)  # committed executed
     assert any(o.output_type == "display_data" for c in code for o in c.outputs)  # with its plots
+
+
+def test_committed_notebook_holds_no_machine_paths():
+    """Nothing of the machine that ran it: no absolute path in its outputs or metadata, no run
+    timestamps (``_make_notebook.py --execute`` drops them)."""
+    import json
+
+    with open(NOTEBOOK) as f:
+        text = f.read()
+    for marker in ("/work/", "/tmp/", "/home/", "/root/", "/Users/", ":\\\\Users"):
+        assert marker not in text, marker
+    nb = json.loads(text)
+    assert not [c["id"] for c in nb["cells"] if "execution" in c.get("metadata", {})]

@@ -1,6 +1,6 @@
 """The weight-streaming decode GEMM on the GPU: Llama-3-8B shapes in bf16/fp16 against a float32
 reference, split-K's tickets across launches and graph replays, and the PDL chain (a norm writing
-the GEMM's input just before it) equal to plain launches. Run on the device machine:
+the GEMM's input just before it) equal to plain launches. Run on a GPU machine:
 
     python -m pytest -m gpu tests/test_stream_gemm_gpu.py
 """

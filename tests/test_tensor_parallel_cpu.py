@@ -18,7 +18,7 @@ def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, layout: str = "
                # PEFT's mixed batch walks a set of adapter names; its order must be the same on
                # every rank (each adapter's rowwise LoRA does a collective)
                PYTHONHASHSEED="0", OMP_NUM_THREADS="1",
-               # NVLink multicast stays off in every process (the device machines' rule)
+               # NVLink multicast stays off in every process, as on the multi-GPU hosts that need it
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                FASTLORA_TEST_FOLD="1" if fold else "0")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),

@@ -1,7 +1,7 @@
 """The TMA-fed decode GEMM on the GPU: Llama-3-8B shapes (and their folded ``[W; A]`` widths) at
 65-128 rows in bf16/fp16 against a float32 reference, odd shapes and float32, the residual and GLU
 epilogues, split-K's tickets across launches and graph replays, and a PDL chain (a norm writing the
-GEMM's input just before it) equal to plain launches. Run on the device machine:
+GEMM's input just before it) equal to plain launches. Run on a GPU machine:
 
     python -m pytest -m gpu tests/test_tma_gemm_gpu.py
 """

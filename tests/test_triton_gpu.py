@@ -1,5 +1,5 @@
 """The Triton kernels on the GPU: bf16/fp16 at Llama-3-8B projection shapes, and CUDA-graph replay
-of a batch with more distinct adapters than the one captured. Run on the device machine:
+of a batch with more distinct adapters than the one captured. Run on a GPU machine:
 
     python -m pytest -m gpu tests/test_triton_gpu.py
 """

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .. import _compat
-from ..kernel_support import interpreting
+from ..kernel_support import interpreting, triton_missing
 from .attention_registry import disable_decode_attention, enable_decode_attention
 from .fused_linears import PlainFusedGroup, install_fused_linears
 from .install import remove_instance_forwards
@@ -90,6 +90,8 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
     # several devices: kept to what graphs need. Under tensor parallelism every kernel takes its
     # sizes from the tensors it gets (this rank's heads and widths)
     blocker = _compat.multi_device_reason(model)
+    if blocker is None and on_cuda:  # the kernels are Triton's: without it, transformers' own code runs
+        blocker = triton_missing()
     if blocker is not None:
         ops.decode_attention = f"off ({blocker})"
         ops.off.update({o: blocker for o in ("fuse_base", "fuse_norms", "fuse_rotary", "fuse_silu_mul",

@@ -4,8 +4,8 @@
 A decode step's GEMM of a few rows reads its weight once; cuBLAS takes these shapes with few tiles
 along the output and, for some, a split-K reduction in a second kernel, and each GEMM waits for the
 kernel before it to drain. The streaming kernel covers every SM from the start and, launched with
-programmatic dependent launch, runs its preamble while the kernel before it finishes
-(``benchmarks/probe_stream_gemm.py`` measures both, per shape and batch).
+programmatic dependent launch, runs its preamble while the kernel before it finishes (both
+measured per shape and batch against cuBLAS on an H200).
 
 ``StreamLinears.linear`` is ``F.linear`` that takes the kernel where it applies: bf16 / fp16
 inputs of at most ``MAX_ROWS`` rows with no gradient, on the model's device, output widths between
@@ -36,8 +36,8 @@ act-mul in one launch, in place of the folded GEMM, the expand and the act-mul.
 Past ``MAX_ROWS`` (a batch of 65-128 rows) the arithmetic is no longer small beside the weight's
 bytes and the streaming kernel loses to cuBLAS; there the TMA-fed tensor-core kernel
 (``ops.tma_gemm``) takes the layers of at least ``NARROW_N`` outputs whose shape class (``shape_class``)
-has a tile in ``TMA_TILES``, a table ``benchmarks/probe_tma_gemm.py`` writes with only the classes
-where its best tile beat cuBLAS, each with the shallowest reduction it was measured on (shallower
+has a tile in ``TMA_TILES``, a table measured on an H200 holding only the classes where the
+kernel's best tile beat cuBLAS, each with the shallowest reduction it was measured on (shallower
 ones, say a 1B model's, keep cuBLAS); the others keep cuBLAS. The residual and gated-activation
 epilogues ride there too.
 """
@@ -70,8 +70,8 @@ TMA_GEMM = True  # 65-128 rows through ops.tma_gemm where TMA_TILES has a tile (
 GLU_LORA = True
 TMA_TILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tma_tiles_h200.json")
 # A folded deep layer ([W; A] of a LoRA down_proj) at 65-128 rows whose residual add rides along: the TMA
-# kernel's best deep tile of benchmarks/results/probe_tma_gemm_s21b_h200.csv, at reductions as deep as it
-# was measured on. Alone it is a little slower than cuBLAS (so the table leaves the class out), but behind
+# kernel's best deep tile in the H200 measurements behind TMA_TILES, at reductions as deep as it was
+# measured on. Alone it is a little slower than cuBLAS (so the table leaves the class out), but behind
 # cuBLAS the residual add reads the base columns of the wider output, a strided view, in a kernel of its
 # own. A plain down keeps cuBLAS and the vectorised add (faster there; off: benchmarks' A/B)
 ADD_TMA = True
@@ -93,11 +93,10 @@ def supported_device(device: torch.device) -> bool:
 
 
 def _config(m: int, n: int, k: int):
-    """The tile for ``m`` rows of an (n, k) weight: the best of ``probe_stream_gemm_h200.csv`` after
-    a norm at 8B Llama's shapes (wide gate/up; q/k/v wider than deep; square o and deep down,
-    which past a few rows stream best in two K ranges), and of ``probe_stream_gemm_1b_h200.csv``
-    for layers narrower than ``NARROW_N`` (q/k/v in one range up to 16 rows, then two; o and down
-    in four)."""
+    """The tile for ``m`` rows of an (n, k) weight: the best measured on an H200 after a norm at 8B
+    Llama's shapes (wide gate/up; q/k/v wider than deep; square o and deep down, which past a few
+    rows stream best in two K ranges), and at 1B Llama's for layers narrower than ``NARROW_N``
+    (q/k/v in one range up to 16 rows, then two; o and down in four)."""
     from ..ops.stream_gemm import StreamConfig
 
     if n < NARROW_N:
@@ -264,7 +263,7 @@ class StreamLinears:
                 return None
             out = tma_gemm(x2, weight, bias, config=tile._replace(split_k=1), check=False, glu=act)
             return out.view(*x.shape[:-1], n)
-        # half-width tiles, gate's and up's: the best of probe_stream_gemm.py --glu at 1-64 rows
+        # half-width tiles, gate's and up's: the best measured with the gated epilogue at 1-64 rows
         config = StreamConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
         out = stream_gemm(x2, weight, bias, config=config, check=False, glu=act)
         return out.view(*x.shape[:-1], n)

@@ -37,8 +37,8 @@ FUSIBLE_GROUPS = {
 # most FOLD_CALL_SHARE is stored under the base weight too, and folded for the calls whose adapters
 # use at least FOLD_MIN_USE of its rows (a graph per choice: ``FastLoRAState.fold_now``), where
 # every adapter has a GPU slot (fewer slots: the arena is sized for the largest adapters, not the
-# loaded ones); larger ones keep the fused kernel. The shares follow the tail's and the fused
-# kernel's cost per row (benchmarks/NOTES.md, session 14).
+# loaded ones); larger ones keep the fused kernel. The shares follow the measured cost per row of
+# the folded tail and of the fused kernel: past them the GEMM's unused rows cost more than it saves.
 FOLD_MAX_SHARE = 1 / 8
 FOLD_CALL_SHARE = 1.0
 FOLD_MIN_USE = 1 / 3

@@ -16,8 +16,18 @@ from typing import Dict, List, Optional, Sequence, Tuple
 BASE = "__base__"
 
 
+def check_adapter_names(names) -> None:
+    """``adapter_names`` holds one name per row: a single string is refused with ``ValueError``
+    (PEFT would read it as a list of one-character names)."""
+    if isinstance(names, (str, bytes)):
+        raise ValueError(
+            f"adapter_names must be a list with one adapter name per row ({BASE!r} for no adapter), "
+            f"got the string {names!r}; for the same adapter on every row pass [{names!r}] * batch_size")
+
+
 class AdapterRegistry:
-    """Adapter names <-> GPU slots, shared by every site of one model."""
+    """Adapter names <-> slots of the stacks (on the GPU for a CUDA model), shared by every site of
+    one model."""
 
     def __init__(self, names: Sequence[str], num_slots: Optional[int] = None):
         self.names: List[str] = sorted(names)
@@ -44,7 +54,7 @@ class AdapterRegistry:
         if len(wanted) > self.num_slots:
             raise ValueError(
                 f"{len(wanted)} distinct adapters in one batch exceed max_loras_per_batch={self.num_slots} "
-                f"(the GPU slots): split the batch, or patch with a larger max_loras_per_batch")
+                f"(the slots of the adapter stacks): split the batch, or patch with a larger max_loras_per_batch")
         keep, placed = set(wanted), []
         for name in wanted:
             if name in self.slot:
@@ -80,10 +90,12 @@ class AdapterRegistry:
         try:
             return [-1 if n == BASE else self.slot[n] for n in adapter_names]
         except KeyError as e:
-            raise RuntimeError(f"fastlora: adapter {e.args[0]!r} is not in a GPU slot (assign first)") from None
+            raise RuntimeError(f"fastlora: adapter {e.args[0]!r} is not in a slot (assign first)") from None
 
-    def describe(self) -> str:
-        """For the report: how the adapters are held."""
+    def describe(self, hidden: Sequence[str] = ()) -> str:
+        """For the report: how the adapters are held (``hidden``: names not counted, such as
+        ``from_folders``' placeholder adapter)."""
         if self.all_resident:
             return "all adapters"
-        return f"{self.num_slots} for {len(self.names)} adapters, loaded on demand"
+        shown = len([n for n in self.names if n not in hidden])
+        return f"{self.num_slots} for {shown} adapters, loaded on demand"

@@ -3,7 +3,9 @@ them apart) and a public launcher, which checks its inputs (``check=False``: the
 backend, has already checked them).
 
 The kernels know nothing of HF or PEFT; they read plain tensors and the chunk plan of
-``peft_fastlora.batch``. Importing this package imports Triton.
+``peft_fastlora.batch``. Importing this package imports Triton where it is installed; without it
+the modules still import (their torch references and configs work) and a kernel launch raises
+``ModuleNotFoundError`` (``_triton.py``).
 """
 
 from .decode_attention import decode_attention, decode_attention_config, decode_attention_reference

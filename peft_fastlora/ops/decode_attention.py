@@ -32,9 +32,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import tl, triton
 from ..kernel_support import interpreting, num_sms
 from . import pdl
 
@@ -262,8 +261,8 @@ def _sm_count(device: torch.device) -> int:
 
 # What a split program does before its PDL wait: "off" (nothing) or "span" (the mask scan);
 # "auto": "span" where the span is split (few programs, each short: the scan's round trip is much
-# of its time), else "off" (with one program per (row, kv head) the early scans cost more than
-# they hide; ``benchmarks/probe_rotary_kv.py`` compares the two). The mask is safe to read early
+# of its time), else "off" (with one program per (row, kv head) the early scans measured costing
+# more than they hide). The mask is safe to read early
 # because no PDL kernel writes one: torch's ops build it, and a kernel launched without PDL
 # completes before any later kernel starts.
 PREWAIT = "auto"
@@ -275,7 +274,7 @@ DENSE_SPANS = True
 # or more programs per SM (head dims <= 128): a program's softmax then needs no barrier between
 # warps, and several times more programs share an SM; and block_n 64 (not MID_BLOCK_N) at two to
 # three programs per SM. False: four warps everywhere, MID_BLOCK_N over the whole mid class
-# (benchmarks' A/B: ``--attention-lean``; the sweeps: ``benchmarks/results/attention_s39*``)
+# (benchmarks' A/B; on an H200 the one-warp programs measured faster from seven programs an SM)
 LEAN = True
 LEAN_MIN_PROGRAMS = 7
 LEAN_BLOCK_N = 16
@@ -292,12 +291,11 @@ def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int,
       programs per SM and no split; one warp over ``LEAN_BLOCK_N`` positions from
       ``LEAN_MIN_PROGRAMS`` programs per SM (``LEAN``).
     - ``num_splits``: enough (row, kv head, split) programs for ~4 per SM; 1 once rows x kv heads
-      reach one per SM (then the first kernel writes the output and the combine is skipped); the
-      sweep behind this choice is ``benchmarks/bench_attention.py`` (results in
-      ``benchmarks/results/attention_h200.csv``).
+      reach one per SM (then the first kernel writes the output and the combine is skipped);
+      chosen from a sweep of every launch value by shape on an H200 (``benchmarks/bench_attention.py``).
     - ``prewait``: ``PREWAIT``, "auto" resolved.
     - ``dense_spans``: whether a dense span's blocks skip the mask: ``DENSE_SPANS`` outside the
-      one-to-three-programs-an-SM class (``benchmarks/results/attention_s38e_dense_*.csv``).
+      one-to-three-programs-an-SM class (there, skipping the mask measured slower than reading it).
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(groups))

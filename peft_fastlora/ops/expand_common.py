@@ -1,8 +1,7 @@
 """What the expand's two launches (``lora_expand``, ``lora_expand_wide``) and the fused kernel
 share: where a program's operands are, once its idle checks have passed."""
 
-import triton
-import triton.language as tl
+from ._triton import tl, triton
 
 
 @triton.jit

@@ -16,7 +16,7 @@ launch gives ``act(gate(x) + dg) * (up(x) + du)``:
   with ``b_columns``) those come through a tensor descriptor, ``TAIL_BLOCK`` columns a block;
   without, from the pool's flat packed B (``backend.packed``), ``G`` slots of ``RB`` columns a
   block, each row's part of a slot one contiguous load (16 bytes where every rank and place is a
-  multiple of 8): slower, measured in ``benchmarks/probe_glu_hidden_shrink.py``. Then the act-mul
+  multiple of 8): measured slower. Then the act-mul
   epilogue in ``ops.silu_mul``'s roundings;
 - the last program to finish puts both counters back to zero (``counters[1]`` is its ticket), so the
   launch can be captured in a CUDA graph and replayed.
@@ -41,15 +41,16 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional
 
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ._triton import AVAILABLE, tl, triton
 from ..kernel_support import interpreting
 from . import pdl
 from .silu_mul import ACTIVATIONS, act_mul_rounded
 from .stream_gemm import _tile_dot
 from .tma_gemm import MAX_ROWS, TmaConfig, tma_aligned
+
+if AVAILABLE:
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
 SHRINK_COLUMNS = 16  # arena rows a shrink program computes (more programs, each shorter)
 TAIL_BLOCK = 64  # columns of a tail K block (G slots of RB columns, RB the largest rank's power of 2)
@@ -334,7 +335,7 @@ def glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora, act: str, 
         config: the gated tile (``TmaConfig``; split_k is ignored).
         out: optional (M, n) output, unit column stride.
         shrink_columns: arena rows a shrink program computes (a power of 2, 16 or more).
-        skip: probes only (``benchmarks/probe_glu_hidden_shrink.py``): leave out part of the work to
+        skip: for measurements only: leave out part of the work to
             split the launch's time (the kernel's ``SKIP``); the result is then wrong.
     """
     if check:

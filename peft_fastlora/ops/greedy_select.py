@@ -31,13 +31,12 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import tl, triton
 from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
 
 # (segment, tile, warps, stages): columns a program reads, columns a loop step loads, warps, load
-# pipeline depth; None: ``config_for(rows)`` (benchmarks/probe_greedy_select.py sets it to sweep)
+# pipeline depth; None: ``config_for(rows)`` (a benchmark sets it to sweep the launch shapes)
 CONFIG: Optional[Tuple[int, int, int, int]] = None
 
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import tl, triton
 from . import pdl
 
 

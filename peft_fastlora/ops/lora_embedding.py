@@ -11,9 +11,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import tl, triton
 
 @triton.jit
 def _lora_embedding_a_kernel(

@@ -21,9 +21,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import tl, triton
 from . import pdl
 from . import lora_expand_wide
 from .lora_expand_wide import WIDE_MAX_BLOCK_M, WIDE_MAX_RANK, launch_wide

@@ -16,10 +16,8 @@ before the wait, ``y`` and ``out`` after).
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
-
 from . import pdl
+from ._triton import tl, triton
 from .expand_common import chunk_rank, expand_operands, module_span
 
 ENABLED = True  # the default launch for decode row tiles (benchmarks set False to compare)

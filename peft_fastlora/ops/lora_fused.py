@@ -21,8 +21,8 @@ expand is a second launch that waits for all of it. Here one persistent launch d
   (correct, slow) and counts a timeout, so no bug or scheduling surprise can hang the GPU; tests
   and the benchmark check that the count stays 0.
 
-- *Trace* (probes only, ``trace=``): a variant that stamps each item's phases with the SM's clock
-  (``benchmarks/probe_fused_phases.py``); compiled out otherwise.
+- *Trace* (for measurements only, ``trace=``): a variant that stamps each item's phases with the
+  SM's clock; compiled out otherwise.
 
 The grid is fixed by the host (SM count, and the chunk plan's *capacity*), the work list is read on
 the device, and the workspace is allocated once: CUDA-graph safe. Rows of tokens in no chunk are
@@ -34,16 +34,17 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra.cuda import globaltimer, smid
 
+from ._triton import AVAILABLE, tl, triton
 from ..kernel_support import num_sms
 from .expand_common import packed_row_stride
 
+if AVAILABLE:
+    from triton.language.extra.cuda import globaltimer, smid
+
 MAX_MODULES = 4  # column offsets travel as scalar arguments, as in the expand
 MAX_BLOCK_R = 128  # larger padded ranks take the two-kernel path
-# rank rows an item handles per step (``fused_config``), chosen by probe_rank_blocks.py
+# rank rows an item handles per step (``fused_config``), chosen from a sweep of block sizes on an H200
 RANK_BLOCK = 32
 MIXED_RANK_BLOCK = 16
 READER = 1 << 16  # a reader's increment of a (chunk, module) counter; splits count in the low bits

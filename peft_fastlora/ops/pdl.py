@@ -35,8 +35,8 @@ import os
 from typing import Dict
 
 import torch
-import triton
-import triton.language as tl
+
+from ._triton import tl, triton
 
 OFF, WAIT_ONLY, FULL = 0, 1, 2
 PREAMBLE_ONLY = 3  # a setting, not a kernel mode: FULL where the kernel has a preamble, else OFF

@@ -16,9 +16,8 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import tl, triton
 from . import pdl
 
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import tl, triton
 
 @triton.jit
 def _gather_cos_sin_kernel(table_ptr, pos_ptr, out_ptr, n_tokens, length, dim, BLOCK_D: tl.constexpr):

@@ -14,9 +14,8 @@ from array import array
 from typing import Sequence
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import tl, triton
 SEGMENT_BLOCK = 2048  # elements a program moves per step (4 KB of 16-bit values)
 
 

@@ -15,12 +15,13 @@ comes from ``exp``.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra import libdevice
 
+from ._triton import AVAILABLE, tl, triton
 from ..kernel_support import interpreting
 from . import pdl
+
+if AVAILABLE:
+    from triton.language.extra import libdevice
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 

@@ -19,9 +19,8 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Sequence
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import tl, triton
 from ..kernel_support import kernel_runs_on
 
 MAX_MASKS = 2  # a model's mask dict (full and sliding) has at most two

@@ -6,8 +6,8 @@ and to drain. cuBLAS covers these shapes with few tiles along the output and a s
 in a second kernel. Here each program owns ``BLOCK_N`` output columns (rows of ``w``) and one of
 ``SPLIT_K`` ranges of the reduction, streaming its tiles through a deep pipeline, and
 ``w_tile @ x_tile.T`` puts the weight's rows, not the few rows of ``x``, on the tensor core's M
-side. float32 accumulation. The caller picks the tiles per shape (``base_ops.stream_linears``,
-from ``benchmarks/probe_stream_gemm.py``).
+side. float32 accumulation. The caller picks the tiles per shape (``base_ops.stream_linears``, the
+best measured on an H200).
 
 With ``SPLIT_K > 1`` the ranges' partial sums go to a float32 workspace; the last program of a
 column block to finish (a ticket per block, taken with an acquire-release atomic) adds them in
@@ -32,9 +32,8 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-import triton
-import triton.language as tl
 
+from ._triton import tl, triton
 from ..kernel_support import interpreting
 from . import pdl
 from .silu_mul import ACTIVATIONS, act_mul_rounded

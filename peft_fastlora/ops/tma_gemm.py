@@ -15,8 +15,8 @@ write float32 partials to the caller's ``StreamWorkspace`` and the last range of
 take its ticket (acquire-release) sums them in range order, adds the epilogue, stores, and puts the
 ticket back to zero; ``add`` is a residual on the first columns, added before the one rounding;
 ``glu`` computes a fused [gate; up] weight's ``act(gate) * up`` in ``ops.silu_mul``'s roundings.
-The caller picks the tiles per shape (``base_ops.stream_linears``, from
-``benchmarks/probe_tma_gemm.py``).
+The caller picks the tiles per shape (``base_ops.stream_linears``: a table of the tiles that beat
+cuBLAS on an H200).
 
 Under PDL (``ops.pdl``) every program waits before its first load: the preamble is addresses only.
 """
@@ -26,10 +26,8 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ._triton import AVAILABLE, tl, triton
 from ..kernel_support import interpreting
 from . import pdl
 from .silu_mul import ACTIVATIONS
@@ -37,11 +35,14 @@ from . import stream_gemm as _stream
 from .stream_gemm import (StreamWorkspace, _tile_dot, check_operands, checked_output, split_plan, store_output,
                           stream_gemm_reference)
 
+if AVAILABLE:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
 MAX_ROWS = _stream.MAX_ROWS  # rows one program covers (split_plan's blocks); more take more row blocks
 # Triton's warp specialization of the K loop (on Hopper a 4-warp tile becomes a TMA-load warp group
 # and two wgmma ones; 8-warp tiles compile as without it). Off: with Triton 3.6 on the H200 no
-# specialized launch finished, not even a textbook TMA matmul's (``benchmarks/probe_warp_specialize.py``
-# runs them in child processes with a timeout; NOTES sessions 30-31). Kept for a later Triton.
+# specialized launch finished within a timeout, not even a textbook TMA matmul's. Kept for a later
+# Triton.
 WARP_SPECIALIZE = False
 
 
