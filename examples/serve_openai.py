@@ -73,7 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--adapters", help="folder with one PEFT adapter per sub-folder")
     p.add_argument("--tiny", action="store_true", help="a random tiny Llama with a character tokenizer")
     p.add_argument("--register", action="store_true",
-                   help="register the adapters by name (CPU memory, GPU slots on demand) instead of loading them into PEFT")
+                   help="register the adapters by name (CPU memory, slots filled on demand) instead of loading them into PEFT")
     p.add_argument("--slots", type=int, default=None, help="--register: GPU slots (default: one per adapter)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--host", default="127.0.0.1")

@@ -1129,7 +1129,7 @@ def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] 
     config, or the default) with what per-request adapters need; and what was changed, why.
     ``graphs_blocker``: why the engine's CUDA graphs cannot carry this model's LoRA batches
     (None: the engine keeps its own choice). ``max_requests``: the most requests one step may
-    hold (the GPU slots, when the model has fewer than adapters)."""
+    hold (the slots, when the model has fewer than adapters)."""
     import dataclasses
 
     from transformers import ContinuousBatchingConfig
@@ -1151,7 +1151,7 @@ def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] 
     current = getattr(config, "max_requests_per_batch", None)
     if max_requests is not None and (current is None or current > max_requests):
         values["max_requests_per_batch"] = max_requests
-        changes.append(f"max_requests_per_batch={max_requests} (each step's adapters must fit the GPU slots)")
+        changes.append(f"max_requests_per_batch={max_requests} (each step's adapters must fit the slots)")
     if getattr(config, "use_default_compile_configs", None) is not None:
         values["use_default_compile_configs"] = None  # deprecated alias: it would set the level again
     return dataclasses.replace(config, **values), changes

@@ -163,7 +163,7 @@ def test_continuous_batching_with_fewer_slots_than_adapters(caplog):
     with caplog.at_level("WARNING", logger="peft_fastlora"):
         out = m.generate_batch(prompts, generation_config=greedy_config(4), continuous_batching_config=cb_config(),
                                adapter_names=names)
-    assert "max_requests_per_batch=2 (each step's adapters must fit the GPU slots)" in caplog.text
+    assert "max_requests_per_batch=2 (each step's adapters must fit the slots)" in caplog.text
     got = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
     for tokens, p, n in zip(got, prompts, names):
         assert tokens == peft_alone(ref, p, n, 4), n

@@ -12,7 +12,7 @@ inputs of at most ``MAX_ROWS`` rows with no gradient, on the model's device, out
 ``MIN_N`` and ``MAX_N`` (the LM head is already at the bandwidth under cuBLAS), reductions of at
 least ``MIN_K`` that the 16-byte loads can take. Layers narrower than ``NARROW_N`` (a 1B model's
 q/k/v, o and down) give too few column blocks to cover the SMs, so they split K into ranges and
-stream up to ``NARROW_MAX_ROWS`` rows only (past it cuBLAS was as fast in the probe). Everything
+stream up to ``NARROW_MAX_ROWS`` rows only (past it cuBLAS measured as fast). Everything
 else, float32 included, is ``F.linear``. It is installed only on CUDA devices of compute
 capability 9 (``supported_device``: the tiles were chosen on an H200).
 

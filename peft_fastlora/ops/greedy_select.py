@@ -41,7 +41,7 @@ CONFIG: Optional[Tuple[int, int, int, int]] = None
 
 
 def config_for(rows: int) -> Tuple[int, int, int, int]:
-    """The launch for ``rows`` rows (the probe's best at an 8B vocabulary): a few rows want many
+    """The launch for ``rows`` rows (the fastest measured at an 8B vocabulary): a few rows want many
     programs a row (a short tail), many rows a few long loops."""
     if rows < 2:  # one tile a program: the old one-load form's launch shape
         return 1024, 1024, 8, 1
