@@ -609,30 +609,50 @@ def set_attn_implementation(model: nn.Module, name: str) -> None:
         model.config._attn_implementation = name
 
 
-def register_attention_function(name: str, fn, mask: str = "sdpa") -> None:
-    """Make ``name`` a valid attention implementation running ``fn`` (idempotent, process-wide),
-    with the mask builder of ``mask`` ("sdpa": boolean masks; "eager": additive float masks, which
-    the models' eager attention functions add to their scores): without a mask function under the
-    same name, transformers builds no mask at all (it assumes a custom kernel that needs none)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, eager_mask, sdpa_mask
+# transformers' attention registries are process-wide: a name fastlora registers stays only while a
+# model uses it (name -> models using it), so that unpatching the last one leaves them as they were
+_ATTENTION_USERS: Dict[str, int] = {}
 
-    AttentionInterface.register(name, fn)
-    registered = getattr(ALL_MASK_ATTENTION_FUNCTIONS, "_global_mapping", None)
+
+def register_attention_function(name: str, fn, mask: Optional[str] = "sdpa") -> None:
+    """Make ``name`` a valid attention implementation running ``fn`` for one more model (release
+    it with ``release_attention_function``), with the mask builder of ``mask`` ("sdpa": boolean
+    masks; "eager": additive float masks, which the models' eager attention functions add to their
+    scores): without a mask function under the same name, transformers builds no mask at all (it
+    assumes a custom kernel that needs none). ``mask=None``: no mask function (a ``paged|``
+    implementation: the engine builds masks only for its own ``paged|sdpa`` / ``paged|eager``)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    masks = _mask_registry()
+    if name not in _ATTENTION_USERS:
+        AttentionInterface.register(name, fn)
+        if mask is not None and name not in masks:
+            AttentionMaskInterface.register(name, {"sdpa": sdpa_mask, "eager": eager_mask}[mask])
+    _ATTENTION_USERS[name] = _ATTENTION_USERS.get(name, 0) + 1
+
+
+def release_attention_function(name: str) -> None:
+    """One model less uses ``name``: the last one takes it out of transformers' registries."""
+    from transformers import AttentionInterface
+
+    users = _ATTENTION_USERS.get(name, 0) - 1
+    if users > 0:
+        _ATTENTION_USERS[name] = users
+        return
+    _ATTENTION_USERS.pop(name, None)
+    AttentionInterface._global_mapping.pop(name, None)
+    _mask_registry().pop(name, None)
+
+
+def _mask_registry() -> dict:
+    from transformers.masking_utils import AttentionMaskInterface
+
+    registered = getattr(AttentionMaskInterface, "_global_mapping", None)
     if registered is None:
         raise RuntimeError(f"fastlora: transformers {TRANSFORMERS_VERSION}'s AttentionMaskInterface has no "
                            "_global_mapping; cannot tell whether a mask function is registered")
-    if name not in registered:
-        AttentionMaskInterface.register(name, {"sdpa": sdpa_mask, "eager": eager_mask}[mask])
-
-
-def register_paged_attention(name: str, fn) -> None:
-    """Make ``name`` (a ``paged|`` implementation) valid, running ``fn``, with no mask function: the
-    engine builds masks only for its own ``paged|sdpa`` / ``paged|eager``, and a model forward
-    builds none for a name without one."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(name, fn)
+    return registered
 
 
 # ---- torch: the flash-attention varlen kernel bundled with PyTorch ---------------------------

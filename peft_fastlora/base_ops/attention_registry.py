@@ -185,6 +185,7 @@ def _undo(inner: nn.Module, current: str) -> None:
     inner.__dict__.pop(_PREV_ATTR, None)
     for m in inner.modules():
         m.__dict__.pop(_PREFILL_ATTR, None)
+    _compat.release_attention_function(EAGER_ATTN_NAME if current == "eager" else ATTN_NAME)
 
 
 def disable_decode_attention(hf_model: nn.Module) -> None:
@@ -197,6 +198,7 @@ def disable_decode_attention(hf_model: nn.Module) -> None:
         _compat.set_attn_implementation(inner, prev)
     for m in inner.modules():
         m.__dict__.pop(_PREFILL_ATTR, None)
+    _compat.release_attention_function(EAGER_ATTN_NAME if prev == "eager" else ATTN_NAME)
 
 
 def decode_attention_enabled(hf_model: nn.Module) -> bool:

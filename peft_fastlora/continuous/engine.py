@@ -110,6 +110,7 @@ class ContinuousBatchingHook:
         self._running = 0  # managers started and not stopped
         self._attention_suspended = False
         self._plain_attention: Optional[str] = None  # the model's own, while managers run
+        self._varlen_registered = False  # PAGED_NAME registered for this model's managers
         self._lock = threading.Lock()
         if self.blocker is None:
             self._install()
@@ -284,8 +285,13 @@ class ContinuousBatchingHook:
                 raise ValueError(f"fastlora: engine_attention='varlen' cannot be served: {why}")
             self.state.warn_once(f"continuous batching keeps the engine's attention: {why}")
             return
-        _compat.register_paged_attention(PAGED_NAME, paged_varlen_attention)
-        _compat.set_attn_implementation(self.inner, PAGED_NAME)
+        _compat.register_attention_function(PAGED_NAME, paged_varlen_attention, mask=None)
+        try:
+            _compat.set_attn_implementation(self.inner, PAGED_NAME)
+        except BaseException:
+            _compat.release_attention_function(PAGED_NAME)
+            raise
+        self._varlen_registered = True
 
     def check_plain_call(self) -> None:
         """Raise when a manager runs with a paged attention implementation set on the model: a
@@ -306,6 +312,9 @@ class ContinuousBatchingHook:
                 if self._plain_attention is not None and _compat.attn_implementation(self.inner) == PAGED_NAME:
                     _compat.set_attn_implementation(self.inner, self._plain_attention)
                 self._plain_attention = None
+                if self._varlen_registered:
+                    self._varlen_registered = False
+                    _compat.release_attention_function(PAGED_NAME)
             if self._running == 0 and self._attention_suspended:
                 self._attention_suspended = False
                 if self.active and not force:
