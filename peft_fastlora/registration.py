@@ -15,7 +15,8 @@ from typing import Mapping, Optional
 
 import torch
 
-from . import _compat
+from .compat.modules import model_dtype
+from .compat.peft import get_peft_model_quietly
 from .lora.slots import BASE
 from .lora.store import SCAFFOLD_ADAPTER, build_stored, read_folder
 
@@ -58,7 +59,7 @@ def register_adapters(model, adapters: Mapping[str, object]) -> None:
                          "layer fastlora serves (see the patch report); registered adapters need fastlora's "
                          "path for every LoRA layer")
     peft_config = getattr(state.model, "peft_config", None) or {}
-    layers, dtype = state.served_layers(), _compat.model_dtype(state.inner)
+    layers, dtype = state.served_layers(), model_dtype(state.inner)
     pin = state.device.type == "cuda" and torch.cuda.is_available()
     ready = {}
     for name, source in adapters.items():
@@ -117,7 +118,7 @@ def from_folders(base_model, adapters, **patch_kwargs):
             raise ValueError(f"fastlora.from_folders: {name!r} targets modules by the pattern {found!r}; list "
                              f"them, or build the PeftModel yourself and call register_adapters")
         targets |= set(found)
-    model = _compat.get_peft_model_quietly(base_model, LoraConfig(r=1, target_modules=sorted(targets)),
+    model = get_peft_model_quietly(base_model, LoraConfig(r=1, target_modules=sorted(targets)),
                                            adapter_name=LAYERS_ADAPTER)
     model.eval()
     from .patch import patch

@@ -17,8 +17,14 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from . import _compat, kernel_support
-from ._compat import LoraEmbedding, LoraLinear, base_layer_of, is_conv1d, is_lora_layer, linear_in_out
+from . import kernel_support
+from .compat.adapters import lora_layer_blocker
+from .compat.modules import is_conv1d, linear_in_out, local, on_device
+from .compat.peft import (LoraEmbedding, LoraLinear, adapter_count, adapter_names_of, base_layer_of,
+                          guard_peft_forward_hooks, has_auxiliary_wrappers, is_lora_layer, is_peft_model,
+                          is_tuner_layer, registration_epoch, unguard_peft_forward_hooks, unsupported_reason,
+                          unwrap_peft)
+from .compat.tensor_parallel import declared_tp_plans, tp_local_stored, tp_style
 from .backend import get_backend, resolve_backend_name
 from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_ops, stream_linears, stream_wanted
 from .batch import ForwardBatch, TokenSegments
@@ -45,7 +51,7 @@ class FastLoRAState:
 
     def __init__(self, model: nn.Module, options: PatchOptions):
         self.model = model
-        self.inner = _compat.unwrap_peft(model)
+        self.inner = unwrap_peft(model)
         self.options = options
         self.registry = AdapterRegistry(())
         self.device: Optional[torch.device] = None
@@ -134,7 +140,7 @@ class FastLoRAState:
             self.refresh_values(adapter_names, fold=fold)
             self._local.in_call = True
             try:
-                with _compat.on_device(self.device):
+                with on_device(self.device):
                     yield
             finally:
                 self._local.in_call = False
@@ -149,7 +155,7 @@ class FastLoRAState:
         return getattr(self._local, "call_names", None)
 
     def serve_adapter_names(self, kwargs):
-        """In place of PEFT's per-call hooks (``_compat.guard_peft_forward_hooks``): a context in
+        """In place of PEFT's per-call hooks (``guard_peft_forward_hooks``): a context in
         which the LoRA layers read the call's ``adapter_names`` from here, or None where PEFT must
         hook them itself (beam search, aLoRA, training mode, layers or wrappers fastlora does not
         serve). Unknown names raise PEFT's error."""
@@ -241,7 +247,7 @@ class FastLoRAState:
         self.generate_hook = GenerateHook(self)
         self.mutation_lock = AdapterMutationLock(self)
         self.continuous = ContinuousBatchingHook(self)
-        _compat.guard_peft_forward_hooks(self.model, serve=self.serve_adapter_names)
+        guard_peft_forward_hooks(self.model, serve=self.serve_adapter_names)
         self.base_ops = install_base_ops(self.inner, self.options, self.device)
         self._set_group_gemms()
         self._report_base_ops(report)
@@ -300,11 +306,11 @@ class FastLoRAState:
         lora_layers = [(n, m) for n, m in model.named_modules() if is_lora_layer(m)]
         names = set()
         for _, m in lora_layers:
-            names |= _compat.adapter_names_of(m)
+            names |= adapter_names_of(m)
         if not names:
             # qualified names: a LoHa or IA3 layer class is just called "Linear"
             tuners = sorted({f"{type(m).__module__}.{type(m).__name__}" for m in model.modules()
-                             if _compat.is_tuner_layer(m) and not is_lora_layer(m)})
+                             if is_tuner_layer(m) and not is_lora_layer(m)})
             if tuners:
                 cfg = getattr(model, "peft_config", None)
                 kinds = [getattr(c, "peft_type", None) for c in cfg.values()] if isinstance(cfg, dict) else []
@@ -312,7 +318,7 @@ class FastLoRAState:
                 raise TypeError(
                     f"fastlora accelerates LoRA adapters only; this model has "
                     f"{', '.join(types_) or 'other'} adapters ({', '.join(tuners)})")
-            if lora_layers or _compat.is_peft_model(model):
+            if lora_layers or is_peft_model(model):
                 raise ValueError("fastlora.patch: the PEFT model holds no LoRA adapters")
             return self._build_base_only()
         self._peft_names = sorted(names)
@@ -352,17 +358,17 @@ class FastLoRAState:
                 parent = model.get_submodule(g.parent_name) if g.parent_name else model
                 self.sites.append(FusedSite(site_name, g, pool, parent))
                 served |= {id(m) for m in g.members}
-        declared = _compat.declared_tp_plans(model)
+        declared = declared_tp_plans(model)
         for name, m in lora_layers:
             if id(m) in served:
                 continue
             base = base_layer_of(m)
-            blocker = _compat.lora_layer_blocker(m)
+            blocker = lora_layer_blocker(m)
             if blocker is not None:
                 report.left_on_peft.append((name, blocker))
             elif type(m) is LoraLinear and (isinstance(base, nn.Linear) or is_conv1d(base)):
                 i, o = linear_in_out(base)
-                site = LinearSite(name, [m], SitePool([m], [o], i), tp=_compat.tp_style(m, declared.get(id(m))))
+                site = LinearSite(name, [m], SitePool([m], [o], i), tp=tp_style(m, declared.get(id(m))))
                 blocker = ("a gathered LM head under tensor parallelism" if site.tp == "colwise_gather"
                            else fusion_blocker([base]))
                 if fold_off is None and blocker is None:
@@ -370,9 +376,9 @@ class FastLoRAState:
                 site.pool.no_fold = blocker or "not eligible"
                 self.sites.append(site)
             elif type(m) is LoraEmbedding and isinstance(base, nn.Embedding):
-                vocab = _compat.local(base.weight).shape[0]  # this rank's rows under TP
+                vocab = local(base.weight).shape[0]  # this rank's rows under TP
                 site = EmbeddingSite(name, [m], SitePool([m], [base.embedding_dim], vocab, embedding=True),
-                                     tp=_compat.tp_style(m))
+                                     tp=tp_style(m))
                 site.pool.no_fold = "an embedding: a lookup, not a GEMM"
                 self.sites.append(site)
             else:
@@ -383,8 +389,8 @@ class FastLoRAState:
             self._rebuild_pool(site, self._site_dtype(site))
             site.install(self)
             for layer in site.lora_layers:
-                for adapter in sorted(_compat.adapter_names_of(layer)):
-                    why = _compat.unsupported_reason(layer, adapter)
+                for adapter in sorted(adapter_names_of(layer)):
+                    why = unsupported_reason(layer, adapter)
                     if why:
                         report.adapter_fallbacks.append((name_of.get(id(layer), "?"), adapter, why))
         self._drop_unservable_stored(report)
@@ -402,7 +408,7 @@ class FastLoRAState:
         report.adapter_bytes = sum(s.pool.adapter_nbytes() for s in self.sites)
         # every module PEFT would hand adapter_names to is a site: fastlora takes the names itself
         self._takes_adapter_names = (bool(self.sites) and not report.left_on_peft
-                                     and not _compat.has_auxiliary_wrappers(model))
+                                     and not has_auxiliary_wrappers(model))
         self.report = report
         return report
 
@@ -508,14 +514,14 @@ class FastLoRAState:
             del self._stored_slices[key]
         for j, layer in enumerate(site.pool.layers):
             module = self._layer_names.get(id(layer)) if layer is not None else None
-            plan = getattr(site, "tp", None) if len(site.pool.layers) == 1 else _compat.tp_style(layer)
+            plan = getattr(site, "tp", None) if len(site.pool.layers) == 1 else tp_style(layer)
             for adapter in self.stored.values():
                 if module in adapter.modules:
                     a, b, scaling = adapter.modules[module]
                     if plan is not None:  # this rank's part, sliced once per adapter and module
                         key = (id(adapter), module)
                         if key not in self._stored_slices:
-                            self._stored_slices[key] = _compat.tp_local_stored(layer, plan, a, b)
+                            self._stored_slices[key] = tp_local_stored(layer, plan, a, b)
                         a, b = self._stored_slices[key]
                     out.setdefault(adapter.name, {})[j] = (a, b, scaling)
         return out
@@ -565,7 +571,7 @@ class FastLoRAState:
             if hook is not None:
                 hook.remove()
                 setattr(self, attr, None)
-        _compat.unguard_peft_forward_hooks(self.model)
+        unguard_peft_forward_hooks(self.model)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -614,7 +620,7 @@ class FastLoRAState:
     def _check_adapters(self, adapter_names: Sequence[str]):
         """Rebuild the stacks of these adapters if their modules, parameters or storage changed
         (``lora.watch``: flat, C-speed checks; the layer-by-layer one only for a suspect)."""
-        epoch = _compat.registration_epoch()
+        epoch = registration_epoch()
         suspect = [n for n in set(adapter_names)
                    if n in self.registry.index and n not in self.stored and not self._unchanged(n, epoch)]
         if suspect:
@@ -723,14 +729,14 @@ class FastLoRAState:
 
     def _adapter_set_changed(self) -> bool:
         # adapters per layer, counted (cheap); the names compared only when the count moved
-        count = sum(_compat.adapter_count(layer) for site in self.sites for layer in site.lora_layers)
+        count = sum(adapter_count(layer) for site in self.sites for layer in site.lora_layers)
         if count == self._adapter_count:
             return False
         self._adapter_count = count
         names = set()
         for site in self.sites:
             for layer in site.lora_layers:
-                names |= _compat.adapter_names_of(layer)
+                names |= adapter_names_of(layer)
         return sorted(names) != self._peft_names
 
     def rescan(self):

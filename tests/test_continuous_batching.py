@@ -337,12 +337,13 @@ def test_generate_while_a_manager_serves(pair, attention):
 def test_layers_left_on_peft_serve_only_the_active_adapter(monkeypatch):
     """A LoRA layer left on PEFT's path applies PEFT's active adapter to every token: requests for
     it are served (and equal PEFT), any other adapter is refused with the reason."""
-    from peft_fastlora import _compat
+    from peft_fastlora import state as fastlora_state
+    from peft_fastlora.compat.adapters import lora_layer_blocker
 
     m = build_peft_lm("llama")
     ref = copy.deepcopy(m)
-    original = _compat.lora_layer_blocker
-    monkeypatch.setattr(_compat, "lora_layer_blocker",
+    original = lora_layer_blocker
+    monkeypatch.setattr(fastlora_state, "lora_layer_blocker",
                         lambda layer: "kept on PEFT for this test" if getattr(layer, "_left", False) else original(layer))
     m.base_model.model.model.layers[1].mlp.down_proj._left = True
     report = fastlora.patch(m)

@@ -4,7 +4,7 @@ current one. The two-GPU runs are in ``test_multi_gpu.py``; these are the CPU-ch
 import torch
 
 import peft_fastlora as fastlora
-from peft_fastlora import _compat
+from peft_fastlora.compat.modules import multi_device_reason, on_device
 from peft_fastlora.backend.torch_native import TorchNativeLoRABackend
 from peft_fastlora.batch import ForwardBatch
 
@@ -48,15 +48,15 @@ def test_batch_info_on_another_device_is_copied_once_per_batch_info():
 
 def test_multi_device_reason_names_the_devices():
     model = build_peft_lm("llama")
-    assert _compat.multi_device_reason(model) is None
+    assert multi_device_reason(model) is None
     inner = model.get_base_model()
     inner.model.layers[1].to("meta")  # stands in for a second GPU
-    why = _compat.multi_device_reason(model)
+    why = multi_device_reason(model)
     assert why == "the model spans cpu, meta (accelerate's device_map)", why
 
 
 def test_on_device_is_a_no_op_off_cuda():
-    with _compat.on_device(torch.device("cpu")), _compat.on_device(None):
+    with on_device(torch.device("cpu")), on_device(None):
         pass
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import peft_fastlora as fastlora
-from peft_fastlora._compat import base_layer_of
+from peft_fastlora.compat.peft import base_layer_of
 from peft_fastlora.backend.segmented import SegmentedLoRABackend
 from peft_fastlora.lora import fusion
 

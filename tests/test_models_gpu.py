@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import peft_fastlora as fastlora
+from peft_fastlora.compat.peft import unwrap_peft
 
 from _models import build_peft_lm, left_padded_batch, tiny_llama, with_sliding_window
 
@@ -168,16 +169,16 @@ def test_step_mask_waits_for_nothing(arch, attn):
     """The one-token step's mask (sdpa's booleans; eager's additive floats, keyed by layer type for
     Gemma 2's sliding and full layers) is built with the host never waiting for the GPU: with
     graphs, the host builds the next step's inputs while the GPU runs this one."""
-    from peft_fastlora import _compat
+    from peft_fastlora.compat.generate import transformers_mask_builder
     from peft_fastlora.decode import step_mask
 
     model = build_peft_lm(arch, prepare_base=with_sliding_window(64) if arch == "gemma2" else None).cuda()
-    _compat.unwrap_peft(model).set_attn_implementation(attn)
+    unwrap_peft(model).set_attn_implementation(attn)
     with fastlora.patched(model):
         store = fastlora.get_state(model).graph_runner.caches
-        key = "past_key_values" if "past_key_values" in _compat.transformers_mask_builder().__code__.co_varnames \
+        key = "past_key_values" if "past_key_values" in transformers_mask_builder().__code__.co_varnames \
             else "cache"
-        step = dict(config=_compat.unwrap_peft(model).config, inputs_embeds=torch.empty(2, 1, 0, device="cuda"),
+        step = dict(config=unwrap_peft(model).config, inputs_embeds=torch.empty(2, 1, 0, device="cuda"),
                     attention_mask=torch.ones(2, 5, dtype=torch.long, device="cuda"),
                     **{key: store.cache_for(2, 64)})
         torch.cuda.synchronize()
@@ -200,10 +201,10 @@ def test_step_mask_waits_for_nothing(arch, attn):
 @pytest.mark.parametrize("arch,attention,graphs,norms", [("llama", "on", True, 5), ("qwen2", "on", True, 5),
                                                          ("gemma2", "off", False, 9)])
 def test_tiny_models_graphs_equal_peft(arch, attention, graphs, norms):
-    from peft_fastlora import _compat
+
 
     model = build_peft_lm(arch).cuda()
-    _compat.unwrap_peft(model).set_attn_implementation("sdpa")  # the tiny builders use eager
+    unwrap_peft(model).set_attn_implementation("sdpa")  # the tiny builders use eager
     model.generation_config.eos_token_id = None
     batch = {k: v.cuda() for k, v in left_padded_batch([5, 9, 3, 7, 9, 6]).items()}
     names = ["a0", "__base__", "a1", "a2", "a0", "a2"]

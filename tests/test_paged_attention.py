@@ -15,14 +15,16 @@ import pytest
 import torch
 
 import peft_fastlora as fastlora
-from peft_fastlora import _compat, get_state
+from peft_fastlora.compat.engine import cb_engine_attention_blocker
+from peft_fastlora.compat.modules import attn_implementation
+from peft_fastlora import get_state
 from peft_fastlora.base_ops.paged_attention import PAGED_NAME, varlen_reference
 
 from _continuous import cb_config, greedy_config, peft_alone, random_prompts, requires_cb
 from _models import build_peft_lm
 
 cb = requires_cb
-ENGINE_WHY = _compat.cb_engine_attention_blocker()
+ENGINE_WHY = cb_engine_attention_blocker()
 
 
 def _per_query(q, k, v, cu_q, cu_k, scale, window):
@@ -76,7 +78,7 @@ def test_engine_through_varlen_attention_equals_peft_per_request():
         inner = get_state(m).inner
         manager = m.init_continuous_batching(generation_config=greedy_config(6),
                                              continuous_batching_config=cb_config(max_batch_tokens=16))
-        seen.append(_compat.attn_implementation(inner))
+        seen.append(attn_implementation(inner))
         manager.start()
         prompts = random_prompts([3, 17, 9, 30, 1], seed=11)
         names = ["a0", "a1", "__base__", "a2", "a1"]
@@ -89,7 +91,7 @@ def test_engine_through_varlen_attention_equals_peft_per_request():
                 assert r.error is None, r.error
                 done[r.request_id] = list(r.generated_tokens)
         manager.stop(block=True)
-        seen.append(_compat.attn_implementation(inner))
+        seen.append(attn_implementation(inner))
     finally:
         fastlora.unpatch(m)
     assert seen == [PAGED_NAME, "eager"]  # on while the manager ran, the model's own after
@@ -105,7 +107,7 @@ def test_an_engine_that_cannot_take_it_keeps_its_attention():
     try:
         with pytest.raises(ValueError, match="engine_attention='varlen' cannot be served"):
             m.init_continuous_batching(generation_config=greedy_config(2), continuous_batching_config=cb_config())
-        assert _compat.attn_implementation(get_state(m).inner) == "eager"
+        assert attn_implementation(get_state(m).inner) == "eager"
     finally:
         fastlora.unpatch(m)
     m = build_peft_lm("llama")
@@ -125,8 +127,8 @@ def test_a_model_on_fastlora_decode_attention_counts_as_its_own(monkeypatch):
     from peft_fastlora.base_ops.attention_registry import ATTN_NAME, _PREV_ATTR
 
     inner = build_peft_lm("llama").base_model.model
-    monkeypatch.setattr(_compat, "attn_implementation", lambda model: ATTN_NAME)
-    monkeypatch.setattr(_compat, "has_flash_varlen", lambda: True)
+    monkeypatch.setattr(paged_attention, "attn_implementation", lambda model: ATTN_NAME)
+    monkeypatch.setattr(paged_attention, "has_flash_varlen", lambda: True)
     assert "fastlora_decode" in paged_attention._model_blocker(inner, False)
     inner.__dict__[_PREV_ATTR] = "sdpa"
     assert paged_attention._model_blocker(inner, False) is None
@@ -144,7 +146,7 @@ def test_graphs_are_judged_on_the_kernel_not_on_the_running_attention(monkeypatc
         hook = get_state(m).continuous
         assert "reference" in hook.graphs_blocker()  # CPU fp32: the reference runs
         monkeypatch.setattr(engine, "kernel_blocker", lambda dtype, device: None)
-        monkeypatch.setattr(_compat, "attn_implementation", lambda model: PAGED_NAME)
+        monkeypatch.setattr(engine, "attn_implementation", lambda model: PAGED_NAME)
         assert hook.graphs_blocker() is None
     finally:
         fastlora.unpatch(m)

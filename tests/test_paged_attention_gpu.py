@@ -9,7 +9,10 @@ import pytest
 import torch
 
 import peft_fastlora as fastlora
-from peft_fastlora import _compat, get_state
+from peft_fastlora.compat.attention import flash_varlen, flash_varlen_has_window
+from peft_fastlora.compat.engine import cb_engine_attention_blocker
+from peft_fastlora.compat.modules import attn_implementation
+from peft_fastlora import get_state
 from peft_fastlora.base_ops.paged_attention import PAGED_NAME, varlen_reference
 
 from _continuous import cb_config, greedy_config, peft_alone, serve as _serve
@@ -18,13 +21,13 @@ from test_graph_traffic_gpu import _model
 
 pytestmark = pytest.mark.gpu
 TOL = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
-ENGINE_WHY = _compat.cb_engine_attention_blocker()
+ENGINE_WHY = cb_engine_attention_blocker()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, dim, window", [(32, 8, 128, -1), (4, 4, 64, -1), (8, 2, 64, 5)])
 def test_flash_varlen_matches_the_reference(dtype, heads, kv_heads, dim, window):
-    if window >= 0 and not _compat.flash_varlen_has_window():
+    if window >= 0 and not flash_varlen_has_window():
         pytest.skip("this torch's flash varlen kernel takes no window")
     g = torch.Generator().manual_seed(heads + dim)
     q_lens = [1, 1, 37, 5, 1, 130, 2]
@@ -35,7 +38,7 @@ def test_flash_varlen_matches_the_reference(dtype, heads, kv_heads, dim, window)
     k = torch.randn(int(cu_k[-1]), kv_heads, dim, generator=g).to("cuda", dtype)
     v = torch.randn(int(cu_k[-1]), kv_heads, dim, generator=g).to("cuda", dtype)
     scale = 1 / math.sqrt(dim)
-    got = _compat.flash_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), scale, window)
+    got = flash_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), scale, window)
     want = varlen_reference(q.float(), k.float(), v.float(), cu_q, cu_k, scale, window)
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
 
@@ -48,7 +51,7 @@ def test_engine_through_the_reference_fp32_equals_peft():
         prompts, names = _prompts(8, seed=21)
         manager = m.init_continuous_batching(generation_config=greedy_config(12),
                                              continuous_batching_config=cb_config(num_blocks=128))
-        assert _compat.attn_implementation(get_state(m).inner) == PAGED_NAME
+        assert attn_implementation(get_state(m).inner) == PAGED_NAME
         manager.start()
         try:
             out = _serve(manager, list(zip(prompts, names, [12] * 8)))
@@ -72,14 +75,14 @@ def test_engine_bf16_through_the_kernel_and_graphs(choice):
         manager = m.init_continuous_batching(generation_config=greedy_config(16),
                                              continuous_batching_config=cb_config(max_batch_tokens=128, num_blocks=256,
                                                                                   use_cuda_graph=True))
-        assert _compat.attn_implementation(inner) == PAGED_NAME
+        assert attn_implementation(inner) == PAGED_NAME
         manager.warmup()
         manager.start()
         try:
             out = _serve(manager, list(zip(prompts, names, [16] * 24)))
         finally:
             manager.stop(block=True)
-        assert _compat.attn_implementation(inner) != PAGED_NAME  # the model's own again
+        assert attn_implementation(inner) != PAGED_NAME  # the model's own again
         stats = manager.fastlora_graphs.stats
         assert stats["graphed_steps"] > 0 and stats["eager_steps"] == 0, stats
         for tokens in out:

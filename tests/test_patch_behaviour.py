@@ -5,7 +5,7 @@ PEFT's own. Adapters use ``init_lora_weights=False`` (random, non-zero B) so tha
 changes the output and a wrong slot, a stale stack or a skipped delta shows up. A PEFT forward that
 raises inside a layer leaves PEFT's ``adapter_names`` hooks registered (PEFT's context manager has
 no ``finally``: huggingface/peft#3475), so a *reference* model is not used for anything else after
-such an error; a patched model removes them (``_compat.guard_peft_forward_hooks``) and is checked to
+such an error; a patched model removes them (``guard_peft_forward_hooks``) and is checked to
 work after its errors.
 """
 

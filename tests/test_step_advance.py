@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import peft_fastlora as fastlora
-from peft_fastlora import _compat
+from peft_fastlora.compat.modules import TRANSFORMERS_VERSION, set_attn_implementation
 from peft_fastlora.decode import step_advance
 from peft_fastlora.decode.runner import DecodeGraphRunner
 from _helpers import count_calls
@@ -25,7 +25,7 @@ LENGTHS = [5, 9, 3, 7, 4]  # five rows: a bucket of eight, so three padding rows
 def _model(arch, attn):
     prepare = with_sliding_window(64) if arch in ("mistral", "gemma2") else None
     model = build_peft_lm(arch, prepare_base=prepare)
-    _compat.set_attn_implementation(model.get_base_model(), attn)
+    set_attn_implementation(model.get_base_model(), attn)
     return model
 
 
@@ -87,7 +87,7 @@ def one_row_unmasked() -> bool:
     """Whether transformers drops the 2-D mask of one unpadded row (5.24 and later)."""
     from packaging.version import Version
 
-    return Version(_compat.TRANSFORMERS_VERSION) >= Version("5.24")
+    return Version(TRANSFORMERS_VERSION) >= Version("5.24")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import peft_fastlora as fastlora
-from peft_fastlora import _compat
+from peft_fastlora.compat.generate import static_cache_over, transformers_mask_builder
 from peft_fastlora.decode import step_mask
 from _models import build_peft_lm, left_padded_batch, with_sliding_window
 
@@ -36,7 +36,7 @@ def _same(a, b):
 def test_step_masks_equal_transformers_and_tokens_equal_peft(arch, attn, fast, options, window, monkeypatch):
     model = build_peft_lm(arch, prepare_base=with_sliding_window(window) if window else None)
     model.get_base_model().set_attn_implementation(attn)
-    original, real, checked, steps = _compat.transformers_mask_builder(), step_mask.decode_mask, [], []
+    original, real, checked, steps = transformers_mask_builder(), step_mask.decode_mask, [], []
 
     def compare(store, kwargs):
         mask = real(store, kwargs)
@@ -79,11 +79,11 @@ def test_not_our_cache_or_a_prefill_goes_to_transformers(arch):
     with fastlora.patched(model, cuda_graphs="emulate"):
         store = fastlora.get_state(model).graph_runner.caches
         cache = store.cache_for(2, 64)
-        other = _compat.static_cache_over(model.get_base_model(), 64, [
+        other = static_cache_over(model.get_base_model(), 64, [
             (torch.zeros(2, 2, 64, 8), torch.zeros(2, 2, 64, 8))] * model.get_base_model().config.num_hidden_layers)
         am = torch.ones(2, 5, dtype=torch.long)
         base = dict(config=model.get_base_model().config, attention_mask=am)
-        key = "past_key_values" if "past_key_values" in _compat.transformers_mask_builder().__code__.co_varnames \
+        key = "past_key_values" if "past_key_values" in transformers_mask_builder().__code__.co_varnames \
             else "cache"
         step = dict(base, inputs_embeds=torch.empty(2, 1, 0), **{key: cache})
         assert step_mask.decode_mask(store, step) is not None

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .. import _compat
+from ..compat.modules import multi_device_reason
 from ..kernel_support import interpreting, triton_missing
 from .attention_registry import disable_decode_attention, enable_decode_attention
 from .fused_linears import PlainFusedGroup, install_fused_linears
@@ -67,7 +67,7 @@ def stream_wanted(model: nn.Module, options, device: torch.device) -> bool:
     ``device``: ``stream_gemm=True`` on CUDA (or on the CPU under Triton's interpreter: the CPU
     tests' model path), ``"auto"`` on a Hopper GPU with graphs on; never to a model on several
     devices."""
-    if _compat.multi_device_reason(model) is not None:
+    if multi_device_reason(model) is not None:
         return False
     on_cuda = device.type == "cuda"
     if options.stream_gemm is True:
@@ -89,7 +89,7 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
     on_cuda = device.type == "cuda"
     # several devices: kept to what graphs need. Under tensor parallelism every kernel takes its
     # sizes from the tensors it gets (this rank's heads and widths)
-    blocker = _compat.multi_device_reason(model)
+    blocker = multi_device_reason(model)
     if blocker is None and on_cuda:  # the kernels are Triton's: without it, transformers' own code runs
         blocker = triton_missing()
     if blocker is not None:

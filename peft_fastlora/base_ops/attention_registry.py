@@ -24,7 +24,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import _compat
+from ..compat.attention import register_attention_function, release_attention_function
+from ..compat.modules import attn_implementation, set_attn_implementation
+from ..compat.peft import unwrap_peft
 from ..kernel_support import FLOAT_DTYPES, interpreting
 
 logger = logging.getLogger("peft_fastlora")
@@ -142,9 +144,9 @@ def enable_decode_attention(hf_model: nn.Module) -> Optional[str]:
     Returns:
         None when enabled (or already enabled), else why the model keeps its attention.
     """
-    inner = _compat.unwrap_peft(hf_model)
+    inner = unwrap_peft(hf_model)
     cfg = getattr(inner, "config", None)
-    current = _compat.attn_implementation(inner)
+    current = attn_implementation(inner)
     if current is None:
         return "not a transformers model"
     if current in ATTN_NAMES:
@@ -164,42 +166,42 @@ def enable_decode_attention(hf_model: nn.Module) -> Optional[str]:
         if why:
             return why
     name = EAGER_ATTN_NAME if current == "eager" else ATTN_NAME
-    _compat.register_attention_function(name, fastlora_decode_attention, mask=current)
+    register_attention_function(name, fastlora_decode_attention, mask=current)
     inner.__dict__[_PREV_ATTR] = current
     for m, fn in (eager or {}).items():
         m.__dict__[_PREFILL_ATTR] = fn
     try:
-        _compat.set_attn_implementation(inner, name)
+        set_attn_implementation(inner, name)
     except Exception as e:  # transformers refused the name: leave the model as it was
         _undo(inner, current)
         return f"transformers refused {name!r}: {e}"
-    if _compat.attn_implementation(inner) != name:
-        kept = _compat.attn_implementation(inner)
+    if attn_implementation(inner) != name:
+        kept = attn_implementation(inner)
         _undo(inner, current)
         return f"transformers kept attention implementation {kept!r}"
     return None
 
 
 def _undo(inner: nn.Module, current: str) -> None:
-    _compat.set_attn_implementation(inner, current)
+    set_attn_implementation(inner, current)
     inner.__dict__.pop(_PREV_ATTR, None)
     for m in inner.modules():
         m.__dict__.pop(_PREFILL_ATTR, None)
-    _compat.release_attention_function(EAGER_ATTN_NAME if current == "eager" else ATTN_NAME)
+    release_attention_function(EAGER_ATTN_NAME if current == "eager" else ATTN_NAME)
 
 
 def disable_decode_attention(hf_model: nn.Module) -> None:
     """Restore the attention implementation ``enable_decode_attention`` replaced (no-op otherwise)."""
-    inner = _compat.unwrap_peft(hf_model)
+    inner = unwrap_peft(hf_model)
     prev = inner.__dict__.pop(_PREV_ATTR, None)
     if prev is None:
         return
-    if _compat.attn_implementation(inner) in ATTN_NAMES:
-        _compat.set_attn_implementation(inner, prev)
+    if attn_implementation(inner) in ATTN_NAMES:
+        set_attn_implementation(inner, prev)
     for m in inner.modules():
         m.__dict__.pop(_PREFILL_ATTR, None)
-    _compat.release_attention_function(EAGER_ATTN_NAME if prev == "eager" else ATTN_NAME)
+    release_attention_function(EAGER_ATTN_NAME if prev == "eager" else ATTN_NAME)
 
 
 def decode_attention_enabled(hf_model: nn.Module) -> bool:
-    return _compat.attn_implementation(_compat.unwrap_peft(hf_model)) in ATTN_NAMES
+    return attn_implementation(unwrap_peft(hf_model)) in ATTN_NAMES

@@ -18,7 +18,7 @@ from typing import List, Tuple
 import torch
 from torch import nn
 
-from .._compat import has_forward_hooks, is_dtensor
+from ..compat.modules import has_forward_hooks, is_dtensor
 from ..lora.fusion import FUSIBLE_GROUPS, FusedGroup, fusion_blocker
 from .install import set_instance_forward
 

@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .. import _compat
+from ..compat.attention import flash_varlen, flash_varlen_has_window, has_flash_varlen
+from ..compat.modules import attn_implementation
 from .attention_registry import _PREV_ATTR as DECODE_PREV_ATTR, ATTN_NAMES as DECODE_NAMES
 
 PAGED_NAME = "paged|fastlora_varlen"
@@ -32,7 +33,7 @@ _MAX_HEAD_DIM = 256
 def varlen_blocker(inner: nn.Module, dtype: torch.dtype, device: torch.device) -> Optional[str]:
     """Why the engine of this model keeps its own attention (None: the flash varlen kernel applies)."""
     return kernel_blocker(dtype, device) or _model_blocker(
-        inner, sliding_needs_window=not _compat.flash_varlen_has_window())
+        inner, sliding_needs_window=not flash_varlen_has_window())
 
 
 def kernel_blocker(dtype: torch.dtype, device: torch.device) -> Optional[str]:
@@ -49,7 +50,7 @@ def kernel_blocker(dtype: torch.dtype, device: torch.device) -> Optional[str]:
 
 def _model_blocker(inner: nn.Module, sliding_needs_window: bool) -> Optional[str]:
     cfg = getattr(inner, "config", None)
-    current = _compat.attn_implementation(inner)
+    current = attn_implementation(inner)
     if current in DECODE_NAMES:  # fastlora's decode attention: the engine runs the model's own
         current = inner.__dict__.get(DECODE_PREV_ATTR, current)
     if current not in ("sdpa", "eager"):
@@ -61,7 +62,7 @@ def _model_blocker(inner: nn.Module, sliding_needs_window: bool) -> Optional[str
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if head_dim > _MAX_HEAD_DIM or head_dim % 8:
         return f"head dim {head_dim}"
-    if not _compat.has_flash_varlen():
+    if not has_flash_varlen():
         return f"torch {torch.__version__} has no aten._flash_attention_forward"
     if sliding_needs_window and any(getattr(m, "sliding_window", None) for m in inner.modules()):
         return "sliding windows (this torch's flash varlen kernel takes no window)"
@@ -116,7 +117,7 @@ def paged_varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
     window_left = int(sliding) - 1 if sliding else -1
     cu_q = kwargs["cu_seq_lens_q"]
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        out = _compat.flash_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_q.to(torch.int32),
+        out = flash_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_q.to(torch.int32),
                                    cu_k.to(torch.int32), int(kwargs["max_seqlen_q"]), int(max_k), scale, window_left)
     else:
         out = varlen_reference(q, k, v, cu_q, cu_k, scale, window_left)

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .._compat import plain_function
+from ..compat.attention import plain_function
 from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
 from .install import set_instance_forward
 from .match import code_shape, reference_shape

@@ -53,7 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._compat import base_layer_of, has_forward_hooks, is_dtensor, is_lora_layer
+from ..compat.modules import has_forward_hooks, is_dtensor
+from ..compat.peft import base_layer_of, is_lora_layer
 from ..lora.fusion import FUSIBLE_GROUPS
 from .install import set_instance_forward
 from .mlp_forwards import has_gated_forward

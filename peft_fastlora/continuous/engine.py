@@ -4,11 +4,11 @@ On a patched model, ``generate_batch(inputs, ..., adapter_names=[...])`` and the
 ``init_continuous_batching(...)`` (``add_request(..., adapter_name=...)``,
 ``add_requests(..., adapter_names=[...])``) take one adapter per request. Each engine step packs
 prefill chunks and decode tokens of many requests into one row; just before its forward,
-fastlora reads the step's requests and token counts (``_compat.cb_step``) and hands the LoRA
+fastlora reads the step's requests and token counts (``cb_step``) and hands the LoRA
 layers a ``TokenSegments``: every layer applies each request's adapter to that request's tokens.
 
 What changes on the engine, and only on the managers fastlora hands out: the config fields in
-``_compat._CB_OFF`` (prefix sharing, CUDA graphs, async batching, compile), logged once; the
+``_CB_OFF`` (prefix sharing, CUDA graphs, async batching, compile), logged once; the
 manager's ``add_request`` / ``add_requests`` / ``cancel_request`` / ``stop`` and its batch
 processor's step, wrapped on the instance. fastlora's decode-attention kernel is switched off
 while a manager runs (the engine accepts only its own attention implementations) and back on
@@ -22,7 +22,14 @@ import logging
 import threading
 from typing import Dict, List, Optional, Sequence
 
-from .. import _compat
+from ..compat.attention import register_attention_function, release_attention_function
+from ..compat.engine import (CB_CHILD_MARK, cb_capacity, cb_config_for_lora, cb_disable_graphs,
+                             cb_engine_attention_blocker, cb_engine_uses_graphs, cb_fail_requests,
+                             cb_fail_step, cb_graphs_blocker_of_engine, cb_new_request_id, cb_request_done,
+                             cb_request_ids, cb_step, cb_stream, continuous_batching_blocker)
+from ..compat.modules import (attn_implementation, cb_vocab_size, model_dtype, multi_device_reason,
+                              on_stream, set_attn_implementation)
+from ..compat.tensor_parallel import tensor_parallel_reason
 from ..base_ops.attention_registry import (decode_attention_enabled, disable_decode_attention,
                                            enable_decode_attention)
 from ..base_ops.paged_attention import PAGED_NAME, kernel_blocker, paged_varlen_attention, varlen_blocker
@@ -66,8 +73,8 @@ class RequestAdapters:
     def name_of(self, request_id: str) -> str:
         with self._lock:
             name = self._names.get(request_id)
-            if name is None and _compat.CB_CHILD_MARK in request_id:  # a forked sequence
-                name = self._names.get(request_id.split(_compat.CB_CHILD_MARK)[0])
+            if name is None and CB_CHILD_MARK in request_id:  # a forked sequence
+                name = self._names.get(request_id.split(CB_CHILD_MARK)[0])
                 if name is not None:
                     self._names[request_id] = name
         if name is None:
@@ -104,7 +111,7 @@ class ContinuousBatchingHook:
         self.state = state
         self.inner = state.inner
         # under TP only the driver rank sees add_request: the other ranks would not know the adapters
-        self.blocker = _compat.continuous_batching_blocker(self.inner) or _compat.tensor_parallel_reason(self.inner)
+        self.blocker = continuous_batching_blocker(self.inner) or tensor_parallel_reason(self.inner)
         self._methods = InstanceMethods(self.inner)
         self._local = threading.local()  # adapter names a generate_batch call hands its requests
         self._running = 0  # managers started and not stopped
@@ -165,7 +172,7 @@ class ContinuousBatchingHook:
         state = self.state
         if state.options.cuda_graphs is False:
             return "cuda_graphs=False"
-        split = _compat.multi_device_reason(self.inner)
+        split = multi_device_reason(self.inner)
         if split is not None:
             return f"{split}: a CUDA graph captures one device"
         if state.report is not None and state.report.left_on_peft:
@@ -173,7 +180,7 @@ class ContinuousBatchingHook:
         # judged on the dtype and device alone: while a manager runs, the model's attention is the
         # varlen one itself (a model that cannot take it never gets a manager with "varlen")
         if (state.options.engine_attention == "varlen" and state.device is not None
-                and kernel_blocker(_compat.model_dtype(self.inner), state.device) is not None):
+                and kernel_blocker(model_dtype(self.inner), state.device) is not None):
             return "engine_attention='varlen' off fp16 / bf16 CUDA runs a per-request reference that syncs with the host"
         return None
 
@@ -237,7 +244,7 @@ class ContinuousBatchingHook:
                 "model; call destroy_cached_continuous_batching_manager() first")
         gen = generation_config if generation_config is not None else self.inner.generation_config
         registry = self.state.registry  # fewer slots than adapters: no step may need more than the slots
-        config, changes = _compat.cb_config_for_lora(continuous_batching_config, gen, self.graphs_blocker(),
+        config, changes = cb_config_for_lora(continuous_batching_config, gen, self.graphs_blocker(),
                                                      None if registry.all_resident else registry.num_slots)
         for change in changes:
             self.state.warn_once(f"continuous batching with per-request adapters: {change}")
@@ -264,7 +271,7 @@ class ContinuousBatchingHook:
                 disable_decode_attention(self.inner)
                 self._attention_suspended = True
             if self._plain_attention is None:
-                self._plain_attention = _compat.attn_implementation(self.inner)
+                self._plain_attention = attn_implementation(self.inner)
                 self._use_varlen_attention()
 
     def varlen_blocker(self) -> Optional[str]:
@@ -273,9 +280,9 @@ class ContinuousBatchingHook:
         choice = self.state.options.engine_attention
         if choice == "engine":
             return "engine_attention='engine'"
-        why = _compat.cb_engine_attention_blocker()
+        why = cb_engine_attention_blocker()
         if why is None and choice == "auto":
-            why = varlen_blocker(self.inner, _compat.model_dtype(self.inner), self.state.device)
+            why = varlen_blocker(self.inner, model_dtype(self.inner), self.state.device)
         return why
 
     def _use_varlen_attention(self):
@@ -285,11 +292,11 @@ class ContinuousBatchingHook:
                 raise ValueError(f"fastlora: engine_attention='varlen' cannot be served: {why}")
             self.state.warn_once(f"continuous batching keeps the engine's attention: {why}")
             return
-        _compat.register_attention_function(PAGED_NAME, paged_varlen_attention, mask=None)
+        register_attention_function(PAGED_NAME, paged_varlen_attention, mask=None)
         try:
-            _compat.set_attn_implementation(self.inner, PAGED_NAME)
+            set_attn_implementation(self.inner, PAGED_NAME)
         except BaseException:
-            _compat.release_attention_function(PAGED_NAME)
+            release_attention_function(PAGED_NAME)
             raise
         self._varlen_registered = True
 
@@ -297,7 +304,7 @@ class ContinuousBatchingHook:
         """Raise when a manager runs with a paged attention implementation set on the model: a
         plain ``generate`` would run it too, and transformers' paged implementations give a plain
         forward wrong results (switching back and forth breaks the engine's requests instead)."""
-        plain, current = self._plain_attention, _compat.attn_implementation(self.inner)
+        plain, current = self._plain_attention, attn_implementation(self.inner)
         if plain is not None and current != plain:
             raise RuntimeError(
                 f"fastlora: a continuous-batching manager of this model is running with transformers' "
@@ -309,12 +316,12 @@ class ContinuousBatchingHook:
         with self._lock:
             self._running = 0 if force else max(0, self._running - 1)
             if self._running == 0:
-                if self._plain_attention is not None and _compat.attn_implementation(self.inner) == PAGED_NAME:
-                    _compat.set_attn_implementation(self.inner, self._plain_attention)
+                if self._plain_attention is not None and attn_implementation(self.inner) == PAGED_NAME:
+                    set_attn_implementation(self.inner, self._plain_attention)
                 self._plain_attention = None
                 if self._varlen_registered:
                     self._varlen_registered = False
-                    _compat.release_attention_function(PAGED_NAME)
+                    release_attention_function(PAGED_NAME)
             if self._running == 0 and self._attention_suspended:
                 self._attention_suspended = False
                 if self.active and not force:
@@ -339,7 +346,7 @@ class ContinuousBatchingHook:
             if sampling is not None and not isinstance(sampling, SamplingParams):
                 raise TypeError(f"sampling must be a peft_fastlora SamplingParams, got {type(sampling).__name__}")
             if request_id is None:
-                request_id = _compat.cb_new_request_id(manager)
+                request_id = cb_new_request_id(manager)
             adapters.assign(request_id, name)
             if sampling is not None:
                 records.assign(request_id, sampling)
@@ -418,12 +425,12 @@ class ContinuousBatchingHook:
         Where fastlora cannot follow them, the engine's graphs go off: a graph replaying LoRA
         batches nobody refreshes would serve every request a stale step's adapters."""
         emulate = self.state.options.cuda_graphs == "emulate"
-        if not emulate and not _compat.cb_engine_uses_graphs(processor):
+        if not emulate and not cb_engine_uses_graphs(processor):
             return None
-        why = self.graphs_blocker() or _compat.cb_graphs_blocker_of_engine(processor)
+        why = self.graphs_blocker() or cb_graphs_blocker_of_engine(processor)
         if why is not None:
             self.state.warn_once(f"continuous batching runs eagerly: {why}")
-            _compat.cb_disable_graphs(processor)
+            cb_disable_graphs(processor)
             return None
         return EngineGraphs(self.state, processor, emulate=emulate)
 
@@ -441,9 +448,9 @@ class ContinuousBatchingHook:
         last: List = []
         failed = [0, False]  # failing steps in a row; whether the last step's update is skipped
         graphs = self._engine_graphs(processor)
-        max_tokens, max_requests = _compat.cb_capacity(processor)
+        max_tokens, max_requests = cb_capacity(processor)
         sampler = StepSampler(records, processor, rows=min(max_tokens, max_requests) + 1,
-                              vocab=_compat.cb_vocab_size(self.inner))
+                              vocab=cb_vocab_size(self.inner))
         local = threading.local()  # the segments of the step the engine thread is running
 
         def release():
@@ -473,9 +480,9 @@ class ContinuousBatchingHook:
                 if not self.active:
                     raise RuntimeError("fastlora: the model was unpatched while a continuous-batching "
                                        "manager ran; start a new manager")
-                requests, lens, num_tokens = _compat.cb_step(processor)
+                requests, lens, num_tokens = cb_step(processor)
                 ids = [r.request_id for r in requests]
-                done = [r.request_id for r in last if _compat.cb_request_done(r)]
+                done = [r.request_id for r in last if cb_request_done(r)]
                 adapters.forget(done, running=ids)
                 records.forget(done)
                 last[:] = requests
@@ -489,7 +496,7 @@ class ContinuousBatchingHook:
                         raise
                     logger.error("fastlora: a continuous-batching step failed; its %d requests fail with "
                                  "it and the engine goes on: %r", len(ids), error)
-                    _compat.cb_fail_step(processor, error)
+                    cb_fail_step(processor, error)
                     failed[1] = True
                 else:
                     failed[0] = 0
@@ -506,9 +513,9 @@ class ContinuousBatchingHook:
         def compute_batch(model, batch_data):
             segments = getattr(local, "segments", None)
             if segments is None:  # a warm-up forward: made-up requests, no adapter
-                _, lens, num_tokens = _compat.cb_step(processor)
+                _, lens, num_tokens = cb_step(processor)
                 segments = TokenSegments([BASE] * len(lens), lens, num_tokens)
-            with _compat.on_stream(_compat.cb_stream(processor)), state.segments(segments):
+            with on_stream(cb_stream(processor)), state.segments(segments):
                 if graphs is not None and graphs.graphed():
                     try:
                         sampler.before_forward(graphed=True, device=state.device)
@@ -554,11 +561,11 @@ class ContinuousBatchingHook:
         config = getattr(self.state.model, "peft_config", None)  # PEFT's adapters as they are now
         known = (set(config) if isinstance(config, dict) else set(self.state.registry.names)) | set(self.state.stored)
         errors = {}
-        for rid in _compat.cb_request_ids(processor):
+        for rid in cb_request_ids(processor):
             name = adapters.lookup(rid)
             if name is not None and name != BASE and name not in known:
                 errors[rid] = RuntimeError(f"fastlora: adapter {name!r} of request {rid!r} was deleted "
                                            "while the request was in flight")
         if errors:
-            _compat.cb_fail_requests(processor, errors)
+            cb_fail_requests(processor, errors)
             adapters.forget(list(errors))

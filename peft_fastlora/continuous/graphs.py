@@ -19,7 +19,9 @@ import collections
 import contextlib
 from typing import Dict, Optional
 
-from .. import _compat
+from ..compat.engine import (cb_capacity, cb_disable_graphs, cb_drop_graphs, cb_emulate_graphs,
+                             cb_graphed_step, cb_graphs_suspended, cb_stream)
+from ..compat.modules import on_stream
 from ..batch import BLOCK_M_TIERS, NO_LORA_BATCH, BatchInfoBuffers, TokenSegments, choose_block_m
 
 
@@ -40,13 +42,13 @@ class EngineGraphs:
         self._buffers: Dict[int, BatchInfoBuffers] = {}
         self._generation = state.generation
         self._backend = state.backend
-        self._max_tokens, self._max_requests = _compat.cb_capacity(processor)
+        self._max_tokens, self._max_requests = cb_capacity(processor)
         if emulate:
-            _compat.cb_emulate_graphs(processor)
+            cb_emulate_graphs(processor)
 
     def graphed(self) -> bool:
         """Whether the step about to run goes through one of the engine's graphs."""
-        return self.blocker is None and _compat.cb_graphed_step(self.processor)
+        return self.blocker is None and cb_graphed_step(self.processor)
 
     @contextlib.contextmanager
     def step(self, segments: TokenSegments):
@@ -54,11 +56,11 @@ class EngineGraphs:
         static buffers (on the stream the graph runs on), and the layers told to read them."""
         state = self.state
         self._drop_if_stale()
-        with _compat.on_stream(_compat.cb_stream(self.processor)):
+        with on_stream(cb_stream(self.processor)):
             bi = self._fill(segments)
         with state.forward_context(bi):
             if self.emulate:
-                with _compat.cb_graphs_suspended(self.processor):
+                with cb_graphs_suspended(self.processor):
                     yield
             else:
                 yield
@@ -68,11 +70,11 @@ class EngineGraphs:
         """A step could not be captured: the engine's graphs go off for good (eager from now on)."""
         self.blocker = reason
         self.drop()
-        _compat.cb_disable_graphs(self.processor)
+        cb_disable_graphs(self.processor)
 
     def drop(self) -> None:
         """Forget every graph the engine holds and the buffers they read."""
-        _compat.cb_drop_graphs(self.processor)
+        cb_drop_graphs(self.processor)
         self.stats["graphs_dropped"] += 1  # invalidations (the engine may have held none yet)
         self._buffers.clear()
         self._generation, self._backend = self.state.generation, self.state.backend

@@ -14,7 +14,8 @@ from typing import List, Optional
 
 import torch
 
-from .. import _compat
+from ..compat.engine import (cb_generated_len, cb_generated_tokens, cb_logit_requests, cb_unwrap_sample,
+                             cb_wrap_sample)
 from .sampling import RequestSampling, SamplingParams, select
 
 
@@ -47,10 +48,10 @@ class StepSampler:
         self._output_ids: Optional[torch.Tensor] = None
         self._graph_scores: Optional[torch.Tensor] = None  # what graphed steps copy their logits into
         self._graphed = False
-        _compat.cb_wrap_sample(processor, self._sample)
+        cb_wrap_sample(processor, self._sample)
 
     def close(self) -> None:
-        _compat.cb_unwrap_sample(self.processor)
+        cb_unwrap_sample(self.processor)
         self._scores = self._output_ids = self._graph_scores = self._plan = None
 
     def plan(self) -> None:
@@ -58,16 +59,16 @@ class StepSampler:
         self._plan = None
         if not len(self.records):
             return
-        states = _compat.cb_logit_requests(self.processor)
+        states = cb_logit_requests(self.processor)
         params = self.records.params_of([s.request_id for s in states])
         rows = [i for i, p in enumerate(params) if p is not None]
         if not rows:
             return
         chosen = [params[i] for i in rows]
-        outputs = [_compat.cb_generated_tokens(states[i]) if (p.presence_penalty or p.frequency_penalty) else []
+        outputs = [cb_generated_tokens(states[i]) if (p.presence_penalty or p.frequency_penalty) else []
                    for i, p in zip(rows, chosen)]
         self._plan = _Plan(rows, [states[i].request_id for i in rows], chosen,
-                           [_compat.cb_generated_len(states[i]) for i in rows], outputs)
+                           [cb_generated_len(states[i]) for i in rows], outputs)
 
     def before_forward(self, graphed: bool, device: torch.device) -> None:
         """``graphed``: the forward is captured or replayed in a graph (or emulates one)."""

@@ -16,7 +16,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import _compat
+from ..compat.graphs import (end_allocate_to_pool, graph_pool_bytes, new_cuda_graph, new_graph_pool,
+                             reset_rng_capture_state)
 from . import early_launch
 
 
@@ -30,10 +31,10 @@ class GraphPool:
     graphs can be freed one at a time. Dropping the object (after its graphs) frees the pool."""
 
     def __init__(self):
-        self._owner, self.id = _compat.new_graph_pool()
+        self._owner, self.id = new_graph_pool()
 
     def reserved_bytes(self) -> Optional[int]:
-        return _compat.graph_pool_bytes(self.id)
+        return graph_pool_bytes(self.id)
 
 
 class EmulatedGraph:
@@ -83,7 +84,7 @@ def capture(fn: Callable, pool: GraphPool, restore: Callable[[], None], warmup: 
 
 
 def _capture_once(fn: Callable, pool: GraphPool, device: int, early: bool):
-    graph = _compat.new_cuda_graph(keep=True) if early else None
+    graph = new_cuda_graph(keep=True) if early else None
     if early and graph is None:
         early_launch.disable(f"torch {torch.__version__} cannot keep a captured graph to edit (no keep_graph)")
     if graph is None:
@@ -108,8 +109,8 @@ def _abandon(graph, pool: GraphPool, device: int) -> None:
             graph.capture_end()  # ends the stream capture even when it then raises
         except Exception:  # noqa: BLE001 - an invalidated capture: ended all the same
             pass
-    _compat.end_allocate_to_pool(device, pool.id)
-    _compat.reset_rng_capture_state(device)
+    end_allocate_to_pool(device, pool.id)
+    reset_rng_capture_state(device)
     try:
         torch.cuda.synchronize()
     except Exception:  # noqa: BLE001 - a sticky CUDA error: nothing here can recover from it

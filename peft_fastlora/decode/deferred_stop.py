@@ -25,7 +25,9 @@ from typing import Optional
 
 import torch
 
-from .. import _compat
+from ..compat.generate import (cache_kwarg_name, deferred_stop_check_class, generation_mode_name,
+                               sample_loop_with_stop_check)
+from ..compat.modules import TRANSFORMERS_VERSION
 from . import greedy_loop
 
 # the attribute that marks the cache of an armed call (the runner serving it), set by ``armed``
@@ -113,8 +115,8 @@ def unavailable_reason(options) -> Optional[str]:
     """Why no call of this model can defer its stop check (None: calls may)."""
     if options.defer_stop_check is False:
         return "defer_stop_check=False"
-    if _compat.deferred_stop_check_class() is None:
-        return f"transformers {_compat.TRANSFORMERS_VERSION} has no deferred stop check fastlora can use"
+    if deferred_stop_check_class() is None:
+        return f"transformers {TRANSFORMERS_VERSION} has no deferred stop check fastlora can use"
     return None
 
 
@@ -143,7 +145,7 @@ def call_reason(inner, args, kwargs) -> Optional[str]:
             setattr(probe, name, kwargs[name])
     if probe.return_dict_in_generate:
         return "return_dict_in_generate returns the cache"
-    if _compat.generation_mode_name(probe) != _LOOP:
+    if generation_mode_name(probe) != _LOOP:
         return f"decoding mode {probe.get_generation_mode()}"
     return None
 
@@ -153,24 +155,24 @@ def decoding_method(streamer=None):
     accepts. ``streamer``: the call's (transformers hands a callable none, though it still streams
     the prompt itself). A decoding mode other than the loop's, which ``call_reason`` rules out,
     raises."""
-    stop_check = _stop_check_class(_compat.deferred_stop_check_class())
+    stop_check = _stop_check_class(deferred_stop_check_class())
     call_streamer = streamer
 
     def fastlora_sample(self, input_ids, logits_processor, stopping_criteria, generation_config,
                         synced_gpus=False, streamer=None, **model_kwargs):
-        mode = _compat.generation_mode_name(generation_config)
+        mode = generation_mode_name(generation_config)
         if mode != _LOOP:
             raise RuntimeError(f"fastlora: a graphed generate call reached decoding method {mode!r}; "
                                "patch with defer_stop_check=False and report this")
         streamer = streamer if streamer is not None else call_streamer
-        runner = getattr(model_kwargs.get(_compat.cache_kwarg_name(self)), CALL_ATTR, None)
+        runner = getattr(model_kwargs.get(cache_kwarg_name(self)), CALL_ATTR, None)
         why = greedy_loop.blocker(self, logits_processor, stopping_criteria, generation_config, streamer, synced_gpus)
         if runner is not None:
             runner.note_token_selection(why)
         if why is None:
             return greedy_loop.greedy_loop(self, input_ids, logits_processor, stopping_criteria, generation_config,
                                            stop_check, fastlora_runner=runner, **model_kwargs)
-        loop = _compat.sample_loop_with_stop_check(stop_check)
+        loop = sample_loop_with_stop_check(stop_check)
         return loop(self, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                     generation_config=generation_config, synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 

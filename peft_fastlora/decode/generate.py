@@ -12,7 +12,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import _compat
+from ..compat.generate import (cache_kwarg_name, compiled_call_override, mask_builder_override,
+                               static_cache_blocker)
+from ..compat.modules import multi_device_reason
+from ..compat.tensor_parallel import tp_graph_blocker
 from ..instance_methods import InstanceMethods
 from . import deferred_stop, step_mask
 from .runner import DecodeGraphRunner
@@ -30,15 +33,15 @@ def graphs_wanted(state) -> Optional[str]:
         return "the model is not on CUDA"
     if not hasattr(state.inner, "get_compiled_call") or not hasattr(state.inner, "config"):
         return "not a transformers generation model"
-    split = _compat.multi_device_reason(state.inner)
+    split = multi_device_reason(state.inner)
     if split is not None:
         return f"{split}: a CUDA graph captures one device"
-    tp = _compat.tp_graph_blocker(state.inner)  # a sharded model's collectives are captured too
+    tp = tp_graph_blocker(state.inner)  # a sharded model's collectives are captured too
     if tp is not None:
         return tp
     if state.report.left_on_peft:
         return "some LoRA layers are left on PEFT's path"
-    return _compat.static_cache_blocker(state.inner)
+    return static_cache_blocker(state.inner)
 
 
 def call_blocker(state, args, kwargs) -> Optional[str]:
@@ -79,8 +82,8 @@ def armed(inner, runner: DecodeGraphRunner, adapter_names, cache=None):
     static one; the override lives on this instance only and is removed on exit. ``cache``: the
     call's static cache when the call may read its stop flag one step late (marked for the block).
     """
-    with _compat.compiled_call_override(inner, runner), \
-            _compat.mask_builder_override(inner, step_mask.builder(runner.caches)):
+    with compiled_call_override(inner, runner), \
+            mask_builder_override(inner, step_mask.builder(runner.caches)):
         runner.adapter_names = None if adapter_names is None else list(adapter_names)
         if cache is not None:
             setattr(cache, deferred_stop.CALL_ATTR, runner)
@@ -113,7 +116,7 @@ def run_generate(state, generate, args, kwargs, min_cache_len: int = 0):
             runner.note_eager(str(e))
             return generate(*args, **kwargs)
         kwargs = dict(kwargs)
-        kwargs[_compat.cache_kwarg_name(state.inner)] = cache
+        kwargs[cache_kwarg_name(state.inner)] = cache
         runner.own_positions = kwargs.get("position_ids") is not None
         deferred = state.stop_check_blocker is None and deferred_stop.call_reason(state.inner, args, kwargs) is None
         if deferred:

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .. import _compat
+from ..compat.generate import generation_output_cache, greedy_loop_missing, per_step_stop_check
 from ..kernel_support import kernel_runs_on
 
 ENABLED = True  # benchmarks switch it off for an A/B; False: every call keeps transformers' loop
@@ -43,7 +43,7 @@ def patch_blocker(model) -> Optional[str]:
     """Why no call of this model runs this loop (None: greedy calls may; ``blocker`` decides each)."""
     if not ENABLED:
         return "fused token selection switched off"
-    return _compat.greedy_loop_missing(model)
+    return greedy_loop_missing(model)
 
 
 def blocker(model, logits_processor, stopping_criteria, generation_config, streamer=None,
@@ -143,7 +143,7 @@ def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generatio
                      if model._valid_auto_compile_criteria(model_kwargs, generation_config) else model.__call__)
     outputs = model._prefill(input_ids, generation_config, model_kwargs,
                              is_first_iteration=not generation_config.is_assistant)
-    cache = _compat.generation_output_cache(outputs)
+    cache = generation_output_cache(outputs)
     cache_is_returned = generation_config.return_dict_in_generate or getattr(cache, "_is_user_defined", False)
     runner = fastlora_runner
     from .deferred_stop import FlagStopCheck, flag_check_applies
@@ -153,7 +153,7 @@ def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generatio
         stop_check = (FlagStopCheck(device, max_length, runner) if flag_check_applies(device, runner, is_assistant)
                       else stop_check_cls(input_ids, max_length, cache, cache_is_returned, None))
     else:
-        stop_check = _compat.per_step_stop_check()
+        stop_check = per_step_stop_check()
     # the flag check's calls take advanced steps' tokens from the step-advance history, once
     from_history = isinstance(stop_check, FlagStopCheck)
     advance_refused = False

@@ -37,7 +37,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .. import _compat
+from ..compat.generate import cache_kwarg_name
 from ..base_ops import rotary_tables
 from ..batch import NO_LORA_BATCH, ForwardBatch
 from . import early_launch, step_advance
@@ -207,7 +207,7 @@ class DecodeGraphRunner:
         rows = ids.shape[0]
         if self.state.has_lora and (self.adapter_names is None or len(self.adapter_names) != rows):
             return self._eager("adapter names do not match the batch", inputs)
-        cache = inputs.get(_compat.cache_kwarg_name(self.model))
+        cache = inputs.get(cache_kwarg_name(self.model))
         serial = self.caches.serial_of(cache)
         if serial is None:
             return self._eager("the step's cache is not one of fastlora's static caches", inputs)

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .. import _compat
+from ..compat.generate import is_plain_static_layer, sliding_window, static_cache_layout, static_cache_over
 from ..kernel_support import kernel_runs_on
 
 MIN_LENGTH = 256
@@ -65,8 +65,8 @@ class StaticCacheStore:
         self.model = model
         self.kernel_writes = kernel_writes
         self.budget_bytes = budget_bytes
-        self.layout = _compat.static_cache_layout(model)  # per layer: (kv heads, k dim, v dim)
-        self.window = _compat.sliding_window(model)  # longest call the graphs serve (None: any)
+        self.layout = static_cache_layout(model)  # per layer: (kv heads, k dim, v dim)
+        self.window = sliding_window(model)  # longest call the graphs serve (None: any)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.capacity_tokens = 0  # rows x length the shared buffers hold
@@ -165,7 +165,7 @@ class StaticCacheStore:
         for (h, dk, dv), (kbuf, vbuf) in zip(self.layout, self._buffers):
             views.append((kbuf[: rows * h * length * dk].view(rows, h, length, dk),
                           vbuf[: rows * h * length * dv].view(rows, h, length, dv)))
-        cache = _compat.static_cache_over(self.model, length, views)
+        cache = static_cache_over(self.model, length, views)
         for layer in cache.layers:
             layer.update = types.MethodType(_update_first_rows, layer)
             layer._fastlora_kernel_writes = self.kernel_writes
@@ -229,7 +229,7 @@ def rotary_update(layer, query_states, key_states, value_states, cos, sin):
 
 def _kv_kernel_applies(layer, key, value) -> bool:
     # only transformers' plain static layer: a sliding-window layer rolls its window instead
-    if not _compat.is_plain_static_layer(layer):
+    if not is_plain_static_layer(layer):
         return False
     keys, length = getattr(layer, "keys", None), getattr(layer, "cumulative_length", None)
     if not getattr(layer, "is_initialized", False) or not isinstance(keys, torch.Tensor):

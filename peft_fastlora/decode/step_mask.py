@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .. import _compat
+from ..compat.generate import step_mask_spec, transformers_mask_builder
 from . import step_advance
 
 # arguments that change the mask; the fast path applies only when none is given
@@ -47,7 +47,7 @@ def decode_mask(store, kwargs) -> Optional[object]:
     length = store.length_of(cache)
     if length is None or (am is not None and am.shape[1] > length) or "config" not in kwargs:
         return None
-    spec = _compat.step_mask_spec(kwargs["config"])
+    spec = step_mask_spec(kwargs["config"])
     # a window hides nothing while the tokens fit it; without a 2-D mask their count is on the GPU
     # only, so the window must cover the whole cache
     width = am.shape[1] if am is not None else length
@@ -70,7 +70,7 @@ def decode_mask(store, kwargs) -> Optional[object]:
 
 def builder(store):
     """``create_masks_for_generate`` for a model whose calls ``store``'s caches serve."""
-    original = _compat.transformers_mask_builder()
+    original = transformers_mask_builder()
 
     def create_masks_for_generate(**kwargs):
         mask = decode_mask(store, kwargs)

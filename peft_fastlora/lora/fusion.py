@@ -25,8 +25,9 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .._compat import (TP_REASON, base_layer_of, has_forward_hooks, is_dtensor, is_lora_layer, local, repoint_local,
-                       tp_colwise_mesh)
+from ..compat.modules import has_forward_hooks, is_dtensor, local
+from ..compat.peft import base_layer_of, is_lora_layer
+from ..compat.tensor_parallel import TP_REASON, repoint_local, tp_colwise_mesh
 
 FUSIBLE_GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),

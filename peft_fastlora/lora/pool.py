@@ -40,7 +40,8 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .._compat import lora_layer_unchanged, lora_weights, unsupported_reason, watch_lora_layer
+from ..compat.adapters import lora_layer_unchanged, lora_weights, watch_lora_layer
+from ..compat.peft import unsupported_reason
 from ..backend.packed import PackedWeights, block_align
 from .arena import RowArena
 from . import fusion
@@ -195,7 +196,7 @@ class SitePool:
         return tuple(sig)
 
     def _watch(self):
-        """What ``stale`` checks on every forward, pre-resolved by ``_compat.watch_lora_layer`` (the
+        """What ``stale`` checks on every forward, pre-resolved by ``watch_lora_layer`` (the
         same facts as the signature, read with plain dict and attribute reads); None for embedding
         sites or an unusual layout, which keep the signature."""
         if self.embedding:

@@ -14,10 +14,12 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from .._compat import (base_layer_of, has_forward_hooks, is_dtensor, is_lora_layer, layer_adapters_disabled,
-                      layer_dropout_active, layer_is_merged, local, tp_gather_finish, tp_gather_partial, tp_group,
-                      tp_rowwise_finish, tp_rowwise_finish_columns, tp_rowwise_partial, tp_sum, tp_vocab_ids,
-                      tp_vocab_partial)
+from ..compat.modules import has_forward_hooks, is_dtensor, local
+from ..compat.peft import (base_layer_of, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
+                           layer_is_merged)
+from ..compat.tensor_parallel import (tp_gather_finish, tp_gather_partial, tp_group, tp_rowwise_finish,
+                                      tp_rowwise_finish_columns, tp_rowwise_partial, tp_sum, tp_vocab_ids,
+                                      tp_vocab_partial)
 from .fusion import FusedGroup
 from .pool import SitePool
 

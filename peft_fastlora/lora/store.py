@@ -22,7 +22,8 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from .._compat import LoraEmbedding, base_layer_of, embed_scale, full_shape_in_out, full_weight
+from ..compat.peft import LoraEmbedding, base_layer_of, embed_scale
+from ..compat.tensor_parallel import full_shape_in_out, full_weight
 
 CONFIG_FILE = "adapter_config.json"
 # ``from_folders``' PEFT adapter of rank 1 and zero weights that makes the LoRA layers: served (it

@@ -8,7 +8,7 @@ flat lists and compares them with ``map``:
 
 - identity (the A / B modules in their ``ModuleDict``, the weights in their modules) changes only
   by registering a module or parameter, which PyTorch's global registration hooks report
-  (``_compat.registration_epoch``): checked only when one happened since the adapter's last check;
+  (``registration_epoch``): checked only when one happened since the adapter's last check;
 - storage (``param.data = ...``, ``model.to``) changes without registration: checked every call.
 
 Values are not checked: they are copied at every call (``pool.ValueRefresher``). Structure (the
@@ -22,14 +22,14 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .._compat import is_dtensor, local
+from ..compat.modules import is_dtensor, local
 
 _data_ptr = torch.Tensor.data_ptr
 
 
 class AdapterWatch:
     """One adapter's modules, weights and storage addresses over the layers watched (the entries
-    of ``_compat.watch_lora_layer``), as they were when the stacks were built."""
+    of ``watch_lora_layer``), as they were when the stacks were built."""
 
     def __init__(self, name: str, layer_watches: Sequence):
         self._dicts: List[dict] = []  # the lora_A / lora_B ModuleDicts' _modules

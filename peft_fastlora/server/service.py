@@ -8,7 +8,8 @@ import asyncio
 import uuid
 from typing import Dict, List, Optional, Sequence
 
-from .. import _compat
+from ..compat.engine import cb_drop_result_handler
+from ..compat.modules import input_vocab_size, position_limit
 from ..continuous.sampling import SamplingParams
 from .adapters import AdapterCatalog
 from .choices import Answer, Choice, event
@@ -58,8 +59,8 @@ class CompletionService:
         self.tokenizer, self.config, self.catalog = tokenizer, config, catalog
         self.supervisor, self.metrics, self.defaults = supervisor, metrics, defaults
         self.eos_token_ids = [int(t) for t in eos_token_ids if t is not None and int(t) >= 0]
-        self.vocab = _compat.input_vocab_size(model)
-        self.position_limit = _compat.position_limit(model)
+        self.vocab = input_vocab_size(model)
+        self.position_limit = position_limit(model)
         self.pending = 0  # choices accepted and not finished
 
     def context_length(self) -> int:
@@ -263,7 +264,7 @@ class _Run:
         """End every open choice: cancelled in the engine (the client went away, or one failed)."""
         for choice in list(self._open.values()):
             self.manager.cancel_request(choice.request_id)
-            _compat.cb_drop_result_handler(self.manager, choice.request_id)
+            cb_drop_result_handler(self.manager, choice.request_id)
             self._end(choice, outcome)
 
     def _take(self, index: int, out) -> Choice:
@@ -282,7 +283,7 @@ class _Run:
             metrics.ttft.observe(max(0.0, choice.first_token - choice.accepted))
         if ended and not out.is_finished():  # a stop string: the engine would go on
             self.manager.cancel_request(choice.request_id)
-            _compat.cb_drop_result_handler(self.manager, choice.request_id)
+            cb_drop_result_handler(self.manager, choice.request_id)
         return choice
 
     def _failure(self, choice: Choice) -> APIError:

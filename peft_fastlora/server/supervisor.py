@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Callable, Optional
 
-from .. import _compat
+from ..compat.engine import cb_cache_tokens, cb_fatal_error
 from .config import ServerConfig
 from .errors import APIError
 from .metrics import Metrics
@@ -74,12 +74,12 @@ class EngineSupervisor:
         deadline = time.monotonic() + _START_TIMEOUT_S
         while manager.batch_processor is None:  # the engine's thread makes it, and its cache
             if not manager.is_running():
-                raise RuntimeError(f"the engine stopped while starting: {_compat.cb_fatal_error(manager)}")
+                raise RuntimeError(f"the engine stopped while starting: {cb_fatal_error(manager)}")
             if time.monotonic() > deadline:
                 manager.stop(block=False)
                 raise RuntimeError("the engine did not start in time")
             time.sleep(0.01)
-        self.cache_tokens = _compat.cb_cache_tokens(manager.batch_processor)
+        self.cache_tokens = cb_cache_tokens(manager.batch_processor)
         return manager
 
     async def _watch(self) -> None:
@@ -97,7 +97,7 @@ class EngineSupervisor:
     async def _restart(self, dead) -> None:
         self.status = "degraded"
         self._ready.clear()
-        self.last_error = str(_compat.cb_fatal_error(dead))
+        self.last_error = str(cb_fatal_error(dead))
         logger.error("fastlora server: the engine stopped (%s); restarting it", self.last_error)
         self.manager = None
         try:

@@ -1,0 +1,94 @@
+"""What fastlora reads of a PEFT LoRA layer's adapters (this rank's shards under tensor parallelism),
+and how it notices that they changed.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .modules import is_dtensor, local
+from .peft import LoraEmbedding, PEFT_VERSION, base_layer_of, embed_scale
+from .tensor_parallel import TP_REASON, _tp_local_adapter, tp_style
+
+
+_LORA_ATTRS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "scaling", "use_dora",
+               "merged_adapters", "disable_adapters")
+
+
+def lora_layer_blocker(layer: nn.Module) -> Optional[str]:
+    """Why fastlora cannot read this LoRA layer (None: it can): the attributes it reads, and
+    tensor-parallel weights."""
+    missing = [a for a in _LORA_ATTRS if not hasattr(layer, a)]
+    if missing:
+        return (f"PEFT {PEFT_VERSION}'s {type(layer).__name__} has no {', '.join(missing)}: "
+                "fastlora cannot read its adapters")
+    if any(is_dtensor(p) for p in layer.parameters()) and tp_style(layer) is None:
+        plan = getattr(base_layer_of(layer), "_hf_tp_plan", None)
+        return f"{TP_REASON} (plan {plan!r} on a {type(layer).__name__})"
+    return None
+
+
+def lora_weights(layer: nn.Module) -> Dict[str, Tuple[torch.Tensor, torch.Tensor, float]]:
+    """name -> (A (r, in), B (out, r), scaling) for every adapter the layer holds.
+
+    For an Embedding, ``in`` is the vocabulary and the embedding scale is folded into the scaling.
+    """
+    out = {}
+    if isinstance(layer, LoraEmbedding):
+        scale = embed_scale(layer) or 1.0
+        for name in layer.lora_embedding_A.keys():
+            out[name] = (_tp_local_adapter(layer, "A", layer.lora_embedding_A[name]),
+                         layer.lora_embedding_B[name], float(layer.scaling[name]) * scale)
+        return out
+    for name in layer.lora_A.keys():
+        if name not in layer.lora_B:
+            continue
+        out[name] = (_tp_local_adapter(layer, "A", layer.lora_A[name].weight),
+                     _tp_local_adapter(layer, "B", layer.lora_B[name].weight), float(layer.scaling[name]))
+    return out
+
+
+def watch_lora_layer(layer: nn.Module):
+    """A snapshot of what identifies a LoRA ``Linear``'s adapters, for ``lora_layer_unchanged``:
+    the ``lora_A`` / ``lora_B`` module dicts and their keys, the scaling dict and a copy of it, each
+    adapter's A / B sub-modules and weights with their address. None when the layer is not laid
+    out as PEFT's (the caller then compares full signatures)."""
+    mods_a = getattr(getattr(layer, "lora_A", None), "_modules", None)
+    mods_b = getattr(getattr(layer, "lora_B", None), "_modules", None)
+    scaling = getattr(layer, "scaling", None)
+    if mods_a is None or mods_b is None or not isinstance(scaling, dict):
+        return None
+    weights = {}
+    for name in mods_a:
+        if name not in mods_b:
+            continue
+        ma, mb = mods_a[name], mods_b[name]
+        a, b = ma._parameters.get("weight"), mb._parameters.get("weight")
+        if a is None or b is None:
+            return None
+        weights[name] = (ma, a, local(a).data_ptr(), mb, b, local(b).data_ptr())
+    return (mods_a, tuple(mods_a), mods_b, tuple(mods_b), scaling, dict(scaling), weights)
+
+
+def lora_layer_unchanged(watch, names=None) -> bool:
+    """Whether the layer ``watch`` (from ``watch_lora_layer``) still holds the same adapters and
+    scalings, and the adapters ``names`` (None: all) the same parameters and storage (values may
+    have changed: they are copied at each call)."""
+    mods_a, keys_a, mods_b, keys_b, scaling, scaling_then, weights = watch
+    if tuple(mods_a) != keys_a or tuple(mods_b) != keys_b or scaling != scaling_then:
+        return False
+    for name in weights if names is None else names:
+        entry = weights.get(name)
+        if entry is None:
+            continue
+        ma, a, pa, mb, b, pb = entry
+        if mods_a[name] is not ma or mods_b[name] is not mb:
+            return False
+        if ma._parameters.get("weight") is not a or mb._parameters.get("weight") is not b:
+            return False
+        if local(a).data_ptr() != pa or local(b).data_ptr() != pb:
+            return False
+    return True

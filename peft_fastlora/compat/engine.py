@@ -1,0 +1,289 @@
+"""transformers' continuous-batching engine (``generate_batch`` / ``init_continuous_batching``), used
+as shipped: the requests of each step, their states, the config fields fastlora turns off, the
+engine's graphs, its token selection and its step failures. Checked on 5.17 and 5.25.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Dict, Optional, Tuple
+
+from torch import nn
+
+from .modules import TRANSFORMERS_VERSION
+
+
+# The engine (``generate_batch`` / ``init_continuous_batching``, transformers >= 5.x) is used as
+# shipped. fastlora reads three things of it: the requests of each step, in the order their tokens
+# sit in the forward's one row, with their token counts (``inputs_and_outputs.requests_in_batch``,
+# ``num_q_tokens``, set by ``prepare_batch_tensors``); a request's status; and the config fields
+# it must turn off. Checked on 5.17 and 5.24.
+CB_CHILD_MARK = "__child#"  # request ids of forked sequences: f"{parent}__child#{i}"
+
+
+_CB_OFF = {  # config field -> (value fastlora needs, why)
+    "allow_block_sharing": (False, "prefix sharing would serve one adapter's KV cache to another"),
+    "use_async_batching": (False, "each step's requests are read just before its forward"),
+    "varlen_compile_config": (None, "torch.compile of the forward is not supported with LoRA batches"),
+    "decode_compile_config": (None, "torch.compile of the forward is not supported with LoRA batches"),
+    "default_compile_level": (0, "torch.compile of the forward is not supported with LoRA batches"),
+}
+
+
+def continuous_batching_blocker(model: nn.Module) -> Optional[str]:
+    """Why transformers' continuous batching cannot take per-request adapters here (None: it can)."""
+    if not callable(getattr(type(model), "init_continuous_batching", None)):
+        return f"transformers {TRANSFORMERS_VERSION} has no continuous batching on this model"
+    try:
+        from transformers import ContinuousBatchingConfig
+        from transformers.generation.continuous_batching import continuous_api, input_outputs, requests
+    except ImportError as e:
+        return f"transformers {TRANSFORMERS_VERSION}: {e}"
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    missing = [f for f in (*_CB_OFF, "use_cuda_graph") if f not in fields]
+    if missing:
+        return f"transformers {TRANSFORMERS_VERSION}'s ContinuousBatchingConfig has no {', '.join(missing)}"
+    if not hasattr(input_outputs.ContinuousBatchingIOs, "prepare_batch_tensors"):
+        return f"transformers {TRANSFORMERS_VERSION}: unknown continuous-batching inputs"
+    for name in ("_create_batch_processor", "add_request", "add_requests", "cancel_request", "stop"):
+        if not callable(getattr(continuous_api.ContinuousBatchingManager, name, None)):
+            return f"transformers {TRANSFORMERS_VERSION}'s ContinuousBatchingManager has no {name}"
+    if not hasattr(requests, "RequestStatus"):
+        return f"transformers {TRANSFORMERS_VERSION}: no RequestStatus"
+    return None
+
+
+def cb_engine_attention_blocker() -> Optional[str]:
+    """Why this transformers' engine cannot run ``paged|fastlora_varlen`` (None: it can): the
+    function calls the engine's ``PagedAttentionCache.update`` with its read and write indices
+    (5.17's form; 5.24 passes the kwargs instead)."""
+
+    try:
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+        params = inspect.signature(PagedAttentionCache.update).parameters
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        return f"transformers {TRANSFORMERS_VERSION}: {e}"
+    if not {"read_index", "write_index"} <= set(params):
+        return f"transformers {TRANSFORMERS_VERSION}'s paged cache takes another update call"
+    return None
+
+
+def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] = None,
+                       max_requests: Optional[int] = None) -> Tuple[object, list]:
+    """A copy of the continuous-batching config (the caller's, the one set on the generation
+    config, or the default) with what per-request adapters need; and what was changed, why.
+    ``graphs_blocker``: why the engine's CUDA graphs cannot carry this model's LoRA batches
+    (None: the engine keeps its own choice). ``max_requests``: the most requests one step may
+    hold (the slots, when the model has fewer than adapters)."""
+    import dataclasses
+
+    from transformers import ContinuousBatchingConfig
+
+    if config is None:
+        config = getattr(generation_config, "continuous_batching_config", None)
+    if not isinstance(config, ContinuousBatchingConfig):
+        config = ContinuousBatchingConfig()
+    off = dict(_CB_OFF)
+    if graphs_blocker is not None:
+        off["use_cuda_graph"] = (False, graphs_blocker)
+    changes, values = [], {}
+    for name, (value, why) in off.items():
+        current = getattr(config, name)
+        if current != value:
+            values[name] = value
+            if current is not None:  # None: the engine would decide; no need to report
+                changes.append(f"{name}={value!r} ({why})")
+    current = getattr(config, "max_requests_per_batch", None)
+    if max_requests is not None and (current is None or current > max_requests):
+        values["max_requests_per_batch"] = max_requests
+        changes.append(f"max_requests_per_batch={max_requests} (each step's adapters must fit the slots)")
+    if getattr(config, "use_default_compile_configs", None) is not None:
+        values["use_default_compile_configs"] = None  # deprecated alias: it would set the level again
+    return dataclasses.replace(config, **values), changes
+
+
+def cb_step(processor) -> Tuple[list, list, int]:
+    """The step about to run: its requests' states (``.request_id``) and query lengths, in the
+    order of their tokens in the forward's one row, and the forward's token count (padding
+    included)."""
+    ios = processor.inputs_and_outputs
+    reqs = getattr(ios, "requests_in_batch", None)
+    if reqs is None or not hasattr(ios, "num_q_tokens"):
+        raise RuntimeError(f"fastlora: transformers {TRANSFORMERS_VERSION}'s continuous-batching inputs "
+                           "do not list the step's requests (async batching must be off)")
+    return [fs.state for fs in reqs], [int(fs.query_length) for fs in reqs], int(ios.num_q_tokens)
+
+
+def cb_request_ids(processor) -> list:
+    """Ids of the engine's requests that will be stepped again (active, then waiting)."""
+    sched = processor.scheduler
+    return list(sched.active_requests) + list(sched.waiting_requests)
+
+
+def cb_fail_requests(processor, errors: Dict[str, Exception]) -> None:
+    """Fail these requests (active or waiting) between steps, each delivered with its error as the
+    engine delivers its own; the engine's other requests keep running. The engine's own paths: its
+    per-request error delivery, then its cancellation, which frees the request's cache (and any
+    copy offloaded to the CPU)."""
+    sched = processor.scheduler
+    for rid, error in errors.items():
+        state = sched.active_requests.get(rid) or sched.waiting_requests.get(rid)
+        if state is None:
+            continue
+        processor._handle_request_error(error, state)
+        sched.set_request_cancellation(rid)
+    offload = getattr(processor, "offloading_manager", None)
+    for state in sched.clear_cancelled_requests():
+        if offload is not None:
+            offload.free_request_cpu_cache(state)
+
+
+def cb_request_done(request_state) -> bool:
+    """Whether a request has finished or failed (it will not be stepped again)."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    return request_state.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+
+
+def cb_new_request_id(manager) -> str:
+    """The id the manager would give a request added without one (its own counter and format)."""
+    lock, counter = getattr(manager, "_request_lock", None), getattr(manager, "_request_counter", None)
+    if lock is None or not isinstance(counter, int):
+        raise RuntimeError(f"fastlora: transformers {TRANSFORMERS_VERSION}'s manager has no request "
+                           "counter; pass request_id= to add_request")
+    with lock:
+        request_id = f"req_{manager._request_counter}"
+        manager._request_counter += 1
+    return request_id
+
+
+def cb_drop_result_handler(manager, request_id: str) -> None:
+    """Forget a result handler registered with ``register_result_handler`` for a request that will
+    deliver nothing more (cancelled, or never added): the manager drops one only on a finished
+    output, so a cancelled request's would stay forever."""
+    router = getattr(manager, "output_router", None)
+    handlers, lock = getattr(router, "result_handlers", None), getattr(router, "_lock", None)
+    if isinstance(handlers, dict) and lock is not None:
+        with lock:
+            handlers.pop(request_id, None)
+
+
+# The engine's CUDA graphs (``model_runner``: ``compute_batch`` captures or replays a graph per
+# padded step shape, ``_get_forward_fn`` says whether this step is graphed; the graphs live in
+# ``inputs_and_outputs.graphs``). Checked on 5.17 and 5.24.
+def cb_graphs_blocker_of_engine(processor) -> Optional[str]:
+    """Why fastlora cannot follow this engine's graphs (None: it can)."""
+    runner, ios = getattr(processor, "model_runner", None), getattr(processor, "inputs_and_outputs", None)
+    for obj, attr in ((runner, "_get_forward_fn"), (runner, "use_cuda_graph_varlen"), (runner, "pad_inputs"),
+                      (runner, "cache"), (ios, "graphs"), (ios, "use_block_table")):
+        if not hasattr(obj, attr):
+            return f"transformers {TRANSFORMERS_VERSION}'s continuous-batching engine has no {attr}"
+    return None
+
+
+def cb_engine_uses_graphs(processor) -> bool:
+    """Whether the engine captures any of its steps in CUDA graphs."""
+    runner = processor.model_runner
+    return bool(getattr(runner, "use_cuda_graph_varlen", False) or getattr(runner, "use_cuda_graph_decode", False))
+
+
+def cb_capacity(processor) -> Tuple[int, int]:
+    """(most tokens, most requests) of one engine step."""
+    runner = processor.model_runner
+    return int(runner.cache.max_batch_tokens), int(runner.cb_config.max_requests_per_batch)
+
+
+def cb_graphed_step(processor) -> bool:
+    """Whether the engine's step about to run is captured or replayed in a CUDA graph."""
+    runner, ios = processor.model_runner, processor.inputs_and_outputs
+    return bool(runner._get_forward_fn(use_block_table=ios.use_block_table)[1])
+
+
+def cb_stream(processor):
+    """The stream the engine computes (and replays its graphs) on; None off CUDA."""
+    return getattr(processor.inputs_and_outputs, "compute_stream", None)
+
+
+def cb_drop_graphs(processor) -> None:
+    """Drop the engine's captured graphs (each is recaptured at its next use)."""
+    ios = processor.inputs_and_outputs
+    ios.graphs = type(ios.graphs)()  # the old buffer resets its graphs when collected
+
+
+def cb_disable_graphs(processor) -> None:
+    """The engine's steps eager from now on (still padded: harmless)."""
+    runner = processor.model_runner
+    runner.use_cuda_graph_varlen = runner.use_cuda_graph_decode = False
+
+
+@contextlib.contextmanager
+def cb_graphs_suspended(processor):
+    """The engine runs its graphed step's forward eagerly inside (emulated graphs)."""
+    runner = processor.model_runner
+    saved = runner.use_cuda_graph_varlen, runner.use_cuda_graph_decode
+    runner.use_cuda_graph_varlen = runner.use_cuda_graph_decode = False
+    try:
+        yield
+    finally:
+        runner.use_cuda_graph_varlen, runner.use_cuda_graph_decode = saved
+
+
+def cb_emulate_graphs(processor) -> None:
+    """Off CUDA (tests): the engine pads its steps and marks them graphed as it would with graphs;
+    ``cb_graphs_suspended`` then runs each one eagerly."""
+    runner = processor.model_runner
+    runner.pad_inputs = True
+    runner.use_cuda_graph_varlen = runner.use_cuda_graph_decode = True
+
+
+# The engine's token selection and step failures (``model_runner._sample`` writes the step's tokens
+# into ``output_ids[0]`` in the order of the requests that get one; ``handle_batch_error`` fails a
+# step's requests and frees their cache). Checked on 5.17 and 5.25.
+def cb_logit_requests(processor) -> list:
+    """The states of the step's requests that get a token, in the order of the logits' rows."""
+    return [fs.state for fs in processor.inputs_and_outputs.requests_in_batch if fs.has_new_token]
+
+
+def cb_wrap_sample(processor, wrapper) -> None:
+    """The engine's selection of this processor's tokens goes through
+    ``wrapper(original, scores, output_ids)``; ``cb_unwrap_sample`` takes it off."""
+    runner = processor.model_runner
+    original = runner._sample
+    runner._sample = lambda scores, output_ids: wrapper(original, scores, output_ids)
+
+
+def cb_unwrap_sample(processor) -> None:
+    processor.model_runner.__dict__.pop("_sample", None)
+
+
+def cb_fail_step(processor, error: Exception) -> None:
+    """Fail the requests of the step that just raised (each delivered with the error), free their
+    cache; the engine's other requests go on at the next step."""
+    processor.handle_batch_error(error)
+
+
+def cb_generated_len(request_state) -> int:
+    """How many tokens the request has generated."""
+    return int(request_state.generated_len())
+
+
+def cb_generated_tokens(request_state) -> list:
+    return list(request_state.generated_tokens)
+
+
+def cb_cache_tokens(processor) -> int:
+    """The most tokens (prompt and output) one request can hold in the engine's cache."""
+    cache = processor.cache
+    most = getattr(cache, "max_tokens_read", None)  # 5.24+: the largest allocator's pages
+    if isinstance(most, int) and most > 0:
+        return most
+    return int(cache.num_blocks) * int(cache.block_size)
+
+
+def cb_fatal_error(manager) -> Optional[BaseException]:
+    """The error that ended the manager's thread (None when it ended normally or runs)."""
+    status = getattr(manager, "background_thread_status", None)
+    return getattr(status, "fatal_error", None)

@@ -1,0 +1,142 @@
+"""torch modules and transformers models: devices and streams, forward hooks, layer shapes, dtypes,
+attention implementations and the model's limits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Tuple
+
+import torch
+import transformers
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+
+TRANSFORMERS_VERSION = transformers.__version__
+
+
+_DTENSOR = None  # the DTensor class, imported once (checked on every LoRA forward)
+
+
+def is_dtensor(t) -> bool:
+    global _DTENSOR
+    if _DTENSOR is None:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # torch without distributed tensors: nothing is one
+            DTensor = ()
+        _DTENSOR = DTensor
+    return isinstance(t, _DTENSOR)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def multi_device_reason(model: nn.Module) -> Optional[str]:
+    """Why a model split over several devices (accelerate's ``device_map``) cannot take the decode
+    graphs and base-model kernels (None: its parameters are on one device)."""
+    devices = sorted({str(p.device) for p in model.parameters()})
+    if len(devices) > 1:
+        return f"the model spans {', '.join(devices)} (accelerate's device_map)"
+    return None
+
+
+def on_device(device: Optional[torch.device]):
+    """Make ``device`` the current CUDA device inside the block (Triton launches on the current
+    device, not on its tensors'); a no-op for other devices."""
+    if device is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def on_stream(stream):
+    """Make ``stream`` the current CUDA stream inside the block; a no-op for None."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Forward hooks on this module that a fused or folded GEMM, which bypasses its forward, would
+    skip: torch's, and accelerate's except the one ``device_map`` without offloading puts on every
+    layer, which only moves the inputs to the device the weights are on (fastlora's sites take their
+    fast path only for inputs already there)."""
+    if module._forward_hooks or module._forward_pre_hooks:
+        return True
+    hook = getattr(module, "_hf_hook", None)
+    return hook is not None and not _only_moves_inputs_to_weights(module, hook)
+
+
+def _only_moves_inputs_to_weights(module: nn.Module, hook) -> bool:
+    try:
+        from accelerate.hooks import AlignDevicesHook
+    except ImportError:
+        return False
+    if type(hook) is not AlignDevicesHook or hook.offload or hook.io_same_device or hook.execution_device is None:
+        return False
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return False
+    try:
+        return torch.device(hook.execution_device) == weight.device
+    except (TypeError, RuntimeError):
+        return False
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    return isinstance(module, Conv1D)
+
+
+def linear_in_out(base: nn.Module) -> Tuple[int, int]:
+    """(in, out) of this rank's weight (a tensor-parallel layer's shard)."""
+    if isinstance(base, nn.Linear):
+        out_features, in_features = local(base.weight).shape
+        return in_features, out_features
+    if is_conv1d(base):  # GPT-2: weight is (in, out)
+        return base.weight.shape[0], base.weight.shape[1]
+    raise TypeError(f"not a linear layer: {type(base).__name__}")
+
+
+def attn_implementation(model: nn.Module) -> Optional[str]:
+    """The model's ``config._attn_implementation`` (None for a model without a transformers config)."""
+    cfg = getattr(model, "config", None)
+    return getattr(cfg, "_attn_implementation", None) if cfg is not None else None
+
+
+def set_attn_implementation(model: nn.Module, name: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        setter(name)
+    else:  # older transformers: the config attribute is the switch
+        model.config._attn_implementation = name
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (float32 when it has none)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def cb_vocab_size(model: nn.Module) -> int:
+    """Columns of the model's logits."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if head is not None and hasattr(head, "out_features"):
+        return int(head.out_features)
+    return int(model.config.get_text_config().vocab_size)
+
+
+def input_vocab_size(model: nn.Module) -> int:
+    """How many token ids the model's input embedding takes."""
+    embed = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    if embed is not None and hasattr(embed, "num_embeddings"):
+        return int(embed.num_embeddings)
+    return int(model.config.get_text_config().vocab_size)
+
+
+def position_limit(model: nn.Module) -> Optional[int]:
+    """The model's ``max_position_embeddings`` (None when its config has none)."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) and limit > 0 else None

@@ -1,0 +1,193 @@
+"""PEFT: its LoRA layers' facts (classes, base layers, adapter names, merged / disabled / dropout
+states, module registrations), wrapping a model, and its per-call forward hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Optional
+
+import peft
+from peft.tuners.lora import layer as _lora_layer
+from torch import nn
+
+
+LoraLayer = _lora_layer.LoraLayer
+
+
+LoraLinear = _lora_layer.Linear
+
+
+LoraEmbedding = _lora_layer.Embedding
+
+
+PEFT_VERSION = peft.__version__
+
+
+def get_peft_model_quietly(model: nn.Module, config, adapter_name: str):
+    """PEFT's ``get_peft_model``, without the ``FutureWarning`` that newer transformers gives when
+    PEFT (0.21) reads the deprecated ``is_gradient_checkpointing`` while it wraps the model."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+        return peft.get_peft_model(model, config, adapter_name=adapter_name)
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    return isinstance(module, LoraLayer)
+
+
+def is_tuner_layer(module: nn.Module) -> bool:
+    """A layer of any PEFT tuner (LoRA, LoHa, IA3, ...)."""
+    return isinstance(module, peft.tuners.tuners_utils.BaseTunerLayer)
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return isinstance(model, (peft.PeftModel, peft.tuners.tuners_utils.BaseTuner))
+
+
+def base_layer_of(module: nn.Module) -> nn.Module:
+    """The innermost base layer of a PEFT tuner layer (the module itself otherwise)."""
+    return module.get_base_layer() if isinstance(module, LoraLayer) else module
+
+
+def embed_scale(layer: nn.Module) -> Optional[float]:
+    """Scale some embeddings (Gemma's) apply in forward; PEFT applies it to the LoRA delta too."""
+    getter = getattr(layer, "_get_embed_scale", None)
+    scale = getter() if getter is not None else None
+    return None if scale is None else float(scale)
+
+
+def adapter_count(layer: nn.Module) -> int:
+    """How many adapters a LoRA layer holds (Linear and Embedding kinds together)."""
+    return len(layer.lora_A) + len(layer.lora_embedding_A)
+
+
+def adapter_names_of(layer: nn.Module):
+    return set(layer.lora_A.keys()) | set(layer.lora_embedding_A.keys())
+
+
+def unsupported_reason(layer: nn.Module, adapter: str) -> Optional[str]:
+    """Why fastlora cannot compute this adapter in this layer (PEFT's own path then serves it)."""
+    if layer.use_dora.get(adapter, False):
+        return "DoRA"
+    if getattr(layer, "lora_bias", {}).get(adapter, False):
+        return "lora_bias"
+    variant = getattr(layer, "lora_variant", {}).get(adapter)
+    if variant is not None:
+        return f"LoRA variant {type(variant).__name__}"
+    return None
+
+
+def layer_is_merged(layer: nn.Module) -> bool:
+    return bool(layer.merged_adapters)
+
+
+def layer_adapters_disabled(layer: nn.Module) -> bool:
+    return bool(layer.disable_adapters)
+
+
+def layer_dropout_active(layer: nn.Module) -> bool:
+    """Whether PEFT's forward would apply a random LoRA dropout here.
+
+    Only this makes a layer's own ``training`` flag matter to PEFT's mixed-batch path (PEFT checks
+    the model's flag, not the layer's). ``add_adapter`` leaves the modules it creates in training
+    mode inside an eval model; with ``lora_dropout=0`` they still compute exactly what eval would.
+    """
+    for d in getattr(layer, "lora_dropout", {}).values():
+        if d.training and not isinstance(d, nn.Identity) and not (isinstance(d, nn.Dropout) and d.p == 0):
+            return True
+    return False
+
+
+_REGISTRATIONS = [0]
+
+
+_REGISTRATION_HOOKS: list = []
+
+
+def registration_epoch() -> int:
+    """A counter of module and parameter registrations anywhere in the process (PyTorch's global
+    registration hooks, installed at the first call): a module or parameter of a model can be
+    replaced only by registering another, so while it stays the same nothing was replaced."""
+    if not _REGISTRATION_HOOKS:
+        from torch.nn.modules import module as torch_module
+
+        def bump(module, name, value):  # returns None: the registered value is kept
+            _REGISTRATIONS[0] += 1
+
+        _REGISTRATION_HOOKS.append(torch_module.register_module_parameter_registration_hook(bump))
+        _REGISTRATION_HOOKS.append(torch_module.register_module_module_registration_hook(bump))
+    return _REGISTRATIONS[0]
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers (or plain torch) model inside a PeftModel / LoraModel, else the model."""
+    inner = model
+    if isinstance(inner, peft.PeftModel):
+        inner = inner.base_model
+    if isinstance(inner, peft.tuners.tuners_utils.BaseTuner):
+        inner = inner.model
+    return inner
+
+
+_HOOK_GUARD = "_enable_peft_forward_hooks"
+
+
+def guard_peft_forward_hooks(peft_model: nn.Module, serve=None) -> bool:
+    """Make PEFT remove its per-call ``adapter_names`` hooks when the call raises, and let
+    fastlora take the call instead where it serves every layer that would get them.
+
+    PEFT registers forward pre-hooks on every LoRA layer for a call with ``adapter_names`` and
+    removes them only when the call returns (its context manager has no ``finally``:
+    huggingface/peft#3475), so after any error inside the call (an unknown adapter, too many
+    adapters for fastlora's batch) the stale hooks break every later call. This wraps the context
+    manager on this model instance: on an exception, hooks added during the call are removed.
+
+    ``serve(kwargs)``: a context manager that takes the call's adapter names in PEFT's place, or
+    None to let PEFT do it. PEFT walks every module of the model to check the names and to hook
+    every LoRA layer, at each call: its cost grows with the adapters loaded.
+    Returns False when the model has no such context manager (nothing to guard).
+    """
+
+    original = getattr(peft_model, _HOOK_GUARD, None)
+    if original is None or _HOOK_GUARD in peft_model.__dict__:
+        return False
+    layers = [m for m in peft_model.modules() if isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer)]
+
+    @contextlib.contextmanager
+    def guarded(*args, **kwargs):
+        scope = serve(kwargs) if serve is not None else None
+        if scope is not None:
+            with scope:
+                yield
+            return
+        before = [(m, set(m._forward_pre_hooks), set(m._forward_hooks)) for m in layers]
+        try:
+            with original(*args, **kwargs):
+                yield
+        except BaseException:
+            for m, pre, post in before:
+                for key in [k for k in m._forward_pre_hooks if k not in pre]:
+                    del m._forward_pre_hooks[key]
+                    m._forward_pre_hooks_with_kwargs.pop(key, None)
+                for key in [k for k in m._forward_hooks if k not in post]:
+                    del m._forward_hooks[key]
+                    m._forward_hooks_with_kwargs.pop(key, None)
+            raise
+
+    peft_model.__dict__[_HOOK_GUARD] = guarded
+    return True
+
+
+def has_auxiliary_wrappers(model: nn.Module) -> bool:
+    """PEFT's ``modules_to_save`` / trainable-token wrappers (they take ``adapter_names`` too)."""
+    try:
+        from peft.utils.other import AuxiliaryTrainingWrapper
+    except ImportError:  # a PEFT without them
+        return False
+    return any(isinstance(m, AuxiliaryTrainingWrapper) for m in model.modules())
+
+
+def unguard_peft_forward_hooks(peft_model: nn.Module) -> None:
+    peft_model.__dict__.pop(_HOOK_GUARD, None)
