@@ -234,7 +234,7 @@ SWITCHES = [
      "off: the rotary and the KV write as two kernels"),
     ("step-advance", "on", "peft_fastlora.decode.step_advance", "ENABLED",
      "off: greedy steps' next inputs built on the host"),
-    ("step-record", "on", "peft_fastlora.decode.deferred_stop", "FLAG_CHECK",
+    ("step-record", "on", "peft_fastlora.decode.stop_flag", "FLAG_CHECK",
      "off: greedy steps keep transformers' deferred stop check and the loop's ids copy"),
     ("rotary-table", "on", "peft_fastlora.base_ops.rotary_tables", "ENABLED",
      "off: graphs compute rotary cos/sin with the module's forward"),

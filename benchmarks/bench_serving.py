@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import os
 import random
-import statistics
 import sys
 import threading
 import time

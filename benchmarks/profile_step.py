@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as hx  # noqa: E402
 import peft_fastlora as fastlora  # noqa: E402
 from peft_fastlora.base_ops import rotary_tables  # noqa: E402
-from peft_fastlora.decode import deferred_stop, greedy_loop, step_advance  # noqa: E402
+from peft_fastlora.decode import greedy_loop, step_advance, stop_flag  # noqa: E402
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -369,7 +369,7 @@ def parse_args(argv):
                    help="off: graphs compute rotary cos/sin with the module (base_ops.rotary_tables.ENABLED)")
     p.add_argument("--step-record", choices=["on", "off"], default="on",
                    help="off: transformers' deferred stop check and the ids copy between greedy steps "
-                        "(decode.deferred_stop.FLAG_CHECK)")
+                        "(decode.stop_flag.FLAG_CHECK)")
     hx.add_run_args(p)
     return p.parse_args(argv)
 
@@ -389,7 +389,7 @@ def main(argv=None):
     greedy_loop.ENABLED = args.token_select == "fused"
     step_advance.ENABLED = args.step_advance == "on"
     rotary_tables.ENABLED = args.rotary_table == "on"
-    deferred_stop.FLAG_CHECK = args.step_record == "on"
+    stop_flag.FLAG_CHECK = args.step_record == "on"
     if args.smoke:
         args.model, args.batches, args.new_tokens, args.top, args.prompt = "tiny", [2], 4, 5, 16
     layers = args.layers or (4 if args.view == "ncu" and not args.smoke else None)

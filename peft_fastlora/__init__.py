@@ -9,9 +9,9 @@ from contextlib import contextmanager
 
 from .backend import BaseLoRABackend, available_backends, get_backend
 from .batch import ForwardBatch, LoRABatchInfo
-from .decode.generate import WarmupReport, warmup
+from .decode.generate import WarmupReport
 from .options import PatchOptions
-from .patch import get_state, patch, unpatch
+from .patch import get_state, patch, unpatch, warmup
 from .registration import from_folders, register_adapter, register_adapters, unregister_adapter
 from .report import PatchReport
 

@@ -14,18 +14,18 @@ import os
 from typing import Mapping, Optional
 
 import torch
+from peft import LoraConfig
 
 from .compat.modules import model_dtype
 from .compat.peft import get_peft_model_quietly
 from .lora.slots import BASE
+from .patch import get_state, patch
 from .lora.store import SCAFFOLD_ADAPTER, build_stored, read_folder
 
 logger = logging.getLogger("peft_fastlora")
 
 
 def _patched_state(model, what: str):
-    from .patch import get_state
-
     state = get_state(model)
     if state is None:
         raise ValueError(f"fastlora.{what}: the model is not patched (call fastlora.patch first)")
@@ -101,8 +101,6 @@ def from_folders(base_model, adapters, **patch_kwargs):
     (``"fastlora_layers"``: it changes nothing) over every module the adapters target makes the
     LoRA layers; ``fastlora.patch(model, **patch_kwargs)`` (``max_loras_per_batch=M`` for M GPU
     slots); then ``register_adapters``. Everything is validated as there, before it returns."""
-    from peft import LoraConfig
-
     if isinstance(adapters, (str, os.PathLike)):
         root = os.fspath(adapters)
         if not os.path.isdir(root):
@@ -121,8 +119,6 @@ def from_folders(base_model, adapters, **patch_kwargs):
     model = get_peft_model_quietly(base_model, LoraConfig(r=1, target_modules=sorted(targets)),
                                            adapter_name=LAYERS_ADAPTER)
     model.eval()
-    from .patch import patch
-
     patch(model, **patch_kwargs)
     register_adapters(model, dict(adapters))
     return model

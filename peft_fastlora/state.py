@@ -28,8 +28,13 @@ from .compat.tensor_parallel import declared_tp_plans, tp_local_stored, tp_style
 from .backend import get_backend, resolve_backend_name
 from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_ops, stream_linears, stream_wanted
 from .batch import ForwardBatch, TokenSegments
+from .continuous.engine import ContinuousBatchingHook
+from .decode import deferred_stop, greedy_loop, step_advance, stop_flag
+from .decode.generate import GenerateHook, graphs_wanted
+from .decode.runner import DecodeGraphRunner
 from .lora.fusion import FOLD_MIN_USE, FusedGroup, find_groups, fusion_blocker
 from .lora.host_copy import copy_from_host, prestage
+from .lora.mutations import AdapterMutationLock
 from .lora.pool import AdapterRegistry, SitePool, ValueRefresher, copy_values
 from .lora.slots import check_adapter_names
 from .lora.store import SCAFFOLD_ADAPTER
@@ -238,10 +243,6 @@ class FastLoRAState:
 
     # -- building ---------------------------------------------------------------------------
     def build(self) -> PatchReport:
-        from .continuous.engine import ContinuousBatchingHook
-        from .decode.generate import GenerateHook
-        from .lora.mutations import AdapterMutationLock
-
         report = self._build_lora()
         self._hook = self.inner.register_forward_pre_hook(lambda module, args: self.begin_forward())
         self.generate_hook = GenerateHook(self)
@@ -426,10 +427,6 @@ class FastLoRAState:
 
     def _update_graph_runner(self):
         """Create, keep or release the decode graph runner as the model now allows."""
-        from .decode import deferred_stop, greedy_loop, step_advance
-        from .decode.generate import graphs_wanted
-        from .decode.runner import DecodeGraphRunner
-
         self.graph_blocker = graphs_wanted(self)
         if self.graph_blocker is not None:
             if self.graph_runner is not None:
@@ -442,8 +439,8 @@ class FastLoRAState:
             self.graph_runner = DecodeGraphRunner(self, self.inner, emulate=emulate)
         self.report.cuda_graphs = "emulated" if emulate else "on"
         self.stop_check_blocker = deferred_stop.unavailable_reason(self.options)
-        if self.stop_check_blocker is None and self.device.type not in deferred_stop.DEVICE_TYPES:
-            self.stop_check_blocker = f"not on {', '.join(sorted(deferred_stop.DEVICE_TYPES))}"
+        if self.stop_check_blocker is None and self.device.type not in stop_flag.DEVICE_TYPES:
+            self.stop_check_blocker = f"not on {', '.join(sorted(stop_flag.DEVICE_TYPES))}"
         self.report.stop_check = ("deferred" if self.stop_check_blocker is None
                                   else f"per step ({self.stop_check_blocker})")
         why = "the stop check is read every step" if self.stop_check_blocker else greedy_loop.patch_blocker(self.inner)

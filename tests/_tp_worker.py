@@ -152,7 +152,7 @@ def main(path, arch, device_type, graphs, layout="peft", ops="kernels", heads=""
     same_logits(tp, ref, ids, (["default", "other", "__base__"], ["other", "other", "default"]))
     import importlib
 
-    attention_op = importlib.import_module("peft_fastlora.ops.decode_attention")  # the module, not the function
+    attention_op = importlib.import_module("peft_fastlora.base_ops.attention_registry")  # where the kernel is called
 
     attention_calls, decode_attention = [], attention_op.decode_attention
     attention_op.decode_attention = lambda *a, **k: (attention_calls.append(1), decode_attention(*a, **k))[1]

@@ -41,8 +41,8 @@ def _seed():
 def cpu_events(monkeypatch):
     """The deferred stop check on CPU tensors (fastlora defers on CUDA only): CPU copies stand in
     for CUDA's, with an event that is done when recorded (``_helpers.DoneEvent``)."""
-    from peft_fastlora.decode import deferred_stop
+    from peft_fastlora.decode import stop_flag
     from _helpers import DoneEvent
 
-    monkeypatch.setattr(deferred_stop, "DEVICE_TYPES", {"cuda", "cpu"})
+    monkeypatch.setattr(stop_flag, "DEVICE_TYPES", {"cuda", "cpu"})
     monkeypatch.setattr(torch, "Event", DoneEvent)

@@ -398,10 +398,8 @@ def test_sliding_windows_soft_capping_and_eager_models_give_their_own_tokens(arc
     ids, mask = _prompts(length=9)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     calls = []
-    import sys
-
-    ops = sys.modules["peft_fastlora.ops.decode_attention"]
-    real = ops.decode_attention
+    caller = importlib.import_module("peft_fastlora.base_ops.attention_registry")  # where the kernel is called
+    real = caller.decode_attention
 
     def counted(*a, **k):
         calls.append(k.get("softcap"))
@@ -410,11 +408,11 @@ def test_sliding_windows_soft_capping_and_eager_models_give_their_own_tokens(arc
     with torch.no_grad():
         want = {c: model.generate(**kw, cache_implementation=c) for c in ("static", None)}
         assert enable_decode_attention(model) is None and decode_attention_enabled(model)
-        ops.decode_attention = counted
+        caller.decode_attention = counted
         try:
             got = {c: model.generate(**kw, cache_implementation=c) for c in ("static", None)}
         finally:
-            ops.decode_attention = real
+            caller.decode_attention = real
         disable_decode_attention(model)
     assert model.config._attn_implementation == own
     assert not any("_fastlora_prefill_attention" in m.__dict__ for m in model.modules())

@@ -9,6 +9,7 @@ and deleted, a sampled call). Run on a GPU machine:
     python -m pytest -m gpu tests/test_glu_lora_gpu.py
 """
 
+import importlib
 import random
 
 import pytest
@@ -190,7 +191,7 @@ def test_float32_model_tokens_equal_peft_through_graphs_under_traffic(monkeypatc
         monkeypatch.setattr(sl, name, value)
     tiles = {cls: sl.TmaTile(TmaConfig(64, 32, 1, 4, 2)) for cls in ("deep", "square", "tall", "wide", "glu")}
     monkeypatch.setattr(sl, "tma_tiles", lambda path=None: dict(tiles))
-    calls = count_calls(monkeypatch, gl, ["glu_lora"])
+    calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["glu_lora"])
     model, twin = _float32_model(), _float32_model()
     rng = random.Random(11)
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)

@@ -8,7 +8,7 @@ import torch
 
 from peft_fastlora.lora import host_copy
 
-segment_copy_module = importlib.import_module("peft_fastlora.ops.segment_copy")  # the module, not a function
+segment_copy_module = importlib.import_module("peft_fastlora.lora.host_copy")  # where the kernel is called
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """The KV-cache write kernel against ``index_copy_`` (the interpreter on CPU), and fastlora's static
 cache layers (``static_cache.make_static_cache``) against transformers' own ``StaticLayer.update``."""
 
+import importlib
 import pytest
 import torch
 
@@ -89,9 +90,8 @@ def test_bad_inputs():
 def test_static_cache_layers_match_transformers_update(monkeypatch):
     from transformers import LlamaForCausalLM
 
-    from peft_fastlora.ops import kv_cache
 
-    calls = count_calls(monkeypatch, kv_cache, ["kv_cache_write"])
+    calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.decode.static_cache"), ["kv_cache_write"])
 
     cfg = llama_config(vocab_size=64, pad_token_id=None)
     model = LlamaForCausalLM(cfg)
@@ -148,11 +148,10 @@ def test_sliding_window_models_use_graphs_within_their_window(arch, fits):
 @pytest.mark.parametrize("option,expect_kernel", [("auto", True), (False, False)])
 def test_fuse_kv_write_option(option, expect_kernel, monkeypatch):
     import peft_fastlora as fastlora
-    from peft_fastlora.ops import kv_cache
 
     from _models import build_peft_lm, left_padded_batch
 
-    calls = count_calls(monkeypatch, kv_cache, ["kv_cache_write"])
+    calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.decode.static_cache"), ["kv_cache_write"])
     model = build_peft_lm("llama")
     model.generation_config.eos_token_id = None
     batch = left_padded_batch([5, 9, 3])

@@ -4,6 +4,7 @@ rope type, the modules left alone, and generate through emulated graphs against 
 
 from __future__ import annotations
 
+import importlib
 import pytest
 import torch
 from torch import nn
@@ -128,7 +129,7 @@ def test_inside_active_only_and_outside_the_module_own_forward(monkeypatch):
     root = nn.ModuleDict({"rotary_emb": module})
     tables = RotaryTables()
     tables.install(root)
-    calls = count_calls(monkeypatch, table_ops, ["gather_cos_sin"])
+    calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.rotary_tables"), ["gather_cos_sin"])
     x, pos = torch.zeros(3, 1, 8), torch.tensor([[4], [0], [9]])
     want = type(module).forward(module, x, pos)
     outside = module(x, pos)
@@ -162,7 +163,7 @@ def test_generate_reads_the_table_in_graphs_and_equals_peft(monkeypatch):
         own_pos = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0) + 5
         ref_own = _generate(model, batch, names, position_ids=own_pos)
         report = fastlora.patch(model, fuse_rotary=True, cuda_graphs="emulate")
-        calls = count_calls(monkeypatch, table_ops, ["gather_cos_sin"])
+        calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.rotary_tables"), ["gather_cos_sin"])
         tokens = _generate(model, batch, names)
         graphed = calls["gather_cos_sin"]
         tokens_own = _generate(model, batch, names, position_ids=own_pos)
@@ -184,7 +185,7 @@ def test_switched_off_the_graphs_keep_the_module(monkeypatch):
     with torch.no_grad():
         ref = _generate(model, batch, ["a0", "a1"])
         fastlora.patch(model, fuse_rotary=True, cuda_graphs="emulate")
-        calls = count_calls(monkeypatch, table_ops, ["gather_cos_sin"])
+        calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.rotary_tables"), ["gather_cos_sin"])
         tokens = _generate(model, batch, ["a0", "a1"])
         fastlora.unpatch(model)
     assert calls["gather_cos_sin"] == 0 and torch.equal(tokens, ref)

@@ -221,10 +221,10 @@ def test_stop_flag_and_tokens_from_the_step_advance_launch(flag_check, cpu_event
     and the ids come from its history, once; without, transformers' deferred check and the loop's
     copy a step. Rows stop at different steps on EOS ids, a minimum length switches the advance
     graph mid-call, and the extra step is undone: the tokens equal PEFT's either way."""
-    from peft_fastlora.decode import deferred_stop
+    from peft_fastlora.decode import stop_flag
 
-    monkeypatch.setattr(deferred_stop, "FLAG_CHECK", flag_check)
-    calls = count_calls(monkeypatch, deferred_stop.FlagStopCheck, ["__call__"])
+    monkeypatch.setattr(stop_flag, "FLAG_CHECK", flag_check)
+    calls = count_calls(monkeypatch, stop_flag.FlagStopCheck, ["__call__"])
     flushes = count_calls(monkeypatch, step_advance.StepAdvance, ["flush"])
     model = _model("llama", "sdpa")
     free = _generate(model, NAMES, max_new_tokens=9)

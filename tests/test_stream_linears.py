@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
 import peft_fastlora.base_ops.stream_linears as sl
-import peft_fastlora.ops.stream_gemm as stream_ops
 import peft_fastlora.ops.tma_gemm as tma_ops
 from peft_fastlora.ops.tma_gemm import TmaConfig
 
@@ -60,7 +59,7 @@ def test_install_skips_fusible_siblings_and_their_base_layers():
 def test_decode_sized_bf16_gemms_take_the_kernel_others_keep_f_linear(monkeypatch):
     _lift_limits(monkeypatch)
     streams = sl.StreamLinears(torch.device("cpu"))
-    calls = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
+    calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
     w = (torch.randn(48, 64) / 8).bfloat16()
     b = torch.randn(48).bfloat16()
     x = torch.randn(2, 3, 64).bfloat16()
@@ -112,7 +111,7 @@ def test_narrow_layers_stream_fewer_rows_in_k_ranges(monkeypatch):
     _lift_limits(monkeypatch, narrow=True)
     monkeypatch.setattr(sl, "NARROW_N", 64)
     streams = sl.StreamLinears(torch.device("cpu"))
-    configs = _spy_configs(monkeypatch, stream_ops, "stream_gemm")
+    configs = _spy_configs(monkeypatch, sl, "stream_gemm")
     w = (torch.randn(48, 512) / 16).bfloat16()  # narrow, deep: four ranges of one 128-wide tile
     for rows in (1, sl.NARROW_MAX_ROWS):
         x = torch.randn(rows, 512).bfloat16()
@@ -161,7 +160,7 @@ def test_patched_model_streams_its_decode_gemms_through_calls_and_an_adapter_cha
 
     def run(on, add_adapter=False):
         report = fastlora.patch(model, stream_gemm=on, cuda_graphs="emulate")
-        counter = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
+        counter = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
         logits = []
         try:
             with torch.no_grad():
@@ -312,7 +311,6 @@ def test_plain_gate_up_gives_the_activation_from_one_gemm_until_an_adapter_wraps
     import peft_fastlora as fastlora
     from _models import LLAMA_LIKE_ALL, left_padded_batch
 
-    silu_ops = importlib.import_module("peft_fastlora.ops.silu_mul")  # (the package exports a function so named)
     _fp32_streams(monkeypatch)
     base = tiny_llama(0, vocab_size=128)
     base.generation_config.eos_token_id = None
@@ -321,8 +319,8 @@ def test_plain_gate_up_gives_the_activation_from_one_gemm_until_an_adapter_wraps
                                             init_lora_weights=False), adapter_name="a").eval()
     batch, names = left_padded_batch([4, 7], seed=5), ["a", "__base__"]
     kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    glu_calls = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
-    act_calls = count_calls(monkeypatch, silu_ops, ["act_mul"])
+    glu_calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
+    act_calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.mlp_forwards"), ["act_mul"])
     with torch.no_grad():
         want = model.generate(**batch, adapter_names=names, **kwargs)
     seen = []
@@ -384,7 +382,7 @@ def test_a_tile_keeps_to_the_reductions_it_was_measured_on(monkeypatch):
     monkeypatch.setattr(sl, "tma_tiles", lambda path=None: {"tall": sl.TmaTile(TmaConfig(32, 32, 1, 4, 2), 64),
                                                             "glu": sl.TmaTile(TmaConfig(32, 32, 1, 4, 2), 64)})
     streams = sl.StreamLinears(torch.device("cpu"))
-    calls = count_calls(monkeypatch, tma_ops, ["tma_gemm"])
+    calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["tma_gemm"])
     for k, taken in ((48, 0), (64, 1)):
         streams.linear(torch.randn(80, k).bfloat16(), (torch.randn(2 * k, k) / 8).bfloat16())
         assert calls["tma_gemm"] == taken, (k, calls)
@@ -399,8 +397,8 @@ def test_rows_past_max_rows_take_the_tma_tile_of_their_class(monkeypatch):
     _lift_limits(monkeypatch, tma_tiles={"tall": TmaConfig(32, 32, 2, 4, 2)})
     streams = sl.StreamLinears(torch.device("cpu"))
     assert streams.workspace.part.numel() >= 2 * tma_ops.MAX_ROWS * sl.SPLIT_MAX_N
-    configs = _spy_configs(monkeypatch, tma_ops, "tma_gemm")
-    stream_calls = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
+    configs = _spy_configs(monkeypatch, sl, "tma_gemm")
+    stream_calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
     tall, square = (torch.randn(96, 48) / 7).bfloat16(), (torch.randn(48, 48) / 7).bfloat16()
     for rows in (sl.MAX_ROWS + 1, 128):
         x = torch.randn(rows, 48).bfloat16()
@@ -429,7 +427,7 @@ def test_residual_and_gated_activation_ride_in_the_tma_kernel(monkeypatch):
 
     _lift_limits(monkeypatch, tma_tiles=TINY_TMA)
     streams = sl.StreamLinears(torch.device("cpu"))
-    calls = count_calls(monkeypatch, tma_ops, ["tma_gemm"])
+    calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["tma_gemm"])
     w = (torch.randn(48, 112) / 10).bfloat16()  # deep: two K ranges
     x, residual = torch.randn(2, 40, 112).bfloat16(), torch.randn(2, 40, 48).bfloat16()
     streams.expect_add(w, residual)
@@ -466,8 +464,8 @@ def test_patched_model_decodes_through_the_tma_kernel_with_peft_tokens(monkeypat
     kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         want = model.generate(**batch, adapter_names=names, **kwargs)
-    calls = count_calls(monkeypatch, tma_ops, ["tma_gemm"])
-    stream_calls = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
+    calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["tma_gemm"])
+    stream_calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
     with fastlora.patched(model, stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, fuse=True,
                           cuda_graphs="emulate"), torch.no_grad():
         got = model.generate(**batch, adapter_names=names, **kwargs)
@@ -485,7 +483,7 @@ def test_a_folded_deep_weight_with_its_residual_pending_takes_the_add_tile(monke
     _lift_limits(monkeypatch, tma_tiles={k: v for k, v in TINY_TMA.items() if k != "deep"})
     monkeypatch.setattr(sl, "ADD_TILES", {"deep": (dict(block_n=16, block_k=32, split_k=2, num_warps=4,
                                                         num_stages=2), 112)})
-    calls = count_calls(monkeypatch, tma_ops, ["tma_gemm"])
+    calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["tma_gemm"])
     folded = (torch.randn(56, 112) / 10).bfloat16()  # 48 base rows and 8 rows of A under them
     x, residual = torch.randn(80, 112).bfloat16(), torch.randn(80, 48).bfloat16()
     streams = sl.StreamLinears(torch.device("cpu"))

@@ -6,12 +6,12 @@ kernel off."""
 
 from __future__ import annotations
 
+import importlib
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
 import peft_fastlora as fastlora
-import peft_fastlora.ops.stream_gemm as stream_ops
 
 from _helpers import count_calls
 from _models import left_padded_batch, tiny_llama
@@ -89,7 +89,7 @@ def test_decode_sized_forward_as_close_to_peft_as_cublas(model, monkeypatch):
         for on in (True, False):
             report = fastlora.patch(model, stream_gemm=on)
             try:
-                calls = count_calls(monkeypatch, stream_ops, ["stream_gemm"])
+                calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
                 folds = _count_folds(monkeypatch)
                 outs[on] = model(input_ids=ids, adapter_names=NAMES).logits
             finally:
@@ -192,13 +192,12 @@ def test_generate_at_96_rows_through_the_tma_kernel_as_close_to_peft_as_cublas(m
 def _reference_then_tma_on_and_off(monkeypatch, model, ref_key, batch, kw):
     """``model``'s own ``generate`` (under ``ref_key``), then fastlora's with its kernels on (True) and
     off (False): the TMA GEMM called with them on only."""
-    import peft_fastlora.ops.tma_gemm as tma_ops
 
     results = {}
     with torch.no_grad():
         results[ref_key] = model.generate(**batch, **kw)
         for on in (True, False):
-            calls = count_calls(monkeypatch, tma_ops, ["tma_gemm"])
+            calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["tma_gemm"])
             with fastlora.patched(model, stream_gemm=on):
                 results[on] = model.generate(**batch, **kw)
             assert (calls["tma_gemm"] > 0) == on, calls
@@ -249,7 +248,6 @@ def test_generate_at_96_rows_gate_up_in_one_launch_as_close_to_peft_as_without(m
     prefill and the graphs' decode steps, and stays as close to PEFT's own mixed batch as the folded
     GEMM, expand and act-mul it replaces (``GLU_LORA`` off)."""
     import peft_fastlora.base_ops.stream_linears as sl
-    import peft_fastlora.ops.glu_lora as gl
 
     if model.config.intermediate_size != WIDTHS["8b"]["intermediate_size"]:
         pytest.skip("the committed gated tile starts at 8B's reduction (K = 4,096)")
@@ -263,7 +261,7 @@ def test_generate_at_96_rows_gate_up_in_one_launch_as_close_to_peft_as_without(m
         results["peft"] = model.generate(**batch, **kw)
         for on in (True, False):
             monkeypatch.setattr(sl, "GLU_LORA", on)
-            calls = count_calls(monkeypatch, gl, ["glu_lora"])
+            calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["glu_lora"])
             with fastlora.patched(model, stream_gemm=True) as report:
                 assert (report.stream_lora_gated_mlps > 0) == on == ("LoRA gate/up, its shrink" in str(report))
                 results[on] = model.generate(**batch, **kw)

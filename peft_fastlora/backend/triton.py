@@ -14,14 +14,8 @@ import torch
 
 from ..batch import BLOCK_M_TIERS, BatchInfoBuffers, LoRABatchInfo, max_chunks_for
 from ..kernel_support import interpreting
+from .. import ops as _ops
 from .segmented import SegmentedLoRABackend
-
-try:
-    from .. import ops as _ops
-except ImportError as e:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "the 'triton' LoRA backend needs the triton package (pip install triton, Linux x86_64); "
-        "use backend 'torch_native' instead") from e
 
 
 class TritonLoRABackend(SegmentedLoRABackend):

@@ -18,7 +18,9 @@ import inspect
 import itertools
 from typing import Callable, NamedTuple, Optional
 
+from ..compat.attention import attention_function
 from .match import code_shape, reference_shape
+from ..decode.static_cache import kernel_writes, rotary_update
 
 _TEMPLATE = '''
 def forward(self, hidden_states, position_embeddings{default}, attention_mask{default}, {cache}=None, **kwargs):
@@ -95,7 +97,6 @@ def make_attention_forward(form: Form, original: Callable, fallback: Callable, f
     """The instance forward for a class whose ``original`` forward has ``form``. ``fallback``: the
     forward to run where the one kernel does not apply; ``fast_apply``: the one-kernel
     ``apply_rotary_pos_emb``; ``rotary_applies(q, k, cos, sin)``: whether ``ops.rotary`` takes them."""
-    from ..decode.static_cache import kernel_writes, rotary_update
 
     scope = inspect.unwrap(original).__globals__
     registry, eager = scope["ALL_ATTENTION_FUNCTIONS"], scope["eager_attention_forward"]
@@ -123,7 +124,7 @@ def make_attention_forward(form: Form, original: Callable, fallback: Callable, f
             query_states, key_states = fast_apply(query_states, key_states, cos, sin)
             extra = {"kwargs": kwargs} if form.update_kwargs else {}
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, **extra)
-        attention_interface = registry.get_interface(self.config._attn_implementation, eager)
+        attention_interface = attention_function(self.config, registry, eager)
         if form.sliding is not None:
             kwargs["sliding_window"] = (self.sliding_window if form.sliding == "module"
                                         else getattr(self.config, "sliding_window", None))

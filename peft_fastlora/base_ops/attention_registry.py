@@ -23,11 +23,13 @@ from typing import Optional
 
 import torch
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..compat.attention import register_attention_function, release_attention_function
 from ..compat.modules import attn_implementation, set_attn_implementation
 from ..compat.peft import unwrap_peft
 from ..kernel_support import FLOAT_DTYPES, interpreting
+from ..ops.decode_attention import decode_attention
 
 logger = logging.getLogger("peft_fastlora")
 
@@ -43,7 +45,6 @@ _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias", "head_mask")
 
 def _sdpa():
     """transformers' sdpa function, as registered (a user's override of "sdpa" is honoured)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS["sdpa"]
 
@@ -105,7 +106,6 @@ def fastlora_decode_attention(
     if why is not None:
         own = module.__dict__.get(_PREFILL_ATTR) or _sdpa()
         return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    from ..ops.decode_attention import decode_attention
 
     out = decode_attention(query, key, value, attention_mask, scaling=scaling, softcap=kwargs.get("softcap"))
     return out, None

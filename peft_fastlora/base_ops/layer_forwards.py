@@ -22,6 +22,7 @@ from torch import nn
 from .install import candidates, set_instance_forward
 from .match import mismatch, reference_shape
 from .norm_forwards import norm_eps, norm_form, norm_kernel_applies
+from ..ops.rms_norm import add_rms_norm, norm_add, norm_add_norm
 
 _TEMPLATE = '''
 def forward(self, hidden_states, attention_mask=None, position_ids=None, {cache}=None, use_cache=False,
@@ -92,7 +93,6 @@ def _defaults(forward) -> Dict[str, object]:
 
 
 def _make_forward(defaults: Dict[str, object], original):
-    from ..ops.rms_norm import add_rms_norm
 
     def fast_forward(self, hidden_states, *args, **kwargs):
         norm = self.post_attention_layernorm
@@ -137,7 +137,6 @@ def _sandwich(norms, x):
 
 
 def _make_gemma2_forward(defaults: Dict[str, object], original):
-    from ..ops.rms_norm import norm_add, norm_add_norm
 
     def fast_forward(self, hidden_states, *args, **kwargs):
         norms = [getattr(self, n) for n in _GEMMA2_NORMS]

@@ -20,6 +20,7 @@ from torch import nn
 from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
 from .install import candidates, set_instance_forward
 from .match import mismatch, reference_shape
+from ..ops.silu_mul import act_mul
 
 _REFERENCE = reference_shape('''
 def forward(self, x):
@@ -67,7 +68,6 @@ def _kernel_applies(gate: torch.Tensor, up: torch.Tensor) -> bool:
 
 def _forward_with(act: str):
     def forward(self, x):
-        from ..ops.silu_mul import act_mul
 
         gated = self.__dict__.get("_fastlora_gated")  # gate/up and the activation in one GEMM (stream_linears)
         hidden = None if gated is None else gated(x)

@@ -18,6 +18,7 @@ from torch import nn
 from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
 from .install import set_instance_forward
 from .match import mismatch, reference_shape
+from ..ops.rms_norm import rms_norm
 
 _REFERENCE = reference_shape('''
 def forward(self, hidden_states):
@@ -72,7 +73,6 @@ def install_norms(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[Tu
 
     Returns (the modules changed, (class, reason) for RMSNorm-named classes left as they are).
     """
-    from ..ops.rms_norm import rms_norm
 
     done, skipped, verdicts = [], {}, {}
     for name, m in root.named_modules():

@@ -26,6 +26,8 @@ from ..compat.attention import plain_function
 from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
 from .install import set_instance_forward
 from .match import code_shape, reference_shape
+from ..ops.rotary import apply_rotary
+from .attention_forwards import attention_form, make_attention_forward
 
 _NAME = "apply_rotary_pos_emb"
 
@@ -83,7 +85,6 @@ def _kernel_applies(q, k, cos, sin) -> bool:
 
 def make_fast_apply(original: Callable) -> Callable:
     """A drop-in ``apply_rotary_pos_emb`` that launches ``ops.rotary`` when it can."""
-    from ..ops.rotary import apply_rotary
 
     def fast_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **kwargs):
         if unsqueeze_dim != 1 or kwargs or not _kernel_applies(q, k, cos, sin):
@@ -138,7 +139,6 @@ def install_rotary(root: nn.Module, with_kv: Optional[List[Tuple[str, nn.Module]
     Returns (the modules changed, (class, reason) for forwards calling another rotary); the
     modules given the rotary and KV write in one kernel are appended to ``with_kv``.
     """
-    from .attention_forwards import attention_form, make_attention_forward
 
     copies: Dict[Callable, Optional[Callable]] = {}  # one copy per class forward
     fused: Dict[Callable, Optional[Callable]] = {}  # the forward with the KV write, where the form matches

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..kernel_support import kernel_runs_on
 from .install import set_instance_forward
+from ..ops.rotary_table import gather_cos_sin, gather_cos_sin_reference
 
 logger = logging.getLogger("peft_fastlora")
 
@@ -64,7 +65,6 @@ def build_table(module: nn.Module, forward: Callable, length: int, dtype: torch.
                 device: torch.device) -> torch.Tensor:
     """(2, length, dim): cos then sin of positions 0 .. length-1 by ``forward`` (the class's), checked
     against ``forward`` on scattered positions (``TableMismatch`` when they differ)."""
-    from ..ops.rotary_table import gather_cos_sin, gather_cos_sin_reference
 
     with torch.no_grad(), torch.inference_mode(False):
         like = torch.empty(0, dtype=dtype, device=device)
@@ -92,7 +92,6 @@ def _table_forward(original: Callable, owner: "RotaryTables") -> Callable:
         table = owner.table(self, original, length, x.dtype, x.device)
         if table is None:
             return original(self, x, position_ids, *args, **kwargs)
-        from ..ops.rotary_table import gather_cos_sin, gather_cos_sin_reference
 
         gather = gather_cos_sin if kernel_runs_on(table, position_ids) else gather_cos_sin_reference
         return gather(table, position_ids)

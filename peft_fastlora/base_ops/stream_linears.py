@@ -58,6 +58,9 @@ from ..compat.peft import base_layer_of, is_lora_layer
 from ..lora.fusion import FUSIBLE_GROUPS
 from .install import set_instance_forward
 from .mlp_forwards import has_gated_forward
+from ..ops.glu_lora import glu_lora
+from ..ops.stream_gemm import stream_gemm, StreamConfig, StreamWorkspace
+from ..ops.tma_gemm import MAX_ROWS as TMA_ROWS, tma_aligned, tma_gemm, TmaConfig
 
 MAX_ROWS = 64
 MIN_N, MAX_N = 2048, 65536
@@ -98,7 +101,6 @@ def _config(m: int, n: int, k: int):
     Llama's shapes (wide gate/up; q/k/v wider than deep; square o and deep down, which past a few
     rows stream best in two K ranges), and at 1B Llama's for layers narrower than ``NARROW_N``
     (q/k/v in one range up to 16 rows, then two; o and down in four)."""
-    from ..ops.stream_gemm import StreamConfig
 
     if n < NARROW_N:
         if n > k:
@@ -131,7 +133,6 @@ def tma_tiles(path: Optional[str] = None) -> Dict[str, TmaTile]:
     """The TMA kernel's tile per shape class (and ``glu`` for the gated gate/up GEMM) from the table
     at ``path`` (``TMA_TILES``); a class the table lacks keeps cuBLAS, and so does every class
     without the file."""
-    from ..ops.tma_gemm import TmaConfig
 
     path = path or TMA_TILES
     if not os.path.exists(path):
@@ -154,7 +155,6 @@ class StreamLinears:
     model's forwards run one at a time, so its launches never overlap)."""
 
     def __init__(self, device: torch.device):
-        from ..ops.stream_gemm import StreamWorkspace
 
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # compared with tensors' devices, which have one
@@ -163,9 +163,7 @@ class StreamLinears:
         # a zero-argument test the owner sets: True where this forward keeps cuBLAS
         self.skip: Optional[Callable[[], bool]] = None
         self.tma_tiles = tma_tiles() if TMA_GEMM else {}
-        from ..ops.tma_gemm import MAX_ROWS as TMA_ROWS
 
-        from ..ops.tma_gemm import TmaConfig
 
         self.add_tiles = ({name: TmaTile(TmaConfig(**fields), min_k) for name, (fields, min_k) in ADD_TILES.items()}
                           if TMA_GEMM and ADD_TMA else {})
@@ -226,8 +224,6 @@ class StreamLinears:
         rows = self._rows(x, weight, bias)
         if not rows:
             return F.linear(x, weight, bias)
-        from ..ops.stream_gemm import stream_gemm
-        from ..ops.tma_gemm import tma_aligned, tma_gemm
 
         n, k = weight.shape
         x2 = x.reshape(rows, k)
@@ -251,8 +247,6 @@ class StreamLinears:
         rows = self._rows(x, weight, bias, glu=True) if self.epilogue_folds else 0
         if not rows or weight.shape[0] % 2:
             return None
-        from ..ops.stream_gemm import StreamConfig, stream_gemm
-        from ..ops.tma_gemm import tma_aligned, tma_gemm
 
         n, k = weight.shape[0] // 2, weight.shape[1]
         x2 = x.reshape(rows, k)
@@ -281,8 +275,6 @@ class StreamLinears:
         tile = self._tma_tile(rows, 2 * n, k, glu=True) if rows else None
         if tile is None:
             return None
-        from ..ops.glu_lora import glu_lora
-        from ..ops.tma_gemm import tma_aligned
 
         x2 = x.reshape(rows, k)
         if x2.stride(1) != 1:

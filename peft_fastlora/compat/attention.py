@@ -96,3 +96,9 @@ def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, wind
     window = dict(window_size_left=window_left, window_size_right=0) if window_left >= 0 else {}
     return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
                                                    scale=scale, **window)[0]
+
+
+def attention_function(config, registry, default):
+    """The attention function a transformers attention module of ``config`` calls (its
+    ``_attn_implementation`` looked up in ``registry``, ``default`` for eager)."""
+    return registry.get_interface(config._attn_implementation, default)

@@ -287,3 +287,45 @@ def cb_fatal_error(manager) -> Optional[BaseException]:
     """The error that ended the manager's thread (None when it ended normally or runs)."""
     status = getattr(manager, "background_thread_status", None)
     return getattr(status, "fatal_error", None)
+
+
+# the batch processor's steps fastlora wraps on the instance: its name -> (owner attribute, method)
+_PROCESSOR_STEPS = {"generation_step": (None, "_generation_step"), "prepare_next_batch": (None, "prepare_next_batch"),
+                    "update_batch": (None, "update_batch"), "schedule_batch": ("scheduler", "schedule_batch"),
+                    "compute_batch": ("model_runner", "compute_batch")}
+
+
+def _step_owner(processor, owner: Optional[str]):
+    return processor if owner is None else getattr(processor, owner)
+
+
+def cb_processor_steps(processor) -> Dict[str, object]:
+    """The processor's steps as they are now (``_PROCESSOR_STEPS``' names)."""
+    return {name: getattr(_step_owner(processor, owner), attr) for name, (owner, attr) in _PROCESSOR_STEPS.items()}
+
+
+def cb_set_processor_steps(processor, steps: Dict[str, object]) -> None:
+    """Install these callables as the processor's steps, on its instances (``cb_unset_processor_steps``
+    takes them off)."""
+    for name, fn in steps.items():
+        owner, attr = _PROCESSOR_STEPS[name]
+        setattr(_step_owner(processor, owner), attr, fn)
+
+
+def cb_unset_processor_steps(processor) -> None:
+    for owner, attr in _PROCESSOR_STEPS.values():
+        _step_owner(processor, owner).__dict__.pop(attr, None)
+
+
+def cb_processor_factory(manager):
+    """How the manager makes its batch processor."""
+    return manager._create_batch_processor
+
+
+def cb_set_processor_factory(manager, factory) -> None:
+    manager._create_batch_processor = factory
+
+
+def cb_cached_manager(model):
+    """The manager transformers keeps on the model for a next session (None: none)."""
+    return getattr(model, "_cached_continuous_batching_manager", None)

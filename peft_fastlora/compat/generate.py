@@ -183,6 +183,45 @@ def greedy_loop_missing(model) -> Optional[str]:
     return None
 
 
+# the steps of transformers' greedy loop that ``decode.greedy_loop`` calls in the same order
+def pad_token_tensor(generation_config):
+    """The pad token id as the loop holds it (a tensor, or None)."""
+    return generation_config._pad_token_tensor
+
+
+def decode_forward(model, model_kwargs, generation_config):
+    """What the loop runs its decode steps with: the compiled call where it would compile one."""
+    if model._valid_auto_compile_criteria(model_kwargs, generation_config):
+        return model.get_compiled_call(generation_config.compile_config)
+    return model.__call__
+
+
+def prefill(model, input_ids, generation_config, model_kwargs):
+    """The loop's first forward (the prompt), its outputs."""
+    return model._prefill(input_ids, generation_config, model_kwargs,
+                          is_first_iteration=not generation_config.is_assistant)
+
+
+def decode_loop_context(model):
+    """The context the loop decodes in."""
+    return model._optimize_model_for_decode()
+
+
+def has_unfinished(model, finished: bool, device) -> bool:
+    """The loop's test of whether another step runs."""
+    return model._has_unfinished_sequences(finished, False, device=device)
+
+
+def update_model_kwargs(model, outputs, model_kwargs):
+    """The loop's kwargs for the next step (cache, attention mask, positions)."""
+    return model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
+
+
+def cache_is_user_defined(cache) -> bool:
+    """Whether the caller passed this cache (transformers then returns it)."""
+    return bool(getattr(cache, "_is_user_defined", False))
+
+
 def generation_output_cache(outputs):
     """The cache a step's outputs carry (transformers' loop looks it up by these names), or None."""
     from transformers.generation import utils as gen_utils

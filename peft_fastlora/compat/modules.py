@@ -140,3 +140,9 @@ def position_limit(model: nn.Module) -> Optional[int]:
     """The model's ``max_position_embeddings`` (None when its config has none)."""
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     return int(limit) if isinstance(limit, int) and limit > 0 else None
+
+
+def foreach_copy(dsts, srcs, non_blocking: bool = False) -> None:
+    """``dst.copy_(src)`` for each pair in one multi-tensor call (torch's ``_foreach_copy_``: one
+    launch per group of same-device, same-dtype tensors on CUDA)."""
+    torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)

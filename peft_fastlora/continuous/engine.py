@@ -23,10 +23,12 @@ import threading
 from typing import Dict, List, Optional, Sequence
 
 from ..compat.attention import register_attention_function, release_attention_function
-from ..compat.engine import (CB_CHILD_MARK, cb_capacity, cb_config_for_lora, cb_disable_graphs,
+from ..compat.engine import (CB_CHILD_MARK, cb_cached_manager, cb_capacity, cb_config_for_lora, cb_disable_graphs,
                              cb_engine_attention_blocker, cb_engine_uses_graphs, cb_fail_requests,
-                             cb_fail_step, cb_graphs_blocker_of_engine, cb_new_request_id, cb_request_done,
-                             cb_request_ids, cb_step, cb_stream, continuous_batching_blocker)
+                             cb_fail_step, cb_graphs_blocker_of_engine, cb_new_request_id,
+                             cb_processor_factory, cb_processor_steps, cb_request_done, cb_request_ids,
+                             cb_set_processor_factory, cb_set_processor_steps, cb_step, cb_stream,
+                             cb_unset_processor_steps, continuous_batching_blocker)
 from ..compat.modules import (attn_implementation, cb_vocab_size, model_dtype, multi_device_reason,
                               on_stream, set_attn_implementation)
 from ..compat.tensor_parallel import tensor_parallel_reason
@@ -237,7 +239,7 @@ class ContinuousBatchingHook:
     def _init_continuous_batching(self, original, generation_config=None, continuous_batching_config=None,
                                   workload_hints=None):
         self._usable()
-        cached = getattr(self.inner, "_cached_continuous_batching_manager", None)
+        cached = cb_cached_manager(self.inner)
         if cached is not None and not getattr(cached, "_fastlora_enabled", False):
             raise RuntimeError(
                 "fastlora: a continuous-batching manager made before fastlora.patch is cached on the "
@@ -335,7 +337,7 @@ class ContinuousBatchingHook:
         manager.fastlora_sampling = records
         add_request, add_requests = manager.add_request, manager.add_requests
         cancel_request, stop, destroy = manager.cancel_request, manager.stop, manager.destroy
-        create = manager._create_batch_processor
+        create = cb_processor_factory(manager)
 
         def add_request_(input_ids, request_id=None, *args, adapter_name=None, sampling=None, **kwargs):
             name = adapter_name if adapter_name is not None else hook._next_pending()
@@ -418,7 +420,7 @@ class ContinuousBatchingHook:
         manager.cancel_request = cancel_request_
         manager.stop = stop_
         manager.destroy = destroy_
-        manager._create_batch_processor = create_
+        cb_set_processor_factory(manager, create_)
 
     def _engine_graphs(self, processor) -> Optional[EngineGraphs]:
         """The LoRA side of the engine's graphs, where the engine runs any (or emulated ones).
@@ -441,9 +443,9 @@ class ContinuousBatchingHook:
         Each forward (a step's, or a warm-up's from the caller's thread) runs with its requests'
         adapters, through the engine's graphs where it uses them, and its requests' own sampling.
         A step whose forward raises fails its own requests only (``MAX_FAILED_STEPS_IN_A_ROW``)."""
-        state, step, prepare = self.state, processor._generation_step, processor.prepare_next_batch
-        schedule, compute = processor.scheduler.schedule_batch, processor.model_runner.compute_batch
-        update = processor.update_batch
+        state, original = self.state, cb_processor_steps(processor)
+        step, prepare, update = original["generation_step"], original["prepare_next_batch"], original["update_batch"]
+        schedule, compute = original["schedule_batch"], original["compute_batch"]
         lock, held = state._call_lock, [0]
         last: List = []
         failed = [0, False]  # failing steps in a row; whether the last step's update is skipped
@@ -531,11 +533,9 @@ class ContinuousBatchingHook:
                 compute(model, batch_data)
                 return sampler.finish()
 
-        processor._generation_step = generation_step
-        processor.prepare_next_batch = prepare_next_batch
-        processor.update_batch = update_batch
-        processor.scheduler.schedule_batch = schedule_batch
-        processor.model_runner.compute_batch = compute_batch
+        cb_set_processor_steps(processor, dict(generation_step=generation_step, prepare_next_batch=prepare_next_batch,
+                                               update_batch=update_batch, schedule_batch=schedule_batch,
+                                               compute_batch=compute_batch))
         processor._fastlora_graphs = graphs
         processor._fastlora_sampler = sampler
         processor._fastlora_enabled = True
@@ -543,10 +543,7 @@ class ContinuousBatchingHook:
     @staticmethod
     def _unwrap_step(processor) -> None:
         """Take fastlora's wrappers off a processor that will not run again."""
-        for obj, name in ((processor, "_generation_step"), (processor, "prepare_next_batch"),
-                          (processor, "update_batch"), (processor.scheduler, "schedule_batch"),
-                          (processor.model_runner, "compute_batch")):
-            obj.__dict__.pop(name, None)
+        cb_unset_processor_steps(processor)
         sampler = processor.__dict__.pop("_fastlora_sampler", None)
         if sampler is not None:
             sampler.close()

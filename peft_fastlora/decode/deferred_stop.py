@@ -20,24 +20,17 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections import deque
 from typing import Optional
 
-import torch
 
 from ..compat.generate import (cache_kwarg_name, deferred_stop_check_class, generation_mode_name,
                                sample_loop_with_stop_check)
 from ..compat.modules import TRANSFORMERS_VERSION
-from . import greedy_loop
+from . import greedy_loop, stop_flag
 
 # the attribute that marks the cache of an armed call (the runner serving it), set by ``armed``
 CALL_ATTR = "_fastlora_deferred_stop_runner"
-# devices whose streams order the flag's copy after the step (tests add "cpu" with a stand-in event)
-DEVICE_TYPES = {"cuda"}
 _LOOP = "_sample"  # transformers' greedy / sampling loop: the one copied
-# False: the greedy loop keeps transformers' deferred check (its reduction, and an ids copy, between
-# steps) where ``FlagStopCheck`` would serve; an A/B switch for the benchmarks
-FLAG_CHECK = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +41,7 @@ def _stop_check_class(base):
 
         @staticmethod
         def is_supported(device, cache, cache_is_returned, is_assistant):
-            if getattr(cache, CALL_ATTR, None) is not None and device.type in DEVICE_TYPES and not is_assistant:
+            if getattr(cache, CALL_ATTR, None) is not None and device.type in stop_flag.DEVICE_TYPES and not is_assistant:
                 return True
             return base.is_supported(device, cache, cache_is_returned, is_assistant)
 
@@ -64,51 +57,6 @@ def _stop_check_class(base):
             return undo
 
     return OwnCacheDeferredStopCheck
-
-
-class FlagStopCheck:
-    """transformers' deferred stop check for fastlora's greedy loop (``greedy_loop``) on a call its
-    graphs serve, fed a device flag, ``done`` ((1,) or () bool: every row has finished), instead
-    of the rows' flags: on steps that advance their own inputs the flag comes out of the same
-    launch (``step_advance``), so no reduction runs between steps. transformers' rule: the flag of
-    one step is read at the next, and the one extra step run meanwhile is undone (``finish``).
-    The cache is fastlora's, reset by the next call: nothing to roll back. No streamer: the greedy
-    loop takes none."""
-
-    def __init__(self, device: torch.device, max_length: Optional[int], runner):
-        pinned = device.type == "cuda"
-        self.slots = deque((torch.zeros((), dtype=torch.bool, pin_memory=pinned),
-                            torch.Event(device=device, blocking=True)) for _ in range(2))
-        self.max_length = max_length
-        self.runner = runner
-        self.first_step = True
-        self.stop_reported = False
-
-    def __call__(self, done: torch.Tensor, length: int) -> bool:
-        flag, copied = self.slots[0]
-        flag.copy_(done.reshape(()), non_blocking=True)
-        copied.record()
-        self.slots.rotate()
-        flag_before, copied_before = self.slots[0]
-        copied_before.synchronize()
-        if not self.first_step:
-            self.stop_reported = bool(flag_before)
-        self.first_step = False
-        return self.stop_reported or (self.max_length is not None and length >= self.max_length)
-
-    def finish(self) -> int:
-        """Steps to undo (1 where the loop ran one past the step that finished every row)."""
-        for _, copied in self.slots:
-            copied.synchronize()
-        undo = 1 if self.stop_reported else 0
-        self.runner.note_deferred_stop(undo)
-        return undo
-
-
-def flag_check_applies(device: torch.device, runner, is_assistant: bool) -> bool:
-    """Whether ``greedy_loop`` checks its stops with ``FlagStopCheck`` (a call fastlora's graphs
-    serve, on a device whose copies an event orders), where transformers' deferred check would run."""
-    return FLAG_CHECK and runner is not None and device.type in DEVICE_TYPES and not is_assistant
 
 
 def unavailable_reason(options) -> Optional[str]:

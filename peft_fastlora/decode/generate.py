@@ -151,24 +151,9 @@ class WarmupReport:
     cuda_graphs: str
 
 
-def warmup(model, batch_sizes: Optional[Sequence[int]] = None, max_length: int = 512,
-           adapter_names: Optional[Sequence[str]] = None) -> WarmupReport:
-    """Capture the decode graphs of a patched model before traffic arrives.
-
-    For each batch size (mapped to its bucket; default: every bucket), largest first, runs a
-    three-token ``generate`` whose static cache holds ``max_length`` tokens: the shared cache
-    buffer is sized once for the largest bucket, and later calls up to ``max_length`` tokens reuse
-    these caches and graphs. ``adapter_names``: the adapters of the warm-up rows (cycled; default:
-    every adapter in turn, or the first ones that fill the GPU slots). Where some sites fold their
-    shrink per call (``fold_shrink``), a bucket is also warmed with no adapter and with the
-    adapters most likely to make a call fold (default names only), so that calls of either choice
-    find their graph. Returns a ``WarmupReport``.
-    """
-    from ..patch import get_state
-
-    state = get_state(model)
-    if state is None:
-        raise ValueError("fastlora.warmup: the model is not patched (call fastlora.patch first)")
+def warm_up(state, batch_sizes: Optional[Sequence[int]] = None, max_length: int = 512,
+            adapter_names: Optional[Sequence[str]] = None) -> WarmupReport:
+    """``fastlora.warmup`` on a model's ``FastLoRAState``."""
     runner = state.graph_runner
     if runner is None:
         return WarmupReport([], max_length, 0, 0.0, 0, 0, state.report.cuda_graphs)

@@ -17,17 +17,21 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from ..compat.generate import generation_output_cache, greedy_loop_missing, per_step_stop_check
+from ..compat.generate import (cache_is_user_defined, decode_forward, decode_loop_context, generation_output_cache,
+                               greedy_loop_missing, has_unfinished, pad_token_tensor, per_step_stop_check, prefill,
+                               update_model_kwargs)
 from ..kernel_support import kernel_runs_on
+from ..ops.greedy_select import MAX_IDS, greedy_select, greedy_select_reference
+from .stop_flag import FlagStopCheck, flag_check_applies
 
 ENABLED = True  # benchmarks switch it off for an A/B; False: every call keeps transformers' loop
 
 
 def _suppress_rules(logits_processor):
     """(kind, processor) of the minimum-length processors, or None when another is present."""
-    from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
-
     rules = []
     for p in logits_processor:
         if type(p) is MinLengthLogitsProcessor:
@@ -49,10 +53,6 @@ def patch_blocker(model) -> Optional[str]:
 def blocker(model, logits_processor, stopping_criteria, generation_config, streamer=None,
             synced_gpus=False) -> Optional[str]:
     """Why this call keeps transformers' loop (None: this loop serves it)."""
-    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
-
-    from ..ops.greedy_select import MAX_IDS
-
     why = patch_blocker(model)
     if why is not None:
         return why
@@ -102,8 +102,6 @@ class _Suppression:
 
 
 def _select(logits, tokens, unfinished, pad, stop_ids, suppress, workspace=None):
-    from ..ops.greedy_select import MAX_IDS, greedy_select, greedy_select_reference
-
     fits = suppress is None or suppress.numel() <= MAX_IDS
     if fits and logits.stride(-1) == 1 and kernel_runs_on(logits, tokens, unfinished):
         return greedy_select(logits, tokens, unfinished, pad, stop_ids, suppress, workspace)
@@ -115,8 +113,6 @@ def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generatio
     """transformers' greedy ``_sample`` (the call ``blocker`` accepted) with the token selection
     in one kernel. ``stop_check_cls``: the deferred stop check's class; ``fastlora_runner``: the
     graph runner serving the call (its replayed steps may then advance their own inputs)."""
-    from transformers.generation.stopping_criteria import EosTokenCriteria
-
     device = input_ids.device
     rules, _ = _suppress_rules(logits_processor)
     suppression = _Suppression(rules, device)
@@ -124,7 +120,7 @@ def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generatio
     has_stop = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     stop_ids = (torch.cat([torch.as_tensor(t).reshape(-1) for t in eos]).to(device=device, dtype=torch.int64)
                 if eos else None)
-    pad = generation_config._pad_token_tensor
+    pad = pad_token_tensor(generation_config)
     if has_stop:
         if pad is None:  # transformers' own loop fails here too (``pad * (1 - unfinished)``)
             raise ValueError("fastlora: an EOS criterion needs a pad token id (pass pad_token_id)")
@@ -139,15 +135,11 @@ def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generatio
     ids[:, :length] = input_ids
     unfinished = torch.ones(rows, dtype=torch.long, device=device)
 
-    model_forward = (model.get_compiled_call(generation_config.compile_config)
-                     if model._valid_auto_compile_criteria(model_kwargs, generation_config) else model.__call__)
-    outputs = model._prefill(input_ids, generation_config, model_kwargs,
-                             is_first_iteration=not generation_config.is_assistant)
+    model_forward = decode_forward(model, model_kwargs, generation_config)
+    outputs = prefill(model, input_ids, generation_config, model_kwargs)
     cache = generation_output_cache(outputs)
-    cache_is_returned = generation_config.return_dict_in_generate or getattr(cache, "_is_user_defined", False)
+    cache_is_returned = generation_config.return_dict_in_generate or cache_is_user_defined(cache)
     runner = fastlora_runner
-    from .deferred_stop import FlagStopCheck, flag_check_applies
-
     is_assistant = generation_config.is_assistant
     if stop_check_cls.is_supported(device, cache, cache_is_returned, is_assistant=is_assistant):
         stop_check = (FlagStopCheck(device, max_length, runner) if flag_check_applies(device, runner, is_assistant)
@@ -163,8 +155,8 @@ def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generatio
     advance_suppress, tokens, widest = None, None, max_length
     prefill_consumed = False
     finished = False
-    with model._optimize_model_for_decode():
-        while model._has_unfinished_sequences(finished, False, device=device):
+    with decode_loop_context(model):
+        while has_unfinished(model, finished, device):
             suppress = suppression.at(length)
             if advance is not None:
                 if suppress is not advance_suppress:  # a minimum length ended: its graph without the ids
@@ -197,8 +189,7 @@ def greedy_loop(model, input_ids, logits_processor, stopping_criteria, generatio
                     advance_suppress = suppress
                     advance.run()
                 else:
-                    model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs,
-                                                                             is_encoder_decoder=False)
+                    model_kwargs = update_model_kwargs(model, outputs, model_kwargs)
                     logits = outputs.logits[:, -1]
                     if logits.device != device:
                         logits = logits.to(device)

@@ -28,6 +28,8 @@ from torch import nn
 
 from ..compat.generate import is_plain_static_layer, sliding_window, static_cache_layout, static_cache_over
 from ..kernel_support import kernel_runs_on
+from ..ops.kv_cache import kv_cache_write
+from ..ops.rotary_kv import rotary_kv_write
 
 MIN_LENGTH = 256
 KV_TICKET = True  # the KV-write kernel advances the fill length itself (benchmarks turn it off for an A/B)
@@ -183,7 +185,6 @@ def _update_first_rows(layer, key_states, value_states, *args, **kwargs):
     first ones). Where ``ops.kv_cache`` takes the tensors, the write and the length increment are one
     kernel, instead of transformers' five; otherwise transformers' update runs."""
     if kernel_writes(layer, key_states, value_states):
-        from ..ops.kv_cache import kv_cache_write
 
         return _kernel_update(layer, key_states, lambda ticket: kv_cache_write(
             key_states, value_states, layer.keys, layer.values, layer.cumulative_length, ticket=ticket))
@@ -220,7 +221,6 @@ def rotary_update(layer, query_states, key_states, value_states, cos, sin):
     """``apply_rotary_pos_emb`` then this layer's ``update``, as one kernel (``ops.rotary_kv``):
     returns (rotated q, keys, values) as the two would. The caller has checked ``kernel_writes``
     and that ``ops.rotary`` takes the rotary's inputs."""
-    from ..ops.rotary_kv import rotary_kv_write
 
     return _kernel_update(layer, key_states, lambda ticket: rotary_kv_write(
         query_states, key_states, value_states, cos, sin, layer.keys, layer.values, layer.cumulative_length,

@@ -12,7 +12,7 @@ masks (built by ``step_mask``: the 2-D padding mask laid into the first columns)
 column (those three in one more kernel, ``ops.step_inputs``). That kernel also writes the tokens
 into a history buffer's next column and sets a flag when every row has finished, so the loop
 launches nothing else between steps: it copies the history into its ids once, at the end, and
-its stop check reads the flag (``deferred_stop.FlagStopCheck``). The static cache advances its own
+its stop check reads the flag (``stop_flag.FlagStopCheck``). The static cache advances its own
 lengths inside the step's graph, as on every replay. While a minimum length suppresses EOS ids
 the selection takes them from a static buffer; the loop moves to the graph without them at the
 step the rule ends.
@@ -28,6 +28,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from ..ops.greedy_select import MAX_IDS, SelectWorkspace
+from ..ops.step_inputs import advance_inputs, advance_inputs_reference, kernel_takes, StepRecord
 
 # False: every greedy step builds its inputs on the host (transformers' loop), for an A/B
 ENABLED = True
@@ -51,7 +53,6 @@ def blocker(inputs: Dict[str, object], rows: int, max_length: int, n_suppress: i
     ``inputs``: the step's own (not the static copies); ``max_length``: the widest 2-D mask a step
     of the call will have (the deferred check's extra step included); ``n_suppress``: the most ids
     a minimum length of the call suppresses at once."""
-    from ..ops.greedy_select import MAX_IDS
 
     if not ENABLED:
         return "step inputs on the GPU switched off"
@@ -97,7 +98,6 @@ class StepAdvance:
 
     def __init__(self, static: Dict[str, object], logits: torch.Tensor, has_stop: bool, suppressing: bool,
                  select):
-        from ..ops.greedy_select import MAX_IDS, SelectWorkspace
 
         dev = logits.device
         self.tokens = static["input_ids"][:, 0]  # the selection writes the next ids here
@@ -112,7 +112,6 @@ class StepAdvance:
         self.masks = _masks(static["attention_mask"])
         self.last_column = self.masks[0].shape[-1] - 1
         self._select = select
-        from ..ops.step_inputs import StepRecord, advance_inputs, advance_inputs_reference, kernel_takes
         # a call's tokens stop at its maximum length (at most the mask's width, ``blocker``), one
         # past it for the deferred check's extra step: two columns more than the mask's
         self.record = StepRecord(tokens=self.tokens, column=torch.zeros(1, dtype=torch.int64, device=dev),

@@ -21,8 +21,10 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from ..compat.modules import foreach_copy
 from ..kernel_support import kernel_runs_on
 from .pool import HostRun, _storage_address, copy_values
+from ..ops.segment_copy import segment_copy
 
 STAGING_BYTES = 256 << 20  # at most this much staging at once (a larger storage span gets its own)
 # at most this much of a load's buffers queued ahead of placement (all of it is live until the
@@ -113,7 +115,7 @@ def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], runs: Seq
         else:  # each as a view of its place
             direct += [(r.dst[r.offset: r.offset + r.numel].view(r.src.shape), r.src) for r in group]
     if direct:  # one copy each
-        torch._foreach_copy_([g[0] for g in direct], [g[1] for g in direct], non_blocking=True)
+        foreach_copy([g[0] for g in direct], [g[1] for g in direct], non_blocking=True)
     for staging, segments in from_staging.values():
         _segment_copy(staging, segments)
     batch, size = [], 0
@@ -171,14 +173,13 @@ def _staged_copy(groups) -> None:
         if segments:
             _segment_copy(staging, segments)
         if dsts:
-            torch._foreach_copy_(dsts, srcs)
+            foreach_copy(dsts, srcs)
         if others:
             copy_values(others)
 
 
 def _segment_copy(staging: torch.Tensor, segments: list) -> None:
     """Runs (destination address, element offset in ``staging``, length) of ``staging``'s dtype."""
-    from ..ops.segment_copy import segment_copy  # (Triton, imported when first needed)
 
     device = staging.device
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():

@@ -41,11 +41,13 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ..compat.adapters import lora_layer_unchanged, lora_weights, watch_lora_layer
+from ..compat.modules import foreach_copy
 from ..compat.peft import unsupported_reason
 from ..backend.packed import PackedWeights, block_align
 from .arena import RowArena
 from . import fusion
 from .slots import AdapterRegistry
+from ..ops.glu_lora import b_columns
 
 __all__ = ["AdapterRegistry", "SitePool", "ValueRefresher", "copy_values"]
 # rows of a gate/up site's ``ops.glu_lora`` scratch: the most a launch takes (``ops.tma_gemm.MAX_ROWS``)
@@ -317,7 +319,6 @@ class SitePool:
         its tables as they are now (the model state calls it after each call's loads and copies)."""
         if self.glu_buffers is None:
             return
-        from ..ops.glu_lora import b_columns
 
         p, bt = self.packed, self.glu_buffers.bt
         with torch.cuda.device(bt.device) if bt.is_cuda else contextlib.nullcontext():  # (Triton's launch device)
@@ -614,7 +615,7 @@ def _grouped(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> Dict[tuple, 
 def copy_values(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy each parameter into its stack view (cast to the stack's dtype)."""
     for dsts, srcs in _grouped(pairs).values():
-        torch._foreach_copy_(dsts, srcs)
+        foreach_copy(dsts, srcs)
 
 
 class ValueRefresher:
@@ -648,4 +649,4 @@ class ValueRefresher:
                 self._merged.pop(next(iter(self._merged)))
             self._merged[key] = merged
         for dsts, srcs in merged:
-            torch._foreach_copy_(dsts, srcs)
+            foreach_copy(dsts, srcs)

@@ -22,6 +22,8 @@ from ..compat.tensor_parallel import (tp_gather_finish, tp_gather_partial, tp_gr
                                       tp_vocab_partial)
 from .fusion import FusedGroup
 from .pool import SitePool
+from ..decode.capture import GraphUnsafe
+from ..ops.glu_lora import check_glu_lora, GluLora, MAX_RANK
 
 _VARIANT_KWARGS = ("alora_offsets",)
 # forwards of decode size (this row tile) take the shrink from a folded base GEMM; larger ones keep
@@ -76,7 +78,6 @@ class Site:
             self._refuse_registered(state, kwargs)
         if bi is None and state.use_cuda_graph and (_names(state, kwargs) is not None
                                                    or state.token_segments is not None):
-            from ..decode.capture import GraphUnsafe
 
             # PEFT's path indexes rows from host lists: captured, it would replay stale indices
             raise GraphUnsafe(f"{self.name} would leave the static path")
@@ -349,7 +350,6 @@ class FusedSite(Site):
     def _glu_lora(self, pool: SitePool, bi, x):
         """The site's ``ops.glu_lora.GluLora`` for this batch, its operands checked once per scratch;
         None where an adapter's rank is past what the kernel takes."""
-        from ..ops.glu_lora import MAX_RANK, GluLora, check_glu_lora
 
         buffers = pool.glu_buffers
         packed = pool.packed

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Tuple
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
+from peft import LoraConfig
 
 from ..compat.peft import LoraEmbedding, base_layer_of, embed_scale
 from ..compat.tensor_parallel import full_shape_in_out, full_weight
@@ -55,7 +57,6 @@ class StoredAdapter:
 
 def read_folder(path: str):
     """(LoraConfig, state dict, weight file) of a saved PEFT adapter folder."""
-    from peft import LoraConfig
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"fastlora.register_adapter: {path!r} is not a folder (a saved PEFT adapter)")
@@ -82,8 +83,6 @@ def read_folder(path: str):
         raise FileNotFoundError(f"fastlora.register_adapter: {path!r} has none of {', '.join(WEIGHT_FILES)}")
     try:
         if weight_file.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
             state_dict = load_file(weight_file)
         else:
             state_dict = torch.load(weight_file, map_location="cpu", weights_only=True)

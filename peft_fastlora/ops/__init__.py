@@ -5,7 +5,7 @@ backend, has already checked them).
 The kernels know nothing of HF or PEFT; they read plain tensors and the chunk plan of
 ``peft_fastlora.batch``. Importing this package imports Triton where it is installed; without it
 the modules still import (their torch references and configs work) and a kernel launch raises
-``ModuleNotFoundError`` (``_triton.py``).
+``ModuleNotFoundError`` (``kernel_support``).
 """
 
 from .decode_attention import decode_attention, decode_attention_config, decode_attention_reference
@@ -15,17 +15,10 @@ from .lora_expand import expand_config, lora_expand
 from .lora_fused import MAX_BLOCK_R as FUSED_MAX_BLOCK_R
 from .lora_fused import MAX_MODULES as FUSED_MAX_MODULES
 from .lora_fused import FusedWorkspace, fused_config, fused_supported, lora_fused
-from .lora_shrink import _lora_shrink_kernel as _shrink_kernel
 from .lora_shrink import lora_shrink, shrink_config
 from .rms_norm import add_rms_norm, norm_add, norm_add_norm, rms_norm
 from .rotary import apply_rotary, apply_rotary_reference
 from .silu_mul import act_mul, act_mul_reference, silu_mul, silu_mul_reference
-
-
-def interpreting() -> bool:
-    """True when the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` was set
-    before they were imported), which runs them on CPU tensors."""
-    return type(_shrink_kernel).__name__ == "InterpretedFunction"
 
 
 __all__ = [
@@ -43,7 +36,6 @@ __all__ = [
     "expand_config",
     "fused_config",
     "fused_supported",
-    "interpreting",
     "kv_cache_write",
     "lora_embedding_a",
     "lora_expand",

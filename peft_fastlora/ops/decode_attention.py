@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from ._triton import tl, triton
+from ..kernel_support import tl, triton
 from ..kernel_support import interpreting, num_sms
 from . import pdl
 

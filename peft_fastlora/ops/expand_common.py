@@ -1,7 +1,7 @@
 """What the expand's two launches (``lora_expand``, ``lora_expand_wide``) and the fused kernel
 share: where a program's operands are, once its idle checks have passed."""
 
-from ._triton import tl, triton
+from ..kernel_support import tl, triton
 
 
 @triton.jit

@@ -42,7 +42,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ._triton import AVAILABLE, tl, triton
+from ..kernel_support import AVAILABLE, tl, triton
 from ..kernel_support import interpreting
 from . import pdl
 from .silu_mul import ACTIVATIONS, act_mul_rounded

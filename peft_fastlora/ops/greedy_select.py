@@ -32,7 +32,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ._triton import tl, triton
+from ..kernel_support import tl, triton
 from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
 
 # (segment, tile, warps, stages): columns a program reads, columns a loop step loads, warps, load

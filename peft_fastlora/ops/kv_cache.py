@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ._triton import tl, triton
+from ..kernel_support import tl, triton
 from . import pdl
 
 

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._triton import tl, triton
+from ..kernel_support import tl, triton
 from . import pdl
 from . import lora_expand_wide
 from .lora_expand_wide import WIDE_MAX_BLOCK_M, WIDE_MAX_RANK, launch_wide

@@ -17,7 +17,7 @@ before the wait, ``y`` and ``out`` after).
 from __future__ import annotations
 
 from . import pdl
-from ._triton import tl, triton
+from ..kernel_support import tl, triton
 from .expand_common import chunk_rank, expand_operands, module_span
 
 ENABLED = True  # the default launch for decode row tiles (benchmarks set False to compare)

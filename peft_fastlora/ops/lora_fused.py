@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._triton import AVAILABLE, tl, triton
+from ..kernel_support import AVAILABLE, tl, triton
 from ..kernel_support import num_sms
 from .expand_common import packed_row_stride
 

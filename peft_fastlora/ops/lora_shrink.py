@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ._triton import tl, triton
+from ..kernel_support import tl, triton
 
 @triton.jit
 def _lora_shrink_kernel(

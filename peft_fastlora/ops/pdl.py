@@ -36,7 +36,7 @@ from typing import Dict
 
 import torch
 
-from ._triton import tl, triton
+from ..kernel_support import tl, triton
 
 OFF, WAIT_ONLY, FULL = 0, 1, 2
 PREAMBLE_ONLY = 3  # a setting, not a kernel mode: FULL where the kernel has a preamble, else OFF

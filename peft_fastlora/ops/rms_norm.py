@@ -18,7 +18,7 @@ from typing import Tuple
 
 import torch
 
-from ._triton import tl, triton
+from ..kernel_support import tl, triton
 from . import pdl
 
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ._triton import tl, triton
+from ..kernel_support import tl, triton
 from . import pdl
 from .kv_cache import check_write_inputs
 from .rotary import check_rotary_inputs, cos_sin_halves, rotate_halves

@@ -17,7 +17,7 @@ from typing import Tuple
 
 import torch
 
-from ._triton import tl, triton
+from ..kernel_support import tl, triton
 
 @triton.jit
 def _gather_cos_sin_kernel(table_ptr, pos_ptr, out_ptr, n_tokens, length, dim, BLOCK_D: tl.constexpr):

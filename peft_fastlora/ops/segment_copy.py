@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from ._triton import tl, triton
+from ..kernel_support import tl, triton
 SEGMENT_BLOCK = 2048  # elements a program moves per step (4 KB of 16-bit values)
 
 

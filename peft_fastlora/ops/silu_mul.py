@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import AVAILABLE, tl, triton
+from ..kernel_support import AVAILABLE, tl, triton
 from ..kernel_support import interpreting
 from . import pdl
 

@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from ._triton import tl, triton
+from ..kernel_support import tl, triton
 from ..kernel_support import kernel_runs_on
 
 MAX_MASKS = 2  # a model's mask dict (full and sliding) has at most two

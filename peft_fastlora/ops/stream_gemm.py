@@ -33,10 +33,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._triton import tl, triton
+from ..kernel_support import tl, triton
 from ..kernel_support import interpreting
 from . import pdl
-from .silu_mul import ACTIVATIONS, act_mul_rounded
+from .silu_mul import act_mul_reference, act_mul_rounded, ACTIVATIONS
 
 
 @triton.jit
@@ -349,7 +349,6 @@ def stream_gemm_reference(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch
     """float32 ``x @ w.T + bias (+ add on the first columns)``, rounded once to x's dtype; with
     ``glu``, torch's ``act(gate) * up`` of those (``ops.silu_mul.act_mul_reference``)."""
     if glu is not None:
-        from .silu_mul import act_mul_reference
 
         both = stream_gemm_reference(x, w, bias)
         n = both.shape[1] // 2
