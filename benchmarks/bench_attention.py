@@ -25,7 +25,6 @@ the measured copy bandwidth; the launch floor is a graph of as many empty kernel
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
@@ -52,10 +51,6 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=32, help="calls (distinct caches) per graph")
     p.add_argument("--iters", type=int, default=30, help="timed replays per measurement")
     p.add_argument("--no-sweep", action="store_true", help="skip the launch-parameter sweep")
-    p.add_argument("--dense-spans", choices=["on", "off"], default="on",
-                   help="off: every block reads the mask, dense span or not (decode_attention.DENSE_SPANS)")
-    p.add_argument("--lean", choices=["on", "off"], default="on",
-                   help="off: four warps in every shape class (decode_attention.LEAN)")
     p.add_argument("--sweep-budget-s", type=float, default=90.0, help="stop sweeping after this")
     p.add_argument("--grid", default=None,
                    help='instead of the coordinate sweep, every combination of the given values, e.g. '
@@ -260,14 +255,10 @@ def main(argv=None) -> int:
         args.out = None if args.out == hx.RESULTS else args.out
     elif hx.needs_gpu("bench_attention"):
         return 0
-    attention = importlib.import_module("peft_fastlora.ops.decode_attention")
-    attention.DENSE_SPANS = args.dense_spans == "on"
-    attention.LEAN = args.lean == "on"
     torch.manual_seed(0)
     timer = hx.GpuTimer(args.iters)
     bandwidth = hx.copy_bandwidth()
-    meta = dict(hx.versions(), copy_bw_gbs=round(bandwidth / 1e9, 1), layers_per_graph=args.layers,
-                dense_spans=args.dense_spans, lean=args.lean)
+    meta = dict(hx.versions(), copy_bw_gbs=round(bandwidth / 1e9, 1), layers_per_graph=args.layers)
     print(f"{meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  transformers "
           f"{meta['transformers']}  copy bandwidth {meta['copy_bw_gbs']} GB/s (read + written)")
     results = []

@@ -47,7 +47,10 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as hx  # noqa: E402
-from peft_fastlora.base_ops.stream_linears import SPLIT_MAX_N, shape_class  # noqa: E402
+from peft_fastlora import Tuning  # noqa: E402
+from peft_fastlora.base_ops.stream_linears import shape_class  # noqa: E402
+
+SPLIT_MAX_N = Tuning().stream_split_max_n  # the widest layer the library splits
 from peft_fastlora.ops import pdl  # noqa: E402
 from peft_fastlora.ops.rms_norm import rms_norm  # noqa: E402
 from peft_fastlora.ops.silu_mul import act_mul  # noqa: E402

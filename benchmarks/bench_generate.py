@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import os
 import sys
 
@@ -42,7 +41,7 @@ import harness as hx  # noqa: E402
 # and with fastlora's decode attention, RMSNorm, rotary, SiLU-mul and KV-write kernels
 HF_OPS = hx.HF_OPS
 FAST_OPS = {}  # the defaults, as fastlora_graphs below
-PATCH_EXTRA = {}  # options every fastlora method here is patched with (--stream-gemm off)
+PATCH_EXTRA = {}  # options every fastlora method here is patched with (--stream-gemm, --narrow-gemms)
 METHODS = ("hf_eager_base", "base_graphs", "base_graphs_attn", "peft_native", "fastlora_eager_unfused",
            "fastlora_eager", "fastlora_graphs")
 
@@ -215,61 +214,17 @@ def plot(rows, path):
     plt.close(fig)
 
 
-# A/B switches that set one module attribute to (flag == "on"): flag, default, module, attribute, help
-# (what "off" or "on" does); each is recorded in the CSV rows under the flag's name
-SWITCHES = [
-    ("tma-gemm", "on", "peft_fastlora.base_ops.stream_linears", "TMA_GEMM",
-     "off: 65-128-row GEMMs on cuBLAS instead of the TMA kernel's table"),
-    ("tma-add", "on", "peft_fastlora.base_ops.stream_linears", "ADD_TMA",
-     "off: a 65-128-row folded down_proj whose residual add rides along keeps cuBLAS and an add kernel "
-     "where the TMA table has no deep tile"),
-    ("glu-lora", "on", "peft_fastlora.base_ops.stream_linears", "GLU_LORA",
-     "off: a 65-128-row folded LoRA gate/up takes the folded GEMM, expand and act-mul instead of "
-     "ops.glu_lora's one launch"),
-    ("attention-dense-spans", "on", "peft_fastlora.ops.decode_attention", "DENSE_SPANS",
-     "off: decode attention's blocks read the mask even where the span is dense"),
-    ("attention-lean", "on", "peft_fastlora.ops.decode_attention", "LEAN",
-     "off: decode attention with four warps in every shape class, block_n 128 over its whole mid class"),
-    ("rotary-kv", "on", "peft_fastlora.base_ops.attention_forwards", "ONE_KERNEL",
-     "off: the rotary and the KV write as two kernels"),
-    ("step-advance", "on", "peft_fastlora.decode.step_advance", "ENABLED",
-     "off: greedy steps' next inputs built on the host"),
-    ("step-record", "on", "peft_fastlora.decode.stop_flag", "FLAG_CHECK",
-     "off: greedy steps keep transformers' deferred stop check and the loop's ids copy"),
-    ("rotary-table", "on", "peft_fastlora.base_ops.rotary_tables", "ENABLED",
-     "off: graphs compute rotary cos/sin with the module's forward"),
-    ("early-launch", "on", "peft_fastlora.decode.early_launch", "ENABLED",
-     "off: expands behind cuBLAS GEMMs launch as they complete"),
-]
-
-
 def apply_flags(args) -> dict:
-    """Set the module attributes the A/B flags name; the settings every CSV row records."""
-    if args.expand == "blocks":
-        importlib.import_module("peft_fastlora.ops.lora_expand_wide").ENABLED = False
+    """The patch options the A/B flags ask for (``PATCH_EXTRA``: public options and ``Tuning``); the
+    settings every CSV row records."""
     if args.stream_gemm == "off":
         PATCH_EXTRA["stream_gemm"] = False
-    if args.narrow_gemms == "off":
-        sl = importlib.import_module("peft_fastlora.base_ops.stream_linears")
-        sl.MIN_N = sl.NARROW_N
-    if args.epilogue_folds == "off":
-        importlib.import_module("peft_fastlora.decode.static_cache").KV_TICKET = False
-        importlib.import_module("peft_fastlora.base_ops.stream_linears").EPILOGUE_FOLDS = False
-    attention = importlib.import_module("peft_fastlora.ops.decode_attention")
-    attention.PREWAIT = args.attention_prewait
-    if args.attention_block_n == "64":
-        attention.MID_BLOCK_N = 64
-    if args.attention_lean_block_n:
-        attention.LEAN_BLOCK_N = args.attention_lean_block_n
-    importlib.import_module("peft_fastlora.decode.greedy_loop").ENABLED = args.token_select == "fused"
-    switches = {}
-    for flag, _, module, attr, _ in SWITCHES:
-        switches[flag.replace("-", "_")] = value = getattr(args, flag.replace("-", "_"))
-        setattr(importlib.import_module(module), attr, value == "on")
-    return dict(expand=args.expand, stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms,
-                epilogue_folds=args.epilogue_folds, attention_prewait=args.attention_prewait,
-                attention_block_n=args.attention_block_n, attention_lean_block_n=attention.LEAN_BLOCK_N,
-                token_select=args.token_select, **switches)
+    if args.narrow_gemms == "off":  # layers narrower than the narrow limit keep cuBLAS
+        from peft_fastlora import Tuning
+
+        default = Tuning()
+        PATCH_EXTRA["tuning"] = default.replace(stream_min_n=default.stream_narrow_n)
+    return dict(stream_gemm=args.stream_gemm, narrow_gemms=args.narrow_gemms)
 
 
 def parse_args(argv):
@@ -296,23 +251,6 @@ def parse_args(argv):
                    help="off: the base GEMMs on cuBLAS (patch(stream_gemm=False)), for an A/B")
     p.add_argument("--narrow-gemms", choices=["on", "off"], default="on",
                    help="off: layers narrower than 4,096 outputs (a 1B model's q/k/v, o, down) keep cuBLAS, for an A/B")
-    p.add_argument("--epilogue-folds", choices=["on", "off"], default="on",
-                   help="off: the KV length's increment, the MLP's residual add and (plain gate/up) its "
-                        "activation as kernels of their own, for an A/B")
-    p.add_argument("--attention-prewait", choices=["auto", "off", "span"], default="auto",
-                   help="what decode attention's programs do before their PDL wait (ops.decode_attention.PREWAIT)")
-    p.add_argument("--attention-block-n", choices=["auto", "64"], default="auto",
-                   help="64: decode attention's block_n at one to three programs per SM stays 64, for an A/B")
-    p.add_argument("--attention-lean-block-n", type=int, choices=[16, 32, 64], default=None,
-                   help="decode attention's block_n in its one-warp class (ops.decode_attention.LEAN_BLOCK_N)")
-    p.add_argument("--token-select", choices=["fused", "hf"], default="fused",
-                   help="hf: greedy calls keep transformers' token selection (decode.greedy_loop.ENABLED), for an A/B")
-    p.add_argument("--expand", choices=["library", "blocks"], default="library",
-                   help="decode expand launch: the library's (rank-sized spans) or column blocks sized for the "
-                        "largest rank (ops.lora_expand_wide.ENABLED off)")
-    for flag, default, module, attr, text in SWITCHES:
-        p.add_argument(f"--{flag}", choices=["on", "off"], default=default,
-                       help=f"{text} ({module}.{attr}), for an A/B")
     return p.parse_args(argv)
 
 

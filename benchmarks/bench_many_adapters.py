@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import os
 import random
 import sys
@@ -182,7 +181,7 @@ def run_base(base, args, mode, rows_out, info):
     import peft_fastlora as fastlora
 
     if mode == "base_patched":
-        print(fastlora.patch(base), file=sys.stderr)
+        print(fastlora.patch(base, tuning=args.tuning), file=sys.stderr)
         fastlora.warmup(base, batch_sizes=[args.batch], max_length=args.prompt + args.new + 2)
     row = dict(mode=mode, model=args.model, registered=0, slots=0, batch=args.batch, prompt=args.prompt,
                new=args.new, zipf=args.zipf, **traffic(base, args, None, random.Random(args.seed)))
@@ -198,7 +197,7 @@ def run_base(base, args, mode, rows_out, info):
 def run_mode(model, adapters, args, slots, rows_out, info):
     import peft_fastlora as fastlora
 
-    fastlora.patch(model, max_loras_per_batch=slots)
+    fastlora.patch(model, max_loras_per_batch=slots, tuning=args.tuning)
     t = time.perf_counter()
     fastlora.register_adapters(model, adapters)
     hx.sync()
@@ -274,16 +273,10 @@ def main(argv=None) -> int:
     hx.add_run_args(p)
     p.add_argument("--fold-limit", type=float, default=None,
                    help="most A rows per base row for a site to fold its shrink into the base GEMM "
-                        "(lora.fusion.FOLD_MAX_SHARE; large: every site folds)")
+                        "(Tuning.fold_max_share; large: every site folds)")
     p.add_argument("--fold-call-share", type=float, default=None,
                    help="most A rows per base row for a site to fold for the calls that use enough of them "
-                        "(lora.fusion.FOLD_CALL_SHARE; 0: no per-call folds)")
-    p.add_argument("--rank-block", type=int, default=None,
-                   help="rank rows the fused decode kernel takes per step (ops.lora_fused.RANK_BLOCK; "
-                        "the largest rank: one tile of the padded rank)")
-    p.add_argument("--expand", choices=["library", "blocks"], default="library",
-                   help="decode expand launch: the library's (rank-sized spans) or column blocks sized for the "
-                        "largest rank (ops.lora_expand_wide.ENABLED off)")
+                        "(Tuning.fold_call_share; 0: no per-call folds)")
     p.add_argument("--tag", default="", help="added to the CSV's name (an A/B's side)")
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.freeze() once the adapters are registered and the model warmed up (as servers do)")
@@ -295,23 +288,21 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not hx.start(args, "bench_many_adapters"):
         return 0
+    from peft_fastlora import Tuning
+
+    tuning = Tuning()
     if args.fold_limit is not None:
-        importlib.import_module("peft_fastlora.lora.fusion").FOLD_MAX_SHARE = args.fold_limit
+        tuning = tuning.replace(fold_max_share=args.fold_limit)
     if args.fold_call_share is not None:
-        importlib.import_module("peft_fastlora.lora.fusion").FOLD_CALL_SHARE = args.fold_call_share
-    if args.expand == "blocks":
-        importlib.import_module("peft_fastlora.ops.lora_expand_wide").ENABLED = False
-    fused_module = importlib.import_module("peft_fastlora.ops.lora_fused")  # the module, not the function
-    if args.rank_block is not None:  # both launches (uniform and mixed ranks) take it
-        fused_module.RANK_BLOCK = fused_module.MIXED_RANK_BLOCK = args.rank_block
+        tuning = tuning.replace(fold_call_share=args.fold_call_share)
+    args.tuning = tuning
     if args.smoke:
         args.model, args.adapters, args.slots, args.ranks = "tiny", 12, 6, [2, 4, 8]
         args.batch, args.prompt, args.new, args.ttft_batches, args.decode_batches, args.step_tokens = 6, 8, 4, 3, 2, 4
     from peft import LoraConfig, get_peft_model
 
-    info = dict(hx.versions(), rank_block=args.rank_block or "library", gc_frozen=args.gc_freeze,
-                fold_call_share="library" if args.fold_call_share is None else args.fold_call_share,
-                expand=args.expand)
+    info = dict(hx.versions(), gc_frozen=args.gc_freeze,
+                fold_call_share="library" if args.fold_call_share is None else args.fold_call_share)
     path = hx.out_path(args.out, "_".join(x for x in ("many_adapters", args.model, args.tag) if x), info["gpu"])
     base = hx.build_base(args.model)
     rows = []

@@ -52,8 +52,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as hx  # noqa: E402
 import peft_fastlora as fastlora  # noqa: E402
-from peft_fastlora.base_ops import rotary_tables  # noqa: E402
-from peft_fastlora.decode import greedy_loop, step_advance, stop_flag  # noqa: E402
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -322,9 +320,7 @@ def timeline(model, method, b, kw, args, rows, krows):
     if not steps:
         print(f"batch {b}: no graph replays in the trace", flush=True)
         return
-    row = dict(hx.versions(), model=args.model, method=method, token_select=args.token_select,
-               step_advance=args.step_advance, rotary_table=args.rotary_table, step_record=args.step_record,
-               batch=b, steps=len(steps), **summarise(steps, args.top, host_steps(runtime)))
+    row = dict(hx.versions(), model=args.model, method=method, stop_check=args.stop_check, batch=b, steps=len(steps), **summarise(steps, args.top, host_steps(runtime)))
     print(row, flush=True)
     rows.append(row)
     for r in kernel_rows(steps):
@@ -361,15 +357,9 @@ def parse_args(argv):
     p.add_argument("--sync-debug", action="store_true", help="--view host: count the host's waits for the GPU")
     p.add_argument("--summarize", nargs="+", metavar="CSV", help="print the table of these ncu logs and exit")
     p.add_argument("--print-metrics", action="store_true", help="print the metrics ncu is to collect and exit")
-    p.add_argument("--token-select", choices=["fused", "hf"], default="fused",
-                   help="hf: transformers' token selection between steps (decode.greedy_loop.ENABLED), for an A/B")
-    p.add_argument("--step-advance", choices=["on", "off"], default="on",
-                   help="off: greedy steps' next inputs built on the host (decode.step_advance.ENABLED)")
-    p.add_argument("--rotary-table", choices=["on", "off"], default="on",
-                   help="off: graphs compute rotary cos/sin with the module (base_ops.rotary_tables.ENABLED)")
-    p.add_argument("--step-record", choices=["on", "off"], default="on",
-                   help="off: transformers' deferred stop check and the ids copy between greedy steps "
-                        "(decode.stop_flag.FLAG_CHECK)")
+    p.add_argument("--stop-check", choices=["deferred", "per-step"], default="deferred",
+                   help="per-step: patch(defer_stop_check=False), transformers' loop and its host work "
+                        "between steps, for an A/B")
     hx.add_run_args(p)
     return p.parse_args(argv)
 
@@ -386,10 +376,6 @@ def main(argv=None):
         return 0
     if not hx.start(args, "profile_step"):
         return 0
-    greedy_loop.ENABLED = args.token_select == "fused"
-    step_advance.ENABLED = args.step_advance == "on"
-    rotary_tables.ENABLED = args.rotary_table == "on"
-    stop_flag.FLAG_CHECK = args.step_record == "on"
     if args.smoke:
         args.model, args.batches, args.new_tokens, args.top, args.prompt = "tiny", [2], 4, 5, 16
     layers = args.layers or (4 if args.view == "ncu" and not args.smoke else None)
@@ -397,7 +383,8 @@ def main(argv=None):
     rows, krows, ok = [], [], True
     for method in args.methods:
         model = base if method == "base" else hx.add_adapters(base, 8, 16)
-        print(method, fastlora.patch(model, cuda_graphs="auto" if hx.DEVICE == "cuda" else "emulate"), flush=True)
+        print(method, fastlora.patch(model, cuda_graphs="auto" if hx.DEVICE == "cuda" else "emulate",
+                                     defer_stop_check=args.stop_check == "deferred"), flush=True)
         for b in args.batches:
             ids = torch.randint(3, 1000, (b, args.prompt), device=hx.DEVICE)
             kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,

@@ -92,14 +92,12 @@ if want resources; then  # what the JIT built for an 8B step's kernels (the CPU 
   timeout 300 python3 benchmarks/kernel_resources.py --jit --out "$OUT/kernel_resources_8b_jit_$TAG.csv" 2>&1 \
     | quiet | tee "$OUT/kernel_resources_jit_$TAG.log" | tail -4
 fi
-if only tma; then  # the TMA kernel's tile table: measured, written into the tree, then the 8B step off / on
+if only tma; then  # the TMA kernel's tile table: measured, written into the tree, then the 8B step with it
   timeout ${TMA_LIMIT:-300} python3 benchmarks/bench_gemm.py --batches 80 128 --fold-rows 0 128 --glu --tag tma \
     --table peft_fastlora/base_ops/tma_tiles_h200.json --out "$OUT" 2>&1 | quiet | tail -24
   cp peft_fastlora/base_ops/tma_tiles_h200.json "$OUT/"
-  for t in off on; do
-    timeout 200 python3 benchmarks/bench_generate.py --models 8b --graphs-only --batches 128 --tma-gemm $t \
-      --tag tma_$t --out "$OUT" 2>&1 | quiet | tail -6
-  done
+  timeout 200 python3 benchmarks/bench_generate.py --models 8b --graphs-only --batches 128 \
+    --tag tma --out "$OUT" 2>&1 | quiet | tail -6
 fi
 if only ncu; then  # per-kernel DRAM and L2 counters of one decode step
   for b in ${NCU_BATCHES:-32 128}; do for m in base mixed; do

@@ -14,6 +14,7 @@ from .options import PatchOptions
 from .patch import get_state, patch, unpatch, warmup
 from .registration import from_folders, register_adapter, register_adapters, unregister_adapter
 from .report import PatchReport
+from .tuning import Tuning
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,7 @@ __all__ = [
     "LoRABatchInfo",
     "PatchOptions",
     "PatchReport",
+    "Tuning",
     "WarmupReport",
     "available_backends",
     "from_folders",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
+
+from .tuning import Tuning
 
 # batch sizes decode graphs are captured for; a batch is padded to the next one
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -33,6 +35,7 @@ class PatchOptions:
     fold_shrink: Tristate = "auto"
     stream_gemm: Tristate = "auto"
     defer_stop_check: bool = True
+    tuning: Tuning = field(default_factory=Tuning)
 
     def __post_init__(self):
         if not isinstance(self.backend, str):
@@ -59,6 +62,8 @@ class PatchOptions:
             raise ValueError(f"cache_budget_bytes must be a non-negative int or None, got {self.cache_budget_bytes!r}")
         if self.engine_attention not in ("auto", "varlen", "engine"):
             raise ValueError(f"engine_attention must be 'auto', 'varlen' or 'engine', got {self.engine_attention!r}")
+        if not isinstance(self.tuning, Tuning):
+            raise TypeError(f"tuning must be a peft_fastlora.Tuning, got {type(self.tuning).__name__}")
         for name in ("decode_attention", "fuse_norms", "fuse_rotary", "fuse_silu_mul", "fuse_kv_write",
                      "fold_shrink", "stream_gemm"):
             if getattr(self, name) not in _TRISTATE:

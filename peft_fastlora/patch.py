@@ -14,6 +14,7 @@ from .backend import check_backend_name
 from .decode.generate import WarmupReport, warm_up
 from .options import DEFAULT_BUCKETS, PatchOptions
 from .report import PatchReport
+from .tuning import Tuning
 from .state import FastLoRAState
 
 logger = logging.getLogger("peft_fastlora")
@@ -30,7 +31,7 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
           cache_budget_bytes: Optional[int] = None, decode_attention="auto",
           fuse_norms="auto", fuse_rotary="auto", fuse_silu_mul="auto",
           fuse_kv_write="auto", engine_attention: str = "auto", fold_shrink="auto",
-          stream_gemm="auto", defer_stop_check: bool = True) -> PatchReport:
+          stream_gemm="auto", defer_stop_check: bool = True, tuning: Optional[Tuning] = None) -> PatchReport:
     """Serve the LoRA adapters of ``model`` (a ``PeftModel``) through a fastlora backend.
 
     Args:
@@ -100,6 +101,8 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             minimum lengths, EOS and padding: ``decode/greedy_loop.py``) where their logits
             processors and stopping criteria are ones it reproduces; the report's "token selection"
             and the graph runner's ``stats["selection_reasons"]`` say which calls did not.
+        tuning: thresholds and tiles of these paths (``Tuning``; default: the values measured on an
+            H200). Benchmarks and tests change them here.
     Returns:
         the ``PatchReport``. Patching a patched model with the same options returns its report;
         with other options it raises ``ValueError`` (``unpatch`` first).
@@ -111,7 +114,7 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         cache_budget_bytes=cache_budget_bytes, decode_attention=decode_attention, fuse_norms=fuse_norms,
         fuse_rotary=fuse_rotary, fuse_silu_mul=fuse_silu_mul, fuse_kv_write=fuse_kv_write,
         engine_attention=engine_attention, fold_shrink=fold_shrink, stream_gemm=stream_gemm,
-        defer_stop_check=defer_stop_check)
+        defer_stop_check=defer_stop_check, tuning=Tuning() if tuning is None else tuning)
     check_backend_name(options.backend)  # before the options are compared with a patched model's
     state = get_state(model)
     if state is not None:

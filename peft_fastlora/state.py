@@ -26,13 +26,13 @@ from .compat.peft import (LoraEmbedding, LoraLinear, adapter_count, adapter_name
                           unwrap_peft)
 from .compat.tensor_parallel import declared_tp_plans, tp_local_stored, tp_style
 from .backend import get_backend, resolve_backend_name
-from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_ops, stream_linears, stream_wanted
+from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_ops, stream_wanted
 from .batch import ForwardBatch, TokenSegments
 from .continuous.engine import ContinuousBatchingHook
-from .decode import deferred_stop, greedy_loop, step_advance, stop_flag
+from .decode import deferred_stop, greedy_loop, stop_flag
 from .decode.generate import GenerateHook, graphs_wanted
 from .decode.runner import DecodeGraphRunner
-from .lora.fusion import FOLD_MIN_USE, FusedGroup, find_groups, fusion_blocker
+from .lora.fusion import FusedGroup, find_groups, fusion_blocker
 from .lora.host_copy import copy_from_host, prestage
 from .lora.mutations import AdapterMutationLock
 from .lora.pool import AdapterRegistry, SitePool, ValueRefresher, copy_values
@@ -187,7 +187,7 @@ class FastLoRAState:
 
     @property
     def fold_now(self) -> bool:
-        """Whether this thread's call folds the sites that fold per call (``fusion.FOLD_MIN_USE``):
+        """Whether this thread's call folds the sites that fold per call (``Tuning.fold_min_use``):
         decided once per call, from its adapters, in ``refresh_values``."""
         return getattr(self._local, "fold_now", False)
 
@@ -197,12 +197,12 @@ class FastLoRAState:
 
     def _decide_fold(self, slots) -> bool:
         """Fold the per-call sites for a call using these slots: where the rows its adapters hold
-        there are at least ``FOLD_MIN_USE`` of those sites' arenas (the GEMM computes them all)."""
+        there are at least ``Tuning.fold_min_use`` of those sites' arenas (the GEMM computes them all)."""
         pools = [site.pool for site in self.sites if site.pool.folds_per_call()]
         if not pools or not slots or not all(pool.can_stage(slots) for pool in pools):
             return False
         used = sum(pool.rows_used(slots) for pool in pools)
-        return used >= FOLD_MIN_USE * sum(pool.fold_rows() for pool in pools)
+        return used >= self.options.tuning.fold_min_use * sum(pool.fold_rows() for pool in pools)
 
     def fold_prone_adapters(self, k: int) -> List[str]:
         """The ``k`` adapters holding the most A rows in the per-call sites (staged: of those that
@@ -271,7 +271,7 @@ class FastLoRAState:
             if site.pool.fold is not None:
                 site.pool.fold.gemm = gemm
             mlp = getattr(site, "parent", None)
-            if (stream is not None and stream.lora_gated_on() and site.kind == "gate_up" and site.pool.column_slots
+            if (stream is not None and site.kind == "gate_up" and site.pool.column_slots
                     and mlp is not None and has_gated_forward(mlp)):
                 # 65-128 rows: gate/up, both deltas and the activation in one launch (ops.glu_lora)
                 stream.fold_gated_lora(mlp, site.gated(self, mlp, stream, activation_kind(mlp.act_fn)))
@@ -337,8 +337,9 @@ class FastLoRAState:
                              triton_missing=kernel_support.triton_missing() or "")
 
         served = set()
+        tuning = self.options.tuning
         fold_off = self._fold_blocker()
-        glu_wanted = stream_linears.lora_gated_wanted() and stream_wanted(self.inner, self.options, self.device)
+        glu_wanted = stream_wanted(self.inner, self.options, self.device)
         if self.options.fuse:
             groups, blocked = find_groups(model)
             report.fusion_blocked = [(f"{name_of.get(id(model), '')}{g}", why) for g, why in blocked]
@@ -349,7 +350,7 @@ class FastLoRAState:
                 g.fuse()
                 self.groups.append(g)
                 pool = SitePool([m if is_lora_layer(m) else None for m in g.members], g.out_features,
-                                g.in_features)
+                                g.in_features, tuning=tuning)
                 if fold_off is None:  # (under TP: each rank's shards, column-sharded alike)
                     pool.fold = g
                     # its tables keep each arena row's slot, and it keeps B's columns: a gated MLP may
@@ -369,7 +370,8 @@ class FastLoRAState:
                 report.left_on_peft.append((name, blocker))
             elif type(m) is LoraLinear and (isinstance(base, nn.Linear) or is_conv1d(base)):
                 i, o = linear_in_out(base)
-                site = LinearSite(name, [m], SitePool([m], [o], i), tp=tp_style(m, declared.get(id(m))))
+                site = LinearSite(name, [m], SitePool([m], [o], i, tuning=tuning),
+                                  tp=tp_style(m, declared.get(id(m))))
                 blocker = ("a gathered LM head under tensor parallelism" if site.tp == "colwise_gather"
                            else fusion_blocker([base]))
                 if fold_off is None and blocker is None:
@@ -378,7 +380,8 @@ class FastLoRAState:
                 self.sites.append(site)
             elif type(m) is LoraEmbedding and isinstance(base, nn.Embedding):
                 vocab = local(base.weight).shape[0]  # this rank's rows under TP
-                site = EmbeddingSite(name, [m], SitePool([m], [base.embedding_dim], vocab, embedding=True),
+                pool = SitePool([m], [base.embedding_dim], vocab, embedding=True, tuning=tuning)
+                site = EmbeddingSite(name, [m], pool,
                                      tp=tp_style(m))
                 site.pool.no_fold = "an embedding: a lookup, not a GEMM"
                 self.sites.append(site)
@@ -400,7 +403,7 @@ class FastLoRAState:
         per_call = sum(s.pool.folds_per_call() for s in self.sites)
         staged = sum(s.pool.folds_per_call() and s.pool.stage is not None for s in self.sites)
         report.shrink_folded = fold_off or (f"{folded} of {len(self.sites)} sites" + (
-            f" (and {per_call} more in calls whose adapters use at least {FOLD_MIN_USE:.0%} of their A rows"
+            f" (and {per_call} more in calls whose adapters use at least {self.options.tuning.fold_min_use:.0%} of their A rows"
             + (f"; {staged} of them staged: such a call's A blocks are copied under the base weight first"
                if staged else "") + ")" if per_call else ""))
         if fold_off is None:
@@ -446,7 +449,7 @@ class FastLoRAState:
         why = "the stop check is read every step" if self.stop_check_blocker else greedy_loop.patch_blocker(self.inner)
         if why is None:  # step_advance's blocker names the calls it leaves to the host (advance_reasons)
             self.report.token_selection = "one kernel for greedy calls" + (
-                ", their next inputs written on the GPU" if step_advance.ENABLED else "")
+                ", their next inputs written on the GPU")
         else:
             self.report.token_selection = f"transformers' ({why})"
 
@@ -704,7 +707,7 @@ class FastLoRAState:
         devices = {site.pool.lora_b.device for site in self.sites if site.pool.lora_b is not None}
         # (not under TP, whose pools hold each rank's slices: other storages)
         one_device = len(devices) == 1 and not self._stored_slices
-        prestaged = prestage(buffers, devices.pop()) if buffers and one_device else None
+        prestaged = prestage(buffers, devices.pop(), self.options.tuning) if buffers and one_device else None
         peft_pairs, host_pairs, runs, tables = [], [], [], []
         for site in self.sites:
             pairs, fixed, site_runs, table = site.pool.load(placed)
@@ -722,7 +725,8 @@ class FastLoRAState:
         for device_table, h in tables:
             host_pairs.append((device_table, host[at: at + h.numel()]))
             at += h.numel()
-        copy_from_host(host_pairs, runs, prestaged)  # pinned and never changed: the host need not wait
+        # pinned and never changed: the host need not wait
+        copy_from_host(host_pairs, runs, prestaged, self.options.tuning)
 
     def _adapter_set_changed(self) -> bool:
         # adapters per layer, counted (cheap); the names compared only when the count moved

@@ -8,6 +8,7 @@ from typing import Iterable
 
 import torch
 
+from peft_fastlora import Tuning
 from peft_fastlora.backend.packed import PackedWeights, block_align
 
 
@@ -88,11 +89,15 @@ class TokenStream:
         self.chunks.append("end")
 
 
+STAGED_ON_CPU = Tuning(staged_devices=("cuda", "cpu"))
+
+
 def stage_host_copies(monkeypatch) -> list:
-    """Let ``lora.host_copy`` stage on the CPU too, the path registered adapters take into GPU
-    slots on CUDA (each adapter's buffer in one copy, queued before the pools place it, its views
-    filled from the stage). Returns a list that gets an entry per staging: "prestage" where a
-    load's buffers went first, "staged" for ``copy_from_host``'s own."""
+    """Count ``lora.host_copy``'s stagings, the path registered adapters take into slots on CUDA
+    (each adapter's buffer in one copy, queued before the pools place it, its views filled from the
+    stage), which a model patched with ``tuning=STAGED_ON_CPU`` takes on the CPU too. Returns a list
+    that gets an entry per staging: "prestage" where a load's buffers went first, "staged" for
+    ``copy_from_host``'s own."""
     from peft_fastlora.lora import host_copy
     import peft_fastlora.state as state_module
 
@@ -104,7 +109,6 @@ def stage_host_copies(monkeypatch) -> list:
             staged.append("prestage")
         return out
 
-    monkeypatch.setattr(host_copy, "STAGED_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(host_copy, "_staged_copy", lambda *a: staged.append("staged") or stage(*a))
     monkeypatch.setattr(state_module, "prestage", counted_prestage)
     return staged

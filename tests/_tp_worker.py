@@ -95,11 +95,8 @@ def main(path, arch, device_type, graphs, layout="peft", ops="kernels", heads=""
     kernels = dict(decode_attention=with_kernels, fuse_norms=with_kernels, fuse_rotary=with_kernels,
                    fuse_silu_mul=with_kernels)
     fold = os.environ.get("FASTLORA_TEST_FOLD") == "1"
-    if fold:
-        from peft_fastlora.lora import fusion
-
-        fusion.FOLD_MAX_SHARE = 1e9
-    report = fastlora.patch(tp, cuda_graphs=graphs, fold_shrink=fold, **kernels)
+    report = fastlora.patch(tp, cuda_graphs=graphs, fold_shrink=fold, tuning=fastlora.Tuning(fold_max_share=1e9),
+                            **kernels)
     # every LoRA Linear served from this rank's shards; q/k/v and gate/up fused within the rank
     assert report.num_patched_layers == 14 + 2 * heads and not report.left_on_peft and not report.fusion_blocked, report
     assert report.cuda_graphs == ("emulated" if graphs == "emulate" else "on"), report.cuda_graphs

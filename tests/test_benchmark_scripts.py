@@ -79,7 +79,8 @@ def test_scripts_run_in_forked_children_and_their_failures_show(tmp_path):
     fails the caller with the script's output, and each child starts from the runner's state (a
     module global one script sets is not there for the next)."""
     ok = tmp_path / "ok.py"
-    ok.write_text("import peft_fastlora.ops.pdl as pdl\nprint('setting', pdl.SETTING)\npdl.SETTING = 'changed'\n")
+    ok.write_text("import peft_fastlora.ops.pdl as pdl\nprint('setting', getattr(pdl, 'MARK', 'none'))\n"
+                  "pdl.MARK = 'changed'\n")
     first, second = _run([str(ok)]), _run([str(ok)])
     assert "setting" in first and first == second and "changed" not in second
     raises = tmp_path / "raises.py"

@@ -171,8 +171,8 @@ def test_mask_scan_before_the_wait_gives_the_same_bits(case):
     q, k, v = rand_qkv(b, h, kvh, kv_len, d, torch.float32, strided=True)
     mask = make_mask(starts, ends, kv_len)
     outs = {w: decode_attention(q, k, v, mask, num_splits=splits, block_n=bn, prewait=w)
-            for w in ("off", "span", "auto")}
-    assert torch.equal(outs["off"], outs["span"]) and torch.equal(outs["off"], outs["auto"])
+            for w in ("off", "span", None)}  # None: the config's choice
+    assert torch.equal(outs["off"], outs["span"]) and torch.equal(outs["off"], outs[None])
     assert_close(outs["off"], decode_attention_reference(q, k, v, mask), 2e-5, 2e-5, case)
     with pytest.raises(ValueError, match="prewait"):
         decode_attention(q, k, v, mask, prewait="early")
@@ -180,13 +180,12 @@ def test_mask_scan_before_the_wait_gives_the_same_bits(case):
 
 @needs_interpreter
 @pytest.mark.parametrize("case", ["gqa4_pad_len1_end", "gqa4_many_splits"])
-def test_dense_spans_skip_the_mask_with_the_same_bits(case, monkeypatch):
+def test_dense_spans_skip_the_mask_with_the_same_bits(case):
     """A dense span (all attended, no additive value but 0) lets the blocks skip the mask load;
     holes and a bias inside the span keep it. Each gives the bits of blocks that always read it."""
-    module = importlib.import_module("peft_fastlora.ops.decode_attention")
     b, h, kvh, kv_len, d, starts, ends, splits, bn = CASES[case]
-    monkeypatch.setattr(module, "_sm_count", lambda device: 100)  # the split class: dense spans skip the mask
-    assert decode_attention_config(b, kvh, h // kvh, kv_len, d, torch.device("cpu"))["dense_spans"]
+    # the split class (100 SMs): dense spans skip the mask
+    assert decode_attention_config(b, kvh, h // kvh, kv_len, d, torch.device("cpu"), sms=100)["dense_spans"]
     q, k, v = rand_qkv(b, h, kvh, kv_len, d, torch.float32)
     dense = make_mask(starts, ends, kv_len)
     holes = dense.clone()
@@ -195,10 +194,8 @@ def test_dense_spans_skip_the_mask_with_the_same_bits(case, monkeypatch):
     biased[0, ..., starts[0] + 1:starts[0] + 4] += 0.5
     for name, mask in (("dense", dense), ("holes", holes), ("additive", biased),
                        ("additive dense", make_mask(starts, ends, kv_len, additive_dtype=torch.float32))):
-        monkeypatch.setattr(module, "DENSE_SPANS", True)
-        got = decode_attention(q, k, v, mask, num_splits=splits, block_n=bn)
-        monkeypatch.setattr(module, "DENSE_SPANS", False)
-        always = decode_attention(q, k, v, mask, num_splits=splits, block_n=bn)
+        got = decode_attention(q, k, v, mask, num_splits=splits, block_n=bn, dense_spans=True)
+        always = decode_attention(q, k, v, mask, num_splits=splits, block_n=bn, dense_spans=False)
         assert torch.equal(got, always), name
         assert_close(got, decode_attention_reference(q, k, v, mask), 2e-5, 2e-5, f"{case} {name}")
 
@@ -222,36 +219,33 @@ def test_every_launch_class_of_the_config(bsz, block_n, warps):
                  f"bsz={bsz}")
 
 
-def test_config_is_static_and_sane(monkeypatch):
-    monkeypatch.setattr(importlib.import_module("peft_fastlora.ops.decode_attention"), "_sm_count", lambda d: 132)
+def test_config_is_static_and_sane():
     cpu = torch.device("cpu")  # an H200's 132 SMs, Llama-3-8B's 8 kv heads of 4 query heads, 128 dims
-    one = decode_attention_config(1, 8, 4, 512, 128, cpu)
+
+    def h200(*args):
+        return decode_attention_config(*args, sms=132)
+
+    one = h200(1, 8, 4, 512, 128, cpu)
     assert one["block_h"] == 16 and one["block_d"] == 128 and one["block_n"] == 64
     assert one["num_splits"] == 8 and one["prewait"] == "span"  # split: the mask scan before the wait
     assert one["num_warps"] == 4
-    mid = decode_attention_config(32, 8, 4, 512, 128, cpu)  # 256 programs: two per SM, longer blocks
+    mid = h200(32, 8, 4, 512, 128, cpu)  # 256 programs: two per SM, longer blocks
     assert mid["num_splits"] == 1 and mid["block_n"] == 128 and mid["prewait"] == "off"
-    assert decode_attention_config(48, 8, 4, 512, 128, cpu)["block_n"] == 64  # 384: nearly three per SM
-    four = decode_attention_config(64, 8, 4, 512, 128, cpu)  # 512 programs: under seven per SM
+    assert h200(48, 8, 4, 512, 128, cpu)["block_n"] == 64  # 384: nearly three per SM
+    four = h200(64, 8, 4, 512, 128, cpu)  # 512 programs: under seven per SM
     assert four["num_warps"] == 4 and four["block_n"] == 64
-    big = decode_attention_config(128, 8, 4, 512, 128, cpu)  # 1,024: one-warp programs
+    big = h200(128, 8, 4, 512, 128, cpu)  # 1,024: one-warp programs
     assert big["num_splits"] == 1 and big["prewait"] == "off"
     assert big["num_warps"] == 1 and big["block_n"] == 16
-    assert decode_attention_config(116, 8, 4, 512, 128, cpu)["num_warps"] == 1  # 928 >= 7 x 132
-    assert decode_attention_config(115, 8, 4, 512, 128, cpu)["num_warps"] == 4
-    assert decode_attention_config(96, 8, 4, 512, 128, cpu)["num_warps"] == 4
+    assert h200(116, 8, 4, 512, 128, cpu)["num_warps"] == 1  # 928 >= 7 x 132
+    assert h200(115, 8, 4, 512, 128, cpu)["num_warps"] == 4
+    assert h200(96, 8, 4, 512, 128, cpu)["num_warps"] == 4
     # dense spans skip the mask at one row (splits) and 128 rows, not at 32 (measured slower there)
     assert one["dense_spans"] and big["dense_spans"] and not mid["dense_spans"]
-    assert decode_attention_config(1, 1, 1, 30, 256, cpu)["block_n"] == 32
-    assert decode_attention_config(32, 8, 1, 512, 256, cpu)["block_n"] == 32  # wide heads keep theirs
-    wide = decode_attention_config(128, 8, 2, 512, 256, cpu)  # no one-warp programs for them
+    assert h200(1, 1, 1, 30, 256, cpu)["block_n"] == 32
+    assert h200(32, 8, 1, 512, 256, cpu)["block_n"] == 32  # wide heads keep theirs
+    wide = h200(128, 8, 2, 512, 256, cpu)  # no one-warp programs for them
     assert wide["block_n"] == 32 and wide["num_warps"] == 4
-    module = importlib.import_module("peft_fastlora.ops.decode_attention")
-    monkeypatch.setattr(module, "DENSE_SPANS", False)
-    assert not decode_attention_config(128, 8, 4, 512, 128, cpu)["dense_spans"]
-    monkeypatch.setattr(module, "LEAN", False)  # the benchmarks' A/B: four warps, block_n 128 at 1-3 per SM
-    assert decode_attention_config(128, 8, 4, 512, 128, cpu)["num_warps"] == 4
-    assert decode_attention_config(48, 8, 4, 512, 128, cpu)["block_n"] == 128
 
 
 def test_launcher_rejects_bad_shapes():

@@ -66,17 +66,14 @@ def test_8b_shapes_match_reference_and_hf_sdpa(bsz, dtype):
     _check(out, hf, 2 * atol, 2 * rtol, "hf sdpa")
 
 
-@pytest.mark.parametrize("lean", [True, False], ids=["lean", "four_warps"])
+@pytest.mark.parametrize("launch", [{}, dict(num_warps=4, block_n=64)], ids=["config", "four_warps"])
 @pytest.mark.parametrize("bsz", [17, 33, 48, 96, 116, 200])
-def test_every_launch_class_on_cuda(bsz, lean, monkeypatch):
+def test_every_launch_class_on_cuda(bsz, launch):
     """Batches on both sides of each class boundary of the launcher's config (8 kv heads on 132
-    SMs: 1-2, 2-3, 3-7 and 7+ programs an SM), with the one-warp class (``LEAN``) on and off, over
-    short, long and one-position contexts, dense spans and spans with holes."""
-    import importlib
-
+    SMs: 1-2, 2-3, 3-7 and 7+ programs an SM), and the same shapes launched with four warps over 64
+    positions, over short, long and one-position contexts, dense spans and spans with holes."""
     from peft_fastlora.ops.decode_attention import decode_attention, decode_attention_reference
 
-    monkeypatch.setattr(importlib.import_module("peft_fastlora.ops.decode_attention"), "LEAN", lean)
     dtype = torch.bfloat16
     atol, rtol = TOLERANCES[dtype]
     for seed, filled, cache_len in ((20, 200, 512), (21, 1500, 2048), (22, 1, 512)):
@@ -84,8 +81,8 @@ def test_every_launch_class_on_cuda(bsz, lean, monkeypatch):
         holes = mask.clone()
         holes[1::2] &= torch.rand(holes[1::2].shape, device="cuda") < 0.6
         for name, m in (("dense", mask), ("holes", holes)):
-            _check(decode_attention(q, k, v, m), decode_attention_reference(q, k, v, m), atol, rtol,
-                   f"bsz={bsz} filled={filled} {name}")
+            _check(decode_attention(q, k, v, m, **launch), decode_attention_reference(q, k, v, m), atol, rtol,
+                   f"bsz={bsz} filled={filled} {name} {launch}")
 
 
 def test_one_warp_class_in_fp32_on_cuda():

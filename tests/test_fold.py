@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import peft_fastlora as fastlora
+from peft_fastlora import Tuning
 from peft_fastlora.compat.peft import base_layer_of
 from peft_fastlora.backend.segmented import SegmentedLoRABackend
-from peft_fastlora.lora import fusion
 
 pytest.importorskip("peft")
 from peft import LoraConfig  # noqa: E402
@@ -28,8 +28,9 @@ BACKENDS = ["torch_native", "triton"]
 
 
 @pytest.fixture
-def no_limit(monkeypatch):
-    monkeypatch.setattr(fusion, "FOLD_MAX_SHARE", 1e9)
+def no_limit():
+    """Every site folds for every call, whatever its arena's size."""
+    return Tuning(fold_max_share=1e9)
 
 
 @pytest.fixture
@@ -53,7 +54,7 @@ def test_folded_sites_equal_peft(arch, backend, reference, no_limit, calls):
     ref_logits, ref_tokens = reference[arch]
     m = build(arch)
     ref_one = one_token(m)
-    report = fastlora.patch(m, backend=backend, fold_shrink=True)
+    report = fastlora.patch(m, backend=backend, fold_shrink=True, tuning=no_limit)
     assert report.shrink_folded == "8 of 8 sites", report
     assert "shrink folded into the base GEMM: 8 of 8 sites" in str(report)
     torch.testing.assert_close(logits(m), ref_logits, **TOL)
@@ -67,7 +68,7 @@ def test_base_weights_are_views_of_the_folded_tensor_and_come_back_on_unpatch(no
     before = {k: v.clone() for k, v in m.state_dict().items()}
     params_before = sum(p.numel() for p in m.parameters())
     bytes_before = storage_bytes(m)
-    fastlora.patch(m, fold_shrink=True)
+    fastlora.patch(m, fold_shrink=True, tuning=no_limit)
     state = fastlora.get_state(m)
     o_proj = layers_of(m)[0].self_attn.o_proj
     site = next(s for s in state.sites if s.members[0] is o_proj)
@@ -88,25 +89,25 @@ def test_base_weights_are_views_of_the_folded_tensor_and_come_back_on_unpatch(no
     assert all(torch.equal(restored[k], before[k]) for k in before)
 
 
-def _kinds(sites):
+def _kinds(sites, tuning=Tuning()):
     """Each site's fold under the limits: "always", "per_call" or "none"."""
     out = []
     for s in sites:
         share = s.pool.lora_a.shape[0] / s.pool.offsets[-1]
-        out.append("always" if share <= fusion.FOLD_MAX_SHARE else
-                   "per_call" if share <= fusion.FOLD_CALL_SHARE else "none")
+        out.append("always" if share <= tuning.fold_max_share else
+                   "per_call" if share <= tuning.fold_call_share else "none")
     return out
 
 
 def test_default_limits_fold_small_arenas_always_and_larger_ones_per_call(reference, calls, monkeypatch):
     """A site folds for every call while its A rows add at most 1/8 of its base rows, for the calls
-    that use enough of them up to FOLD_CALL_SHARE (lowered here so that this model has all three
+    that use enough of them up to ``fold_call_share`` (lowered here so that this model has all three
     kinds), and keeps the fused kernel past it."""
-    monkeypatch.setattr(fusion, "FOLD_CALL_SHARE", 0.4)
+    tuning = Tuning(fold_call_share=0.4)
     m = build()
-    report = fastlora.patch(m, fold_shrink=True)
+    report = fastlora.patch(m, fold_shrink=True, tuning=tuning)
     sites = fastlora.get_state(m).sites
-    kinds = _kinds(sites)
+    kinds = _kinds(sites, tuning)
     assert {"always", "per_call", "none"} <= set(kinds), kinds
     assert [s.pool.folded() for s in sites] == [k != "none" for k in kinds]
     assert [s.pool.folds_per_call() for s in sites] == [k == "per_call" for k in kinds]
@@ -138,7 +139,7 @@ def test_per_call_sites_fold_for_calls_that_use_enough_of_them(calls):
         calls.clear()
         torch.testing.assert_close(logits(m, [name, "__base__"] * 2), want[name], **TOL)
         used = sum(p.rows_used([state.registry.slot[name]]) for p in per_call)
-        folds = used >= fusion.FOLD_MIN_USE * tails
+        folds = used >= state.options.tuning.fold_min_use * tails
         assert state.fold_now == folds
         assert calls["run_packed_lora"] == (0 if folds else len(per_call)), (name, calls)
         chose.add(folds)
@@ -186,7 +187,7 @@ def test_warmup_captures_both_fold_choices_then_traffic_captures_nothing():
 @pytest.mark.parametrize("option,why", [(False, "off (fold_shrink=False)"), ("auto", "off (not on CUDA)")])
 def test_off_and_auto_on_cpu(option, why, no_limit, calls):
     m = build()
-    report = fastlora.patch(m, fold_shrink=option)
+    report = fastlora.patch(m, fold_shrink=option, tuning=no_limit)
     assert report.shrink_folded == why and report.fold_refused == []
     assert all(s.pool.fold is None for s in fastlora.get_state(m).sites)
     logits(m)
@@ -205,7 +206,7 @@ def test_prefill_sized_forward_keeps_the_shrink_kernel(no_limit, calls):
     ids = torch.randint(3, 100, (2, 150), generator=torch.Generator().manual_seed(5))
     names = ["sql", "chat"]
     want = logits(m, names, ids)
-    fastlora.patch(m, backend="torch_native", fold_shrink=True)
+    fastlora.patch(m, backend="torch_native", fold_shrink=True, tuning=no_limit)
     got = logits(m, names, ids)
     assert calls["run_packed_expand"] == 0 and calls["run_packed_lora"] == 8, calls
     torch.testing.assert_close(got, want, **TOL)
@@ -213,7 +214,7 @@ def test_prefill_sized_forward_keeps_the_shrink_kernel(no_limit, calls):
 
 def test_replaced_base_weight_refolds_and_stays_equal_to_peft(no_limit, calls):
     m = build()
-    fastlora.patch(m, fold_shrink=True)
+    fastlora.patch(m, fold_shrink=True, tuning=no_limit)
     logits(m)
     layer = layers_of(m)[1]
     with torch.no_grad():  # new storage (and values) for a fused member and for a single layer
@@ -232,7 +233,7 @@ def test_slots_and_an_added_adapter_stay_folded_and_equal_to_peft(no_limit):
     m = build()
     mixes = [["sql", "sql", "chat", "__base__"], ["mlp", "chat", "mlp", "__base__"], ["mlp", "mlp", "mlp", "mlp"]]
     want = [logits(m, names) for names in mixes]
-    fastlora.patch(m, max_loras_per_batch=2, fold_shrink=True)
+    fastlora.patch(m, max_loras_per_batch=2, fold_shrink=True, tuning=no_limit)
     for _ in range(2):
         for names, ref in zip(mixes, want):
             torch.testing.assert_close(logits(m, names), ref, **TOL)
@@ -250,7 +251,7 @@ def test_emulated_graphs_through_folded_sites(no_limit):
     m = build()
     names = ["chat", "__base__", "mlp", "sql"]
     want = greedy(m, names, n=6)
-    with fastlora.patched(m, cuda_graphs="emulate", fold_shrink=True):
+    with fastlora.patched(m, cuda_graphs="emulate", fold_shrink=True, tuning=no_limit):
         assert fastlora.get_state(m).report.shrink_folded == "8 of 8 sites"
         got = greedy(m, names, n=6)
         assert fastlora.get_state(m).graph_runner.stats["replays"] > 0
@@ -267,7 +268,7 @@ def test_registered_adapters_through_slots_and_compaction_folded(folders, tmp_pa
     folders = dict(folders, r8=_save(str(tmp_path / "r8"), ("q_proj", "v_proj"), 8, seed=5),
                    r24=_save(str(tmp_path / "r24"), ("q_proj", "v_proj"), 24, seed=6))
     registered = ["ql", "emb", "rs", "wide", "r8", "r24"]
-    m, ref = _pair(folders, registered, max_loras_per_batch=2, fold_shrink=True)
+    m, ref = _pair(folders, registered, max_loras_per_batch=2, fold_shrink=True, tuning=no_limit)
     sites = fastlora.get_state(m).sites
     assert all(s.pool.folded() for s in sites if s.kind != "embedding")
     rng = random.Random(11)
@@ -286,7 +287,7 @@ def test_continuous_batching_through_folded_sites(no_limit, calls):
     if requires_cb.args[0]:
         pytest.skip(requires_cb.kwargs["reason"])
     m, ref = build(), build()
-    fastlora.patch(m, fold_shrink=True)
+    fastlora.patch(m, fold_shrink=True, tuning=no_limit)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (3, 7, 2, 5, 4)]  # this model's vocabulary
     names = ["sql", "chat", "__base__", "mlp", "sql"]
@@ -311,7 +312,7 @@ def test_every_architecture_with_folded_sites_equals_peft(arch, no_limit, calls)
     with torch.no_grad():
         want = model(**batch, adapter_names=MIX).logits
         want_tokens = model.generate(**batch, adapter_names=MIX, max_new_tokens=5, do_sample=False)
-    with fastlora.patched(model, fold_shrink=True) as report:
+    with fastlora.patched(model, fold_shrink=True, tuning=no_limit) as report:
         sites = fastlora.get_state(model).sites
         foldable = [s for s in sites if s.kind != "embedding"
                     and all(type(base_layer_of(m)) is torch.nn.Linear for m in s.members)]
@@ -372,9 +373,8 @@ def test_staged_fold_with_fewer_slots_equals_peft(calls):
 def test_staged_fold_refused_for_a_call_that_does_not_fit(monkeypatch, calls):
     """A staging tail smaller than two adapters' blocks: a call of both takes the fused kernel,
     one of either alone folds; both equal PEFT."""
-    monkeypatch.setattr(fusion, "FOLD_STAGE_MARGIN", 0.75)
     m, ref = build(), build()
-    fastlora.patch(m, max_loras_per_batch=2, fold_shrink=True)
+    fastlora.patch(m, max_loras_per_batch=2, fold_shrink=True, tuning=Tuning(fold_stage_margin=0.75))
     state, staged = fastlora.get_state(m), _staged_pools(m)
     assert staged
     for names, folds in ((["sql", "chat"] * 2, False), (["sql", "__base__"] * 2, True)):

@@ -182,22 +182,20 @@ def test_float32_model_tokens_equal_peft_through_graphs_under_traffic(monkeypatc
     from peft import LoraConfig
 
     import peft_fastlora as fastlora
-    import peft_fastlora.base_ops.stream_linears as sl
     from _helpers import count_calls
     from _models import left_padded_batch
 
-    for name, value in (("MIN_N", 16), ("MIN_K", 16), ("NARROW_N", 16), ("MAX_ROWS", 8), ("GLU_LORA", True),
-                        ("_DTYPES", (torch.float32, torch.bfloat16, torch.float16))):
-        monkeypatch.setattr(sl, name, value)
-    tiles = {cls: sl.TmaTile(TmaConfig(64, 32, 1, 4, 2)) for cls in ("deep", "square", "tall", "wide", "glu")}
-    monkeypatch.setattr(sl, "tma_tiles", lambda path=None: dict(tiles))
+    tuning = fastlora.Tuning(stream_min_n=16, stream_min_k=16, stream_narrow_n=16, stream_max_rows=8,
+                             stream_dtypes=(torch.float32, torch.bfloat16, torch.float16),
+                             tma_tiles={cls: TmaConfig(64, 32, 1, 4, 2)._asdict()
+                                        for cls in ("deep", "square", "tall", "wide", "glu")})
     calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["glu_lora"])
     model, twin = _float32_model(), _float32_model()
     rng = random.Random(11)
     kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     adapters = ["a", "b", "c", "__base__"]
     taken = []
-    with fastlora.patched(model, stream_gemm=True, cuda_graphs=True) as report, torch.no_grad():
+    with fastlora.patched(model, stream_gemm=True, cuda_graphs=True, tuning=tuning) as report, torch.no_grad():
         assert report.stream_lora_gated_mlps == 2, str(report)
         for call in range(10):
             if call == 3:

@@ -293,14 +293,10 @@ def test_compaction_under_slot_traffic_equals_peft(monkeypatch):
     PEFT, and the gate/up sites' table of each arena row's slot follows the blocks."""
     from peft_fastlora.lora import arena as arena_module
 
-    import peft_fastlora.base_ops.stream_linears as sl
-
-    from peft_fastlora.lora import fusion
-
-    monkeypatch.setattr(sl, "GLU_LORA", True)  # (with stream_gemm: gate/up sites keep ops.glu_lora's tables)
-    monkeypatch.setattr(fusion, "FOLD_MAX_SHARE", 1.0)  # (and, folded whatever their size, B's columns)
     m, ref = _pair()
-    fastlora.patch(m, max_loras_per_batch=2, fold_shrink=True, stream_gemm=True)
+    # (folded whatever their size, B's columns too)
+    fastlora.patch(m, max_loras_per_batch=2, fold_shrink=True, stream_gemm=True,
+                   tuning=fastlora.Tuning(fold_max_share=1.0))
     compactions, alloc = [], arena_module.RowArena.alloc
 
     def counted(self, slot, rows):
@@ -359,12 +355,12 @@ def test_a_load_that_fails_after_compaction_leaves_every_slot_right(monkeypatch)
 
     real_copy, failed, call_names = state_module.copy_from_host, [], []
 
-    def copy(pairs, runs=(), prestaged=None):
+    def copy(pairs, runs=(), prestaged=None, tuning=None):
         slid = {state.registry.resident[slot] for slot in moved_now} - set(call_names) - {None}
         if slid and not failed:
             failed.append((state.generation, sorted(slid)))
             raise RuntimeError("injected: out of memory for the staging buffer")
-        return real_copy(pairs, runs, prestaged)
+        return real_copy(pairs, runs, prestaged, tuning)
 
     monkeypatch.setattr(arena_module.RowArena, "alloc", counted)
     monkeypatch.setattr(state_module, "copy_from_host", copy)

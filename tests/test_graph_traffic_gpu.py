@@ -19,8 +19,6 @@ from peft import LoraConfig, get_peft_model
 import peft_fastlora as fastlora
 from peft_fastlora.decode import capture as cuda_graph
 from peft_fastlora import get_state
-from peft_fastlora.base_ops import stream_linears
-from peft_fastlora.lora import fusion
 from _models import tiny_llama
 
 pytestmark = pytest.mark.gpu
@@ -48,17 +46,25 @@ def _model(seed=0, plain_mlp=False):
     return model.eval()
 
 
+_TUNING = {}  # the current parametrisation's (every patch of this file takes it: ``_patch``)
+
+
 @pytest.fixture(autouse=True, params=["folded", "default_limit", "folded_streamed", "streamed_plain_mlp"])
-def fold_limit(request, monkeypatch):
+def fold_limit(request):
+    tuning = fastlora.Tuning()
     if request.param != "default_limit":
-        monkeypatch.setattr(fusion, "FOLD_MAX_SHARE", 1e9)
+        tuning = tuning.replace(fold_max_share=1e9)
     if "streamed" in request.param:
-        monkeypatch.setattr(stream_linears, "MIN_N", 16)
-        monkeypatch.setattr(stream_linears, "MIN_K", 16)
-        monkeypatch.setattr(stream_linears, "_DTYPES", (torch.float32, torch.bfloat16, torch.float16))
+        tuning = tuning.replace(stream_min_n=16, stream_min_k=16,
+                                stream_dtypes=(torch.float32, torch.bfloat16, torch.float16))
     if request.param == "folded_streamed":  # the wide layers' tiles and rows; the other pass keeps the
-        monkeypatch.setattr(stream_linears, "NARROW_N", 16)  # narrow ones' (K ranges, cuBLAS past 32 rows)
+        tuning = tuning.replace(stream_narrow_n=16)  # narrow ones' (K ranges, cuBLAS past 32 rows)
+    _TUNING["current"] = tuning
     return request.param
+
+
+def _patch(model, **options):
+    return fastlora.patch(model, tuning=_TUNING["current"], **options)
 
 
 _PAIRS = {}  # plain_mlp -> the (fastlora's, PEFT's) pair, built once for the module
@@ -100,7 +106,7 @@ def _equal_to_peft(pair, rows, prompt, new, seed, **kw):
 
 @pytest.mark.parametrize("sizes", [[1, 5], [1, 5, 1, 5], [8, 16, 5], [5, 1]])
 def test_batch_size_sequences_that_crashed(pair, sizes, fold_limit):
-    report = fastlora.patch(pair[0])
+    report = _patch(pair[0])
     if fold_limit == "streamed_plain_mlp":  # the GLU epilogue is what this pass is for
         assert "act-mul in gate/up's GEMM x2" in str(report), report
     try:
@@ -116,7 +122,7 @@ def test_batch_size_sequences_that_crashed(pair, sizes, fold_limit):
 
 
 def test_more_shapes_than_graphs_kept(pair):
-    fastlora.patch(pair[0], graph_buckets=[1, 2, 4, 8, 16], max_graphs=2)
+    _patch(pair[0], graph_buckets=[1, 2, 4, 8, 16], max_graphs=2)
     try:
         fastlora.warmup(pair[0], batch_sizes=[16], max_length=96)  # the shared cache sized once
         state = get_state(pair[0])
@@ -155,7 +161,7 @@ def _healthy(pair, seed):
         m.generate(**_inputs(3, 7, seed), adapter_names=["a1", "a0", "__base__"], max_new_tokens=8,
                    do_sample=True, top_k=50)
     other, other_ref = _model(seed=1), _model(seed=1)
-    fastlora.patch(other)
+    _patch(other)
     try:
         _equal_to_peft((other, other_ref), 4, 9, 8, seed=seed)
         assert get_state(other).graph_runner.stats["captures"] == 1
@@ -167,7 +173,7 @@ def test_capture_that_syncs_fails_cleanly_and_the_process_stays_healthy(pair):
     """A host sync inside the capture (a hook calling ``.item()``) invalidates the capture: the
     step runs eagerly, later calls work, on this model and on another one, sampling included."""
     m, _ = pair
-    fastlora.patch(m)
+    _patch(m)
     norm = m.base_model.model.model.layers[0].input_layernorm
 
     def sync_when_capturing(module, args, out):
@@ -210,7 +216,7 @@ def test_allocator_failure_in_capture_begin_is_recovered(pair):
     assert "use_count" in failure or "pool" in failure.lower(), failure
     assert not torch.cuda.is_current_stream_capturing()
     _healthy(pair, seed=31)
-    fastlora.patch(pair[0])
+    _patch(pair[0])
     try:
         _equal_to_peft(pair, 6, 8, 12, seed=32)
     finally:
@@ -218,7 +224,7 @@ def test_allocator_failure_in_capture_begin_is_recovered(pair):
 
 
 def test_warmup_then_traffic_captures_nothing_more(pair):
-    fastlora.patch(pair[0], graph_buckets=[1, 4, 16])
+    _patch(pair[0], graph_buckets=[1, 4, 16])
     try:
         report = fastlora.warmup(pair[0], max_length=96)
         # a graph per bucket, and per fold choice where some sites fold per call
@@ -234,7 +240,7 @@ def test_warmup_then_traffic_captures_nothing_more(pair):
 
 def test_dot_data_edit_between_graphed_calls(pair):
     m, ref = pair
-    fastlora.patch(m)
+    _patch(m)
     try:
         _equal_to_peft(pair, 4, 9, 12, seed=50)
         for model in (m, ref):
@@ -260,7 +266,7 @@ def test_base_weight_given_new_storage_between_graphed_calls(pair):
             up = getattr(layers[1].mlp.up_proj, "base_layer", layers[1].mlp.up_proj)  # (plain without LoRA)
             up.weight.data = up.weight.data * scale_up
 
-    fastlora.patch(m)
+    _patch(m)
     try:
         _equal_to_peft(pair, 4, 9, 12, seed=60)
         edit(2.0, 0.5)  # powers of two: undone exactly below
@@ -277,7 +283,7 @@ def test_memory_bounded_over_a_random_sequence(pair):
     LoRA kernel's workspace included: sized once for every launch), and the second half reserves
     no more than the first (the caching allocator keeps freed blocks)."""
     buckets = [1, 2, 4, 8, 16, 24, 32, 48]
-    fastlora.patch(pair[0], graph_buckets=buckets)
+    _patch(pair[0], graph_buckets=buckets)
     g = torch.Generator().manual_seed(60)
     reserved, allocated = [], []
     try:

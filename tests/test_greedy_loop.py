@@ -9,7 +9,6 @@ import torch
 from transformers.generation import StoppingCriteria, StoppingCriteriaList
 
 import peft_fastlora as fastlora
-from peft_fastlora.decode import greedy_loop, step_advance
 from _models import tiny_peft_llama
 
 NAMES = ["a", "__base__", "b", "a"]
@@ -115,24 +114,8 @@ def test_the_report_says_which_token_selection_greedy_calls_get(model, cpu_event
     with fastlora.patched(model, cuda_graphs="emulate") as report:
         assert report.token_selection == "one kernel for greedy calls, their next inputs written on the GPU"
         assert "token selection one kernel for greedy calls, their next inputs written on the GPU" in str(report)
-    monkeypatch.setattr(step_advance, "ENABLED", False)
-    with fastlora.patched(model, cuda_graphs="emulate") as report:
-        assert report.token_selection == "one kernel for greedy calls"
     with fastlora.patched(model, cuda_graphs="emulate", defer_stop_check=False) as report:
         assert report.token_selection == "transformers' (the stop check is read every step)"
-    monkeypatch.setattr(greedy_loop, "ENABLED", False)
-    with fastlora.patched(model, cuda_graphs="emulate") as report:
-        assert report.token_selection == "transformers' (fused token selection switched off)"
-
-
-def test_switched_off_equals_on(model, cpu_events, monkeypatch):
-    kw = dict(_inputs(), eos_token_id=[int(_free_tokens(model, _inputs(), NAMES)[0, 3])])
-    on, ref, stats_on = _run(model, kw, NAMES)
-    monkeypatch.setattr(greedy_loop, "ENABLED", False)
-    off, _, stats_off = _run(model, kw, NAMES)
-    assert torch.equal(on, ref) and torch.equal(off, ref)
-    assert stats_on["fused_selection_calls"] == 1
-    assert stats_off["selection_reasons"] == {"fused token selection switched off": 1}, stats_off
 
 
 def test_a_vocabulary_of_several_chunks(cpu_events):

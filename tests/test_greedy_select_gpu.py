@@ -2,13 +2,12 @@
 (a 128k vocabulary, every float dtype, NaN / infinities / ties, suppressed and stop ids, up to 200
 rows, launches one after another on one workspace), then server-like traffic through
 ``generate`` with CUDA graphs: fastlora's greedy loop against transformers' loop (the same graphs,
-``greedy_loop.ENABLED`` off) and against PEFT. float32 models: tokens compare exactly."""
+``defer_stop_check=False``) and against PEFT. float32 models: tokens compare exactly."""
 
 import pytest
 import torch
 
 import peft_fastlora as fastlora
-from peft_fastlora.decode import greedy_loop
 from peft_fastlora.ops.greedy_select import EMPTY_KEY, greedy_select, greedy_select_reference, workspace_for
 
 pytestmark = pytest.mark.gpu
@@ -102,15 +101,13 @@ def test_random_traffic_fused_equals_transformers_loop_and_peft():
     model = _model()
     calls = random_calls(model)
     results = {}
-    for fused in (True, False):
-        greedy_loop.ENABLED = fused
-        fastlora.patch(model)
+    for fused in (True, False):  # off: the stop check read every step, transformers' loop
+        fastlora.patch(model, defer_stop_check=fused)
         try:
             results[fused] = ([model.generate(**kw, adapter_names=names) for names, kw in calls],
                               dict(fastlora.get_state(model).graph_runner.stats))
         finally:
             fastlora.unpatch(model)
-            greedy_loop.ENABLED = True
     (on, stats_on), (off, stats_off) = results[True], results[False]
     for i, (a, b) in enumerate(zip(on, off)):
         assert torch.equal(a, b), (i, calls[i][1])

@@ -6,14 +6,17 @@ import importlib
 import pytest
 import torch
 
+from peft_fastlora import Tuning
 from peft_fastlora.lora import host_copy
 
 segment_copy_module = importlib.import_module("peft_fastlora.lora.host_copy")  # where the kernel is called
 
 
+ON_CPU = Tuning(staged_devices=("cuda", "cpu"))  # staging on the CPU too
+
+
 @pytest.fixture
 def staged_on_cpu(monkeypatch):
-    monkeypatch.setattr(host_copy, "STAGED_DEVICES", ("cuda", "cpu"))
     stages = []
     empty = torch.empty
 
@@ -44,7 +47,7 @@ def test_views_from_shared_host_storages(staged_on_cpu, monkeypatch, staging_byt
     views go through the segment copy, the others through batched copies; every destination
     equals its source,
     other arena memory is untouched, and a staging buffer is made per storage batch."""
-    monkeypatch.setattr(host_copy, "STAGING_BYTES", staging_bytes)
+    tuning = ON_CPU.replace(staging_bytes=staging_bytes)
     runs = []
     real = segment_copy_module.segment_copy
     monkeypatch.setattr(segment_copy_module, "segment_copy",
@@ -58,7 +61,7 @@ def test_views_from_shared_host_storages(staged_on_cpu, monkeypatch, staging_byt
         pairs.append((arena[at: at + src.numel()].view(src.shape), src))
         at += src.numel() + 3  # gaps the copies must not write
     cast = torch.zeros(first[4].shape, dtype=torch.float32)  # a stack of another dtype: cast on the way
-    host_copy.copy_from_host(pairs + [(cast, first[4])])
+    host_copy.copy_from_host(pairs + [(cast, first[4])], tuning=tuning)
     for dst, src in pairs:
         assert torch.equal(dst, src)
     assert torch.equal(cast, first[4].float())
@@ -90,8 +93,7 @@ def test_runs_into_flat_buffers(monkeypatch, staged):
     through a view of its place. Both land exactly, and nothing between places is written."""
     from peft_fastlora.lora.pool import HostRun
 
-    if staged:
-        monkeypatch.setattr(host_copy, "STAGED_DEVICES", ("cuda", "cpu"))
+    tuning = ON_CPU if staged else Tuning()
     views = _adapter(4)
     flat = views[0]._base if views[0]._base is not None else views[0]
     group = (flat.data_ptr() - flat.storage_offset() * flat.element_size(), torch.device("cpu"))
@@ -103,7 +105,7 @@ def test_runs_into_flat_buffers(monkeypatch, staged):
         runs.append(HostRun(dst, offset, v, group, v.storage_offset(), v.numel()))
         places.append((dst, offset, v))
     assert all(end <= a.numel() for end, a in zip(ends, arenas))
-    host_copy.copy_from_host([], runs)
+    host_copy.copy_from_host([], runs, tuning=tuning)
     written = [torch.zeros(a.numel(), dtype=torch.bool) for a in arenas]
     for dst, offset, v in places:
         assert torch.equal(dst[offset: offset + v.numel()], v.reshape(-1))
@@ -115,12 +117,11 @@ def test_runs_into_flat_buffers(monkeypatch, staged):
 def test_prestaged_buffers_fill_their_runs(monkeypatch, staging_bytes):
     """``prestage`` queues whole buffers before the pools place them; ``copy_from_host`` then
     fills those buffers' runs from that staging (one segment copy per staging buffer, none of
-    its own stages for them), and a buffer past ``PRESTAGE_BYTES`` takes the usual path. Every
+    its own stages for them), and a buffer past ``prestage_bytes`` takes the usual path. Every
     run lands exactly, and nothing between places is written."""
     from peft_fastlora.lora.pool import HostRun, _storage_address
 
-    monkeypatch.setattr(host_copy, "STAGED_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(host_copy, "PRESTAGE_BYTES", staging_bytes)
+    tuning = ON_CPU.replace(prestage_bytes=staging_bytes)
     own_stages, launches = [], []
     stage = host_copy._staged_copy
     monkeypatch.setattr(host_copy, "_staged_copy", lambda groups: own_stages.append(len(groups)) or stage(groups))
@@ -129,7 +130,7 @@ def test_prestaged_buffers_fill_their_runs(monkeypatch, staging_bytes):
                         lambda src, segments, *a, **k: launches.append(len(segments) // 3) or real(src, segments, *a, **k))
     adapters = [_adapter(5), _adapter(6)]
     buffers = [v[0]._base if v[0]._base is not None else v[0] for v in adapters]
-    prestaged = host_copy.prestage(buffers, torch.device("cpu"))
+    prestaged = host_copy.prestage(buffers, torch.device("cpu"), tuning)
     assert set(prestaged) == ({_storage_address(b) for b in buffers} if staging_bytes > 5000
                               else {_storage_address(buffers[0])})
     arena = torch.full((4000,), 7.0, dtype=torch.bfloat16)
@@ -141,7 +142,7 @@ def test_prestaged_buffers_fill_their_runs(monkeypatch, staging_bytes):
             places.append((end, v))
             end += v.numel() + 5
     assert end <= arena.numel()
-    host_copy.copy_from_host([], runs, prestaged)
+    host_copy.copy_from_host([], runs, prestaged, tuning)
     written = torch.zeros(arena.numel(), dtype=torch.bool)
     for offset, v in places:
         assert torch.equal(arena[offset: offset + v.numel()], v.reshape(-1))

@@ -102,17 +102,17 @@ def test_a_state_dict_with_its_config(folders):
 @pytest.fixture(params=["direct", "staged"])
 def host_copies(request, monkeypatch):
     """Loads as on the CPU (one copy per view) or as on CUDA (``_helpers.stage_host_copies``)."""
-    from _helpers import stage_host_copies
+    from _helpers import STAGED_ON_CPU, stage_host_copies
 
     staged = stage_host_copies(monkeypatch) if request.param == "staged" else []
-    yield request.param
+    yield dict(tuning=STAGED_ON_CPU) if request.param == "staged" else {}
     assert bool(staged) == (request.param == "staged"), "the staged path did not run"
     if staged:  # registered adapters' buffers are queued before the pools place them
         assert "prestage" in staged, staged
 
 
 def test_more_registered_adapters_than_gpu_slots(folders, host_copies):
-    m, ref = _pair(folders, ["ql", "emb", "rs", "wide"], max_loras_per_batch=2)
+    m, ref = _pair(folders, ["ql", "emb", "rs", "wide"], max_loras_per_batch=2, **host_copies)
     state = get_state(m)
     assert " in slots (2 for 6 adapters" in str(state.report)  # on the CPU: not "GPU slots"
     rng = random.Random(3)
@@ -131,7 +131,7 @@ def test_blocks_moved_by_compaction_are_copied_again_from_the_cpu_store(folders,
     folders = dict(folders, r8=_save(str(tmp_path / "r8"), ("q_proj", "v_proj"), 8, seed=5),
                    r24=_save(str(tmp_path / "r24"), ("q_proj", "v_proj"), 24, seed=6))
     registered = ["ql", "emb", "rs", "wide", "r8", "r24"]
-    m, ref = _pair(folders, registered, max_loras_per_batch=2)
+    m, ref = _pair(folders, registered, max_loras_per_batch=2, **host_copies)
     moves, alloc = [], arena_module.RowArena.alloc
 
     def counted(self, slot, rows):

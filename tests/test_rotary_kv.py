@@ -126,8 +126,10 @@ def test_calls_the_kernel_does_not_take_run_the_original_code(monkeypatch):
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_patched_model_takes_the_one_kernel_and_equals_peft(arch, monkeypatch):
     one = count_calls(monkeypatch, importlib.import_module("peft_fastlora.decode.static_cache"), ["rotary_kv_write"])
-    two = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.rotary_forwards"), ["apply_rotary"])
-    writes = count_calls(monkeypatch, importlib.import_module("peft_fastlora.decode.static_cache"), ["kv_cache_write"])
+    two = count_calls(monkeypatch,
+            importlib.import_module("peft_fastlora.base_ops.rotary_forwards"), ["apply_rotary"])
+    writes = count_calls(monkeypatch,
+            importlib.import_module("peft_fastlora.decode.static_cache"), ["kv_cache_write"])
     # the tiny Mistral's window is shorter than the call: without one its layers are full static ones
     model = build_peft_lm(arch, prepare_base=with_sliding_window(None) if arch == "mistral" else None)
     batch = left_padded_batch([5, 9, 3, 7])
@@ -170,7 +172,8 @@ def test_base_model_with_q_k_v_in_one_gemm(monkeypatch):
 
 def test_fuse_kv_write_off_keeps_the_two_kernels(monkeypatch):
     one = count_calls(monkeypatch, importlib.import_module("peft_fastlora.decode.static_cache"), ["rotary_kv_write"])
-    two = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.rotary_forwards"), ["apply_rotary"])
+    two = count_calls(monkeypatch,
+            importlib.import_module("peft_fastlora.base_ops.rotary_forwards"), ["apply_rotary"])
     model = build_peft_lm("llama")
     batch = left_padded_batch([5, 3])
     gen = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, adapter_names=["a0", "a1"])

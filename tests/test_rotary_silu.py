@@ -194,7 +194,8 @@ def test_gradients_take_torch_ops():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
 def test_patched_model_equals_peft_with_all_small_ops(arch, monkeypatch):
-    rotary_calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.rotary_forwards"), ["apply_rotary"])
+    rotary_calls = count_calls(monkeypatch,
+            importlib.import_module("peft_fastlora.base_ops.rotary_forwards"), ["apply_rotary"])
     # Llama's forward takes the rotary and the KV write as one kernel on fastlora's caches
     rotary_kv_calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.decode.static_cache"),
                                   ["rotary_kv_write"])

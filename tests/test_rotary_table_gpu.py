@@ -79,7 +79,8 @@ def test_graphs_reading_the_table_equal_peft_over_growing_calls(rope, monkeypatc
     with torch.no_grad():
         refs = [model.generate(**kw, adapter_names=names) for kw, names in calls]
         report = fastlora.patch(model)
-        gathers = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.rotary_tables"), ["gather_cos_sin"])
+        gathers = count_calls(monkeypatch,
+                importlib.import_module("peft_fastlora.base_ops.rotary_tables"), ["gather_cos_sin"])
         got = [model.generate(**kw, adapter_names=names) for kw, names in calls]
         stats = fastlora.get_state(model).graph_runner.stats
         fastlora.unpatch(model)

@@ -109,13 +109,14 @@ def run_traffic(m, ref, folders, seed, steps=36, compare_sampled=True):
 def test_random_operations_equal_peft(folders, seed, loads, monkeypatch):
     """``loads``: registered adapters copied into slots view by view (the CPU's path), or staged
     one buffer per adapter as on CUDA."""
-    from _helpers import stage_host_copies
+    from _helpers import STAGED_ON_CPU, stage_host_copies
 
     staged = stage_host_copies(monkeypatch) if loads == "staged" else []
     m, ref = build(adapters=SCAFFOLD), build(adapters=SCAFFOLD)
     for model in (m, ref):
         model.generation_config.eos_token_id = None
-    fastlora.patch(m, max_loras_per_batch=3, cuda_graphs="emulate")
+    fastlora.patch(m, max_loras_per_batch=3, cuda_graphs="emulate",
+                   **({"tuning": STAGED_ON_CPU} if loads == "staged" else {}))
     counts = run_traffic(m, ref, folders, seed)
     state = get_state(m)
     assert counts["generate"] > 15 and counts.get("register", 0) > 1 and state.registry.num_slots <= 3, counts

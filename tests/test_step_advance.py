@@ -16,9 +16,6 @@ from _models import build_peft_lm, left_padded_batch, with_sliding_window
 NAMES = ["a0", "__base__", "a1", "a2", "a0"]
 
 
-@pytest.fixture(autouse=True)
-def _advance_on(monkeypatch):
-    monkeypatch.setattr(step_advance, "ENABLED", True)  # the default; benchmarks switch it off for A/Bs
 LENGTHS = [5, 9, 3, 7, 4]  # five rows: a bucket of eight, so three padding rows
 
 
@@ -56,25 +53,24 @@ def _generate(model, names, **gen):
 @pytest.mark.parametrize("arch,attn", [("llama", "eager"), ("qwen2", "sdpa"), ("mistral", "sdpa"),
                                        ("gemma2", "eager")])
 def test_each_replay_reads_the_inputs_transformers_builds(arch, attn, cpu_events, monkeypatch):
-    """Off, every step's inputs come from transformers' loop through the runner's copies; on,
-    all but the first decode step's come from the GPU. Both runs must feed the graphs the same
-    tensors (additive and boolean masks, Gemma 2's dict of masks, left padding, padding rows)."""
+    """With the stop check read every step, every step's inputs come from transformers' loop
+    through the runner's copies; with the deferred check, all but the first decode step's come from
+    the GPU. Both runs must feed the graphs the same tensors (additive and boolean masks, Gemma 2's
+    dict of masks, left padding, padding rows)."""
     model = _model(arch, attn)
     gen = dict(max_new_tokens=7, eos_token_id=[2, 7])
     ref = _generate(model, NAMES, **gen)
     runs = {}
     seen = _record(monkeypatch, len(NAMES))
     for enabled in (False, True):
-        monkeypatch.setattr(step_advance, "ENABLED", enabled)
         seen.clear()
-        with fastlora.patched(model, cuda_graphs="emulate"):
+        with fastlora.patched(model, cuda_graphs="emulate", defer_stop_check=enabled):
             out = _generate(model, NAMES, **gen)
             stats = fastlora.get_state(model).graph_runner.stats
         assert torch.equal(out, ref), (enabled, out, ref)
         runs[enabled] = (list(seen), stats)
     (off, off_stats), (on, on_stats) = runs[False], runs[True]
-    assert off_stats["advanced_steps"] == 0 and off_stats["advance_reasons"] == {
-        "step inputs on the GPU switched off": 1}, off_stats
+    assert off_stats["advanced_steps"] == 0, off_stats
     assert on_stats["advanced_calls"] == 1 and on_stats["advanced_steps"] == len(on) - 1 > 3, on_stats
     assert len(on) == len(off) and set(on[0]) == set(off[0]), (len(on), len(off), set(on[0]), set(off[0]))
     assert "attention_mask" in on[0] or any(k.startswith("attention_mask.") for k in on[0]), set(on[0])
@@ -215,15 +211,12 @@ def test_warmup_captures_the_step_advance_graphs_calls_use(cpu_events):
     assert after == before, (before, after)
 
 
-@pytest.mark.parametrize("flag_check", [True, False])
-def test_stop_flag_and_tokens_from_the_step_advance_launch(flag_check, cpu_events, monkeypatch):
-    """With the flag check (the default) the stop check reads the flag the step-advance launch sets
-    and the ids come from its history, once; without, transformers' deferred check and the loop's
-    copy a step. Rows stop at different steps on EOS ids, a minimum length switches the advance
-    graph mid-call, and the extra step is undone: the tokens equal PEFT's either way."""
+def test_stop_flag_and_tokens_from_the_step_advance_launch(cpu_events, monkeypatch):
+    """The stop check reads the flag the step-advance launch sets and the ids come from its
+    history, once. Rows stop at different steps on EOS ids, a minimum length switches the advance
+    graph mid-call, and the extra step is undone: the tokens equal PEFT's."""
     from peft_fastlora.decode import stop_flag
 
-    monkeypatch.setattr(stop_flag, "FLAG_CHECK", flag_check)
     calls = count_calls(monkeypatch, stop_flag.FlagStopCheck, ["__call__"])
     flushes = count_calls(monkeypatch, step_advance.StepAdvance, ["flush"])
     model = _model("llama", "sdpa")
@@ -240,7 +233,5 @@ def test_stop_flag_and_tokens_from_the_step_advance_launch(flag_check, cpu_event
     for out, ref in zip(outs, refs):
         assert torch.equal(out, ref), (out, ref)
     assert stats["advanced_calls"] == 3 and stats["deferred_stop_calls"] == 3, stats
-    if flag_check:  # a check a step; a flush a call, and one more where the minimum length ended
-        assert calls["__call__"] >= sum(o.shape[1] for o in outs) - 3 * start - 3 and flushes["flush"] == 4
-    else:
-        assert calls["__call__"] == 0 and flushes["flush"] == 0
+    # a check a step; a flush a call, and one more where the minimum length ended
+    assert calls["__call__"] >= sum(o.shape[1] for o in outs) - 3 * start - 3 and flushes["flush"] == 4

@@ -1,7 +1,7 @@
 """Greedy steps whose next inputs the GPU writes (``decode/step_advance.py``) under real CUDA
 graphs: server-like random traffic (``test_greedy_select_gpu.random_calls``: batch sizes, left
 padding, adapters, EOS lists, pad ids, minimum lengths) token-equal with the host-built inputs
-(``step_advance.ENABLED`` off) and with PEFT; memory flat over repeated traffic; a step-advance
+(``defer_stop_check=False``: transformers' loop builds them) and with PEFT; memory flat over repeated traffic; a step-advance
 capture that fails runs its ops eagerly and stays equal. float32 models: tokens compare exactly."""
 
 import pytest
@@ -14,13 +14,8 @@ from test_greedy_select_gpu import _model, random_calls
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def _advance_on(monkeypatch):
-    monkeypatch.setattr(step_advance, "ENABLED", True)  # the default; benchmarks switch it off for A/Bs
-
-
-def _run(model, calls):
-    fastlora.patch(model)
+def _run(model, calls, **options):
+    fastlora.patch(model, **options)
     try:
         outs = [model.generate(**kw, adapter_names=names) for names, kw in calls]
         return outs, dict(fastlora.get_state(model).graph_runner.stats)
@@ -32,8 +27,7 @@ def test_random_traffic_equals_host_built_inputs_and_peft(monkeypatch):
     model = _model()
     calls = random_calls(model, seed=33, n=20)
     on, stats_on = _run(model, calls)
-    monkeypatch.setattr(step_advance, "ENABLED", False)
-    off, stats_off = _run(model, calls)
+    off, stats_off = _run(model, calls, defer_stop_check=False)  # inputs built on the host
     for i, (a, b) in enumerate(zip(on, off)):
         assert torch.equal(a, b), (i, calls[i][1])
     for i in range(0, len(calls), 4):  # PEFT itself on a sample (its mixed path is slow)

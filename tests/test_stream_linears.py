@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
 import peft_fastlora.base_ops.stream_linears as sl
+from peft_fastlora import Tuning
 import peft_fastlora.ops.tma_gemm as tma_ops
 from peft_fastlora.ops.tma_gemm import TmaConfig
 
@@ -17,15 +18,20 @@ from _helpers import count_calls
 from _models import tiny_llama
 
 
-def _lift_limits(monkeypatch, narrow: bool = False, tma_tiles=None):
+def _tuning(narrow: bool = False, tma_tiles=None, fp32: bool = False, **fields) -> Tuning:
     """Every tiny layer takes the kernel, under the wide layers' tiles (``narrow``: the narrow ones').
-    Past ``MAX_ROWS``, the TMA kernel's ``tma_tiles`` (none: the committed table stays out of it)."""
-    monkeypatch.setattr(sl, "MIN_N", 16)
-    monkeypatch.setattr(sl, "MIN_K", 16)
-    tiles = {cls: sl.TmaTile(config) for cls, config in (tma_tiles or {}).items()}
-    monkeypatch.setattr(sl, "tma_tiles", lambda path=None: dict(tiles))
+    Past ``stream_max_rows``, the TMA kernel's ``tma_tiles`` (none: the committed table stays out of
+    it). ``fp32``: float32 too (ieee dots under the interpreter: tokens compare with PEFT's exactly)."""
+    tuning = Tuning(stream_min_n=16, stream_min_k=16,
+                    tma_tiles={cls: config._asdict() for cls, config in (tma_tiles or {}).items()})
     if not narrow:
-        monkeypatch.setattr(sl, "NARROW_N", 16)
+        tuning = tuning.replace(stream_narrow_n=16)
+    if fp32:
+        tuning = tuning.replace(stream_dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    return tuning.replace(**fields)
+
+
+DEFAULT = Tuning()
 
 
 def _spy_configs(monkeypatch, module, name):
@@ -47,7 +53,7 @@ TINY_TMA = {"deep": TmaConfig(16, 32, 2, 4, 2), "square": TmaConfig(32, 32, 1, 4
 
 def test_install_skips_fusible_siblings_and_their_base_layers():
     model = get_peft_model(tiny_llama(0), LoraConfig(r=4, target_modules=["q_proj", "o_proj", "down_proj"]))
-    streams = sl.StreamLinears(torch.device("cpu"))
+    streams = sl.StreamLinears(torch.device("cpu"), DEFAULT)
     names = {n.split("layers.0.")[-1] for n, _ in streams.install(model) if "layers.1" not in n}
     assert {"self_attn.o_proj.base_layer", "mlp.down_proj.base_layer"} <= names
     assert not any(part in n for n in names for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
@@ -57,9 +63,10 @@ def test_install_skips_fusible_siblings_and_their_base_layers():
 
 
 def test_decode_sized_bf16_gemms_take_the_kernel_others_keep_f_linear(monkeypatch):
-    _lift_limits(monkeypatch)
-    streams = sl.StreamLinears(torch.device("cpu"))
-    calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
+    tuning = _tuning()
+    streams = sl.StreamLinears(torch.device("cpu"), tuning)
+    calls = count_calls(monkeypatch,
+            importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
     w = (torch.randn(48, 64) / 8).bfloat16()
     b = torch.randn(48).bfloat16()
     x = torch.randn(2, 3, 64).bfloat16()
@@ -83,62 +90,58 @@ def test_decode_sized_bf16_gemms_take_the_kernel_others_keep_f_linear(monkeypatc
     streams.linear(x, w)
     assert calls["stream_gemm"] == 2
     streams.skip = None
-    monkeypatch.setattr(sl, "MIN_N", 4096)
-    streams.linear(x, w)
+    sl.StreamLinears(torch.device("cpu"), tuning.replace(stream_min_n=4096)).linear(x, w)
     assert calls["stream_gemm"] == 2  # too narrow a layer: cuBLAS
-    monkeypatch.setattr(sl, "MIN_N", 16)
-    monkeypatch.setattr(sl, "MIN_K", 2048)
-    streams.linear(x, w)
+    sl.StreamLinears(torch.device("cpu"), tuning.replace(stream_min_k=2048)).linear(x, w)
     assert calls["stream_gemm"] == 2  # too shallow a reduction: cuBLAS
 
 
 @pytest.mark.parametrize("m,n,k,split", [(1, 4096, 14336, 1), (32, 4096, 14336, 2), (16, 4096, 4096, 2),
                                          (64, 4096, 4096, 1), (32, 6144, 4096, 1), (64, 28672, 4096, 1)])
 def test_tile_choice(m, n, k, split):
-    assert sl._config(m, n, k).split_k == split
+    assert sl._config(m, n, k, DEFAULT.stream_narrow_n).split_k == split
 
 
 # a 1B Llama's q/k/v (3,072 x 2,048), o (2,048 x 2,048) and down (2,048 x 8,192)
 @pytest.mark.parametrize("m,n,k,split", [(1, 3072, 2048, 1), (16, 3072, 2048, 1), (32, 3072, 2048, 2),
                                          (1, 2048, 2048, 4), (32, 2048, 2048, 4), (8, 2048, 8192, 4)])
 def test_narrow_tile_choice(m, n, k, split):
-    assert sl._config(m, n, k).split_k == split
+    assert sl._config(m, n, k, DEFAULT.stream_narrow_n).split_k == split
 
 
 def test_narrow_layers_stream_fewer_rows_in_k_ranges(monkeypatch):
     """Below ``NARROW_N`` outputs a layer streams up to ``NARROW_MAX_ROWS`` rows, in four K ranges
     where it is not wider than deep, and past that keeps ``F.linear``; its result is the GEMM's."""
-    _lift_limits(monkeypatch, narrow=True)
-    monkeypatch.setattr(sl, "NARROW_N", 64)
-    streams = sl.StreamLinears(torch.device("cpu"))
+    tuning = _tuning(narrow=True, stream_narrow_n=64)
+    streams = sl.StreamLinears(torch.device("cpu"), tuning)
     configs = _spy_configs(monkeypatch, sl, "stream_gemm")
     w = (torch.randn(48, 512) / 16).bfloat16()  # narrow, deep: four ranges of one 128-wide tile
-    for rows in (1, sl.NARROW_MAX_ROWS):
+    for rows in (1, tuning.stream_narrow_max_rows):
         x = torch.randn(rows, 512).bfloat16()
         torch.testing.assert_close(streams.linear(x, w).float(), F.linear(x.float(), w.float()).bfloat16().float(),
                                    atol=3e-2, rtol=1.6e-2)
     assert [c.split_k for c in configs] == [4, 4]
-    streams.linear(torch.randn(sl.NARROW_MAX_ROWS + 1, 512).bfloat16(), w)
+    streams.linear(torch.randn(tuning.stream_narrow_max_rows + 1, 512).bfloat16(), w)
     assert len(configs) == 2  # past the narrow rows: F.linear
-    streams.linear(torch.randn(sl.NARROW_MAX_ROWS + 1, 512).bfloat16(), torch.randn(64, 512).bfloat16())
+    streams.linear(torch.randn(tuning.stream_narrow_max_rows + 1, 512).bfloat16(), torch.randn(64, 512).bfloat16())
     assert len(configs) == 3  # as wide as NARROW_N: the wide layers' rows and tiles (two ranges, preload)
     assert (configs[-1].split_k, configs[-1].preload) == (2, True)
 
 
 def test_workspace_covers_every_split_launch(monkeypatch):
     """A split launch of the widest splitting layer and the most rows fits the model's workspace."""
-    _lift_limits(monkeypatch)
-    streams = sl.StreamLinears(torch.device("cpu"))
+    tuning = _tuning()
+    streams = sl.StreamLinears(torch.device("cpu"), tuning)
     n, k = 64, 64  # square: splits past 8 rows
-    assert sl._config(24, n, k).split_k == 2
+    assert sl._config(24, n, k, tuning.stream_narrow_n).split_k == 2
     w = torch.randn(n, k).bfloat16()
     x = torch.randn(24, k).bfloat16()
     torch.testing.assert_close(streams.linear(x, w).float(), F.linear(x.float(), w.float()).bfloat16().float(),
                                atol=3e-2, rtol=1.6e-2)
-    assert streams.workspace.part.numel() >= 2 * sl.MAX_ROWS * sl.SPLIT_MAX_N
+    assert streams.workspace.part.numel() >= 2 * tuning.stream_max_rows * tuning.stream_split_max_n
     # the narrow layers' four ranges of their most rows, and a ticket per 64-column tile of them
-    assert streams.workspace.part.numel() >= 4 * sl.NARROW_MAX_ROWS * sl.NARROW_N
-    assert streams.workspace.tickets.numel() >= sl.NARROW_N // 64
+    assert streams.workspace.part.numel() >= 4 * tuning.stream_narrow_max_rows * tuning.stream_narrow_n
+    assert streams.workspace.tickets.numel() >= tuning.stream_narrow_n // 64
 
 
 @pytest.mark.parametrize("narrow", [False, True], ids=["wide_tiles", "narrow_tiles"])
@@ -153,14 +156,15 @@ def test_patched_model_streams_its_decode_gemms_through_calls_and_an_adapter_cha
     import peft_fastlora as fastlora
     from _models import LLAMA_LIKE_ALL, left_padded_batch, tiny_peft_llama
 
-    _lift_limits(monkeypatch, narrow=narrow)
+    tuning = _tuning(narrow=narrow)
     model = tiny_peft_llama().to(torch.bfloat16)
     calls_rows = [[5, 9, 3], [7], [4, 6, 2, 8, 5]]
     names = {3: ["a", "__base__", "b"], 1: ["b"], 5: ["a", "b", "a", "__base__", "b"]}
 
     def run(on, add_adapter=False):
-        report = fastlora.patch(model, stream_gemm=on, cuda_graphs="emulate")
-        counter = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
+        report = fastlora.patch(model, stream_gemm=on, cuda_graphs="emulate", tuning=tuning)
+        counter = count_calls(monkeypatch,
+                importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
         logits = []
         try:
             with torch.no_grad():
@@ -201,8 +205,8 @@ def test_residual_rides_in_the_gemm_of_its_weight_only(monkeypatch):
     """``expect_add``: the next kernel GEMM over that weight on this thread adds the residual (and
     ``took_add`` says so, once); a GEMM over another weight, one that keeps F.linear, or one on
     another thread leaves it to the caller."""
-    _lift_limits(monkeypatch)
-    streams = sl.StreamLinears(torch.device("cpu"))
+    tuning = _tuning()
+    streams = sl.StreamLinears(torch.device("cpu"), tuning)
     w, other = (torch.randn(48, 64) / 8).bfloat16(), (torch.randn(48, 64) / 8).bfloat16()
     x, residual = torch.randn(1, 3, 64).bfloat16(), torch.randn(1, 3, 48).bfloat16()
     streams.expect_add(w, residual)
@@ -231,11 +235,6 @@ def test_residual_rides_in_the_gemm_of_its_weight_only(monkeypatch):
     assert streams.took_add()
 
 
-def _fp32_streams(monkeypatch, tma_tiles=None):
-    """The kernel's limits lifted so that the tiny float32 model's GEMMs take it (ieee dots under the
-    interpreter: tokens compare with PEFT's exactly)."""
-    _lift_limits(monkeypatch, tma_tiles=tma_tiles)
-    monkeypatch.setattr(sl, "_DTYPES", (torch.float32, torch.bfloat16, torch.float16))
 
 
 def _same_decode(got, want):
@@ -249,11 +248,11 @@ def _same_decode(got, want):
 def test_patched_model_folds_each_mlp_residual_add_into_down(monkeypatch):
     """Through emulated graphs, every decode step's layers take the residual in down_proj's GEMM
     (folded LoRA and not, rows on no adapter included), and the tokens equal PEFT's mixed batch
-    with the fold on and off."""
+    (PEFT's own path as the reference)."""
     import peft_fastlora as fastlora
     from _models import left_padded_batch, tiny_peft_llama
 
-    _fp32_streams(monkeypatch)
+    tuning = _tuning(fp32=True)
     model = tiny_peft_llama()
     batch, names = left_padded_batch([5, 9, 3], seed=3), ["a", "__base__", "b"]
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
@@ -267,21 +266,16 @@ def test_patched_model_folds_each_mlp_residual_add_into_down(monkeypatch):
         return took[-1]
 
     monkeypatch.setattr(sl.StreamLinears, "took_add", counting)
-    for fold in (True, False):
-        took.clear()
-        fastlora.patch(model, stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, cuda_graphs="emulate")
-        try:
-            fastlora.get_state(model).base_ops.stream.epilogue_folds = fold
-            with torch.no_grad():
-                got = model.generate(**batch, adapter_names=names, **kwargs)
-        finally:
-            fastlora.unpatch(model)
-        _same_decode(got, want)
-        layers = model.config.num_hidden_layers
-        if fold:  # the prefill's 3 x 9 rows and more fit MAX_ROWS too: every forward's layers folded
-            assert len(took) >= layers * 5 and all(took), took
-        else:
-            assert not took
+    fastlora.patch(model, stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, cuda_graphs="emulate",
+                            tuning=tuning)
+    try:
+        with torch.no_grad():
+            got = model.generate(**batch, adapter_names=names, **kwargs)
+    finally:
+        fastlora.unpatch(model)
+    _same_decode(got, want)
+    # the prefill's 3 x 9 rows and more fit MAX_ROWS too: every forward's layers folded
+    assert len(took) >= model.config.num_hidden_layers * 5 and all(took), took
     assert not any("_fastlora_stream" in m.__dict__ for m in model.modules())
 
 
@@ -289,9 +283,10 @@ def test_dora_down_keeps_the_separate_add(monkeypatch):
     """A DoRA adapter on down_proj rescales the base output: the residual is not folded into it."""
     import peft_fastlora as fastlora
 
-    _fp32_streams(monkeypatch)
+    tuning = _tuning(fp32=True)
     model = get_peft_model(tiny_llama(0), LoraConfig(r=4, target_modules=["down_proj"], use_dora=True))
-    report = fastlora.patch(model, stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, cuda_graphs="emulate")
+    report = fastlora.patch(model, stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, cuda_graphs="emulate",
+                            tuning=tuning)
     try:
         state = fastlora.get_state(model)
         layer = model.base_model.model.model.layers[0]
@@ -311,7 +306,7 @@ def test_plain_gate_up_gives_the_activation_from_one_gemm_until_an_adapter_wraps
     import peft_fastlora as fastlora
     from _models import LLAMA_LIKE_ALL, left_padded_batch
 
-    _fp32_streams(monkeypatch)
+    tuning = _tuning(fp32=True)
     base = tiny_llama(0, vocab_size=128)
     base.generation_config.eos_token_id = None
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj",
@@ -319,7 +314,8 @@ def test_plain_gate_up_gives_the_activation_from_one_gemm_until_an_adapter_wraps
                                             init_lora_weights=False), adapter_name="a").eval()
     batch, names = left_padded_batch([4, 7], seed=5), ["a", "__base__"]
     kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    glu_calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
+    glu_calls = count_calls(monkeypatch,
+            importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
     act_calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.mlp_forwards"), ["act_mul"])
     with torch.no_grad():
         want = model.generate(**batch, adapter_names=names, **kwargs)
@@ -333,7 +329,7 @@ def test_plain_gate_up_gives_the_activation_from_one_gemm_until_an_adapter_wraps
 
     monkeypatch.setattr(sl.StreamLinears, "gated", gated)
     report = fastlora.patch(model, stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, fuse=True,
-                            cuda_graphs="emulate")
+                            cuda_graphs="emulate", tuning=tuning)
     layers = model.config.num_hidden_layers
     assert f"(residual add in down's GEMM x{layers}, act-mul in gate/up's GEMM x{layers})" in str(report), report
     try:
@@ -378,10 +374,9 @@ def test_shape_classes_and_the_tile_table(tmp_path):
 def test_a_tile_keeps_to_the_reductions_it_was_measured_on(monkeypatch):
     """A tile measured on reductions of at least ``min_k`` is not taken for a shallower one (a smaller
     model's layer): F.linear there, and ``gated`` declines."""
-    _lift_limits(monkeypatch)
-    monkeypatch.setattr(sl, "tma_tiles", lambda path=None: {"tall": sl.TmaTile(TmaConfig(32, 32, 1, 4, 2), 64),
-                                                            "glu": sl.TmaTile(TmaConfig(32, 32, 1, 4, 2), 64)})
-    streams = sl.StreamLinears(torch.device("cpu"))
+    tile = dict(TmaConfig(32, 32, 1, 4, 2)._asdict(), min_k=64)
+    tuning = _tuning().replace(tma_tiles={"tall": tile, "glu": tile})
+    streams = sl.StreamLinears(torch.device("cpu"), tuning)
     calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["tma_gemm"])
     for k, taken in ((48, 0), (64, 1)):
         streams.linear(torch.randn(80, k).bfloat16(), (torch.randn(2 * k, k) / 8).bfloat16())
@@ -392,15 +387,16 @@ def test_a_tile_keeps_to_the_reductions_it_was_measured_on(monkeypatch):
 
 def test_rows_past_max_rows_take_the_tma_tile_of_their_class(monkeypatch):
     """65-128 rows take the TMA kernel where the table has the weight's class (its tile, split K
-    clamped past ``SPLIT_MAX_N``), else F.linear; past 128 rows, an unaligned input, or with
-    ``TMA_GEMM`` off, F.linear; the results are the GEMM's either way."""
-    _lift_limits(monkeypatch, tma_tiles={"tall": TmaConfig(32, 32, 2, 4, 2)})
-    streams = sl.StreamLinears(torch.device("cpu"))
-    assert streams.workspace.part.numel() >= 2 * tma_ops.MAX_ROWS * sl.SPLIT_MAX_N
+    clamped past ``SPLIT_MAX_N``), else F.linear; past 128 rows or with an unaligned input, F.linear;
+    the results are the GEMM's either way."""
+    tuning = _tuning(tma_tiles={"tall": TmaConfig(32, 32, 2, 4, 2)})
+    streams = sl.StreamLinears(torch.device("cpu"), tuning)
+    assert streams.workspace.part.numel() >= 2 * tma_ops.MAX_ROWS * tuning.stream_split_max_n
     configs = _spy_configs(monkeypatch, sl, "tma_gemm")
-    stream_calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
+    stream_calls = count_calls(monkeypatch,
+            importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
     tall, square = (torch.randn(96, 48) / 7).bfloat16(), (torch.randn(48, 48) / 7).bfloat16()
-    for rows in (sl.MAX_ROWS + 1, 128):
+    for rows in (tuning.stream_max_rows + 1, 128):
         x = torch.randn(rows, 48).bfloat16()
         torch.testing.assert_close(streams.linear(x, tall).float(), F.linear(x.float(), tall.float()).bfloat16().float(),
                                    atol=3e-2, rtol=1.6e-2)
@@ -411,13 +407,11 @@ def test_rows_past_max_rows_take_the_tma_tile_of_their_class(monkeypatch):
     torch.testing.assert_close(streams.linear(unaligned, tall).float(),
                                F.linear(unaligned.float(), tall.float()).bfloat16().float(), atol=3e-2, rtol=1.6e-2)
     assert len(configs) == 2 and stream_calls["stream_gemm"] == 0
-    streams.linear(torch.randn(sl.MAX_ROWS, 48).bfloat16(), tall)  # the streaming kernel's rows
+    streams.linear(torch.randn(tuning.stream_max_rows, 48).bfloat16(), tall)  # the streaming kernel's rows
     assert stream_calls["stream_gemm"] == 1 and len(configs) == 2
-    monkeypatch.setattr(sl, "SPLIT_MAX_N", 64)  # too wide to split: one range
+    streams = sl.StreamLinears(torch.device("cpu"), tuning.replace(stream_split_max_n=64))  # too wide to split
     streams.linear(torch.randn(80, 48).bfloat16(), tall)
     assert configs[-1].split_k == 1
-    monkeypatch.setattr(sl, "TMA_GEMM", False)
-    assert sl.StreamLinears(torch.device("cpu")).tma_tiles == {}
 
 
 def test_residual_and_gated_activation_ride_in_the_tma_kernel(monkeypatch):
@@ -425,8 +419,8 @@ def test_residual_and_gated_activation_ride_in_the_tma_kernel(monkeypatch):
     weight gives ``act(gate) * up`` from the ``glu`` tile; without a ``glu`` tile ``gated`` declines."""
     from peft_fastlora.ops.silu_mul import act_mul
 
-    _lift_limits(monkeypatch, tma_tiles=TINY_TMA)
-    streams = sl.StreamLinears(torch.device("cpu"))
+    tuning = _tuning(tma_tiles=TINY_TMA)
+    streams = sl.StreamLinears(torch.device("cpu"), tuning)
     calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["tma_gemm"])
     w = (torch.randn(48, 112) / 10).bfloat16()  # deep: two K ranges
     x, residual = torch.randn(2, 40, 112).bfloat16(), torch.randn(2, 40, 48).bfloat16()
@@ -440,8 +434,8 @@ def test_residual_and_gated_activation_ride_in_the_tma_kernel(monkeypatch):
     assert calls["tma_gemm"] == 2 and out.shape == (90, 96)
     both = F.linear(h.float(), gate_up.float()).bfloat16()
     torch.testing.assert_close(out.float(), act_mul(both[:, :96], both[:, 96:], "silu").float(), atol=3e-2, rtol=2e-2)
-    _lift_limits(monkeypatch, tma_tiles={k: v for k, v in TINY_TMA.items() if k != "glu"})
-    assert sl.StreamLinears(torch.device("cpu")).gated(h, gate_up, None, "silu") is None
+    tuning = _tuning(tma_tiles={k: v for k, v in TINY_TMA.items() if k != "glu"})
+    assert sl.StreamLinears(torch.device("cpu"), tuning).gated(h, gate_up, None, "silu") is None
 
 
 def test_patched_model_decodes_through_the_tma_kernel_with_peft_tokens(monkeypatch):
@@ -451,8 +445,8 @@ def test_patched_model_decodes_through_the_tma_kernel_with_peft_tokens(monkeypat
     import peft_fastlora as fastlora
     from _models import left_padded_batch
 
-    _fp32_streams(monkeypatch, tma_tiles=TINY_TMA)
-    monkeypatch.setattr(sl, "MAX_ROWS", 2)
+    tuning = _tuning(tma_tiles=TINY_TMA, fp32=True)
+    tuning = tuning.replace(stream_max_rows=2)
     base = tiny_llama(0, vocab_size=128)
     base.generation_config.eos_token_id = None
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj",
@@ -465,9 +459,10 @@ def test_patched_model_decodes_through_the_tma_kernel_with_peft_tokens(monkeypat
     with torch.no_grad():
         want = model.generate(**batch, adapter_names=names, **kwargs)
     calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["tma_gemm"])
-    stream_calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
+    stream_calls = count_calls(monkeypatch,
+            importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
     with fastlora.patched(model, stream_gemm=True, fuse_norms=True, fuse_silu_mul=True, fuse=True,
-                          cuda_graphs="emulate"), torch.no_grad():
+                          cuda_graphs="emulate", tuning=tuning), torch.no_grad():
         got = model.generate(**batch, adapter_names=names, **kwargs)
     _same_decode(got, want)
     layers = model.config.num_hidden_layers
@@ -478,15 +473,15 @@ def test_patched_model_decodes_through_the_tma_kernel_with_peft_tokens(monkeypat
 def test_a_folded_deep_weight_with_its_residual_pending_takes_the_add_tile(monkeypatch):
     """With no ``deep`` tile in the table, a folded deep weight (more rows than the residual's columns)
     at 65-128 rows takes ``ADD_TILES``' tile when its residual add is pending (the add in its
-    epilogue) and cuBLAS otherwise; a plain deep weight, shallower reductions than the tile was
-    measured on, and ``ADD_TMA`` off keep cuBLAS (the layer adds the residual itself)."""
-    _lift_limits(monkeypatch, tma_tiles={k: v for k, v in TINY_TMA.items() if k != "deep"})
-    monkeypatch.setattr(sl, "ADD_TILES", {"deep": (dict(block_n=16, block_k=32, split_k=2, num_warps=4,
-                                                        num_stages=2), 112)})
+    epilogue) and cuBLAS otherwise; a plain deep weight and shallower reductions than the tile was
+    measured on keep cuBLAS (the layer adds the residual itself)."""
+    tuning = _tuning(tma_tiles={k: v for k, v in TINY_TMA.items() if k != "deep"})
+    tuning = tuning.replace(tma_add_tiles={"deep": (dict(block_n=16, block_k=32, split_k=2, num_warps=4,
+                                                                num_stages=2), 112)})
     calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["tma_gemm"])
     folded = (torch.randn(56, 112) / 10).bfloat16()  # 48 base rows and 8 rows of A under them
     x, residual = torch.randn(80, 112).bfloat16(), torch.randn(80, 48).bfloat16()
-    streams = sl.StreamLinears(torch.device("cpu"))
+    streams = sl.StreamLinears(torch.device("cpu"), tuning)
     plain = streams.linear(x, folded)
     assert calls["tma_gemm"] == 0
     streams.expect_add(folded, residual)
@@ -501,36 +496,25 @@ def test_a_folded_deep_weight_with_its_residual_pending_takes_the_add_tile(monke
         streams.expect_add(w, residual)
         streams.linear(xx, w)
         assert not streams.took_add() and calls["tma_gemm"] == 1
-    monkeypatch.setattr(sl, "ADD_TMA", False)
-    streams = sl.StreamLinears(torch.device("cpu"))
-    streams.expect_add(folded, residual)
-    streams.linear(x, folded)
-    assert not streams.took_add() and calls["tma_gemm"] == 1
 
 
 def test_lora_gate_up_takes_shrink_deltas_and_activation_in_one_launch(monkeypatch):
     """Past ``MAX_ROWS`` (lowered) a folded gate/up LoRA site gives ``act(gate) * up`` with both
-    deltas from one ``ops.glu_lora`` launch (B's columns kept by the site; off: none of it): mixed ranks, an adapter on gate only, "__base__" rows,
-    through emulated graphs; then an adapter added and one deleted mid-way (the sites rebuilt, the
+    deltas from one ``ops.glu_lora`` launch (B's columns kept by the site): mixed ranks, an adapter
+    on gate only, "__base__" rows, through emulated graphs; then an adapter added and one deleted mid-way (the sites rebuilt, the
     MLPs' path replaced, not doubled). PEFT's tokens and logits each time."""
     import peft_fastlora as fastlora
     from _models import left_padded_batch
     from peft_fastlora.patch import get_state
 
-    _fp32_streams(monkeypatch, tma_tiles=TINY_TMA)
-    monkeypatch.setattr(sl, "MAX_ROWS", 2)
+    tuning = _tuning(tma_tiles=TINY_TMA, fp32=True)
+    tuning = tuning.replace(stream_max_rows=2)
     base = tiny_llama(0, vocab_size=128)
     base.generation_config.eos_token_id = None
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "q_proj"],
                                             init_lora_weights=False), adapter_name="a").eval()
     model.add_adapter("b", LoraConfig(r=4, lora_alpha=4, target_modules=["gate_proj", "down_proj"],
                                       init_lora_weights=False))
-    monkeypatch.setattr(sl, "GLU_LORA", False)  # off: no site keeps its buffers, no MLP takes it
-    with fastlora.patched(model, backend="triton", stream_gemm=True, fold_shrink=True) as report:
-        assert report.stream_lora_gated_mlps == 0
-        assert not any("_fastlora_gated" in m.__dict__ for m in model.modules())
-        assert not any(site.pool.glu_buffers for site in get_state(model).sites)
-    monkeypatch.setattr(sl, "GLU_LORA", True)
     batch, names = left_padded_batch([5, 7, 3, 6], seed=5), ["a", "__base__", "b", "a"]
     kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
@@ -547,7 +531,7 @@ def test_lora_gate_up_takes_shrink_deltas_and_activation_in_one_launch(monkeypat
     layers = model.config.num_hidden_layers
     got = []
     with fastlora.patched(model, backend="triton", stream_gemm=True, fuse_norms=True, fuse_silu_mul=True,
-                          fold_shrink=True, cuda_graphs="emulate") as report, torch.no_grad():
+                          fold_shrink=True, cuda_graphs="emulate", tuning=tuning) as report, torch.no_grad():
         assert report.stream_lora_gated_mlps == layers and "LoRA gate/up, its shrink" in str(report)
         _same_decode(model.generate(**batch, adapter_names=names, **kwargs), want)
         assert sum(taken) >= layers * 3, taken  # every layer's MLP, the prefill and each decode step

@@ -77,9 +77,8 @@ def test_decode_sized_forward_as_close_to_peft_as_cublas(model, monkeypatch):
     """bf16 logits of an 8B-wide model carry about 1% of rounding against PEFT's whatever the GEMM:
     the kernel's must be no further from PEFT's than fastlora's with cuBLAS (a wrong tile, range or
     split sum would be orders of magnitude off)."""
-    import peft_fastlora.base_ops.stream_linears as sl
 
-    narrow = model.get_base_model().config.hidden_size < sl.NARROW_N
+    narrow = model.get_base_model().config.hidden_size < fastlora.Tuning().stream_narrow_n
     # rows the kernel takes: 48 for the wide layers, 24 for the narrow ones
     ids = torch.randint(3, 128, (len(NAMES), 4 if narrow else 8), device="cuda")
     outs = {}
@@ -89,7 +88,8 @@ def test_decode_sized_forward_as_close_to_peft_as_cublas(model, monkeypatch):
         for on in (True, False):
             report = fastlora.patch(model, stream_gemm=on)
             try:
-                calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
+                calls = count_calls(monkeypatch,
+                        importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["stream_gemm"])
                 folds = _count_folds(monkeypatch)
                 outs[on] = model(input_ids=ids, adapter_names=NAMES).logits
             finally:
@@ -174,22 +174,21 @@ def test_generate_at_96_rows_through_the_tma_kernel_as_close_to_peft_as_cublas(m
     """96 rows of mixed adapters: the graphs' decode steps take the TMA kernel (a tile for every
     class here, whatever the committed table holds; split K on the deep and square layers, the
     residual fold on down) and stay as close to PEFT's own mixed batch as with cuBLAS."""
-    import peft_fastlora.base_ops.stream_linears as sl
     from peft_fastlora.ops.tma_gemm import TmaConfig
 
     tiles = {"deep": TmaConfig(128, 64, 4, 8, 4), "square": TmaConfig(64, 128, 2, 4, 4),
              "tall": TmaConfig(128, 64, 1, 8, 4), "wide": TmaConfig(256, 64, 1, 8, 3)}
-    monkeypatch.setattr(sl, "tma_tiles", lambda path=None: {cls: sl.TmaTile(c) for cls, c in tiles.items()})
+    tuning = fastlora.Tuning(tma_tiles={cls: c._asdict() for cls, c in tiles.items()})
     lengths = [int(v) for v in torch.randint(2, 10, (96,), generator=torch.Generator().manual_seed(5))]
     names = [NAMES[i % len(NAMES)] for i in range(96)]
     batch = {k: v.cuda() for k, v in left_padded_batch(lengths, seed=11).items()}
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, adapter_names=names, output_logits=True,
               return_dict_in_generate=True)
-    results = _reference_then_tma_on_and_off(monkeypatch, model, "peft", batch, kw)
+    results = _reference_then_tma_on_and_off(monkeypatch, model, "peft", batch, kw, tuning)
     _rows_as_close_as_cublas(results, "peft", batch["input_ids"].shape[1], 6)
 
 
-def _reference_then_tma_on_and_off(monkeypatch, model, ref_key, batch, kw):
+def _reference_then_tma_on_and_off(monkeypatch, model, ref_key, batch, kw, tuning=None):
     """``model``'s own ``generate`` (under ``ref_key``), then fastlora's with its kernels on (True) and
     off (False): the TMA GEMM called with them on only."""
 
@@ -197,8 +196,9 @@ def _reference_then_tma_on_and_off(monkeypatch, model, ref_key, batch, kw):
     with torch.no_grad():
         results[ref_key] = model.generate(**batch, **kw)
         for on in (True, False):
-            calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["tma_gemm"])
-            with fastlora.patched(model, stream_gemm=on):
+            calls = count_calls(monkeypatch,
+                    importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["tma_gemm"])
+            with fastlora.patched(model, stream_gemm=on, tuning=tuning):
                 results[on] = model.generate(**batch, **kw)
             assert (calls["tma_gemm"] > 0) == on, calls
     return results
@@ -246,7 +246,7 @@ def test_generate_at_96_rows_gate_up_in_one_launch_as_close_to_peft_as_without(m
     """96 rows of mixed adapters (ranks 16 and 32 on gate/up, one adapter not there), the committed
     tiles: the gate/up site takes ``ops.glu_lora`` (shrink, deltas and act-mul in one launch) in the
     prefill and the graphs' decode steps, and stays as close to PEFT's own mixed batch as the folded
-    GEMM, expand and act-mul it replaces (``GLU_LORA`` off)."""
+    GEMM, expand and act-mul it replaces (the table without its gated tile)."""
     import peft_fastlora.base_ops.stream_linears as sl
 
     if model.config.intermediate_size != WIDTHS["8b"]["intermediate_size"]:
@@ -259,11 +259,13 @@ def test_generate_at_96_rows_gate_up_in_one_launch_as_close_to_peft_as_without(m
     results = {}
     with torch.no_grad():
         results["peft"] = model.generate(**batch, **kw)
+        committed = {cls: dict(t.config._asdict(), min_k=t.min_k) for cls, t in sl.tma_tiles().items()}
         for on in (True, False):
-            monkeypatch.setattr(sl, "GLU_LORA", on)
-            calls = count_calls(monkeypatch, importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["glu_lora"])
-            with fastlora.patched(model, stream_gemm=True) as report:
-                assert (report.stream_lora_gated_mlps > 0) == on == ("LoRA gate/up, its shrink" in str(report))
+            tuning = fastlora.Tuning(tma_tiles=committed if on else {k: v for k, v in committed.items() if k != "glu"})
+            calls = count_calls(monkeypatch,
+                    importlib.import_module("peft_fastlora.base_ops.stream_linears"), ["glu_lora"])
+            with fastlora.patched(model, stream_gemm=True, tuning=tuning) as report:
+                assert report.stream_lora_gated_mlps > 0 and "LoRA gate/up, its shrink" in str(report)
                 results[on] = model.generate(**batch, **kw)
             assert (calls["glu_lora"] > 0) == on, calls
     _rows_as_close_as_cublas(results, "peft", batch["input_ids"].shape[1], 6)

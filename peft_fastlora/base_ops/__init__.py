@@ -136,7 +136,7 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
         else:
             ops.off[option] = f"{option}=False" if value is False else why_not
     if stream_wanted(model, options, device):
-        ops.stream = StreamLinears(device)
+        ops.stream = StreamLinears(device, options.tuning)
         ops.installed["stream_gemm"] = ops.stream.install(model)
         for g in ops.fused_groups:
             g.group.gemm = ops.gemm

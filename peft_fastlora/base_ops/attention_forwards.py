@@ -56,7 +56,6 @@ def forward(self, hidden_states, position_embeddings{default}, attention_mask{de
     attn_output = self.o_proj(attn_output)
     return attn_output, attn_weights
 '''
-ONE_KERNEL = True  # the rotary and the KV write in one kernel (benchmarks turn it off for an A/B)
 _SLIDING = {None: "", "module": "\n        sliding_window=self.sliding_window,",
             "config": '\n        sliding_window=getattr(self.config, "sliding_window", None),'}
 
@@ -116,7 +115,7 @@ def make_attention_forward(form: Form, original: Callable, fallback: Callable, f
             proj(hidden_states).view(*input_shape, -1, self.head_dim).transpose(1, 2)
             for proj in (self.q_proj, self.k_proj, self.v_proj))
         cos, sin = position_embeddings
-        if ONE_KERNEL and rotary_applies(query_states, key_states, cos, sin) and kernel_writes(
+        if rotary_applies(query_states, key_states, cos, sin) and kernel_writes(
                 layer, key_states, value_states):
             query_states, key_states, value_states = rotary_update(layer, query_states, key_states, value_states,
                                                                    cos, sin)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -32,8 +31,6 @@ from ..ops.rotary_table import gather_cos_sin, gather_cos_sin_reference
 
 logger = logging.getLogger("peft_fastlora")
 
-# False (or FASTLORA_ROTARY_TABLE=0 at import): the modules' own forward everywhere, for an A/B
-ENABLED = os.environ.get("FASTLORA_ROTARY_TABLE", "1").strip().lower() not in ("0", "off", "false")
 # rope types whose inverse frequencies and scaling never change with the sequence
 # (transformers' ``dynamic_rope_update`` changes "dynamic" ones and "longrope")
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})

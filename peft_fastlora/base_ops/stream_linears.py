@@ -7,12 +7,13 @@ kernel before it to drain. The streaming kernel covers every SM from the start a
 programmatic dependent launch, runs its preamble while the kernel before it finishes (both
 measured per shape and batch against cuBLAS on an H200).
 
-``StreamLinears.linear`` is ``F.linear`` that takes the kernel where it applies: bf16 / fp16
-inputs of at most ``MAX_ROWS`` rows with no gradient, on the model's device, output widths between
-``MIN_N`` and ``MAX_N`` (the LM head is already at the bandwidth under cuBLAS), reductions of at
-least ``MIN_K`` that the 16-byte loads can take. Layers narrower than ``NARROW_N`` (a 1B model's
-q/k/v, o and down) give too few column blocks to cover the SMs, so they split K into ranges and
-stream up to ``NARROW_MAX_ROWS`` rows only (past it cuBLAS measured as fast). Everything
+``StreamLinears.linear`` is ``F.linear`` that takes the kernel where it applies (the limits are
+``Tuning``'s ``stream_*`` fields): bf16 / fp16 inputs of at most ``stream_max_rows`` rows with no
+gradient, on the model's device, output widths between ``stream_min_n`` and ``stream_max_n`` (the LM
+head is already at the bandwidth under cuBLAS), reductions of at least ``stream_min_k`` that the
+16-byte loads can take. Layers narrower than ``stream_narrow_n`` (a 1B model's q/k/v, o and down)
+give too few column blocks to cover the SMs, so they split K into ranges and stream up to
+``stream_narrow_max_rows`` rows only (past it cuBLAS measured as fast). Everything
 else, float32 included, is ``F.linear``. It is installed only on CUDA devices of compute
 capability 9 (``supported_device``: the tiles were chosen on an H200).
 
@@ -33,10 +34,10 @@ One whose gate/up pair is a folded LoRA site does at 65-128 rows, where the gate
 through ``ops.glu_lora`` (``gated_lora``): the site's shrink, gate/up, the rows' deltas and the
 act-mul in one launch, in place of the folded GEMM, the expand and the act-mul.
 
-Past ``MAX_ROWS`` (a batch of 65-128 rows) the arithmetic is no longer small beside the weight's
-bytes and the streaming kernel loses to cuBLAS; there the TMA-fed tensor-core kernel
-(``ops.tma_gemm``) takes the layers of at least ``NARROW_N`` outputs whose shape class (``shape_class``)
-has a tile in ``TMA_TILES``, a table measured on an H200 holding only the classes where the
+Past ``stream_max_rows`` (a batch of 65-128 rows) the arithmetic is no longer small beside the
+weight's bytes and the streaming kernel loses to cuBLAS; there the TMA-fed tensor-core kernel
+(``ops.tma_gemm``) takes the layers of at least ``stream_narrow_n`` outputs whose shape class
+(``shape_class``) has a tile in ``TMA_TILES``, a table measured on an H200 holding only the classes where the
 kernel's best tile beat cuBLAS, each with the shallowest reduction it was measured on (shallower
 ones, say a 1B model's, keep cuBLAS); the others keep cuBLAS. The residual and gated-activation
 epilogues ride there too.
@@ -61,26 +62,14 @@ from .mlp_forwards import has_gated_forward
 from ..ops.glu_lora import glu_lora
 from ..ops.stream_gemm import stream_gemm, StreamConfig, StreamWorkspace
 from ..ops.tma_gemm import MAX_ROWS as TMA_ROWS, tma_aligned, tma_gemm, TmaConfig
+from ..tuning import Tuning
 
-MAX_ROWS = 64
-MIN_N, MAX_N = 2048, 65536
-NARROW_N, NARROW_MAX_ROWS = 4096, 32  # narrower layers: split-K tiles, fewer rows (module doc)
-MIN_K = 2048  # the shallowest reduction measured (a 1B model's gate/up); shallower ones keep cuBLAS
-EPILOGUE_FOLDS = True  # the residual add and the gated activation in GEMM epilogues (off: benchmarks' A/B)
-SPLIT_MAX_N = 16384  # widest layer a split-K launch covers (wider ones need no split)
-TMA_GEMM = True  # 65-128 rows through ops.tma_gemm where TMA_TILES has a tile (off: benchmarks' A/B)
-# folded LoRA gate/up sites at 65-128 rows through ops.glu_lora (off: benchmarks' A/B; read when the
-# model is patched: the sites then keep its buffers, B's columns among them)
-GLU_LORA = True
 TMA_TILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tma_tiles_h200.json")
 # A folded deep layer ([W; A] of a LoRA down_proj) at 65-128 rows whose residual add rides along: the TMA
 # kernel's best deep tile in the H200 measurements behind TMA_TILES, at reductions as deep as it was
 # measured on. Alone it is a little slower than cuBLAS (so the table leaves the class out), but behind
 # cuBLAS the residual add reads the base columns of the wider output, a strided view, in a kernel of its
-# own. A plain down keeps cuBLAS and the vectorised add (faster there; off: benchmarks' A/B)
-ADD_TMA = True
-ADD_TILES = {"deep": (dict(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4), 14336)}
-_DTYPES = (torch.bfloat16, torch.float16)
+# own (``Tuning.tma_add_tiles``). A plain down keeps cuBLAS and the vectorised add (faster there).
 _hopper: Dict[int, bool] = {}
 # the members of fusible groups reach the kernel through their group's GEMM, not a forward of their own
 _GROUP_MEMBERS = frozenset(n for names in FUSIBLE_GROUPS.values() for n in names)
@@ -96,13 +85,12 @@ def supported_device(device: torch.device) -> bool:
     return _hopper[index]
 
 
-def _config(m: int, n: int, k: int):
+def _config(m: int, n: int, k: int, narrow_n: int):
     """The tile for ``m`` rows of an (n, k) weight: the best measured on an H200 after a norm at 8B
     Llama's shapes (wide gate/up; q/k/v wider than deep; square o and deep down, which past a few
-    rows stream best in two K ranges), and at 1B Llama's for layers narrower than ``NARROW_N``
+    rows stream best in two K ranges), and at 1B Llama's for layers narrower than ``narrow_n``
     (q/k/v in one range up to 16 rows, then two; o and down in four)."""
-
-    if n < NARROW_N:
+    if n < narrow_n:
         if n > k:
             return StreamConfig(block_n=64, block_k=128, split_k=1 if m <= 16 else 2, num_warps=4,
                                 num_stages=8 if m <= 16 else 6)
@@ -125,7 +113,7 @@ def shape_class(n: int, k: int) -> str:
 
 
 class TmaTile(NamedTuple):
-    config: "TmaConfig"  # noqa: F821 (ops.tma_gemm's; not imported here: that imports Triton)
+    config: TmaConfig
     min_k: int = 0  # the shallowest reduction the tile was measured on: shallower ones keep cuBLAS
 
 
@@ -143,42 +131,36 @@ def tma_tiles(path: Optional[str] = None) -> Dict[str, TmaTile]:
             for name, fields in classes.items()}
 
 
-def lora_gated_wanted() -> bool:
-    """``GLU_LORA`` and ``EPILOGUE_FOLDS``: folded LoRA gate/up sites keep ``ops.glu_lora``'s buffers
-    and take it where it applies."""
-    return GLU_LORA and EPILOGUE_FOLDS
-
-
 class StreamLinears:
     """One model's decode GEMMs through the kernel: ``linear`` for its fused groups and the instance
     forwards of its other plain ``nn.Linear`` layers, and the split-K workspace they share (the
     model's forwards run one at a time, so its launches never overlap)."""
 
-    def __init__(self, device: torch.device):
-
+    def __init__(self, device: torch.device, tuning: Optional[Tuning] = None):
+        self.tuning = t = tuning if tuning is not None else Tuning()
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # compared with tensors' devices, which have one
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         # a zero-argument test the owner sets: True where this forward keeps cuBLAS
         self.skip: Optional[Callable[[], bool]] = None
-        self.tma_tiles = tma_tiles() if TMA_GEMM else {}
-
-
-        self.add_tiles = ({name: TmaTile(TmaConfig(**fields), min_k) for name, (fields, min_k) in ADD_TILES.items()}
-                          if TMA_GEMM and ADD_TMA else {})
+        self.tma_tiles = tma_tiles() if t.tma_tiles is None else {
+            name: TmaTile(TmaConfig(**{k: v for k, v in fields.items() if k != "min_k"}), fields.get("min_k", 0))
+            for name, fields in t.tma_tiles.items()}
+        self.add_tiles = {name: TmaTile(TmaConfig(**fields), min_k)
+                          for name, (fields, min_k) in t.tma_add_tiles.items()}
         tiles = list(self.tma_tiles.values()) + list(self.add_tiles.values())
         tma_split = max([t.config.split_k for t in tiles], default=1)
         tma_block_n = min([t.config.block_n for t in tiles], default=64)
-        # the partials of the largest split launch (two K ranges of MAX_ROWS rows of the widest layer
+        # the partials of the largest split launch (two K ranges of the most rows of the widest layer
         # that splits, four of a narrow layer's, or the TMA tiles' ranges of their rows), a ticket per
         # column tile
         self.workspace = StreamWorkspace(
-            device, max(2 * MAX_ROWS * SPLIT_MAX_N, 4 * NARROW_MAX_ROWS * NARROW_N, tma_split * TMA_ROWS * SPLIT_MAX_N),
-            SPLIT_MAX_N // min(64, tma_block_n))
+            device, max(2 * t.stream_max_rows * t.stream_split_max_n, 4 * t.stream_narrow_max_rows * t.stream_narrow_n,
+                        tma_split * TMA_ROWS * t.stream_split_max_n),
+            t.stream_split_max_n // min(64, tma_block_n))
         self._tma_rows = TMA_ROWS
         self.modules: List[Tuple[str, nn.Module]] = []
-        self.epilogue_folds = EPILOGUE_FOLDS
         self._streamed: set = set()  # ids of the modules with the instance forward
         self._folding: List[nn.Module] = []  # decoder layers told to fold their residual add, gated MLPs
         self.residual_layers = self.gated_mlps = 0  # how many of each (the patch report's)
@@ -190,8 +172,9 @@ class StreamLinears:
 
     def _tma_tile(self, rows: int, n: int, k: int, glu: bool = False, weight: Optional[torch.Tensor] = None):
         """The TMA kernel's tile for ``rows`` rows of an (n, k) weight, or None (module doc); a folded
-        deep ``weight`` whose residual add is pending takes ``ADD_TILES``' where the table has none."""
-        if rows <= MAX_ROWS or rows > self._tma_rows or n < NARROW_N:
+        deep ``weight`` whose residual add is pending takes ``Tuning.tma_add_tiles``' where the table
+        has none."""
+        if rows <= self.tuning.stream_max_rows or rows > self._tma_rows or n < self.tuning.stream_narrow_n:
             return None
         cls = "glu" if glu else shape_class(n, k)
         tile = self.tma_tiles.get(cls)
@@ -209,10 +192,12 @@ class StreamLinears:
         """The rows of ``x`` where ``x @ weight.T`` takes one of the kernels (module doc), else 0."""
         n, k = weight.shape if weight.dim() == 2 else (0, 0)
         rows = x.numel() // k if k and x.dim() and x.shape[-1] == k else 0
-        max_rows = MAX_ROWS if n >= NARROW_N else NARROW_MAX_ROWS
+        t = self.tuning
+        max_rows = t.stream_max_rows if n >= t.stream_narrow_n else t.stream_narrow_max_rows
         if rows > max_rows and self._tma_tile(rows, n, k, glu, weight) is not None:
             max_rows = self._tma_rows
-        if (rows > max_rows or rows == 0 or not MIN_N <= n <= MAX_N or k < MIN_K or k % 8 or x.dtype not in _DTYPES
+        if (rows > max_rows or rows == 0 or not t.stream_min_n <= n <= t.stream_max_n or k < t.stream_min_k or k % 8
+                or x.dtype not in t.stream_dtypes
                 or weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1))
                 or weight.stride(1) != 1 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
                 or x.device != self.device or weight.device != self.device or (self.skip is not None and self.skip())):
@@ -232,8 +217,8 @@ class StreamLinears:
         tile = self._tma_tile(rows, n, k, weight=weight)
         if tile is not None and not (tma_aligned(x2) and tma_aligned(weight)):
             return F.linear(x, weight, bias)  # a descriptor cannot address it
-        config = tile or _config(rows, n, k)
-        if config.split_k > 1 and n > SPLIT_MAX_N:
+        config = tile or _config(rows, n, k, self.tuning.stream_narrow_n)
+        if config.split_k > 1 and n > self.tuning.stream_split_max_n:
             config = config._replace(split_k=1)
         add = self._take_add(weight, rows, n, x.dtype)
         gemm = stream_gemm if tile is None else tma_gemm
@@ -244,7 +229,7 @@ class StreamLinears:
               ) -> Optional[torch.Tensor]:
         """``act(gate) * up`` for a fused [gate; up] ``weight`` in one kernel GEMM, or None where the
         kernel does not take it (the caller runs its own GEMM and activation)."""
-        rows = self._rows(x, weight, bias, glu=True) if self.epilogue_folds else 0
+        rows = self._rows(x, weight, bias, glu=True)
         if not rows or weight.shape[0] % 2:
             return None
 
@@ -268,8 +253,6 @@ class StreamLinears:
         each, then the arena) and ``lora`` its ``ops.glu_lora.GluLora`` (checked once per scratch by
         the caller's ``check``). ``act(gate + dg) * (up + du)`` in one launch at 65-128 rows where
         the gated tile applies; None elsewhere (the caller takes its folded GEMM and expand)."""
-        if not (self.epilogue_folds and GLU_LORA):
-            return None
         rows = self._rows(x, weight[: 2 * n], None, glu=True)
         k = weight.shape[1]
         tile = self._tma_tile(rows, 2 * n, k, glu=True) if rows else None
@@ -282,10 +265,6 @@ class StreamLinears:
         if not (tma_aligned(x2) and tma_aligned(weight)):
             return None
         return glu_lora(x2, weight, n, lora, act, tile, check=False).view(*x.shape[:-1], n)
-
-    def lora_gated_on(self) -> bool:
-        """Whether folded LoRA gate/up sites get ``gated_lora`` (``lora_gated_wanted``)."""
-        return self.epilogue_folds and lora_gated_wanted()
 
     def fold_gated_lora(self, mlp: nn.Module, gated: Callable) -> None:
         """Give ``mlp``, whose gate/up is a folded LoRA site, ``gated`` (the site's ``gated_lora``
@@ -332,7 +311,7 @@ class StreamLinears:
     def residual_target(self, layer: nn.Module) -> Optional[torch.Tensor]:
         """down_proj's base weight where ``layer``'s MLP may fold the residual (module doc), else None."""
         mlp = getattr(layer, "mlp", None)
-        if not self.epilogue_folds or mlp is None or not has_gated_forward(mlp):
+        if mlp is None or not has_gated_forward(mlp):
             return None
         down = getattr(mlp, "down_proj", None)
         if is_lora_layer(down):

@@ -16,20 +16,15 @@ never let a pre-wait read see a GEMM's output.
 
 The graph is edited through the CUDA driver (``libcuda``, CUDA 12.3 or later for edge data).
 Where any of that is missing, nothing is moved and the graph is the one captured.
-``FASTLORA_EARLY_LAUNCH=0`` in the environment (read at import) or ``ENABLED = False`` turns it
-off, for an A/B.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from typing import Callable, Iterable, List, NamedTuple, Optional
 
 logger = logging.getLogger(__name__)
-
-ENABLED = os.environ.get("FASTLORA_EARLY_LAUNCH", "1").strip().lower() not in ("0", "off", "false")
 
 # Triton kernels whose pre-wait part reads only what no kernel of the step writes
 EARLY_KERNELS = frozenset({"_lora_expand_kernel", "_lora_expand_wide_kernel"})
@@ -181,7 +176,7 @@ def edges(graph_handle: int) -> List[Edge]:
 
 def wanted() -> bool:
     """Whether captures should keep their graph for ``edit`` (on, and not found unusable)."""
-    return ENABLED and unavailable is None
+    return unavailable is None
 
 
 def disable(reason: str) -> None:
@@ -196,7 +191,7 @@ def launch_early(graph_handle: int) -> List[Edge]:
     it is instantiated) to the launch-order port; returns them as they were ([] where the driver
     lacks the API). Should the driver refuse the new edge, the old one is put back and
     ``DriverError`` raised; the edges moved before it stay moved."""
-    drv = _get_driver() if ENABLED else None
+    drv = _get_driver()
     if drv is None:
         return []
     graph = ctypes.c_void_p(graph_handle)

@@ -27,7 +27,6 @@ from ..kernel_support import kernel_runs_on
 from ..ops.greedy_select import MAX_IDS, greedy_select, greedy_select_reference
 from .stop_flag import FlagStopCheck, flag_check_applies
 
-ENABLED = True  # benchmarks switch it off for an A/B; False: every call keeps transformers' loop
 
 
 def _suppress_rules(logits_processor):
@@ -45,8 +44,6 @@ def _suppress_rules(logits_processor):
 
 def patch_blocker(model) -> Optional[str]:
     """Why no call of this model runs this loop (None: greedy calls may; ``blocker`` decides each)."""
-    if not ENABLED:
-        return "fused token selection switched off"
     return greedy_loop_missing(model)
 
 

@@ -38,7 +38,6 @@ from typing import Dict, Optional
 import torch
 
 from ..compat.generate import cache_kwarg_name
-from ..base_ops import rotary_tables
 from ..batch import NO_LORA_BATCH, ForwardBatch
 from . import early_launch, step_advance
 from .capture import EmulatedGraph, GraphPool, GraphUnsafe, capture
@@ -105,7 +104,7 @@ class DecodeGraphRunner:
         out["eager_reasons"] = dict(self.eager_reasons)
         out["selection_reasons"] = dict(self.selection_reasons)
         out["advance_reasons"] = dict(self.advance_reasons)
-        out["early_launch_off"] = early_launch.unavailable if early_launch.ENABLED else "disabled"
+        out["early_launch_off"] = early_launch.unavailable
         ops = self.state.base_ops
         out["rotary_table_off"] = dict(ops.rotary_tables.off) if ops is not None and ops.rotary_tables else {}
         return out
@@ -419,7 +418,7 @@ class DecodeGraphRunner:
         transformers derives (below the cache's length), tables installed and switched on."""
         ops = self.state.base_ops
         tables = ops.rotary_tables if ops is not None else None
-        if self.own_positions or not rotary_tables.ENABLED or tables is None or not tables.modules:
+        if self.own_positions or tables is None or not tables.modules:
             return None
         return tables
 

@@ -32,7 +32,6 @@ from ..ops.kv_cache import kv_cache_write
 from ..ops.rotary_kv import rotary_kv_write
 
 MIN_LENGTH = 256
-KV_TICKET = True  # the KV-write kernel advances the fill length itself (benchmarks turn it off for an A/B)
 
 
 def round_length(n: int) -> int:
@@ -79,7 +78,7 @@ class StaticCacheStore:
         # the KV-write kernel's ticket (ops.kv_cache): one for every layer, since the layers' writes
         # run one after another and each leaves it at zero; allocated here, outside any capture
         with torch.inference_mode(False):
-            self._ticket = torch.zeros(1, dtype=torch.int32, device=self.device) if KV_TICKET else None
+            self._ticket = torch.zeros(1, dtype=torch.int32, device=self.device)
 
     # -- sizes --------------------------------------------------------------------------------
     def bytes_per_token(self) -> int:

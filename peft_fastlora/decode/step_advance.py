@@ -31,11 +31,6 @@ import torch
 from ..ops.greedy_select import MAX_IDS, SelectWorkspace
 from ..ops.step_inputs import advance_inputs, advance_inputs_reference, kernel_takes, StepRecord
 
-# False: every greedy step builds its inputs on the host (transformers' loop), for an A/B
-ENABLED = True
-
-# the next inputs in one kernel (``ops.step_inputs``); False: torch's few ops (an A/B switch)
-FUSED_INPUTS = True
 MASK_TAG = "_fastlora_step_mask"  # set by ``step_mask`` on the masks it builds: value, the window (or 0)
 _ADVANCED = ("input_ids", "position_ids", "cache_position", "attention_mask")
 
@@ -54,8 +49,6 @@ def blocker(inputs: Dict[str, object], rows: int, max_length: int, n_suppress: i
     of the call will have (the deferred check's extra step included); ``n_suppress``: the most ids
     a minimum length of the call suppresses at once."""
 
-    if not ENABLED:
-        return "step inputs on the GPU switched off"
     if n_suppress > MAX_IDS:
         return f"more than {MAX_IDS} suppressed ids"
     for name, value in inputs.items():
@@ -118,7 +111,7 @@ class StepAdvance:
                                  history=torch.zeros(padded, self.last_column + 3, dtype=torch.int64, device=dev),
                                  unfinished=self.unfinished, done=torch.zeros(1, dtype=torch.bool, device=dev))
         self.first_column = 0  # the call's first column in the history (``start``)
-        fused = FUSED_INPUTS and kernel_takes(self.masks, self.counters, self.column, self.record)
+        fused = kernel_takes(self.masks, self.counters, self.column, self.record)
         self._advance = advance_inputs if fused else advance_inputs_reference
         # its own slots and tickets: the shared workspace is replaced when a larger batch selects,
         # and a captured launch would keep the freed one

@@ -15,9 +15,6 @@ import torch
 
 # devices whose streams order the flag's copy after the step (tests add "cpu" with a stand-in event)
 DEVICE_TYPES = {"cuda"}
-# False: the greedy loop keeps transformers' deferred check (its reduction, and an ids copy, between
-# steps) where ``FlagStopCheck`` would serve; an A/B switch for the benchmarks
-FLAG_CHECK = True
 
 
 class FlagStopCheck:
@@ -62,4 +59,4 @@ class FlagStopCheck:
 def flag_check_applies(device: torch.device, runner, is_assistant: bool) -> bool:
     """Whether ``greedy_loop`` checks its stops with ``FlagStopCheck`` (a call fastlora's graphs
     serve, on a device whose copies an event orders), where transformers' deferred check would run."""
-    return FLAG_CHECK and runner is not None and device.type in DEVICE_TYPES and not is_assistant
+    return runner is not None and device.type in DEVICE_TYPES and not is_assistant

@@ -34,20 +34,17 @@ FUSIBLE_GROUPS = {
     "gate_up": ("gate_proj", "up_proj"),
 }
 # The GEMM computes every row of a folded arena at every step, whichever adapters the batch uses.
-# An arena of at most FOLD_MAX_SHARE of the base weight's rows is folded for every call; one of at
-# most FOLD_CALL_SHARE is stored under the base weight too, and folded for the calls whose adapters
-# use at least FOLD_MIN_USE of its rows (a graph per choice: ``FastLoRAState.fold_now``), where
-# every adapter has a GPU slot (fewer slots: the arena is sized for the largest adapters, not the
-# loaded ones); larger ones keep the fused kernel. The shares follow the measured cost per row of
-# the folded tail and of the fused kernel: past them the GEMM's unused rows cost more than it saves.
-FOLD_MAX_SHARE = 1 / 8
-FOLD_CALL_SHARE = 1.0
-FOLD_MIN_USE = 1 / 3
-# With fewer slots than adapters a larger arena is not stored under the base weight: a *staging*
-# tail is, sized for what a call of ``num_slots`` average adapters uses (times this margin, and at
-# most FOLD_CALL_SHARE of the base rows); a call that folds copies its adapters' A blocks there
-# first (``SitePool.stage_call``), one that does not fit takes the fused kernel.
-FOLD_STAGE_MARGIN = 1.25
+# An arena of at most ``Tuning.fold_max_share`` of the base weight's rows is folded for every call;
+# one of at most ``fold_call_share`` is stored under the base weight too, and folded for the calls
+# whose adapters use at least ``fold_min_use`` of its rows (a graph per choice:
+# ``FastLoRAState.fold_now``), where every adapter has a slot (fewer slots: the arena is sized for the
+# largest adapters, not the loaded ones); larger ones keep the fused kernel. The shares follow the
+# measured cost per row of the folded tail and of the fused kernel: past them the GEMM's unused rows
+# cost more than it saves. With fewer slots than adapters a larger arena is not stored under the
+# base weight: a *staging* tail is, sized for what a call of ``num_slots`` average adapters uses
+# (times ``fold_stage_margin``, and at most ``fold_call_share`` of the base rows); a call that folds
+# copies its adapters' A blocks there first (``SitePool.stage_call``), one that does not fit takes
+# the fused kernel.
 
 
 @dataclass
@@ -65,7 +62,7 @@ class FusedGroup:
     ext_bias: Optional[torch.Tensor] = None  # ``bias`` then zeros, when there is a bias
     tail: Optional[torch.Tensor] = None  # the rows under the base weight (a pool's A arena), or None
     fold_refusal: Optional[str] = None  # why the last ``attach_tail`` did not fold
-    per_call: bool = False  # the tail is folded only for calls that use enough of it (FOLD_MIN_USE)
+    per_call: bool = False  # the tail is folded only for calls that use enough of it (fold_min_use)
     staged: bool = False  # the tail is a staging area a call's A blocks are copied to, not the arena
     gemm: Optional[Callable] = None  # F.linear's stand-in for the fused GEMMs (base_ops.stream_linears), or None
 
@@ -120,22 +117,23 @@ class FusedGroup:
         else:
             self.bias = self.ext_bias = None
 
-    def attach_tail(self, rows: int, dtype: torch.dtype, device, per_call_ok: bool = True,
-                    stage_rows: int = 0) -> Optional[torch.Tensor]:
+    def attach_tail(self, rows: int, dtype: torch.dtype, device, *, max_share: float, call_share: float,
+                    per_call_ok: bool = True, stage_rows: int = 0) -> Optional[torch.Tensor]:
         """Re-fuse with ``rows`` zero rows under the base weight and return them (a pool's A
         arena), or None where folding does not apply: too many rows for the GEMM to carry
-        (``FOLD_CALL_SHARE``), another dtype or device, or base layers that no longer take one
-        GEMM. A tail no longer wanted is dropped. Past ``FOLD_MAX_SHARE`` the tail is folded per
-        call (``per_call``), where ``per_call_ok`` (the pool holds every adapter); where it does
-        not and ``stage_rows`` is given, the tail is a staging area of that many rows (at most
-        ``FOLD_CALL_SHARE`` of the base rows; ``staged``) and the arena lives elsewhere."""
+        (``call_share`` of the base rows), another dtype or device, or base layers that no longer
+        take one GEMM. A tail no longer wanted is dropped. Past ``max_share`` the tail is folded
+        per call (``per_call``), where ``per_call_ok`` (the pool holds every adapter); where it
+        does not and ``stage_rows`` is given, the tail is a staging area of that many rows (at most
+        ``call_share`` of the base rows; ``staged``) and the arena lives elsewhere."""
         first = local(self.bases[0].weight)
         n = sum(self.out_features)
-        self.per_call = rows > n * FOLD_MAX_SHARE
+        self.per_call = rows > n * max_share
         self.staged = self.per_call and not per_call_ok and stage_rows > 0
         if self.staged:
-            rows = min(rows, stage_rows, int(n * FOLD_CALL_SHARE) // 8 * 8)
-        self.fold_refusal = self._fold_refusal(rows, n, first, dtype, device, per_call_ok or self.staged)
+            rows = min(rows, stage_rows, int(n * call_share) // 8 * 8)
+        limit = max(max_share, call_share) if (per_call_ok or self.staged) else max_share
+        self.fold_refusal = self._fold_refusal(rows, n, first, dtype, device, limit, per_call_ok or self.staged)
         if self.fold_refusal is not None:
             self.staged = False
             if self.tail is not None and self.is_intact():
@@ -154,10 +152,9 @@ class FusedGroup:
                 repoint_local(b.bias, local(b.bias).detach().clone())
         self.weight = self.bias = self.ext = self.ext_bias = self.tail = None
 
-    def _fold_refusal(self, rows, n, first, dtype, device, per_call_ok=True) -> Optional[str]:
+    def _fold_refusal(self, rows, n, first, dtype, device, limit: float, per_call_ok: bool) -> Optional[str]:
         if rows <= 0:
             return "no adapter targets it"
-        limit = max(FOLD_MAX_SHARE, FOLD_CALL_SHARE) if per_call_ok else FOLD_MAX_SHARE
         if rows > n * limit:
             return (f"its adapters' A rows ({rows}) would add more than {limit:.3g} of its "
                     f"{n} base rows to the GEMM" + ("" if per_call_ok else

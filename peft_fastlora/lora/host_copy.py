@@ -25,12 +25,8 @@ from ..compat.modules import foreach_copy
 from ..kernel_support import kernel_runs_on
 from .pool import HostRun, _storage_address, copy_values
 from ..ops.segment_copy import segment_copy
+from ..tuning import Tuning
 
-STAGING_BYTES = 256 << 20  # at most this much staging at once (a larger storage span gets its own)
-# at most this much of a load's buffers queued ahead of placement (all of it is live until the
-# segment copy, and the caching allocator keeps it for the next load); the rest staged as before
-PRESTAGE_BYTES = 1 << 30
-STAGED_DEVICES = ("cuda",)  # where staging pays (tests add "cpu" to run the staged path)
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -41,19 +37,21 @@ def _extent(t: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def prestage(buffers: Sequence[torch.Tensor], device: torch.device) -> Dict[int, Tuple[torch.Tensor, int]]:
+def prestage(buffers: Sequence[torch.Tensor], device: torch.device,
+             tuning: Tuning) -> Dict[int, Tuple[torch.Tensor, int]]:
     """Queue copies of whole host buffers (1-D, pinned on CUDA) to ``device``, up to
-    ``PRESTAGE_BYTES`` in all (the rest take ``copy_from_host``'s own path). Returns, by the address
-    of each buffer's storage, (staging, where the storage's element 0 would sit in it)."""
+    ``tuning.prestage_bytes`` in all (the rest take ``copy_from_host``'s own path: all of it stays
+    live until the segment copy, and the caching allocator keeps it for the next load). Returns, by
+    the address of each buffer's storage, (staging, where the storage's element 0 would sit in it)."""
     device = torch.device(device)
-    if device.type not in STAGED_DEVICES:
+    if device.type not in tuning.staged_devices:
         return {}
     by_dtype: Dict[torch.dtype, list] = {}
     total = 0
     for b in buffers:
         if (device.type == "cuda" and not b.is_pinned()) or (device.type != "cuda" and not kernel_runs_on(b)):
             continue
-        if total + b.numel() * b.element_size() > PRESTAGE_BYTES:
+        if total + b.numel() * b.element_size() > tuning.prestage_bytes:
             break
         total += b.numel() * b.element_size()
         by_dtype.setdefault(b.dtype, []).append(b)
@@ -70,10 +68,15 @@ def prestage(buffers: Sequence[torch.Tensor], device: torch.device) -> Dict[int,
 
 @torch.no_grad()
 def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], runs: Sequence[HostRun] = (),
-                   prestaged: Optional[Mapping[int, Tuple[torch.Tensor, int]]] = None) -> None:
+                   prestaged: Optional[Mapping[int, Tuple[torch.Tensor, int]]] = None,
+                   tuning: Optional[Tuning] = None) -> None:
     """``dst.copy_(src)`` for each (device view, host tensor) pair, and each ``HostRun`` into its
     place, without host waits (``src`` pinned; unpinned ones are copied synchronously by torch,
-    correctly). ``prestaged``: ``prestage``'s staging, which runs of those storages are filled from."""
+    correctly). ``prestaged``: ``prestage``'s staging, which runs of those storages are filled from.
+    Copies from one host storage are staged on ``tuning.staged_devices``, at most
+    ``tuning.staging_bytes`` at once (a larger storage span gets its own)."""
+    tuning = tuning if tuning is not None else Tuning()
+    staged_devices = tuning.staged_devices
     # per host storage: (dst, src, src's first storage element, one past its last); every
     # tensor attribute is read once (the host's time per view is what a load costs)
     groups: Dict[tuple, list] = {}
@@ -103,13 +106,13 @@ def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], runs: Seq
     direct, staged = [], []
     for (_, _, device), group in groups.items():
         # one storage: pinned or not as a whole
-        if device.type in STAGED_DEVICES and len(group) > 1 and (device.type != "cuda" or group[0][1].is_pinned()):
+        if device.type in staged_devices and len(group) > 1 and (device.type != "cuda" or group[0][1].is_pinned()):
             staged.append((group, min(g[2] for g in group), max(g[3] for g in group)))
         else:
             direct += group
     for (_, device), group in run_groups.items():
         host = group[0].src
-        if (device.type in STAGED_DEVICES and len(group) > 1 and (device.type != "cuda" or host.is_pinned())
+        if (device.type in staged_devices and len(group) > 1 and (device.type != "cuda" or host.is_pinned())
                 and (device.type == "cuda" or kernel_runs_on(host))):
             staged.append((group, min(r.src_offset for r in group), max(r.src_offset + r.numel for r in group)))
         else:  # each as a view of its place
@@ -121,7 +124,7 @@ def copy_from_host(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]], runs: Seq
     batch, size = [], 0
     for group, lo, hi in staged:
         itemsize = _host_of(group).element_size()
-        if batch and (size + hi - lo) * itemsize > STAGING_BYTES:
+        if batch and (size + hi - lo) * itemsize > tuning.staging_bytes:
             _staged_copy(batch)
             batch, size = [], 0
         batch.append((group, lo, hi))

@@ -44,10 +44,10 @@ from ..compat.adapters import lora_layer_unchanged, lora_weights, watch_lora_lay
 from ..compat.modules import foreach_copy
 from ..compat.peft import unsupported_reason
 from ..backend.packed import PackedWeights, block_align
-from .arena import RowArena
-from . import fusion
-from .slots import AdapterRegistry
 from ..ops.glu_lora import b_columns
+from ..tuning import Tuning
+from .arena import RowArena
+from .slots import AdapterRegistry
 
 __all__ = ["AdapterRegistry", "SitePool", "ValueRefresher", "copy_values"]
 # rows of a gate/up site's ``ops.glu_lora`` scratch: the most a launch takes (``ops.tma_gemm.MAX_ROWS``)
@@ -105,7 +105,8 @@ class SitePool:
     """
 
     def __init__(self, layers: Sequence[Optional[torch.nn.Module]], out_features: Sequence[int],
-                 in_features: int, embedding: bool = False):
+                 in_features: int, embedding: bool = False, tuning: Optional[Tuning] = None):
+        self.tuning = tuning if tuning is not None else Tuning()
         self.layers = list(layers)
         self.out_features = list(out_features)
         self.in_features = in_features
@@ -150,7 +151,7 @@ class SitePool:
         self.fold = None  # the site's FusedGroup, where the A arena may live under its base weight
         self.no_fold = "not eligible"  # why there is no ``fold`` (set by the model state)
         self._fold_attached = False
-        # a staged fold (``fusion.FOLD_STAGE_MARGIN``): the rows under the base weight a folding call
+        # a staged fold (``Tuning.fold_stage_margin``): the rows under the base weight a folding call
         # copies its adapters' A blocks to, the (num_slots, c) table of where they went, and the
         # packed weights that read A from there
         self.stage: Optional[torch.Tensor] = None
@@ -342,7 +343,9 @@ class SitePool:
             rows_total += capacity
             elems_total += capacity * self.out_features[j]
         stage_rows = 0 if per_call_ok else self._stage_rows(n_slots)
-        self.lora_a = (self.fold.attach_tail(rows_total, dtype, device, per_call_ok, stage_rows)
+        self.lora_a = (self.fold.attach_tail(rows_total, dtype, device, max_share=self.tuning.fold_max_share,
+                                             call_share=self.tuning.fold_call_share, per_call_ok=per_call_ok,
+                                             stage_rows=stage_rows)
                        if self.fold is not None else None)
         self._fold_attached = self.lora_a is not None
         self.stage = None
@@ -356,11 +359,11 @@ class SitePool:
 
     def _stage_rows(self, n_slots: int) -> int:
         """Rows of a staging tail: what ``n_slots`` adapters of the average size here hold, with
-        ``fusion.FOLD_STAGE_MARGIN``, in multiples of 8."""
+        ``Tuning.fold_stage_margin``, in multiples of 8."""
         sizes = [sum(ranks) for ranks in self._ranks_of.values() if sum(ranks) > 0]
         if not sizes:
             return 0
-        rows = fusion.FOLD_STAGE_MARGIN * n_slots * sum(sizes) / len(sizes)
+        rows = self.tuning.fold_stage_margin * n_slots * sum(sizes) / len(sizes)
         return -(-int(rows) // 8) * 8
 
     def region_start(self, j: int) -> int:
@@ -378,7 +381,7 @@ class SitePool:
         return rows is not None and f.tail.data_ptr() == rows.data_ptr() and f.tail.shape == rows.shape
 
     def folds_per_call(self) -> bool:
-        """Folded, but only for calls whose adapters use enough of the arena (``fusion.FOLD_MIN_USE``)
+        """Folded, but only for calls whose adapters use enough of the arena (``Tuning.fold_min_use``)
         or, staged, whose adapters' blocks fit the staging rows."""
         return self.folded() and self.fold.per_call
 

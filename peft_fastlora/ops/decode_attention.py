@@ -17,7 +17,7 @@ the mask again: that load is one a block's scores would otherwise wait on. The p
 (log2-sum-exp, normalised partial output) per split to a small fp32 workspace, or the final output
 when there is one split.
 
-Under PDL the split program may scan the mask before its wait (``PREWAIT``), so that the scan's
+Under PDL the split program may scan the mask before its wait (the config's ``prewait``), so that the scan's
 round trip overlaps the kernels before it; q and every load the softmax uses come after the wait.
 
 Stage 2 (``_decode_attention_combine_kernel``): one program per (row, query head) merges the S partials in a fixed
@@ -259,60 +259,55 @@ def _sm_count(device: torch.device) -> int:
     return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# What a split program does before its PDL wait: "off" (nothing) or "span" (the mask scan);
-# "auto": "span" where the span is split (few programs, each short: the scan's round trip is much
-# of its time), else "off" (with one program per (row, kv head) the early scans measured costing
-# more than they hide). The mask is safe to read early
-# because no PDL kernel writes one: torch's ops build it, and a kernel launched without PDL
-# completes before any later kernel starts.
-PREWAIT = "auto"
-MID_BLOCK_N = 128  # block_n at one to three programs per SM (benchmarks set 64 for an A/B)
-# a dense span's blocks skip the mask outside the one-to-three-programs-an-SM class (there it
-# measured slower); False: every block reads it everywhere (benchmarks' A/B)
-DENSE_SPANS = True
+# the shape classes' launch values, chosen from a sweep of every launch value by shape on an H200
+# (``benchmarks/bench_attention.py --grid``); a call may override them (``decode_attention``'s
+# keyword arguments)
+MID_BLOCK_N = 128  # block_n at one to two programs per SM: fewer, longer trips over each span
 # one-warp programs over LEAN_BLOCK_N positions a step where rows x kv heads give LEAN_MIN_PROGRAMS
 # or more programs per SM (head dims <= 128): a program's softmax then needs no barrier between
-# warps, and several times more programs share an SM; and block_n 64 (not MID_BLOCK_N) at two to
-# three programs per SM. False: four warps everywhere, MID_BLOCK_N over the whole mid class
-# (benchmarks' A/B; on an H200 the one-warp programs measured faster from seven programs an SM)
-LEAN = True
+# warps, and several times more programs share an SM; block_n 64 at two to three programs per SM
 LEAN_MIN_PROGRAMS = 7
 LEAN_BLOCK_N = 16
-_PREWAITS = ("auto", "off", "span")
+_PREWAITS = ("off", "span")
 
 
 def decode_attention_config(batch: int, kv_heads: int, groups: int, kv_len: int, head_dim: int,
-                            device: torch.device) -> dict:
+                            device: torch.device, sms: Optional[int] = None) -> dict:
     """Launch parameters by shape class (no autotuning: graphs need a fixed launch).
 
     - ``block_h``: the query heads of one kv head, padded to 16 (the smallest ``tl.dot`` M).
     - ``block_n``, ``num_warps``: 64 cache positions per step and four warps (32 positions for head
-      dims over 128, to bound registers); 128 positions where rows x kv heads give one to two
-      programs per SM and no split; one warp over ``LEAN_BLOCK_N`` positions from
-      ``LEAN_MIN_PROGRAMS`` programs per SM (``LEAN``).
+      dims over 128, to bound registers); ``MID_BLOCK_N`` positions where rows x kv heads give one
+      to two programs per SM and no split; one warp over ``LEAN_BLOCK_N`` positions from
+      ``LEAN_MIN_PROGRAMS`` programs per SM.
     - ``num_splits``: enough (row, kv head, split) programs for ~4 per SM; 1 once rows x kv heads
-      reach one per SM (then the first kernel writes the output and the combine is skipped);
-      chosen from a sweep of every launch value by shape on an H200 (``benchmarks/bench_attention.py``).
-    - ``prewait``: ``PREWAIT``, "auto" resolved.
-    - ``dense_spans``: whether a dense span's blocks skip the mask: ``DENSE_SPANS`` outside the
-      one-to-three-programs-an-SM class (there, skipping the mask measured slower than reading it).
+      reach one per SM (then the first kernel writes the output and the combine is skipped).
+    - ``prewait``: what a program does before its PDL wait: "span" (the mask scan) where the span
+      is split (few programs, each short: the scan's round trip is much of its time), else "off"
+      (with one program per (row, kv head) the early scans measured costing more than they hide).
+      The mask is safe to read early: no PDL kernel writes one (torch's ops build it, and a kernel
+      launched without PDL completes before any later one starts).
+    - ``dense_spans``: a dense span's blocks skip the mask, outside the one-to-three-programs-an-SM
+      class (there, skipping it measured slower than reading it).
+
+    ``sms``: the device's streaming multiprocessors (default: the device's own; 4 off CUDA).
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(groups))
-    sms = _sm_count(device)
+    sms = sms if sms is not None else _sm_count(device)
     pairs = batch * kv_heads
     block_n = 64 if block_d <= 128 else 32
     mid = block_d <= 128 and sms <= pairs < 3 * sms
-    if mid and (pairs < 2 * sms or not LEAN):
-        block_n = MID_BLOCK_N  # one or two programs per SM, each streaming its whole span: fewer, longer trips
+    if mid and pairs < 2 * sms:
+        block_n = MID_BLOCK_N
     num_blocks = triton.cdiv(kv_len, block_n)
     num_splits = 1 if pairs >= sms else min(num_blocks, triton.cdiv(4 * sms, pairs), 64)
-    prewait = PREWAIT if PREWAIT != "auto" else "span" if num_splits > 1 else "off"
     num_warps = 4
-    if LEAN and block_d <= 128 and pairs >= LEAN_MIN_PROGRAMS * sms:
+    if block_d <= 128 and pairs >= LEAN_MIN_PROGRAMS * sms:
         block_n, num_warps = LEAN_BLOCK_N, 1
     return dict(block_h=block_h, block_n=block_n, block_d=block_d, num_splits=max(1, num_splits),
-                num_warps=num_warps, num_stages=2, prewait=prewait, dense_spans=DENSE_SPANS and not mid)
+                num_warps=num_warps, num_stages=2, prewait="span" if num_splits > 1 else "off",
+                dense_spans=not mid)
 
 
 def decode_attention(
@@ -329,6 +324,7 @@ def decode_attention(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     prewait: Optional[str] = None,
+    dense_spans: Optional[bool] = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over a static KV cache.
 
@@ -342,7 +338,8 @@ def decode_attention(
         scaling: score scale (default ``D ** -0.5``).
         softcap: logit soft-capping ``softcap * tanh(score / softcap)``, before the mask.
         out: optional (B, 1, H, D) output in ``q.dtype``.
-        num_splits, block_n, num_warps, num_stages, prewait: override ``decode_attention_config``.
+        num_splits, block_n, num_warps, num_stages, prewait, dense_spans: override
+            ``decode_attention_config`` (benchmarks compare launch values with them).
     Returns:
         (B, 1, H, D) in ``q.dtype``: the layout ``sdpa_attention_forward`` returns.
     """
@@ -366,9 +363,11 @@ def decode_attention(
         cfg["block_n"] = block_n
     if num_splits is not None:
         cfg["num_splits"] = num_splits
-    if prewait is not None and prewait != "auto":
+    if prewait is not None:
         cfg["prewait"] = prewait
-    if cfg["prewait"] not in _PREWAITS[1:]:
+    if dense_spans is not None:
+        cfg["dense_spans"] = bool(dense_spans)
+    if cfg["prewait"] not in _PREWAITS:
         raise ValueError(f"decode_attention: prewait {cfg['prewait']!r} is not one of {_PREWAITS}")
     cfg["num_splits"] = max(1, min(cfg["num_splits"], triton.cdiv(kv_len, cfg["block_n"])))
     splits = cfg["num_splits"]

@@ -24,7 +24,6 @@ import torch
 
 from ..kernel_support import tl, triton
 from . import pdl
-from . import lora_expand_wide
 from .lora_expand_wide import WIDE_MAX_BLOCK_M, WIDE_MAX_RANK, launch_wide
 from .expand_common import chunk_rank, expand_operands, module_span
 
@@ -173,8 +172,8 @@ def lora_expand(
             columns start in ``y`` (then y is (s, rows of the A arena) and ``max_rank`` the largest
             rank); see the module docstring.
         wide: the launch of ``lora_expand_wide`` (rank-sized column spans); None: where it applies,
-            row tiles of up to 16 and ranks up to 128 (unless ``lora_expand_wide.ENABLED`` is False). The block and warp overrides are the other
-            launch's.
+            row tiles of up to 16 and ranks up to 128; False: the column-block launch (benchmarks
+            compare the two). The block and warp overrides are the other launch's.
     Returns:
         ``out``.
     """
@@ -216,7 +215,7 @@ def lora_expand(
     if wide and not wide_ok:
         raise ValueError(f"lora_expand: the wide launch takes row tiles of up to {WIDE_MAX_BLOCK_M} and ranks "
                          f"up to {WIDE_MAX_RANK}, got {block_m} and {r}")
-    wide = (wide_ok and lora_expand_wide.ENABLED) if wide is None else wide
+    wide = wide_ok if wide is None else wide
     plan = (sorted_token_ids, chunk_slot, chunk_start, chunk_len)
     for j0 in range(0, c, MAX_MODULES_PER_LAUNCH):
         offs = offsets[j0 : j0 + MAX_MODULES_PER_LAUNCH + 1]

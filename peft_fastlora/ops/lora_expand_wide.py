@@ -20,7 +20,6 @@ from . import pdl
 from ..kernel_support import tl, triton
 from .expand_common import chunk_rank, expand_operands, module_span
 
-ENABLED = True  # the default launch for decode row tiles (benchmarks set False to compare)
 WIDE_MAX_RANK = 128  # the largest rank class
 WIDE_MAX_BLOCK_M = 16  # decode-sized row tiles: the accumulator is (BLOCK_M, TILE // rank class)
 

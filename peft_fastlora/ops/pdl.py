@@ -22,26 +22,25 @@ follow: the kernels so named read before their wait nothing the GEMM writes, and
 them read before theirs only what was written before the GEMM started.
 
 Kernels from cuBLAS or PyTorch are launched as usual and keep full stream order. ``mode`` says
-how a launch on a tensor's device uses PDL: ``FULL`` (the default on CUDA devices of compute
-capability 9.0 or more), ``WAIT_ONLY`` (launched with PDL, but the next kernel launches only
-as this one's programs exit) or ``OFF``. ``FASTLORA_PDL`` in the environment (read at import)
-sets it: ``0`` (off), ``wait`` (``WAIT_ONLY``), or ``preamble`` (``FULL`` for the kernels that
-have a preamble to run before the wait, the expand and the norms, and off for the others).
+how a launch on a tensor's device uses PDL: ``FULL`` on CUDA devices of compute capability 9.0 or
+more, else ``OFF`` (and everywhere with ``FASTLORA_PDL=0``, ``env.py``). ``SETTING`` exists for
+the GPU tests that compare launches with and without PDL bit for bit: ``OFF``, ``WAIT_ONLY`` (launched with PDL, but the next kernel launches only as this
+one's programs exit) or ``PREAMBLE_ONLY`` (``FULL`` for the kernels that have a preamble to run
+before the wait, the expand and the norms, and off for the others).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Dict
 
 import torch
 
+from ..env import PDL_OFF
 from ..kernel_support import tl, triton
 
 OFF, WAIT_ONLY, FULL = 0, 1, 2
 PREAMBLE_ONLY = 3  # a setting, not a kernel mode: FULL where the kernel has a preamble, else OFF
-SETTING = {"0": OFF, "wait": WAIT_ONLY, "preamble": PREAMBLE_ONLY}.get(
-    os.environ.get("FASTLORA_PDL", "").strip().lower(), FULL)
+SETTING = OFF if PDL_OFF else FULL
 _capable: Dict[int, bool] = {}
 
 

@@ -39,11 +39,6 @@ if AVAILABLE:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
 MAX_ROWS = _stream.MAX_ROWS  # rows one program covers (split_plan's blocks); more take more row blocks
-# Triton's warp specialization of the K loop (on Hopper a 4-warp tile becomes a TMA-load warp group
-# and two wgmma ones; 8-warp tiles compile as without it). Off: with Triton 3.6 on the H200 no
-# specialized launch finished within a timeout, not even a textbook TMA matmul's. Kept for a later
-# Triton.
-WARP_SPECIALIZE = False
 
 
 @triton.jit
@@ -66,7 +61,6 @@ def _tma_gemm_kernel(
     NUM_STAGES: tl.constexpr,
     UPCAST: tl.constexpr,  # the dot in float32 ("ieee"): float32 inputs, or the interpreter
     USE_PDL: tl.constexpr,
-    WARP_SPEC: tl.constexpr,  # Triton's warp specialization of the K loop (``WARP_SPECIALIZE``)
 ):
     pdl.launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
@@ -81,7 +75,7 @@ def _tma_gemm_kernel(
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     pdl.wait(USE_PDL)
     # the descriptors read zeros past K and past the last row of x or w: no masks in the loop
-    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         x = x_desc.load([m0, k])
         acc = _tile_dot(x, w_desc.load([n0, k]), acc, UPCAST)  # x @ w.T
         if GLU:
@@ -164,6 +158,5 @@ def tma_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = No
         LIBDEVICE=not interpreting(), SPLIT_K=split,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
         UPCAST=x.dtype == torch.float32 or interpreting(), USE_PDL=use_pdl,
-        WARP_SPEC=WARP_SPECIALIZE and not interpreting(),
         num_warps=config.num_warps, launch_pdl=use_pdl > 0)
     return out
