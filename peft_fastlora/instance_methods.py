@@ -1,35 +1,53 @@
-"""Wrappers of an object's methods installed on that instance only (never on its class), and put
-back as they were: the patched model's ``generate``, its continuous-batching entry points, PEFT's
-adapter-changing methods."""
+"""The one way fastlora changes a model: attributes set on instances (never on their classes), each
+recorded with what the instance had before, and put back by ``restore``.
+
+Every patch of a user's object goes through an ``InstancePatches``: the patched model's
+``generate`` and continuous-batching entry points, PEFT's adapter-changing methods, the forwards of
+LoRA sites and of the base model's modules. ``unpatch`` restores them all;
+``tests/test_unpatch_exact.py`` checks that nothing is left on any module of every test
+architecture. (The static caches fastlora builds are its own objects and are given their
+``update`` directly.)
+"""
 
 from __future__ import annotations
 
 import functools
 import types
-from typing import Callable, Dict
+from typing import Callable, List, Tuple
+
+_ABSENT = object()
 
 
-class InstanceMethods:
-    """The wrappers installed on one object; ``restore`` puts back whatever instance attribute
-    each name had before (or none, so the class's method shows again)."""
+class InstancePatches:
+    """Attributes set on instances, put back in reverse order by ``restore``."""
 
-    def __init__(self, obj):
-        self.obj = obj
-        self._saved: Dict[str, object] = {}
+    def __init__(self):
+        self._saved: List[Tuple[object, str, object]] = []  # (instance, name, its own value or _ABSENT)
 
-    def wrap(self, name: str, make: Callable[[Callable], Callable]) -> Callable:
-        """Install ``make(original)`` (a function taking the object first) as the instance's
+    def __len__(self) -> int:
+        return len(self._saved)
+
+    def set(self, obj, name: str, value) -> None:
+        """``obj.name = value`` on the instance, what it had recorded first."""
+        self._saved.append((obj, name, obj.__dict__.get(name, _ABSENT)))
+        setattr(obj, name, value)
+
+    def bind(self, obj, name: str, function: Callable) -> None:
+        """``function`` (taking the instance first) as the instance's method ``name``."""
+        self.set(obj, name, types.MethodType(function, obj))
+
+    def wrap(self, obj, name: str, make: Callable[[Callable], Callable]) -> Callable:
+        """Install ``make(original)`` (a function taking the instance first) as the instance's
         ``name``; returns the original bound method."""
-        original = getattr(self.obj, name)
-        self._saved.setdefault(name, self.obj.__dict__.get(name))
-        wrapper = functools.wraps(original)(make(original))
-        setattr(self.obj, name, types.MethodType(wrapper, self.obj))
+        original = getattr(obj, name)
+        self.bind(obj, name, functools.wraps(original)(make(original)))
         return original
 
     def restore(self) -> None:
-        for name, saved in self._saved.items():
-            if saved is None:
-                self.obj.__dict__.pop(name, None)
+        """Every attribute back as it was (or gone, so the class's shows again), last set first."""
+        while self._saved:
+            obj, name, value = self._saved.pop()
+            if value is _ABSENT:
+                obj.__dict__.pop(name, None)
             else:
-                setattr(self.obj, name, saved)
-        self._saved = {}
+                obj.__dict__[name] = value

@@ -12,6 +12,7 @@ from peft import LoraConfig, get_peft_model
 from peft_fastlora.base_ops import install_base_ops
 from peft_fastlora.base_ops.fused_linears import install_fused_linears
 from peft_fastlora.options import PatchOptions
+from peft_fastlora.instance_methods import InstancePatches
 
 from _models import tiny_llama
 
@@ -56,8 +57,9 @@ def test_plain_model_siblings_share_one_gemm_and_equal_the_model():
 
 
 def test_a_sibling_called_with_another_input_runs_its_own_gemm():
+    patches = InstancePatches()
     model = tiny_llama(4)
-    _, _, groups = install_fused_linears(model)
+    _, _, groups = install_fused_linears(model, patches)
     attn = model.model.layers[0].self_attn
     x, y = torch.randn(2, 5, attn.q_proj.in_features), torch.randn(2, 5, attn.q_proj.in_features)
     with torch.no_grad():
@@ -102,8 +104,9 @@ def test_a_model_moved_after_fusing_falls_back_to_its_own_weights():
 def test_lora_siblings_are_left_to_their_site_and_the_rest_fused():
     """A PEFT model whose adapter targets q/v only: q/k/v has LoRA members (the LoRA site's group),
     gate/up has none (fused here)."""
+    patches = InstancePatches()
     model = get_peft_model(tiny_llama(7), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    done, skipped, groups = install_fused_linears(model)
+    done, skipped, groups = install_fused_linears(model, patches)
     layers = model.config.num_hidden_layers
     assert [g.group.kind for g in groups] == ["gate_up"] * layers and not skipped
     for g in groups:

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import peft_fastlora as fastlora
-from peft_fastlora.base_ops.install import remove_instance_forwards
 from peft_fastlora.base_ops import norm_forwards
 from peft_fastlora.base_ops.match import code_shape, mismatch
 from peft_fastlora.base_ops.mlp_forwards import install_gated_mlps
 from peft_fastlora.base_ops.norm_forwards import install_norms
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from peft_fastlora.base_ops.rotary_forwards import install_rotary
+from peft_fastlora.instance_methods import InstancePatches
 
 from _models import ARCHS, build_causal_lm, build_peft_lm
 
@@ -43,15 +43,16 @@ def test_every_supported_architecture_is_covered():
 
 @pytest.mark.parametrize("arch", sorted(EXPECTED))
 def test_what_matches_on_each_architecture(arch):
+    patches = InstancePatches()
     model = build_causal_lm(arch)
     counts, skipped, done_all = [], [], []
     for install in (install_norms, install_rotary, install_gated_mlps):
-        done, why = install(model)
+        done, why = install(model, patches)
         counts.append(len(done))
         skipped.extend(why)
         done_all.extend(done)
     assert (tuple(counts), skipped) == EXPECTED[arch]
-    remove_instance_forwards(done_all)
+    patches.restore()
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
@@ -99,6 +100,7 @@ class {name}(LlamaRMSNorm):
 
 
 def test_reformatted_code_matches_and_changed_code_does_not(tmp_path):
+    patches = InstancePatches()
     assert CHANGED != LLAMA_FORWARD  # the premise: the copy is altered
     ref = norm_forwards._REFERENCE
     assert code_shape(LlamaRMSNorm.forward) == ref
@@ -108,7 +110,7 @@ def test_reformatted_code_matches_and_changed_code_does_not(tmp_path):
     assert mismatch(Changed.forward, ref, "ChangedRMSNorm.forward") == \
         "ChangedRMSNorm.forward differs from the reference code"
     root = torch.nn.ModuleDict({"same": Reformatted(16), "other": Changed(16)})
-    done, skipped = install_norms(root)
+    done, skipped = install_norms(root, patches)
     assert [n for n, _ in done] == ["same"]
     assert skipped == [("ChangedRMSNorm", "ChangedRMSNorm.forward differs from the reference code")]
 
@@ -141,9 +143,10 @@ class Attention(nn.Module):
 @pytest.mark.parametrize("sign,matches", [("", True), ("-1", False)])
 def test_rotary_copies(tmp_path, sign, matches):
     # "rotate_half(q) * SIGN * sin": with SIGN empty the code is Llama's, with -1 it is not
+    patches = InstancePatches()
     source = ROTARY_MODULE.replace("SIGN * ", f"{sign} * " if sign else "")
     module = _load(tmp_path, f"rotary_{'same' if matches else 'changed'}", source)
-    done, skipped = install_rotary(torch.nn.ModuleDict({"attn": module.Attention()}))
+    done, skipped = install_rotary(torch.nn.ModuleDict({"attn": module.Attention()}), patches)
     assert len(done) == int(matches)
     assert skipped == ([] if matches else
                        [("Attention", f"{module.__name__}.apply_rotary_pos_emb differs from the reference code")])
@@ -155,6 +158,7 @@ def test_rotary_made_a_module_by_the_kernels_package(tmp_path, sign, matches):
     ``use_kernel_forward_from_hub``, which makes the module-level name an ``nn.Module`` instance:
     the code behind it is still read, and the one-kernel rotary still computes the same."""
     pytest.importorskip("kernels")
+    patches = InstancePatches()
     source = ROTARY_MODULE.replace("SIGN * ", f"{sign} * " if sign else "").replace(
         "\n\ndef apply_rotary_pos_emb", "\n\nfrom kernels import use_kernel_forward_from_hub\n\n\n"
         "@use_kernel_forward_from_hub('rotary_pos_emb')\ndef apply_rotary_pos_emb")
@@ -164,7 +168,7 @@ def test_rotary_made_a_module_by_the_kernels_package(tmp_path, sign, matches):
     q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
     cos, sin = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
     want = attn(q, k, cos, sin)
-    done, skipped = install_rotary(torch.nn.ModuleDict({"attn": attn}))
+    done, skipped = install_rotary(torch.nn.ModuleDict({"attn": attn}), patches)
     assert len(done) == int(matches)
     assert skipped == ([] if matches else
                        [("Attention", f"{module.__name__}.apply_rotary_pos_emb differs from the reference code")])
@@ -173,6 +177,7 @@ def test_rotary_made_a_module_by_the_kernels_package(tmp_path, sign, matches):
 
 
 def test_mlp_copies(tmp_path):
+    patches = InstancePatches()
     module = _load(tmp_path, "mlps", '''
 from torch import nn
 
@@ -195,7 +200,7 @@ class ScaledMLP(MLP):
         down_proj = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * 0.5)
         return down_proj
 ''')
-    done, skipped = install_gated_mlps(torch.nn.ModuleDict({"a": module.MLP(), "b": module.ScaledMLP()}))
+    done, skipped = install_gated_mlps(torch.nn.ModuleDict({"a": module.MLP(), "b": module.ScaledMLP()}), patches)
     assert [n for n, _ in done] == ["a"]
     assert skipped == [("ScaledMLP", "ScaledMLP.forward differs from the reference code")]
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from peft_fastlora.base_ops.install import remove_instance_forwards
 from peft_fastlora.base_ops.layer_forwards import install_decoder_layers
 from peft_fastlora.base_ops.norm_forwards import install_norms
 from peft_fastlora.ops.rms_norm import add_rms_norm, norm_add, norm_add_norm, rms_norm
+from peft_fastlora.instance_methods import InstancePatches
 
 TOL = {torch.float32: (1e-6, 1e-5), torch.float16: (1e-3, 1e-3)}
 
@@ -64,6 +64,7 @@ def test_bad_inputs():
 
 def test_install_llama_and_gemma_forms_and_undo():
     from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    patches = InstancePatches()
 
     class OtherGemmaRMSNorm(Gemma2RMSNorm):  # Gemma's forward, another _norm: not the kernel's function
         def _norm(self, x):
@@ -77,25 +78,26 @@ def test_install_llama_and_gemma_forms_and_undo():
     root = torch.nn.ModuleDict({"a": LlamaRMSNorm(16), "g": Gemma2RMSNorm(16), "o": OtherGemmaRMSNorm(16)})
     with torch.no_grad():
         root["g"].weight.normal_()
-    done, skipped = install_norms(root)
+    done, skipped = install_norms(root, patches)
     assert [n for n, _ in done] == ["a", "g"]
     assert skipped == [("OtherGemmaRMSNorm", "OtherGemmaRMSNorm._norm differs from the reference code")]
     x = torch.randn(2, 16)
     with torch.no_grad():
         outs = {k: root[k](x) for k in ("a", "g")}
-    remove_instance_forwards(done)
+    patches.restore()
     assert "forward" not in root["a"].__dict__ and "forward" not in root["g"].__dict__
     for k, out in outs.items():
         torch.testing.assert_close(out, root[k](x), atol=1e-6, rtol=1e-5)
 
 
 def test_gradients_take_the_original_forward():
+    patches = InstancePatches()
     norm = LlamaRMSNorm(16)
-    done, _ = install_norms(torch.nn.ModuleDict({"n": norm}))
+    done, _ = install_norms(torch.nn.ModuleDict({"n": norm}), patches)
     x = torch.randn(3, 16, requires_grad=True)
     norm(x).sum().backward()  # the kernel has no backward: the original forward must have run
     assert x.grad is not None
-    remove_instance_forwards(done)
+    patches.restore()
 
 
 def test_patch_fuse_norms_matches_peft():
@@ -193,13 +195,14 @@ def _fused_launches(model):
     """Install the one-kernel norms and decoder layers on ``model`` (2 layers), run its first layer
     and compare it with its own forward before, then remove them and compare again. Returns the
     launches of that run which took a residual, as (norm before the add, norm after it)."""
+    patches = InstancePatches()
     ids = torch.randint(0, 64, (2, 5))
     h, kw = _layer_inputs(model, ids)
     layer = model.model.layers[0]
     with torch.no_grad():
         want = layer(h, **kw)
-        norms, _ = install_norms(model)
-        layers, skipped = install_decoder_layers(model)
+        norms, _ = install_norms(model, patches)
+        layers, skipped = install_decoder_layers(model, patches)
         assert [n for n, _ in layers] == ["model.layers.0", "model.layers.1"] and skipped == []
         calls = []
         original = add_rms_norm.__globals__["_launch"]
@@ -215,7 +218,7 @@ def _fused_launches(model):
         finally:
             add_rms_norm.__globals__["_launch"] = original
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        remove_instance_forwards(layers + norms)
+        patches.restore()
         assert "forward" not in layer.__dict__
         torch.testing.assert_close(layer(h, **kw), want, atol=0, rtol=0)
     return calls
@@ -250,6 +253,8 @@ def test_layers_whose_norm_or_forward_differ_keep_theirs():
 
     from _models import tiny_llama
 
+    patches = InstancePatches()
+
     class ScaledLayer(LlamaDecoderLayer):  # adds the attention output twice: not the reference
         def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                     use_cache=False, position_embeddings=None, **kwargs):
@@ -267,21 +272,22 @@ def test_layers_whose_norm_or_forward_differ_keep_theirs():
     model = tiny_llama(0, vocab_size=64, pad_token_id=None)
     changed = model.model.layers[0]
     changed.__class__ = ScaledLayer
-    norms, _ = install_norms(model)
-    remove_instance_forwards([("post", model.model.layers[1].post_attention_layernorm)])
-    layers, skipped = install_decoder_layers(model)
+    norms, _ = install_norms(model, patches)
+    del model.model.layers[1].post_attention_layernorm.forward  # its own norm again: not the fused form
+    layers, skipped = install_decoder_layers(model, patches)
     assert layers == []
     assert skipped == [("ScaledLayer", "ScaledLayer.forward differs from the reference code")]
-    remove_instance_forwards(norms)
+    patches.restore()
 
 
 def test_fused_layer_with_gradients_takes_the_original_forward():
     from _models import tiny_llama
 
+    patches = InstancePatches()
     model = tiny_llama(0, vocab_size=64, pad_token_id=None)
-    norms, _ = install_norms(model)
-    layers, _ = install_decoder_layers(model)
+    norms, _ = install_norms(model, patches)
+    layers, _ = install_decoder_layers(model, patches)
     ids = torch.randint(0, 64, (2, 5))
     h, kw = _layer_inputs(model, ids)
     model.model.layers[0](h.detach().requires_grad_(), **kw).sum().backward()  # no backward in the kernel
-    remove_instance_forwards(layers + norms)
+    patches.restore()

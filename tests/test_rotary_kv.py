@@ -10,11 +10,11 @@ import torch
 
 import peft_fastlora as fastlora
 from peft_fastlora.base_ops.attention_forwards import attention_form
-from peft_fastlora.base_ops.install import remove_instance_forwards
 from peft_fastlora.base_ops.rotary_forwards import install_rotary
 from peft_fastlora.ops.kv_cache import kv_cache_write
 from peft_fastlora.ops.rotary import apply_rotary
 from peft_fastlora.ops.rotary_kv import rotary_kv_write
+from peft_fastlora.instance_methods import InstancePatches
 
 from _helpers import count_calls
 from _models import build_causal_lm, build_peft_lm, left_padded_batch, with_sliding_window
@@ -81,14 +81,15 @@ def test_bad_inputs_are_refused():
                                           ("qwen3", 0), ("gemma2", 0)])
 def test_the_forward_with_the_kv_write_only_where_the_code_matches(arch, with_kv):
     """Qwen3 (q/k norms) and Gemma 2 (soft-capping) keep the forward with the one-kernel rotary."""
+    patches = InstancePatches()
     model = build_causal_lm(arch)
     fused = []
-    done, why = install_rotary(model, fused)
+    done, why = install_rotary(model, patches, fused)
     assert len(done) == 2 and why == [] and len(fused) == with_kv
     attn = model.model.layers[0].self_attn
     assert (attention_form(type(attn).forward) is not None) == bool(with_kv)
     assert (attn.forward.__func__.__name__ == "fused_rotary_kv_forward") == bool(with_kv)
-    remove_instance_forwards(done)
+    patches.restore()
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
@@ -98,10 +99,11 @@ def test_calls_the_kernel_does_not_take_run_the_original_code(monkeypatch):
     its output; none launches the one kernel."""
     from transformers import DynamicCache
 
+    patches = InstancePatches()
     one = count_calls(monkeypatch, importlib.import_module("peft_fastlora.decode.static_cache"), ["rotary_kv_write"])
     model = build_causal_lm("llama")
     attn = model.model.layers[0].self_attn
-    done, _ = install_rotary(model, [])
+    done, _ = install_rotary(model, patches, [])
     torch.manual_seed(0)
     x = torch.randn(2, 3, model.config.hidden_size)
     pe = model.model.rotary_emb(x, torch.arange(3)[None].expand(2, 3))
@@ -120,7 +122,7 @@ def test_calls_the_kernel_does_not_take_run_the_original_code(monkeypatch):
     if name == "cache":  # the old name, which transformers' decorator still takes
         both(past_key_values=DynamicCache(config=model.config))
     assert one["rotary_kv_write"] == 0
-    remove_instance_forwards(done)
+    patches.restore()
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])

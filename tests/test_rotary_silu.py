@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import peft_fastlora as fastlora
-from peft_fastlora.base_ops.install import remove_instance_forwards
 from peft_fastlora.base_ops.mlp_forwards import install_gated_mlps
 rotary_ops = importlib.import_module("peft_fastlora.ops.rotary")  # the modules, not the launchers
 silu_ops = importlib.import_module("peft_fastlora.ops.silu_mul")  # that ops/__init__ exports
 from peft_fastlora.ops.rotary import apply_rotary, apply_rotary_reference
 from peft_fastlora.ops.silu_mul import act_mul, act_mul_reference, silu_mul, silu_mul_reference
 from peft_fastlora.base_ops.rotary_forwards import install_rotary, rebind_global
+from peft_fastlora.instance_methods import InstancePatches
 
 from _helpers import count_calls
 from _models import build_causal_lm, build_peft_lm, left_padded_batch
@@ -157,12 +157,13 @@ def test_rebind_keeps_decorators_and_changes_only_the_copy():
                                    "from the reference code")]),  # partial rotary
     ("gpt2", 0, [])])  # no rotary at all
 def test_rotary_installed_only_where_the_code_matches(arch, expected, skipped):
+    patches = InstancePatches()
     model = build_causal_lm(arch)
     other = build_causal_lm(arch)
-    done, why = install_rotary(model)
+    done, why = install_rotary(model, patches)
     assert len(done) == expected and why == skipped
     assert all("forward" not in m.__dict__ for m in other.modules())
-    remove_instance_forwards(done)
+    patches.restore()
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
@@ -173,23 +174,25 @@ def test_rotary_installed_only_where_the_code_matches(arch, expected, skipped):
 def test_act_mlp_installed_only_for_silu_or_gelu_tanh_gated_llama_mlps(arch, expected, skipped):
     from transformers.activations import GELUTanh
 
+    patches = InstancePatches()
     model = build_causal_lm(arch.replace("_python_gelu", ""))
     if arch.endswith("_python_gelu"):  # transformers' Python formula: other roundings, left alone
         for layer in model.model.layers:
             layer.mlp.act_fn = GELUTanh(use_gelu_tanh_python=True)
-    done, why = install_gated_mlps(model)
+    done, why = install_gated_mlps(model, patches)
     assert len(done) == expected and why == skipped
-    remove_instance_forwards(done)
+    patches.restore()
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 def test_gradients_take_torch_ops():
+    patches = InstancePatches()
     model = build_causal_lm("llama").train()
-    done = install_rotary(model)[0] + install_gated_mlps(model)[0]
+    install_rotary(model, patches), install_gated_mlps(model, patches)
     ids = torch.randint(3, 100, (2, 5))
     model(input_ids=ids, labels=ids).loss.backward()  # the kernels have no backward
     assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
-    remove_instance_forwards(done)
+    patches.restore()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])

@@ -12,6 +12,7 @@ from torch import nn
 import peft_fastlora as fastlora
 from peft_fastlora.base_ops.rotary_tables import RotaryTables, TableMismatch, build_table, table_blocker
 from peft_fastlora.ops import rotary_table as table_ops
+from peft_fastlora.instance_methods import InstancePatches
 
 from _helpers import count_calls
 from _models import build_peft_lm, left_padded_batch, tiny_llama
@@ -105,12 +106,13 @@ class BatchDependentRotaryEmbedding(nn.Module):
 
 
 def test_a_module_whose_outputs_are_not_per_position_keeps_its_forward():
+    patches = InstancePatches()
     module = BatchDependentRotaryEmbedding()
     with pytest.raises(TableMismatch):
         build_table(module, type(module).forward, 16, torch.float32, torch.device("cpu"))
     root = nn.ModuleDict({"rotary_emb": module})
     tables = RotaryTables()
-    done, skipped = tables.install(root)
+    done, skipped = tables.install(root, patches)
     assert [n for n, _ in done] == ["rotary_emb"] and skipped == []
     pos = torch.tensor([[3], [5]])
     x = torch.zeros(2, 1, 4)
@@ -120,14 +122,16 @@ def test_a_module_whose_outputs_are_not_per_position_keeps_its_forward():
     want = type(module).forward(module, x, pos)
     assert all(torch.equal(w, g) for w, g in zip(want, got))
     tables.remove()
+    patches.restore()
     assert "forward" not in module.__dict__
 
 
 def test_inside_active_only_and_outside_the_module_own_forward(monkeypatch):
+    patches = InstancePatches()
     module = tiny_llama().model.rotary_emb
     root = nn.ModuleDict({"rotary_emb": module})
     tables = RotaryTables()
-    tables.install(root)
+    tables.install(root, patches)
     calls = count_calls(monkeypatch,
             importlib.import_module("peft_fastlora.base_ops.rotary_tables"), ["gather_cos_sin"])
     x, pos = torch.zeros(3, 1, 8), torch.tensor([[4], [0], [9]])
@@ -146,6 +150,7 @@ def test_inside_active_only_and_outside_the_module_own_forward(monkeypatch):
     for got in (outside, inside):
         assert all(torch.equal(w, g) for w, g in zip(want, got))
     tables.remove()
+    patches.restore()
 
 
 def _generate(model, batch, names, **extra):
@@ -189,9 +194,10 @@ class FailingRotaryEmbedding(BatchDependentRotaryEmbedding):
 
 
 def test_a_module_whose_table_cannot_be_built_keeps_its_forward():
+    patches = InstancePatches()
     module = FailingRotaryEmbedding()
     tables = RotaryTables()
-    tables.install(nn.ModuleDict({"rotary_emb": module}))
+    tables.install(nn.ModuleDict({"rotary_emb": module}), patches)
     x, pos = torch.zeros(2, 1, 4), torch.tensor([[3], [5]])
     with tables.active(16):
         got = module(x, pos)
@@ -199,3 +205,4 @@ def test_a_module_whose_table_cannot_be_built_keeps_its_forward():
     want = type(module).forward(module, x, pos)
     assert all(torch.equal(w, g) for w, g in zip(want, got))
     tables.remove()
+    patches.restore()

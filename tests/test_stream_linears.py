@@ -13,6 +13,7 @@ import peft_fastlora.base_ops.stream_linears as sl
 from peft_fastlora import Tuning
 import peft_fastlora.ops.tma_gemm as tma_ops
 from peft_fastlora.ops.tma_gemm import TmaConfig
+from peft_fastlora.instance_methods import InstancePatches
 
 from _helpers import count_calls
 from _models import tiny_llama
@@ -52,9 +53,10 @@ TINY_TMA = {"deep": TmaConfig(16, 32, 2, 4, 2), "square": TmaConfig(32, 32, 1, 4
 
 
 def test_install_skips_fusible_siblings_and_their_base_layers():
+    patches = InstancePatches()
     model = get_peft_model(tiny_llama(0), LoraConfig(r=4, target_modules=["q_proj", "o_proj", "down_proj"]))
     streams = sl.StreamLinears(torch.device("cpu"), DEFAULT)
-    names = {n.split("layers.0.")[-1] for n, _ in streams.install(model) if "layers.1" not in n}
+    names = {n.split("layers.0.")[-1] for n, _ in streams.install(model, patches) if "layers.1" not in n}
     assert {"self_attn.o_proj.base_layer", "mlp.down_proj.base_layer"} <= names
     assert not any(part in n for n in names for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
     assert any(n.endswith("lm_head") for n, _ in streams.modules)

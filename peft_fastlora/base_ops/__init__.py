@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from ..compat.modules import multi_device_reason
+from ..instance_methods import InstancePatches
 from ..kernel_support import interpreting, triton_missing
 from .attention_registry import disable_decode_attention, enable_decode_attention
 from .fused_linears import PlainFusedGroup, install_fused_linears
-from .install import remove_instance_forwards
 from .layer_forwards import install_decoder_layers
 from .mlp_forwards import activation_kind, has_gated_forward, install_gated_mlps
 from .norm_forwards import install_norms
@@ -40,6 +40,7 @@ class BaseOps:
     fused_groups: List[PlainFusedGroup] = field(default_factory=list)  # siblings without LoRA in one GEMM
     stream: Optional[StreamLinears] = None  # the decode GEMMs' kernel, where ``stream_gemm`` is on
     rotary_tables: Optional[RotaryTables] = None  # cos / sin from tables in decode graphs (``fuse_rotary``)
+    patches: InstancePatches = field(default_factory=InstancePatches)  # every instance forward installed
 
     @property
     def gemm(self):
@@ -51,8 +52,7 @@ class BaseOps:
 
     def remove(self, model: nn.Module) -> None:
         disable_decode_attention(model)
-        for modules in self.installed.values():
-            remove_instance_forwards(modules)
+        self.patches.restore()
         for g in self.fused_groups:
             g.remove()
         if self.stream is not None:
@@ -107,7 +107,7 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
     # the CPU under Triton's interpreter with stream_gemm=True: the kernel's model path in the CPU tests
     interpreted_stream = options.stream_gemm is True and device.type == "cpu" and interpreting()
     if options.fuse and (on_cuda or interpreted_stream):
-        done, skipped, ops.fused_groups = install_fused_linears(model)
+        done, skipped, ops.fused_groups = install_fused_linears(model, ops.patches)
         ops.installed["fuse_base"] = done
         ops.skipped.extend(("fuse", group, why) for group, why in skipped)
     else:
@@ -121,23 +121,23 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
         if value is True or (value == "auto" and auto):
             if option == "fuse_rotary":  # and, in Llama-family forwards, the KV write in its kernel
                 ops.installed["fuse_rotary_kv"] = []
-                done, skipped = install(model, ops.installed["fuse_rotary_kv"])
+                done, skipped = install(model, ops.patches, ops.installed["fuse_rotary_kv"])
                 ops.rotary_tables = RotaryTables()  # and the rotary embeddings' cos / sin from tables
-                ops.installed["rotary_table"], table_skipped = ops.rotary_tables.install(model)
+                ops.installed["rotary_table"], table_skipped = ops.rotary_tables.install(model, ops.patches)
                 ops.skipped.extend(("rotary_table", cls, why) for cls, why in table_skipped)
             else:
-                done, skipped = install(model)
+                done, skipped = install(model, ops.patches)
             ops.installed[option] = done
             ops.skipped.extend((option, cls, why) for cls, why in skipped)
             if option == "fuse_norms":  # the post-attention norms also take the residual add before them
-                done, skipped = install_decoder_layers(model)
+                done, skipped = install_decoder_layers(model, ops.patches)
                 ops.installed["fuse_add_norm"] = done
                 ops.skipped.extend((option, cls, why) for cls, why in skipped)
         else:
             ops.off[option] = f"{option}=False" if value is False else why_not
     if stream_wanted(model, options, device):
         ops.stream = StreamLinears(device, options.tuning)
-        ops.installed["stream_gemm"] = ops.stream.install(model)
+        ops.installed["stream_gemm"] = ops.stream.install(model, ops.patches)
         for g in ops.fused_groups:
             g.group.gemm = ops.gemm
             parent = model.get_submodule(g.group.parent_name) if g.group.kind == "gate_up" else None

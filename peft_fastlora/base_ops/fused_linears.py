@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ..compat.modules import has_forward_hooks, is_dtensor
+from ..instance_methods import InstancePatches
 from ..lora.fusion import FUSIBLE_GROUPS, FusedGroup, fusion_blocker
-from .install import set_instance_forward
 
 
 class PlainFusedGroup:
@@ -30,14 +30,13 @@ class PlainFusedGroup:
         self.group = FusedGroup(kind, parent_name, names, members, members)
         self._kept = None  # (input, [output or None per member])
 
-    def install(self):
+    def install(self, patches: InstancePatches):
         self.group.fuse()
         for i, m in enumerate(self.group.members):
-            set_instance_forward(m, self._forward_of(i))
+            patches.bind(m, "forward", self._forward_of(i))
 
     def remove(self):
-        for m in self.group.members:
-            m.__dict__.pop("forward", None)
+        """The members' own weights again (their forwards go back with the patches)."""
         self._kept = None
         if self.group.weight is not None:
             self.group.unfuse()
@@ -78,12 +77,12 @@ class PlainFusedGroup:
         return forward
 
 
-def install_fused_linears(model: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]],
+def install_fused_linears(model: nn.Module, patches: InstancePatches) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]],
                                                       List[PlainFusedGroup]]:
     """Fuse every q/k/v and gate/up group of plain ``nn.Linear`` siblings under ``model``.
 
     Returns the (name, module) pairs given a forward, the (group, reason) pairs left unfused, and
-    the groups (``PlainFusedGroup.remove`` undoes each)."""
+    the groups (``PlainFusedGroup.remove`` unfuses each; ``patches.restore`` takes the forwards back)."""
     done, skipped, groups = [], [], []
     for parent_name, parent in model.named_modules():
         for kind, names in FUSIBLE_GROUPS.items():
@@ -101,7 +100,7 @@ def install_fused_linears(model: nn.Module) -> Tuple[List[Tuple[str, nn.Module]]
                 skipped.append((label, why))
                 continue
             g = PlainFusedGroup(parent_name, kind, names, members)
-            g.install()
+            g.install(patches)
             groups.append(g)
             done.extend((f"{parent_name}.{n}" if parent_name else n, m) for n, m in zip(names, members))
     return done, skipped, groups

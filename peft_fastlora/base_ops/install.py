@@ -1,22 +1,11 @@
-"""Instance-level forwards: installing and removing them on one module (never on its class)."""
+"""Where instance forwards may go: the modules that have the parts a fast forward needs and no
+instance forward yet. The forwards are set through an ``InstancePatches`` (``BaseOps.patches``)."""
 
 from __future__ import annotations
 
-import types
-from typing import Callable, Iterator, List, Sequence, Tuple
+from typing import Callable, Iterator, Sequence, Tuple
 
 from torch import nn
-
-
-def set_instance_forward(module: nn.Module, forward: Callable) -> None:
-    """``forward`` (a function taking the module first) as this instance's forward only."""
-    module.forward = types.MethodType(forward, module)
-
-
-def remove_instance_forwards(modules: List[Tuple[str, nn.Module]]) -> None:
-    """Undo ``set_instance_forward`` on (name, module) pairs: the class forward runs again."""
-    for _, m in modules:
-        m.__dict__.pop("forward", None)
 
 
 def candidates(root: nn.Module, parts: Sequence[str]) -> Iterator[Tuple[str, nn.Module, Callable]]:

@@ -19,7 +19,8 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-from .install import candidates, set_instance_forward
+from .install import candidates
+from ..instance_methods import InstancePatches
 from .match import mismatch, reference_shape
 from .norm_forwards import norm_eps, norm_form, norm_kernel_applies
 from ..ops.rms_norm import add_rms_norm, norm_add, norm_add_norm
@@ -163,7 +164,7 @@ def _make_gemma2_forward(defaults: Dict[str, object], original):
     return fast_forward
 
 
-def install_decoder_layers(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]]]:
+def install_decoder_layers(root: nn.Module, patches: InstancePatches) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]]]:
     """Give every Llama-family decoder layer under ``root`` whose post-attention norm runs the
     one-kernel forward the fused residual add, and every Gemma 2 layer whose three sandwich norms
     do the fused norms and adds. Call after ``install_norms``.
@@ -184,6 +185,6 @@ def install_decoder_layers(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]]
         if any(n is None or norm_form(n) is None for n in norms):  # (the norm's own reason is reported)
             continue
         make = _make_gemma2_forward if kind == "gemma2" else _make_forward
-        set_instance_forward(m, make(_defaults(forward), m.forward))
+        patches.bind(m, "forward", make(_defaults(forward), m.forward))
         done.append((name, m))
     return done, sorted(skipped.items())

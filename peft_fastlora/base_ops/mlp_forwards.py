@@ -17,8 +17,9 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from .install import candidates
+from ..instance_methods import InstancePatches
 from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
-from .install import candidates, set_instance_forward
 from .match import mismatch, reference_shape
 from ..ops.silu_mul import act_mul
 
@@ -91,7 +92,7 @@ def has_gated_forward(mlp: nn.Module) -> bool:
     return getattr(forward, "__func__", None) in _FORWARDS.values()
 
 
-def install_gated_mlps(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]]]:
+def install_gated_mlps(root: nn.Module, patches: InstancePatches) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]]]:
     """Give every SiLU- or GELU-tanh-gated Llama-family MLP under ``root`` the fused activation.
 
     Returns (the modules changed, (class, reason) for gate/up/down MLPs left as they are).
@@ -109,6 +110,6 @@ def install_gated_mlps(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], Li
         if verdicts[cls] is not None:
             skipped[cls.__name__] = verdicts[cls]
             continue
-        set_instance_forward(m, _FORWARDS[kind])
+        patches.bind(m, "forward", _FORWARDS[kind])
         done.append((name, m))
     return done, sorted(skipped.items())

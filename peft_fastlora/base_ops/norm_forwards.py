@@ -15,8 +15,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..instance_methods import InstancePatches
 from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
-from .install import set_instance_forward
 from .match import mismatch, reference_shape
 from ..ops.rms_norm import rms_norm
 
@@ -68,7 +68,7 @@ def _kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return kernel_runs_on(x, weight) and x.device == weight.device and x.stride(-1) == 1
 
 
-def install_norms(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]]]:
+def install_norms(root: nn.Module, patches: InstancePatches) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]]]:
     """Give every RMSNorm of a form the kernel reproduces under ``root`` the one-kernel forward.
 
     Returns (the modules changed, (class, reason) for RMSNorm-named classes left as they are).
@@ -99,7 +99,7 @@ def install_norms(root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[Tu
                 return rms_norm(x, self.weight, self.eps, unit_offset=True)
 
         fast_forward.rms_form = form
-        set_instance_forward(m, fast_forward)
+        patches.bind(m, "forward", fast_forward)
         done.append((name, m))
     return done, sorted(skipped.items())
 

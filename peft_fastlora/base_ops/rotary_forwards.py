@@ -22,12 +22,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .attention_forwards import attention_form, make_attention_forward
 from ..compat.attention import plain_function
+from ..instance_methods import InstancePatches
 from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
-from .install import set_instance_forward
 from .match import code_shape, reference_shape
 from ..ops.rotary import apply_rotary
-from .attention_forwards import attention_form, make_attention_forward
 
 _NAME = "apply_rotary_pos_emb"
 
@@ -130,7 +130,7 @@ def _cell_value(cell):
         return None
 
 
-def install_rotary(root: nn.Module, with_kv: Optional[List[Tuple[str, nn.Module]]] = None
+def install_rotary(root: nn.Module, patches: InstancePatches, with_kv: Optional[List[Tuple[str, nn.Module]]] = None
                    ) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]]]:
     """Give every attention module under ``root`` whose forward calls a Llama-family
     ``apply_rotary_pos_emb`` the one-kernel version; where the whole forward is the Llama family's
@@ -165,7 +165,7 @@ def install_rotary(root: nn.Module, with_kv: Optional[List[Tuple[str, nn.Module]
                 if why is not None:
                     skipped[type(m).__name__] = why
         if copies[forward] is not None:
-            set_instance_forward(m, fused.get(forward) or copies[forward])
+            patches.bind(m, "forward", fused.get(forward) or copies[forward])
             done.append((name, m))
             if forward in fused and with_kv is not None:
                 with_kv.append((name, m))

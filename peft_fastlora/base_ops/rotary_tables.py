@@ -25,8 +25,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..instance_methods import InstancePatches
 from ..kernel_support import kernel_runs_on
-from .install import set_instance_forward
 from ..ops.rotary_table import gather_cos_sin, gather_cos_sin_reference
 
 logger = logging.getLogger("peft_fastlora")
@@ -103,7 +103,7 @@ class RotaryTables:
         self.modules: List[Tuple[str, nn.Module]] = []
         self.off: Dict[str, str] = {}  # class -> why its table is not used (a failed check)
 
-    def install(self, root: nn.Module) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]]]:
+    def install(self, root: nn.Module, patches: InstancePatches) -> Tuple[List[Tuple[str, nn.Module]], List[Tuple[str, str]]]:
         """A table forward on every rotary embedding under ``root`` that ``table_blocker`` accepts;
         returns (the modules, (class, why not) of the rotary embeddings left as they are)."""
         skipped = {}
@@ -114,7 +114,7 @@ class RotaryTables:
             if why is not None:
                 skipped[type(m).__name__] = why
                 continue
-            set_instance_forward(m, _table_forward(type(m).__dict__["forward"], self))
+            patches.bind(m, "forward", _table_forward(type(m).__dict__["forward"], self))
             self.modules.append((name, m))
         return list(self.modules), sorted(skipped.items())
 
@@ -157,8 +157,9 @@ class RotaryTables:
                 m.__dict__.pop(_LENGTH, None)
 
     def remove(self):
+        """The tables let go (the forwards go back with the patches)."""
         for _, m in self.modules:
-            for attr in ("forward", _LENGTH, _TABLES):
+            for attr in (_LENGTH, _TABLES):
                 m.__dict__.pop(attr, None)
         self.modules = []
 

@@ -56,8 +56,8 @@ from torch import nn
 
 from ..compat.modules import has_forward_hooks, is_dtensor
 from ..compat.peft import base_layer_of, is_lora_layer
+from ..instance_methods import InstancePatches
 from ..lora.fusion import FUSIBLE_GROUPS
-from .install import set_instance_forward
 from .mlp_forwards import has_gated_forward
 from ..ops.glu_lora import glu_lora
 from ..ops.stream_gemm import stream_gemm, StreamConfig, StreamWorkspace
@@ -336,7 +336,7 @@ class StreamLinears:
             m.__dict__.pop("_fastlora_gated", None)
         self._folding, self.residual_layers, self.gated_mlps = [], 0, 0
 
-    def install(self, root: nn.Module) -> List[Tuple[str, nn.Module]]:
+    def install(self, root: nn.Module, patches: InstancePatches) -> List[Tuple[str, nn.Module]]:
         """Give ``linear`` as an instance forward to every plain ``nn.Linear`` under ``root`` that is
         not a member of a fusible group (nor the base layer of one: those reach it through their
         group's GEMM), not an adapter's own (PEFT's ``lora_A`` / ``lora_B``), and has no forward or
@@ -359,7 +359,7 @@ class StreamLinears:
             own = parts[-2] if parts[-1] == "base_layer" and len(parts) > 1 else parts[-1]
             if own in _GROUP_MEMBERS:
                 continue
-            set_instance_forward(m, forward)
+            patches.bind(m, "forward", forward)
             self.modules.append((name, m))
             self._streamed.add(id(m))
         return self.modules

@@ -37,7 +37,7 @@ from ..base_ops.attention_registry import (decode_attention_enabled, disable_dec
 from ..base_ops.paged_attention import PAGED_NAME, kernel_blocker, paged_varlen_attention, varlen_blocker
 from ..batch import TokenSegments
 from ..decode.capture import GraphUnsafe
-from ..instance_methods import InstanceMethods
+from ..instance_methods import InstancePatches
 from .graphs import EngineGraphs
 from .sampling import RequestSampling, SamplingParams
 from .step_sampling import StepSampler
@@ -114,7 +114,7 @@ class ContinuousBatchingHook:
         self.inner = state.inner
         # under TP only the driver rank sees add_request: the other ranks would not know the adapters
         self.blocker = continuous_batching_blocker(self.inner) or tensor_parallel_reason(self.inner)
-        self._methods = InstanceMethods(self.inner)
+        self._methods = InstancePatches()
         self._local = threading.local()  # adapter names a generate_batch call hands its requests
         self._running = 0  # managers started and not stopped
         self._attention_suspended = False
@@ -128,7 +128,7 @@ class ContinuousBatchingHook:
     def _install(self):
         for name in self._METHODS:
             wrapper = getattr(self, "_" + name)
-            self._methods.wrap(name, lambda original, _wrapper=wrapper:
+            self._methods.wrap(self.inner, name, lambda original, _wrapper=wrapper:
                                lambda model, *args, **kwargs: _wrapper(original, *args, **kwargs))
 
     def remove(self):

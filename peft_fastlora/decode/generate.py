@@ -16,7 +16,7 @@ from ..compat.generate import (cache_kwarg_name, compiled_call_override, mask_bu
                                static_cache_blocker)
 from ..compat.modules import multi_device_reason
 from ..compat.tensor_parallel import tp_graph_blocker
-from ..instance_methods import InstanceMethods
+from ..instance_methods import InstancePatches
 from . import deferred_stop, step_mask
 from .runner import DecodeGraphRunner
 from .static_cache import CacheUnavailable
@@ -130,8 +130,8 @@ class GenerateHook:
 
     def __init__(self, state):
         self.model = state.model
-        self._methods = InstanceMethods(self.model)
-        self.original = self._methods.wrap(
+        self._methods = InstancePatches()
+        self.original = self._methods.wrap(self.model,
             "generate", lambda original: lambda model, *args, **kwargs: run_generate(state, original, args, kwargs))
 
     def remove(self):

@@ -167,7 +167,7 @@ class StaticCacheStore:
             views.append((kbuf[: rows * h * length * dk].view(rows, h, length, dk),
                           vbuf[: rows * h * length * dv].view(rows, h, length, dv)))
         cache = static_cache_over(self.model, length, views)
-        for layer in cache.layers:
+        for layer in cache.layers:  # a cache of ours, never the user's: nothing to restore later
             layer.update = types.MethodType(_update_first_rows, layer)
             layer._fastlora_kernel_writes = self.kernel_writes
             layer._fastlora_ticket = self._ticket

@@ -9,7 +9,7 @@ change whole.
 
 from __future__ import annotations
 
-from ..instance_methods import InstanceMethods
+from ..instance_methods import InstancePatches
 
 METHODS = ("add_adapter", "delete_adapter", "load_adapter", "set_adapter")
 
@@ -18,7 +18,7 @@ class AdapterMutationLock:
     """Installs the wrappers on ``state.model``; ``remove`` restores what was there."""
 
     def __init__(self, state):
-        self._methods = InstanceMethods(state.model)
+        self._methods = InstancePatches()
         lock = state._call_lock
         for name in METHODS:
             if not callable(getattr(state.model, name, None)):
@@ -30,7 +30,7 @@ class AdapterMutationLock:
                         return original(*args, **kwargs)
                 return locked
 
-            self._methods.wrap(name, make)
+            self._methods.wrap(state.model, name, make)
 
     def remove(self):
         self._methods.restore()

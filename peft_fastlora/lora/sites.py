@@ -8,7 +8,6 @@ does not, the member's original forward (PEFT's) runs, unchanged. No kernel deta
 
 from __future__ import annotations
 
-import types
 from typing import List, Optional
 
 import torch
@@ -20,6 +19,7 @@ from ..compat.peft import (base_layer_of, is_lora_layer, layer_adapters_disabled
 from ..compat.tensor_parallel import (tp_gather_finish, tp_gather_partial, tp_group, tp_rowwise_finish,
                                       tp_rowwise_finish_columns, tp_rowwise_partial, tp_sum, tp_vocab_ids,
                                       tp_vocab_partial)
+from ..instance_methods import InstancePatches
 from .fusion import FusedGroup
 from .pool import SitePool
 from ..decode.capture import GraphUnsafe
@@ -44,14 +44,13 @@ class Site:
         # where its pool lives and its kernels launch (layers of one model may sit on several
         # GPUs under accelerate's device_map)
         self.device = local(base_layer_of(members[0]).weight).device
-        self._saved: List[Optional[object]] = []
+        self._patches = InstancePatches()
 
     # -- installing -------------------------------------------------------------------------
     def install(self, state):
-        self._saved = []
         for i, m in enumerate(self.members):
-            # keep an instance-level forward someone else installed (accelerate hooks do this)
-            self._saved.append(m.__dict__.get("forward"))
+            # an instance-level forward someone else installed (accelerate hooks do this) is the
+            # original this one calls, and comes back on ``uninstall``
             original = m.forward
 
             def patched(module, x, *args, _i=i, _orig=original, **kwargs):
@@ -60,15 +59,10 @@ class Site:
                         return self.member_forward(state, _i, _orig, x, args, kwargs)
                 return self.member_forward(state, _i, _orig, x, args, kwargs)
 
-            m.forward = types.MethodType(patched, m)
+            self._patches.bind(m, "forward", patched)
 
     def uninstall(self):
-        for m, saved in zip(self.members, self._saved):
-            if saved is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.forward = saved
-        self._saved = []
+        self._patches.restore()
 
     # -- deciding ---------------------------------------------------------------------------
     def fast_path_info(self, state, x, args, kwargs):
