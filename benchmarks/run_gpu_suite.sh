@@ -7,7 +7,8 @@
 #   bash benchmarks/run_gpu_suite.sh generate prefill   # some of them
 #
 # Parts of "all": tests soak kernels attention gemm generate coverage peft prefill continuous serving
-# many profile resources; serving-soak (minutes of load through the endpoint, memory watched) is not. Never part of "all": tma (bench_gemm.py at 65-128 rows rewrites the TMA
+# many profile resources. Never part of "all": serving-soak (minutes of load through the endpoint, memory
+# watched), ab (bench_ab.py: AB_OLD's tree against this one), tma (bench_gemm.py at 65-128 rows rewrites the TMA
 # kernel's tile table in the tree), ncu (Nsight Compute over one graphed 8B step, a kernel a line),
 # and, on a two-GPU machine, multigpu (tests, serve_tp, bench_tp: TP_MODEL, TP_ARGS) and devicemap.
 set -uo pipefail
@@ -98,6 +99,10 @@ if only tma; then  # the TMA kernel's tile table: measured, written into the tre
   cp peft_fastlora/base_ops/tma_tiles_h200.json "$OUT/"
   timeout 200 python3 benchmarks/bench_generate.py --models 8b --graphs-only --batches 128 \
     --tag tma --out "$OUT" 2>&1 | quiet | tail -6
+fi
+if only ab; then  # the graphed step of another tree (AB_OLD: a folder with its peft_fastlora) against this one
+  timeout ${AB_LIMIT:-560} python3 benchmarks/bench_ab.py --old "${AB_OLD:?a folder with the old peft_fastlora}" \
+    --new . --model ${AB_MODEL:-8b} --rounds ${AB_ROUNDS:-1} --out "$OUT" 2>&1 | quiet | tee "$OUT/ab_$TAG.log" | tail -10
 fi
 if only ncu; then  # per-kernel DRAM and L2 counters of one decode step
   for b in ${NCU_BATCHES:-32 128}; do for m in base mixed; do

@@ -19,20 +19,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import serve_many_adapters as files  # noqa: E402
 import serve_openai  # noqa: E402
 
+import _options  # noqa: E402
+
 ADAPTERS = ["reverse", "sum", "upper"]
 
 
 class LiveServer:
     """Args:
         folder: where the tiny adapters are written.
-        argv: ``serve_openai.py`` arguments besides ``--tiny --device cpu``.
+        argv: ``serve_openai.py`` arguments besides ``--tiny --device`` (``--server-device``, cpu by default).
         reference: also load PEFT's unpatched model from the same files.
         headers: sent with every request (an API key, say).
     """
 
     def __init__(self, folder: str, argv: List[str] = (), reference: bool = True, headers=None):
         self.headers = dict(headers or {})
-        args = serve_openai.parse_args(["--tiny", "--device", "cpu"] + list(argv))
+        args = serve_openai.parse_args(["--tiny", "--device", _options.SERVER_DEVICE] + list(argv))
         files.make_tiny_files(args, folder)
         self.args = args
         self.app, self.names = serve_openai.build_app(args)

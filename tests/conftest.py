@@ -18,9 +18,18 @@ if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:
     torch.set_num_threads(1)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--server-device", default="cpu", choices=["cpu", "cuda"],
+                     help="the device the live server tests (tests/_server.py) serve from: cuda runs the "
+                          "endpoint's hostile-input, operations and sampling tests on the GPU")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on a GPU machine)")
     config.addinivalue_line("markers", "slow: slower CPU test")
+    import _options
+
+    _options.SERVER_DEVICE = config.getoption("server_device")
 
 
 def pytest_collection_modifyitems(config, items):

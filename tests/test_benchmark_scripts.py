@@ -113,6 +113,14 @@ def test_bench_generate_smoke(tmp_path):
     assert {"ratio_to_base_graphs", "ratio_to_hf_eager_base", "ratio_to_floor", "torch"} <= set(rows[0])
 
 
+def test_bench_ab_smoke(tmp_path):
+    """Both sides (here the same tree) run in their own processes, A B B A, into one table."""
+    _run([os.path.join(BENCH, "bench_ab.py"), "--smoke", "--old", ROOT, "--new", ROOT, "--out", str(tmp_path)])
+    rows = _csv(tmp_path / "ab_tiny_cpu.csv")
+    assert [(r["method"], r["runs_per_side"]) for r in rows] == [("base_patched", "2"), ("mixed", "2")]
+    assert all(float(r["old_ms"]) > 0 and float(r["new_ms"]) > 0 for r in rows)
+
+
 def test_bench_prefill_smoke(tmp_path):
     """The patched base model is the reference column, the unpatched one beside it."""
     _run([os.path.join(BENCH, "bench_prefill.py"), "--smoke", "--out", str(tmp_path)])
