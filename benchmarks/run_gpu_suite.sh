@@ -72,7 +72,7 @@ if want continuous; then
     | tee "$OUT/continuous_$TAG.log" | tail -8
 fi
 if want serving; then  # the OpenAI endpoint at Poisson arrival rates, patched base beside the adapters
-  timeout 1500 python3 benchmarks/bench_serving.py --model ${SERVE_MODEL:-8b} --adapters 32 \
+  timeout ${SERVE_LIMIT:-1500} python3 benchmarks/bench_serving.py --model ${SERVE_MODEL:-8b} --adapters 32 \
     --rates ${SERVE_RATES:-4 8 16 32} --duration ${SERVE_DURATION:-60} --out "$OUT" 2>&1 | quiet \
     | tee "$OUT/serving_$TAG.log" | tail -12
 fi
