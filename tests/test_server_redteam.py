@@ -22,24 +22,23 @@ OK = {"model": "upper", "prompt": "abc=", "max_tokens": 4}
 CHAT_OK = {"model": "upper", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-def completion(**changes):
-    body = dict(OK)
+def _changed(body: dict, changes: dict) -> dict:
+    """``body`` with ``changes`` applied (a value of ``_DROP`` removes its key)."""
+    body = dict(body)
     for key, value in changes.items():
         if value is _DROP:
             body.pop(key, None)
         else:
             body[key] = value
     return body
+
+
+def completion(**changes):
+    return _changed(OK, changes)
 
 
 def chat(**changes):
-    body = dict(CHAT_OK)
-    for key, value in changes.items():
-        if value is _DROP:
-            body.pop(key, None)
-        else:
-            body[key] = value
-    return body
+    return _changed(CHAT_OK, changes)
 
 
 _DROP = object()
