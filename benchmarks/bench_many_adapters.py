@@ -220,7 +220,7 @@ def run_mode(model, adapters, args, slots, rows_out, info):
     ids = batch_ids(args, 999)
     spread = [names[(k * 7) % len(names)] for k in range(args.batch)]  # --batch distinct adapters
     mixed = decode_ms(model, ids, spread, args.step_tokens)
-    mixed_folded = state.fold_now  # the per-call choice of that call (staged sites: its blocks fit)
+    mixed_folded = state.last_fold  # the per-call choice of that call (staged sites: its blocks fit)
     mixed_replay = hx.measure.replay_ms
     base = decode_ms(model, ids, ["__base__"] * args.batch, args.step_tokens)
     base_replay = hx.measure.replay_ms

@@ -1,8 +1,9 @@
 """``FastLoRAState``: everything fastlora keeps on a patched model, built and torn down here.
 
 It owns the LoRA sites and their pools (``lora/``), the backend, the generate hook and graph
-runner (``decode/``) and the base-model kernels (``base_ops/``), and it is the one owner of the
-runtime flags the layers read (``forward_context``, ``call``).
+runner (``decode/``) and the base-model kernels (``base_ops/``). What a call tells the layers is
+one ``CallContext`` value (``call_context``), entered at the call's boundary (``call``,
+``segments``, ``forward_context``, the forward pre-hook) and passed down by the layers.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .compat.tensor_parallel import declared_tp_plans, tp_local_stored, tp_style
 from .backend import get_backend, resolve_backend_name
 from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_ops, stream_wanted
 from .batch import ForwardBatch, TokenSegments
+from .call_context import CallContext, CallScope, ForwardBoundary
 from .continuous.engine import ContinuousBatchingHook
 from .decode import deferred_stop, greedy_loop, stop_flag
 from .decode.generate import GenerateHook, graphs_wanted
@@ -47,11 +49,12 @@ logger = logging.getLogger("peft_fastlora")
 
 
 class FastLoRAState:
-    """Everything fastlora keeps on a patched model, and the one owner of its runtime flags.
+    """Everything fastlora keeps on a patched model.
 
-    The layers read ``use_cuda_graph`` / ``graph_batch_info``, which change only inside
-    ``forward_context`` (entered by the graph runner around a capture or an emulated replay), and
-    skip the per-forward checks inside ``call`` (entered by the patched ``generate``).
+    The layers take the current ``CallContext`` (``context()``) once per forward: it changes only
+    at a call's boundary (``call``, entered by the patched ``generate``; ``segments``, by a
+    continuous-batching step; the model's forward pre-hook for a forward outside both) and inside
+    ``forward_context`` (entered by the graph runner around a capture or an emulated replay).
     """
 
     def __init__(self, model: nn.Module, options: PatchOptions):
@@ -71,17 +74,15 @@ class FastLoRAState:
         self.graph_runner = None
         self.graph_blocker: Optional[str] = None  # why decode graphs are off (None: on)
         self.stop_check_blocker: Optional[str] = "no decode graphs"  # why graphed calls check every step
-        self._graph_batch_info = None  # inside forward_context: the static batch info of the graph
         # one call at a time: a continuous-batching step (engine thread) and a generate call
         # (caller's thread) share the stacks and the batch-info buffers, so they take turns
         self._call_lock = threading.RLock()
-        self._refresh_pending = False
         self._warned: set = set()
         self._refresher: Optional[ValueRefresher] = None
         self._refresher_generation = -1
         self._stage_cache: dict = {}  # staged folds' row indices and tables by layout (SitePool.stage_call)
         self._hook = None
-        self._bi_key = None
+        self._bi_key = None  # what the cached batch info was built for (see slots_moved)
         self._bi = None
         self._bi_copies: dict = {}  # device -> (batch info, its copy there): models split by device_map
         self._slot_ranks = None
@@ -90,8 +91,8 @@ class FastLoRAState:
         self._peft_config_keys = self._config_keys()
         self._adapter_count = None  # LoRA adapters summed over the sites' layers, at the last check
         self._takes_adapter_names = False  # see serve_adapter_names
-        # per thread: a continuous-batching engine steps in its own thread
-        self._local = threading.local()
+        self.calls = CallScope()  # each thread's CallContext
+        self.last_fold = False  # the fold choice of the last call that decided one (reports, tests)
         self.continuous = None  # continuous.engine.ContinuousBatchingHook
         # adapters registered by name (``fastlora.register_adapter``): kept across rebuilds
         self.stored: dict = {}  # name -> lora.store.StoredAdapter
@@ -105,30 +106,20 @@ class FastLoRAState:
         return tuple(sorted((k, id(v)) for k, v in cfg.items())) if isinstance(cfg, dict) else None
 
     @property
-    def use_cuda_graph(self) -> bool:
-        """Whether the layers are being captured (or replayed, emulated) in a decode graph."""
-        return self._graph_batch_info is not None
-
-    @property
-    def graph_batch_info(self):
-        """The static batch info of the graph being captured or replayed (None outside)."""
-        return self._graph_batch_info
-
-    @property
     def has_lora(self) -> bool:
         return bool(self.sites)
+
+    def context(self) -> CallContext:
+        """This thread's ``CallContext`` (what the current call tells the layers)."""
+        return self.calls.current()
 
     @contextlib.contextmanager
     def forward_context(self, graph_batch_info):
         """Forwards run inside are a graphed decode step (a capture, or an emulated replay): the
         layers read ``graph_batch_info`` (the backend's static buffers, refreshed in place by the
         runner) and skip the per-forward checks."""
-        previous = self._graph_batch_info
-        self._graph_batch_info = graph_batch_info
-        try:
+        with self.calls.entered(self.context().replace(graph_batch_info=graph_batch_info)):
             yield
-        finally:
-            self._graph_batch_info = previous
 
     @contextlib.contextmanager
     def call(self, adapter_names: Optional[Sequence[str]], fold: bool = True):
@@ -137,33 +128,22 @@ class FastLoRAState:
         skip both. Calls from different threads run one after the other. ``fold=False``: the
         per-call sites keep the fused kernel (continuous-batching steps), nothing is staged."""
         check_adapter_names(adapter_names)
-        if self._in_call:
+        current = self.context()
+        if current.checked:
             yield
             return
         with self._call_lock:
             self.sync(adapter_names)
-            self.refresh_values(adapter_names, fold=fold)
-            self._local.in_call = True
-            try:
-                with on_device(self.device):
-                    yield
-            finally:
-                self._local.in_call = False
-
-    @property
-    def _in_call(self) -> bool:
-        return getattr(self._local, "in_call", False)
-
-    @property
-    def call_names(self) -> Optional[List[str]]:
-        """The adapter names of this thread's call, where fastlora took them in PEFT's place."""
-        return getattr(self._local, "call_names", None)
+            folds = self.refresh_values(adapter_names, fold=fold)
+            with self.calls.entered(current.replace(checked=True, fold=folds, boundary=None)), \
+                    on_device(self.device):
+                yield
 
     def serve_adapter_names(self, kwargs):
         """In place of PEFT's per-call hooks (``guard_peft_forward_hooks``): a context in
-        which the LoRA layers read the call's ``adapter_names`` from here, or None where PEFT must
-        hook them itself (beam search, aLoRA, training mode, layers or wrappers fastlora does not
-        serve). Unknown names raise PEFT's error."""
+        which the LoRA layers read the call's ``adapter_names`` from the ``CallContext``, or None
+        where PEFT must hook them itself (beam search, aLoRA, training mode, layers or wrappers
+        fastlora does not serve). Unknown names raise PEFT's error."""
         names = kwargs.get("adapter_names")
         check_adapter_names(names)
         if (names is None or not self._takes_adapter_names or kwargs.get("alora_offsets") is not None
@@ -174,22 +154,7 @@ class FastLoRAState:
         unknown = {n for n in names if n != "__base__"} - set(self.registry.names) - set(config) - set(self.stored)
         if unknown:  # PEFT's message
             raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unknown))}")
-        return self._call_names_scope(list(names))
-
-    @contextlib.contextmanager
-    def _call_names_scope(self, names: List[str]):
-        previous = self.call_names
-        self._local.call_names = names
-        try:
-            yield
-        finally:
-            self._local.call_names = previous
-
-    @property
-    def fold_now(self) -> bool:
-        """Whether this thread's call folds the sites that fold per call (``Tuning.fold_min_use``):
-        decided once per call, from its adapters, in ``refresh_values``."""
-        return getattr(self._local, "fold_now", False)
+        return self.calls.entered(self.context().replace(names=tuple(names)))
 
     def folds_per_call(self) -> bool:
         """Some site folds only for calls that use enough of its arena (graphs then differ by call)."""
@@ -224,22 +189,13 @@ class FastLoRAState:
                     break
         return chosen
 
-    @property
-    def token_segments(self) -> Optional[TokenSegments]:
-        """Inside ``segments``: the sequences of this thread's forward (continuous batching)."""
-        return getattr(self._local, "segments", None)
-
     @contextlib.contextmanager
     def segments(self, segments: TokenSegments):
         """Forwards run inside (in this thread) hold ``segments`` in their one row: each LoRA layer
         applies each sequence's adapter. One call boundary, as for a ``generate`` call."""
-        previous = self.token_segments
         with self.call(sorted(set(segments.names)), fold=False):
-            self._local.segments = segments
-            try:
+            with self.calls.entered(self.context().replace(segments=segments)):
                 yield
-            finally:
-                self._local.segments = previous
 
     # -- building ---------------------------------------------------------------------------
     def build(self) -> PatchReport:
@@ -263,7 +219,7 @@ class FastLoRAState:
         gemm = self.base_ops.gemm
         stream = self.base_ops.stream
         if stream is not None:
-            stream.skip = lambda: self.token_segments is not None
+            stream.skip = lambda: self.context().segments is not None
             stream.clear_gated_lora()
         for g in self.groups:
             g.gemm = gemm
@@ -542,8 +498,7 @@ class FastLoRAState:
         site.pool.rebuild(self.registry, dtype, site.device, stored=self._stored_for(site))
         self._watches = {}
         self.generation += 1
-        self._slot_ranks = None
-        self._bi_key = None
+        self.slots_moved()
 
     def _teardown_lora(self):
         for site in self.sites:
@@ -554,7 +509,7 @@ class FastLoRAState:
         for g in self.groups:
             g.unfuse()
         self.sites, self.groups = [], []
-        self._bi = self._bi_key = None
+        self.slots_moved()
         self._refresher = None
         self._watches = {}
         self.generation += 1
@@ -590,10 +545,16 @@ class FastLoRAState:
         for site in self.sites:
             if isinstance(site, FusedSite):
                 site.clear_stash()
-        if self.use_cuda_graph or self._in_call:
+        context = self.context()
+        if context.graphed or context.checked:
             return
         self.sync(())  # the adapters' own parameters: once the first layer knows the batch's
-        self._refresh_pending = True
+        self.calls.begin_forward(ForwardBoundary(self._begin_forward_call), context.names)
+
+    def _begin_forward_call(self, adapter_names: Sequence[str]) -> bool:
+        """A forward outside any call, at its first LoRA layer: what ``call`` does at its boundary."""
+        self._check_adapters(adapter_names)
+        return self.refresh_values(adapter_names)
 
     def sync(self, adapter_names: Optional[Sequence[str]] = None):
         """Rebuild what no longer fits PEFT's adapters (see ``pool.SitePool.stale``).
@@ -646,39 +607,40 @@ class FastLoRAState:
         """The adapters served, for reports: without ``from_folders``' layer-making adapter of zeros."""
         return [n for n in self.registry.names if n != SCAFFOLD_ADAPTER]
 
-    def refresh_values(self, adapter_names: Optional[Sequence[str]], fold: bool = True):
+    def refresh_values(self, adapter_names: Optional[Sequence[str]], fold: bool = True) -> bool:
         """Put these adapters in GPU slots (where the model has fewer slots than adapters), then
         copy the current values of PEFT's weights of them into the stacks (in place); decide whether
-        the call folds the per-call sites (``fold_now``; never where ``fold`` is False) and stage
-        their A blocks where it does."""
-        self._local.fold_now = False
+        the call folds the per-call sites (never where ``fold`` is False), stage their A blocks
+        where it does, and return that choice."""
+        self.last_fold = False
         if not adapter_names or not self.sites:
-            return
+            return False
         placed = self.registry.assign(adapter_names)
         if placed:
             try:
                 self._load_slots(placed)
             except BaseException:
                 self.registry.release(placed)
-                self._bi_key = None
+                self.slots_moved()
                 for site in self.sites:  # blocks may have slid with the tables left behind
                     site.pool.invalidate()
                 raise
         slots = {self.registry.slot[n] for n in set(adapter_names) if n in self.registry.slot}
         if not slots:
-            return
-        self._local.fold_now = fold and self._decide_fold(slots)
+            return False
+        folds = self.last_fold = fold and self._decide_fold(slots)
         key = (self.generation, self._slot_loads)
         if self._refresher is None or self._refresher_generation != key:
             self._refresher = ValueRefresher(s.pool for s in self.sites)
             self._refresher_generation = key
         self._refresher.refresh(slots)
-        if self._local.fold_now:  # staged sites: the call's A blocks (current values) under the base weight
+        if folds:  # staged sites: the call's A blocks (current values) under the base weight
             for site in self.sites:
                 site.pool.stage_call(slots, self._stage_cache)
         if fold:  # gate/up sites for ops.glu_lora: B's columns from the values and places just set
             for site in self.sites:
                 site.pool.sync_b_columns()
+        return folds
 
     def _load_slots(self, placed):
         """Adapters newly given slots: every site loads them there (stacks keep their addresses:
@@ -697,8 +659,7 @@ class FastLoRAState:
         self.registry.stats["load_seconds"] += time.perf_counter() - t
         self.registry.stats["block_moves"] = sum(site.pool.block_moves for site in self.sites)
         self._slot_loads += 1
-        self._slot_ranks = None
-        self._bi_key = None
+        self.slots_moved()
 
     def _load_slots_now(self, placed):
         # registered adapters' buffers go first: their copies run while the pools place them
@@ -757,6 +718,12 @@ class FastLoRAState:
             self._rebuild_pool(site, dtype)
         return site.pool
 
+    def slots_moved(self) -> None:
+        """Stacks were rebuilt or adapters put in other slots: the cached batch info and the slots'
+        ranks (both read from the slots) are built again when next asked for."""
+        self._slot_ranks = None
+        self._bi_key = self._bi = None
+
     def slot_ranks(self) -> List[int]:
         if self._slot_ranks is None:
             ranks = [0] * self.registry.num_slots
@@ -766,18 +733,16 @@ class FastLoRAState:
             self._slot_ranks = ranks
         return self._slot_ranks
 
-    def batch_info(self, adapter_names: Sequence[str], x: torch.Tensor, site: Site):
+    def batch_info(self, context: CallContext, adapter_names: Sequence[str], x: torch.Tensor, site: Site):
         """The batch info for this forward, built by the first layer that asks."""
-        if self.use_cuda_graph:
-            return self.graph_batch_info  # static buffers, refreshed by the graph runner
+        if context.graphed:
+            return context.graph_batch_info  # static buffers, refreshed by the graph runner
         rows = x.shape[0]
         tokens_per_row = x.numel() // max(rows, 1)
         if isinstance(site, LinearSite) or isinstance(site, FusedSite):
             tokens_per_row //= max(x.shape[-1], 1)
-        if self._refresh_pending:  # a forward outside generate: this is its call boundary
-            self._refresh_pending = False
-            self._check_adapters(adapter_names)
-            self.refresh_values(adapter_names)
+        if context.boundary is not None:  # a forward outside any call: its boundary, once
+            context.boundary.run(adapter_names)
         # by value, not by list identity: a caller may reuse one list and change it in place
         key = (tuple(adapter_names), rows, tokens_per_row)
         if self._bi_key == key:
@@ -800,11 +765,12 @@ class FastLoRAState:
             cached = self._bi_copies[device] = (bi, bi.to(device))
         return cached[1]
 
-    def segment_batch_info(self, segments: TokenSegments):
+    def segment_batch_info(self, context: CallContext):
         """The batch info of a continuous-batching forward, built by the first layer that asks
         (in the engine's graphs: the static buffers, filled before the step)."""
-        if self.use_cuda_graph:
-            return self.graph_batch_info
+        if context.graphed:
+            return context.graph_batch_info
+        segments = context.segments
         if self._bi_key is segments:
             return self._bi
         fb, slots = segments.forward_batch(self.registry.slots_for(segments.names), self.device)

@@ -49,10 +49,10 @@ class StepSpy:
         monkeypatch.setattr(backend, "prepare_lora_batch", spy_prepare)
         peft_forward = Site.peft_forward
 
-        def spy_peft(state, original, x, args, kwargs):
-            if state.token_segments is not None:
+        def spy_peft(context, original, x, args, kwargs):
+            if context.segments is not None:
                 self.peft_calls += 1
-            return peft_forward(state, original, x, args, kwargs)
+            return peft_forward(context, original, x, args, kwargs)
 
         monkeypatch.setattr(Site, "peft_forward", staticmethod(spy_peft))
 

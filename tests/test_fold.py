@@ -117,7 +117,7 @@ def test_default_limits_fold_small_arenas_always_and_larger_ones_per_call(refere
     assert [name for name, _ in report.fold_refused] == [s.name for s, k in zip(sites, kinds) if k == "none"]
     assert all("would add more than 0.4 of its" in why for _, why in report.fold_refused), report.fold_refused
     torch.testing.assert_close(logits(m), reference["llama"][0], **TOL)
-    assert fastlora.get_state(m).fold_now  # every adapter: all their rows
+    assert fastlora.get_state(m).last_fold  # every adapter: all their rows
     assert calls["run_packed_expand"] == n_always + n_call and calls["run_packed_lora"] == kinds.count("none")
 
 
@@ -140,12 +140,12 @@ def test_per_call_sites_fold_for_calls_that_use_enough_of_them(calls):
         torch.testing.assert_close(logits(m, [name, "__base__"] * 2), want[name], **TOL)
         used = sum(p.rows_used([state.registry.slot[name]]) for p in per_call)
         folds = used >= state.options.tuning.fold_min_use * tails
-        assert state.fold_now == folds
+        assert state.last_fold == folds
         assert calls["run_packed_lora"] == (0 if folds else len(per_call)), (name, calls)
         chose.add(folds)
     assert chose == {False, True}, "the adapters here should exercise both choices"
     torch.testing.assert_close(logits(m), want_all, **TOL)
-    assert state.fold_now
+    assert state.last_fold
 
 
 def test_emulated_graphs_keyed_by_the_fold_choice():
@@ -161,7 +161,7 @@ def test_emulated_graphs_keyed_by_the_fold_choice():
         for _ in range(3):
             for names in (few, many):
                 assert torch.equal(greedy(m, names, n=5), want[tuple(names)]), names
-                chose.append(state.fold_now)
+                chose.append(state.last_fold)
         assert chose == [False, True] * 3
         stats = state.graph_runner.stats
         assert stats["captures"] == 2 and stats["evictions"] == 0 and stats["replays"] > 0, stats
@@ -360,10 +360,10 @@ def test_staged_fold_with_fewer_slots_equals_peft(calls):
             torch.testing.assert_close(logits(m, names), logits(ref, names), **TOL)
             slots = {state.registry.slot[n] for n in names if n != "__base__"}
             fits = all(p.rows_used(slots) <= p.fold_rows() for p in staged)
-            assert state.fold_now == (fits and state._decide_fold(slots)), names
-            if state.fold_now:
+            assert state.last_fold == (fits and state._decide_fold(slots)), names
+            if state.last_fold:
                 assert calls["run_packed_lora"] == 0, (names, calls)
-            chose.add(state.fold_now)
+            chose.add(state.last_fold)
         with torch.no_grad():  # an in-place edit of an adapter's A: the next call stages the new values
             for model in (m, ref):
                 layers_of(model)[step].self_attn.q_proj.lora_A["sql"].weight.mul_(-1.5)
@@ -382,7 +382,7 @@ def test_staged_fold_refused_for_a_call_that_does_not_fit(monkeypatch, calls):
         torch.testing.assert_close(logits(m, names), logits(ref, names), **TOL)
         slots = {state.registry.slot[n] for n in names if n != "__base__"}
         assert all(p.can_stage(slots) for p in staged) == folds
-        assert state.fold_now == folds
+        assert state.last_fold == folds
         assert (calls["run_packed_lora"] > 0) == (not folds), calls
 
 
@@ -429,8 +429,8 @@ def test_continuous_batching_steps_never_stage(monkeypatch):
     out = m.generate_batch(prompts, generation_config=greedy_config(4), continuous_batching_config=cb_config(),
                            adapter_names=names)
     got = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
-    assert not staged_calls and not fastlora.get_state(m).fold_now
+    assert not staged_calls and not fastlora.get_state(m).last_fold
     for tokens, p, n in zip(got, prompts, names):
         assert tokens == peft_alone(ref, p, n, 4), n
     logits(m, ["sql", "chat", "__base__", "sql"])  # a plain call with the same adapters stages again
-    assert staged_calls and fastlora.get_state(m).fold_now
+    assert staged_calls and fastlora.get_state(m).last_fold

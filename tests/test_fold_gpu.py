@@ -178,8 +178,8 @@ def test_staged_folds_through_graphs_with_random_calls_equal_peft():
                 out = m.generate(**inputs, adapter_names=names, max_new_tokens=rng.randint(4, 24))
                 want = ref.generate(**inputs, adapter_names=names,
                                     max_new_tokens=out.shape[1] - inputs["input_ids"].shape[1])
-            chose.append(state.fold_now)
-            assert torch.equal(out, want), (call, rows, names, state.fold_now)
+            chose.append(state.last_fold)
+            assert torch.equal(out, want), (call, rows, names, state.last_fold)
         stats = state.graph_runner.stats
         assert stats["replays"] > 0 and stats["eager_steps"] == 0, stats
         assert set(chose) == {False, True}, chose
@@ -193,7 +193,7 @@ def test_bf16_staged_fold_logits_close_to_peft():
         ref = model(input_ids=ids, adapter_names=names).logits.float()
         with fastlora.patched(model, max_loras_per_batch=4):
             out = model(input_ids=ids, adapter_names=names).logits.float()
-            assert fastlora.get_state(model).fold_now
+            assert fastlora.get_state(model).last_fold
         base = model.get_base_model()(input_ids=ids).logits.float()
     err = (out - ref).norm() / ref.norm()
     delta = (ref - base).norm() / ref.norm()

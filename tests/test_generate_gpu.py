@@ -83,7 +83,7 @@ def test_changing_mixes_more_adapters_than_at_capture_and_all_base(model):
         outs, folds = [], set()
         for names in mixes:
             outs.append(model.generate(**inputs, adapter_names=names, max_new_tokens=24))
-            folds.add(fastlora.get_state(model).fold_now)
+            folds.add(fastlora.get_state(model).last_fold)
         stats = fastlora.get_state(model).graph_runner.stats
     finally:
         fastlora.unpatch(model)

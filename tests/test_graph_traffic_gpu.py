@@ -133,7 +133,7 @@ def test_more_shapes_than_graphs_kept(pair):
         for i, rows in enumerate([1, 2, 3, 9, 16, 1, 5, 2, 12, 1]):
             _equal_to_peft(pair, rows, 5 + 7 * i, 6, seed=10 + i)
             assert len(runner.graphs) <= 2
-            key = (runner.bucket_for(rows), state.fold_now)
+            key = (runner.bucket_for(rows), state.last_fold)
             if key in kept:
                 kept.remove(key)
             else:

@@ -289,7 +289,7 @@ class DecodeGraphRunner:
                 yield name, v
 
     def _key(self, inputs, serial, cache, rows, padded):
-        parts = [serial, padded, ("fold", self.state.fold_now), ("rotary_table", self._rotary_tables() is not None)]
+        parts = [serial, padded, ("fold", self.state.context().folds()), ("rotary_table", self._rotary_tables() is not None)]
         for name, v in self._flat(inputs):
             if isinstance(v, torch.Tensor):
                 shape = tuple(v.shape)

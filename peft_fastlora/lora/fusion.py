@@ -37,7 +37,7 @@ FUSIBLE_GROUPS = {
 # An arena of at most ``Tuning.fold_max_share`` of the base weight's rows is folded for every call;
 # one of at most ``fold_call_share`` is stored under the base weight too, and folded for the calls
 # whose adapters use at least ``fold_min_use`` of its rows (a graph per choice:
-# ``FastLoRAState.fold_now``), where every adapter has a slot (fewer slots: the arena is sized for the
+# ``CallContext.fold``), where every adapter has a slot (fewer slots: the arena is sized for the
 # largest adapters, not the loaded ones); larger ones keep the fused kernel. The shares follow the
 # measured cost per row of the folded tail and of the fused kernel: past them the GEMM's unused rows
 # cost more than it saves. With fewer slots than adapters a larger arena is not stored under the

@@ -2,8 +2,9 @@
 
 A *site* is what one backend call serves: a single LoRA layer (``LinearSite``, ``EmbeddingSite``)
 or a fused group of siblings (``FusedSite``). Each member module of a site gets an instance-level
-``forward`` that first asks the model state whether the fast path applies to this call; when it
-does not, the member's original forward (PEFT's) runs, unchanged. No kernel details live here.
+``forward`` that takes the call's ``CallContext`` from the model state once, decides from it and
+the forward's arguments whether the fast path applies, and passes it down; when the fast path does
+not apply, the member's original forward (PEFT's) runs, unchanged. No kernel details live here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from ..call_context import CallContext
 from ..compat.modules import has_forward_hooks, is_dtensor, local
 from ..compat.peft import (base_layer_of, is_lora_layer, layer_adapters_disabled, layer_dropout_active,
                            layer_is_merged)
@@ -54,10 +56,11 @@ class Site:
             original = m.forward
 
             def patched(module, x, *args, _i=i, _orig=original, **kwargs):
+                context = state.context()
                 if self.device.type == "cuda" and self.device.index != torch.cuda.current_device():
                     with torch.cuda.device(self.device):  # Triton launches on the current device
-                        return self.member_forward(state, _i, _orig, x, args, kwargs)
-                return self.member_forward(state, _i, _orig, x, args, kwargs)
+                        return self.member_forward(state, context, _i, _orig, x, args, kwargs)
+                return self.member_forward(state, context, _i, _orig, x, args, kwargs)
 
             self._patches.bind(m, "forward", patched)
 
@@ -65,21 +68,20 @@ class Site:
         self._patches.restore()
 
     # -- deciding ---------------------------------------------------------------------------
-    def fast_path_info(self, state, x, args, kwargs):
+    def fast_path_info(self, state, context: CallContext, x, args, kwargs):
         """The batch info when this call can take the fast path, else None."""
-        bi = self._fast_path_info(state, x, args, kwargs)
+        bi = self._fast_path_info(state, context, x, args, kwargs)
         if bi is None and state.stored:
-            self._refuse_registered(state, kwargs)
-        if bi is None and state.use_cuda_graph and (_names(state, kwargs) is not None
-                                                   or state.token_segments is not None):
-
+            self._refuse_registered(state, context, kwargs)
+        if bi is None and context.graphed and (_names(context, kwargs) is not None
+                                               or context.segments is not None):
             # PEFT's path indexes rows from host lists: captured, it would replay stale indices
             raise GraphUnsafe(f"{self.name} would leave the static path")
         return bi
 
-    def _fast_path_info(self, state, x, args, kwargs):
-        names = _names(state, kwargs)
-        segments = state.token_segments if names is None else None
+    def _fast_path_info(self, state, context: CallContext, x, args, kwargs):
+        names = _names(context, kwargs)
+        segments = context.segments if names is None else None
         if (names is None and segments is None) or args:
             return None
         if any(k != "adapter_names" and not (k in _VARIANT_KWARGS and v is None) for k, v in kwargs.items()):
@@ -92,24 +94,24 @@ class Site:
                 "path; for inference, call the model inside torch.no_grad() or torch.inference_mode()")
             return None
         if segments is not None:
-            return self._segments_info(state, x, segments)
+            return self._segments_info(state, context, x)
         rows = x.shape[0] if x.dim() >= 1 else -1
         # under graph capture the batch is padded to its bucket (padding rows have no adapter)
-        graph_rows = state.graph_batch_info.bs if state.use_cuda_graph and state.graph_batch_info else None
+        graph_rows = context.graph_batch_info.bs if context.graphed else None
         if rows < 0 or (len(names) != rows and rows != graph_rows) or x.device != self.device:
             return None  # PEFT's forward raises its own error for a length mismatch
         if self._blocked(state, x):  # e.g. after model.to(torch.float64): PEFT's path serves it
             return None
-        bi = state.batch_info(names, x, self)
+        bi = state.batch_info(context, names, x, self)
         if bi is None or any(s in self.pool.unsupported for s in bi.slots_in_batch):
             return None
         return state.batch_info_on(bi, self.device)
 
-    def _refuse_registered(self, state, kwargs):
+    def _refuse_registered(self, state, context: CallContext, kwargs):
         """Adapters registered by name exist only on fastlora's path: a forward that cannot take it
         is refused with the reason, instead of PEFT's path failing on a name it does not know."""
-        segments = state.token_segments
-        names = _names(state, kwargs) or (segments.names if segments is not None else ())
+        segments = context.segments
+        names = _names(context, kwargs) or (segments.names if segments is not None else ())
         used = sorted({n for n in names if n in state.stored})
         if not used:
             return
@@ -120,15 +122,16 @@ class Site:
         raise ValueError(f"fastlora: registered adapter(s) {', '.join(used)} are served only by fastlora's "
                          f"path, and this forward of {self.name} cannot take it: {why}")
 
-    def _segments_info(self, state, x, segments):
+    def _segments_info(self, state, context: CallContext, x):
         """Continuous batching: x is one row of ``segments.num_tokens`` tokens."""
+        segments = context.segments
         if x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != segments.num_tokens:
             raise RuntimeError(
                 f"{self.name}: a continuous-batching forward of {segments.num_tokens} tokens got an "
                 f"input of shape {tuple(x.shape)}")
         if x.device != self.device or self._blocked(state, x):
             return None
-        bi = state.segment_batch_info(segments)
+        bi = state.segment_batch_info(context)
         if any(s in self.pool.unsupported for s in bi.slots_in_batch):
             return None
         return state.batch_info_on(bi, self.device)
@@ -145,42 +148,41 @@ class Site:
         return supported is not None and dtype not in supported
 
     @staticmethod
-    def peft_forward(state, original, x, args, kwargs):
+    def peft_forward(context: CallContext, original, x, args, kwargs):
         """This member's own (PEFT's) forward. In a continuous-batching forward it gets one row
         per token and each token's adapter name: PEFT's per-row path, exactly, never the active
         adapter applied to every sequence."""
-        if kwargs.get("adapter_names") is None and state.call_names is not None:
+        if kwargs.get("adapter_names") is None and context.names is not None:
             # the call's names, which PEFT's hooks would have passed (fastlora took them instead)
-            return original(x, *args, adapter_names=state.call_names, **kwargs)
-        segments = state.token_segments
+            return original(x, *args, adapter_names=list(context.names), **kwargs)
+        segments = context.segments
         if segments is None or kwargs.get("adapter_names") is not None:
             return original(x, *args, **kwargs)
         rows = x.reshape(segments.num_tokens, 1, *x.shape[2:])
         out = original(rows, *args, adapter_names=segments.token_names(), **kwargs)
         return out.reshape(1, segments.num_tokens, *out.shape[2:])
 
-    def member_forward(self, state, i, original, x, args, kwargs):
+    def member_forward(self, state, context: CallContext, i, original, x, args, kwargs):
         raise NotImplementedError
 
 
-def _names(state, kwargs):
+def _names(context: CallContext, kwargs):
     """The forward's adapter names: PEFT's hooks pass them to every LoRA layer, or fastlora holds
-    them for the call (``ModelState.serve_adapter_names``)."""
+    them for the call (``FastLoRAState.serve_adapter_names``)."""
     names = kwargs.get("adapter_names")
-    return names if names is not None else state.call_names
+    return names if names is not None else context.names
 
 
 def _as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return t.reshape(-1, width)
 
 
-def _folded(state, pool: SitePool, bi) -> bool:
+def _folded(context: CallContext, pool: SitePool, bi) -> bool:
     """Whether this forward takes the shrink from the folded GEMM. A per-call site does where the
-    call uses enough of its arena (``FastLoRAState.fold_now``); not in a continuous-batching step,
-    whose adapters change from step to step (the engine's graphs are not keyed by the choice)."""
+    call uses enough of its arena (``CallContext.folds``)."""
     if bi.block_m > FOLD_MAX_BLOCK_M or not pool.folded():
         return False
-    return not pool.fold.per_call or (state.fold_now and state.token_segments is None)
+    return not pool.fold.per_call or context.folds()
 
 
 def _fold_forward(state, pool: SitePool, x2: torch.Tensor, bi, bias: bool = True) -> torch.Tensor:
@@ -197,11 +199,11 @@ def _fold_forward(state, pool: SitePool, x2: torch.Tensor, bi, bias: bool = True
 class _OneLayerSite(Site):
     """A site of one LoRA layer: its base output, then the LoRA delta added in place."""
 
-    def member_forward(self, state, i, original, x, args, kwargs):
-        bi = self.fast_path_info(state, x, args, kwargs)
+    def member_forward(self, state, context: CallContext, i, original, x, args, kwargs):
+        bi = self.fast_path_info(state, context, x, args, kwargs)
         if bi is None:
-            return self.peft_forward(state, original, x, args, kwargs)
-        folded = self._folded_forward(state, x, bi)
+            return self.peft_forward(context, original, x, args, kwargs)
+        folded = self._folded_forward(state, context, x, bi)
         if folded is not None:
             return folded
         base = base_layer_of(self.members[0])
@@ -213,7 +215,7 @@ class _OneLayerSite(Site):
     def _base_output(self, base, x):
         return base(x)
 
-    def _folded_forward(self, state, x, bi) -> Optional[torch.Tensor]:
+    def _folded_forward(self, state, context: CallContext, x, bi) -> Optional[torch.Tensor]:
         """The output through a folded GEMM (see ``_fold_forward``), or None where it does not apply."""
         return None
 
@@ -239,11 +241,11 @@ class LinearSite(_OneLayerSite):
         self.tp = tp
         self.tp_group = tp_group(members[0]) if tp in ("rowwise", "colwise_gather") else None
 
-    def _folded_forward(self, state, x, bi):
+    def _folded_forward(self, state, context, x, bi):
         if self.pool.fold is None or self.tp == "colwise_gather":
             return None
         pool = state.pool_for(self, x.dtype)
-        if not _folded(state, pool, bi):
+        if not _folded(context, pool, bi):
             return None
         n = pool.offsets[-1]
         # row-sharded: partial sums of the base output and of every shrink (the expand is linear),
@@ -328,12 +330,13 @@ class FusedSite(Site):
                     or not self.group.is_intact() or self.group.ext_bias is not None
                     or has_forward_hooks(gate) or has_forward_hooks(up)):
                 return None
-            bi = self._fast_path_info(state, x, (), {})
+            context = state.context()
+            bi = self._fast_path_info(state, context, x, (), {})
             if bi is None:
                 return None  # the members' forwards decide (PEFT's path, or a graph-unsafe refusal)
             pool = state.pool_for(self, x.dtype)
             n = pool.offsets[1]
-            if (pool.glu_buffers is None or not _folded(state, pool, bi) or pool.stage is not None
+            if (pool.glu_buffers is None or not _folded(context, pool, bi) or pool.stage is not None
                     or list(pool.offsets) != [0, n, 2 * n]):
                 return None
             lora = self._glu_lora(pool, bi, x)
@@ -361,7 +364,7 @@ class FusedSite(Site):
     def clear_stash(self):
         self._stash = None
 
-    def member_forward(self, state, i, original, x, args, kwargs):
+    def member_forward(self, state, context: CallContext, i, original, x, args, kwargs):
         stash = self._stash
         if stash is not None and stash[0] is x and stash[1][i] is not None and not args:
             out, stash[1][i] = stash[1][i], None
@@ -370,12 +373,12 @@ class FusedSite(Site):
                 # prefill's would otherwise stay pinned, every layer's, for the rest of the forward)
                 self._stash = None
             return out
-        bi = self.fast_path_info(state, x, args, kwargs)
+        bi = self.fast_path_info(state, context, x, args, kwargs)
         if bi is None or not self.group.is_intact():
-            return self.peft_forward(state, original, x, args, kwargs)
+            return self.peft_forward(context, original, x, args, kwargs)
         pool = state.pool_for(self, x.dtype)
         x2 = _as_rows(x, x.shape[-1]).contiguous()
-        if _folded(state, pool, bi):
+        if _folded(context, pool, bi):
             res = _fold_forward(state, pool, x2, bi)[:, :pool.offsets[-1]]
         else:
             res = self.group.linear(x2)
