@@ -165,7 +165,7 @@ def test_rows_of_no_adapter_get_the_base_output():
     torch.testing.assert_close(out, base, atol=1e-5, rtol=1e-5)
 
 
-def test_tiles_that_stop_waiting_compute_the_shrink_themselves(monkeypatch):
+def test_tiles_that_stop_waiting_compute_the_shrink_themselves():
     """The guard against a launch whose shrink programs do not run first: a tile that has polled
     ``SPIN_LIMIT`` times writes the whole shrink to the scratch itself. Here the count never reaches
     the shrink programs' number: the launch ends, its result is the waiting launch's, the counters
@@ -173,10 +173,9 @@ def test_tiles_that_stop_waiting_compute_the_shrink_themselves(monkeypatch):
     same bits; ``test_glu_lora_gpu.py`` lets them race.)"""
     x, w, lora = glu_case(70, 40, 64, [(8, 8), (4, 0), (16, 8)], torch.float32)
     waited = check_against_reference(x, w, 40, lora, "silu", torch.float32)
-    monkeypatch.setattr(gl, "SPIN_LIMIT", 0)
     lora.counters[0] = -1000
     lora.scratch.fill_(float("nan"))
-    alone = glu_lora(x, w, 40, lora, "silu", CONFIG)
+    alone = glu_lora(x, w, 40, lora, "silu", CONFIG, spin_limit=0)
     assert not lora.counters.any(), lora.counters
     torch.testing.assert_close(alone, waited, atol=1e-5, rtol=1e-5)
 

@@ -140,17 +140,16 @@ def test_x_written_by_a_long_pdl_gemm_just_before_in_a_graph():
                                    glu_lora_shrink_reference(x, w, n, lora), atol=atol, rtol=rtol)
 
 
-def test_tiles_that_stop_waiting_compute_the_shrink_themselves(monkeypatch):
+def test_tiles_that_stop_waiting_compute_the_shrink_themselves():
     """The count never reaches the shrink programs' number and ``SPIN_LIMIT`` is 0: every tile
     writes the whole shrink to the scratch (NaN before) itself, racing the shrink programs. The
     waiting launch's result, the counters back at zero."""
     n, config = 4096, TmaConfig(64, 32, 1, 4, 2)  # float32: no rounding of the shrink to tell the two apart
     x, w, lora = glu_case(96, n, 1024, RANKS["mixed"], torch.float32, device="cuda")
     waited = _check(x, w, n, lora, torch.float32, config=config)
-    monkeypatch.setattr(gl, "SPIN_LIMIT", 0)
     lora.counters[0] = -1000
     lora.scratch.fill_(float("nan"))
-    alone = glu_lora(x, w, n, lora, "silu", config)
+    alone = glu_lora(x, w, n, lora, "silu", config, spin_limit=0)
     torch.cuda.synchronize()
     assert not lora.counters.any(), lora.counters
     atol, rtol = TOL[torch.float32]

@@ -13,12 +13,12 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 B = gs.block_for(6)  # the block of the tests' few rows (2-6: one launch shape)
 
 
-def _both(logits, unfinished=None, pad=None, stop=None, suppress=None):
+def _both(logits, unfinished=None, pad=None, stop=None, suppress=None, config=None):
     """(kernel tokens, reference tokens, kernel's unfinished after, reference's unfinished after)."""
     rows = logits.shape[0]
     un_k = None if unfinished is None else unfinished.clone()
     un_r = None if unfinished is None else unfinished.clone()
-    got = greedy_select(logits, torch.empty(rows, dtype=torch.long), un_k, pad, stop, suppress)
+    got = greedy_select(logits, torch.empty(rows, dtype=torch.long), un_k, pad, stop, suppress, config=config)
     want = greedy_select_reference(logits, torch.empty(rows, dtype=torch.long), un_r, pad, stop, suppress)
     return got, want, un_k, un_r
 
@@ -118,11 +118,10 @@ def test_an_own_workspace_is_used_and_checked(monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", [(64, 16, 1, 1), (96, 32, 2, 2), (64, 64, 1, 1)])
-def test_lanes_across_tiles_keep_argmax_rules(dtype, config, monkeypatch):
+def test_lanes_across_tiles_keep_argmax_rules(dtype, config):
     """Small segments and tiles (several tiles a segment, segments not a tile multiple, a partial
     last tile): a lane sees the same column offset in every tile, so ties, NaNs and signed zeros
     one tile apart must keep the first column, as within a tile."""
-    monkeypatch.setattr(gs, "CONFIG", config)
     seg, tile = config[:2]
     vocab = 3 * seg + tile // 2 + 5
     x = torch.randn(8, vocab).to(dtype)
@@ -139,5 +138,5 @@ def test_lanes_across_tiles_keep_argmax_rules(dtype, config, monkeypatch):
     x[6, seg + 7], x[6, 2 * seg + 7] = top, top  # a tie across segments, same lane offset
     x[7] = float("-inf")
     x[7, seg + tile - 1] = -1e30  # the only finite value, in one lane's later tile
-    got, want, *_ = _both(x)
+    got, want, *_ = _both(x, config=config)
     assert torch.equal(got, want), (got, want)

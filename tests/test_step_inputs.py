@@ -51,12 +51,12 @@ CASES = [
 ]
 
 
-def check_case(case, device="cpu", seed=0):
+def check_case(case, device="cpu", seed=0, max_block=step_inputs.MAX_BLOCK):
     gen = torch.Generator().manual_seed(seed)
     masks, counters, column, last = buffers(case, gen, device)
     want = [t.clone() for t in masks], [t.clone() for t in counters], column.clone()
     assert kernel_takes(masks, counters, column)
-    advance_inputs(masks, counters, column, last)
+    advance_inputs(masks, counters, column, last, max_block=max_block)
     advance_inputs_reference(*want, last)
     for got, ref in zip(masks + counters + [column], want[0] + want[1] + [want[2]]):
         assert got.dtype == ref.dtype and torch.equal(got, ref), (case, got, ref)
@@ -68,10 +68,9 @@ def test_equals_the_torch_ops(case):
     check_case(case)
 
 
-def test_rows_over_several_blocks(monkeypatch):
-    monkeypatch.setattr(step_inputs, "MAX_BLOCK", 16)
+def test_rows_over_several_blocks():
     check_case(dict(rows=37, length=12, masks=[torch.bool, torch.float32], counters=["position_ids", "cache_position"],
-                    column=4, mask_rows=[50, 20]))
+                    column=4, mask_rows=[50, 20]), max_block=16)
 
 
 def test_repeated_steps_reach_the_clamp():
@@ -123,11 +122,9 @@ def _clone_record(record):
     (1, 6, 0, False, None), (5, 9, 4, True, None), (37, 40, 39, False, 16), (37, 40, 12, True, 16),
     (3, 4, 3, False, None),
 ])
-def test_the_record_equals_the_torch_ops(rows, width, column, all_done, max_block, monkeypatch):
+def test_the_record_equals_the_torch_ops(rows, width, column, all_done, max_block):
     """The tokens land in the history's column (clamped at its last), the column moves on, and the
     done flag is ``unfinished.max() == 0``; the masks and counters move as without a record."""
-    if max_block is not None:
-        monkeypatch.setattr(step_inputs, "MAX_BLOCK", max_block)
     gen = torch.Generator().manual_seed(rows + column)
     case = dict(rows=rows, length=12, masks=[torch.bool], counters=["position_ids", "cache_position"], column=4,
                 mask_rows=[rows + 3])
@@ -136,7 +133,7 @@ def test_the_record_equals_the_torch_ops(rows, width, column, all_done, max_bloc
     want = [t.clone() for t in masks], [t.clone() for t in counters], mcol.clone(), _clone_record(record)
     history_before = record.history.clone()
     assert kernel_takes(masks, counters, mcol, record)
-    advance_inputs(masks, counters, mcol, last, record)
+    advance_inputs(masks, counters, mcol, last, record, max_block=max_block or step_inputs.MAX_BLOCK)
     advance_inputs_reference(*want[:3], last, want[3])
     for got, ref in zip(masks + counters + [mcol] + list(record), want[0] + want[1] + [want[2]] + list(want[3])):
         assert got.dtype == ref.dtype and torch.equal(got, ref), (got, ref)

@@ -10,6 +10,8 @@ The registry imports this module only when the backend is asked for; Triton is i
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..batch import BLOCK_M_TIERS, BatchInfoBuffers, LoRABatchInfo, max_chunks_for
@@ -24,9 +26,11 @@ class TritonLoRABackend(SegmentedLoRABackend):
 
     name = "triton"
 
-    def __init__(self, max_loras_per_batch: int, device: torch.device, *, fused_decode: bool = True):
+    def __init__(self, max_loras_per_batch: int, device: torch.device, *, fused_decode: bool = True,
+                 rank_block: Optional[int] = None):
         super().__init__(max_loras_per_batch, device)
         self.fused_decode = fused_decode
+        self.rank_block = rank_block  # the fused kernel's rows of A a step (None: ``ops.lora_fused``'s choice)
         # the fused kernel's scratch, one per device; zero between calls, never freed (graphs)
         self._workspaces: dict = {}
 
@@ -120,7 +124,7 @@ class TritonLoRABackend(SegmentedLoRABackend):
         return _ops.lora_fused(
             x, lora_a, lora_b, offsets, ranks, scalings, out,
             bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len,
-            self._workspace(x.device), block_m=bi.block_m, check=False)
+            self._workspace(x.device), block_m=bi.block_m, check=False, rank_block=self.rank_block)
 
     def _packed(self, x, weights, ranks, scalings, out, bi):
         """Packed weights: the fused kernel for decode-sized batches, else shrink and expand."""
@@ -132,7 +136,7 @@ class TritonLoRABackend(SegmentedLoRABackend):
             return _ops.lora_fused(x, w.a, w.b, w.offsets, ranks, scalings, out, *plan,
                                    self._workspace(x.device), block_m=bi.block_m, check=False,
                                    a_rows=w.a_rows, b_offs=w.b_offs, max_rank=w.max_rank, b_align=w.align,
-                                   mixed_ranks=w.mixed_ranks)
+                                   mixed_ranks=w.mixed_ranks, rank_block=self.rank_block)
         y = _ops.lora_shrink(x, w.a, w.stack_num, ranks, *plan, block_m=bi.block_m, check=False,
                              a_rows=w.a_rows, max_rank=w.max_rank)
         return _ops.lora_expand(y, w.b, w.offsets, ranks, scalings, out, *plan, block_m=bi.block_m,

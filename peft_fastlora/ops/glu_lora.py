@@ -323,7 +323,7 @@ def check_glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora) -> N
 
 def glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora, act: str, config: TmaConfig,
              out: Optional[torch.Tensor] = None, check: bool = True, shrink_columns: int = SHRINK_COLUMNS,
-             skip: int = 0) -> torch.Tensor:
+             skip: int = 0, spin_limit: int = SPIN_LIMIT) -> torch.Tensor:
     """``act(x @ gate.T + dg) * (x @ up.T + du)`` (module doc), (M, n) of x's dtype.
 
     Args:
@@ -335,6 +335,7 @@ def glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora, act: str, 
         config: the gated tile (``TmaConfig``; split_k is ignored).
         out: optional (M, n) output, unit column stride.
         shrink_columns: arena rows a shrink program computes (a power of 2, 16 or more).
+        spin_limit: polls of the count before a tile computes the shrink itself.
         skip: for measurements only: leave out part of the work to
             split the launch's time (the kernel's ``SKIP``); the result is then wrong.
     """
@@ -368,7 +369,7 @@ def glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora, act: str, 
         NS=ns, SB=shrink_columns, GLU=1 + ACTIVATIONS.index(act), LIBDEVICE=not interpreting(),
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, G=max(1, TAIL_BLOCK // rb), RB=rb,
         NUM_STAGES=config.num_stages, ALIGNED=lora.align % 8 == 0, HAS_BT=lora.bt is not None, UPCAST=upcast,
-        USE_PDL=use_pdl, SPIN=SPIN_LIMIT, SKIP=skip,
+        USE_PDL=use_pdl, SPIN=spin_limit, SKIP=skip,
         num_warps=config.num_warps, launch_pdl=use_pdl > 0)
     return out
 

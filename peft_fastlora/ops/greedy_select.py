@@ -36,8 +36,8 @@ from ..kernel_support import tl, triton
 from ..kernel_support import FLOAT_DTYPES, kernel_runs_on
 
 # (segment, tile, warps, stages): columns a program reads, columns a loop step loads, warps, load
-# pipeline depth; None: ``config_for(rows)`` (a benchmark sets it to sweep the launch shapes)
-CONFIG: Optional[Tuple[int, int, int, int]] = None
+# pipeline depth (``config_for``; ``greedy_select``'s ``config`` overrides it)
+SelectConfig = Tuple[int, int, int, int]
 
 
 def config_for(rows: int) -> Tuple[int, int, int, int]:
@@ -52,9 +52,9 @@ def config_for(rows: int) -> Tuple[int, int, int, int]:
     return 32768, 2048, 8, 1
 
 
-def block_for(rows: int) -> int:
+def block_for(rows: int, config: Optional[SelectConfig] = None) -> int:
     """Logits a program of a ``rows``-row launch reads."""
-    return (CONFIG or config_for(rows))[0]
+    return (config or config_for(rows))[0]
 
 
 MAX_IDS = 16  # suppressed / stop ids a launch takes (more: the caller keeps transformers' loop)
@@ -161,7 +161,7 @@ def _ids(ids: Optional[torch.Tensor], device, name: str) -> torch.Tensor:
 def greedy_select(logits: torch.Tensor, tokens: torch.Tensor, unfinished: Optional[torch.Tensor] = None,
                   pad: Optional[torch.Tensor] = None, stop_ids: Optional[torch.Tensor] = None,
                   suppress_ids: Optional[torch.Tensor] = None,
-                  workspace: Optional[SelectWorkspace] = None) -> torch.Tensor:
+                  workspace: Optional[SelectWorkspace] = None, config: Optional[SelectConfig] = None) -> torch.Tensor:
     """The next tokens of a greedy step: transformers' loop from the logits on.
 
     Args:
@@ -174,6 +174,7 @@ def greedy_select(logits: torch.Tensor, tokens: torch.Tensor, unfinished: Option
         suppress_ids: ids set to -inf before the argmax (a minimum length not yet reached).
         workspace: slots and tickets of at least ``rows`` (None: the device's shared one, which a
             larger launch replaces: a launch captured in a CUDA graph needs its own).
+        config: the launch shape (``SelectConfig``; None: ``config_for(rows)``).
     Returns:
         ``tokens``.
     """
@@ -200,7 +201,7 @@ def greedy_select(logits: torch.Tensor, tokens: torch.Tensor, unfinished: Option
     ws = workspace if workspace is not None else workspace_for(dev, rows)
     if ws.slots.numel() < rows:
         raise ValueError(f"greedy_select: a workspace of {ws.slots.numel()} rows for {rows} rows")
-    segment, tile, warps, stages = CONFIG or config_for(rows)
+    segment, tile, warps, stages = config or config_for(rows)
     _greedy_select_kernel[(triton.cdiv(vocab, segment), rows)](
         logits, unfinished if has_stop else tokens, tokens, pad if has_stop else tokens, suppress, stop,
         ws.slots, ws.tickets,

@@ -132,7 +132,7 @@ def kernel_takes(masks: Sequence[torch.Tensor], counters: Sequence[torch.Tensor]
 
 
 def advance_inputs(masks: Sequence[torch.Tensor], counters: Sequence[torch.Tensor], column: torch.Tensor,
-                   last_column: int, record: Optional[StepRecord] = None) -> None:
+                   last_column: int, record: Optional[StepRecord] = None, max_block: int = MAX_BLOCK) -> None:
     """Make each mask's column ``column`` visible, add one to each counter, then move ``column`` on
     (at most ``last_column``): one launch where ``kernel_takes`` says so, torch ops otherwise.
 
@@ -142,6 +142,7 @@ def advance_inputs(masks: Sequence[torch.Tensor], counters: Sequence[torch.Tenso
         column: (1,) int64 on the masks' device.
         last_column: the largest column ``column`` may reach.
         record: the step's tokens into a history and the "every row finished" flag (``StepRecord``).
+        max_block: rows a pass of the program covers (a power of 2; more rows take several passes).
     """
     if record is not None:
         _check_record(record)
@@ -162,7 +163,7 @@ def advance_inputs(masks: Sequence[torch.Tensor], counters: Sequence[torch.Tenso
         n_c[0], n_c[1], c[0].stride(0), c[1].stride(0), last_column,
         n_rec, rec[0].stride(0), rec[1].stride(0), (rec[1].shape[1] - 1) if record is not None else 0,
         N_MASKS=len(masks), N_COUNTERS=len(counters), VISIBLE0=vis[0], VISIBLE1=vis[1],
-        RECORD=record is not None, BLOCK=min(MAX_BLOCK, triton.next_power_of_2(most)), num_warps=4,
+        RECORD=record is not None, BLOCK=min(max_block, triton.next_power_of_2(most)), num_warps=4,
     )
 
 
