@@ -21,13 +21,13 @@ parts=" ${*:-all} "
 want() { [[ $parts == *" all "* || $parts == *" $1 "* ]]; }
 only() { [[ $parts == *" $1 "* ]]; }
 quiet() { grep -v -i warn; }
-TAG=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
+TAG=$(python3 -c "import re, torch; n = torch.cuda.get_device_name(); m = re.search(r'\b[A-Z]\d{2,3}\b', n); print((m.group(0) if m else n.split()[-1]).lower())")
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu_$TAG.txt"
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu_$TAG.txt"
 
 if want tests; then
   files=${GPU_TESTS:-$(ls tests/*_gpu.py)}
-  timeout ${TESTS_LIMIT:-480} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider $files 2>&1 | tee "$OUT/gpu_tests_$TAG.log" | tail -30
+  timeout ${TESTS_LIMIT:-480} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=${TEST_STALL_S:-120} $files 2>&1 | tee "$OUT/gpu_tests_$TAG.log" | tail -30
   timeout 120 python3 examples/quickstart.py 2>&1 | tee "$OUT/quickstart_$TAG.log" | tail -12
 fi
 if want soak; then

@@ -113,13 +113,20 @@ class LiveServer:
     def peft(self, ids: List[int], adapter: str, max_tokens: int) -> List[int]:
         """PEFT's greedy tokens for ``ids`` alone with ``adapter`` (``"base"``: none)."""
         adapter = "__base__" if adapter in ("base", "__base__") else adapter
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=self.ref.device)
         tok = self.tokenizer
         with torch.no_grad():
             out = self.ref.generate(input_ids=x, attention_mask=torch.ones_like(x), adapter_names=[adapter],
                                     max_new_tokens=max_tokens, do_sample=False, eos_token_id=tok.eos_token_id,
                                     pad_token_id=tok.pad_token_id)
         return out[0, len(ids):].tolist()
+
+    def last_logits(self, ids: List[int], adapter: str) -> torch.Tensor:
+        """PEFT's float logits of the position after ``ids`` with ``adapter``, (1, vocab) on the
+        model's device (where the server samples)."""
+        with torch.no_grad():
+            out = self.ref(input_ids=torch.tensor([ids], device=self.ref.device), adapter_names=[adapter])
+        return out.logits[0, -1:].float()
 
     def peft_text(self, prompt: str, adapter: str, max_tokens: int) -> str:
         return self.tokenizer.decode(self.peft(self.prompt_ids(prompt), adapter, max_tokens),

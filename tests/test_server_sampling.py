@@ -37,9 +37,7 @@ def _oracle_tokens(server, prompt: str, adapter: str, params: SamplingParams, ma
     ids, out = server.prompt_ids(prompt), []
     adapter = "__base__" if adapter == "base" else adapter
     for position in range(max_tokens):
-        x = torch.tensor([ids + out])
-        with torch.no_grad():
-            logits = server.ref(input_ids=x, adapter_names=[adapter]).logits[0, -1:].float()
+        logits = server.last_logits(ids + out, adapter)
         token = int(select(logits, [params], [position], [list(out)])[0])
         out.append(token)
         if token == server.tokenizer.eos_token_id:
@@ -113,9 +111,7 @@ def test_completion_logprobs_format_and_values(server):
     ids, tokens = server.prompt_ids("9+9="), server.peft(server.prompt_ids("9+9="), "sum", 4)
     assert lp["tokens"] == [server.tokenizer.decode([t]) for t in tokens]
     for position, token in enumerate(tokens):
-        with torch.no_grad():
-            logits = server.ref(input_ids=torch.tensor([ids + tokens[:position]]), adapter_names=["sum"]).logits
-        expected = torch.log_softmax(logits[0, -1].float(), -1)
+        expected = torch.log_softmax(server.last_logits(ids + tokens[:position], "sum")[0], -1)
         assert math.isclose(lp["token_logprobs"][position], expected[token].item(), abs_tol=1e-4)
         assert len(lp["top_logprobs"][position]) == 2
 
