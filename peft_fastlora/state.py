@@ -176,7 +176,7 @@ class FastLoRAState:
         pools = [site.pool for site in self.sites if site.pool.folds_per_call()]
         names = [n for n in self.registry.names if n in self.registry.index]
         by_rows = sorted(names, key=lambda n: -sum(p.adapter_rows(n) for p in pools))
-        if not any(p.stage is not None for p in pools):
+        if not any(p.staging is not None for p in pools):
             return by_rows[:k]
         # staged sites: the largest that fit the staging rows together
         chosen, used = [], [0] * len(pools)
@@ -357,7 +357,7 @@ class FastLoRAState:
         report.sites = [(s.name, s.kind, len(s.lora_layers)) for s in self.sites]
         folded = sum(s.pool.folded() and not s.pool.folds_per_call() for s in self.sites)
         per_call = sum(s.pool.folds_per_call() for s in self.sites)
-        staged = sum(s.pool.folds_per_call() and s.pool.stage is not None for s in self.sites)
+        staged = sum(s.pool.folds_per_call() and s.pool.staging is not None for s in self.sites)
         report.shrink_folded = fold_off or (f"{folded} of {len(self.sites)} sites" + (
             f" (and {per_call} more in calls whose adapters use at least {self.options.tuning.fold_min_use:.0%} of their A rows"
             + (f"; {staged} of them staged: such a call's A blocks are copied under the base weight first"

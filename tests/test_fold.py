@@ -334,7 +334,7 @@ def test_every_architecture_with_folded_sites_equals_peft(arch, no_limit, calls)
 
 
 def _staged_pools(m):
-    return [s.pool for s in fastlora.get_state(m).sites if s.pool.stage is not None]
+    return [s.pool for s in fastlora.get_state(m).sites if s.pool.staging is not None]
 
 
 STAGED_MIXES = [["sql", "sql", "chat", "__base__"], ["mlp", "chat", "mlp", "__base__"], ["mlp"] * 4,
@@ -351,8 +351,8 @@ def test_staged_fold_with_fewer_slots_equals_peft(calls):
     staged = _staged_pools(m)
     assert staged and "staged: such a call's A blocks are copied under the base weight first" in report.shrink_folded
     state = fastlora.get_state(m)
-    assert all(p.folds_per_call() and p.fold.tail.data_ptr() == p.stage.data_ptr() for p in staged)
-    assert all(p.lora_a.data_ptr() != p.stage.data_ptr() for p in staged)  # the arena has its own storage
+    assert all(p.folds_per_call() and p.fold.tail.data_ptr() == p.staging.rows.data_ptr() for p in staged)
+    assert all(p.lora_a.data_ptr() != p.staging.rows.data_ptr() for p in staged)  # the arena has its own storage
     chose = set()
     for step in range(2):
         for names in STAGED_MIXES:

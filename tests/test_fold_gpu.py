@@ -165,7 +165,7 @@ def test_staged_folds_through_graphs_with_random_calls_equal_peft():
     names_all = [f"m{i}" for i in range(12)]
     with fastlora.patched(m, max_loras_per_batch=4) as report:
         state = fastlora.get_state(m)
-        staged = [s.pool for s in state.sites if s.pool.stage is not None]
+        staged = [s.pool for s in state.sites if s.pool.staging is not None]
         assert staged and "staged" in report.shrink_folded, report.shrink_folded
         fastlora.warmup(m, batch_sizes=[8, 16], max_length=64)
         chose = []

@@ -13,7 +13,8 @@ group), the stacks the backend reads:
 
 Where the model state allows it (``fold``: the site's ``FusedGroup``), the A arena is stored as
 rows under the site's base weight (``FusedGroup.attach_tail``), and decode takes the shrink from
-the base GEMM (``folded``).
+the base GEMM (``folded``); with fewer slots than adapters, a smaller staging tail may be stored
+there instead (``staging``: ``lora.staging.FoldStaging``).
 
 The stacks are copies of PEFT's weights, kept current in two ways:
 
@@ -48,6 +49,7 @@ from ..ops.glu_lora import b_columns
 from ..tuning import Tuning
 from .arena import RowArena
 from .slots import AdapterRegistry
+from .staging import FoldStaging, staging_rows
 
 __all__ = ["AdapterRegistry", "SitePool", "ValueRefresher", "copy_values"]
 # rows of a gate/up site's ``ops.glu_lora`` scratch: the most a launch takes (``ops.tma_gemm.MAX_ROWS``)
@@ -64,14 +66,6 @@ class GluBuffers(NamedTuple):
 
 
 GLU_PAD = 64  # how far past B's end and a scratch row's arena columns it may read (``ops.glu_lora.MAX_RANK``)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` without the host waiting for the stream (from pinned memory on CUDA;
-    PyTorch's pinned allocator keeps the block until the copy is done)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def _storage_address(t: torch.Tensor) -> int:
@@ -151,11 +145,7 @@ class SitePool:
         self.fold = None  # the site's FusedGroup, where the A arena may live under its base weight
         self.no_fold = "not eligible"  # why there is no ``fold`` (set by the model state)
         self._fold_attached = False
-        # a staged fold (``Tuning.fold_stage_margin``): the rows under the base weight a folding call
-        # copies its adapters' A blocks to, the (num_slots, c) table of where they went, and the
-        # packed weights that read A from there
-        self.stage: Optional[torch.Tensor] = None
-        self.staged_packed: Optional[PackedWeights] = None
+        self.staging: Optional[FoldStaging] = None  # a staged fold's rows under the base weight
         # a gated MLP's gate/up site (set by the model state): its arena rows' slots in the tables,
         # and, folded (not staged), the scratch and counters of ``ops.glu_lora``
         self.column_slots = False
@@ -274,7 +264,7 @@ class SitePool:
         self._slot_b_offs = [[0] * c for _ in range(n_slots)]
         self._slot_name = {}
         # for an embedding, "in" is the vocabulary and A blocks are (rank, vocab) as PEFT stores them
-        self._allocate_packed(n_slots, dtype, device, per_call_ok=registry.all_resident)
+        stage = self._allocate_packed(n_slots, dtype, device, per_call_ok=registry.all_resident)
         for slot, name in enumerate(registry.resident):
             if name is not None:
                 self._place(slot, name)
@@ -284,7 +274,7 @@ class SitePool:
         self.ranks, self.scalings, a_rows, b_offs = self._table_views(self._tables)
         self.col_slot = self._tables[self._table_words() - self._column_words():] if self.column_slots else None
         self.glu_buffers = None
-        if (self.column_slots and self._fold_attached and self.stage is None and c == 2
+        if (self.column_slots and self._fold_attached and stage is None and c == 2
                 and self.out_features[0] == self.out_features[1]):
             # the scratch (its rows 16 bytes aligned, the kernel's reads past R in them), the counters,
             # and B's columns as the arena's rows (up's region from a multiple of GLU_PAD)
@@ -301,11 +291,11 @@ class SitePool:
         layout = dict(align=block_align(x for row in self._ranks_of.values() for x in row),
                       mixed_ranks=len({x for row in self._ranks_of.values() for x in row if x > 0}) > 1)
         self.packed = PackedWeights(self.lora_a, self.lora_b, a_rows, b_offs, r, tuple(self.offsets), **layout)
-        self.staged_packed = None
-        if self.stage is not None:
+        self.staging = None
+        if stage is not None:
             stage_table = torch.zeros(n_slots, c, dtype=torch.int32, device=device)
-            self.staged_packed = PackedWeights(self.stage, self.lora_b, stage_table, b_offs, r, tuple(self.offsets),
-                                               **layout)
+            self.staging = FoldStaging(stage, PackedWeights(stage, self.lora_b, stage_table, b_offs, r,
+                                                            tuple(self.offsets), **layout))
         self._signature = self._current_signature(registry)
         self._watched = self._watch()
         self._registry_names = list(registry.names)
@@ -325,12 +315,14 @@ class SitePool:
         with torch.cuda.device(bt.device) if bt.is_cuda else contextlib.nullcontext():  # (Triton's launch device)
             b_columns(p.b, self.col_slot, self.ranks, p.a_rows, p.b_offs, self._a_base[1], self.glu_buffers.t0_pad, bt)
 
-    def _allocate_packed(self, n_slots: int, dtype: torch.dtype, device, per_call_ok: bool = True) -> None:
+    def _allocate_packed(self, n_slots: int, dtype: torch.dtype, device,
+                         per_call_ok: bool = True) -> Optional[torch.Tensor]:
         """Arenas with a region per module, each sized for the ``n_slots`` largest blocks any
         adapter has there (all of them when every adapter has a slot): whichever adapters hold
         the slots, their blocks fit. ``per_call_ok``: the A arena may fold per call (every adapter
         in a slot; with fewer slots the arena is sized for the largest adapters, not for those
-        loaded, and a call rarely uses enough of it)."""
+        loaded, and a call rarely uses enough of it). Returns the staging rows under the base
+        weight where the fold is staged, else None."""
         c = self.stack_num
         self._arenas, self._a_base, self._b_base = [], [], []
         rows_total = elems_total = 0
@@ -342,29 +334,22 @@ class SitePool:
             self._b_base.append(elems_total)  # capacity is a multiple of 8: so is every offset
             rows_total += capacity
             elems_total += capacity * self.out_features[j]
-        stage_rows = 0 if per_call_ok else self._stage_rows(n_slots)
+        stage_rows = 0 if per_call_ok else staging_rows((sum(ranks) for ranks in self._ranks_of.values()),
+                                                        n_slots, self.tuning.fold_stage_margin)
         self.lora_a = (self.fold.attach_tail(rows_total, dtype, device, max_share=self.tuning.fold_max_share,
                                              call_share=self.tuning.fold_call_share, per_call_ok=per_call_ok,
                                              stage_rows=stage_rows)
                        if self.fold is not None else None)
         self._fold_attached = self.lora_a is not None
-        self.stage = None
+        stage = None
         if self._fold_attached and self.fold.staged:  # the tail is the staging area; the arena its own
-            self.stage, self.lora_a = self.lora_a, None
+            stage, self.lora_a = self.lora_a, None
         if self.lora_a is None:
             self.lora_a = torch.zeros(max(rows_total, 1), self.in_features, dtype=dtype, device=device)
         pad = GLU_PAD if self.column_slots else 0  # (ops.glu_lora reads past a block's end)
         self.lora_b = torch.zeros(max(elems_total, 8) + pad, dtype=dtype, device=device)[: max(elems_total, 8)]
         self._flat_a = self.lora_a.view(-1) if self.lora_a.is_contiguous() else None
-
-    def _stage_rows(self, n_slots: int) -> int:
-        """Rows of a staging tail: what ``n_slots`` adapters of the average size here hold, with
-        ``Tuning.fold_stage_margin``, in multiples of 8."""
-        sizes = [sum(ranks) for ranks in self._ranks_of.values() if sum(ranks) > 0]
-        if not sizes:
-            return 0
-        rows = self.tuning.fold_stage_margin * n_slots * sum(sizes) / len(sizes)
-        return -(-int(rows) // 8) * 8
+        return stage
 
     def region_start(self, j: int) -> int:
         """Module j's first row in the A arena (its region: ``lora.arena``)."""
@@ -377,7 +362,7 @@ class SitePool:
         f = self.fold
         if not (self._fold_attached and f.tail is not None and f.is_intact()):
             return False
-        rows = self.stage if f.staged else self.lora_a
+        rows = (self.staging.rows if self.staging is not None else None) if f.staged else self.lora_a
         return rows is not None and f.tail.data_ptr() == rows.data_ptr() and f.tail.shape == rows.shape
 
     def folds_per_call(self) -> bool:
@@ -391,45 +376,17 @@ class SitePool:
 
     def fold_weights(self) -> PackedWeights:
         """The packed weights a folded forward's expand reads (A's columns where the GEMM has them)."""
-        return self.staged_packed if self.stage is not None else self.packed
+        return self.staging.packed if self.staging is not None else self.packed
 
     def can_stage(self, slots) -> bool:
         """Staged: these slots' A blocks fit the staging rows. (Not staged: True.)"""
-        return self.stage is None or self.rows_used(slots) <= self.stage.shape[0]
+        return self.staging is None or self.staging.fits(self.rows_used(slots))
 
-    @torch.no_grad()
     def stage_call(self, slots, cache: dict) -> None:
-        """Staged: copy the A blocks of these slots (their current values) into the staging rows,
-        one after the other, and point the staging table at them; the rest of the rows keep
-        whatever they held (no slot's table points there). ``cache``: the row indices and tables of
-        recent layouts, shared by the pools (sites of one kind in every layer place alike)."""
-        if self.stage is None:
-            return
-        c, n_slots = self.stack_num, len(self._slot_ranks)
-        slots = sorted(set(slots))
-        key = array("i", [self.stage.shape[0], c, n_slots] + [
-            x for s in slots for x in (s, *self._slot_a_rows[s], *self._slot_ranks[s])]).tobytes()
-        entry = cache.get(key)
-        if entry is None:
-            index, table, at = [], [0] * (n_slots * c), 0
-            for s in slots:
-                for j, (row, rank) in enumerate(zip(self._slot_a_rows[s], self._slot_ranks[s])):
-                    if rank > 0:
-                        index.extend(range(row, row + rank))
-                        table[s * c + j] = at
-                        at += rank
-            if at > self.stage.shape[0]:
-                raise ValueError(f"stage_call: the slots' A rows ({at}) exceed the staging rows "
-                                 f"({self.stage.shape[0]}); check can_stage first")
-            index += [0] * (self.stage.shape[0] - at)  # rows no table points to: any row
-            entry = (_to_device(torch.tensor(index, dtype=torch.int64), self.stage.device),
-                     _to_device(torch.tensor(table, dtype=torch.int32).view(n_slots, c), self.stage.device))
-            if len(cache) >= 64:
-                cache.clear()
-            cache[key] = entry
-        index, table = entry
-        torch.index_select(self.lora_a, 0, index, out=self.stage)
-        self.staged_packed.a_rows.copy_(table)
+        """Staged: these slots' A blocks (current values) into the staging rows (``FoldStaging.stage``;
+        ``cache`` shared by the pools). Not staged: nothing."""
+        if self.staging is not None:
+            self.staging.stage(self.lora_a, slots, self._slot_a_rows, self._slot_ranks, cache)
 
     def adapter_rows(self, name: str) -> int:
         """A rows adapter ``name`` has here (over the stacked modules), in a slot or not."""

@@ -336,7 +336,7 @@ class FusedSite(Site):
                 return None  # the members' forwards decide (PEFT's path, or a graph-unsafe refusal)
             pool = state.pool_for(self, x.dtype)
             n = pool.offsets[1]
-            if (pool.glu_buffers is None or not _folded(context, pool, bi) or pool.stage is not None
+            if (pool.glu_buffers is None or not _folded(context, pool, bi) or pool.staging is not None
                     or list(pool.offsets) != [0, n, 2 * n]):
                 return None
             lora = self._glu_lora(pool, bi, x)
