@@ -17,7 +17,6 @@ programs, the register count rounded as the hardware allocates (8 a thread, 256 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import subprocess
@@ -42,12 +41,12 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> int:
 def _record_step(path: str, batches, adapters: int, layers: int, smoke: bool = False):
     """In this process (interpreted): decode at each batch with launches recorded, not run."""
     os.environ["TRITON_INTERPRET"] = "1"
+    # launch parameters chosen from the SM count (decode attention's splits and block_n) as on an
+    # H200, not as for the interpreter's few programs (read when peft_fastlora is first imported)
+    os.environ["FASTLORA_INTERPRETER_SMS"] = str(H200_SMS)
     import hopper_compile
 
     hopper_compile.record(path, execute=False)
-    # launch parameters chosen from the SM count (decode attention's splits and block_n) as on an
-    # H200, not as for the interpreter's few programs
-    importlib.import_module("peft_fastlora.ops.decode_attention")._sm_count = lambda device: H200_SMS
     _decode(batches, adapters, layers, smoke, device="cpu", label=lambda text: hopper_compile.CONTEXT.update(label=text))
 
 

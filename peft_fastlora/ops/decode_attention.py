@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from ..kernel_support import tl, triton
+from ..env import INTERPRETER_SMS
 from ..kernel_support import interpreting, num_sms
 from . import pdl
 
@@ -255,7 +256,7 @@ def _decode_attention_combine_kernel(
 
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
-        return 4  # the interpreter: few programs are fastest
+        return INTERPRETER_SMS
     return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
