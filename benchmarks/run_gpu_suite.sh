@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/gpu_$TAG.txt"
 
 if want tests; then
-  files=${GPU_TESTS:-$(ls tests/*_gpu.py)}
+  files=${GPU_TESTS:-$(ls tests/*/*_gpu.py)}
   timeout ${TESTS_LIMIT:-480} python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -o faulthandler_timeout=${TEST_STALL_S:-120} $files 2>&1 | tee "$OUT/gpu_tests_$TAG.log" | tail -30
   timeout 120 python3 examples/quickstart.py 2>&1 | tee "$OUT/quickstart_$TAG.log" | tail -12
 fi
@@ -114,7 +114,7 @@ if only ncu; then  # per-kernel DRAM and L2 counters of one decode step
 fi
 if only multigpu; then
   nvidia-smi topo -m | head -5
-  timeout 260 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_multi_gpu.py 2>&1 \
+  timeout 260 python3 -m pytest -m gpu -q -p no:cacheprovider tests/e2e/test_multi_gpu.py 2>&1 \
     | tee "$OUT/gpu_tests_multi_gpu_$TAG.log" | tail -30
   PYTHONHASHSEED=0 timeout 120 torchrun --standalone --nproc_per_node 2 examples/serve_tp.py 2>&1 \
     | quiet | tee "$OUT/serve_tp_$TAG.log" | tail -7

@@ -8,7 +8,7 @@ The notebook is generated so that it can be reviewed as plain Python: edit the c
 The committed notebook is the executed one, so a reader on a code host sees its tables and plots.
 The char-level tokenizer cell is copied from ``_chartok.py`` (the serving script and the tests use
 that module), so the notebook stays self-contained without a second copy to keep in sync.
-``tests/test_notebook.py`` checks that the committed notebook's cells are this script's, and
+``tests/e2e/test_notebook.py`` checks that the committed notebook's cells are this script's, and
 executes it.
 """
 

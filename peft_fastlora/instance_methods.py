@@ -4,7 +4,7 @@ recorded with what the instance had before, and put back by ``restore``.
 Every patch of a user's object goes through an ``InstancePatches``: the patched model's
 ``generate`` and continuous-batching entry points, PEFT's adapter-changing methods, the forwards of
 LoRA sites and of the base model's modules. ``unpatch`` restores them all;
-``tests/test_unpatch_exact.py`` checks that nothing is left on any module of every test
+``tests/e2e/test_unpatch_exact.py`` checks that nothing is left on any module of every test
 architecture. (The static caches fastlora builds are its own objects and are given their
 ``update`` directly.)
 """

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from collections import Counter
 from typing import Iterable
 
@@ -10,6 +13,8 @@ import torch
 
 from peft_fastlora import Tuning
 from peft_fastlora.backend.packed import PackedWeights, block_align
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def count_calls(monkeypatch, owner, names: Iterable[str]) -> Counter:
@@ -126,3 +131,22 @@ class DoneEvent:
 
     def synchronize(self):
         pass
+
+
+def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, layout: str = "peft", ops: str = "kernels",
+                  nproc: int = 2, heads: str = "", fold: bool = False):
+    """torchrun ``_tp_worker.py`` on ``nproc`` ranks; asserts every rank reported ok."""
+    env = dict(os.environ, PYTHONPATH=TESTS + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               # PEFT's mixed batch walks a set of adapter names; its order must be the same on
+               # every rank (each adapter's rowwise LoRA does a collective)
+               PYTHONHASHSEED="0", OMP_NUM_THREADS="1",
+               # NVLink multicast stays off in every process, as on the multi-GPU hosts that need it
+               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               FASTLORA_TEST_FOLD="1" if fold else "0")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           os.path.join(TESTS, "_tp_worker.py"), str(tmp_path / arch), arch, device, graphs, layout, ops, heads]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    for rank in range(nproc):
+        assert f"rank {rank}: ok" in run.stdout, run.stdout[-3000:]
+    return run.stdout

@@ -6,7 +6,7 @@ modules; one targets only the attention input projections, one includes the toke
 ``init_lora_weights=False`` keeps PEFT's random init of both A and B, so every adapter changes the
 output (a zero B would make every parity test pass trivially).
 
-Used by ``test_parity_models.py``; other test files may import the builders, and every test that
+Used by ``e2e/test_parity_models.py``; other test files may import the builders, and every test that
 needs a tiny Llama builds it with ``llama_config`` / ``tiny_llama``.
 """
 
@@ -236,6 +236,13 @@ def left_padded_batch(lengths: Sequence[int], seed: int = 0) -> Dict[str, torch.
         ids[i, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
         mask[i, width - n:] = 1
     return {"input_ids": ids, "attention_mask": mask}
+
+
+# the parity tests' mixed batch (``e2e/test_parity_models.py``, whose docstring gives the tolerance's
+# reasons): every adapter and "__base__", twice each in a different order, rows of different lengths
+PARITY_NAMES = ["a0", "__base__", "a1", "a2", "a1", "__base__", "a2", "a0"]
+PARITY_LENGTHS = [5, 9, 3, 9, 7, 6, 4, 8]
+PARITY_ATOL, PARITY_RTOL = 1e-5, 1e-4  # fp32 logits
 
 
 # ---- a plain torch MLP for the interleaved-batch oracle -----------------------------------------

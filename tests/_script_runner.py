@@ -1,4 +1,4 @@
-"""Runs scripts for ``test_benchmark_scripts.py`` without each paying the imports.
+"""Runs scripts for ``e2e/test_benchmark_scripts.py`` without each paying the imports.
 
 A script's smoke run in a fresh ``python`` spends several seconds importing torch, transformers,
 PEFT, Triton and peft_fastlora before it does anything. This process imports them once, then for

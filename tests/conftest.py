@@ -55,3 +55,26 @@ def cpu_events(monkeypatch):
 
     monkeypatch.setattr(stop_flag, "DEVICE_TYPES", {"cuda", "cpu"})
     monkeypatch.setattr(torch, "Event", DoneEvent)
+
+
+@pytest.fixture
+def pair_options():
+    """``fastlora.patch`` options of the ``pair`` fixture's patched model (a test module overrides
+    this fixture to change them)."""
+    return {}
+
+
+@pytest.fixture
+def pair(pair_options):
+    """(patched model, PEFT reference): ``_models.build_peft_lm("llama")`` (three adapters) patched
+    with ``pair_options`` and an unpatched deep copy of it; unpatched after the test."""
+    import copy
+
+    import peft_fastlora as fastlora
+    from _models import build_peft_lm
+
+    m = build_peft_lm("llama")
+    ref = copy.deepcopy(m)
+    fastlora.patch(m, **pair_options)
+    yield m, ref
+    fastlora.unpatch(m)

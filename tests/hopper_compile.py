@@ -8,10 +8,10 @@ interpreter (the kernel, its arguments' types, its constexpr values, warps and s
 process without the interpreter, compiles each distinct one to a cubin for ``cuda:90``. Nothing
 runs on a GPU; the CPU's Triton (whose version may differ from the device's) is the compiler.
 
-    python tests/hopper_compile.py tests/test_rms_norm.py tests/test_expand_wide.py
+    python tests/hopper_compile.py tests/kernels/test_rms_norm.py tests/kernels/test_expand_wide.py
     python tests/hopper_compile.py --records launches.jsonl   # compile recorded launches only
-    python tests/hopper_compile.py --resources tests/test_expand_wide.py   # and each one's registers
-    python tests/hopper_compile.py --ptx /tmp/before tests/test_stream_gemm.py   # then again after a refactor: diff -r
+    python tests/hopper_compile.py --resources tests/kernels/test_expand_wide.py   # and each one's registers
+    python tests/hopper_compile.py --ptx /tmp/before tests/kernels/test_stream_gemm.py   # then again after a refactor: diff -r
 
 Exit status 1 when a specialization does not compile (each one's error printed).
 """

@@ -10,7 +10,7 @@ import pytest
 import peft_fastlora as fastlora
 from peft_fastlora import get_state
 
-from test_patch_behaviour import build
+from _patch_models import build
 from test_slot_traffic import SCAFFOLD, folders, run_traffic  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.gpu

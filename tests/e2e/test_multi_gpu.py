@@ -18,8 +18,8 @@ import torch
 import peft_fastlora as fastlora
 from peft_fastlora.kernel_support import kernel_runs_on
 
+from _helpers import run_tp_worker
 from _models import PAD_ID, build_peft_lm, left_padded_batch
-from test_tensor_parallel_cpu import run_tp_worker
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

@@ -187,7 +187,7 @@ def test_step_mask_waits_for_nothing(arch, attn):
             mask = step_mask.decode_mask(store, step)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    # (its values against transformers' own, in real generate calls: test_step_mask.py)
+    # (its values against transformers' own, in real generate calls: decode/test_step_mask.py)
     masks = list(mask.values()) if isinstance(mask, dict) else [mask]
     assert mask is not None and len(masks) == (2 if arch == "gemma2" else 1)
     for m in masks:

@@ -17,7 +17,7 @@ from peft import LoraConfig, get_peft_model
 import peft_fastlora as fastlora
 from peft_fastlora import get_state
 
-from test_patch_behaviour import ALL, VOCAB, build, lora, tiny_llama
+from _patch_models import ALL, VOCAB, build, lora, tiny_llama
 
 SCAFFOLD = (("layers", ALL, 1, {}),)  # rank 1 over every module: makes the LoRA layers
 

@@ -18,11 +18,11 @@ import peft_fastlora as fastlora
 from peft_fastlora import get_state
 from peft_fastlora.base_ops.attention_registry import decode_attention_enabled
 
-from _continuous import cb_config, collect, greedy_config, peft_alone, random_prompts, serve as _serve
-from test_graph_traffic_gpu import NAMES, _inputs, _model
+from _continuous import cb_config, collect, greedy_config, peft_alone, serve as _serve
+from _graphs import TRAFFIC_NAMES as NAMES, traffic_inputs as _inputs, traffic_model as _model
+from _graphs import traffic_prompts as _prompts
 
 pytestmark = pytest.mark.gpu
-POOL = NAMES + ["__base__"]
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +31,6 @@ def pair():
     fastlora.patch(m)
     yield m, ref
     fastlora.unpatch(m)
-
-
-def _prompts(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    lengths = [int(x) for x in torch.randint(1, 120, (n,), generator=g)]
-    names = [POOL[int(i)] for i in torch.randint(0, len(POOL), (n,), generator=g)]
-    return random_prompts(lengths, seed), names
 
 
 def test_generate_batch_fp32_equals_peft_per_request(pair):

@@ -6,41 +6,12 @@ delta differently from PEFT); the bf16 path is compared on logits with a bf16 to
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 
 import peft_fastlora as fastlora
 from _helpers import TokenStream
-from _models import tiny_llama
+from _graphs import generate_inputs as _inputs, generate_model as _model
 
 pytestmark = pytest.mark.gpu
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _model(dtype=torch.float32, n_adapters=4):
-    base = tiny_llama(0, vocab_size=512, hidden_size=256, intermediate_size=512,
-                      num_attention_heads=8).to("cuda", dtype).eval()
-    base.generation_config.eos_token_id = None
-    ranks = [8, 16, 4, 32, 8, 16, 64, 1]
-    model = get_peft_model(base, LoraConfig(r=ranks[0], lora_alpha=16, target_modules=TARGETS,
-                                            init_lora_weights=False), adapter_name="a0")
-    for i in range(1, n_adapters):
-        targets = ["q_proj", "v_proj"] if i % 3 == 1 else TARGETS
-        model.add_adapter(f"a{i}", LoraConfig(r=ranks[i], lora_alpha=8 * (i + 1), target_modules=targets,
-                                              use_rslora=i % 2 == 1, init_lora_weights=False))
-    # small B so that random adapters nudge a random model instead of swamping it
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.mul_(0.05)
-    return model.to(dtype).eval()
-
-
-def _inputs(batch, prompt=9):
-    ids = torch.randint(1, 512, (batch, prompt), device="cuda")
-    mask = torch.ones_like(ids)
-    ids[1::3, :3] = 0  # some left-padded rows
-    mask[1::3, :3] = 0
-    return dict(input_ids=ids, attention_mask=mask, pad_token_id=0, do_sample=False)
 
 
 def _peft_tokens(model, inputs, names, steps):

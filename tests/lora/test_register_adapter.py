@@ -22,7 +22,7 @@ import peft_fastlora as fastlora
 from peft_fastlora import get_state
 
 from _continuous import cb_config, greedy_config, peft_alone, requires_cb
-from test_patch_behaviour import ALL, VOCAB, build, logits, tiny_llama
+from _patch_models import ALL, VOCAB, build, logits, tiny_llama
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 PEFT_ADAPTERS = (("sql", ALL + ["embed_tokens"], 4, {}), ("chat", ("q_proj", "v_proj"), 8, {}))

@@ -31,14 +31,11 @@ import peft_fastlora as fastlora
 
 from _helpers import SITE_KINDS
 from _models import ARCHS, build_peft_lm, build_peft_mlp, left_padded_batch
+from _models import PARITY_ATOL as ATOL, PARITY_LENGTHS as LENGTHS, PARITY_NAMES as NAMES, PARITY_RTOL as RTOL
 
-ATOL, RTOL = 1e-5, 1e-4
 MIN_ADAPTER_EFFECT = 0.05  # smallest max-abs change of an adapter row's logits versus the base model
 
-# every adapter and "__base__", twice each in a different order, rows of different lengths
-NAMES = ["a0", "__base__", "a1", "a2", "a1", "__base__", "a2", "a0"]
-LENGTHS = [5, 9, 3, 9, 7, 6, 4, 8]
-# a second mix for the same shape: the batch info must follow the names, not stay cached
+# a second mix for the same shape as NAMES: the batch info must follow the names, not stay cached
 NAMES_2 = ["a2", "a2", "__base__", "a0", "a1", "a0", "__base__", "a1"]
 
 BACKEND_METHODS = ("run_packed_lora", "run_packed_embedding_lora", "run_lora_a_sgemm", "run_lora_b_sgemm",

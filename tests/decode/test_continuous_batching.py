@@ -24,15 +24,6 @@ from _models import build_peft_lm
 pytestmark = requires_cb
 
 
-@pytest.fixture
-def pair():
-    m = build_peft_lm("llama")
-    ref = copy.deepcopy(m)
-    fastlora.patch(m)
-    yield m, ref
-    fastlora.unpatch(m)
-
-
 class StepSpy:
     """Records the segments (per-sequence token counts) of every LoRA batch the backend is asked
     for, and counts layer calls that went to PEFT's per-token path."""

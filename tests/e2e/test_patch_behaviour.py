@@ -26,11 +26,8 @@ transformers = pytest.importorskip("transformers")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from _helpers import count_backend_calls  # noqa: E402
-from _models import tiny_llama as _tiny_llama  # noqa: E402
+from _patch_models import ALL, IDS, build, logits, lora, tiny_llama  # noqa: E402
 
-VOCAB = 96
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-IDS = torch.randint(3, VOCAB, (4, 6), generator=torch.Generator().manual_seed(1))
 MASK = torch.ones_like(IDS)
 NAMES = ["sql", "chat", "__base__", "sql"]
 TOL = dict(atol=1e-5, rtol=1e-5)  # fp32; the fused GEMM may sum in another order than q/k/v alone
@@ -40,37 +37,11 @@ BACKEND_METHODS = ("run_packed_lora", "run_packed_embedding_lora", "run_lora_a_s
                    "prepare_lora_batch")
 
 
-# ---- builders ------------------------------------------------------------------------------------
-def tiny_llama(seed: int = 0):
-    return _tiny_llama(seed, vocab_size=VOCAB, intermediate_size=48, max_position_embeddings=64)
-
-
-def lora(targets, r=4, alpha=8, **kw):
-    return LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False, **kw)
-
-
-def build(adapters=(("sql", ALL, 4, {}), ("chat", ("q_proj", "v_proj"), 8, {}))):
-    """A tiny Llama with the given (name, targets, rank, extra LoraConfig kwargs) adapters."""
-    model = None
-    for i, (name, targets, r, kw) in enumerate(adapters):
-        torch.manual_seed(100 + i)
-        if model is None:
-            model = get_peft_model(tiny_llama(), lora(targets, r, 2 * r, **kw), adapter_name=name)
-        else:
-            model.add_adapter(name, lora(targets, r, 2 * r, **kw))
-    return model.eval()
-
-
+# ---- builders (``build``, ``logits``, ``lora``, ``tiny_llama``: ``_patch_models.py``) ------------
 def pair(**kw):
     """(patched model, PEFT reference), identical weights."""
     m, ref = build(**kw), build(**kw)
     return m, ref
-
-
-def logits(model, names=None, ids=IDS):
-    kw = {} if names is None else {"adapter_names": names}
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=torch.ones_like(ids), **kw).logits
 
 
 def assert_raises_like_peft(m, ref, names, match):

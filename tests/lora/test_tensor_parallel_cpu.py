@@ -8,26 +8,9 @@ import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _helpers import run_tp_worker
 
-
-def run_tp_worker(tmp_path, arch: str, device: str, graphs: str, layout: str = "peft", ops: str = "kernels",
-                  nproc: int = 2, heads: str = "", fold: bool = False):
-    """torchrun ``_tp_worker.py`` on ``nproc`` ranks; asserts every rank reported ok."""
-    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               # PEFT's mixed batch walks a set of adapter names; its order must be the same on
-               # every rank (each adapter's rowwise LoRA does a collective)
-               PYTHONHASHSEED="0", OMP_NUM_THREADS="1",
-               # NVLink multicast stays off in every process, as on the multi-GPU hosts that need it
-               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               FASTLORA_TEST_FOLD="1" if fold else "0")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           os.path.join(HERE, "_tp_worker.py"), str(tmp_path / arch), arch, device, graphs, layout, ops, heads]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    for rank in range(nproc):
-        assert f"rank {rank}: ok" in run.stdout, run.stdout[-3000:]
-    return run.stdout
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # "whole": adapters left whole on every rank, as PEFT before 0.21.2 leaves them (fastlora slices them);
@@ -62,7 +45,7 @@ def test_serve_tp_example(tmp_path):
     pytest.importorskip("torch.distributed.tensor")
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(os.path.dirname(HERE), "examples", "serve_tp.py"), "--folder", str(tmp_path)]
+           os.path.join(ROOT, "examples", "serve_tp.py"), "--folder", str(tmp_path)]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert "tokens equal to PEFT on the whole model: True" in run.stdout, run.stdout[-3000:]

@@ -1,7 +1,7 @@
 """Sampling per request through the endpoint: temperature, top-p / top-k, seeds, ``n``, stop
 strings and stop token ids, penalties and log-probabilities in both of OpenAI's formats, with
 rows of different settings in the same engine steps. Greedy answers equal PEFT's; sampled ones
-equal the oracle of ``test_sampling`` (PEFT's logits, the same selection)."""
+equal the oracle of ``decode/test_sampling.py`` (PEFT's logits, the same selection)."""
 
 from __future__ import annotations
 

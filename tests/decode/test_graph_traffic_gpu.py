@@ -14,36 +14,13 @@ also takes ``act(gate) * up`` from one GEMM (the ``glu`` epilogue) through the s
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 
 import peft_fastlora as fastlora
 from peft_fastlora.decode import capture as cuda_graph
 from peft_fastlora import get_state
-from _models import tiny_llama
+from _graphs import TRAFFIC_NAMES as NAMES, traffic_inputs as _inputs, traffic_model as _model
 
 pytestmark = pytest.mark.gpu
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-RANKS = [2, 4, 8, 16, 32, 8]
-NAMES = [f"a{i}" for i in range(len(RANKS))]
-
-
-def _model(seed=0, plain_mlp=False):
-    base = tiny_llama(seed, vocab_size=512, hidden_size=128, intermediate_size=256).to("cuda").eval()
-    base.generation_config.eos_token_id = None
-    model = None
-    wide = [t for t in ALL if not (plain_mlp and t in ("gate_proj", "up_proj"))]
-    for i, r in enumerate(RANKS):
-        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=wide if i % 2 == 0 else ["q_proj", "v_proj", "down_proj"],
-                         init_lora_weights=False)
-        if model is None:
-            model = get_peft_model(base, cfg, adapter_name=NAMES[i])
-        else:
-            model.add_adapter(NAMES[i], cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.mul_(0.05)  # nudge the random model, do not swamp it
-    return model.eval()
 
 
 _TUNING = {}  # the current parametrisation's (every patch of this file takes it: ``_patch``)
@@ -76,17 +53,6 @@ def pair(fold_limit):
     if plain_mlp not in _PAIRS:
         _PAIRS[plain_mlp] = (_model(plain_mlp=plain_mlp), _model(plain_mlp=plain_mlp))
     return _PAIRS[plain_mlp]
-
-
-def _inputs(rows, prompt, seed):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 512, (rows, prompt), generator=g)
-    mask = torch.ones_like(ids)
-    for r in range(1, rows, 3):  # some left-padded rows
-        pad = int(torch.randint(0, prompt, (1,), generator=g))
-        ids[r, :pad] = 0
-        mask[r, :pad] = 0
-    return dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), pad_token_id=0)
 
 
 def _names(rows, seed):

@@ -14,7 +14,7 @@ import torch
 import peft_fastlora as fastlora
 from peft_fastlora import get_state
 
-from test_graph_traffic_gpu import NAMES, _inputs, _model
+from _graphs import TRAFFIC_NAMES as NAMES, traffic_inputs as _inputs, traffic_model as _model
 
 pytestmark = pytest.mark.gpu
 
@@ -122,7 +122,7 @@ def test_continuous_batching_through_engine_graphs_with_fewer_slots():
     """Three slots for six adapters in the engine: at most three requests per step, adapters
     loaded into slots between the engine's graphed steps; every request equals PEFT alone."""
     from _continuous import cb_config, greedy_config, peft_alone, serve
-    from test_continuous_batching_gpu import _prompts
+    from _graphs import traffic_prompts as _prompts
 
     m, ref = _model(), _model()
     fastlora.patch(m, max_loras_per_batch=3)

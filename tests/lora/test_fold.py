@@ -305,7 +305,7 @@ def test_every_architecture_with_folded_sites_equals_peft(arch, no_limit, calls)
     embedding and soft-capping, Phi-3's pre-fused projections, GPT-2's Conv1D): every site over a
     plain ``nn.Linear`` folds (Conv1D and embeddings keep their paths), logits and greedy tokens
     equal PEFT's."""
-    from test_parity_models import ATOL, LENGTHS, NAMES as MIX, RTOL
+    from _models import PARITY_ATOL as ATOL, PARITY_LENGTHS as LENGTHS, PARITY_NAMES as MIX, PARITY_RTOL as RTOL
 
     model = build_peft_lm(arch)
     batch = left_padded_batch(LENGTHS, seed=1)

@@ -10,6 +10,8 @@ import torch
 import peft_fastlora as fastlora
 from peft_fastlora.ops.greedy_select import EMPTY_KEY, greedy_select, greedy_select_reference, workspace_for
 
+from _graphs import generate_model, random_calls
+
 pytestmark = pytest.mark.gpu
 VOCAB = 128256
 
@@ -54,51 +56,10 @@ def test_many_launches_in_a_row_on_one_workspace():
         assert torch.equal(o, torch.argmax(x.float(), dim=-1))
 
 
-def _model():
-    from test_generate_gpu import _model as generate_model
-
-    return generate_model(n_adapters=8)
-
-
-def random_calls(model, seed=21, n=16):
-    """Random batch sizes, prompts, adapters, EOS lists (random ones: rows stop apart or never;
-    ones taken from each row's own tokens: every row stops early, so the deferred check undoes a
-    step), pad ids, minimum lengths and lengths: (adapter names, generate kwargs) per call."""
-    from test_generate_gpu import _inputs
-
-    rng = torch.Generator().manual_seed(seed)
-    adapters = ["__base__"] + [f"a{i}" for i in range(8)]
-    calls = []
-    for i in range(n):
-        batch = int(torch.randint(1, 17 if i % 4 == 3 else 41, (1,), generator=rng))
-        names = [adapters[int(j)] for j in torch.randint(0, len(adapters), (batch,), generator=rng)]
-        kw = dict(_inputs(max(batch, 2), prompt=int(torch.randint(3, 40, (1,), generator=rng))))
-        kw = {k: (v[:batch] if torch.is_tensor(v) else v) for k, v in kw.items()}
-        kw["max_new_tokens"] = int(torch.randint(8 if i % 4 == 3 else 1, 48, (1,), generator=rng))
-        if i % 4 == 1:
-            n_ids = int(torch.randint(1, 17, (1,), generator=rng))
-            kw["eos_token_id"] = [int(t) for t in torch.randint(1, 512, (n_ids,), generator=rng)]
-            kw["pad_token_id"] = int(torch.randint(0, 512, (1,), generator=rng))
-        if i % 8 == 7:
-            kw["min_new_tokens"] = int(torch.randint(1, 5, (1,), generator=rng))
-        calls.append((names, kw))
-    # EOS ids from each row's own free-running tokens at a step before the last (at most 16 rows)
-    fastlora.patch(model)
-    try:
-        for i in range(3, len(calls), 4):
-            names, kw = calls[i]
-            free = model.generate(**kw, adapter_names=names)[:, kw["input_ids"].shape[1]:]
-            step = int(torch.randint(kw.get("min_new_tokens", 0), free.shape[1] - 2, (1,), generator=rng))
-            kw["eos_token_id"] = sorted({int(t) for t in free[:, step]})
-    finally:
-        fastlora.unpatch(model)
-    return calls
-
-
 def test_random_traffic_fused_equals_transformers_loop_and_peft():
     """``random_calls``: the fused loop's tokens against transformers' loop over the same graphs,
     and a sample of calls against PEFT."""
-    model = _model()
+    model = generate_model(n_adapters=8)
     calls = random_calls(model)
     results = {}
     for fused in (True, False):  # off: the stop check read every step, transformers' loop

@@ -11,17 +11,14 @@ the same steps stay equal to PEFT's ``generate``.
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
 import torch
 
-import peft_fastlora as fastlora
 from peft_fastlora.continuous.sampling import SamplingParams, mix64, select, uniform_noise
 
 from _continuous import cb_config, collect, greedy_config, peft_alone, random_prompts, requires_cb
-from _models import build_peft_lm
 
 M64 = (1 << 64) - 1
 
@@ -146,12 +143,8 @@ def test_logprobs_are_the_models_log_softmax():
 
 # -- through the engine -----------------------------------------------------------------------------
 @pytest.fixture
-def pair():
-    m = build_peft_lm("llama")
-    ref = copy.deepcopy(m)
-    fastlora.patch(m, cuda_graphs="emulate")
-    yield m, ref
-    fastlora.unpatch(m)
+def pair_options():
+    return dict(cuda_graphs="emulate")  # the ``pair`` fixture (conftest) patched with emulated graphs
 
 
 def _oracle(ref, prompt, adapter: str, params: SamplingParams, new_tokens: int):

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-NOTEBOOK = os.path.join(os.path.dirname(__file__), "..", "examples", "fine_tune_then_serve.ipynb")
+NOTEBOOK = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "fine_tune_then_serve.ipynb")
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """Devices: a model split over devices (accelerate's device_map) and a model on another GPU than the
-current one. The two-GPU runs are in ``test_multi_gpu.py``; these are the CPU-checkable parts."""
+current one. The two-GPU runs are in ``e2e/test_multi_gpu.py``; these are the CPU-checkable parts."""
 
 import torch
 

@@ -17,7 +17,7 @@ import peft_fastlora as fastlora
 from peft_fastlora import get_state
 
 from _continuous import cb_config, greedy_config, peft_alone, requires_cb
-from test_patch_behaviour import ALL, VOCAB, build, logits
+from _patch_models import ALL, VOCAB, build, logits
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 ADAPTERS = (("sql", ALL, 4, {}), ("chat", ("q_proj", "v_proj"), 8, {}), ("mlp", ("gate_proj", "down_proj"), 2, {}),
@@ -122,7 +122,7 @@ def test_an_adapter_added_through_peft_joins_the_slots():
     m, ref = _pair()
     fastlora.patch(m, max_loras_per_batch=2)
     _same(m, ref, ["sql", "chat"])
-    from test_patch_behaviour import lora
+    from _patch_models import lora
 
     for model in (m, ref):
         torch.manual_seed(7)

@@ -9,8 +9,6 @@ engine's graphs off for good and the step runs eagerly. Real graphs: test_contin
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 import peft_fastlora as fastlora
@@ -25,12 +23,8 @@ pytestmark = requires_cb
 
 
 @pytest.fixture
-def pair():
-    m = build_peft_lm("llama")
-    ref = copy.deepcopy(m)
-    fastlora.patch(m, cuda_graphs="emulate")
-    yield m, ref
-    fastlora.unpatch(m)
+def pair_options():
+    return dict(cuda_graphs="emulate")  # the ``pair`` fixture (conftest) patched with emulated graphs
 
 
 class GraphFills:

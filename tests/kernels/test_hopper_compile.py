@@ -11,29 +11,29 @@ import pytest
 
 pytest.importorskip("triton")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where hopper_compile.py is
 # fast kernel tests that launch every kernel of ops/ (a few specializations of each are compiled)
-KERNEL_TESTS = [
-    "tests/test_triton_kernels.py::test_shrink", "tests/test_triton_kernels.py::test_lora_b_in_place",
-    "tests/test_triton_kernels.py::test_embedding_a", "tests/test_triton_kernels.py::test_extra_token_embedding",
-    "tests/test_triton_fused.py::test_fused_decode", "tests/test_expand_wide.py::test_wide_packed",
-    "tests/test_decode_attention.py::test_kernel_matches_reference",
-    "tests/test_kv_cache.py::test_write_equals_index_copy", "tests/test_rotary_kv.py::test_one_kernel_equals_the_two",
-    "tests/test_rotary_silu.py::test_rotary_equals_formula", "tests/test_rotary_silu.py::test_silu_mul_equals_torch",
-    "tests/test_rotary_silu.py::test_gelu_tanh_mul_equals_torch", "tests/test_rms_norm.py",
-    "tests/test_stream_gemm.py::test_matches_reference", "tests/test_stream_gemm.py::test_glu_equals_gemm_then_act_mul",
-    "tests/test_stream_gemm.py::test_add_on_the_first_columns", "tests/test_tma_gemm.py",
-    "tests/test_segment_copy.py", "tests/test_greedy_select.py",
-    "tests/test_glu_lora.py::test_matches_reference[70-33-64-dtype1-aligned]",
-    "tests/test_glu_lora.py::test_b_columns_through_a_descriptor_match_reference[dtype1-up-wider-64-row-shrink]",
-    "tests/test_glu_lora.py::test_b_columns_kernel_lays_b_out_as_the_arena_rows",
-]
+KERNEL_TESTS = ["tests/kernels/" + test for test in [
+    "test_triton_kernels.py::test_shrink", "test_triton_kernels.py::test_lora_b_in_place",
+    "test_triton_kernels.py::test_embedding_a", "test_triton_kernels.py::test_extra_token_embedding",
+    "test_triton_fused.py::test_fused_decode", "test_expand_wide.py::test_wide_packed",
+    "test_decode_attention.py::test_kernel_matches_reference",
+    "test_kv_cache.py::test_write_equals_index_copy", "test_rotary_kv.py::test_one_kernel_equals_the_two",
+    "test_rotary_silu.py::test_rotary_equals_formula", "test_rotary_silu.py::test_silu_mul_equals_torch",
+    "test_rotary_silu.py::test_gelu_tanh_mul_equals_torch", "test_rms_norm.py",
+    "test_stream_gemm.py::test_matches_reference", "test_stream_gemm.py::test_glu_equals_gemm_then_act_mul",
+    "test_stream_gemm.py::test_add_on_the_first_columns", "test_tma_gemm.py",
+    "test_segment_copy.py", "test_greedy_select.py",
+    "test_glu_lora.py::test_matches_reference[70-33-64-dtype1-aligned]",
+    "test_glu_lora.py::test_b_columns_through_a_descriptor_match_reference[dtype1-up-wider-64-row-shrink]",
+    "test_glu_lora.py::test_b_columns_kernel_lays_b_out_as_the_arena_rows",
+]]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records launches under the interpreter (no GPU)")
 def test_kernels_compile_for_hopper():
-    run = subprocess.run([sys.executable, os.path.join(HERE, "hopper_compile.py"), "--max-per-kernel", "3",
-                          *KERNEL_TESTS], capture_output=True, text=True, cwd=os.path.dirname(HERE), timeout=900)
+    run = subprocess.run([sys.executable, os.path.join(TESTS, "hopper_compile.py"), "--max-per-kernel", "3",
+                          *KERNEL_TESTS], capture_output=True, text=True, cwd=os.path.dirname(TESTS), timeout=900)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
     assert "compiled" in out and " of 0 " not in out, out[-2000:]
@@ -79,7 +79,7 @@ def test_launches_are_recorded_as_the_jit_specializes_them(tmp_path, monkeypatch
 
     (tmp_path / "copy_module.py").write_text(_COPY_KERNEL)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.syspath_prepend(HERE)
+    monkeypatch.syspath_prepend(TESTS)
     import hopper_compile
 
     copy_kernel = importlib.import_module("copy_module").copy_kernel
@@ -95,7 +95,7 @@ def test_launches_are_recorded_as_the_jit_specializes_them(tmp_path, monkeypatch
     assert odd["attrs"] == {} and odd["signature"]["n"] == "i32"
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE, HERE, str(tmp_path), path], capture_output=True,
+    run = subprocess.run([sys.executable, "-c", _COMPILE, TESTS, str(tmp_path), path], capture_output=True,
                          text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["vector", "scalar"], run.stdout

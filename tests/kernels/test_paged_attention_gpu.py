@@ -16,8 +16,7 @@ from peft_fastlora import get_state
 from peft_fastlora.base_ops.paged_attention import PAGED_NAME, varlen_reference
 
 from _continuous import cb_config, greedy_config, peft_alone, serve as _serve
-from test_continuous_batching_gpu import _prompts
-from test_graph_traffic_gpu import _model
+from _graphs import traffic_model as _model, traffic_prompts as _prompts
 
 pytestmark = pytest.mark.gpu
 TOL = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}

@@ -1,5 +1,5 @@
 """Greedy steps whose next inputs the GPU writes (``decode/step_advance.py``) under real CUDA
-graphs: server-like random traffic (``test_greedy_select_gpu.random_calls``: batch sizes, left
+graphs: server-like random traffic (``_graphs.random_calls``: batch sizes, left
 padding, adapters, EOS lists, pad ids, minimum lengths) token-equal with the host-built inputs
 (``defer_stop_check=False``: transformers' loop builds them) and with PEFT; memory flat over repeated traffic; a step-advance
 capture that fails runs its ops eagerly and stays equal. float32 models: tokens compare exactly."""
@@ -9,7 +9,8 @@ import torch
 
 import peft_fastlora as fastlora
 from peft_fastlora.decode import step_advance
-from test_greedy_select_gpu import _model, random_calls
+
+from _graphs import generate_model, random_calls
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +25,7 @@ def _run(model, calls, **options):
 
 
 def test_random_traffic_equals_host_built_inputs_and_peft(monkeypatch):
-    model = _model()
+    model = generate_model(n_adapters=8)
     calls = random_calls(model, seed=33, n=20)
     on, stats_on = _run(model, calls)
     off, stats_off = _run(model, calls, defer_stop_check=False)  # inputs built on the host
@@ -43,7 +44,7 @@ def test_random_traffic_equals_host_built_inputs_and_peft(monkeypatch):
 def test_repeated_traffic_keeps_memory_flat():
     """The same traffic four times: the later passes equal the first, and the memory held after
     each pass (graphs, their step-advance graphs, caches) does not grow."""
-    model = _model()
+    model = generate_model(n_adapters=8)
     calls = random_calls(model, seed=5, n=12)
     fastlora.patch(model)
     try:
@@ -64,7 +65,7 @@ def test_repeated_traffic_keeps_memory_flat():
 
 
 def test_a_failed_capture_runs_the_ops_eagerly(monkeypatch):
-    model = _model()
+    model = generate_model(n_adapters=8)
     calls = random_calls(model, seed=8, n=6)
     want, _ = _run(model, calls)
 

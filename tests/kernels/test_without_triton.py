@@ -71,7 +71,7 @@ CHILD = textwrap.dedent("""
 
 def test_import_patch_and_generate_without_triton():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.join(os.path.dirname(__file__), "..")] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        [os.path.join(os.path.dirname(__file__), "..", "..")] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "ok without triton" in done.stdout, done.stderr[-4000:]
