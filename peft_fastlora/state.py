@@ -9,10 +9,8 @@ one ``CallContext`` value (``call_context``), entered at the call's boundary (``
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import threading
-import time
 from typing import List, Optional, Sequence
 
 import torch
@@ -35,9 +33,9 @@ from .decode import deferred_stop, greedy_loop, stop_flag
 from .decode.generate import GenerateHook, graphs_wanted
 from .decode.runner import DecodeGraphRunner
 from .lora.fusion import FusedGroup, find_groups, fusion_blocker
-from .lora.host_copy import copy_from_host, prestage
 from .lora.mutations import AdapterMutationLock
-from .lora.pool import AdapterRegistry, SitePool, ValueRefresher, copy_values
+from .lora.pool import AdapterRegistry, SitePool
+from .lora.slot_loader import SlotLoader
 from .lora.slots import check_adapter_names
 from .lora.store import SCAFFOLD_ADAPTER
 from .lora.watch import AdapterWatch
@@ -61,7 +59,8 @@ class FastLoRAState:
         self.model = model
         self.inner = unwrap_peft(model)
         self.options = options
-        self.registry = AdapterRegistry(())
+        # the adapter side: registry, registered adapters, slots, values, the per-call fold choice
+        self.slots = SlotLoader(options.tuning, lambda: self.sites, self.slots_moved)
         self.device: Optional[torch.device] = None
         self.backend = None
         self.report: Optional[PatchReport] = None
@@ -78,25 +77,16 @@ class FastLoRAState:
         # (caller's thread) share the stacks and the batch-info buffers, so they take turns
         self._call_lock = threading.RLock()
         self._warned: set = set()
-        self._refresher: Optional[ValueRefresher] = None
-        self._refresher_generation = -1
-        self._stage_cache: dict = {}  # staged folds' row indices and tables by layout (SitePool.stage_call)
         self._hook = None
         self._bi_key = None  # what the cached batch info was built for (see slots_moved)
         self._bi = None
         self._bi_copies: dict = {}  # device -> (batch info, its copy there): models split by device_map
-        self._slot_ranks = None
-        self._slot_loads = 0  # adapters put in slots so far (the value refresher's lists follow)
         self._watches: dict = {}  # adapter name -> lora.watch.AdapterWatch (the per-call check)
         self._peft_config_keys = self._config_keys()
         self._adapter_count = None  # LoRA adapters summed over the sites' layers, at the last check
         self._takes_adapter_names = False  # see serve_adapter_names
         self.calls = CallScope()  # each thread's CallContext
-        self.last_fold = False  # the fold choice of the last call that decided one (reports, tests)
         self.continuous = None  # continuous.engine.ContinuousBatchingHook
-        # adapters registered by name (``fastlora.register_adapter``): kept across rebuilds
-        self.stored: dict = {}  # name -> lora.store.StoredAdapter
-        self._stored_slices: dict = {}  # (id(adapter), module) -> this rank's (A, B) under TP
         self._peft_names: List[str] = []  # the adapters PEFT's layers hold, at the last build
         self._layer_names: dict = {}  # id(LoRA layer) -> its module name in the model
 
@@ -108,6 +98,28 @@ class FastLoRAState:
     @property
     def has_lora(self) -> bool:
         return bool(self.sites)
+
+    @property
+    def registry(self) -> AdapterRegistry:
+        """Adapter names and GPU slots (``SlotLoader.registry``)."""
+        return self.slots.registry
+
+    @property
+    def stored(self) -> dict:
+        """Adapters registered by name (``fastlora.register_adapter``), kept across rebuilds: name
+        -> ``lora.store.StoredAdapter`` (``SlotLoader.stored``)."""
+        return self.slots.stored
+
+    @property
+    def last_fold(self) -> bool:
+        """The fold choice of the last call that decided one (``SlotLoader.last_fold``)."""
+        return self.slots.last_fold
+
+    def fold_prone_adapters(self, k: int) -> List[str]:
+        return self.slots.fold_prone_adapters(k)
+
+    def _decide_fold(self, slots) -> bool:
+        return self.slots.decide_fold(slots)
 
     def context(self) -> CallContext:
         """This thread's ``CallContext`` (what the current call tells the layers)."""
@@ -159,35 +171,6 @@ class FastLoRAState:
     def folds_per_call(self) -> bool:
         """Some site folds only for calls that use enough of its arena (graphs then differ by call)."""
         return any(site.pool.folds_per_call() for site in self.sites)
-
-    def _decide_fold(self, slots) -> bool:
-        """Fold the per-call sites for a call using these slots: where the rows its adapters hold
-        there are at least ``Tuning.fold_min_use`` of those sites' arenas (the GEMM computes them all)."""
-        pools = [site.pool for site in self.sites if site.pool.folds_per_call()]
-        if not pools or not slots or not all(pool.can_stage(slots) for pool in pools):
-            return False
-        used = sum(pool.rows_used(slots) for pool in pools)
-        return used >= self.options.tuning.fold_min_use * sum(pool.fold_rows() for pool in pools)
-
-    def fold_prone_adapters(self, k: int) -> List[str]:
-        """The ``k`` adapters holding the most A rows in the per-call sites (staged: of those that
-        fit the staging rows together): the set of ``k`` most likely to make a call fold them
-        (warm-up captures that call's graph)."""
-        pools = [site.pool for site in self.sites if site.pool.folds_per_call()]
-        names = [n for n in self.registry.names if n in self.registry.index]
-        by_rows = sorted(names, key=lambda n: -sum(p.adapter_rows(n) for p in pools))
-        if not any(p.staging is not None for p in pools):
-            return by_rows[:k]
-        # staged sites: the largest that fit the staging rows together
-        chosen, used = [], [0] * len(pools)
-        for name in by_rows:
-            rows = [p.adapter_rows(name) for p in pools]
-            if all(u + r <= p.fold_rows() for u, r, p in zip(used, rows, pools)):
-                chosen.append(name)
-                used = [u + r for u, r in zip(used, rows)]
-                if len(chosen) == k:
-                    break
-        return chosen
 
     @contextlib.contextmanager
     def segments(self, segments: TokenSegments):
@@ -285,7 +268,7 @@ class FastLoRAState:
         name_of = {id(m): n for n, m in model.named_modules()}
         self._layer_names = {id(m): n for n, m in lora_layers}
         names |= self._servable_stored(names)
-        self.registry = AdapterRegistry(names, num_slots=self.options.max_loras_per_batch)
+        self.slots.registry = AdapterRegistry(names, num_slots=self.options.max_loras_per_batch)
         self._ensure_backend(backend_name)
         report = PatchReport(backend=backend_name, device=str(self.device), adapters=self._users_adapters(),
                              gpu_slots=self.registry.describe(hidden=(SCAFFOLD_ADAPTER,)),
@@ -378,7 +361,7 @@ class FastLoRAState:
         if param is None:
             raise ValueError("fastlora.patch: the model has no parameters")
         self.device = param.device
-        self.registry = AdapterRegistry(())
+        self.slots.registry = AdapterRegistry(())
         self.backend = None
         self.report = PatchReport(backend="none (no LoRA adapters: base model only)",
                                   device=str(self.device), adapters=[])
@@ -451,7 +434,7 @@ class FastLoRAState:
             del self.stored[name]
             self.warn_once(f"registered adapter {name!r} dropped: the model no longer has a LoRA layer "
                            f"fastlora serves for every module it targets")
-        self.registry = AdapterRegistry(set(self._peft_names) | set(self.stored),
+        self.slots.registry = AdapterRegistry(set(self._peft_names) | set(self.stored),
                                         num_slots=self.options.max_loras_per_batch)
         self._ensure_backend(self.backend.name)
         report.adapters = self._users_adapters()
@@ -466,8 +449,8 @@ class FastLoRAState:
         if not self.stored:
             return out
         live = {id(a) for a in self.stored.values()}
-        for key in [k for k in self._stored_slices if k[0] not in live]:  # unregistered: forgotten
-            del self._stored_slices[key]
+        for key in [k for k in self.slots.slices if k[0] not in live]:  # unregistered: forgotten
+            del self.slots.slices[key]
         for j, layer in enumerate(site.pool.layers):
             module = self._layer_names.get(id(layer)) if layer is not None else None
             plan = getattr(site, "tp", None) if len(site.pool.layers) == 1 else tp_style(layer)
@@ -476,9 +459,9 @@ class FastLoRAState:
                     a, b, scaling = adapter.modules[module]
                     if plan is not None:  # this rank's part, sliced once per adapter and module
                         key = (id(adapter), module)
-                        if key not in self._stored_slices:
-                            self._stored_slices[key] = tp_local_stored(layer, plan, a, b)
-                        a, b = self._stored_slices[key]
+                        if key not in self.slots.slices:
+                            self.slots.slices[key] = tp_local_stored(layer, plan, a, b)
+                        a, b = self.slots.slices[key]
                     out.setdefault(adapter.name, {})[j] = (a, b, scaling)
         return out
 
@@ -498,7 +481,7 @@ class FastLoRAState:
         site.pool.rebuild(self.registry, dtype, site.device, stored=self._stored_for(site))
         self._watches = {}
         self.generation += 1
-        self.slots_moved()
+        self.slots.moved()
 
     def _teardown_lora(self):
         for site in self.sites:
@@ -509,8 +492,7 @@ class FastLoRAState:
         for g in self.groups:
             g.unfuse()
         self.sites, self.groups = [], []
-        self.slots_moved()
-        self._refresher = None
+        self.slots.moved()
         self._watches = {}
         self.generation += 1
 
@@ -608,86 +590,8 @@ class FastLoRAState:
         return [n for n in self.registry.names if n != SCAFFOLD_ADAPTER]
 
     def refresh_values(self, adapter_names: Optional[Sequence[str]], fold: bool = True) -> bool:
-        """Put these adapters in GPU slots (where the model has fewer slots than adapters), then
-        copy the current values of PEFT's weights of them into the stacks (in place); decide whether
-        the call folds the per-call sites (never where ``fold`` is False), stage their A blocks
-        where it does, and return that choice."""
-        self.last_fold = False
-        if not adapter_names or not self.sites:
-            return False
-        placed = self.registry.assign(adapter_names)
-        if placed:
-            try:
-                self._load_slots(placed)
-            except BaseException:
-                self.registry.release(placed)
-                self.slots_moved()
-                for site in self.sites:  # blocks may have slid with the tables left behind
-                    site.pool.invalidate()
-                raise
-        slots = {self.registry.slot[n] for n in set(adapter_names) if n in self.registry.slot}
-        if not slots:
-            return False
-        folds = self.last_fold = fold and self._decide_fold(slots)
-        key = (self.generation, self._slot_loads)
-        if self._refresher is None or self._refresher_generation != key:
-            self._refresher = ValueRefresher(s.pool for s in self.sites)
-            self._refresher_generation = key
-        self._refresher.refresh(slots)
-        if folds:  # staged sites: the call's A blocks (current values) under the base weight
-            for site in self.sites:
-                site.pool.stage_call(slots, self._stage_cache)
-        if fold:  # gate/up sites for ops.glu_lora: B's columns from the values and places just set
-            for site in self.sites:
-                site.pool.sync_b_columns()
-        return folds
-
-    def _load_slots(self, placed):
-        """Adapters newly given slots: every site loads them there (stacks keep their addresses:
-        graphs stay valid; the batch info and ranks read from the slots are rebuilt)."""
-        t = time.perf_counter()
-        # a load makes thousands of small objects, and with hundreds of adapters registered a
-        # collection they trigger scans all of the registry's objects (measured costing more than
-        # the load itself): paused for its length, at most one follows
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            self._load_slots_now(placed)
-        finally:
-            if collecting:
-                gc.enable()
-        self.registry.stats["load_seconds"] += time.perf_counter() - t
-        self.registry.stats["block_moves"] = sum(site.pool.block_moves for site in self.sites)
-        self._slot_loads += 1
-        self.slots_moved()
-
-    def _load_slots_now(self, placed):
-        # registered adapters' buffers go first: their copies run while the pools place them
-        buffers = [self.stored[name].buffer for _, name in placed
-                   if name in self.stored and self.stored[name].buffer is not None]
-        devices = {site.pool.lora_b.device for site in self.sites if site.pool.lora_b is not None}
-        # (not under TP, whose pools hold each rank's slices: other storages)
-        one_device = len(devices) == 1 and not self._stored_slices
-        prestaged = prestage(buffers, devices.pop(), self.options.tuning) if buffers and one_device else None
-        peft_pairs, host_pairs, runs, tables = [], [], [], []
-        for site in self.sites:
-            pairs, fixed, site_runs, table = site.pool.load(placed)
-            peft_pairs += pairs
-            host_pairs += fixed
-            runs += site_runs
-            tables.append(table)
-        copy_values(peft_pairs)
-        # every pool's tables from one host buffer (pinned on CUDA): one copy to the GPU, then
-        # batched device copies, instead of a pinned block and a copy per pool
-        host = torch.cat([h for _, h in tables])
-        if any(t.is_cuda for t, _ in tables):
-            host = host.pin_memory()
-        at = 0
-        for device_table, h in tables:
-            host_pairs.append((device_table, host[at: at + h.numel()]))
-            at += h.numel()
-        # pinned and never changed: the host need not wait
-        copy_from_host(host_pairs, runs, prestaged, self.options.tuning)
+        """The call's adapters into the stacks and its fold choice (``SlotLoader.place``)."""
+        return self.slots.place(adapter_names, self.generation, fold=fold)
 
     def _adapter_set_changed(self) -> bool:
         # adapters per layer, counted (cheap); the names compared only when the count moved
@@ -719,19 +623,12 @@ class FastLoRAState:
         return site.pool
 
     def slots_moved(self) -> None:
-        """Stacks were rebuilt or adapters put in other slots: the cached batch info and the slots'
-        ranks (both read from the slots) are built again when next asked for."""
-        self._slot_ranks = None
+        """Stacks were rebuilt or adapters put in other slots: the cached batch info (read from the
+        slots) is built again when next asked for."""
         self._bi_key = self._bi = None
 
     def slot_ranks(self) -> List[int]:
-        if self._slot_ranks is None:
-            ranks = [0] * self.registry.num_slots
-            for site in self.sites:
-                for s, r in enumerate(site.pool.slot_ranks_host()):
-                    ranks[s] = max(ranks[s], r)
-            self._slot_ranks = ranks
-        return self._slot_ranks
+        return self.slots.slot_ranks()
 
     def batch_info(self, context: CallContext, adapter_names: Sequence[str], x: torch.Tensor, site: Site):
         """The batch info for this forward, built by the first layer that asks."""

@@ -104,7 +104,7 @@ def stage_host_copies(monkeypatch) -> list:
     that gets an entry per staging: "prestage" where a load's buffers went first, "staged" for
     ``copy_from_host``'s own."""
     from peft_fastlora.lora import host_copy
-    import peft_fastlora.state as state_module
+    import peft_fastlora.lora.slot_loader as loader_module
 
     staged, stage, prestage = [], host_copy._staged_copy, host_copy.prestage
 
@@ -115,7 +115,7 @@ def stage_host_copies(monkeypatch) -> list:
         return out
 
     monkeypatch.setattr(host_copy, "_staged_copy", lambda *a: staged.append("staged") or stage(*a))
-    monkeypatch.setattr(state_module, "prestage", counted_prestage)
+    monkeypatch.setattr(loader_module, "prestage", counted_prestage)
     return staged
 
 

@@ -183,7 +183,7 @@ def test_what_slots_keep_stays_bounded_over_many_swaps():
         for p in pools:  # views: a bounded cache, whatever the places and ranks seen
             assert len(p._view_cache) <= 4 * p.num_slots * p.stack_num, len(p._view_cache)
         return (sum(len(p.copies) + len(p._fixed) + len(p._runs) for p in pools), len(state._watches),
-                len(state._refresher._merged), tuple(state.registry._recent) != (), len(state.registry.slot))
+                len(state.slots._refresher._merged), tuple(state.registry._recent) != (), len(state.registry.slot))
 
     for k in range(400):
         used = rng.sample(NAMES, 2)
@@ -340,7 +340,7 @@ def test_a_load_that_fails_after_compaction_leaves_every_slot_right(monkeypatch)
     GPU still point where its blocks were. A next call with only adapters in slots (no load to
     rewrite the tables) must not read them: it and every call after equal PEFT (the stacks are
     rebuilt, the graphs' generation moves on), and the tables say where every block is."""
-    import peft_fastlora.state as state_module
+    import peft_fastlora.lora.slot_loader as loader_module
     from peft_fastlora.lora import arena as arena_module
 
     m, ref = _pair()
@@ -353,7 +353,7 @@ def test_a_load_that_fails_after_compaction_leaves_every_slot_right(monkeypatch)
         moved_now.extend(moved)  # the other slots whose blocks slid
         return moved
 
-    real_copy, failed, call_names = state_module.copy_from_host, [], []
+    real_copy, failed, call_names = loader_module.copy_from_host, [], []
 
     def copy(pairs, runs=(), prestaged=None, tuning=None):
         slid = {state.registry.resident[slot] for slot in moved_now} - set(call_names) - {None}
@@ -363,7 +363,7 @@ def test_a_load_that_fails_after_compaction_leaves_every_slot_right(monkeypatch)
         return real_copy(pairs, runs, prestaged, tuning)
 
     monkeypatch.setattr(arena_module.RowArena, "alloc", counted)
-    monkeypatch.setattr(state_module, "copy_from_host", copy)
+    monkeypatch.setattr(loader_module, "copy_from_host", copy)
     rng = random.Random(1)  # slides the blocks of an adapter that stays, in its 8th call
     for call in range(40):
         used = rng.sample(NAMES, rng.randint(1, 2))

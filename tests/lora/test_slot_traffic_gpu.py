@@ -18,10 +18,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_operations_equal_peft_on_the_gpu(folders, seed, monkeypatch):  # noqa: F811
-    import peft_fastlora.state as state_module
+    import peft_fastlora.lora.slot_loader as loader_module
 
-    queued, prestage = [], state_module.prestage  # loads of registered adapters, over every rebuild
-    monkeypatch.setattr(state_module, "prestage", lambda buffers, device: queued.append(len(buffers)) or
+    queued, prestage = [], loader_module.prestage  # loads of registered adapters, over every rebuild
+    monkeypatch.setattr(loader_module, "prestage", lambda buffers, device: queued.append(len(buffers)) or
                         prestage(buffers, device))
     m, ref = build(adapters=SCAFFOLD).cuda(), build(adapters=SCAFFOLD).cuda()
     for model in (m, ref):
