@@ -29,8 +29,9 @@ from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_
 from .batch import ForwardBatch, TokenSegments
 from .call_context import CallContext, CallScope, ForwardBoundary
 from .continuous.engine import ContinuousBatchingHook
-from .decode import deferred_stop, greedy_loop, stop_flag
-from .decode.generate import GenerateHook, graphs_wanted
+from .decode import plan as decode_plan
+from .decode.generate import GenerateHook
+from .decode.plan import DecodePlan
 from .decode.runner import DecodeGraphRunner
 from .lora.fusion import FusedGroup, find_groups, fusion_blocker
 from .lora.mutations import AdapterMutationLock
@@ -71,8 +72,7 @@ class FastLoRAState:
         self.mutation_lock = None  # lora.mutations.AdapterMutationLock
         self.generation = 0  # bumped whenever a stack or fused weight is rebuilt (graphs hold them)
         self.graph_runner = None
-        self.graph_blocker: Optional[str] = None  # why decode graphs are off (None: on)
-        self.stop_check_blocker: Optional[str] = "no decode graphs"  # why graphed calls check every step
+        self.decode_plan = DecodePlan("not built")  # decode.plan: graphs, stop check, token selection
         # one call at a time: a continuous-batching step (engine thread) and a generate call
         # (caller's thread) share the stacks and the batch-info buffers, so they take turns
         self._call_lock = threading.RLock()
@@ -368,29 +368,21 @@ class FastLoRAState:
         return self.report
 
     def _update_graph_runner(self):
-        """Create, keep or release the decode graph runner as the model now allows."""
-        self.graph_blocker = graphs_wanted(self)
-        if self.graph_blocker is not None:
+        """Decide the decode plan, then create, keep or release the graph runner as it says."""
+        self.decode_plan = decode_plan.decide(self)
+        for name, value in self.decode_plan.report_fields().items():
+            setattr(self.report, name, value)
+        if self.decode_plan.graphs_off is not None:
             if self.graph_runner is not None:
                 self.graph_runner.release()
                 self.graph_runner = None
-            self.report.cuda_graphs = f"off ({self.graph_blocker})"
-            return
-        emulate = self.options.cuda_graphs == "emulate"
-        if self.graph_runner is None:
-            self.graph_runner = DecodeGraphRunner(self, self.inner, emulate=emulate)
-        self.report.cuda_graphs = "emulated" if emulate else "on"
-        self.stop_check_blocker = deferred_stop.unavailable_reason(self.options)
-        if self.stop_check_blocker is None and self.device.type not in stop_flag.DEVICE_TYPES:
-            self.stop_check_blocker = f"not on {', '.join(sorted(stop_flag.DEVICE_TYPES))}"
-        self.report.stop_check = ("deferred" if self.stop_check_blocker is None
-                                  else f"per step ({self.stop_check_blocker})")
-        why = "the stop check is read every step" if self.stop_check_blocker else greedy_loop.patch_blocker(self.inner)
-        if why is None:  # step_advance's blocker names the calls it leaves to the host (advance_reasons)
-            self.report.token_selection = "one kernel for greedy calls" + (
-                ", their next inputs written on the GPU")
-        else:
-            self.report.token_selection = f"transformers' ({why})"
+        elif self.graph_runner is None:
+            self.graph_runner = DecodeGraphRunner(self, self.inner, emulate=self.decode_plan.emulate)
+
+    @property
+    def graph_blocker(self) -> Optional[str]:
+        """Why decode graphs are off (None: on)."""
+        return self.decode_plan.graphs_off
 
     def _log_disabled(self, report: PatchReport):
         """Warn once per patch about features that are off on a GPU for a reason other than the

@@ -118,7 +118,8 @@ def run_generate(state, generate, args, kwargs, min_cache_len: int = 0):
         kwargs = dict(kwargs)
         kwargs[cache_kwarg_name(state.inner)] = cache
         runner.own_positions = kwargs.get("position_ids") is not None
-        deferred = state.stop_check_blocker is None and deferred_stop.call_reason(state.inner, args, kwargs) is None
+        deferred = (state.decode_plan.stop_check_off is None
+                    and deferred_stop.call_reason(state.inner, args, kwargs) is None)
         if deferred:
             kwargs["custom_generate"] = deferred_stop.decoding_method(kwargs.get("streamer"))
         with armed(state.inner, runner, kwargs.get("adapter_names"), cache if deferred else None):
