@@ -26,7 +26,7 @@ from .compat.peft import (LoraEmbedding, LoraLinear, adapter_count, adapter_name
 from .compat.tensor_parallel import declared_tp_plans, tp_local_stored, tp_style
 from .backend import get_backend, resolve_backend_name
 from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_ops, stream_wanted
-from .batch import ForwardBatch, TokenSegments
+from .batch import TokenSegments
 from .call_context import CallContext, CallScope, ForwardBoundary
 from .continuous.engine import ContinuousBatchingHook
 from .decode import plan as decode_plan
@@ -36,6 +36,7 @@ from .decode.runner import DecodeGraphRunner
 from .lora.fusion import FusedGroup, find_groups, fusion_blocker
 from .lora.mutations import AdapterMutationLock
 from .lora.pool import AdapterRegistry, SitePool
+from .lora.batch_infos import BatchInfos
 from .lora.slot_loader import SlotLoader
 from .lora.slots import check_adapter_names
 from .lora.store import SCAFFOLD_ADAPTER
@@ -62,6 +63,7 @@ class FastLoRAState:
         self.options = options
         # the adapter side: registry, registered adapters, slots, values, the per-call fold choice
         self.slots = SlotLoader(options.tuning, lambda: self.sites, self.slots_moved)
+        self.batch_infos = BatchInfos(lambda: self.backend, lambda: self.device, self.slots)
         self.device: Optional[torch.device] = None
         self.backend = None
         self.report: Optional[PatchReport] = None
@@ -78,9 +80,6 @@ class FastLoRAState:
         self._call_lock = threading.RLock()
         self._warned: set = set()
         self._hook = None
-        self._bi_key = None  # what the cached batch info was built for (see slots_moved)
-        self._bi = None
-        self._bi_copies: dict = {}  # device -> (batch info, its copy there): models split by device_map
         self._watches: dict = {}  # adapter name -> lora.watch.AdapterWatch (the per-call check)
         self._peft_config_keys = self._config_keys()
         self._adapter_count = None  # LoRA adapters summed over the sites' layers, at the last check
@@ -617,13 +616,14 @@ class FastLoRAState:
     def slots_moved(self) -> None:
         """Stacks were rebuilt or adapters put in other slots: the cached batch info (read from the
         slots) is built again when next asked for."""
-        self._bi_key = self._bi = None
+        self.batch_infos.clear()
 
     def slot_ranks(self) -> List[int]:
         return self.slots.slot_ranks()
 
     def batch_info(self, context: CallContext, adapter_names: Sequence[str], x: torch.Tensor, site: Site):
-        """The batch info for this forward, built by the first layer that asks."""
+        """The batch info for this forward, built by the first layer that asks (``BatchInfos``); a
+        forward outside any call runs its boundary first."""
         if context.graphed:
             return context.graph_batch_info  # static buffers, refreshed by the graph runner
         rows = x.shape[0]
@@ -632,39 +632,16 @@ class FastLoRAState:
             tokens_per_row //= max(x.shape[-1], 1)
         if context.boundary is not None:  # a forward outside any call: its boundary, once
             context.boundary.run(adapter_names)
-        # by value, not by list identity: a caller may reuse one list and change it in place
-        key = (tuple(adapter_names), rows, tokens_per_row)
-        if self._bi_key == key:
-            return self._bi
-        slots = self.registry.slots_for(adapter_names)
-        ranks = self.slot_ranks()
-        fb = ForwardBatch.from_shape(rows, tokens_per_row, self.device)
-        self._bi = self.backend.prepare_lora_batch(fb, slots, ranks, [1.0] * len(ranks),
-                                                   use_cuda_graph=False)
-        self._bi_key = key
-        return self._bi
+        return self.batch_infos.for_rows(adapter_names, rows, tokens_per_row)
 
     def batch_info_on(self, bi, device: torch.device):
         """``bi`` on ``device``: a layer of a model split over devices (accelerate's device_map)
         reads the forward's batch info from its own device; copied once per batch info."""
-        if device == self.device:
-            return bi
-        cached = self._bi_copies.get(device)
-        if cached is None or cached[0] is not bi:
-            cached = self._bi_copies[device] = (bi, bi.to(device))
-        return cached[1]
+        return self.batch_infos.on(bi, device)
 
     def segment_batch_info(self, context: CallContext):
         """The batch info of a continuous-batching forward, built by the first layer that asks
         (in the engine's graphs: the static buffers, filled before the step)."""
         if context.graphed:
             return context.graph_batch_info
-        segments = context.segments
-        if self._bi_key is segments:
-            return self._bi
-        fb, slots = segments.forward_batch(self.registry.slots_for(segments.names), self.device)
-        ranks = self.slot_ranks()
-        self._bi = self.backend.prepare_lora_batch(fb, slots, ranks, [1.0] * len(ranks),
-                                                   use_cuda_graph=False)
-        self._bi_key = segments
-        return self._bi
+        return self.batch_infos.for_segments(context.segments)
