@@ -24,7 +24,7 @@ class ForwardBoundary:
     call-boundary work (checks, values, the fold choice) once, for every layer of that forward."""
 
     def __init__(self, begin: Callable[[Sequence[str]], bool]):
-        self._begin = begin  # adapter names -> whether the forward folds (state.begin_call's work)
+        self._begin = begin  # adapter names -> whether the forward folds (what ``state.call`` does first)
         self.fold: Optional[bool] = None  # None until the boundary ran
 
     def run(self, adapter_names: Sequence[str]) -> None:
@@ -41,7 +41,7 @@ class CallContext:
         checked: the call's boundary synced PEFT's adapters and copied their values; the layers
             skip those per-forward checks.
         fold: the per-call sites take the shrink from the folded GEMM (decided from the call's
-            adapters, ``FastLoRAState.decide_fold``).
+            adapters, ``SlotLoader.decide_fold``).
         names: the per-row adapter names fastlora took in PEFT's place (None: PEFT passes them
             to each layer, or the forward has none).
         segments: the sequences of a continuous-batching forward (one row of tokens).

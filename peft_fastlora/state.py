@@ -114,12 +114,6 @@ class FastLoRAState:
         """The fold choice of the last call that decided one (``SlotLoader.last_fold``)."""
         return self.slots.last_fold
 
-    def fold_prone_adapters(self, k: int) -> List[str]:
-        return self.slots.fold_prone_adapters(k)
-
-    def _decide_fold(self, slots) -> bool:
-        return self.slots.decide_fold(slots)
-
     def context(self) -> CallContext:
         """This thread's ``CallContext`` (what the current call tells the layers)."""
         return self.calls.current()
@@ -426,7 +420,7 @@ class FastLoRAState:
             self.warn_once(f"registered adapter {name!r} dropped: the model no longer has a LoRA layer "
                            f"fastlora serves for every module it targets")
         self.slots.registry = AdapterRegistry(set(self._peft_names) | set(self.stored),
-                                        num_slots=self.options.max_loras_per_batch)
+                                              num_slots=self.options.max_loras_per_batch)
         self._ensure_backend(self.backend.name)
         report.adapters = self._users_adapters()
         report.registered = len(self.stored)
@@ -617,9 +611,6 @@ class FastLoRAState:
         """Stacks were rebuilt or adapters put in other slots: the cached batch info (read from the
         slots) is built again when next asked for."""
         self.batch_infos.clear()
-
-    def slot_ranks(self) -> List[int]:
-        return self.slots.slot_ranks()
 
     def batch_info(self, context: CallContext, adapter_names: Sequence[str], x: torch.Tensor, site: Site):
         """The batch info for this forward, built by the first layer that asks (``BatchInfos``); a

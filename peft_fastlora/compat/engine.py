@@ -327,5 +327,5 @@ def cb_set_processor_factory(manager, factory) -> None:
 
 
 def cb_cached_manager(model):
-    """The manager transformers keeps on the model for a next session (None: none)."""
+    """The manager transformers keeps on the model for its next ``generate_batch`` call (None: none)."""
     return getattr(model, "_cached_continuous_batching_manager", None)

@@ -388,7 +388,7 @@ class ContinuousBatchingHook:
                 adapters.clear()
                 records.clear()
                 hook._resume_attention()
-            if manager.batch_processor is None:  # not kept for a next session
+            if manager.batch_processor is None:  # not kept for the next generate_batch call
                 # the wrappers close reference cycles over the processor (and its KV cache and
                 # graphs): break them, so the memory goes when transformers lets it go
                 for processor in made:

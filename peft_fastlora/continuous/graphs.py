@@ -110,7 +110,7 @@ class EngineGraphs:
         if not state.has_lora:
             return NO_LORA_BATCH
         fb, slots = segments.forward_batch(state.registry.slots_for(segments.names), state.device)
-        ranks = state.slot_ranks()
+        ranks = state.slots.slot_ranks()
         with state.backend.using_graph_buffers(self._buffers_for(segments.num_tokens)):
             return state.backend.prepare_lora_batch(fb, slots, ranks, [1.0] * len(ranks), use_cuda_graph=True)
 

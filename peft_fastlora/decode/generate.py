@@ -187,7 +187,7 @@ def warm_up(state, batch_sizes: Optional[Sequence[int]] = None, max_length: int 
     for rows in sorted(set(buckets), reverse=True):
         mixes = [names]
         if both_folds:  # the graph of calls that do not fold, and of calls that do
-            mixes += [["__base__"], state.fold_prone_adapters(min(rows, state.registry.num_slots))]
+            mixes += [["__base__"], state.slots.fold_prone_adapters(min(rows, state.registry.num_slots))]
         for mix in mixes:
             ids = torch.full((rows, 1), int(pad), dtype=torch.long, device=state.device)
             # three tokens, EOS suppressed for two: a decode step with the EOS ids suppressed and

@@ -352,7 +352,7 @@ class DecodeGraphRunner:
             return NO_LORA_BATCH
         slots = state.registry.slots_for(self.adapter_names)
         slots = slots + [-1] * (batch_size - len(slots))  # padding rows: no adapter
-        ranks = state.slot_ranks()
+        ranks = state.slots.slot_ranks()
         fb = ForwardBatch.from_shape(batch_size, 1, state.device)
         return state.backend.prepare_lora_batch(fb, slots, ranks, [1.0] * len(ranks), use_cuda_graph=True)
 

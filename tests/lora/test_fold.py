@@ -360,7 +360,7 @@ def test_staged_fold_with_fewer_slots_equals_peft(calls):
             torch.testing.assert_close(logits(m, names), logits(ref, names), **TOL)
             slots = {state.registry.slot[n] for n in names if n != "__base__"}
             fits = all(p.rows_used(slots) <= p.fold_rows() for p in staged)
-            assert state.last_fold == (fits and state._decide_fold(slots)), names
+            assert state.last_fold == (fits and state.slots.decide_fold(slots)), names
             if state.last_fold:
                 assert calls["run_packed_lora"] == 0, (names, calls)
             chose.add(state.last_fold)
@@ -396,7 +396,7 @@ def test_staged_fold_through_emulated_graphs_and_warmup():
     with fastlora.patched(m, cuda_graphs="emulate", fold_shrink=True, max_loras_per_batch=2, graph_buckets=[4]):
         state = fastlora.get_state(m)
         assert _staged_pools(m) and state.graph_runner.max_graphs == 2
-        prone = state.fold_prone_adapters(2)  # the largest that fit the staging rows together
+        prone = state.slots.fold_prone_adapters(2)  # the largest that fit the staging rows together
         assert len(prone) == 2 and all(sum(p.adapter_rows(n) for n in prone) <= p.fold_rows() for p in _staged_pools(m))
         report = fastlora.warmup(m, max_length=16)
         keys = {k[2] for k in state.graph_runner.graphs}
