@@ -13,4 +13,15 @@ from __future__ import annotations
 import os
 
 PDL_OFF = os.environ.get("FASTLORA_PDL", "").strip().lower() in ("0", "off", "false")
-INTERPRETER_SMS = int(os.environ.get("FASTLORA_INTERPRETER_SMS", "") or 4)
+
+
+def _positive_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{name} must be a positive integer, got {text!r}")
+    return int(text)
+
+
+INTERPRETER_SMS = _positive_int("FASTLORA_INTERPRETER_SMS", 4)

@@ -29,6 +29,8 @@ class TritonLoRABackend(SegmentedLoRABackend):
     def __init__(self, max_loras_per_batch: int, device: torch.device, *, fused_decode: bool = True,
                  rank_block: Optional[int] = None):
         super().__init__(max_loras_per_batch, device)
+        if rank_block is not None and (not isinstance(rank_block, int) or rank_block < 1):
+            raise ValueError(f"TritonLoRABackend: rank_block must be a positive int or None, got {rank_block!r}")
         self.fused_decode = fused_decode
         self.rank_block = rank_block  # the fused kernel's rows of A a step (None: ``ops.lora_fused``'s choice)
         # the fused kernel's scratch, one per device; zero between calls, never freed (graphs)

@@ -343,6 +343,8 @@ def glu_lora(x: torch.Tensor, w: torch.Tensor, n: int, lora: GluLora, act: str, 
         check_glu_lora(x, w, n, lora)
         if shrink_columns < 16 or shrink_columns & (shrink_columns - 1):
             raise ValueError(f"glu_lora: shrink_columns must be a power of 2 of 16 or more, got {shrink_columns}")
+        if not isinstance(spin_limit, int) or spin_limit < 0:
+            raise ValueError(f"glu_lora: spin_limit must be an int of 0 or more, got {spin_limit!r}")
         if act not in ACTIVATIONS:
             raise ValueError(f"glu_lora: activation {act!r} is not one of {ACTIVATIONS}")
     m, k = x.shape

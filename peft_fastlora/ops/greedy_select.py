@@ -196,6 +196,10 @@ def greedy_select(logits: torch.Tensor, tokens: torch.Tensor, unfinished: Option
     suppress = _ids(suppress_ids, dev, "suppress_ids")
     if not kernel_runs_on(logits, tokens):
         raise ValueError(f"greedy_select: no Triton kernel runs on {dev} here")
+    if config is not None and not (len(config) == 4 and all(isinstance(v, int) and v > 0 for v in config)
+                                   and config[1] & (config[1] - 1) == 0):
+        raise ValueError(f"greedy_select: config must be (segment, tile, warps, stages), positive ints with a "
+                         f"power-of-2 tile, got {config!r}")
     if rows == 0:
         return tokens
     ws = workspace if workspace is not None else workspace_for(dev, rows)

@@ -146,6 +146,8 @@ def advance_inputs(masks: Sequence[torch.Tensor], counters: Sequence[torch.Tenso
     """
     if record is not None:
         _check_record(record)
+    if not isinstance(max_block, int) or max_block < 1 or max_block & (max_block - 1):
+        raise ValueError(f"advance_inputs: max_block must be a power of 2, got {max_block!r}")
     if not kernel_takes(masks, counters, column, record):
         advance_inputs_reference(masks, counters, column, last_column, record)
         return

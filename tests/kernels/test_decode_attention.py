@@ -11,6 +11,9 @@ interpreter keeps bf16 as raw uint16).
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -477,3 +480,21 @@ def test_every_attention_call_matches_the_models_own_function(arch):
     n = model.config.num_hidden_layers
     assert served[n:] == [None] * (5 * n), served  # every decode step through the kernel
     assert max(diffs) < 1e-5, diffs
+
+
+def _config_under(sms: str):
+    """``decode_attention_config`` of one CPU launch in a fresh process with FASTLORA_INTERPRETER_SMS."""
+    code = ("from peft_fastlora.ops.decode_attention import decode_attention_config as c; import torch; "
+            "print(c(2, 8, 4, 4096, 128, torch.device('cpu'))['num_splits'])")
+    env = dict(os.environ, FASTLORA_INTERPRETER_SMS=sms)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_interpreter_sm_count_from_the_environment():
+    """The interpreter plans launches for FASTLORA_INTERPRETER_SMS SMs (more SMs: more splits);
+    a value that is not a positive integer is refused at import, by name."""
+    few, many = _config_under(""), _config_under("132")
+    assert few.returncode == 0 and many.returncode == 0, (few.stderr, many.stderr)
+    assert int(many.stdout) > int(few.stdout)
+    bad = _config_under("lots")
+    assert bad.returncode != 0 and "FASTLORA_INTERPRETER_SMS must be a positive integer" in bad.stderr

@@ -218,6 +218,7 @@ def test_bad_operands_are_refused():
         (lambda: glu_lora(x, w, 16, lora._replace(align=4), "silu", CONFIG), "align"),
         (lambda: glu_lora(x, w, 16, with_bt(lora, 16)._replace(t0_pad=3), "silu", CONFIG), "bt"),
         (lambda: glu_lora(x, w, 16, lora, "silu", CONFIG, out=torch.empty(4, 15)), "out"),
+        (lambda: glu_lora(x, w, 16, lora, "silu", CONFIG, spin_limit=-1), "spin_limit"),
     ]
     for bad, match in cases:
         with pytest.raises(ValueError, match=match):

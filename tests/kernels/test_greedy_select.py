@@ -99,6 +99,9 @@ def test_bad_inputs_name_the_problem():
         greedy_select(x, out, suppress_ids=torch.arange(17))
     with pytest.raises(ValueError, match="int64"):
         greedy_select(x, out, suppress_ids=torch.tensor([1], dtype=torch.int32))
+    for config in [(64, 24, 1, 1), (64, 16, 1), (64, 16, 0, 1), (64.0, 16, 1, 1)]:
+        with pytest.raises(ValueError, match="config must be"):
+            greedy_select(x, out, config=config)
 
 
 def test_an_own_workspace_is_used_and_checked(monkeypatch):

@@ -151,3 +151,6 @@ def test_a_bad_record_is_refused():
         advance_inputs([], [], column, 3, rec._replace(tokens=rec.tokens.int()))
     with pytest.raises(ValueError, match="rows"):
         advance_inputs([], [], column, 3, rec._replace(unfinished=rec.unfinished[:3]))
+    for max_block in (0, 24, 16.0):
+        with pytest.raises(ValueError, match="max_block must be a power of 2"):
+            advance_inputs([], [], column, 3, rec, max_block=max_block)

@@ -235,3 +235,9 @@ def test_fused_workspace_is_sized_once_for_every_launch(fused_calls):
     assert_close(got, want, atol, rtol, "fused linear, 203 tokens")
     assert ws.acc is acc and ws.sync is sync and not ws._retired, "the workspace grew"
     assert_workspace_clean(tri)
+
+
+@pytest.mark.parametrize("rank_block", [0, -16, 16.0])
+def test_a_bad_rank_block_is_refused(rank_block):
+    with pytest.raises(ValueError, match="rank_block must be a positive int or None"):
+        TritonLoRABackend(MAX_LORAS, CPU, rank_block=rank_block)
