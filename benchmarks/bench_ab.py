@@ -66,11 +66,16 @@ def side_rows(side: str, tree: str, args) -> list:
            "--new-tokens", str(args.new_tokens), "--reps", str(args.reps),
            "--batches", *map(str, args.batches)] + (["--smoke"] if args.smoke else [])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the side's tree alone
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.side_limit)
-    if done.returncode != 0:
-        raise RuntimeError(f"{side} ({tree}) failed:\n{done.stderr[-4000:]}")
-    return [dict(json.loads(line[len(ROW):]), side=side) for line in done.stdout.splitlines()
-            if line.startswith(ROW)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.side_limit)
+    except subprocess.TimeoutExpired as e:  # its rows so far still count
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        print(f"{side} ({tree}) passed --side-limit {args.side_limit} s; keeping its finished rows", flush=True)
+    else:
+        if done.returncode != 0:
+            raise RuntimeError(f"{side} ({tree}) failed:\n{done.stderr[-4000:]}")
+        out = done.stdout
+    return [dict(json.loads(line[len(ROW):]), side=side) for line in out.splitlines() if line.startswith(ROW)]
 
 
 def main(argv=None) -> int:
@@ -111,6 +116,8 @@ def main(argv=None) -> int:
     for method in ("base_patched", "mixed"):
         for b in args.batches:
             got = {s: [r for r in rows if (r["side"], r["method"], r["batch"]) == (s, method, b)] for s in ("old", "new")}
+            if not (got["old"] and got["new"]):  # a side ran out of time before this row
+                continue
             med = {s: statistics.median(r["decode_ms_per_step"] for r in got[s]) for s in got}
             rep = {s: [r["graph_replay_ms"] for r in got[s] if r["graph_replay_ms"]] for s in got}
             rep = {s: statistics.median(v) if v else None for s, v in rep.items()}
