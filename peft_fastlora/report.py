@@ -1,4 +1,6 @@
-"""``PatchReport``: what ``patch`` did to a model, and why anything was left as it was."""
+"""``PatchReport``: what ``patch`` did to a model, and why anything was left as it was. It is rendered
+from the build's decisions (``lora.plan.LoRAPlan``, ``base_ops.BaseOps``, ``decode.plan.DecodePlan``,
+the continuous-batching hook) and never changed after."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 
-@dataclass
+@dataclass(frozen=True)
 class PatchReport:
     """What ``patch`` did. ``str(report)`` is the one-line summary that is also logged."""
 

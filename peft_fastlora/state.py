@@ -43,6 +43,7 @@ from .lora.store import SCAFFOLD_ADAPTER
 from .lora.watch import AdapterWatch
 from .lora.sites import EmbeddingSite, FusedSite, LinearSite, Site
 from .options import PatchOptions
+from .lora.plan import LoRAPlan
 from .report import PatchReport
 
 logger = logging.getLogger("peft_fastlora")
@@ -66,7 +67,8 @@ class FastLoRAState:
         self.batch_infos = BatchInfos(lambda: self.backend, lambda: self.device, self.slots)
         self.device: Optional[torch.device] = None
         self.backend = None
-        self.report: Optional[PatchReport] = None
+        self.lora_plan = LoRAPlan(backend="none", device="none")  # lora.plan: what the LoRA build decided
+        self.report: Optional[PatchReport] = None  # rendered from the plans (``_render_report``)
         self.sites: List[Site] = []
         self.groups = []
         self.base_ops: Optional[BaseOps] = None
@@ -175,7 +177,7 @@ class FastLoRAState:
 
     # -- building ---------------------------------------------------------------------------
     def build(self) -> PatchReport:
-        report = self._build_lora()
+        self._build_lora()
         self._hook = self.inner.register_forward_pre_hook(lambda module, args: self.begin_forward())
         self.generate_hook = GenerateHook(self)
         self.mutation_lock = AdapterMutationLock(self)
@@ -183,8 +185,8 @@ class FastLoRAState:
         guard_peft_forward_hooks(self.model, serve=self.serve_adapter_names)
         self.base_ops = install_base_ops(self.inner, self.options, self.device)
         self._set_group_gemms()
-        self._report_base_ops(report)
         self._update_graph_runner()
+        report = self._render_report()
         self._log_disabled(report)
         return report
 
@@ -208,32 +210,19 @@ class FastLoRAState:
                 # 65-128 rows: gate/up, both deltas and the activation in one launch (ops.glu_lora)
                 stream.fold_gated_lora(mlp, site.gated(self, mlp, stream, activation_kind(mlp.act_fn)))
 
-    def _report_base_ops(self, report: PatchReport):
-        ops = self.base_ops
-        report.decode_attention = ops.decode_attention
-        report.fused_norms = ops.count("fuse_norms")
-        report.fused_add_norms = ops.count("fuse_add_norm")
-        report.fused_rotary = ops.count("fuse_rotary")
-        report.fused_rotary_kv = ops.count("fuse_rotary_kv")
-        report.rotary_tables = ops.count("rotary_table")
-        report.fused_mlps = ops.count("fuse_silu_mul")
-        report.fused_base_groups = len(ops.fused_groups)
-        report.stream_gemm_layers = ops.count("stream_gemm")
-        if ops.stream is not None:
-            report.stream_residual_layers, report.stream_gated_mlps = ops.stream.residual_layers, ops.stream.gated_mlps
-            report.stream_lora_gated_mlps = ops.stream.lora_gated_mlps
+    def _render_report(self) -> PatchReport:
+        """The report, rendered from what the build decided: the LoRA plan, the base ops, the
+        continuous-batching hook and the decode plan (each says why anything is off)."""
+        fields = self.lora_plan.report_fields()
+        if self.base_ops is not None:
+            fields.update(self.base_ops.report_fields())
         if self.continuous is not None:
-            why = self.continuous.blocker
-            if why is not None:
-                report.continuous_batching = f"off ({why})"
-            elif report.left_on_peft:  # PEFT applies the active adapter to every token there
-                report.continuous_batching = f"active adapter only ({len(report.left_on_peft)} LoRA layers on PEFT's path)"
-            else:
-                report.continuous_batching = "on"
-        report.base_ops_skipped = list(ops.skipped)
-        report.base_ops_off = dict(ops.off)
+            fields["continuous_batching"] = self.continuous.report_field()
+        fields.update(self.decode_plan.report_fields())
+        self.report = PatchReport(**fields)
+        return self.report
 
-    def _build_lora(self) -> PatchReport:
+    def _build_lora(self) -> None:
         """Registry, backend, sites and fused groups (everything an adapter change rebuilds)."""
         model = self.model
         lora_layers = [(n, m) for n, m in model.named_modules() if is_lora_layer(m)]
@@ -253,7 +242,8 @@ class FastLoRAState:
                     f"{', '.join(types_) or 'other'} adapters ({', '.join(tuners)})")
             if lora_layers or is_peft_model(model):
                 raise ValueError("fastlora.patch: the PEFT model holds no LoRA adapters")
-            return self._build_base_only()
+            self._build_base_only()
+            return
         self._peft_names = sorted(names)
         first = next(p for _, m in lora_layers for p in m.parameters())
         self.device = first.device
@@ -263,21 +253,17 @@ class FastLoRAState:
         names |= self._servable_stored(names)
         self.slots.registry = AdapterRegistry(names, num_slots=self.options.max_loras_per_batch)
         self._ensure_backend(backend_name)
-        report = PatchReport(backend=backend_name, device=str(self.device), adapters=self._users_adapters(),
-                             gpu_slots=self.registry.describe(hidden=(SCAFFOLD_ADAPTER,)),
-                             registered=len(self.stored), store_bytes=sum(a.nbytes() for a in self.stored.values()),
-                             triton_missing=kernel_support.triton_missing() or "")
-
+        left_on_peft, adapter_fallbacks, fusion_blocked = [], [], []
         served = set()
         tuning = self.options.tuning
         fold_off = self._fold_blocker()
         glu_wanted = stream_wanted(self.inner, self.options, self.device)
         if self.options.fuse:
             groups, blocked = find_groups(model)
-            report.fusion_blocked = [(f"{name_of.get(id(model), '')}{g}", why) for g, why in blocked]
+            fusion_blocked = [(f"{name_of.get(id(model), '')}{g}", why) for g, why in blocked]
             for g in groups:
                 if any(m.__dict__.get("forward") is not None for m in g.members):
-                    report.fusion_blocked.append((g.parent_name, "a member already has its own forward"))
+                    fusion_blocked.append((g.parent_name, "a member already has its own forward"))
                     continue
                 g.fuse()
                 self.groups.append(g)
@@ -299,7 +285,7 @@ class FastLoRAState:
             base = base_layer_of(m)
             blocker = lora_layer_blocker(m)
             if blocker is not None:
-                report.left_on_peft.append((name, blocker))
+                left_on_peft.append((name, blocker))
             elif type(m) is LoraLinear and (isinstance(base, nn.Linear) or is_conv1d(base)):
                 i, o = linear_in_out(base)
                 site = LinearSite(name, [m], SitePool([m], [o], i, tuning=tuning),
@@ -318,7 +304,7 @@ class FastLoRAState:
                 site.pool.no_fold = "an embedding: a lookup, not a GEMM"
                 self.sites.append(site)
             else:
-                report.left_on_peft.append(
+                left_on_peft.append(
                     (name, f"{type(m).__module__}.{type(m).__name__} over {type(base).__name__} "
                            "is not handled by fastlora"))
         for site in self.sites:
@@ -328,27 +314,31 @@ class FastLoRAState:
                 for adapter in sorted(adapter_names_of(layer)):
                     why = unsupported_reason(layer, adapter)
                     if why:
-                        report.adapter_fallbacks.append((name_of.get(id(layer), "?"), adapter, why))
-        self._drop_unservable_stored(report)
-        report.sites = [(s.name, s.kind, len(s.lora_layers)) for s in self.sites]
+                        adapter_fallbacks.append((name_of.get(id(layer), "?"), adapter, why))
+        self._drop_unservable_stored()
         folded = sum(s.pool.folded() and not s.pool.folds_per_call() for s in self.sites)
         per_call = sum(s.pool.folds_per_call() for s in self.sites)
         staged = sum(s.pool.folds_per_call() and s.pool.staging is not None for s in self.sites)
-        report.shrink_folded = fold_off or (f"{folded} of {len(self.sites)} sites" + (
+        shrink_folded = fold_off or (f"{folded} of {len(self.sites)} sites" + (
             f" (and {per_call} more in calls whose adapters use at least {self.options.tuning.fold_min_use:.0%} of their A rows"
             + (f"; {staged} of them staged: such a call's A blocks are copied under the base weight first"
                if staged else "") + ")" if per_call else ""))
-        if fold_off is None:
-            report.fold_refused = [(s.name, s.pool.fold_refusal()) for s in self.sites if not s.pool.folded()]
-        report.stack_bytes = sum(s.pool.nbytes() for s in self.sites)
-        report.adapter_bytes = sum(s.pool.adapter_nbytes() for s in self.sites)
         # every module PEFT would hand adapter_names to is a site: fastlora takes the names itself
-        self._takes_adapter_names = (bool(self.sites) and not report.left_on_peft
+        self._takes_adapter_names = (bool(self.sites) and not left_on_peft
                                      and not has_auxiliary_wrappers(model))
-        self.report = report
-        return report
+        self.lora_plan = LoRAPlan(
+            backend=backend_name, device=str(self.device), adapters=self._users_adapters(),
+            sites=[(s.name, s.kind, len(s.lora_layers)) for s in self.sites], left_on_peft=left_on_peft,
+            adapter_fallbacks=adapter_fallbacks, fusion_blocked=fusion_blocked,
+            triton_missing=kernel_support.triton_missing() or "",
+            stack_bytes=sum(s.pool.nbytes() for s in self.sites),
+            adapter_bytes=sum(s.pool.adapter_nbytes() for s in self.sites),
+            gpu_slots=self.registry.describe(hidden=(SCAFFOLD_ADAPTER,)), registered=len(self.stored),
+            store_bytes=sum(a.nbytes() for a in self.stored.values()), shrink_folded=shrink_folded,
+            fold_refused=[] if fold_off is not None else
+            [(s.name, s.pool.fold_refusal()) for s in self.sites if not s.pool.folded()])
 
-    def _build_base_only(self) -> PatchReport:
+    def _build_base_only(self) -> None:
         """A model without PEFT: no LoRA sites, only the base-model decode speedups."""
         param = next(self.model.parameters(), None)
         if param is None:
@@ -356,15 +346,11 @@ class FastLoRAState:
         self.device = param.device
         self.slots.registry = AdapterRegistry(())
         self.backend = None
-        self.report = PatchReport(backend="none (no LoRA adapters: base model only)",
-                                  device=str(self.device), adapters=[])
-        return self.report
+        self.lora_plan = LoRAPlan(backend="none (no LoRA adapters: base model only)", device=str(self.device))
 
     def _update_graph_runner(self):
         """Decide the decode plan, then create, keep or release the graph runner as it says."""
         self.decode_plan = decode_plan.decide(self)
-        for name, value in self.decode_plan.report_fields().items():
-            setattr(self.report, name, value)
         if self.decode_plan.graphs_off is not None:
             if self.graph_runner is not None:
                 self.graph_runner.release()
@@ -408,7 +394,7 @@ class FastLoRAState:
             self.warn_once(f"registered adapter {name!r} dropped: PEFT now holds an adapter of that name")
         return set(self.stored)
 
-    def _drop_unservable_stored(self, report: PatchReport):
+    def _drop_unservable_stored(self):
         """A registered adapter whose modules lost their LoRA layer (PEFT's adapters deleted) cannot be
         served: it is dropped, with a warning, and the stacks rebuilt without it."""
         served = set(self.served_layers())
@@ -422,9 +408,6 @@ class FastLoRAState:
         self.slots.registry = AdapterRegistry(set(self._peft_names) | set(self.stored),
                                               num_slots=self.options.max_loras_per_batch)
         self._ensure_backend(self.backend.name)
-        report.adapters = self._users_adapters()
-        report.registered = len(self.stored)
-        report.store_bytes = sum(a.nbytes() for a in self.stored.values())
         for site in self.sites:
             self._rebuild_pool(site, self._site_dtype(site))
 
@@ -595,12 +578,11 @@ class FastLoRAState:
         exist); the model-level parts (hooks, generate, decode kernels, graph runner) stay."""
         self._teardown_lora()
         self._peft_config_keys = self._config_keys()
-        report = self._build_lora()
+        self._build_lora()
         if self.base_ops is not None:
             self._set_group_gemms()
-            self._report_base_ops(report)
         self._update_graph_runner()
-        logger.info("%s (after an adapter change)", report)
+        logger.info("%s (after an adapter change)", self._render_report())
 
     def pool_for(self, site: Site, dtype: torch.dtype) -> SitePool:
         if site.pool.lora_a is None or site.pool.lora_a.dtype != dtype:

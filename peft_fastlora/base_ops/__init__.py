@@ -50,6 +50,20 @@ class BaseOps:
     def count(self, option: str) -> int:
         return len(self.installed.get(option, ()))
 
+    def report_fields(self) -> Dict[str, object]:
+        """``PatchReport``'s base-model fields."""
+        stream = self.stream
+        return dict(
+            decode_attention=self.decode_attention, fused_norms=self.count("fuse_norms"),
+            fused_add_norms=self.count("fuse_add_norm"), fused_rotary=self.count("fuse_rotary"),
+            fused_rotary_kv=self.count("fuse_rotary_kv"), rotary_tables=self.count("rotary_table"),
+            fused_mlps=self.count("fuse_silu_mul"), fused_base_groups=len(self.fused_groups),
+            stream_gemm_layers=self.count("stream_gemm"),
+            stream_residual_layers=stream.residual_layers if stream is not None else 0,
+            stream_gated_mlps=stream.gated_mlps if stream is not None else 0,
+            stream_lora_gated_mlps=stream.lora_gated_mlps if stream is not None else 0,
+            base_ops_skipped=list(self.skipped), base_ops_off=dict(self.off))
+
     def remove(self, model: nn.Module) -> None:
         disable_decode_attention(model)
         self.patches.restore()

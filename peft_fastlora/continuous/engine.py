@@ -168,6 +168,15 @@ class ContinuousBatchingHook:
         if not self.active:
             raise RuntimeError("fastlora: this model was unpatched; its continuous batching is transformers' own")
 
+    def report_field(self) -> str:
+        """``PatchReport.continuous_batching``: "on", "off (why)", or the active adapter only."""
+        if self.blocker is not None:
+            return f"off ({self.blocker})"
+        left = self.state.lora_plan.left_on_peft
+        if left:  # PEFT applies the active adapter to every token there
+            return f"active adapter only ({len(left)} LoRA layers on PEFT's path)"
+        return "on"
+
     def graphs_blocker(self) -> Optional[str]:
         """Why the engine's CUDA graphs cannot carry this model's LoRA batches (None: they can,
         where the engine turns them on)."""
@@ -177,7 +186,7 @@ class ContinuousBatchingHook:
         split = multi_device_reason(self.inner)
         if split is not None:
             return f"{split}: a CUDA graph captures one device"
-        if state.report is not None and state.report.left_on_peft:
+        if state.lora_plan.left_on_peft:
             return "some LoRA layers are left on PEFT's path, which a graph would replay with stale indices"
         # judged on the dtype and device alone: while a manager runs, the model's attention is the
         # varlen one itself (a model that cannot take it never gets a manager with "varlen")
@@ -189,7 +198,7 @@ class ContinuousBatchingHook:
     def _check_servable(self, names: Sequence[str]) -> None:
         """LoRA layers left on PEFT's path apply PEFT's active adapter to every token: only requests
         for that adapter can be served with them."""
-        left = self.state.report.left_on_peft if self.state.report is not None else []
+        left = self.state.lora_plan.left_on_peft
         if not left:
             return
         active = set(getattr(self.state.model, "active_adapters", None) or [])

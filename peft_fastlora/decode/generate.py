@@ -39,7 +39,7 @@ def graphs_wanted(state) -> Optional[str]:
     tp = tp_graph_blocker(state.inner)  # a sharded model's collectives are captured too
     if tp is not None:
         return tp
-    if state.report.left_on_peft:
+    if state.lora_plan.left_on_peft:
         return "some LoRA layers are left on PEFT's path"
     return static_cache_blocker(state.inner)
 
