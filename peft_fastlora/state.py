@@ -17,12 +17,11 @@ import torch
 from torch import nn
 
 from . import kernel_support
-from .compat.adapters import lora_layer_blocker
+from .compat.adapters import adapter_blocker, lora_layer_blocker
 from .compat.modules import is_conv1d, linear_in_out, local, on_device
 from .compat.peft import (LoraEmbedding, LoraLinear, adapter_count, adapter_names_of, base_layer_of,
                           guard_peft_forward_hooks, has_auxiliary_wrappers, is_lora_layer, is_peft_model,
-                          is_tuner_layer, registration_epoch, unguard_peft_forward_hooks, unsupported_reason,
-                          unwrap_peft)
+                          is_tuner_layer, registration_epoch, unguard_peft_forward_hooks, unwrap_peft)
 from .compat.tensor_parallel import declared_tp_plans, tp_local_stored, tp_style
 from .backend import get_backend, resolve_backend_name
 from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_ops, stream_wanted
@@ -312,7 +311,7 @@ class FastLoRAState:
             site.install(self)
             for layer in site.lora_layers:
                 for adapter in sorted(adapter_names_of(layer)):
-                    why = unsupported_reason(layer, adapter)
+                    why = adapter_blocker(layer, adapter)
                     if why:
                         adapter_fallbacks.append((name_of.get(id(layer), "?"), adapter, why))
         self._drop_unservable_stored()

@@ -7,6 +7,8 @@ it targets (the contract's stacks pad every slot to the largest rank and to ever
 - ``align``: 8 when every rank of the site is a multiple of 8; the arenas then place every block
   at a multiple of 8 elements and the kernels read B's rows 16 bytes at a time. Else 1.
 - entries of modules with rank 0 are never read.
+- ``bias``: ``(num_slots, N_total)``, each slot's LoRA B bias (PEFT's ``lora_bias``) in the stacks'
+  dtype, zeros where its adapter has none; None where no adapter of the site has one (no cost).
 
 ``lora.pool`` allocates it; the kernels (``ops.lora_shrink``, ``lora_expand``, ``lora_fused`` with
 ``a_rows`` / ``b_offs``) and ``TorchNativeLoRABackend`` read it.
@@ -15,7 +17,7 @@ it targets (the contract's stacks pad every slot to the largest rank and to ever
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -43,6 +45,7 @@ class PackedWeights:
     offsets: Tuple[int, ...]
     align: int = 1
     mixed_ranks: bool = False  # the adapters it may hold differ in rank (the fused kernel's launch)
+    bias: Optional[torch.Tensor] = None  # (num_slots, N_total): each slot's LoRA B bias, or None
 
     @property
     def stack_num(self) -> int:
@@ -80,3 +83,8 @@ class PackedWeights:
             raise ValueError(f"packed weights: align must be 1 or 8, got {self.align}")
         if not self.a.is_contiguous() or not self.b.is_contiguous():
             raise ValueError("packed weights: the arenas must be contiguous")
+        if self.bias is not None and (self.bias.dtype != x.dtype or self.bias.dim() != 2
+                                      or tuple(self.bias.shape) != (self.num_slots, self.offsets[-1])
+                                      or self.bias.stride(1) != 1):
+            raise ValueError(f"packed weights: bias must be a ({self.num_slots}, {self.offsets[-1]}) {x.dtype} "
+                             "table with unit column stride")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .modules import is_dtensor, local
-from .peft import LoraEmbedding, PEFT_VERSION, base_layer_of, embed_scale
+from .peft import LoraEmbedding, PEFT_VERSION, base_layer_of, embed_scale, unsupported_reason
 from .tensor_parallel import TP_REASON, _tp_local_adapter, tp_style
 
 
@@ -49,6 +49,28 @@ def lora_weights(layer: nn.Module) -> Dict[str, Tuple[torch.Tensor, torch.Tensor
         out[name] = (_tp_local_adapter(layer, "A", layer.lora_A[name].weight),
                      _tp_local_adapter(layer, "B", layer.lora_B[name].weight), float(layer.scaling[name]))
     return out
+
+
+def lora_biases(layer: nn.Module) -> Dict[str, torch.Tensor]:
+    """name -> B's bias (out,) for every adapter of a LoRA ``Linear`` whose B has one (PEFT's
+    ``lora_bias=True``): its delta is ``scaling * (B @ A @ x + bias)``."""
+    if isinstance(layer, LoraEmbedding):
+        return {}
+    out = {}
+    for name, b in layer.lora_B.items():
+        bias = getattr(b, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            out[name] = bias
+    return out
+
+
+def adapter_blocker(layer: nn.Module, adapter: str) -> Optional[str]:
+    """Why fastlora cannot compute ``adapter`` in ``layer`` (None: it can): PEFT's variants, and a
+    B bias under tensor parallelism (each rank would add it)."""
+    why = unsupported_reason(layer, adapter)
+    if why is None and adapter in lora_biases(layer) and tp_style(layer) is not None:
+        why = "lora_bias under tensor parallelism"
+    return why
 
 
 def watch_lora_layer(layer: nn.Module):

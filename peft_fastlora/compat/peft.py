@@ -71,8 +71,6 @@ def unsupported_reason(layer: nn.Module, adapter: str) -> Optional[str]:
     """Why fastlora cannot compute this adapter in this layer (PEFT's own path then serves it)."""
     if layer.use_dora.get(adapter, False):
         return "DoRA"
-    if getattr(layer, "lora_bias", {}).get(adapter, False):
-        return "lora_bias"
     variant = getattr(layer, "lora_variant", {}).get(adapter)
     if variant is not None:
         return f"LoRA variant {type(variant).__name__}"

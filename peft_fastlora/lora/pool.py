@@ -41,9 +41,8 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..compat.adapters import lora_layer_unchanged, lora_weights, watch_lora_layer
+from ..compat.adapters import adapter_blocker, lora_biases, lora_layer_unchanged, lora_weights, watch_lora_layer
 from ..compat.modules import foreach_copy
-from ..compat.peft import unsupported_reason
 from ..backend.packed import PackedWeights, block_align
 from ..ops.glu_lora import b_columns
 from ..tuning import Tuning
@@ -125,6 +124,9 @@ class SitePool:
         self._ranks_of: Dict[str, List[int]] = {}
         self._scalings_of: Dict[str, List[float]] = {}
         self._unsupported_of: Dict[str, str] = {}
+        self._bias_of: Dict[str, Dict[int, torch.Tensor]] = {}  # adapter -> module index -> B's bias
+        # (num_slots, N_total): each slot's B bias (zeros where its adapter has none), or None
+        self.bias: Optional[torch.Tensor] = None
         self._slot_ranks: List[List[int]] = []  # host copies of ``ranks`` and ``scalings``
         self._slot_scalings: List[List[float]] = []
         self._view_cache: Dict[Tuple[int, int, int], Tuple[torch.Tensor, torch.Tensor]] = {}  # of these stacks
@@ -165,7 +167,8 @@ class SitePool:
         """The stacks' bytes, and ``ops.glu_lora``'s buffers where the site keeps them (B's columns: a
         second copy of its B)."""
         extra = (self.glu_buffers.scratch, self.glu_buffers.bt) if self.glu_buffers is not None else ()
-        return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b, *extra) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b, self.bias, *extra)
+                   if t is not None)
 
     def adapter_nbytes(self) -> int:
         """The adapters' own weights for this site, in the stacks' dtype (every adapter fastlora
@@ -234,6 +237,7 @@ class SitePool:
         device = torch.device(device)
         self._broken = False
         self._sources, self._ranks_of, self._scalings_of, self._unsupported_of = {}, {}, {}, {}
+        self._bias_of = {}
 
         def add(name, j, a, b, scaling, fixed):
             runs = None
@@ -246,11 +250,14 @@ class SitePool:
         for j, layer in enumerate(self.layers):
             if layer is None:
                 continue
+            biases = lora_biases(layer)
             for name, (a, b, scaling) in lora_weights(layer).items():
-                reason = unsupported_reason(layer, name)
+                reason = adapter_blocker(layer, name)
                 if reason:
                     self._unsupported_of[name] = reason
                 add(name, j, a, b, scaling, False)
+                if name in biases:
+                    self._bias_of.setdefault(name, {})[j] = biases[name]
         for name, by_module in (stored or {}).items():
             for j, (a, b, scaling) in by_module.items():
                 add(name, j, a, b, scaling, True)
@@ -265,6 +272,8 @@ class SitePool:
         self._slot_name = {}
         # for an embedding, "in" is the vocabulary and A blocks are (rank, vocab) as PEFT stores them
         stage = self._allocate_packed(n_slots, dtype, device, per_call_ok=registry.all_resident)
+        self.bias = (torch.zeros(n_slots, self.offsets[-1], dtype=dtype, device=device)
+                     if self._bias_of and not self.embedding else None)
         for slot, name in enumerate(registry.resident):
             if name is not None:
                 self._place(slot, name)
@@ -290,6 +299,7 @@ class SitePool:
         # bytes at a time
         layout = dict(align=block_align(x for row in self._ranks_of.values() for x in row),
                       mixed_ranks=len({x for row in self._ranks_of.values() for x in row if x > 0}) > 1)
+        layout["bias"] = self.bias
         self.packed = PackedWeights(self.lora_a, self.lora_b, a_rows, b_offs, r, tuple(self.offsets), **layout)
         self.staging = None
         if stage is not None:
@@ -433,6 +443,8 @@ class SitePool:
             self.unsupported[slot] = reason
         else:
             self.unsupported.pop(slot, None)
+        if self.bias is not None:  # the modules this adapter has no bias for add none
+            self.bias[slot].zero_()
         return moved
 
     @torch.no_grad()
@@ -472,6 +484,8 @@ class SitePool:
                 views = self._view_cache[(j, start, k)] = (self.packed_view_a(slot, j, k),
                                                            self.packed_view_b(slot, j, k))
             (fixed if registered else pairs).extend(zip(views, (a, b)))
+        for j, bias in self._bias_of.get(self._slot_name[slot], {}).items():  # PEFT's layers only
+            pairs.append((self.bias[slot, self.offsets[j]: self.offsets[j + 1]], bias))
         self.copies[slot] = pairs  # PEFT's parameters: copied again at every call that uses them
         self._fixed[slot] = fixed
         self._runs[slot] = runs

@@ -4,6 +4,14 @@ share: where a program's operands are, once its idle checks have passed."""
 from ..kernel_support import tl, triton
 
 
+def check_bias(who: str, bias, num_slots: int, n_total: int) -> None:
+    """A LoRA B bias table: (>= num_slots, N_total), unit column stride (None: no bias)."""
+    if bias is not None and (bias.dim() != 2 or bias.shape[0] < num_slots or bias.shape[1] != n_total
+                             or bias.stride(1) != 1):
+        raise ValueError(f"{who}: bias must be (>= {num_slots}, {n_total}) with unit column stride, "
+                         f"got {tuple(bias.shape)}")
+
+
 @triton.jit
 def packed_row_stride(rank, ALIGN: tl.constexpr):
     """Row stride of a packed B block: its rank, which the site keeps a multiple of ``ALIGN``

@@ -1,5 +1,5 @@
 """Segmented LoRA expand, added in place:
-``out[t, lo_j:hi_j] += scaling[slot, j] * y[t, j*R : j*R + rank] @ B[slot, lo_j:hi_j, :rank].T``.
+``out[t, lo_j:hi_j] += scaling[slot, j] * (y[t, j*R : j*R + rank] @ B[slot, lo_j:hi_j, :rank].T (+ bias[slot, lo_j:hi_j]))``.
 
 One program owns one (chunk, column block, module): it reads the chunk's rows of ``y`` and of
 ``out`` once, adds the delta in float32 and stores once, so the base output takes one read and
@@ -25,7 +25,7 @@ import torch
 from ..kernel_support import tl, triton
 from . import pdl
 from .lora_expand_wide import WIDE_MAX_BLOCK_M, WIDE_MAX_RANK, launch_wide
-from .expand_common import chunk_rank, expand_operands, module_span
+from .expand_common import check_bias, chunk_rank, expand_operands, module_span
 
 MAX_MODULES_PER_LAUNCH = 4  # column offsets travel as scalar arguments (no device table to build)
 
@@ -38,6 +38,8 @@ def _lora_expand_kernel(
     out_ptr,  # (s, N_total), any row stride
     b_offs_ptr,  # packed: (>= num_slots, c) int64 element offset of each (slot, module)
     y_cols_ptr,  # Y_COLS: (>= num_slots, c) int32 first column of y of each (slot, module)
+    bias_ptr,  # HAS_BIAS: (>= num_slots, N_total) the adapters' B bias, added before the scaling
+    stride_biasl,
     # dimensions
     R,  # padded rank of one module in y and B
     num_slots,
@@ -56,6 +58,7 @@ def _lora_expand_kernel(
     PACKED: tl.constexpr,
     B_ALIGN: tl.constexpr,  # packed: every B offset and rank is a multiple of this (1 or 8)
     Y_COLS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -101,6 +104,8 @@ def _lora_expand_kernel(
         bt = tl.load(b_base + offs_r[:, None] * b_rstride,
                      mask=(offs_r < b_rank)[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(yt, bt, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + slot.to(tl.int64) * stride_biasl + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
 
     out_ptrs = out_ptr + tok[:, None] * stride_os + cols[None, :] * stride_on
     mask = row_mask[:, None] & n_mask[None, :]
@@ -150,6 +155,7 @@ def lora_expand(
     y_cols: Optional[torch.Tensor] = None,
     max_rank: Optional[int] = None,
     wide: Optional[bool] = None,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Stacked, segmented expand into ``out`` (in place).
 
@@ -174,6 +180,9 @@ def lora_expand(
         wide: the launch of ``lora_expand_wide`` (rank-sized column spans); None: where it applies,
             row tiles of up to 16 and ranks up to 128; False: the column-block launch (benchmarks
             compare the two). The block and warp overrides are the other launch's.
+        bias: (>= num_slots, N_total), unit column stride: each slot's LoRA B bias (PEFT's
+            ``lora_bias``; zeros where an adapter has none), added to the delta before the scaling
+            in the columns of the modules the slot targets.
     Returns:
         ``out``.
     """
@@ -205,6 +214,7 @@ def lora_expand(
         for name, t in (("ranks", ranks), ("scalings", scalings)):
             if t.dim() != 2 or t.shape[1] != c or t.stride(1) != 1:
                 raise ValueError(f"lora_expand: {name} must be (num_slots, {c}) with unit column stride")
+        check_bias("lora_expand", bias, num_slots, n_total)
     max_chunks = chunk_slot.shape[0]
     if s == 0 or max_chunks == 0 or r == 0:
         return out
@@ -226,7 +236,7 @@ def lora_expand(
         if wide:
             offs = offs + [offs[-1]] * (MAX_MODULES_PER_LAUNCH + 1 - len(offs))
             launch_wide(y, weights, out, b_offs, y_cols, ranks, scalings, plan, r, num_slots, j0, offs,
-                        block_m=block_m, b_align=b_align, dot_precision=dot_precision, use_pdl=use_pdl)
+                        block_m=block_m, b_align=b_align, dot_precision=dot_precision, use_pdl=use_pdl, bias=bias)
             continue
         cfg = expand_config(block_m, r, widest)
         bn = block_n or cfg["block_n"]
@@ -234,6 +244,7 @@ def lora_expand(
         grid = (max_chunks, triton.cdiv(widest, bn), n_mod)
         _lora_expand_kernel[grid](
             y, weights, out, b_offs if packed else ranks, y_cols if y_cols is not None else ranks,
+            bias if bias is not None else scalings, bias.stride(0) if bias is not None else 0,
             r, num_slots, j0, *offs,
             y.stride(0), y.stride(1),
             *b_strides,
@@ -245,6 +256,7 @@ def lora_expand(
             PACKED=packed,
             B_ALIGN=b_align,
             Y_COLS=y_cols is not None,
+            HAS_BIAS=bias is not None,
             BLOCK_M=block_m,
             BLOCK_N=bn,
             BLOCK_R=block_r or cfg["block_r"],

@@ -26,10 +26,11 @@ WIDE_MAX_BLOCK_M = 16  # decode-sized row tiles: the accumulator is (BLOCK_M, TI
 
 @triton.jit
 def _wide_tile(y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, b_rank, out_rows, stride_on,
-               lo, width, rank, scaling, n0,
+               lo, width, rank, scaling, n0, bias_row,
                RC: tl.constexpr, TC: tl.constexpr, NT: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
-    """``NT`` tiles of ``TC`` columns x ``RC`` rank columns from column ``n0`` of the module."""
+               DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """``NT`` tiles of ``TC`` columns x ``RC`` rank columns from column ``n0`` of the module
+    (``bias_row``: the slot's row of the bias table, where HAS_BIAS)."""
     offs_r = tl.arange(0, RC)
     r_mask = offs_r < rank
     b_rmask = offs_r < b_rank  # the same rows; in a form the compiler can load 16 bytes at a time
@@ -47,6 +48,8 @@ def _wide_tile(y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, b_rank,
             bt_next = tl.load(b_rows + nxt[None, :] * b_nstride + offs_r[:, None] * b_rstride,
                               mask=b_rmask[:, None] & (nxt < width)[None, :], other=0.0)
         acc = tl.dot(yt, bt, tl.zeros((yt.shape[0], TC), dtype=tl.float32), input_precision=DOT_PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(bias_row + lo + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_rows + (lo + cols)[None, :] * stride_on
         mask = row_mask[:, None] & n_mask[None, :]
         base = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -58,6 +61,7 @@ def _wide_tile(y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, b_rank,
 @triton.jit
 def _lora_expand_wide_kernel(
     y_ptr, b_ptr, out_ptr, b_offs_ptr, y_cols_ptr,
+    bias_ptr, stride_biasl,  # HAS_BIAS: (>= num_slots, N_total)
     R, num_slots, J0,
     OFF0, OFF1, OFF2, OFF3, OFF4,  # column offsets of this launch's modules; unused ones repeat the end
     NB1, NB2, NB3,  # first span index of modules 1..3 in grid axis 1 (unused ones: the total)
@@ -71,6 +75,7 @@ def _lora_expand_wide_kernel(
     PACKED: tl.constexpr,
     B_ALIGN: tl.constexpr,
     Y_COLS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE: tl.constexpr,  # elements of B a tile holds; a program's span is TILE // 16 columns
     MAX_RC: tl.constexpr,  # rank class of the launch's largest rank (16, 32, 64 or 128)
@@ -97,19 +102,19 @@ def _lora_expand_wide_kernel(
     out_rows = out_ptr + tok[:, None] * stride_os
     width = hi - lo
     args = (y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, b_rank, out_rows, stride_on,
-            lo, width, rank, scaling, n0)
+            lo, width, rank, scaling, n0, bias_ptr + slot.to(tl.int64) * stride_biasl)
     # the rank's class; a class past the launch's largest rank's is never compiled (and never
     # taken: rank <= R <= MAX_RC)
     if rank <= 16:
-        _wide_tile(*args, 16, TILE // 16, 1, DOT_PRECISION, USE_PDL)
+        _wide_tile(*args, 16, TILE // 16, 1, DOT_PRECISION, USE_PDL, HAS_BIAS)
     elif rank <= 32:
         if MAX_RC >= 32:
-            _wide_tile(*args, 32, TILE // 32, 2, DOT_PRECISION, USE_PDL)
+            _wide_tile(*args, 32, TILE // 32, 2, DOT_PRECISION, USE_PDL, HAS_BIAS)
     elif rank <= 64:
         if MAX_RC >= 64:
-            _wide_tile(*args, 64, TILE // 64, 4, DOT_PRECISION, USE_PDL)
+            _wide_tile(*args, 64, TILE // 64, 4, DOT_PRECISION, USE_PDL, HAS_BIAS)
     elif MAX_RC >= 128:
-        _wide_tile(*args, 128, TILE // 128, 8, DOT_PRECISION, USE_PDL)
+        _wide_tile(*args, 128, TILE // 128, 8, DOT_PRECISION, USE_PDL, HAS_BIAS)
 
 def wide_config(rank: int, max_width: int) -> dict:
     """Tile size and warps: tiles of 4K elements (8 KB of bf16; spans of 256 columns), smaller
@@ -125,7 +130,7 @@ def rank_class(rank: int) -> int:
 
 
 def launch_wide(y, weights, out, b_offs, y_cols, ranks, scalings, plan, r, num_slots, j0, offs, *,
-                block_m, b_align, dot_precision, use_pdl, tile=None, num_warps=None):
+                block_m, b_align, dot_precision, use_pdl, tile=None, num_warps=None, bias=None):
     """One launch over the modules of ``offs`` (at most 4: ``offs`` their 5 column offsets, unused
     ones repeating the end), arguments as ``lora_expand``'s kernel."""
     widths = [b - a for a, b in zip(offs[:-1], offs[1:])]
@@ -143,6 +148,7 @@ def launch_wide(y, weights, out, b_offs, y_cols, ranks, scalings, plan, r, num_s
     grid = (plan[1].shape[0], total)
     _lora_expand_wide_kernel[grid](
         y, weights, out, b_offs if packed else ranks, y_cols if y_cols is not None else ranks,
+        bias if bias is not None else scalings, bias.stride(0) if bias is not None else 0,
         r, num_slots, j0, *offs, *starts[1:],
         y.stride(0), y.stride(1),
         *b_strides,
@@ -154,6 +160,7 @@ def launch_wide(y, weights, out, b_offs, y_cols, ranks, scalings, plan, r, num_s
         PACKED=packed,
         B_ALIGN=b_align,
         Y_COLS=y_cols is not None,
+        HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
         TILE=tile,
         MAX_RC=rank_class(r),

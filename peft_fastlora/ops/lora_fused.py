@@ -37,7 +37,7 @@ import torch
 
 from ..kernel_support import AVAILABLE, tl, triton
 from ..kernel_support import num_sms
-from .expand_common import packed_row_stride
+from .expand_common import check_bias, packed_row_stride
 
 if AVAILABLE:
     from triton.language.extra.cuda import globaltimer, smid
@@ -160,6 +160,8 @@ def _lora_fused_decode_kernel(
     acc_ptr,  # fp32 workspace, (>= max_chunks * c, BLOCK_M, BLOCK_R); zero between calls
     sync_ptr,  # int32 workspace: ticket, timeouts, then one counter per (chunk, module)
     trace_ptr,  # probes only (TRACE): int64 records, TRACE_FIELDS per item drawn
+    bias_ptr,  # HAS_BIAS: (>= num_slots, N_total) the adapters' B bias, added before the scaling
+    stride_biasl,
     # dimensions
     K,
     R,  # padded rank of one module in A and B
@@ -193,6 +195,7 @@ def _lora_fused_decode_kernel(
     MAX_SPIN: tl.constexpr,
     WAIT_FIRST: tl.constexpr,  # tests only: hand out expand items first (exercises the timeout)
     DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     TRACE: tl.constexpr,  # probes only: time each item's phases into trace_ptr (fields: TRACE_FIELDS)
 ):
     # the plan fills chunks from index 0; items are numbered over chunks [0, n_act) only
@@ -363,6 +366,9 @@ def _lora_fused_decode_kernel(
                                          stride_bn, stride_br, PACKED, B_ALIGN, R_SUB)
                 if TRACE:  # T_COMPUTED
                     _stamp(trace_ptr, t, 6, tl.sum(delta).to(tl.int32), TRACE)
+                if HAS_BIAS:
+                    delta += tl.load(bias_ptr + slot.to(tl.int64) * stride_biasl + cols, mask=n_mask,
+                                     other=0.0).to(tl.float32)[None, :]
                 tl.store(out_ptrs, (base.to(tl.float32) + delta * scaling).to(out_ptr.dtype.element_ty),
                          mask=mask)
                 old = _finish(cnt_ptr, _READER, total, acc_ptrs, BLOCK_M, BLOCK_R)
@@ -477,6 +483,7 @@ def lora_fused(
     rank_block: Optional[int] = None,
     mixed_ranks: bool = False,
     trace: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Stacked, segmented shrink + expand into ``out`` (in place), one launch.
 
@@ -498,6 +505,7 @@ def lora_fused(
         trace: probes only (CUDA): int64 (items + programs, TRACE_FIELDS), filled with each
             drawn item's phase clocks in ticket order (fields ``T_*``); a slower variant.
         check: validate the shapes (False: the caller has).
+        bias: as ``lora_expand``'s (each slot's LoRA B bias, added before the scaling).
     Returns:
         ``out``.
     """
@@ -528,6 +536,7 @@ def lora_fused(
         for name, t in (("ranks", ranks), ("scalings", scalings)):
             if t.dim() != 2 or t.shape[1] != c or t.stride(1) != 1:
                 raise ValueError(f"lora_fused: {name} must be (num_slots, {c}) with unit column stride")
+        check_bias("lora_fused", bias, num_slots, n_total)
     max_chunks = chunk_slot.shape[0]
     widths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
     if s == 0 or max_chunks == 0 or max(widths) == 0:
@@ -561,6 +570,7 @@ def lora_fused(
     _lora_fused_decode_kernel[(num_programs,)](
         x, lora_a, lora_b, out, a_rows if packed else ranks, b_offs if packed else ranks, acc, sync,
         trace if trace is not None else sync,
+        bias if bias is not None else scalings, bias.stride(0) if bias is not None else 0,
         k, r, num_slots, c, nsplit, *offs, *nbs, num_programs,
         x.stride(0), x.stride(1),
         *a_strides,
@@ -584,6 +594,7 @@ def lora_fused(
         WAIT_FIRST=wait_first,
         # fp32 inputs: Triton's default on GPU is tf32, which would not match the reference
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        HAS_BIAS=bias is not None,
         TRACE=trace is not None,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=1,

@@ -351,3 +351,28 @@ def test_layers_left_on_peft_serve_only_the_active_adapter(monkeypatch):
                              adapter_names=["a0", "__base__"])
     finally:
         fastlora.unpatch(m)
+
+
+def test_lora_bias_adapter_per_request(monkeypatch):
+    """A request whose adapter has a bias on B (``lora_bias=True``) beside plain ones and base
+    requests: every step on fastlora's path, each request equal to PEFT alone."""
+    from peft import LoraConfig
+
+    m = build_peft_lm("llama")
+    torch.manual_seed(5)
+    m.add_adapter("biased", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                       init_lora_weights=False, lora_bias=True))
+    m.eval()
+    ref = copy.deepcopy(m)
+    report = fastlora.patch(m)
+    try:
+        assert report.adapter_fallbacks == [] and report.continuous_batching == "on", report
+        spy = StepSpy(m, monkeypatch)
+        prompts = random_prompts([5, 21, 2, 12, 30], seed=4)
+        names = ["biased", "a0", "__base__", "biased", "a1"]
+        out = m.generate_batch(prompts, generation_config=greedy_config(6),
+                               continuous_batching_config=cb_config(max_batch_tokens=16), adapter_names=names)
+        _check(ref, prompts, names, [out[f"req_{i}"].generated_tokens for i in range(len(prompts))], 6)
+        assert spy.peft_calls == 0
+    finally:
+        fastlora.unpatch(m)

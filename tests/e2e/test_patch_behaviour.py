@@ -191,22 +191,30 @@ def test_dora_adapter_raises_like_peft(calls):
     assert_raises_like_peft(m, ref, bad, "DoRA")
 
 
-def test_lora_bias_adapter_served_by_peft(calls):
-    adapters = (("sql", ALL, 4, {}), ("biased", ("q_proj", "down_proj"), 4, {"lora_bias": True}))
+def test_lora_bias_adapters_served_by_fastlora(calls):
+    """B's bias (``lora_bias=True``) rides in the expand: every site on fastlora's path, equal to
+    PEFT's mixed batch, the bias only in the rows and modules of the adapters that have one."""
+    adapters = (("sql", ALL, 4, {}), ("biased", ("q_proj", "down_proj"), 4, {"lora_bias": True}),
+                ("biased_all", ALL, 8, {"lora_bias": True}))
     m, ref = pair(adapters=adapters)
+    for model in (m, ref):  # PEFT starts B (and its bias) at zero: give the biases values
+        torch.manual_seed(3)
+        for name, p in model.named_parameters():
+            if "lora_B" in name and name.endswith(".bias"):
+                p.data.normal_()
     report = fastlora.patch(m)
-    assert sorted(report.adapter_fallbacks) == sorted(
-        (f"base_model.model.model.layers.{i}.{mod}", "biased", "lora_bias")
-        for i in range(2) for mod in ("self_attn.q_proj", "mlp.down_proj"))
-    assert "biased (lora_bias)" in str(report)
-    names = ["biased", "sql", "__base__", "biased"]
-    assert_same_as(m, ref, names)
-    # the sites holding a lora_bias adapter went to PEFT's path, the others stayed fast
-    assert calls["qkv"] == 0 and calls["gate_up"] == 2
-    assert not torch.allclose(logits(ref, names)[0], logits(ref, ["sql"] * 4)[0])  # the bias matters
-    calls.clear()
-    assert_same_as(m, ref, ["sql", "__base__", "sql", "sql"])
-    assert calls["qkv"] == 2
+    assert report.adapter_fallbacks == [] and report.left_on_peft == [], report
+    assert any(site.pool.bias is not None for site in get_state(m).sites)
+    for names in (["biased", "sql", "__base__", "biased_all"], ["sql", "__base__", "sql", "sql"]):
+        calls.clear()
+        assert_same_as(m, ref, names)
+        assert calls["qkv"] == 2 and calls["gate_up"] == 2
+    # the bias matters: zeroed, the same rows give other logits (fastlora's stacks follow the values)
+    biases = [p for n, p in m.named_parameters() if ".lora_B.biased." in n and n.endswith(".bias")]
+    with_bias = logits(m, ["biased"] * 4)
+    for p in biases:
+        p.data.zero_()
+    assert len(biases) == 4 and not torch.allclose(logits(m, ["biased"] * 4), with_bias)
 
 
 class ConvNet(nn.Module):

@@ -1,0 +1,105 @@
+"""The LoRA B bias (PEFT's ``lora_bias``) in the expand's epilogue: every launch that adds a delta
+(the fused decode kernel, the wide and the column-block expand, the folded site's expand from the
+base GEMM's columns) and the torch backend, against the delta without bias plus
+``scaling * bias`` added by hand for the rows whose slot targets the module. Under the Triton
+interpreter, as test_packed_kernels (NaN outside the packed blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from peft_fastlora.ops import lora_expand  # noqa: E402
+
+from _helpers import pack  # noqa: E402
+from test_triton_fused import FUSED_SITES, fused_calls, run_fused_site, site_inputs  # noqa: E402,F401
+from test_triton_kernels import (  # noqa: E402
+    COMPOSITIONS,
+    DTYPE_IDS,
+    TOLERANCES,
+    assert_close,
+    check_untouched,
+    make_backends,
+    token_slots,
+)
+
+
+def bias_table(offsets, num_slots, dtype, seed):
+    """(num_slots, N): random biases, except slot 2's (zeros: an adapter trained without one)."""
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.randn(num_slots, offsets[-1], generator=g).to(dtype)
+    bias[2] = 0
+    return bias
+
+
+def plus_bias(delta_out, tok, bias, ranks, scalings, offsets):
+    """``delta_out`` with ``scaling * bias`` added where the token's slot targets the module
+    (rank > 0): slot 1 has no module 1, so its (nonzero) bias there must not appear."""
+    out = delta_out.float().clone()
+    for t, s in enumerate(tok.tolist()):
+        for j in range(len(offsets) - 1):
+            if s >= 0 and int(ranks[s, j]) > 0:
+                lo, hi = offsets[j], offsets[j + 1]
+                out[t, lo:hi] += float(scalings[s, j]) * bias[s, lo:hi].float()
+    return out.to(delta_out.dtype)
+
+
+@pytest.mark.parametrize("path", ["fused", "wide", "prefill", "folded", "column_blocks"])
+@pytest.mark.parametrize("comp", ["mixed", "skewed", "all_base"])
+@pytest.mark.parametrize("site", list(FUSED_SITES))
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=DTYPE_IDS)
+def test_bias_in_every_expand(dtype, atol, rtol, site, comp, path, fused_calls):
+    seq_lens = [3, 17, 1, 9, 6] if path == "prefill" else [1] * 20
+    wi = COMPOSITIONS[comp](len(seq_lens))
+    tri, ref = make_backends(wi, seq_lens)
+    tri.fused_decode = path == "fused"
+    tok = token_slots(wi, seq_lens)
+    offsets = FUSED_SITES[site]
+    x, a, b, base, ranks, scalings = site_inputs(site, tok, dtype)
+    bias = bias_table(offsets, a.shape[0], dtype, seed=len(site) + len(comp))
+    plain = pack(a, b, offsets, ranks, seed=len(site))
+    w = dataclasses.replace(plain, bias=bias)
+    want = plus_bias(run_fused_site(ref, site, x, a, b, base.clone(), ranks, scalings), tok, bias, ranks,
+                     scalings, offsets)
+    for be, name in ((tri, "triton"), (ref, "torch")):
+        kw = dict(base_output=base.clone(), layer_ranks=ranks, layer_scalings=scalings)
+        if path == "column_blocks" and be is tri:  # the expand's other launch (prefill-sized row tiles)
+            bi = tri.batch_info
+            got = lora_expand(x @ w.a.T, w.b, w.offsets, ranks, scalings, kw["base_output"], bi.sorted_token_ids,
+                              bi.chunk_slot, bi.chunk_start, bi.chunk_len, block_m=bi.block_m, b_offs=w.b_offs,
+                              b_align=w.align, y_cols=w.a_rows, max_rank=w.max_rank, wide=False, bias=bias)
+        elif path in ("folded", "column_blocks"):  # the shrink from the base GEMM: x @ [W; A].T's columns
+            got = be.run_packed_expand(x @ w.a.T, w, **kw)
+        else:
+            got = be.run_packed_lora(x, w, **kw)
+        assert not got.isnan().any(), f"{name}: read outside a block or past a bias row"
+        check_untouched(got, base, tok)
+        assert_close(got, want, atol, rtol, f"{name} {site} with bias ({comp}, {path})")
+    assert fused_calls == ([16] if path == "fused" else [])
+
+
+def test_bias_of_the_wrong_shape_is_refused():
+    dtype = torch.float32
+    seq_lens, wi = [1] * 4, [0, 1, -1, 3]
+    tri, ref = make_backends(wi, seq_lens)
+    x, a, b, base, ranks, scalings = site_inputs("qkv", token_slots(wi, seq_lens), dtype)
+    w = pack(a, b, FUSED_SITES["qkv"], ranks)
+    for bias in (torch.zeros(a.shape[0], 5), torch.zeros(a.shape[0], FUSED_SITES["qkv"][-1], dtype=torch.float16),
+                 torch.zeros(FUSED_SITES["qkv"][-1], a.shape[0]).T):
+        for be in (tri, ref):
+            with pytest.raises(ValueError, match="bias"):
+                be.run_packed_lora(x, dataclasses.replace(w, bias=bias), base_output=base.clone(),
+                                   layer_ranks=ranks, layer_scalings=scalings)
+
+
+def test_launchers_check_the_bias_table():
+    y, bt = torch.zeros(2, 8), torch.zeros(3, 10, 8)
+    plan = [torch.zeros(2, dtype=torch.int32)] * 4
+    with pytest.raises(ValueError, match="bias must be"):
+        lora_expand(y, bt, [0, 10], torch.ones(3, 1, dtype=torch.int32), torch.ones(3, 1), torch.zeros(2, 10),
+                    *plan, block_m=16, bias=torch.zeros(3, 9))
