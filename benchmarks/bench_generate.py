@@ -43,7 +43,7 @@ HF_OPS = hx.HF_OPS
 FAST_OPS = {}  # the defaults, as fastlora_graphs below
 PATCH_EXTRA = {}  # options every fastlora method here is patched with (--stream-gemm, --narrow-gemms)
 METHODS = ("hf_eager_base", "base_graphs", "base_graphs_attn", "peft_native", "fastlora_eager_unfused",
-           "fastlora_eager", "fastlora_graphs")
+           "fastlora_eager", "fastlora_graphs", "fastlora_graphs_lora_bias")
 
 
 def model_runner_stats(model):
@@ -112,6 +112,15 @@ def run_adapters(peft_model, batches, args, kw, names, results):
         fastlora.unpatch(peft_model)
         results[(method, "mem")] = dict(mem_before_patch_gb=mem_peft / 2**30, mem_after_patch_gb=mem_patched / 2**30,
                                         peak_mem_gb=(mem.max_memory_allocated() if mem else 0) / 2**30)
+    if args.lora_bias:  # as many adapters again with a bias on B, the same rows: the bias's cost
+        hx.add_adapters(peft_model, args.adapters, args.rank, prefix="b", lora_bias=True)
+        fastlora.patch(peft_model, cuda_graphs=graphs, **PATCH_EXTRA)
+        for b in batches:
+            biased = [n.replace("a", "b", 1) for n in names[b]]
+            gen = lambda n, b=b, biased=biased: peft_model.generate(**kw(b, n), adapter_names=biased)  # noqa: E731
+            results[("fastlora_graphs_lora_bias", b)] = hx.measure(gen, args.new_tokens, args.reps)
+            results[("fastlora_graphs_lora_bias", b, "replay")] = hx.measure.replay_ms
+        fastlora.unpatch(peft_model)
 
 
 def run_model(shape, args, bw, vers, rows, kernel_rows):
@@ -242,6 +251,8 @@ def parse_args(argv):
                    help="the CSV's stem: <name>_<model>[_<tag>]_<gpu>.csv, one file a model (and a PNG)")
     p.add_argument("--tag", default="", help="added to the file names (an A/B's side)")
     p.add_argument("--csv", default=None, help="instead, one file in --out for every model's rows")
+    p.add_argument("--lora-bias", action="store_true",
+                   help="also the same rows through as many adapters with a bias on B (fastlora_graphs_lora_bias)")
     p.add_argument("--graphs-only", action="store_true",
                    help="only fastlora_graphs and base_graphs_attn (the graphed step and its like-for-like base)")
     p.add_argument("--kernel-split", type=int, default=0, metavar="STEPS",

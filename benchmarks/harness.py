@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import platform
 import statistics
 import time
@@ -112,15 +113,20 @@ def build_base(shape: str, layers: int = None):
     return model.eval()
 
 
-def add_adapters(model, n: int, rank: int, targets=TARGETS):
-    """A PeftModel over ``model`` with adapters ``a0 .. a{n-1}`` of ``rank`` (B non-zero), in the
-    model's dtype as a server holds them (PEFT would upcast them to fp32)."""
-    from peft import LoraConfig, get_peft_model
+def add_adapters(model, n: int, rank: int, targets=TARGETS, prefix: str = "a", lora_bias: bool = False):
+    """A PeftModel over ``model`` (or ``model`` itself, when it is one) with adapters
+    ``{prefix}0 .. {prefix}{n-1}`` of ``rank`` (B non-zero; with a bias on B for ``lora_bias``), in
+    the model's dtype as a server holds them (PEFT would upcast them to fp32)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
 
-    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), init_lora_weights=False)
-    peft_model = get_peft_model(model, cfg, adapter_name="a0", autocast_adapter_dtype=False)
-    for i in range(1, n):
-        peft_model.add_adapter(f"a{i}", cfg, autocast_adapter_dtype=False)
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), init_lora_weights=False,
+                     lora_bias=lora_bias)
+    peft_model = model
+    for i in range(n):
+        if not isinstance(peft_model, PeftModel):
+            peft_model = get_peft_model(model, cfg, adapter_name=f"{prefix}{i}", autocast_adapter_dtype=False)
+        else:
+            peft_model.add_adapter(f"{prefix}{i}", cfg, autocast_adapter_dtype=False)
     return peft_model.eval()
 
 
@@ -406,7 +412,10 @@ def versions() -> dict:
 def gpu_tag(gpu: str = None) -> str:
     """The GPU's short name for file names ("h200"; "cpu" in smoke runs)."""
     gpu = gpu or versions()["gpu"]
-    return "cpu" if gpu.startswith("cpu") else gpu.split()[-1].lower()
+    if gpu.startswith("cpu"):
+        return "cpu"
+    model = re.search(r"\b[A-Z]\d{2,3}\b", gpu)  # "NVIDIA H100 80GB HBM3" -> h100, as run_gpu_suite.sh
+    return (model.group(0) if model else gpu.split()[-1]).lower()
 
 
 def write_csv(rows, path: str) -> str:

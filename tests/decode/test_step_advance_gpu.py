@@ -38,7 +38,8 @@ def test_random_traffic_equals_host_built_inputs_and_peft(monkeypatch):
     decoding = sum(kw["max_new_tokens"] > 1 for _, kw in calls)
     assert not stats_on["advance_reasons"] and stats_on["advanced_calls"] >= decoding, stats_on
     assert stats_on["advanced_steps"] > 10 * len(calls) // 2 and stats_on["eager_steps"] == 0, stats_on
-    assert stats_off["advanced_steps"] == 0 and stats_on["steps_undone"] == stats_off["steps_undone"], stats_off
+    # off: inputs built on the host and the stop flag read every step (nothing run past the end)
+    assert stats_off["advanced_steps"] == 0 and stats_off["steps_undone"] == 0, stats_off
 
 
 def test_repeated_traffic_keeps_memory_flat():

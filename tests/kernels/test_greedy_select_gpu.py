@@ -78,4 +78,5 @@ def test_random_traffic_fused_equals_transformers_loop_and_peft():
     assert stats_on["fused_selection_calls"] == len(calls), stats_on
     assert stats_off["fused_selection_calls"] == 0, stats_off
     assert stats_on["eager_steps"] == 0 and stats_on["steps_undone"] >= 2, stats_on  # calls 3 and 11 at least
-    assert stats_on["steps_undone"] == stats_off["steps_undone"], (stats_on, stats_off)
+    # off: the stop check is read every step, so no step is ever run past a finished batch
+    assert stats_off["deferred_stop_calls"] == 0 and stats_off["steps_undone"] == 0, stats_off

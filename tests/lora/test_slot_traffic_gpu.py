@@ -21,8 +21,8 @@ def test_random_operations_equal_peft_on_the_gpu(folders, seed, monkeypatch):  #
     import peft_fastlora.lora.slot_loader as loader_module
 
     queued, prestage = [], loader_module.prestage  # loads of registered adapters, over every rebuild
-    monkeypatch.setattr(loader_module, "prestage", lambda buffers, device: queued.append(len(buffers)) or
-                        prestage(buffers, device))
+    monkeypatch.setattr(loader_module, "prestage", lambda buffers, *rest: queued.append(len(buffers)) or
+                        prestage(buffers, *rest))
     m, ref = build(adapters=SCAFFOLD).cuda(), build(adapters=SCAFFOLD).cuda()
     for model in (m, ref):
         model.generation_config.eos_token_id = None
