@@ -142,9 +142,11 @@ def resident_bytes() -> int:
 def build(mode: str, args):
     import peft_fastlora as fastlora
 
+    began = time.perf_counter()
     base = hx.build_base(args.model, args.layers)
     model = hx.add_adapters(base, args.adapters, args.rank) if mode == "fastlora" else base
     fastlora.patch(model, **({"cuda_graphs": "emulate"} if args.smoke else {}))
+    print(f"{mode}: model built and patched in {time.perf_counter() - began:.0f} s", flush=True)
     return model
 
 
@@ -154,7 +156,9 @@ def run_mode(mode, args, reqs, versions):
     server, thread, url = serve(model, tokenizer, args)
     rows, samples = [], []
     try:
+        began = time.perf_counter()
         asyncio.run(drive(url, reqs[:4], 1.0, min(2.0, args.duration), mode == "fastlora", 0.0, 0))  # warm-up
+        print(f"{mode}: served, warm-up requests done in {time.perf_counter() - began:.0f} s", flush=True)
         if args.soak:
             rows.append(soak(url, reqs, mode, args, samples, versions))
         else:
@@ -180,6 +184,8 @@ def soak(url, reqs, mode, args, samples, versions):
             gpu = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
             samples.append(dict(mode=mode, t_s=round(time.perf_counter() - began, 1), gpu_allocated_bytes=gpu,
                                 resident_bytes=resident_bytes()))
+            # each sample printed too: a soak stopped from outside still leaves its memory curve
+            print("soak sample " + " ".join(f"{k}={v}" for k, v in samples[-1].items()), flush=True)
             done.wait(args.sample_every)
 
     sampler = threading.Thread(target=sample, daemon=True)
