@@ -43,7 +43,9 @@ HF_OPS = hx.HF_OPS
 FAST_OPS = {}  # the defaults, as fastlora_graphs below
 PATCH_EXTRA = {}  # options every fastlora method here is patched with (--stream-gemm, --narrow-gemms)
 METHODS = ("hf_eager_base", "base_graphs", "base_graphs_attn", "peft_native", "fastlora_eager_unfused",
-           "fastlora_eager", "fastlora_graphs", "fastlora_graphs_lora_bias")
+           "fastlora_eager", "fastlora_graphs", "fastlora_graphs_lora_bias", "fastlora_graphs_dora")
+# --kinds: adapters of another kind, as many as --adapters, the same rows: (name prefix, LoraConfig fields)
+KINDS = {"lora_bias": ("b", dict(lora_bias=True)), "dora": ("d", dict(use_dora=True))}
 
 
 def model_runner_stats(model):
@@ -112,15 +114,19 @@ def run_adapters(peft_model, batches, args, kw, names, results):
         fastlora.unpatch(peft_model)
         results[(method, "mem")] = dict(mem_before_patch_gb=mem_peft / 2**30, mem_after_patch_gb=mem_patched / 2**30,
                                         peak_mem_gb=(mem.max_memory_allocated() if mem else 0) / 2**30)
-    if args.lora_bias:  # as many adapters again with a bias on B, the same rows: the bias's cost
-        hx.add_adapters(peft_model, args.adapters, args.rank, prefix="b", lora_bias=True)
+    for kind in args.kinds:  # as many adapters again of this kind, the same rows: the kind's cost
+        prefix, config = KINDS[kind]
+        hx.add_adapters(peft_model, args.adapters, args.rank, prefix=prefix, **config)
         fastlora.patch(peft_model, cuda_graphs=graphs, **PATCH_EXTRA)
+        method = f"fastlora_graphs_{kind}"
         for b in batches:
-            biased = [n.replace("a", "b", 1) for n in names[b]]
-            gen = lambda n, b=b, biased=biased: peft_model.generate(**kw(b, n), adapter_names=biased)  # noqa: E731
-            results[("fastlora_graphs_lora_bias", b)] = hx.measure(gen, args.new_tokens, args.reps)
-            results[("fastlora_graphs_lora_bias", b, "replay")] = hx.measure.replay_ms
+            rows = [prefix + n[1:] for n in names[b]]
+            gen = lambda n, b=b, rows=rows: peft_model.generate(**kw(b, n), adapter_names=rows)  # noqa: E731
+            results[(method, b)] = hx.measure(gen, args.new_tokens, args.reps)
+            results[(method, b, "replay")] = hx.measure.replay_ms
         fastlora.unpatch(peft_model)
+        for i in range(args.adapters):  # each kind against the plain adapters alone
+            peft_model.delete_adapter(f"{prefix}{i}")
 
 
 def run_model(shape, args, bw, vers, rows, kernel_rows):
@@ -251,8 +257,8 @@ def parse_args(argv):
                    help="the CSV's stem: <name>_<model>[_<tag>]_<gpu>.csv, one file a model (and a PNG)")
     p.add_argument("--tag", default="", help="added to the file names (an A/B's side)")
     p.add_argument("--csv", default=None, help="instead, one file in --out for every model's rows")
-    p.add_argument("--lora-bias", action="store_true",
-                   help="also the same rows through as many adapters with a bias on B (fastlora_graphs_lora_bias)")
+    p.add_argument("--kinds", nargs="*", default=[], choices=sorted(KINDS),
+                   help="also the same rows through as many adapters of these kinds (fastlora_graphs_<kind>)")
     p.add_argument("--graphs-only", action="store_true",
                    help="only fastlora_graphs and base_graphs_attn (the graphed step and its like-for-like base)")
     p.add_argument("--kernel-split", type=int, default=0, metavar="STEPS",

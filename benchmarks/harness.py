@@ -113,14 +113,14 @@ def build_base(shape: str, layers: int = None):
     return model.eval()
 
 
-def add_adapters(model, n: int, rank: int, targets=TARGETS, prefix: str = "a", lora_bias: bool = False):
+def add_adapters(model, n: int, rank: int, targets=TARGETS, prefix: str = "a", **config):
     """A PeftModel over ``model`` (or ``model`` itself, when it is one) with adapters
-    ``{prefix}0 .. {prefix}{n-1}`` of ``rank`` (B non-zero; with a bias on B for ``lora_bias``), in
-    the model's dtype as a server holds them (PEFT would upcast them to fp32)."""
+    ``{prefix}0 .. {prefix}{n-1}`` of ``rank`` (B non-zero; ``config``: more ``LoraConfig`` fields,
+    ``lora_bias=True`` or ``use_dora=True`` say), in the model's dtype as a server holds them (PEFT
+    would upcast them to fp32)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), init_lora_weights=False,
-                     lora_bias=lora_bias)
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), init_lora_weights=False, **config)
     peft_model = model
     for i in range(n):
         if not isinstance(peft_model, PeftModel):

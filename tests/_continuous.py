@@ -66,10 +66,17 @@ def random_prompts(lengths: Sequence[int], seed: int) -> List[List[int]]:
 
 
 def peft_alone(ref, prompt: Sequence[int], name: str, new_tokens: int) -> List[int]:
-    """PEFT's greedy tokens for this prompt alone, with this adapter (``"__base__"``: none)."""
+    """PEFT's greedy tokens for this prompt alone, with this adapter (``"__base__"``: none). A DoRA
+    adapter, which PEFT refuses in ``adapter_names``, is made the active one for the call."""
     device = next(ref.parameters()).device
     ids = torch.tensor([list(prompt)], device=device)
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+              eos_token_id=None, pad_token_id=0)
+    dora = any(getattr(m, "use_dora", {}).get(name, False) for m in ref.modules())
     with torch.no_grad():
-        out = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=[name],
-                           max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        if dora:
+            ref.set_adapter(name)
+            out = ref.generate(**kw)
+        else:
+            out = ref.generate(**kw, adapter_names=[name])
     return out[0, len(prompt):].tolist()

@@ -86,25 +86,29 @@ def traffic_prompts(n, seed):
 GENERATE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def generate_model(dtype=torch.float32, n_adapters=4, biased=()):
+def generate_model(dtype=torch.float32, n_adapters=4, biased=(), dora=()):
     """A tiny Llama on CUDA with ``n_adapters`` adapters of mixed ranks and targets; the adapters
-    numbered in ``biased`` have a bias on B (``lora_bias=True``)."""
+    numbered in ``biased`` have a bias on B (``lora_bias=True``), those in ``dora`` are DoRA ones
+    (their magnitudes moved off the initial norms)."""
     base = tiny_llama(0, vocab_size=512, hidden_size=256, intermediate_size=512,
                       num_attention_heads=8).to("cuda", dtype).eval()
     base.generation_config.eos_token_id = None
     ranks = [8, 16, 4, 32, 8, 16, 64, 1]
     model = get_peft_model(base, LoraConfig(r=ranks[0], lora_alpha=16, target_modules=GENERATE_TARGETS,
-                                            init_lora_weights=False, lora_bias=0 in biased), adapter_name="a0")
+                                            init_lora_weights=False, lora_bias=0 in biased, use_dora=0 in dora),
+                           adapter_name="a0")
     for i in range(1, n_adapters):
         targets = ["q_proj", "v_proj"] if i % 3 == 1 else GENERATE_TARGETS
         model.add_adapter(f"a{i}", LoraConfig(r=ranks[i], lora_alpha=8 * (i + 1), target_modules=targets,
                                               use_rslora=i % 2 == 1, init_lora_weights=False,
-                                              lora_bias=i in biased))
+                                              lora_bias=i in biased, use_dora=i in dora))
     # small B so that random adapters nudge a random model instead of swamping it
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.mul_(0.05)
+            if "lora_magnitude_vector" in n:
+                p.mul_(torch.linspace(0.7, 1.3, p.numel(), device=p.device).view_as(p))
     return model.to(dtype).eval()
 
 

@@ -9,6 +9,10 @@ it targets (the contract's stacks pad every slot to the largest rank and to ever
 - entries of modules with rank 0 are never read.
 - ``bias``: ``(num_slots, N_total)``, each slot's LoRA B bias (PEFT's ``lora_bias``) in the stacks'
   dtype, zeros where its adapter has none; None where no adapter of the site has one (no cost).
+- ``dora``: (scale, shift), each ``(num_slots, N_total)`` float32: a DoRA adapter's output is
+  ``(base + delta) * scale + shift`` in its slot's columns (scale: its magnitude over the column
+  norms of ``W + s B A``; shift: ``(1 - scale) * base bias``); ones and zeros for other slots; None
+  where no adapter of the site is DoRA.
 
 ``lora.pool`` allocates it; the kernels (``ops.lora_shrink``, ``lora_expand``, ``lora_fused`` with
 ``a_rows`` / ``b_offs``) and ``TorchNativeLoRABackend`` read it.
@@ -46,6 +50,7 @@ class PackedWeights:
     align: int = 1
     mixed_ranks: bool = False  # the adapters it may hold differ in rank (the fused kernel's launch)
     bias: Optional[torch.Tensor] = None  # (num_slots, N_total): each slot's LoRA B bias, or None
+    dora: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # DoRA's (scale, shift) tables, or None
 
     @property
     def stack_num(self) -> int:
@@ -88,3 +93,8 @@ class PackedWeights:
                                       or self.bias.stride(1) != 1):
             raise ValueError(f"packed weights: bias must be a ({self.num_slots}, {self.offsets[-1]}) {x.dtype} "
                              "table with unit column stride")
+        if self.dora is not None:
+            shape = (self.num_slots, self.offsets[-1])
+            if len(self.dora) != 2 or any(t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous()
+                                          for t in self.dora):
+                raise ValueError(f"packed weights: dora must be two contiguous {shape} float32 tables (scale, shift)")

@@ -65,30 +65,31 @@ class TorchNativeLoRABackend(SegmentedLoRABackend):
                     yield rows, j, lo, hi, rank, a_rows[slot][j], b_offs[slot][j], scal_host[slot][j]
 
     @staticmethod
-    def _add_expand(out, rows, lo, hi, y, b, scaling, bias=None):
-        """out[rows, lo:hi] += scaling * (y @ b.T + bias), in float32, rounded once."""
+    def _add_expand(out, rows, lo, hi, y, b, scaling, weights=None, slots=None):
+        """out[rows, lo:hi] += scaling * (y @ b.T + bias), then DoRA's ``* scale + shift``, in
+        float32, rounded once (``weights``' bias and DoRA tables, read at the rows' ``slots``)."""
         delta = y @ b.float().T
-        if bias is not None:
-            delta = delta + bias.float()
-        out[rows, lo:hi] = (out[rows, lo:hi].float() + delta * scaling).to(out.dtype)
-
-    @staticmethod
-    def _bias_of(weights, slot_rows, lo, hi):
-        return None if weights.bias is None else weights.bias[slot_rows.long(), lo:hi]
+        slots = None if slots is None else slots.long()
+        if weights is not None and weights.bias is not None:
+            delta = delta + weights.bias[slots, lo:hi].float()
+        res = out[rows, lo:hi].float() + delta * scaling
+        if weights is not None and weights.dora is not None:
+            res = res * weights.dora[0][slots, lo:hi] + weights.dora[1][slots, lo:hi]
+        out[rows, lo:hi] = res.to(out.dtype)
 
     def _packed(self, x, weights, ranks, scalings, out, bi):
         for rows, j, lo, hi, rank, a_row, b_off, scaling in self._packed_blocks(weights, ranks, scalings, bi):
             # rounded to the input dtype between the two products, as the kernels' shrink output is
             y = (x[rows].float() @ weights.a_view(a_row, rank).float().T).to(x.dtype).float()
-            self._add_expand(out, rows, lo, hi, y, weights.b_view(b_off, j, rank), scaling,
-                             self._bias_of(weights, bi.token_slot[rows], lo, hi))
+            self._add_expand(out, rows, lo, hi, y, weights.b_view(b_off, j, rank), scaling, weights,
+                             bi.token_slot[rows])
         return out
 
     def _packed_expand(self, y, weights, ranks, scalings, out, bi):
         for rows, j, lo, hi, rank, a_row, b_off, scaling in self._packed_blocks(weights, ranks, scalings, bi):
             ys = y[rows, a_row: a_row + rank].float()  # this module's A rows are these columns of y
-            self._add_expand(out, rows, lo, hi, ys, weights.b_view(b_off, j, rank), scaling,
-                             self._bias_of(weights, bi.token_slot[rows], lo, hi))
+            self._add_expand(out, rows, lo, hi, ys, weights.b_view(b_off, j, rank), scaling, weights,
+                             bi.token_slot[rows])
         return out
 
     def _packed_embedding(self, input_ids, weights, vocab_size, ranks, scalings, out, bi):

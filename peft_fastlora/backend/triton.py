@@ -138,11 +138,11 @@ class TritonLoRABackend(SegmentedLoRABackend):
             return _ops.lora_fused(x, w.a, w.b, w.offsets, ranks, scalings, out, *plan,
                                    self._workspace(x.device), block_m=bi.block_m, check=False,
                                    a_rows=w.a_rows, b_offs=w.b_offs, max_rank=w.max_rank, b_align=w.align,
-                                   mixed_ranks=w.mixed_ranks, rank_block=self.rank_block, bias=w.bias)
+                                   mixed_ranks=w.mixed_ranks, rank_block=self.rank_block, bias=w.bias, dora=w.dora)
         y = _ops.lora_shrink(x, w.a, w.stack_num, ranks, *plan, block_m=bi.block_m, check=False,
                              a_rows=w.a_rows, max_rank=w.max_rank)
         return _ops.lora_expand(y, w.b, w.offsets, ranks, scalings, out, *plan, block_m=bi.block_m,
-                                check=False, b_offs=w.b_offs, b_align=w.align, bias=w.bias)
+                                check=False, b_offs=w.b_offs, b_align=w.align, bias=w.bias, dora=w.dora)
 
     def _packed_expand(self, y, weights, ranks, scalings, out, bi):
         w = weights
@@ -151,7 +151,7 @@ class TritonLoRABackend(SegmentedLoRABackend):
         return _ops.lora_expand(y, w.b, w.offsets, ranks, scalings, out, bi.sorted_token_ids, bi.chunk_slot,
                                 bi.chunk_start, bi.chunk_len, block_m=bi.block_m, check=False,
                                 b_offs=w.b_offs, b_align=w.align, y_cols=w.a_rows, max_rank=w.max_rank,
-                                bias=w.bias)
+                                bias=w.bias, dora=w.dora)
 
     def _packed_embedding(self, input_ids, weights, vocab_size, ranks, scalings, out, bi):
         w = weights

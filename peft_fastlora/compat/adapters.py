@@ -64,13 +64,57 @@ def lora_biases(layer: nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
+def base_bias(layer: nn.Module) -> Optional[torch.Tensor]:
+    """The bias of a LoRA layer's base layer (None: it has none)."""
+    bias = getattr(base_layer_of(layer), "bias", None)
+    return bias if isinstance(bias, torch.Tensor) else None
+
+
+def is_dora(layer: nn.Module, adapter: str) -> bool:
+    return bool(getattr(layer, "use_dora", {}).get(adapter, False))
+
+
+def dora_magnitudes(layer: nn.Module) -> Dict[str, torch.Tensor]:
+    """name -> DoRA's magnitude vector (out,) for every DoRA adapter of a LoRA ``Linear``."""
+    vectors = getattr(layer, "lora_magnitude_vector", {})
+    return {name: vectors[name].weight for name in layer.lora_A.keys()
+            if is_dora(layer, name) and name in vectors}
+
+
+def dora_norm_scale(layer: nn.Module, adapter: str, dtype: torch.dtype) -> torch.Tensor:
+    """DoRA's column scale of ``adapter`` (out,): its magnitude over the row norms of
+    ``W + scaling * B @ A``, computed in ``dtype`` as PEFT's ``DoraLinearLayer`` does."""
+    base = base_layer_of(layer)
+    a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    weight = base.weight.to(dtype) + float(layer.scaling[adapter]) * (b @ a).to(dtype)
+    norm = torch.linalg.norm(weight, dim=1).to(dtype)
+    return layer.lora_magnitude_vector[adapter].weight / norm
+
+
 def adapter_blocker(layer: nn.Module, adapter: str) -> Optional[str]:
-    """Why fastlora cannot compute ``adapter`` in ``layer`` (None: it can): PEFT's variants, and a
-    B bias under tensor parallelism (each rank would add it)."""
+    """Why fastlora cannot compute ``adapter`` in ``layer`` (None: it can): PEFT's other variants,
+    a B bias under tensor parallelism (each rank would add it), and DoRA where its column norms
+    are not those of a plain local weight (tensor parallelism, GPT-2's transposed ``Conv1D``, an
+    embedding) or beside a B bias (PEFT's norm then counts the bias)."""
     why = unsupported_reason(layer, adapter)
-    if why is None and adapter in lora_biases(layer) and tp_style(layer) is not None:
-        why = "lora_bias under tensor parallelism"
-    return why
+    if why is not None:
+        return why
+    sharded = tp_style(layer) is not None
+    if adapter in lora_biases(layer) and sharded:
+        return "lora_bias under tensor parallelism"
+    if is_dora(layer, adapter):
+        base = base_layer_of(layer)
+        if isinstance(layer, LoraEmbedding):
+            return "DoRA on an embedding"
+        if not isinstance(base, nn.Linear):
+            return f"DoRA over {type(base).__name__}"
+        if sharded:
+            return "DoRA under tensor parallelism"
+        if adapter in lora_biases(layer):
+            return "DoRA with lora_bias"
+        if adapter not in getattr(layer, "lora_magnitude_vector", {}):
+            return "DoRA without a magnitude vector"
+    return None
 
 
 def watch_lora_layer(layer: nn.Module):

@@ -68,9 +68,10 @@ def adapter_names_of(layer: nn.Module):
 
 
 def unsupported_reason(layer: nn.Module, adapter: str) -> Optional[str]:
-    """Why fastlora cannot compute this adapter in this layer (PEFT's own path then serves it)."""
-    if layer.use_dora.get(adapter, False):
-        return "DoRA"
+    """Why fastlora cannot compute this adapter in this layer (PEFT's own path then serves it):
+    a LoRA variant other than DoRA (``compat.adapters.adapter_blocker`` judges DoRA)."""
+    if getattr(layer, "use_dora", {}).get(adapter, False):
+        return None
     variant = getattr(layer, "lora_variant", {}).get(adapter)
     if variant is not None:
         return f"LoRA variant {type(variant).__name__}"

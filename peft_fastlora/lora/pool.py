@@ -41,7 +41,8 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..compat.adapters import adapter_blocker, lora_biases, lora_layer_unchanged, lora_weights, watch_lora_layer
+from ..compat.adapters import (adapter_blocker, base_bias, dora_magnitudes, dora_norm_scale, lora_biases,
+                               lora_layer_unchanged, lora_weights, watch_lora_layer)
 from ..compat.modules import foreach_copy
 from ..backend.packed import PackedWeights, block_align
 from ..ops.glu_lora import b_columns
@@ -127,6 +128,9 @@ class SitePool:
         self._bias_of: Dict[str, Dict[int, torch.Tensor]] = {}  # adapter -> module index -> B's bias
         # (num_slots, N_total): each slot's B bias (zeros where its adapter has none), or None
         self.bias: Optional[torch.Tensor] = None
+        self._dora_of: Dict[str, Dict[int, torch.nn.Module]] = {}  # DoRA adapter -> module index -> its layer
+        # DoRA's (scale, shift) tables, (num_slots, N_total) float32 each (``backend.packed``), or None
+        self.dora: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self._slot_ranks: List[List[int]] = []  # host copies of ``ranks`` and ``scalings``
         self._slot_scalings: List[List[float]] = []
         self._view_cache: Dict[Tuple[int, int, int], Tuple[torch.Tensor, torch.Tensor]] = {}  # of these stacks
@@ -167,7 +171,8 @@ class SitePool:
         """The stacks' bytes, and ``ops.glu_lora``'s buffers where the site keeps them (B's columns: a
         second copy of its B)."""
         extra = (self.glu_buffers.scratch, self.glu_buffers.bt) if self.glu_buffers is not None else ()
-        return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b, self.bias, *extra)
+        dora = self.dora if self.dora is not None else ()
+        return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b, self.bias, *dora, *extra)
                    if t is not None)
 
     def adapter_nbytes(self) -> int:
@@ -237,7 +242,7 @@ class SitePool:
         device = torch.device(device)
         self._broken = False
         self._sources, self._ranks_of, self._scalings_of, self._unsupported_of = {}, {}, {}, {}
-        self._bias_of = {}
+        self._bias_of, self._dora_of = {}, {}
 
         def add(name, j, a, b, scaling, fixed):
             runs = None
@@ -258,6 +263,8 @@ class SitePool:
                 add(name, j, a, b, scaling, False)
                 if name in biases:
                     self._bias_of.setdefault(name, {})[j] = biases[name]
+                if not reason and name in dora_magnitudes(layer):
+                    self._dora_of.setdefault(name, {})[j] = layer
         for name, by_module in (stored or {}).items():
             for j, (a, b, scaling) in by_module.items():
                 add(name, j, a, b, scaling, True)
@@ -274,6 +281,9 @@ class SitePool:
         stage = self._allocate_packed(n_slots, dtype, device, per_call_ok=registry.all_resident)
         self.bias = (torch.zeros(n_slots, self.offsets[-1], dtype=dtype, device=device)
                      if self._bias_of and not self.embedding else None)
+        self.dora = ((torch.ones(n_slots, self.offsets[-1], dtype=torch.float32, device=device),
+                      torch.zeros(n_slots, self.offsets[-1], dtype=torch.float32, device=device))
+                     if self._dora_of and not self.embedding else None)
         for slot, name in enumerate(registry.resident):
             if name is not None:
                 self._place(slot, name)
@@ -299,7 +309,7 @@ class SitePool:
         # bytes at a time
         layout = dict(align=block_align(x for row in self._ranks_of.values() for x in row),
                       mixed_ranks=len({x for row in self._ranks_of.values() for x in row if x > 0}) > 1)
-        layout["bias"] = self.bias
+        layout["bias"], layout["dora"] = self.bias, self.dora
         self.packed = PackedWeights(self.lora_a, self.lora_b, a_rows, b_offs, r, tuple(self.offsets), **layout)
         self.staging = None
         if stage is not None:
@@ -314,6 +324,27 @@ class SitePool:
             for run in runs:
                 run.dst[run.offset: run.offset + run.numel].copy_(run.src.view(-1))
         self.sync_b_columns()
+        self.sync_dora(self._slot_name)
+
+    @torch.no_grad()
+    def sync_dora(self, slots: Iterable[int]) -> None:
+        """DoRA's scale and shift of the DoRA adapters in ``slots``, from their current values and the
+        base weights (the slot loader calls it at each call boundary, after the value copies: values
+        edited in place since are followed, as A and B are)."""
+        if self.dora is None:
+            return
+        scale, shift = self.dora
+        dtype = self.lora_a.dtype
+        for slot in slots:
+            for j, layer in self._dora_of.get(self._slot_name.get(slot), {}).items():
+                lo, hi = self.offsets[j], self.offsets[j + 1]
+                g = dora_norm_scale(layer, self._slot_name[slot], dtype).float()
+                scale[slot, lo:hi].copy_(g)
+                bias = base_bias(layer)
+                if bias is None:
+                    shift[slot, lo:hi].zero_()
+                else:
+                    shift[slot, lo:hi].copy_((1.0 - g) * bias.float())
 
     def sync_b_columns(self) -> None:
         """A gate/up site with ``glu_buffers``: B's columns as the arena's rows, from the packed B and
@@ -445,6 +476,9 @@ class SitePool:
             self.unsupported.pop(slot, None)
         if self.bias is not None:  # the modules this adapter has no bias for add none
             self.bias[slot].zero_()
+        if self.dora is not None:  # plain LoRA until ``sync_dora`` sets a DoRA adapter's columns
+            self.dora[0][slot].fill_(1.0)
+            self.dora[1][slot].zero_()
         return moved
 
     @torch.no_grad()

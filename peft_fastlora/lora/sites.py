@@ -337,7 +337,7 @@ class FusedSite(Site):
             pool = state.pool_for(self, x.dtype)
             n = pool.offsets[1]
             if (pool.glu_buffers is None or not _folded(context, pool, bi) or pool.staging is not None
-                    or pool.bias is not None or list(pool.offsets) != [0, n, 2 * n]):
+                    or pool.bias is not None or pool.dora is not None or list(pool.offsets) != [0, n, 2 * n]):
                 return None
             lora = self._glu_lora(pool, bi, x)
             return None if lora is None else stream.gated_lora(x, pool.fold.ext, n, act, lora)

@@ -81,6 +81,8 @@ class SlotLoader:
             self._refresher = ValueRefresher(s.pool for s in self.sites)
             self._refresher_key = key
         self._refresher.refresh(slots)
+        for site in self.sites:  # DoRA's column scales from the values just copied
+            site.pool.sync_dora(slots)
         if folds:  # staged sites: the call's A blocks (current values) under the base weight
             for site in self.sites:
                 site.pool.stage_call(slots, self._stage_cache)

@@ -4,12 +4,35 @@ share: where a program's operands are, once its idle checks have passed."""
 from ..kernel_support import tl, triton
 
 
-def check_bias(who: str, bias, num_slots: int, n_total: int) -> None:
-    """A LoRA B bias table: (>= num_slots, N_total), unit column stride (None: no bias)."""
+def check_bias(who: str, bias, num_slots: int, n_total: int, name: str = "bias") -> None:
+    """A per-slot column table (a LoRA B bias, DoRA's scale or shift): (>= num_slots, N_total),
+    unit column stride (None: none)."""
     if bias is not None and (bias.dim() != 2 or bias.shape[0] < num_slots or bias.shape[1] != n_total
                              or bias.stride(1) != 1):
-        raise ValueError(f"{who}: bias must be (>= {num_slots}, {n_total}) with unit column stride, "
+        raise ValueError(f"{who}: {name} must be (>= {num_slots}, {n_total}) with unit column stride, "
                          f"got {tuple(bias.shape)}")
+
+
+def check_dora(who: str, dora, num_slots: int, n_total: int) -> None:
+    """DoRA's (scale, shift) tables: each as ``check_bias``, with one row stride (None: no DoRA)."""
+    if dora is None:
+        return
+    scale, shift = dora
+    check_bias(who, scale, num_slots, n_total, "dora scale")
+    check_bias(who, shift, num_slots, n_total, "dora shift")
+    if scale.stride(0) != shift.stride(0):
+        raise ValueError(f"{who}: the DoRA scale and shift tables must share a row stride")
+
+
+@triton.jit
+def dora_epilogue(res, scale_row, shift_row, cols, n_mask, HAS_DORA: tl.constexpr):
+    """DoRA: ``res`` (the base output plus the scaled delta, float32) times the slot's column
+    scale plus its shift (``(1 - scale) * base bias``): ``scale * (W x + s B A x) + bias``."""
+    if HAS_DORA:
+        g = tl.load(scale_row + cols, mask=n_mask, other=1.0).to(tl.float32)
+        h = tl.load(shift_row + cols, mask=n_mask, other=0.0).to(tl.float32)
+        res = res * g[None, :] + h[None, :]
+    return res
 
 
 @triton.jit

@@ -18,14 +18,14 @@ a slot reads ``y[t, y_cols[slot, j] : y_cols[slot, j] + rank]`` (its A rows), no
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from ..kernel_support import tl, triton
 from . import pdl
 from .lora_expand_wide import WIDE_MAX_BLOCK_M, WIDE_MAX_RANK, launch_wide
-from .expand_common import check_bias, chunk_rank, expand_operands, module_span
+from .expand_common import check_bias, check_dora, chunk_rank, dora_epilogue, expand_operands, module_span
 
 MAX_MODULES_PER_LAUNCH = 4  # column offsets travel as scalar arguments (no device table to build)
 
@@ -40,6 +40,8 @@ def _lora_expand_kernel(
     y_cols_ptr,  # Y_COLS: (>= num_slots, c) int32 first column of y of each (slot, module)
     bias_ptr,  # HAS_BIAS: (>= num_slots, N_total) the adapters' B bias, added before the scaling
     stride_biasl,
+    scale_ptr, shift_ptr,  # HAS_DORA: (>= num_slots, N_total) each slot's DoRA column scale and shift
+    stride_dl,
     # dimensions
     R,  # padded rank of one module in y and B
     num_slots,
@@ -59,6 +61,7 @@ def _lora_expand_kernel(
     B_ALIGN: tl.constexpr,  # packed: every B offset and rank is a multiple of this (1 or 8)
     Y_COLS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_DORA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -110,7 +113,9 @@ def _lora_expand_kernel(
     out_ptrs = out_ptr + tok[:, None] * stride_os + cols[None, :] * stride_on
     mask = row_mask[:, None] & n_mask[None, :]
     base = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, (base + acc * scaling).to(out_ptr.dtype.element_ty), mask=mask)
+    res = dora_epilogue(base + acc * scaling, scale_ptr + slot.to(tl.int64) * stride_dl,
+                        shift_ptr + slot.to(tl.int64) * stride_dl, cols, n_mask, HAS_DORA)
+    tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def expand_config(block_m: int, rank: int, max_width: int) -> dict:
@@ -156,6 +161,7 @@ def lora_expand(
     max_rank: Optional[int] = None,
     wide: Optional[bool] = None,
     bias: Optional[torch.Tensor] = None,
+    dora: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Stacked, segmented expand into ``out`` (in place).
 
@@ -183,6 +189,9 @@ def lora_expand(
         bias: (>= num_slots, N_total), unit column stride: each slot's LoRA B bias (PEFT's
             ``lora_bias``; zeros where an adapter has none), added to the delta before the scaling
             in the columns of the modules the slot targets.
+        dora: (scale, shift), each (>= num_slots, N_total) float32 with one row stride: DoRA's
+            epilogue, ``out = (out + delta) * scale + shift`` in the columns of the modules the slot
+            targets (ones and zeros in the rows of slots without DoRA).
     Returns:
         ``out``.
     """
@@ -215,6 +224,7 @@ def lora_expand(
             if t.dim() != 2 or t.shape[1] != c or t.stride(1) != 1:
                 raise ValueError(f"lora_expand: {name} must be (num_slots, {c}) with unit column stride")
         check_bias("lora_expand", bias, num_slots, n_total)
+        check_dora("lora_expand", dora, num_slots, n_total)
     max_chunks = chunk_slot.shape[0]
     if s == 0 or max_chunks == 0 or r == 0:
         return out
@@ -236,7 +246,8 @@ def lora_expand(
         if wide:
             offs = offs + [offs[-1]] * (MAX_MODULES_PER_LAUNCH + 1 - len(offs))
             launch_wide(y, weights, out, b_offs, y_cols, ranks, scalings, plan, r, num_slots, j0, offs,
-                        block_m=block_m, b_align=b_align, dot_precision=dot_precision, use_pdl=use_pdl, bias=bias)
+                        block_m=block_m, b_align=b_align, dot_precision=dot_precision, use_pdl=use_pdl, bias=bias,
+                        dora=dora)
             continue
         cfg = expand_config(block_m, r, widest)
         bn = block_n or cfg["block_n"]
@@ -245,6 +256,7 @@ def lora_expand(
         _lora_expand_kernel[grid](
             y, weights, out, b_offs if packed else ranks, y_cols if y_cols is not None else ranks,
             bias if bias is not None else scalings, bias.stride(0) if bias is not None else 0,
+            *(dora if dora is not None else (scalings, scalings)), dora[0].stride(0) if dora is not None else 0,
             r, num_slots, j0, *offs,
             y.stride(0), y.stride(1),
             *b_strides,
@@ -257,6 +269,7 @@ def lora_expand(
             B_ALIGN=b_align,
             Y_COLS=y_cols is not None,
             HAS_BIAS=bias is not None,
+            HAS_DORA=dora is not None,
             BLOCK_M=block_m,
             BLOCK_N=bn,
             BLOCK_R=block_r or cfg["block_r"],

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from . import pdl
 from ..kernel_support import tl, triton
-from .expand_common import chunk_rank, expand_operands, module_span
+from .expand_common import chunk_rank, dora_epilogue, expand_operands, module_span
 
 WIDE_MAX_RANK = 128  # the largest rank class
 WIDE_MAX_BLOCK_M = 16  # decode-sized row tiles: the accumulator is (BLOCK_M, TILE // rank class)
@@ -26,11 +26,12 @@ WIDE_MAX_BLOCK_M = 16  # decode-sized row tiles: the accumulator is (BLOCK_M, TI
 
 @triton.jit
 def _wide_tile(y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, b_rank, out_rows, stride_on,
-               lo, width, rank, scaling, n0, bias_row,
+               lo, width, rank, scaling, n0, bias_row, scale_row, shift_row,
                RC: tl.constexpr, TC: tl.constexpr, NT: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, HAS_BIAS: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, HAS_BIAS: tl.constexpr,
+               HAS_DORA: tl.constexpr):
     """``NT`` tiles of ``TC`` columns x ``RC`` rank columns from column ``n0`` of the module
-    (``bias_row``: the slot's row of the bias table, where HAS_BIAS)."""
+    (``bias_row``, ``scale_row``, ``shift_row``: the slot's rows of the bias and DoRA tables)."""
     offs_r = tl.arange(0, RC)
     r_mask = offs_r < rank
     b_rmask = offs_r < b_rank  # the same rows; in a form the compiler can load 16 bytes at a time
@@ -53,7 +54,8 @@ def _wide_tile(y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, b_rank,
         out_ptrs = out_rows + (lo + cols)[None, :] * stride_on
         mask = row_mask[:, None] & n_mask[None, :]
         base = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptrs, (base + acc * scaling).to(out_rows.dtype.element_ty), mask=mask)
+        res = dora_epilogue(base + acc * scaling, scale_row, shift_row, lo + cols, n_mask, HAS_DORA)
+        tl.store(out_ptrs, res.to(out_rows.dtype.element_ty), mask=mask)
         if t + 1 < NT:
             bt = bt_next
 
@@ -62,6 +64,7 @@ def _wide_tile(y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, b_rank,
 def _lora_expand_wide_kernel(
     y_ptr, b_ptr, out_ptr, b_offs_ptr, y_cols_ptr,
     bias_ptr, stride_biasl,  # HAS_BIAS: (>= num_slots, N_total)
+    scale_ptr, shift_ptr, stride_dl,  # HAS_DORA: (>= num_slots, N_total) each
     R, num_slots, J0,
     OFF0, OFF1, OFF2, OFF3, OFF4,  # column offsets of this launch's modules; unused ones repeat the end
     NB1, NB2, NB3,  # first span index of modules 1..3 in grid axis 1 (unused ones: the total)
@@ -76,6 +79,7 @@ def _lora_expand_wide_kernel(
     B_ALIGN: tl.constexpr,
     Y_COLS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_DORA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE: tl.constexpr,  # elements of B a tile holds; a program's span is TILE // 16 columns
     MAX_RC: tl.constexpr,  # rank class of the launch's largest rank (16, 32, 64 or 128)
@@ -102,19 +106,20 @@ def _lora_expand_wide_kernel(
     out_rows = out_ptr + tok[:, None] * stride_os
     width = hi - lo
     args = (y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, b_rank, out_rows, stride_on,
-            lo, width, rank, scaling, n0, bias_ptr + slot.to(tl.int64) * stride_biasl)
+            lo, width, rank, scaling, n0, bias_ptr + slot.to(tl.int64) * stride_biasl,
+            scale_ptr + slot.to(tl.int64) * stride_dl, shift_ptr + slot.to(tl.int64) * stride_dl)
     # the rank's class; a class past the launch's largest rank's is never compiled (and never
     # taken: rank <= R <= MAX_RC)
     if rank <= 16:
-        _wide_tile(*args, 16, TILE // 16, 1, DOT_PRECISION, USE_PDL, HAS_BIAS)
+        _wide_tile(*args, 16, TILE // 16, 1, DOT_PRECISION, USE_PDL, HAS_BIAS, HAS_DORA)
     elif rank <= 32:
         if MAX_RC >= 32:
-            _wide_tile(*args, 32, TILE // 32, 2, DOT_PRECISION, USE_PDL, HAS_BIAS)
+            _wide_tile(*args, 32, TILE // 32, 2, DOT_PRECISION, USE_PDL, HAS_BIAS, HAS_DORA)
     elif rank <= 64:
         if MAX_RC >= 64:
-            _wide_tile(*args, 64, TILE // 64, 4, DOT_PRECISION, USE_PDL, HAS_BIAS)
+            _wide_tile(*args, 64, TILE // 64, 4, DOT_PRECISION, USE_PDL, HAS_BIAS, HAS_DORA)
     elif MAX_RC >= 128:
-        _wide_tile(*args, 128, TILE // 128, 8, DOT_PRECISION, USE_PDL, HAS_BIAS)
+        _wide_tile(*args, 128, TILE // 128, 8, DOT_PRECISION, USE_PDL, HAS_BIAS, HAS_DORA)
 
 def wide_config(rank: int, max_width: int) -> dict:
     """Tile size and warps: tiles of 4K elements (8 KB of bf16; spans of 256 columns), smaller
@@ -130,7 +135,7 @@ def rank_class(rank: int) -> int:
 
 
 def launch_wide(y, weights, out, b_offs, y_cols, ranks, scalings, plan, r, num_slots, j0, offs, *,
-                block_m, b_align, dot_precision, use_pdl, tile=None, num_warps=None, bias=None):
+                block_m, b_align, dot_precision, use_pdl, tile=None, num_warps=None, bias=None, dora=None):
     """One launch over the modules of ``offs`` (at most 4: ``offs`` their 5 column offsets, unused
     ones repeating the end), arguments as ``lora_expand``'s kernel."""
     widths = [b - a for a, b in zip(offs[:-1], offs[1:])]
@@ -149,6 +154,7 @@ def launch_wide(y, weights, out, b_offs, y_cols, ranks, scalings, plan, r, num_s
     _lora_expand_wide_kernel[grid](
         y, weights, out, b_offs if packed else ranks, y_cols if y_cols is not None else ranks,
         bias if bias is not None else scalings, bias.stride(0) if bias is not None else 0,
+        *(dora if dora is not None else (scalings, scalings)), dora[0].stride(0) if dora is not None else 0,
         r, num_slots, j0, *offs, *starts[1:],
         y.stride(0), y.stride(1),
         *b_strides,
@@ -161,6 +167,7 @@ def launch_wide(y, weights, out, b_offs, y_cols, ranks, scalings, plan, r, num_s
         B_ALIGN=b_align,
         Y_COLS=y_cols is not None,
         HAS_BIAS=bias is not None,
+        HAS_DORA=dora is not None,
         BLOCK_M=block_m,
         TILE=tile,
         MAX_RC=rank_class(r),

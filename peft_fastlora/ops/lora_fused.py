@@ -31,13 +31,13 @@ not touched; only the first ``rank(slot, j)`` rows of A and columns of B are rea
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from ..kernel_support import AVAILABLE, tl, triton
 from ..kernel_support import num_sms
-from .expand_common import check_bias, packed_row_stride
+from .expand_common import check_bias, check_dora, dora_epilogue, packed_row_stride
 
 if AVAILABLE:
     from triton.language.extra.cuda import globaltimer, smid
@@ -162,6 +162,8 @@ def _lora_fused_decode_kernel(
     trace_ptr,  # probes only (TRACE): int64 records, TRACE_FIELDS per item drawn
     bias_ptr,  # HAS_BIAS: (>= num_slots, N_total) the adapters' B bias, added before the scaling
     stride_biasl,
+    scale_ptr, shift_ptr,  # HAS_DORA: (>= num_slots, N_total) each slot's DoRA column scale and shift
+    stride_dl,
     # dimensions
     K,
     R,  # padded rank of one module in A and B
@@ -196,6 +198,7 @@ def _lora_fused_decode_kernel(
     WAIT_FIRST: tl.constexpr,  # tests only: hand out expand items first (exercises the timeout)
     DOT_PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_DORA: tl.constexpr,
     TRACE: tl.constexpr,  # probes only: time each item's phases into trace_ptr (fields: TRACE_FIELDS)
 ):
     # the plan fills chunks from index 0; items are numbered over chunks [0, n_act) only
@@ -369,8 +372,9 @@ def _lora_fused_decode_kernel(
                 if HAS_BIAS:
                     delta += tl.load(bias_ptr + slot.to(tl.int64) * stride_biasl + cols, mask=n_mask,
                                      other=0.0).to(tl.float32)[None, :]
-                tl.store(out_ptrs, (base.to(tl.float32) + delta * scaling).to(out_ptr.dtype.element_ty),
-                         mask=mask)
+                res = dora_epilogue(base.to(tl.float32) + delta * scaling, scale_ptr + slot.to(tl.int64) * stride_dl,
+                                    shift_ptr + slot.to(tl.int64) * stride_dl, cols, n_mask, HAS_DORA)
+                tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
                 old = _finish(cnt_ptr, _READER, total, acc_ptrs, BLOCK_M, BLOCK_R)
                 _stamp(trace_ptr, t, 7, old, TRACE)  # T_FINISHED
         else:
@@ -484,6 +488,7 @@ def lora_fused(
     mixed_ranks: bool = False,
     trace: Optional[torch.Tensor] = None,
     bias: Optional[torch.Tensor] = None,
+    dora: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Stacked, segmented shrink + expand into ``out`` (in place), one launch.
 
@@ -505,7 +510,8 @@ def lora_fused(
         trace: probes only (CUDA): int64 (items + programs, TRACE_FIELDS), filled with each
             drawn item's phase clocks in ticket order (fields ``T_*``); a slower variant.
         check: validate the shapes (False: the caller has).
-        bias: as ``lora_expand``'s (each slot's LoRA B bias, added before the scaling).
+        bias, dora: as ``lora_expand``'s (each slot's LoRA B bias, added before the scaling; DoRA's
+            column scale and shift).
     Returns:
         ``out``.
     """
@@ -537,6 +543,7 @@ def lora_fused(
             if t.dim() != 2 or t.shape[1] != c or t.stride(1) != 1:
                 raise ValueError(f"lora_fused: {name} must be (num_slots, {c}) with unit column stride")
         check_bias("lora_fused", bias, num_slots, n_total)
+        check_dora("lora_fused", dora, num_slots, n_total)
     max_chunks = chunk_slot.shape[0]
     widths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]
     if s == 0 or max_chunks == 0 or max(widths) == 0:
@@ -571,6 +578,7 @@ def lora_fused(
         x, lora_a, lora_b, out, a_rows if packed else ranks, b_offs if packed else ranks, acc, sync,
         trace if trace is not None else sync,
         bias if bias is not None else scalings, bias.stride(0) if bias is not None else 0,
+        *(dora if dora is not None else (scalings, scalings)), dora[0].stride(0) if dora is not None else 0,
         k, r, num_slots, c, nsplit, *offs, *nbs, num_programs,
         x.stride(0), x.stride(1),
         *a_strides,
@@ -595,6 +603,7 @@ def lora_fused(
         # fp32 inputs: Triton's default on GPU is tf32, which would not match the reference
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         HAS_BIAS=bias is not None,
+        HAS_DORA=dora is not None,
         TRACE=trace is not None,
         num_warps=num_warps or cfg["num_warps"],
         num_stages=1,

@@ -59,6 +59,34 @@ def test_lora_bias_adapters_in_graphs_equal_peft():
     assert torch.equal(out, ref)
 
 
+def test_dora_adapters_in_graphs_equal_peft_row_by_row():
+    """DoRA adapters beside plain ones and base rows, graphed (fused, wide and folded expands with
+    DoRA's epilogue): each row's tokens equal PEFT's for that row alone with its adapter active
+    (PEFT refuses DoRA in ``adapter_names``)."""
+    model = _model(n_adapters=5, dora=(1, 3))
+    names = ["a1", "__base__", "a0", "a3", "a1", "a2", "a4", "a3"]
+    inputs = _inputs(len(names))
+    refs = []
+    for i, name in enumerate(names):
+        row = {k: v[i:i + 1] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        if name == "__base__":
+            with model.disable_adapter():
+                refs.append(model.generate(**row, max_new_tokens=24))
+        else:
+            model.set_adapter(name)
+            refs.append(model.generate(**row, max_new_tokens=24))
+    report = fastlora.patch(model)
+    try:
+        assert report.adapter_fallbacks == [] and report.left_on_peft == [], report
+        out = model.generate(**inputs, adapter_names=names, max_new_tokens=24)
+        stats = fastlora.get_state(model).graph_runner.stats
+    finally:
+        fastlora.unpatch(model)
+    assert stats["replays"] >= 20 and stats["eager_steps"] == 0, stats
+    for i, ref in enumerate(refs):  # a left-padded row alone keeps its padding: compare the new tokens
+        assert torch.equal(out[i, -24:], ref[0, -24:]), (i, names[i])
+
+
 def test_changing_mixes_more_adapters_than_at_capture_and_all_base(model):
     batch = 8
     inputs = _inputs(batch)

@@ -1,0 +1,145 @@
+"""DoRA adapters on fastlora's path, in mixed batches beside plain LoRA adapters and base rows.
+
+PEFT refuses ``adapter_names`` when a DoRA adapter is in the batch, so the oracle is PEFT row by
+row, with that row's adapter active (``disable_adapter`` for ``"__base__"`` rows), fp32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import peft_fastlora as fastlora
+from peft_fastlora import get_state
+
+from _patch_models import ALL, IDS, build, logits  # noqa: E402
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+ADAPTERS = (("sql", ALL, 4, {}), ("dora_qv", ("q_proj", "v_proj"), 4, {"use_dora": True}),
+            ("dora_all", ALL, 8, {"use_dora": True}), ("chat", ("q_proj", "down_proj"), 2, {}))
+
+
+def peft_rows(ref, names, ids=IDS):
+    """PEFT's logits, each row alone with its own adapter active."""
+    out = []
+    with torch.no_grad():
+        for i, name in enumerate(names):
+            row = dict(input_ids=ids[i:i + 1], attention_mask=torch.ones_like(ids[i:i + 1]))
+            if name == "__base__":
+                with ref.disable_adapter():
+                    out.append(ref(**row).logits)
+            else:
+                ref.set_adapter(name)
+                out.append(ref(**row).logits)
+    return torch.cat(out)
+
+
+def dora_pair(biased_base: bool = False):
+    """(patched model, PEFT reference) with ``ADAPTERS``; DoRA's magnitudes moved off their
+    initial norms (a freshly made DoRA adapter's scale is 1 where B A is small)."""
+    models = []
+    for _ in range(2):
+        model = build(adapters=ADAPTERS)
+        torch.manual_seed(11)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_magnitude_vector" in name:
+                    p.mul_(torch.empty_like(p).uniform_(0.5, 1.5))
+                if biased_base and name.endswith("base_layer.bias"):
+                    p.normal_()
+        models.append(model)
+    return models
+
+
+@pytest.mark.parametrize("names", [["dora_all", "sql", "__base__", "dora_qv"],
+                                   ["chat", "dora_qv", "dora_all", "dora_all"],
+                                   ["sql", "__base__", "chat", "sql"]])
+def test_dora_rows_equal_peft_row_by_row(names):
+    m, ref = dora_pair()
+    report = fastlora.patch(m)
+    assert report.adapter_fallbacks == [] and report.left_on_peft == [], report
+    assert all(site.pool.dora is not None for site in get_state(m).sites if site.kind != "embedding")
+    torch.testing.assert_close(logits(m, names), peft_rows(ref, names), **TOL)
+
+
+def test_dora_scale_follows_values_edited_in_place():
+    """The magnitude and B edited in place after patch: the next call uses the new values."""
+    m, ref = dora_pair()
+    fastlora.patch(m)
+    names = ["dora_all", "dora_qv", "__base__", "sql"]
+    torch.testing.assert_close(logits(m, names), peft_rows(ref, names), **TOL)
+    for model in (m, ref):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".dora_all" in name and ("lora_magnitude_vector" in name or "lora_B" in name):
+                    p.mul_(1.5)
+    torch.testing.assert_close(logits(m, names), peft_rows(ref, names), **TOL)
+
+
+def test_dora_in_slots_and_generate():
+    """Three slots for four adapters: DoRA and plain adapters take turns in them; greedy tokens of a
+    mixed batch equal PEFT's, row by row."""
+    m, ref = dora_pair()
+    fastlora.patch(m, max_loras_per_batch=3)
+    for names in (["dora_all", "sql", "chat", "sql"], ["chat", "dora_qv", "__base__", "sql"],
+                  ["dora_qv", "dora_all", "chat", "__base__"], ["sql", "dora_all", "dora_qv", "dora_all"]):
+        torch.testing.assert_close(logits(m, names), peft_rows(ref, names), **TOL)
+    names = ["dora_all", "__base__", "sql", "dora_qv"]
+    kw = dict(attention_mask=torch.ones_like(IDS), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    out = m.generate(input_ids=IDS, adapter_names=names, **kw)
+    for i, name in enumerate(names):
+        row = dict(kw, attention_mask=kw["attention_mask"][i:i + 1])
+        if name == "__base__":
+            with ref.disable_adapter():
+                want = ref.generate(input_ids=IDS[i:i + 1], **row)
+        else:
+            ref.set_adapter(name)
+            want = ref.generate(input_ids=IDS[i:i + 1], **row)
+        assert torch.equal(out[i:i + 1], want), (i, name)
+
+
+def _biased_dora_models():
+    """Two identical tiny Llamas with biased projections (DoRA's shift) and ``ADAPTERS``."""
+    from peft import get_peft_model
+
+    from _models import tiny_llama as llama
+    from _patch_models import VOCAB, lora
+
+    models = []
+    for _ in range(2):
+        base = llama(0, vocab_size=VOCAB, intermediate_size=48, max_position_embeddings=64,
+                     attention_bias=True, mlp_bias=True)
+        with torch.no_grad():
+            for name, p in base.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(generator=torch.Generator().manual_seed(len(name)))
+        model = None
+        for i, (name, targets, r, kw) in enumerate(ADAPTERS):
+            torch.manual_seed(100 + i)
+            cfg = lora(targets, r, 2 * r, **kw)
+            model = get_peft_model(base, cfg, adapter_name=name) if model is None else model
+            if i:
+                model.add_adapter(name, cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_magnitude_vector" in name:
+                    p.mul_(torch.empty_like(p).uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name))))
+        models.append(model.eval())
+    return models
+
+
+@pytest.mark.parametrize("backend,fold", [("torch_native", False), ("triton", False), ("triton", True)])
+def test_dora_over_biased_layers_through_each_backend_and_the_fold(backend, fold):
+    """Base layers with biases (the shift ``(1 - scale) * bias``), the Triton kernels (the
+    interpreter) and the folded shrink: full-prompt and one-token forwards equal PEFT row by row."""
+    from peft_fastlora import Tuning
+
+    m, ref = _biased_dora_models()
+    report = fastlora.patch(m, backend=backend, fold_shrink=fold, tuning=Tuning(fold_max_share=1e9))
+    assert report.adapter_fallbacks == [], report
+    names = ["dora_all", "sql", "__base__", "dora_qv"]
+    torch.testing.assert_close(logits(m, names), peft_rows(ref, names), **TOL)
+    one = IDS[:, -1:]
+    torch.testing.assert_close(logits(m, names, one), peft_rows(ref, names, one), **TOL)
+    if fold:
+        assert get_state(m).last_fold or report.shrink_folded.startswith("8 of"), report.shrink_folded
