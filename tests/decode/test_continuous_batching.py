@@ -353,41 +353,18 @@ def test_layers_left_on_peft_serve_only_the_active_adapter(monkeypatch):
         fastlora.unpatch(m)
 
 
-def test_lora_bias_adapter_per_request(monkeypatch):
-    """A request whose adapter has a bias on B (``lora_bias=True``) beside plain ones and base
-    requests: every step on fastlora's path, each request equal to PEFT alone."""
+@pytest.mark.parametrize("kind", ["lora_bias", "dora"])
+def test_adapter_kind_per_request(kind, monkeypatch):
+    """Requests for an adapter with a bias on B, or a DoRA one, beside plain and base requests:
+    every step on fastlora's path (DoRA's scales recomputed at each step's boundary), each request
+    equal to PEFT alone with its adapter."""
     from peft import LoraConfig
 
     m = build_peft_lm("llama")
     torch.manual_seed(5)
-    m.add_adapter("biased", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                       init_lora_weights=False, lora_bias=True))
-    m.eval()
-    ref = copy.deepcopy(m)
-    report = fastlora.patch(m)
-    try:
-        assert report.adapter_fallbacks == [] and report.continuous_batching == "on", report
-        spy = StepSpy(m, monkeypatch)
-        prompts = random_prompts([5, 21, 2, 12, 30], seed=4)
-        names = ["biased", "a0", "__base__", "biased", "a1"]
-        out = m.generate_batch(prompts, generation_config=greedy_config(6),
-                               continuous_batching_config=cb_config(max_batch_tokens=16), adapter_names=names)
-        _check(ref, prompts, names, [out[f"req_{i}"].generated_tokens for i in range(len(prompts))], 6)
-        assert spy.peft_calls == 0
-    finally:
-        fastlora.unpatch(m)
-
-
-def test_dora_adapter_per_request(monkeypatch):
-    """Requests for a DoRA adapter beside plain and base ones: every step on fastlora's path (DoRA's
-    scales recomputed at each step's boundary), each request equal to PEFT alone with it active."""
-    from peft import LoraConfig
-
-    m = build_peft_lm("llama")
-    torch.manual_seed(6)
-    m.add_adapter("dora", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
-                                     init_lora_weights=False, use_dora=True))
-    with torch.no_grad():
+    m.add_adapter(kind, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
+                                   init_lora_weights=False, **{"use_dora" if kind == "dora" else kind: True}))
+    with torch.no_grad():  # a DoRA magnitude off its initial norms
         for name, p in m.named_parameters():
             if "lora_magnitude_vector" in name:
                 p.mul_(1.3)
@@ -397,8 +374,8 @@ def test_dora_adapter_per_request(monkeypatch):
     try:
         assert report.adapter_fallbacks == [] and report.continuous_batching == "on", report
         spy = StepSpy(m, monkeypatch)
-        prompts = random_prompts([7, 19, 3, 26], seed=5)
-        names = ["dora", "a0", "__base__", "dora"]
+        prompts = random_prompts([5, 21, 2, 12, 30], seed=4)
+        names = [kind, "a0", "__base__", kind, "a1"]
         out = m.generate_batch(prompts, generation_config=greedy_config(6),
                                continuous_batching_config=cb_config(max_batch_tokens=16), adapter_names=names)
         _check(ref, prompts, names, [out[f"req_{i}"].generated_tokens for i in range(len(prompts))], 6)

@@ -99,33 +99,26 @@ def test_epilogue_in_every_expand(dtype, atol, rtol, site, comp, path, epilogue,
     assert fused_calls == ([16] if path == "fused" else [])
 
 
-def test_bias_of_the_wrong_shape_is_refused():
-    dtype = torch.float32
-    seq_lens, wi = [1] * 4, [0, 1, -1, 3]
-    tri, ref = make_backends(wi, seq_lens)
-    x, a, b, base, ranks, scalings = site_inputs("qkv", token_slots(wi, seq_lens), dtype)
-    w = pack(a, b, FUSED_SITES["qkv"], ranks)
-    for bias in (torch.zeros(a.shape[0], 5), torch.zeros(a.shape[0], FUSED_SITES["qkv"][-1], dtype=torch.float16),
-                 torch.zeros(FUSED_SITES["qkv"][-1], a.shape[0]).T):
-        for be in (tri, ref):
-            with pytest.raises(ValueError, match="bias"):
-                be.run_packed_lora(x, dataclasses.replace(w, bias=bias), base_output=base.clone(),
-                                   layer_ranks=ranks, layer_scalings=scalings)
+def _bad_tables(num_slots, n):
+    """(field, value, what the error names): tables of the wrong width, dtype or layout."""
+    return [("bias", torch.zeros(num_slots, 5), "bias"),
+            ("bias", torch.zeros(num_slots, n, dtype=torch.float16), "bias"),
+            ("bias", torch.zeros(n, num_slots).T, "bias"),
+            ("dora", (torch.ones(num_slots, n), torch.zeros(num_slots, 5)), "dora"),
+            ("dora", (torch.ones(num_slots, n, dtype=torch.float16), torch.zeros(num_slots, n)), "dora")]
 
 
-def test_dora_tables_of_the_wrong_shape_are_refused():
-    dtype = torch.float32
+@pytest.mark.parametrize("case", range(5))
+def test_tables_of_the_wrong_shape_are_refused(case):
     seq_lens, wi = [1] * 4, [0, 1, -1, 3]
     tri, ref = make_backends(wi, seq_lens)
-    x, a, b, base, ranks, scalings = site_inputs("qkv", token_slots(wi, seq_lens), dtype)
+    x, a, b, base, ranks, scalings = site_inputs("qkv", token_slots(wi, seq_lens), torch.float32)
     w = pack(a, b, FUSED_SITES["qkv"], ranks)
-    n = FUSED_SITES["qkv"][-1]
-    for dora in ((torch.ones(a.shape[0], n), torch.zeros(a.shape[0], 5)),
-                 (torch.ones(a.shape[0], n, dtype=torch.float16), torch.zeros(a.shape[0], n))):
-        for be in (tri, ref):
-            with pytest.raises(ValueError, match="dora"):
-                be.run_packed_lora(x, dataclasses.replace(w, dora=dora), base_output=base.clone(),
-                                   layer_ranks=ranks, layer_scalings=scalings)
+    field, value, named = _bad_tables(a.shape[0], FUSED_SITES["qkv"][-1])[case]
+    for be in (tri, ref):
+        with pytest.raises(ValueError, match=named):
+            be.run_packed_lora(x, dataclasses.replace(w, **{field: value}), base_output=base.clone(),
+                               layer_ranks=ranks, layer_scalings=scalings)
 
 
 def test_launchers_check_the_bias_table():
