@@ -411,7 +411,8 @@ class FastLoRAState:
             self._rebuild_pool(site, self._site_dtype(site))
 
     def _stored_for(self, site: Site) -> dict:
-        """The registered adapters' weights for this site's stacked modules (adapter -> index -> (A, B, s))."""
+        """The registered adapters' weights for this site's stacked modules (adapter -> index -> (A, B,
+        s, extras): extras holds B's bias and DoRA's magnitude where the adapter has them)."""
         out: dict = {}
         if not self.stored:
             return out
@@ -429,7 +430,7 @@ class FastLoRAState:
                         if key not in self.slots.slices:
                             self.slots.slices[key] = tp_local_stored(layer, plan, a, b)
                         a, b = self.slots.slices[key]
-                    out.setdefault(adapter.name, {})[j] = (a, b, scaling)
+                    out.setdefault(adapter.name, {})[j] = (a, b, scaling, adapter.extras.get(module, {}))
         return out
 
     def _fold_blocker(self) -> Optional[str]:

@@ -81,21 +81,25 @@ def dora_magnitudes(layer: nn.Module) -> Dict[str, torch.Tensor]:
             if is_dora(layer, name) and name in vectors}
 
 
+def dora_scale(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, magnitude: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """DoRA's column scale (out,): ``magnitude`` over the row norms of ``weight + scaling * b @ a``,
+    computed in ``dtype`` as PEFT's ``DoraLinearLayer`` does."""
+    full = weight.to(dtype) + scaling * (b @ a).to(dtype)
+    return magnitude / torch.linalg.norm(full, dim=1).to(dtype)
+
+
 def dora_norm_scale(layer: nn.Module, adapter: str, dtype: torch.dtype) -> torch.Tensor:
-    """DoRA's column scale of ``adapter`` (out,): its magnitude over the row norms of
-    ``W + scaling * B @ A``, computed in ``dtype`` as PEFT's ``DoraLinearLayer`` does."""
-    base = base_layer_of(layer)
-    a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
-    weight = base.weight.to(dtype) + float(layer.scaling[adapter]) * (b @ a).to(dtype)
-    norm = torch.linalg.norm(weight, dim=1).to(dtype)
-    return layer.lora_magnitude_vector[adapter].weight / norm
+    """``dora_scale`` of a PEFT DoRA adapter of ``layer``, from its parameters as they are now."""
+    return dora_scale(base_layer_of(layer).weight, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
+                      float(layer.scaling[adapter]), layer.lora_magnitude_vector[adapter].weight, dtype)
 
 
 def adapter_blocker(layer: nn.Module, adapter: str) -> Optional[str]:
     """Why fastlora cannot compute ``adapter`` in ``layer`` (None: it can): PEFT's other variants,
     a B bias under tensor parallelism (each rank would add it), and DoRA where its column norms
     are not those of a plain local weight (tensor parallelism, GPT-2's transposed ``Conv1D``, an
-    embedding) or beside a B bias (PEFT's norm then counts the bias)."""
+    embedding). (PEFT's ``LoraConfig`` refuses DoRA with a B bias itself.)"""
     why = unsupported_reason(layer, adapter)
     if why is not None:
         return why
@@ -110,8 +114,6 @@ def adapter_blocker(layer: nn.Module, adapter: str) -> Optional[str]:
             return f"DoRA over {type(base).__name__}"
         if sharded:
             return "DoRA under tensor parallelism"
-        if adapter in lora_biases(layer):
-            return "DoRA with lora_bias"
         if adapter not in getattr(layer, "lora_magnitude_vector", {}):
             return "DoRA without a magnitude vector"
     return None

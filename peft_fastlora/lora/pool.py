@@ -41,9 +41,10 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..compat.adapters import (adapter_blocker, base_bias, dora_magnitudes, dora_norm_scale, lora_biases,
+from ..compat.adapters import (adapter_blocker, base_bias, dora_magnitudes, dora_norm_scale, dora_scale, lora_biases,
                                lora_layer_unchanged, lora_weights, watch_lora_layer)
 from ..compat.modules import foreach_copy
+from ..compat.peft import base_layer_of
 from ..backend.packed import PackedWeights, block_align
 from ..ops.glu_lora import b_columns
 from ..tuning import Tuning
@@ -128,7 +129,10 @@ class SitePool:
         self._bias_of: Dict[str, Dict[int, torch.Tensor]] = {}  # adapter -> module index -> B's bias
         # (num_slots, N_total): each slot's B bias (zeros where its adapter has none), or None
         self.bias: Optional[torch.Tensor] = None
-        self._dora_of: Dict[str, Dict[int, torch.nn.Module]] = {}  # DoRA adapter -> module index -> its layer
+        # DoRA adapter -> module index -> (its LoRA layer, the magnitude of a registered adapter, on the
+        # device; None: PEFT's, read from the layer)
+        self._dora_of: Dict[str, Dict[int, Tuple[torch.nn.Module, Optional[torch.Tensor]]]] = {}
+        self._registered: set = set()  # the registered adapters' names (their values never change)
         # DoRA's (scale, shift) tables, (num_slots, N_total) float32 each (``backend.packed``), or None
         self.dora: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self._slot_ranks: List[List[int]] = []  # host copies of ``ranks`` and ``scalings``
@@ -242,7 +246,7 @@ class SitePool:
         device = torch.device(device)
         self._broken = False
         self._sources, self._ranks_of, self._scalings_of, self._unsupported_of = {}, {}, {}, {}
-        self._bias_of, self._dora_of = {}, {}
+        self._bias_of, self._dora_of, self._registered = {}, {}, set(stored or {})
 
         def add(name, j, a, b, scaling, fixed):
             runs = None
@@ -264,10 +268,14 @@ class SitePool:
                 if name in biases:
                     self._bias_of.setdefault(name, {})[j] = biases[name]
                 if not reason and name in dora_magnitudes(layer):
-                    self._dora_of.setdefault(name, {})[j] = layer
+                    self._dora_of.setdefault(name, {})[j] = (layer, None)
         for name, by_module in (stored or {}).items():
-            for j, (a, b, scaling) in by_module.items():
+            for j, (a, b, scaling, extras) in by_module.items():
                 add(name, j, a, b, scaling, True)
+                if "bias" in extras:
+                    self._bias_of.setdefault(name, {})[j] = extras["bias"]
+                if "magnitude" in extras:
+                    self._dora_of.setdefault(name, {})[j] = (self.layers[j], extras["magnitude"].to(device))
         # R: the width per module of the shrink output (or of an embedding lookup)
         r = max([1] + [x for row in self._ranks_of.values() for x in row])
         self.max_rank = r
@@ -336,9 +344,16 @@ class SitePool:
         scale, shift = self.dora
         dtype = self.lora_a.dtype
         for slot in slots:
-            for j, layer in self._dora_of.get(self._slot_name.get(slot), {}).items():
+            name = self._slot_name.get(slot)
+            for j, (layer, magnitude) in self._dora_of.get(name, {}).items():
                 lo, hi = self.offsets[j], self.offsets[j + 1]
-                g = dora_norm_scale(layer, self._slot_name[slot], dtype).float()
+                if magnitude is None:  # PEFT's adapter: its parameters
+                    g = dora_norm_scale(layer, name, dtype).float()
+                else:  # a registered one: its A and B as the stacks hold them
+                    rank = self._slot_ranks[slot][j]
+                    g = dora_scale(base_layer_of(layer).weight, self.packed_view_a(slot, j, rank),
+                                   self.packed_view_b(slot, j, rank), self._slot_scalings[slot][j], magnitude,
+                                   dtype).float()
                 scale[slot, lo:hi].copy_(g)
                 bias = base_bias(layer)
                 if bias is None:
@@ -518,8 +533,9 @@ class SitePool:
                 views = self._view_cache[(j, start, k)] = (self.packed_view_a(slot, j, k),
                                                            self.packed_view_b(slot, j, k))
             (fixed if registered else pairs).extend(zip(views, (a, b)))
-        for j, bias in self._bias_of.get(self._slot_name[slot], {}).items():  # PEFT's layers only
-            pairs.append((self.bias[slot, self.offsets[j]: self.offsets[j + 1]], bias))
+        name = self._slot_name[slot]
+        for j, bias in self._bias_of.get(name, {}).items():
+            (fixed if name in self._registered else pairs).append((self.bias[slot, self.offsets[j]: self.offsets[j + 1]], bias))
         self.copies[slot] = pairs  # PEFT's parameters: copied again at every call that uses them
         self._fixed[slot] = fixed
         self._runs[slot] = runs

@@ -4,9 +4,10 @@ A saved PEFT adapter folder (``adapter_config.json`` and ``adapter_model.safeten
 ``adapter_model.bin``) or a state dict with its ``LoraConfig`` becomes a ``StoredAdapter``: each
 targeted module's A, B and scaling, in the model's dtype, in pinned memory where the model is on
 CUDA. No PEFT module is built for it; the pools copy it into a GPU slot when a call uses it
-(``SitePool.load``). Everything is validated before anything is kept: the config (LoRA only; no
-DoRA, ``lora_bias``, other variants, ``modules_to_save``, rank or alpha patterns), every key (the
-format PEFT saves: ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``, and
+(``SitePool.load``). Everything is validated before anything is kept: the config (LoRA, with a
+bias on B or DoRA on linear layers; no other variants, ``modules_to_save``, rank or alpha
+patterns), every key (the format PEFT saves: ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``,
+``<module>.lora_B.bias`` with ``lora_bias``, ``<module>.lora_magnitude_vector`` with DoRA, and
 ``lora_embedding_A`` / ``lora_embedding_B`` for an embedding), that each targeted module is a LoRA
 layer fastlora serves, and every shape against that layer's base.
 """
@@ -25,16 +26,17 @@ from torch import nn
 from peft import LoraConfig
 
 from ..compat.peft import LoraEmbedding, base_layer_of, embed_scale
-from ..compat.tensor_parallel import full_shape_in_out, full_weight
+from ..compat.tensor_parallel import full_shape_in_out, full_weight, tp_style
 
 CONFIG_FILE = "adapter_config.json"
 # ``from_folders``' PEFT adapter of rank 1 and zero weights that makes the LoRA layers: served (it
 # changes nothing) but not one of the user's adapters, so reports leave it out
 SCAFFOLD_ADAPTER = "fastlora_layers"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_embedding_A": "A", ".lora_embedding_B": "B"}
+_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_embedding_A": "A", ".lora_embedding_B": "B",
+             ".lora_B.bias": "bias", ".lora_magnitude_vector": "magnitude"}
 # LoraConfig fields whose non-default values fastlora's kernels do not compute
-_REFUSED = {"use_dora": "DoRA", "lora_bias": "lora_bias", "modules_to_save": "modules_to_save",
+_REFUSED = {"modules_to_save": "modules_to_save",
             "rank_pattern": "rank_pattern", "alpha_pattern": "alpha_pattern",
             "trainable_token_indices": "trainable_token_indices",
             "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)", "use_qalora": "QALoRA",
@@ -50,9 +52,12 @@ class StoredAdapter:
     modules: Dict[str, Tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
     # the one host buffer every A and B is a view of (a load copies it to the GPU whole), or None
     buffer: Optional[torch.Tensor] = None
+    # module -> {"bias": B's bias (out,)} with lora_bias, {"magnitude": DoRA's (out,)} with DoRA
+    extras: Dict[str, Dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for a, b, _ in self.modules.values() for t in (a, b))
+        return (sum(t.numel() * t.element_size() for a, b, _ in self.modules.values() for t in (a, b))
+                + sum(t.numel() * t.element_size() for ex in self.extras.values() for t in ex.values()))
 
 
 def read_folder(path: str):
@@ -117,32 +122,45 @@ def build_stored(name: str, config, state_dict: Mapping[str, torch.Tensor], sour
     why = _refused(config)
     if why is not None:
         raise ValueError(f"fastlora.register_adapter: {source}: {why} is not supported")
+    wanted = {"bias": bool(getattr(config, "lora_bias", False)), "magnitude": bool(getattr(config, "use_dora", False))}
     pieces: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, tensor in state_dict.items():
         if key.endswith(".base_layer.weight") and key[: -len(".base_layer.weight")] in layers:
             _check_saved_base(key, tensor, layers[key[: -len(".base_layer.weight")]], source)
             continue
         suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
-        if suffix is None:
+        if suffix is None or (_SUFFIXES[suffix] in wanted and not wanted[_SUFFIXES[suffix]]):
             raise ValueError(f"fastlora.register_adapter: {source}: unexpected key {key!r} (expected PEFT's "
-                             f"saved format: <module>.lora_A.weight / <module>.lora_B.weight)")
+                             f"saved format: <module>.lora_A.weight / <module>.lora_B.weight, with "
+                             f"<module>.lora_B.bias for lora_bias, <module>.lora_magnitude_vector for DoRA)")
         module = key[: -len(suffix)]
         if module not in layers:
             raise ValueError(f"fastlora.register_adapter: {source}: {key!r} targets {module!r}, which is not a "
                              f"LoRA layer fastlora serves in this model (its PEFT adapters must target every "
                              f"module a registered adapter targets)")
         embedding = isinstance(layers[module], LoraEmbedding)
-        if embedding != suffix.startswith(".lora_embedding"):
+        if embedding and _SUFFIXES[suffix] in wanted:
+            kind = "DoRA" if _SUFFIXES[suffix] == "magnitude" else "lora_bias"
+            raise ValueError(f"fastlora.register_adapter: {source}: {key!r}: {kind} on an embedding is not supported")
+        if _SUFFIXES[suffix] in wanted and tp_style(layers[module]) is not None:
+            kind = "DoRA" if _SUFFIXES[suffix] == "magnitude" else "lora_bias"
+            raise ValueError(f"fastlora.register_adapter: {source}: {key!r}: {kind} under tensor parallelism "
+                             "is not supported")
+        if embedding != suffix.startswith(".lora_embedding") and _SUFFIXES[suffix] not in wanted:
             raise ValueError(f"fastlora.register_adapter: {source}: {key!r} does not fit {module!r} "
                              f"({'an embedding' if embedding else 'a linear layer'})")
         pieces.setdefault(module, {})[_SUFFIXES[suffix]] = tensor
     if not pieces:
         raise ValueError(f"fastlora.register_adapter: {source}: no LoRA weights")
-    modules = {}
+    modules, extras = {}, {}
     for module, ab in sorted(pieces.items()):
         missing = {"A", "B"} - set(ab)
         if missing:
             raise ValueError(f"fastlora.register_adapter: {source}: {module!r} has no lora_{missing.pop()} weight")
+        for kind, key in (("bias", "lora_B.bias"), ("magnitude", "lora_magnitude_vector")):
+            if wanted[kind] and kind not in ab:
+                raise ValueError(f"fastlora.register_adapter: {source}: {module!r} has no {key} "
+                                 f"(its config has {'use_dora' if kind == 'magnitude' else 'lora_bias'})")
         layer = layers[module]
         a, b = ab["A"], ab["B"]
         fan_in, fan_out = full_shape_in_out(base_layer_of(layer))  # the whole layer's, under TP too
@@ -156,10 +174,19 @@ def build_stored(name: str, config, state_dict: Mapping[str, torch.Tensor], sour
         scaling = config.lora_alpha / (math.sqrt(r) if getattr(config, "use_rslora", False) else r)
         if isinstance(layer, LoraEmbedding):
             scaling *= embed_scale(layer) or 1.0
+        for kind in ("bias", "magnitude"):
+            if kind in ab:
+                t = ab[kind]
+                if t.shape != (fan_out,) or not t.is_floating_point():
+                    raise ValueError(f"fastlora.register_adapter: {source}: {module!r} has a {kind} of "
+                                     f"{tuple(t.shape)} {t.dtype}; its base layer takes ({fan_out},)")
+                # the bias in the stacks' dtype; DoRA's magnitude in float32, as PEFT keeps it
+                extras.setdefault(module, {})[kind] = t.detach().to(
+                    "cpu", dtype if kind == "bias" else torch.float32).contiguous()
         a, b = (t.detach().to("cpu", dtype).contiguous() for t in (a, b))
         modules[module] = (a, b, float(scaling))
     modules = _in_one_buffer(modules, pin)
-    return StoredAdapter(name, source, modules, _buffer_of(modules))
+    return StoredAdapter(name, source, modules, _buffer_of(modules), extras)
 
 
 def _buffer_of(modules) -> Optional[torch.Tensor]:

@@ -200,8 +200,11 @@ def _first(sd, suffix):
 
 
 BAD = {
-    "dora": (dict(config={"use_dora": True}), "DoRA is not supported"),
-    "lora_bias": (dict(config={"lora_bias": True}), "lora_bias is not supported"),
+    "dora without magnitudes": (dict(config={"use_dora": True}), "has no lora_magnitude_vector .its config has use_dora"),
+    "lora_bias without biases": (dict(config={"lora_bias": True}), "has no lora_B.bias .its config has lora_bias"),
+    "dora with lora_bias": (dict(config={"use_dora": True, "lora_bias": True}), "lora_bias=True is not supported for DoRA"),
+    "a magnitude without dora": (dict(weights=lambda sd: {**sd, _first(sd, "lora_A.weight").replace(
+        "lora_A.weight", "lora_magnitude_vector"): torch.ones(32)}), "unexpected key .*lora_magnitude_vector"),
     "rank_pattern": (dict(config={"rank_pattern": {"q_proj": 4}}), "rank_pattern is not supported"),
     "ia3": (dict(config={"peft_type": "IA3"}), "peft_type 'IA3'.*LoRA adapters only"),
     "extra key": (dict(weights=lambda sd: {**sd, "base_model.model.model.norm.weight": torch.ones(64)}),
@@ -268,7 +271,7 @@ def test_many_at_once_all_or_none(folders, tmp_path):
     m, ref = build(adapters=PEFT_ADAPTERS), build(adapters=PEFT_ADAPTERS)
     fastlora.patch(m)
     bad = _edited(folders, tmp_path, "rs", config={"use_dora": True})
-    with pytest.raises(ValueError, match="bad_rs.*DoRA"):
+    with pytest.raises(ValueError, match="bad_rs.*use_dora"):
         fastlora.register_adapters(m, {"ql": folders["ql"], "rs": bad})
     assert get_state(m).stored == {} and get_state(m).registry.names == ["chat", "sql"]
     fastlora.register_adapters(m, {"ql": folders["ql"], "emb": folders["emb"]})
@@ -460,3 +463,39 @@ def test_a_forward_that_cannot_take_fastloras_path_is_refused_for_registered_ada
         out = m(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=["chat", "sql"]).logits
         want = ref(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=["chat", "sql"]).logits
     torch.testing.assert_close(out, want, **TOL)
+
+
+def _peft_rows(ref, names, ids):
+    """PEFT row by row with each row's adapter active (PEFT refuses DoRA in ``adapter_names``)."""
+    out = []
+    with torch.no_grad():
+        for i, name in enumerate(names):
+            ref.set_adapter(name)
+            out.append(ref(input_ids=ids[i:i + 1], attention_mask=torch.ones_like(ids[i:i + 1])).logits)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("kind", ["lora_bias", "dora"])
+def test_registered_bias_and_dora_folders_equal_peft(kind, tmp_path):
+    """Folders saved by PEFT with a bias on B or DoRA, registered by name: served through the slots
+    beside PEFT's own adapters, equal to the same folders loaded into PEFT (row by row)."""
+    config = {"lora_bias": True} if kind == "lora_bias" else {"use_dora": True}
+    kinds = {"k1": _save(str(tmp_path / "k1"), ("q_proj", "v_proj", "down_proj"), 4, seed=5, **config),
+             "k2": _save(str(tmp_path / "k2"), ALL, 8, seed=6, **config)}
+    if kind == "dora":  # magnitudes off their initial norms, as trained ones are
+        from safetensors.torch import load_file
+
+        for folder in kinds.values():
+            path = os.path.join(folder, "adapter_model.safetensors")
+            sd = load_file(path)
+            save_file({k: v * 1.3 if k.endswith("lora_magnitude_vector") else v for k, v in sd.items()}, path)
+    m, ref = build(adapters=PEFT_ADAPTERS), build(adapters=PEFT_ADAPTERS)
+    fastlora.patch(m, max_loras_per_batch=3)
+    for name, folder in kinds.items():
+        fastlora.register_adapter(m, name, folder)
+        ref.load_adapter(folder, adapter_name=name)
+    ref.eval()
+    for seed, names in enumerate((["k1", "sql", "k2", "k1"], ["chat", "k2", "sql", "k2"], ["k1", "k2", "chat", "k1"])):
+        ids = _ids(len(names), seed)
+        torch.testing.assert_close(logits(m, names, ids), _peft_rows(ref, names, ids), **TOL)
+    assert get_state(m).report.adapter_fallbacks == []
