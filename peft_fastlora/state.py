@@ -21,7 +21,8 @@ from .compat.adapters import adapter_blocker, lora_layer_blocker
 from .compat.modules import is_conv1d, linear_in_out, local, on_device
 from .compat.peft import (LoraEmbedding, LoraLinear, adapter_count, adapter_names_of, base_layer_of,
                           guard_peft_forward_hooks, has_auxiliary_wrappers, is_lora_layer, is_peft_model,
-                          is_tuner_layer, registration_epoch, unguard_peft_forward_hooks, unwrap_peft)
+                          is_tuner_layer, quantized_base_kind, registration_epoch, unguard_peft_forward_hooks,
+                          unwrap_peft)
 from .compat.tensor_parallel import declared_tp_plans, tp_local_stored, tp_style
 from .backend import get_backend, resolve_backend_name
 from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_ops, stream_wanted
@@ -285,10 +286,14 @@ class FastLoRAState:
             blocker = lora_layer_blocker(m)
             if blocker is not None:
                 left_on_peft.append((name, blocker))
-            elif type(m) is LoraLinear and (isinstance(base, nn.Linear) or is_conv1d(base)):
-                i, o = linear_in_out(base)
+            elif ((type(m) is LoraLinear and (isinstance(base, nn.Linear) or is_conv1d(base)))
+                  or quantized_base_kind(m) is not None):
+                quant = quantized_base_kind(m)  # bitsandbytes' base: its own matmul, fastlora's LoRA
+                i, o = (base.in_features, base.out_features) if quant else linear_in_out(base)
                 site = LinearSite(name, [m], SitePool([m], [o], i, tuning=tuning),
                                   tp=tp_style(m, declared.get(id(m))))
+                if quant:
+                    site.kind = f"linear_{quant}"
                 blocker = ("a gathered LM head under tensor parallelism" if site.tp == "colwise_gather"
                            else fusion_blocker([base]))
                 if fold_off is None and blocker is None:
@@ -443,7 +448,11 @@ class FastLoRAState:
         return None
 
     def _site_dtype(self, site: Site) -> torch.dtype:
-        return base_layer_of(site.members[0]).weight.dtype
+        weight = base_layer_of(site.members[0]).weight
+        if weight.is_floating_point():
+            return weight.dtype
+        # a quantized base: the model's compute dtype (the first forward rebuilds for its input's)
+        return self.inner.get_input_embeddings().weight.dtype
 
     def _rebuild_pool(self, site: Site, dtype):
         site.pool.rebuild(self.registry, dtype, site.device, stored=self._stored_for(site))

@@ -112,6 +112,8 @@ def adapter_blocker(layer: nn.Module, adapter: str) -> Optional[str]:
             return "DoRA on an embedding"
         if not isinstance(base, nn.Linear):
             return f"DoRA over {type(base).__name__}"
+        if not base.weight.is_floating_point():  # (DoRA's norms need the dequantized weight)
+            return f"DoRA over a quantized {type(base).__name__}"
         if sharded:
             return "DoRA under tensor parallelism"
         if adapter not in getattr(layer, "lora_magnitude_vector", {}):

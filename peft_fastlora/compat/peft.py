@@ -67,6 +67,19 @@ def adapter_names_of(layer: nn.Module):
     return set(layer.lora_A.keys()) | set(layer.lora_embedding_A.keys())
 
 
+def quantized_base_kind(layer: nn.Module) -> Optional[str]:
+    """"nf4", "fp4" or "int8" where ``layer`` is PEFT's LoRA layer over a bitsandbytes base (its
+    ``lora.bnb`` classes: the base matmul is bitsandbytes' own), else None."""
+    cls = type(layer)
+    if cls.__module__ != "peft.tuners.lora.bnb":
+        return None
+    if cls.__name__ == "Linear8bitLt":
+        return "int8"
+    if cls.__name__ == "Linear4bit":
+        return str(getattr(base_layer_of(layer).weight, "quant_type", None) or "4bit")
+    return None
+
+
 def unsupported_reason(layer: nn.Module, adapter: str) -> Optional[str]:
     """Why fastlora cannot compute this adapter in this layer (PEFT's own path then serves it):
     a LoRA variant other than DoRA (``compat.adapters.adapter_blocker`` judges DoRA)."""

@@ -1,0 +1,104 @@
+"""LoRA over bitsandbytes bases (QLoRA): 4-bit (nf4, fp4, with and without double quantization)
+and 8-bit ``Linear`` layers under PEFT's LoRA. The base matmul stays bitsandbytes' own; the LoRA
+deltas take fastlora's path. The oracle: PEFT's mixed batch on an identical quantized model, fp32
+on the CPU (bitsandbytes runs there).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("bitsandbytes")
+
+import peft_fastlora as fastlora  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
+
+from _patch_models import IDS, logits, tiny_llama  # noqa: E402
+
+QUANT = {
+    "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+    "nf4_double": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True),
+    "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"),
+    "int8": dict(load_in_8bit=True),
+}
+KIND = {"nf4": "linear_nf4", "nf4_double": "linear_nf4", "fp4": "linear_fp4", "int8": "linear_int8"}
+ADAPTERS = (("sql", ("q_proj", "v_proj", "down_proj"), 4, {}), ("chat", ("q_proj", "o_proj", "gate_proj"), 8, {}),
+            ("biased", ("v_proj", "up_proj"), 2, {"lora_bias": True}))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("tiny") / "llama")
+    tiny_llama().save_pretrained(folder)
+    return folder
+
+
+def quantized(saved, quant, adapters=ADAPTERS):
+    """A PEFT model over the saved tiny Llama loaded by bitsandbytes with ``quant``."""
+    extra = {"bnb_4bit_compute_dtype": torch.float32} if "load_in_4bit" in QUANT[quant] else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = AutoModelForCausalLM.from_pretrained(saved, device_map="cpu",
+                                                    quantization_config=BitsAndBytesConfig(**QUANT[quant], **extra))
+        model = None
+        for i, (name, targets, r, kw) in enumerate(adapters):
+            torch.manual_seed(200 + i)
+            cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), init_lora_weights=False, **kw)
+            model = get_peft_model(base, cfg, adapter_name=name) if model is None else model
+            if i:
+                model.add_adapter(name, cfg)
+    return model.eval()
+
+
+@pytest.mark.parametrize("quant", list(QUANT))
+def test_quantized_layers_on_fastlora_path_equal_peft(saved, quant):
+    m, ref = quantized(saved, quant), quantized(saved, quant)
+    report = fastlora.patch(m)
+    assert report.left_on_peft == [] and report.adapter_fallbacks == [], report
+    assert report.counts() == {KIND[quant]: 12}, report.counts()
+    assert f"12 {KIND[quant]}" in str(report)
+    for names in (["sql", "chat", "__base__", "biased"], ["biased", "biased", "sql", "__base__"]):
+        torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logits(ref, ["sql"] * 4), logits(ref, ["__base__"] * 4))  # the deltas matter
+
+
+@pytest.mark.parametrize("quant", ["nf4", "int8"])
+def test_quantized_generate_with_emulated_graphs_and_slots(saved, quant):
+    """Greedy tokens through the decode graph runner (emulated on the CPU) and two slots for three
+    adapters, equal to PEFT's mixed batch."""
+    m, ref = quantized(saved, quant), quantized(saved, quant)
+    fastlora.patch(m, cuda_graphs="emulate", max_loras_per_batch=2)
+    kw = dict(input_ids=IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for names in (["sql", "__base__", "chat", "sql"], ["biased", "chat", "biased", "__base__"]):
+        assert torch.equal(m.generate(**kw, adapter_names=names), ref.generate(**kw, adapter_names=names)), names
+    assert fastlora.get_state(m).graph_runner.stats["replays"] > 0
+
+
+def test_dora_over_a_quantized_base_stays_on_peft(saved):
+    m = quantized(saved, "nf4", ADAPTERS[:1] + (("dora", ("q_proj",), 4, {"use_dora": True}),))
+    report = fastlora.patch(m)
+    assert {(a, r) for _, a, r in report.adapter_fallbacks} == {("dora", "DoRA over a quantized Linear4bit")}, report
+
+
+def test_quantized_continuous_batching_per_request(saved):
+    """transformers' engine over a 4-bit base: each request with its own adapter, every step on
+    fastlora's path, equal to PEFT alone."""
+    from _continuous import cb_config, greedy_config, peft_alone, requires_cb
+    from _patch_models import VOCAB
+
+    if requires_cb.args[0]:
+        pytest.skip(requires_cb.kwargs["reason"])
+    m, ref = quantized(saved, "nf4"), quantized(saved, "nf4")
+    report = fastlora.patch(m)
+    assert report.continuous_batching == "on", report
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (4, 13, 2, 9)]  # the tiny vocabulary
+    names = ["sql", "biased", "__base__", "chat"]
+    out = m.generate_batch(prompts, generation_config=greedy_config(5),
+                           continuous_batching_config=cb_config(max_batch_tokens=16), adapter_names=names)
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        assert out[f"req_{i}"].generated_tokens == peft_alone(ref, prompt, name, 5), (i, name)
