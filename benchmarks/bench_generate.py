@@ -132,6 +132,8 @@ def run_adapters(peft_model, batches, args, kw, names, results):
 def run_model(shape, args, bw, vers, rows, kernel_rows):
     batches = args.batches
     model = hx.build_base(shape)
+    if args.quant:
+        hx.quantize_base(model, args.quant)
     wbytes = hx.weight_bytes(model)
     gen_ids = {b: torch.randint(3, 1000, (b, args.prompt), device=hx.DEVICE) for b in batches}
 
@@ -259,6 +261,8 @@ def parse_args(argv):
     p.add_argument("--csv", default=None, help="instead, one file in --out for every model's rows")
     p.add_argument("--kinds", nargs="*", default=[], choices=sorted(KINDS),
                    help="also the same rows through as many adapters of these kinds (fastlora_graphs_<kind>)")
+    p.add_argument("--quant", choices=hx.QUANTS, default=None,
+                   help="every method over a bitsandbytes base (QLoRA's); add it to --name or --tag")
     p.add_argument("--graphs-only", action="store_true",
                    help="only fastlora_graphs and base_graphs_attn (the graphed step and its like-for-like base)")
     p.add_argument("--kernel-split", type=int, default=0, metavar="STEPS",

@@ -113,6 +113,36 @@ def build_base(shape: str, layers: int = None):
     return model.eval()
 
 
+QUANTS = ("nf4", "nf4dq", "fp4", "int8")  # bitsandbytes bases: 4-bit (dq: double quantization), 8-bit
+
+
+def quantize_base(model, quant: str):
+    """The model's linear layers but the LM head as bitsandbytes layers (``QUANTS``), in place, on
+    their device: the base a QLoRA adapter is served over (what ``BitsAndBytesConfig`` loads)."""
+    import bitsandbytes as bnb
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or name == "lm_head":
+                continue
+            weight, bias, device = child.weight.data.to("cpu"), child.bias, child.weight.device
+            shape = (child.in_features, child.out_features)
+            if quant == "int8":
+                q = bnb.nn.Linear8bitLt(*shape, bias=bias is not None, has_fp16_weights=False)
+                q.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+            else:
+                kind, double = quant[:3], quant.endswith("dq")
+                q = bnb.nn.Linear4bit(*shape, bias=bias is not None, compute_dtype=weight.dtype,
+                                      compress_statistics=double, quant_type=kind)
+                q.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=double, quant_type=kind)
+            if bias is not None:
+                q.bias = torch.nn.Parameter(bias.data.to("cpu"), requires_grad=False)
+            setattr(parent, name, q.to(device))  # quantized on the move
+    # what PEFT reads to give these layers its bitsandbytes LoRA classes
+    model.is_loaded_in_8bit, model.is_loaded_in_4bit = quant == "int8", quant != "int8"
+    return model
+
+
 def add_adapters(model, n: int, rank: int, targets=TARGETS, prefix: str = "a", **config):
     """A PeftModel over ``model`` (or ``model`` itself, when it is one) with adapters
     ``{prefix}0 .. {prefix}{n-1}`` of ``rank`` (B non-zero; ``config``: more ``LoraConfig`` fields,

@@ -8,7 +8,8 @@
 #
 # Parts of "all": tests soak kernels attention gemm generate coverage peft prefill continuous serving
 # many profile resources. Never part of "all": serving-soak (minutes of load through the endpoint, memory
-# watched), ab (bench_ab.py: AB_OLD's tree against this one), tma (bench_gemm.py at 65-128 rows rewrites the TMA
+# watched), kinds (DoRA and lora_bias against plain adapters), qlora (bitsandbytes bases; needs its
+# wheel), ab (bench_ab.py: AB_OLD's tree against this one), tma (bench_gemm.py at 65-128 rows rewrites the TMA
 # kernel's tile table in the tree), ncu (Nsight Compute over one graphed 8B step, a kernel a line),
 # and, on a two-GPU machine, multigpu (tests, serve_tp, bench_tp: TP_MODEL, TP_ARGS) and devicemap.
 set -uo pipefail
@@ -99,6 +100,16 @@ if only tma; then  # the TMA kernel's tile table: measured, written into the tre
   cp peft_fastlora/base_ops/tma_tiles_h200.json "$OUT/"
   timeout 200 python3 benchmarks/bench_generate.py --models 8b --graphs-only --batches 128 \
     --tag tma --out "$OUT" 2>&1 | quiet | tail -6
+fi
+if only kinds; then  # #62's targets: DoRA and lora_bias adapters against plain ones, the same rows (8B, graphs)
+  timeout ${KINDS_LIMIT:-400} python3 benchmarks/bench_generate.py --name kinds --models 8b --graphs-only --batches ${KINDS_BATCHES:-32} \
+    --kinds lora_bias dora --out "$OUT" 2>&1 | quiet | tee "$OUT/kinds_$TAG.log" | tail -8
+fi
+if only qlora; then  # bitsandbytes bases (bitsandbytes' wheel carried): patched base, PEFT and fastlora over each
+  for q in ${QLORA_QUANTS:-nf4 int8}; do
+    timeout ${QLORA_LIMIT:-400} python3 benchmarks/bench_generate.py --name qlora --tag $q --quant $q --models 8b \
+      --batches ${QLORA_BATCHES:-32} --out "$OUT" 2>&1 | quiet | tee "$OUT/qlora_${q}_$TAG.log" | tail -10
+  done
 fi
 if only ab; then  # the graphed step of another tree (AB_OLD: a folder with its peft_fastlora) against this one
   timeout ${AB_LIMIT:-560} python3 benchmarks/bench_ab.py --old "${AB_OLD:?a folder with the old peft_fastlora}" \
