@@ -99,7 +99,8 @@ def test_dora_in_slots_and_generate():
 
 
 def _biased_dora_models():
-    """Two identical tiny Llamas with biased projections (DoRA's shift) and ``ADAPTERS``."""
+    """Two identical tiny Llamas with biased projections (DoRA's shift), ``ADAPTERS`` and an
+    adapter with a bias on B sharing sites with the DoRA ones (both epilogues in one launch)."""
     from peft import get_peft_model
 
     from _models import tiny_llama as llama
@@ -114,7 +115,7 @@ def _biased_dora_models():
                 if name.endswith(".bias"):
                     p.normal_(generator=torch.Generator().manual_seed(len(name)))
         model = None
-        for i, (name, targets, r, kw) in enumerate(ADAPTERS):
+        for i, (name, targets, r, kw) in enumerate(ADAPTERS + (("biased", ("q_proj", "down_proj"), 4, {"lora_bias": True}),)):
             torch.manual_seed(100 + i)
             cfg = lora(targets, r, 2 * r, **kw)
             model = get_peft_model(base, cfg, adapter_name=name) if model is None else model
@@ -137,7 +138,7 @@ def test_dora_over_biased_layers_through_each_backend_and_the_fold(backend, fold
     m, ref = _biased_dora_models()
     report = fastlora.patch(m, backend=backend, fold_shrink=fold, tuning=Tuning(fold_max_share=1e9))
     assert report.adapter_fallbacks == [], report
-    names = ["dora_all", "sql", "__base__", "dora_qv"]
+    names = ["dora_all", "biased", "__base__", "dora_qv"]
     torch.testing.assert_close(logits(m, names), peft_rows(ref, names), **TOL)
     one = IDS[:, -1:]
     torch.testing.assert_close(logits(m, names, one), peft_rows(ref, names, one), **TOL)
