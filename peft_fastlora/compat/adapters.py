@@ -89,10 +89,10 @@ def dora_scale(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: 
     return magnitude / torch.linalg.norm(full, dim=1).to(dtype)
 
 
-def dora_norm_scale(layer: nn.Module, adapter: str, dtype: torch.dtype) -> torch.Tensor:
-    """``dora_scale`` of a PEFT DoRA adapter of ``layer``, from its parameters as they are now."""
-    return dora_scale(base_layer_of(layer).weight, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight,
-                      float(layer.scaling[adapter]), layer.lora_magnitude_vector[adapter].weight, dtype)
+def dora_sources(layer: nn.Module, adapter: str):
+    """(A, B, scaling, magnitude) of a PEFT DoRA adapter of ``layer``: what its scale is computed from."""
+    return (layer.lora_A[adapter].weight, layer.lora_B[adapter].weight, float(layer.scaling[adapter]),
+            layer.lora_magnitude_vector[adapter].weight)
 
 
 def adapter_blocker(layer: nn.Module, adapter: str) -> Optional[str]:

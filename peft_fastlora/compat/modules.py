@@ -142,6 +142,11 @@ def position_limit(model: nn.Module) -> Optional[int]:
     return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
+def version_of(t: torch.Tensor) -> int:
+    """The tensor's version counter (bumped by in-place ops on it, not by ones through ``.data``)."""
+    return t._version
+
+
 def foreach_copy(dsts, srcs, non_blocking: bool = False) -> None:
     """``dst.copy_(src)`` for each pair in one multi-tensor call (torch's ``_foreach_copy_``: one
     launch per group of same-device, same-dtype tensors on CUDA)."""

@@ -41,14 +41,14 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..compat.adapters import (adapter_blocker, base_bias, dora_magnitudes, dora_norm_scale, dora_scale, lora_biases,
-                               lora_layer_unchanged, lora_weights, watch_lora_layer)
+from ..compat.adapters import (adapter_blocker, dora_magnitudes, lora_biases, lora_layer_unchanged, lora_weights,
+                               watch_lora_layer)
 from ..compat.modules import foreach_copy
-from ..compat.peft import base_layer_of
 from ..backend.packed import PackedWeights, block_align
 from ..ops.glu_lora import b_columns
 from ..tuning import Tuning
 from .arena import RowArena
+from .dora import DoraTables
 from .slots import AdapterRegistry
 from .staging import FoldStaging, staging_rows
 
@@ -133,8 +133,7 @@ class SitePool:
         # device; None: PEFT's, read from the layer)
         self._dora_of: Dict[str, Dict[int, Tuple[torch.nn.Module, Optional[torch.Tensor]]]] = {}
         self._registered: set = set()  # the registered adapters' names (their values never change)
-        # DoRA's (scale, shift) tables, (num_slots, N_total) float32 each (``backend.packed``), or None
-        self.dora: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self.dora_tables: Optional[DoraTables] = None  # DoRA's per-slot scale and shift (``lora.dora``)
         self._slot_ranks: List[List[int]] = []  # host copies of ``ranks`` and ``scalings``
         self._slot_scalings: List[List[float]] = []
         self._view_cache: Dict[Tuple[int, int, int], Tuple[torch.Tensor, torch.Tensor]] = {}  # of these stacks
@@ -175,9 +174,9 @@ class SitePool:
         """The stacks' bytes, and ``ops.glu_lora``'s buffers where the site keeps them (B's columns: a
         second copy of its B)."""
         extra = (self.glu_buffers.scratch, self.glu_buffers.bt) if self.glu_buffers is not None else ()
-        dora = self.dora if self.dora is not None else ()
-        return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b, self.bias, *dora, *extra)
-                   if t is not None)
+        dora = self.dora_tables.nbytes() if self.dora_tables is not None else 0
+        return dora + sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b, self.bias, *extra)
+                          if t is not None)
 
     def adapter_nbytes(self) -> int:
         """The adapters' own weights for this site, in the stacks' dtype (every adapter fastlora
@@ -289,9 +288,8 @@ class SitePool:
         stage = self._allocate_packed(n_slots, dtype, device, per_call_ok=registry.all_resident)
         self.bias = (torch.zeros(n_slots, self.offsets[-1], dtype=dtype, device=device)
                      if self._bias_of and not self.embedding else None)
-        self.dora = ((torch.ones(n_slots, self.offsets[-1], dtype=torch.float32, device=device),
-                      torch.zeros(n_slots, self.offsets[-1], dtype=torch.float32, device=device))
-                     if self._dora_of and not self.embedding else None)
+        self.dora_tables = (DoraTables(n_slots, self.offsets, device) if self._dora_of and not self.embedding
+                            else None)
         for slot, name in enumerate(registry.resident):
             if name is not None:
                 self._place(slot, name)
@@ -334,32 +332,24 @@ class SitePool:
         self.sync_b_columns()
         self.sync_dora(self._slot_name)
 
-    @torch.no_grad()
+    @property
+    def dora(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """DoRA's (scale, shift) tables, (num_slots, N_total) float32 each (``backend.packed``), or None."""
+        return self.dora_tables.tables if self.dora_tables is not None else None
+
     def sync_dora(self, slots: Iterable[int]) -> None:
-        """DoRA's scale and shift of the DoRA adapters in ``slots``, from their current values and the
-        base weights (the slot loader calls it at each call boundary, after the value copies: values
-        edited in place since are followed, as A and B are)."""
-        if self.dora is None:
+        """DoRA's scale and shift of the DoRA adapters in ``slots`` where their inputs changed
+        (``lora.dora``; the slot loader calls it at each call boundary, after the value copies)."""
+        if self.dora_tables is None:
             return
-        scale, shift = self.dora
-        dtype = self.lora_a.dtype
-        for slot in slots:
-            name = self._slot_name.get(slot)
-            for j, (layer, magnitude) in self._dora_of.get(name, {}).items():
-                lo, hi = self.offsets[j], self.offsets[j + 1]
-                if magnitude is None:  # PEFT's adapter: its parameters
-                    g = dora_norm_scale(layer, name, dtype).float()
-                else:  # a registered one: its A and B as the stacks hold them
-                    rank = self._slot_ranks[slot][j]
-                    g = dora_scale(base_layer_of(layer).weight, self.packed_view_a(slot, j, rank),
-                                   self.packed_view_b(slot, j, rank), self._slot_scalings[slot][j], magnitude,
-                                   dtype).float()
-                scale[slot, lo:hi].copy_(g)
-                bias = base_bias(layer)
-                if bias is None:
-                    shift[slot, lo:hi].zero_()
-                else:
-                    shift[slot, lo:hi].copy_((1.0 - g) * bias.float())
+        entries = [(slot, j, self._slot_name[slot], source) for slot in slots if slot in self._slot_name
+                   for j, source in self._dora_of.get(self._slot_name[slot], {}).items()]
+
+        def registered_views(slot, j):
+            rank = self._slot_ranks[slot][j]
+            return self.packed_view_a(slot, j, rank), self.packed_view_b(slot, j, rank), self._slot_scalings[slot][j]
+
+        self.dora_tables.sync(entries, registered_views, self.lora_a.dtype)
 
     def sync_b_columns(self) -> None:
         """A gate/up site with ``glu_buffers``: B's columns as the arena's rows, from the packed B and
@@ -491,9 +481,8 @@ class SitePool:
             self.unsupported.pop(slot, None)
         if self.bias is not None:  # the modules this adapter has no bias for add none
             self.bias[slot].zero_()
-        if self.dora is not None:  # plain LoRA until ``sync_dora`` sets a DoRA adapter's columns
-            self.dora[0][slot].fill_(1.0)
-            self.dora[1][slot].zero_()
+        if self.dora_tables is not None:  # plain LoRA until ``sync_dora`` sets a DoRA adapter's columns
+            self.dora_tables.reset(slot)
         return moved
 
     @torch.no_grad()

@@ -62,18 +62,31 @@ def test_dora_rows_equal_peft_row_by_row(names):
     torch.testing.assert_close(logits(m, names), peft_rows(ref, names), **TOL)
 
 
-def test_dora_scale_follows_values_edited_in_place():
-    """The magnitude and B edited in place after patch: the next call uses the new values."""
+def _recomputed(m):
+    return sum(site.pool.dora_tables.recomputed for site in get_state(m).sites if site.pool.dora_tables)
+
+
+@pytest.mark.parametrize("edit", ["mul_", "data"])
+def test_dora_scale_follows_values_edited_in_place(edit):
+    """Calls with unchanged adapters compute no scale again; the magnitude or B edited in place
+    (through the parameter, or its ``.data``, which bumps no version counter): the next call
+    computes the edited adapter's scales again, and only those."""
     m, ref = dora_pair()
     fastlora.patch(m)
     names = ["dora_all", "dora_qv", "__base__", "sql"]
     torch.testing.assert_close(logits(m, names), peft_rows(ref, names), **TOL)
+    first = _recomputed(m)
+    torch.testing.assert_close(logits(m, names), peft_rows(ref, names), **TOL)
+    assert _recomputed(m) == first > 0
+    edited = 0
     for model in (m, ref):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if ".dora_all" in name and ("lora_magnitude_vector" in name or "lora_B" in name):
-                    p.mul_(1.5)
+                    (p if edit == "mul_" else p.data).mul_(1.5)
+                    edited += model is m and "lora_magnitude_vector" in name
     torch.testing.assert_close(logits(m, names), peft_rows(ref, names), **TOL)
+    assert _recomputed(m) == first + edited, (first, edited, _recomputed(m))  # dora_all's modules alone
 
 
 def test_dora_in_slots_and_generate():

@@ -1,0 +1,90 @@
+"""DoRA's per-slot column tables for one site (``PackedWeights.dora``): a DoRA adapter's output in
+module j is ``scale * (W x + s B A x) + bias``, applied by the expand's epilogue as
+``(base + delta) * scale + shift`` with ``shift = (1 - scale) * bias``; plain slots hold ones and
+zeros.
+
+``scale`` is the magnitude over the row norms of ``W + s B A`` (PEFT's formula, in the stacks'
+dtype), which reads the whole base weight. It is computed again only where its inputs changed since
+the last time: for PEFT's adapters, the identity, address, shape and value of A, B and the
+magnitude (values compared on the device with a copy taken then: one host sync per call that uses
+a DoRA adapter), the scaling, and the base weight's address and version counter; for registered
+adapters (immutable) only when their slot is loaded again. Base weights edited in place through
+``.data`` (which bumps no version counter) are not noticed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..compat.adapters import base_bias, dora_scale, dora_sources
+from ..compat.modules import version_of
+from ..compat.peft import base_layer_of
+
+# module index -> (its LoRA layer, a registered adapter's magnitude on the device; None: PEFT's)
+Sources = Dict[int, Tuple[nn.Module, Optional[torch.Tensor]]]
+
+
+class DoraTables:
+    """The (scale, shift) tables of one site and what their rows were computed from."""
+
+    def __init__(self, num_slots: int, offsets: List[int], device: torch.device):
+        self.offsets = list(offsets)
+        self.scale = torch.ones(num_slots, self.offsets[-1], dtype=torch.float32, device=device)
+        self.shift = torch.zeros(num_slots, self.offsets[-1], dtype=torch.float32, device=device)
+        self.recomputed = 0  # rows computed (module and slot) over the tables' life: tests and probes
+        # (slot, j) -> (the host facts, copies of A, B and the magnitude (PEFT's adapters) or None)
+        self._seen: Dict[Tuple[int, int], Tuple[tuple, Optional[Tuple[torch.Tensor, ...]]]] = {}
+
+    @property
+    def tables(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.scale, self.shift
+
+    def nbytes(self) -> int:
+        copies = sum(t.numel() * t.element_size() for _, snap in self._seen.values() if snap for t in snap)
+        return 2 * self.scale.numel() * 4 + copies
+
+    def reset(self, slot: int) -> None:
+        """``slot`` takes another adapter: plain until ``sync`` computes a DoRA adapter's columns."""
+        self.scale[slot].fill_(1.0)
+        self.shift[slot].zero_()
+        for key in [k for k in self._seen if k[0] == slot]:
+            del self._seen[key]
+
+    @torch.no_grad()
+    def sync(self, entries: Iterable[Tuple[int, int, str, Sources]], registered_views: Callable, dtype: torch.dtype):
+        """The rows of these (slot, module j, adapter, its sources) whose inputs changed.
+        ``registered_views(slot, j)``: (A, B, scaling) of a registered adapter as its slot holds them."""
+        work, compare = [], []
+        for slot, j, name, (layer, magnitude) in entries:
+            if magnitude is None:
+                a, b, scaling, m = dora_sources(layer, name)
+            else:
+                a, b, scaling = registered_views(slot, j)
+                m = magnitude
+            weight = base_layer_of(layer).weight
+            facts = (weight.data_ptr(), version_of(weight), tuple(weight.shape), float(scaling),
+                     *((t.data_ptr(), tuple(t.shape), t.dtype) for t in (a, b, m)))
+            seen = self._seen.get((slot, j))
+            item = (slot, j, layer, weight, a, b, float(scaling), m, facts, magnitude is None)
+            if seen is None or seen[0] != facts:
+                work.append(item)
+            elif seen[1] is not None:  # PEFT's: its values against the copies taken then
+                compare.append((item, seen[1]))
+        if compare:  # one host sync for the call
+            changed = torch.stack([torch.stack([(now != then).any() for now, then in zip((it[4], it[5], it[7]), snap)]).any()
+                                   for it, snap in compare]).tolist()
+            work += [it for (it, _), c in zip(compare, changed) if c]
+        for slot, j, layer, weight, a, b, scaling, m, facts, copy in work:
+            lo, hi = self.offsets[j], self.offsets[j + 1]
+            g = dora_scale(weight, a, b, scaling, m, dtype).float()
+            self.scale[slot, lo:hi].copy_(g)
+            bias = base_bias(layer)
+            if bias is None:
+                self.shift[slot, lo:hi].zero_()
+            else:
+                self.shift[slot, lo:hi].copy_((1.0 - g) * bias.float())
+            self._seen[(slot, j)] = (facts, tuple(t.detach().clone() for t in (a, b, m)) if copy else None)
+            self.recomputed += 1
