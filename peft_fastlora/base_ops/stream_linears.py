@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compat.modules import has_forward_hooks, is_dtensor
+from ..compat.modules import has_forward_hooks, is_dtensor, is_plain_weight
 from ..compat.peft import base_layer_of, is_lora_layer
 from ..instance_methods import InstancePatches
 from ..lora.fusion import FUSIBLE_GROUPS
@@ -353,7 +353,7 @@ class StreamLinears:
                 adapters_own |= {id(sub) for sub in layer.modules() if sub is not layer and sub is not base}
         for name, m in root.named_modules():
             if (type(m) is not nn.Linear or id(m) in adapters_own or "forward" in m.__dict__
-                    or has_forward_hooks(m) or is_dtensor(m.weight)):
+                    or has_forward_hooks(m) or is_dtensor(m.weight) or not is_plain_weight(m.weight)):
                 continue
             parts = name.split(".")
             own = parts[-2] if parts[-1] == "base_layer" and len(parts) > 1 else parts[-1]

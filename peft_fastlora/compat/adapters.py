@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from .modules import is_dtensor, local
+from .modules import is_dtensor, is_plain_weight, local
 from .peft import LoraEmbedding, PEFT_VERSION, base_layer_of, embed_scale, unsupported_reason
 from .tensor_parallel import TP_REASON, _tp_local_adapter, tp_style
 
@@ -112,7 +112,8 @@ def adapter_blocker(layer: nn.Module, adapter: str) -> Optional[str]:
             return "DoRA on an embedding"
         if not isinstance(base, nn.Linear):
             return f"DoRA over {type(base).__name__}"
-        if not base.weight.is_floating_point():  # (DoRA's norms need the dequantized weight)
+        if not base.weight.is_floating_point() or not is_plain_weight(base.weight):
+            # (DoRA's norms need the dequantized weight)
             return f"DoRA over a quantized {type(base).__name__}"
         if sharded:
             return "DoRA under tensor parallelism"

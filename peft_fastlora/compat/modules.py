@@ -142,6 +142,17 @@ def position_limit(model: nn.Module) -> Optional[int]:
     return int(limit) if isinstance(limit, int) and limit > 0 else None
 
 
+def is_plain_weight(t: torch.Tensor) -> bool:
+    """A weight fastlora's kernels and fused copies can read as it is: a plain tensor (or a
+    tensor-parallel shard), not a tensor subclass holding quantized data (torchao's)."""
+    return type(t.data) is torch.Tensor or is_dtensor(t)
+
+
+def quantized_weight_name(t: torch.Tensor) -> str:
+    """The class of a weight's data, for reports ("Int8Tensor")."""
+    return type(t.data).__name__
+
+
 def version_of(t: torch.Tensor) -> int:
     """The tensor's version counter (bumped by in-place ops on it, not by ones through ``.data``)."""
     return t._version

@@ -69,8 +69,11 @@ def adapter_names_of(layer: nn.Module):
 
 def quantized_base_kind(layer: nn.Module) -> Optional[str]:
     """"nf4", "fp4" or "int8" where ``layer`` is PEFT's LoRA layer over a bitsandbytes base (its
-    ``lora.bnb`` classes: the base matmul is bitsandbytes' own), else None."""
+    ``lora.bnb`` classes), "torchao" over a torchao-quantized one (``lora.torchao``): the base
+    matmul is the quantization library's own; else None."""
     cls = type(layer)
+    if cls.__module__ == "peft.tuners.lora.torchao" and cls.__name__ == "TorchaoLoraLinear":
+        return "torchao"
     if cls.__module__ != "peft.tuners.lora.bnb":
         return None
     if cls.__name__ == "Linear8bitLt":

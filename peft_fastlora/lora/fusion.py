@@ -25,7 +25,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..compat.modules import has_forward_hooks, is_dtensor, local
+from ..compat.modules import has_forward_hooks, is_dtensor, is_plain_weight, local, quantized_weight_name
 from ..compat.peft import base_layer_of, is_lora_layer
 from ..compat.tensor_parallel import TP_REASON, repoint_local, tp_colwise_mesh
 
@@ -177,6 +177,8 @@ def fusion_blocker(bases: List[nn.Module]) -> Optional[str]:
     for b in bases:
         if type(b) is not nn.Linear:
             return f"base layer is {type(b).__name__}, not nn.Linear (quantized or custom)"
+        if not is_plain_weight(b.weight):
+            return f"a quantized weight ({quantized_weight_name(b.weight)})"
         if has_forward_hooks(b):
             return "base layer has forward hooks (offloading or similar)"
     if len(bases) > 1 and any(is_dtensor(b.weight) for b in bases):  # one layer: its own shard, whatever it is

@@ -102,3 +102,44 @@ def test_quantized_continuous_batching_per_request(saved):
                            continuous_batching_config=cb_config(max_batch_tokens=16), adapter_names=names)
     for i, (prompt, name) in enumerate(zip(prompts, names)):
         assert out[f"req_{i}"].generated_tokens == peft_alone(ref, prompt, name, 5), (i, name)
+
+
+def _torchao(targets=(("sql", ("q_proj", "v_proj"), 4, {}), ("chat", ("q_proj", "down_proj", "gate_proj"), 8, {}))):
+    """A tiny Llama whose decoder linears torchao quantized (int8 weight-only: nn.Linear keeps a
+    tensor-subclass weight), with PEFT's adapters (``lora.torchao`` layers) when ``targets``."""
+    torchao = pytest.importorskip("torchao.quantization")
+    model = tiny_llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torchao.quantize_(model.model, torchao.Int8WeightOnlyConfig())
+    peft_model = None
+    for i, (name, t, r, kw) in enumerate(targets):
+        torch.manual_seed(300 + i)
+        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(t), init_lora_weights=False, **kw)
+        peft_model = get_peft_model(model, cfg, adapter_name=name) if peft_model is None else peft_model
+        if i:
+            peft_model.add_adapter(name, cfg)
+    return (peft_model or model).eval()
+
+
+def test_torchao_bases_on_fastlora_path_equal_peft():
+    """LoRA layers over torchao-quantized bases: the base matmul torchao's, the deltas fastlora's;
+    their quantized siblings are never fused (a tensor subclass cannot be concatenated or streamed)."""
+    m, ref = _torchao(), _torchao()
+    report = fastlora.patch(m)
+    assert report.counts() == {"linear_torchao": 8} and report.left_on_peft == [], report
+    assert all("a quantized weight (Int8Tensor)" in why for _, why in report.fusion_blocked), report.fusion_blocked
+    for names in (["sql", "chat", "__base__", "sql"], ["chat", "chat", "__base__", "sql"]):
+        torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
+
+
+def test_torchao_base_model_alone_is_left_as_it_is():
+    """A torchao-quantized model without PEFT: fastlora's base-model kernels skip its quantized
+    layers (stream_gemm asked for: only the plain LM head takes it), and generate equals the
+    unpatched model's."""
+    m, ref = _torchao(()), _torchao(())
+    report = fastlora.patch(m, cuda_graphs="emulate", stream_gemm=True)
+    kw = dict(input_ids=IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(m.generate(**kw), ref.generate(**kw)), report
+    streamed = [name for name, _ in fastlora.get_state(m).base_ops.stream.modules]
+    assert streamed == ["lm_head"] and report.fused_base_groups == 0, (streamed, report)  # the plain LM head alone
