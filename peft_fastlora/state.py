@@ -289,7 +289,7 @@ class FastLoRAState:
             elif ((type(m) is LoraLinear and (isinstance(base, nn.Linear) or is_conv1d(base)))
                   or quantized_base_kind(m) is not None):
                 quant = quantized_base_kind(m)  # bitsandbytes' base: its own matmul, fastlora's LoRA
-                i, o = (base.in_features, base.out_features) if quant else linear_in_out(base)
+                i, o = linear_in_out(base)
                 site = LinearSite(name, [m], SitePool([m], [o], i, tuning=tuning),
                                   tp=tp_style(m, declared.get(id(m))))
                 if quant:

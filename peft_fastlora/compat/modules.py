@@ -91,6 +91,8 @@ def is_conv1d(module: nn.Module) -> bool:
 def linear_in_out(base: nn.Module) -> Tuple[int, int]:
     """(in, out) of this rank's weight (a tensor-parallel layer's shard)."""
     if isinstance(base, nn.Linear):
+        if not base.weight.is_floating_point():  # bitsandbytes' packed bytes: the layer says its shape
+            return base.in_features, base.out_features
         out_features, in_features = local(base.weight).shape
         return in_features, out_features
     if is_conv1d(base):  # GPT-2: weight is (in, out)

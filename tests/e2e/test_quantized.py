@@ -143,3 +143,22 @@ def test_torchao_base_model_alone_is_left_as_it_is():
     assert torch.equal(m.generate(**kw), ref.generate(**kw)), report
     streamed = [name for name, _ in fastlora.get_state(m).base_ops.stream.modules]
     assert streamed == ["lm_head"] and report.fused_base_groups == 0, (streamed, report)  # the plain LM head alone
+
+
+def test_adapters_registered_by_name_over_a_quantized_base(saved, tmp_path):
+    """A saved adapter registered by name on a 4-bit model: its shapes checked against the layers'
+    (not the packed weight's), served beside PEFT's adapters, equal to the same folder loaded into
+    PEFT."""
+    m, ref = quantized(saved, "nf4"), quantized(saved, "nf4")
+    donor = quantized(saved, "nf4", (("extra", ("q_proj", "down_proj"), 4, {"lora_bias": True}),))
+    with torch.no_grad():
+        for name, p in donor.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    donor.save_pretrained(str(tmp_path))  # an adapter not named "default": into its own folder
+    fastlora.patch(m)
+    fastlora.register_adapter(m, "extra", str(tmp_path / "extra"))
+    ref.load_adapter(str(tmp_path / "extra"), adapter_name="extra")
+    ref.eval()
+    names = ["extra", "sql", "__base__", "extra"]
+    torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
