@@ -44,14 +44,22 @@ def quantized(saved, quant, adapters=ADAPTERS):
         warnings.simplefilter("ignore")
         base = AutoModelForCausalLM.from_pretrained(saved, device_map="cpu",
                                                     quantization_config=BitsAndBytesConfig(**QUANT[quant], **extra))
-        model = None
+    return with_adapters(base, adapters, seed=200)
+
+
+def with_adapters(base, adapters, seed: int):
+    """``base`` wrapped by PEFT with these (name, targets, rank, LoraConfig extras), each seeded;
+    ``base`` itself when there are none."""
+    model = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         for i, (name, targets, r, kw) in enumerate(adapters):
-            torch.manual_seed(200 + i)
+            torch.manual_seed(seed + i)
             cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), init_lora_weights=False, **kw)
             model = get_peft_model(base, cfg, adapter_name=name) if model is None else model
             if i:
                 model.add_adapter(name, cfg)
-    return model.eval()
+    return (model or base).eval()
 
 
 @pytest.mark.parametrize("quant", list(QUANT))
@@ -112,14 +120,7 @@ def _torchao(targets=(("sql", ("q_proj", "v_proj"), 4, {}), ("chat", ("q_proj", 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torchao.quantize_(model.model, torchao.Int8WeightOnlyConfig())
-    peft_model = None
-    for i, (name, t, r, kw) in enumerate(targets):
-        torch.manual_seed(300 + i)
-        cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(t), init_lora_weights=False, **kw)
-        peft_model = get_peft_model(model, cfg, adapter_name=name) if peft_model is None else peft_model
-        if i:
-            peft_model.add_adapter(name, cfg)
-    return (peft_model or model).eval()
+    return with_adapters(model, targets, seed=300)
 
 
 def test_torchao_bases_on_fastlora_path_equal_peft():
