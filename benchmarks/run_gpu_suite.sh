@@ -77,7 +77,7 @@ if want serving; then  # the OpenAI endpoint at Poisson arrival rates, patched b
     --rates ${SERVE_RATES:-4 8 16 32} --duration ${SERVE_DURATION:-60} --out "$OUT" 2>&1 | quiet \
     | tee "$OUT/serving_$TAG.log" | tail -12
 fi
-if [[ $parts == *" serving-soak "* ]]; then  # zero failed requests, memory flat (fits one 10-minute call)
+if [[ $parts == *" serving-soak "* ]]; then  # zero failed requests, memory flat (under ten minutes in all)
   timeout ${SOAK_SERVE_LIMIT:-570} python3 benchmarks/bench_serving.py --model ${SERVE_MODEL:-8b} --adapters 32 \
     --modes fastlora --rates ${SERVE_SOAK_RATE:-8} --soak ${SERVE_SOAK:-240} --out "$OUT" 2>&1 | quiet \
     | tee "$OUT/serving_soak_$TAG.log" | tail -6
