@@ -101,11 +101,13 @@ class TorchNativeLoRABackend(SegmentedLoRABackend):
                 continue
             rows = self._rows_of(bi, slot)
             ids = input_ids[rows].long()
-            rows = rows[ids < vocab_size]  # added tokens get no delta here (as the kernel)
             a = weights.a_view(a_rows[slot][0], rank)
-            y = a[:, ids[ids < vocab_size]].T.float()
-            delta = (y @ weights.b_view(b_offs[slot][0], 0, rank).float().T) * scal_host[slot][0]
-            out[rows] = (out[rows].float() + delta).to(out.dtype)
+            # added tokens get no delta here (as the kernel: their lookup in A is zeros)
+            y = torch.where((ids < vocab_size)[:, None], a[:, ids.clamp(max=vocab_size - 1)].T.float(), 0.0)
+            res = out[rows].float() + (y @ weights.b_view(b_offs[slot][0], 0, rank).float().T) * scal_host[slot][0]
+            if weights.dora is not None:
+                res = res * weights.dora[0][slot] + weights.dora[1][slot]
+            out[rows] = res.to(out.dtype)
         return out
 
     def _embedding_a(self, input_ids, weights, vocab_size, extra, bi):

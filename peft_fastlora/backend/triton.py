@@ -161,7 +161,7 @@ class TritonLoRABackend(SegmentedLoRABackend):
                                   a_rows=w.a_rows, ranks=ranks, max_rank=w.max_rank)
         return _ops.lora_expand(y, w.b, w.offsets, ranks, scalings, out, bi.sorted_token_ids, bi.chunk_slot,
                                 bi.chunk_start, bi.chunk_len, block_m=bi.block_m, check=False,
-                                b_offs=w.b_offs, b_align=w.align)
+                                b_offs=w.b_offs, b_align=w.align, dora=w.dora)
 
     def _embedding_a(self, input_ids, weights, vocab_size, extra, bi):
         """input_ids (s,), weights (num_slots, rank, vocab) -> (s, rank); ids in neither table

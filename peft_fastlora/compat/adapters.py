@@ -75,10 +75,11 @@ def is_dora(layer: nn.Module, adapter: str) -> bool:
 
 
 def dora_magnitudes(layer: nn.Module) -> Dict[str, torch.Tensor]:
-    """name -> DoRA's magnitude vector (out,) for every DoRA adapter of a LoRA ``Linear``."""
+    """name -> DoRA's magnitude vector (out,) for every DoRA adapter of a LoRA ``Linear`` or
+    ``Embedding`` (out: the embedding dimension)."""
     vectors = getattr(layer, "lora_magnitude_vector", {})
-    return {name: vectors[name].weight for name in layer.lora_A.keys()
-            if is_dora(layer, name) and name in vectors}
+    names = list(layer.lora_A.keys()) + list(getattr(layer, "lora_embedding_A", {}).keys())
+    return {name: vectors[name].weight for name in names if is_dora(layer, name) and name in vectors}
 
 
 def dora_scale(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, magnitude: torch.Tensor,
@@ -90,9 +91,20 @@ def dora_scale(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: 
 
 
 def dora_sources(layer: nn.Module, adapter: str):
-    """(A, B, scaling, magnitude) of a PEFT DoRA adapter of ``layer``: what its scale is computed from."""
+    """(A, B, scaling, magnitude) of a PEFT DoRA adapter of ``layer``: what its scale is computed from
+    (an embedding's A is (r, vocab), its B (dim, r); its scaling without the embedding's own scale,
+    which PEFT applies after the norms)."""
+    if isinstance(layer, LoraEmbedding):
+        return (layer.lora_embedding_A[adapter], layer.lora_embedding_B[adapter], float(layer.scaling[adapter]),
+                layer.lora_magnitude_vector[adapter].weight)
     return (layer.lora_A[adapter].weight, layer.lora_B[adapter].weight, float(layer.scaling[adapter]),
             layer.lora_magnitude_vector[adapter].weight)
+
+
+def dora_base_weight(layer: nn.Module) -> torch.Tensor:
+    """The base weight as DoRA's norms read it: (out, in); an embedding's table transposed, (dim, vocab)."""
+    weight = base_layer_of(layer).weight
+    return weight.T if isinstance(layer, LoraEmbedding) else weight
 
 
 def adapter_blocker(layer: nn.Module, adapter: str) -> Optional[str]:
@@ -108,9 +120,7 @@ def adapter_blocker(layer: nn.Module, adapter: str) -> Optional[str]:
         return "lora_bias under tensor parallelism"
     if is_dora(layer, adapter):
         base = base_layer_of(layer)
-        if isinstance(layer, LoraEmbedding):
-            return "DoRA on an embedding"
-        if not isinstance(base, nn.Linear):
+        if not isinstance(base, (nn.Linear, nn.Embedding)):
             return f"DoRA over {type(base).__name__}"
         if not base.weight.is_floating_point() or not is_plain_weight(base.weight):
             # (DoRA's norms need the dequantized weight)

@@ -19,9 +19,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..compat.adapters import base_bias, dora_scale, dora_sources
+from ..compat.adapters import base_bias, dora_base_weight, dora_scale, dora_sources
 from ..compat.modules import version_of
-from ..compat.peft import base_layer_of
 
 # module index -> (its LoRA layer, a registered adapter's magnitude on the device; None: PEFT's)
 Sources = Dict[int, Tuple[nn.Module, Optional[torch.Tensor]]]
@@ -64,7 +63,7 @@ class DoraTables:
             else:
                 a, b, scaling = registered_views(slot, j)
                 m = magnitude
-            weight = base_layer_of(layer).weight
+            weight = dora_base_weight(layer)
             facts = (weight.data_ptr(), version_of(weight), tuple(weight.shape), float(scaling),
                      *((t.data_ptr(), tuple(t.shape), t.dtype) for t in (a, b, m)))
             seen = self._seen.get((slot, j))

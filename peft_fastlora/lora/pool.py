@@ -288,8 +288,7 @@ class SitePool:
         stage = self._allocate_packed(n_slots, dtype, device, per_call_ok=registry.all_resident)
         self.bias = (torch.zeros(n_slots, self.offsets[-1], dtype=dtype, device=device)
                      if self._bias_of and not self.embedding else None)
-        self.dora_tables = (DoraTables(n_slots, self.offsets, device) if self._dora_of and not self.embedding
-                            else None)
+        self.dora_tables = DoraTables(n_slots, self.offsets, device) if self._dora_of else None
         for slot, name in enumerate(registry.resident):
             if name is not None:
                 self._place(slot, name)

@@ -157,3 +157,25 @@ def test_dora_over_biased_layers_through_each_backend_and_the_fold(backend, fold
     torch.testing.assert_close(logits(m, names, one), peft_rows(ref, names, one), **TOL)
     if fold:
         assert get_state(m).last_fold or report.shrink_folded.startswith("8 of"), report.shrink_folded
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_dora_on_the_embedding(backend):
+    """DoRA on the input embedding (its magnitude over the norms of the table's columns plus the
+    scaled ``B @ A``) beside DoRA and plain adapters on linear layers: equal to PEFT row by row."""
+    adapters = ADAPTERS + (("dora_emb", ("embed_tokens", "q_proj"), 4, {"use_dora": True}),)
+    models = []
+    for _ in range(2):
+        model = build(adapters=adapters)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_magnitude_vector" in name:
+                    p.mul_(torch.empty_like(p).uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(name))))
+        models.append(model)
+    m, ref = models
+    report = fastlora.patch(m, backend=backend)
+    assert report.adapter_fallbacks == [], report
+    emb = next(site for site in get_state(m).sites if site.kind == "embedding")
+    assert emb.pool.dora is not None
+    for names in (["dora_emb", "sql", "__base__", "dora_all"], ["dora_emb", "dora_emb", "chat", "dora_qv"]):
+        torch.testing.assert_close(logits(m, names), peft_rows(ref, names), **TOL)

@@ -177,19 +177,6 @@ def test_patch_non_lora_peft_model(kind):
 
 
 # ---- fallbacks and the report ------------------------------------------------------------------
-def test_dora_on_an_embedding_falls_back_and_raises_like_peft(calls):
-    """DoRA on linear layers is fastlora's; on an embedding it is PEFT's, which refuses DoRA in a
-    mixed batch: such a batch raises PEFT's own error, and batches without it stay fast."""
-    adapters = (("sql", ALL, 4, {}), ("dora", ("embed_tokens", "q_proj"), 4, {"use_dora": True}))
-    m, ref = pair(adapters=adapters)
-    report = fastlora.patch(m)
-    assert report.adapter_fallbacks == [("base_model.model.model.embed_tokens", "dora", "DoRA on an embedding")]
-    assert "dora (DoRA on an embedding)" in str(report)
-    assert_same_as(m, ref, ["sql", "__base__", "sql", "__base__"])
-    assert calls["qkv"] == 2
-    assert_raises_like_peft(m, ref, ["dora", "sql", "__base__", "sql"], "DoRA")
-
-
 def test_lora_bias_adapters_served_by_fastlora(calls):
     """B's bias (``lora_bias=True``) rides in the expand: every site on fastlora's path, equal to
     PEFT's mixed batch, the bias only in the rows and modules of the adapters that have one."""
