@@ -681,3 +681,22 @@ def test_forgotten_no_grad_is_served_by_peft_and_warned_once(calls, caplog):
     assert sum(calls.values()) == 0  # PEFT's path served it
     warned = [r.getMessage() for r in caplog.records if "gradients enabled" in r.getMessage()]
     assert len(warned) == 1 and "torch.no_grad() or torch.inference_mode()" in warned[0]
+
+
+def test_bias_and_dora_adapters_fall_back_where_layers_are_sharded(monkeypatch, calls):
+    """Under tensor parallelism a B bias would be added by every rank and DoRA's norms need the
+    whole weight: such adapters are left to PEFT's path, with the reason (the sharding probe faked
+    here; the two-process TP tests cover plain LoRA). Batches without them stay on fastlora's path."""
+    import peft_fastlora.compat.adapters as adapters
+
+    monkeypatch.setattr(adapters, "tp_style", lambda layer, declared=None: "colwise")
+    kinds = (("sql", ALL, 4, {}), ("biased", ("q_proj", "down_proj"), 4, {"lora_bias": True}),
+             ("dora", ("v_proj",), 4, {"use_dora": True}))
+    m, ref = pair(adapters=kinds)
+    report = fastlora.patch(m)
+    reasons = {(a, r) for _, a, r in report.adapter_fallbacks}
+    assert reasons == {("biased", "lora_bias under tensor parallelism"), ("dora", "DoRA under tensor parallelism")}
+    assert_same_as(m, ref, ["biased", "sql", "__base__", "biased"])  # PEFT's path where "biased" is used
+    calls.clear()
+    assert_same_as(m, ref, ["sql", "__base__", "sql", "sql"])
+    assert calls["qkv"] == 2 and calls["gate_up"] == 2
