@@ -4,24 +4,32 @@ share: where a program's operands are, once its idle checks have passed."""
 from ..kernel_support import tl, triton
 
 
-def check_bias(who: str, bias, num_slots: int, n_total: int, name: str = "bias") -> None:
+def check_column_table(who: str, table, num_slots: int, n_total: int, name: str = "bias") -> None:
     """A per-slot column table (a LoRA B bias, DoRA's scale or shift): (>= num_slots, N_total),
     unit column stride (None: none)."""
-    if bias is not None and (bias.dim() != 2 or bias.shape[0] < num_slots or bias.shape[1] != n_total
-                             or bias.stride(1) != 1):
+    if table is not None and (table.dim() != 2 or table.shape[0] < num_slots or table.shape[1] != n_total
+                              or table.stride(1) != 1):
         raise ValueError(f"{who}: {name} must be (>= {num_slots}, {n_total}) with unit column stride, "
-                         f"got {tuple(bias.shape)}")
+                         f"got {tuple(table.shape)}")
 
 
 def check_dora(who: str, dora, num_slots: int, n_total: int) -> None:
-    """DoRA's (scale, shift) tables: each as ``check_bias``, with one row stride (None: no DoRA)."""
+    """DoRA's (scale, shift) tables: each as ``check_column_table``, with one row stride (None: no DoRA)."""
     if dora is None:
         return
     scale, shift = dora
-    check_bias(who, scale, num_slots, n_total, "dora scale")
-    check_bias(who, shift, num_slots, n_total, "dora shift")
+    check_column_table(who, scale, num_slots, n_total, "dora scale")
+    check_column_table(who, shift, num_slots, n_total, "dora shift")
     if scale.stride(0) != shift.stride(0):
         raise ValueError(f"{who}: the DoRA scale and shift tables must share a row stride")
+
+
+@triton.jit
+def add_bias(acc, bias_row, cols, n_mask, HAS_BIAS: tl.constexpr):
+    """``acc`` (a tile's delta before the scaling, float32) plus the slot's LoRA B bias in ``cols``."""
+    if HAS_BIAS:
+        acc += tl.load(bias_row + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    return acc
 
 
 @triton.jit

@@ -25,7 +25,8 @@ import torch
 from ..kernel_support import tl, triton
 from . import pdl
 from .lora_expand_wide import WIDE_MAX_BLOCK_M, WIDE_MAX_RANK, launch_wide
-from .expand_common import check_bias, check_dora, chunk_rank, dora_epilogue, expand_operands, module_span
+from .expand_common import (add_bias, check_column_table, check_dora, chunk_rank, dora_epilogue, expand_operands,
+                            module_span)
 
 MAX_MODULES_PER_LAUNCH = 4  # column offsets travel as scalar arguments (no device table to build)
 
@@ -107,8 +108,7 @@ def _lora_expand_kernel(
         bt = tl.load(b_base + offs_r[:, None] * b_rstride,
                      mask=(offs_r < b_rank)[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(yt, bt, acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + slot.to(tl.int64) * stride_biasl + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    acc = add_bias(acc, bias_ptr + slot.to(tl.int64) * stride_biasl, cols, n_mask, HAS_BIAS)
 
     out_ptrs = out_ptr + tok[:, None] * stride_os + cols[None, :] * stride_on
     mask = row_mask[:, None] & n_mask[None, :]
@@ -223,7 +223,7 @@ def lora_expand(
         for name, t in (("ranks", ranks), ("scalings", scalings)):
             if t.dim() != 2 or t.shape[1] != c or t.stride(1) != 1:
                 raise ValueError(f"lora_expand: {name} must be (num_slots, {c}) with unit column stride")
-        check_bias("lora_expand", bias, num_slots, n_total)
+        check_column_table("lora_expand", bias, num_slots, n_total)
         check_dora("lora_expand", dora, num_slots, n_total)
     max_chunks = chunk_slot.shape[0]
     if s == 0 or max_chunks == 0 or r == 0:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from . import pdl
 from ..kernel_support import tl, triton
-from .expand_common import chunk_rank, dora_epilogue, expand_operands, module_span
+from .expand_common import add_bias, chunk_rank, dora_epilogue, expand_operands, module_span
 
 WIDE_MAX_RANK = 128  # the largest rank class
 WIDE_MAX_BLOCK_M = 16  # decode-sized row tiles: the accumulator is (BLOCK_M, TILE // rank class)
@@ -49,8 +49,7 @@ def _wide_tile(y_row, stride_yr, row_mask, b_rows, b_nstride, b_rstride, b_rank,
             bt_next = tl.load(b_rows + nxt[None, :] * b_nstride + offs_r[:, None] * b_rstride,
                               mask=b_rmask[:, None] & (nxt < width)[None, :], other=0.0)
         acc = tl.dot(yt, bt, tl.zeros((yt.shape[0], TC), dtype=tl.float32), input_precision=DOT_PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(bias_row + lo + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc = add_bias(acc, bias_row, lo + cols, n_mask, HAS_BIAS)
         out_ptrs = out_rows + (lo + cols)[None, :] * stride_on
         mask = row_mask[:, None] & n_mask[None, :]
         base = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)

@@ -37,7 +37,7 @@ import torch
 
 from ..kernel_support import AVAILABLE, tl, triton
 from ..kernel_support import num_sms
-from .expand_common import check_bias, check_dora, dora_epilogue, packed_row_stride
+from .expand_common import add_bias, check_column_table, check_dora, dora_epilogue, packed_row_stride
 
 if AVAILABLE:
     from triton.language.extra.cuda import globaltimer, smid
@@ -369,9 +369,7 @@ def _lora_fused_decode_kernel(
                                          stride_bn, stride_br, PACKED, B_ALIGN, R_SUB)
                 if TRACE:  # T_COMPUTED
                     _stamp(trace_ptr, t, 6, tl.sum(delta).to(tl.int32), TRACE)
-                if HAS_BIAS:
-                    delta += tl.load(bias_ptr + slot.to(tl.int64) * stride_biasl + cols, mask=n_mask,
-                                     other=0.0).to(tl.float32)[None, :]
+                delta = add_bias(delta, bias_ptr + slot.to(tl.int64) * stride_biasl, cols, n_mask, HAS_BIAS)
                 res = dora_epilogue(base.to(tl.float32) + delta * scaling, scale_ptr + slot.to(tl.int64) * stride_dl,
                                     shift_ptr + slot.to(tl.int64) * stride_dl, cols, n_mask, HAS_DORA)
                 tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=mask)
@@ -542,7 +540,7 @@ def lora_fused(
         for name, t in (("ranks", ranks), ("scalings", scalings)):
             if t.dim() != 2 or t.shape[1] != c or t.stride(1) != 1:
                 raise ValueError(f"lora_fused: {name} must be (num_slots, {c}) with unit column stride")
-        check_bias("lora_fused", bias, num_slots, n_total)
+        check_column_table("lora_fused", bias, num_slots, n_total)
         check_dora("lora_fused", dora, num_slots, n_total)
     max_chunks = chunk_slot.shape[0]
     widths = [b - a for a, b in zip(offsets[:-1], offsets[1:])]

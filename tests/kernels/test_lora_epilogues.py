@@ -121,9 +121,14 @@ def test_tables_of_the_wrong_shape_are_refused(case):
                                layer_ranks=ranks, layer_scalings=scalings)
 
 
-def test_launchers_check_the_bias_table():
+@pytest.mark.parametrize("table,match", [
+    (dict(bias=torch.zeros(3, 9)), "bias must be"),
+    (dict(dora=(torch.ones(3, 10), torch.zeros(3, 9))), "dora shift must be"),
+    (dict(dora=(torch.ones(3, 10), torch.zeros(6, 10)[::2])), "share a row stride"),
+])
+def test_launchers_check_the_epilogue_tables(table, match):
     y, bt = torch.zeros(2, 8), torch.zeros(3, 10, 8)
     plan = [torch.zeros(2, dtype=torch.int32)] * 4
-    with pytest.raises(ValueError, match="bias must be"):
+    with pytest.raises(ValueError, match=match):
         lora_expand(y, bt, [0, 10], torch.ones(3, 1, dtype=torch.int32), torch.ones(3, 1), torch.zeros(2, 10),
-                    *plan, block_m=16, bias=torch.zeros(3, 9))
+                    *plan, block_m=16, **table)
