@@ -284,11 +284,10 @@ class FastLoRAState:
                 continue
             base = base_layer_of(m)
             blocker = lora_layer_blocker(m)
+            quant = quantized_base_kind(m)  # a bitsandbytes or torchao base: its own matmul, fastlora's LoRA
             if blocker is not None:
                 left_on_peft.append((name, blocker))
-            elif ((type(m) is LoraLinear and (isinstance(base, nn.Linear) or is_conv1d(base)))
-                  or quantized_base_kind(m) is not None):
-                quant = quantized_base_kind(m)  # bitsandbytes' base: its own matmul, fastlora's LoRA
+            elif (type(m) is LoraLinear and (isinstance(base, nn.Linear) or is_conv1d(base))) or quant is not None:
                 i, o = linear_in_out(base)
                 site = LinearSite(name, [m], SitePool([m], [o], i, tuning=tuning),
                                   tp=tp_style(m, declared.get(id(m))))

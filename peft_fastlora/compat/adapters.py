@@ -110,8 +110,8 @@ def dora_base_weight(layer: nn.Module) -> torch.Tensor:
 def adapter_blocker(layer: nn.Module, adapter: str) -> Optional[str]:
     """Why fastlora cannot compute ``adapter`` in ``layer`` (None: it can): PEFT's other variants,
     a B bias under tensor parallelism (each rank would add it), and DoRA where its column norms
-    are not those of a plain local weight (tensor parallelism, GPT-2's transposed ``Conv1D``, an
-    embedding). (PEFT's ``LoraConfig`` refuses DoRA with a B bias itself.)"""
+    are not those of a plain local weight (tensor parallelism, GPT-2's transposed ``Conv1D``, a
+    quantized base). (PEFT's ``LoraConfig`` refuses DoRA with a B bias itself.)"""
     why = unsupported_reason(layer, adapter)
     if why is not None:
         return why

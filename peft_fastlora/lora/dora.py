@@ -6,8 +6,8 @@ zeros.
 ``scale`` is the magnitude over the row norms of ``W + s B A`` (PEFT's formula, in the stacks'
 dtype), which reads the whole base weight. It is computed again only where its inputs changed since
 the last time: for PEFT's adapters, the identity, address, shape and value of A, B and the
-magnitude (values compared on the device with a copy taken then: one host sync per call that uses
-a DoRA adapter), the scaling, and the base weight's address and version counter; for registered
+magnitude (values compared on the device with a copy taken then: ``sync_tables`` reads every
+site's comparisons back in one host sync per call that uses a DoRA adapter), the scaling, and the base weight's address and version counter; for registered
 adapters (immutable) only when their slot is loaded again. Base weights edited in place through
 ``.data`` (which bumps no version counter) are not noticed.
 """
@@ -52,10 +52,11 @@ class DoraTables:
         for key in [k for k in self._seen if k[0] == slot]:
             del self._seen[key]
 
-    @torch.no_grad()
-    def sync(self, entries: Iterable[Tuple[int, int, str, Sources]], registered_views: Callable, dtype: torch.dtype):
-        """The rows of these (slot, module j, adapter, its sources) whose inputs changed.
-        ``registered_views(slot, j)``: (A, B, scaling) of a registered adapter as its slot holds them."""
+    def stale(self, entries: Iterable[Tuple[int, int, str, Sources]], registered_views: Callable):
+        """Of these (slot, module j, adapter, its sources): the rows to compute again (their host facts
+        changed), and the rows whose values must be compared with the copies taken last time
+        (``sync_tables`` compares every site's at once). ``registered_views(slot, j)``: (A, B,
+        scaling) of a registered adapter as its slot holds them."""
         work, compare = [], []
         for slot, j, name, (layer, magnitude) in entries:
             if magnitude is None:
@@ -72,10 +73,11 @@ class DoraTables:
                 work.append(item)
             elif seen[1] is not None:  # PEFT's: its values against the copies taken then
                 compare.append((item, seen[1]))
-        if compare:  # one host sync for the call
-            changed = torch.stack([torch.stack([(now != then).any() for now, then in zip((it[4], it[5], it[7]), snap)]).any()
-                                   for it, snap in compare]).tolist()
-            work += [it for (it, _), c in zip(compare, changed) if c]
+        return work, compare
+
+    @torch.no_grad()
+    def compute(self, work, dtype: torch.dtype) -> None:
+        """The scale and shift of these rows (``stale``'s items), and what they were computed from."""
         for slot, j, layer, weight, a, b, scaling, m, facts, copy in work:
             lo, hi = self.offsets[j], self.offsets[j + 1]
             g = dora_scale(weight, a, b, scaling, m, dtype).float()
@@ -87,3 +89,18 @@ class DoraTables:
                 self.shift[slot, lo:hi].copy_((1.0 - g) * bias.float())
             self._seen[(slot, j)] = (facts, tuple(t.detach().clone() for t in (a, b, m)) if copy else None)
             self.recomputed += 1
+
+
+@torch.no_grad()
+def sync_tables(pending) -> None:
+    """Bring several sites' tables up to date: ``pending`` holds (tables, their ``stale`` work and
+    compare lists, the stacks' dtype) per site. Every site's value comparisons are read back in one
+    host sync, then the rows whose inputs changed are computed."""
+    compares = [(k, item, snap) for k, (_, _, compare, _) in enumerate(pending) for item, snap in compare]
+    changed = []
+    if compares:
+        changed = torch.stack([torch.stack([(now != then).any() for now, then in zip((it[4], it[5], it[7]), snap)]).any()
+                               for _, it, snap in compares]).tolist()
+    for k, (tables, work, _, dtype) in enumerate(pending):
+        work = work + [it for (site, it, _), c in zip(compares, changed) if c and site == k]
+        tables.compute(work, dtype)

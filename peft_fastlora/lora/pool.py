@@ -48,7 +48,7 @@ from ..backend.packed import PackedWeights, block_align
 from ..ops.glu_lora import b_columns
 from ..tuning import Tuning
 from .arena import RowArena
-from .dora import DoraTables
+from .dora import DoraTables, sync_tables
 from .slots import AdapterRegistry
 from .staging import FoldStaging, staging_rows
 
@@ -258,15 +258,15 @@ class SitePool:
         for j, layer in enumerate(self.layers):
             if layer is None:
                 continue
-            biases = lora_biases(layer)
+            biases, magnitudes = lora_biases(layer), dora_magnitudes(layer)
             for name, (a, b, scaling) in lora_weights(layer).items():
                 reason = adapter_blocker(layer, name)
                 if reason:
                     self._unsupported_of[name] = reason
                 add(name, j, a, b, scaling, False)
-                if name in biases:
+                if not reason and name in biases:  # (an adapter PEFT serves needs no table)
                     self._bias_of.setdefault(name, {})[j] = biases[name]
-                if not reason and name in dora_magnitudes(layer):
+                if not reason and name in magnitudes:
                     self._dora_of.setdefault(name, {})[j] = (layer, None)
         for name, by_module in (stored or {}).items():
             for j, (a, b, scaling, extras) in by_module.items():
@@ -329,18 +329,19 @@ class SitePool:
             for run in runs:
                 run.dst[run.offset: run.offset + run.numel].copy_(run.src.view(-1))
         self.sync_b_columns()
-        self.sync_dora(self._slot_name)
+        sync_tables([self.dora_pending(self._slot_name)] if self.dora_tables is not None else [])
 
     @property
     def dora(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """DoRA's (scale, shift) tables, (num_slots, N_total) float32 each (``backend.packed``), or None."""
         return self.dora_tables.tables if self.dora_tables is not None else None
 
-    def sync_dora(self, slots: Iterable[int]) -> None:
-        """DoRA's scale and shift of the DoRA adapters in ``slots`` where their inputs changed
-        (``lora.dora``; the slot loader calls it at each call boundary, after the value copies)."""
+    def dora_pending(self, slots: Iterable[int]):
+        """What ``lora.dora.sync_tables`` takes to bring DoRA's scale and shift of the DoRA adapters in
+        ``slots`` up to date (the slot loader, at each call boundary after the value copies, for all
+        sites at once); None for a site without DoRA tables."""
         if self.dora_tables is None:
-            return
+            return None
         entries = [(slot, j, self._slot_name[slot], source) for slot in slots if slot in self._slot_name
                    for j, source in self._dora_of.get(self._slot_name[slot], {}).items()]
 
@@ -348,7 +349,7 @@ class SitePool:
             rank = self._slot_ranks[slot][j]
             return self.packed_view_a(slot, j, rank), self.packed_view_b(slot, j, rank), self._slot_scalings[slot][j]
 
-        self.dora_tables.sync(entries, registered_views, self.lora_a.dtype)
+        return (self.dora_tables, *self.dora_tables.stale(entries, registered_views), self.lora_a.dtype)
 
     def sync_b_columns(self) -> None:
         """A gate/up site with ``glu_buffers``: B's columns as the arena's rows, from the packed B and
@@ -480,7 +481,7 @@ class SitePool:
             self.unsupported.pop(slot, None)
         if self.bias is not None:  # the modules this adapter has no bias for add none
             self.bias[slot].zero_()
-        if self.dora_tables is not None:  # plain LoRA until ``sync_dora`` sets a DoRA adapter's columns
+        if self.dora_tables is not None:  # plain LoRA until ``dora_pending`` finds a DoRA adapter here
             self.dora_tables.reset(slot)
         return moved
 

@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from ..tuning import Tuning
+from .dora import sync_tables
 from .host_copy import copy_from_host, prestage
 from .pool import ValueRefresher, copy_values
 from .slots import AdapterRegistry
@@ -81,8 +82,8 @@ class SlotLoader:
             self._refresher = ValueRefresher(s.pool for s in self.sites)
             self._refresher_key = key
         self._refresher.refresh(slots)
-        for site in self.sites:  # DoRA's column scales from the values just copied
-            site.pool.sync_dora(slots)
+        # DoRA's column scales from the values just copied (one host sync for every site's check)
+        sync_tables([p for p in (site.pool.dora_pending(slots) for site in self.sites) if p is not None])
         if folds:  # staged sites: the call's A blocks (current values) under the base weight
             for site in self.sites:
                 site.pool.stage_call(slots, self._stage_cache)

@@ -179,3 +179,18 @@ def test_dora_on_the_embedding(backend):
     assert emb.pool.dora is not None
     for names in (["dora_emb", "sql", "__base__", "dora_all"], ["dora_emb", "dora_emb", "chat", "dora_qv"]):
         torch.testing.assert_close(logits(m, names), peft_rows(ref, names), **TOL)
+
+
+def test_one_host_sync_a_call_for_every_site_with_dora(monkeypatch):
+    """The slot loader checks every DoRA site's values in one ``sync_tables`` call (one host read)."""
+    import peft_fastlora.lora.slot_loader as slot_loader
+
+    seen = []
+    real = slot_loader.sync_tables
+    monkeypatch.setattr(slot_loader, "sync_tables", lambda pending: (seen.append(len(pending)), real(pending))[1])
+    m, ref = dora_pair()
+    fastlora.patch(m)
+    names = ["dora_all", "dora_qv", "__base__", "sql"]
+    torch.testing.assert_close(logits(m, names), peft_rows(ref, names), **TOL)
+    sites = sum(site.pool.dora_tables is not None for site in get_state(m).sites)
+    assert seen == [sites] and sites == 8, (seen, sites)  # qkv, o, gate_up, down of both layers

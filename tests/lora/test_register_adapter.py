@@ -203,6 +203,9 @@ BAD = {
     "dora without magnitudes": (dict(config={"use_dora": True}), "has no lora_magnitude_vector .its config has use_dora"),
     "lora_bias without biases": (dict(config={"lora_bias": True}), "has no lora_B.bias .its config has lora_bias"),
     "dora with lora_bias": (dict(config={"use_dora": True, "lora_bias": True}), "lora_bias=True is not supported for DoRA"),
+    "a bias of the wrong width": (dict(config={"lora_bias": True}, weights=lambda sd: {
+        **sd, **{k.replace("lora_B.weight", "lora_B.bias"): torch.zeros(3) for k in sd if k.endswith("lora_B.weight")}}),
+        r"has a bias of \(3,\) torch.float32; its base layer takes \(\d+,\)"),
     "a magnitude without dora": (dict(weights=lambda sd: {**sd, _first(sd, "lora_A.weight").replace(
         "lora_A.weight", "lora_magnitude_vector"): torch.ones(32)}), "unexpected key .*lora_magnitude_vector"),
     "rank_pattern": (dict(config={"rank_pattern": {"q_proj": 4}}), "rank_pattern is not supported"),
