@@ -148,10 +148,13 @@ class Site:
         return supported is not None and dtype not in supported
 
     @staticmethod
-    def peft_forward(context: CallContext, original, x, args, kwargs):
+    def peft_forward(context: CallContext, original, x, args, kwargs, lora: bool = True):
         """This member's own (PEFT's) forward. In a continuous-batching forward it gets one row
         per token and each token's adapter name: PEFT's per-row path, exactly, never the active
-        adapter applied to every sequence."""
+        adapter applied to every sequence. ``lora``: the member is a LoRA layer (a fused group's
+        plain sibling takes no adapter names)."""
+        if not lora:
+            return original(x, *args, **kwargs)
         if kwargs.get("adapter_names") is None and context.names is not None:
             # the call's names, which PEFT's hooks would have passed (fastlora took them instead)
             return original(x, *args, adapter_names=list(context.names), **kwargs)
@@ -375,7 +378,7 @@ class FusedSite(Site):
             return out
         bi = self.fast_path_info(state, context, x, args, kwargs)
         if bi is None or not self.group.is_intact():
-            return self.peft_forward(context, original, x, args, kwargs)
+            return self.peft_forward(context, original, x, args, kwargs, lora=is_lora_layer(self.members[i]))
         pool = state.pool_for(self, x.dtype)
         x2 = _as_rows(x, x.shape[-1]).contiguous()
         if _folded(context, pool, bi):

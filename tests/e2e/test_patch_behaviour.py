@@ -683,6 +683,17 @@ def test_forgotten_no_grad_is_served_by_peft_and_warned_once(calls, caplog):
     assert len(warned) == 1 and "torch.no_grad() or torch.inference_mode()" in warned[0]
 
 
+def test_forgotten_no_grad_with_plain_fused_siblings(calls):
+    """Adapters on q_proj alone: k_proj and v_proj join its fused group without LoRA. PEFT's path
+    (gradients enabled) hands the call's adapter names to the LoRA layer, not to its plain siblings."""
+    adapters = (("sql", ("q_proj",), 4, {}), ("chat", ("q_proj",), 8, {}))
+    m, ref = pair(adapters=adapters)
+    fastlora.patch(m)
+    got = m(input_ids=IDS, attention_mask=MASK, adapter_names=NAMES).logits  # no torch.no_grad()
+    torch.testing.assert_close(got, logits(ref, NAMES), **TOL)
+    assert sum(calls.values()) == 0
+
+
 def test_bias_and_dora_adapters_fall_back_where_layers_are_sharded(monkeypatch, calls):
     """Under tensor parallelism a B bias would be added by every rank and DoRA's norms need the
     whole weight: such adapters are left to PEFT's path, with the reason (the sharding probe faked
