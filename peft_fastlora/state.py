@@ -35,6 +35,7 @@ from .decode.plan import DecodePlan
 from .decode.runner import DecodeGraphRunner
 from .lora.fusion import FusedGroup, find_groups, fusion_blocker
 from .lora.mutations import AdapterMutationLock
+from .lora.experts import ExpertsSite, find_expert_sites
 from .lora.pool import AdapterRegistry, SitePool
 from .lora.batch_infos import BatchInfos
 from .lora.slot_loader import SlotLoader
@@ -70,6 +71,7 @@ class FastLoRAState:
         self.lora_plan = LoRAPlan(backend="none", device="none")  # lora.plan: what the LoRA build decided
         self.report: Optional[PatchReport] = None  # rendered from the plans (``_render_report``)
         self.sites: List[Site] = []
+        self.expert_sites: List[ExpertsSite] = []  # MoE layers whose expert parameters have LoRA
         self.groups = []
         self.base_ops: Optional[BaseOps] = None
         self.generate_hook = None  # decode.generate.GenerateHook
@@ -98,7 +100,7 @@ class FastLoRAState:
 
     @property
     def has_lora(self) -> bool:
-        return bool(self.sites)
+        return bool(self.sites or self.expert_sites)
 
     @property
     def registry(self) -> AdapterRegistry:
@@ -278,6 +280,9 @@ class FastLoRAState:
                 parent = model.get_submodule(g.parent_name) if g.parent_name else model
                 self.sites.append(FusedSite(site_name, g, pool, parent))
                 served |= {id(m) for m in g.members}
+        self.expert_sites, expert_wrappers, refused = find_expert_sites(lora_layers, self.registry.num_slots)
+        left_on_peft += refused
+        served |= expert_wrappers
         declared = declared_tp_plans(model)
         for name, m in lora_layers:
             if id(m) in served:
@@ -318,6 +323,8 @@ class FastLoRAState:
                     why = adapter_blocker(layer, adapter)
                     if why:
                         adapter_fallbacks.append((name_of.get(id(layer), "?"), adapter, why))
+        for site in self.expert_sites:
+            site.install(self)
         self._drop_unservable_stored()
         folded = sum(s.pool.folded() and not s.pool.folds_per_call() for s in self.sites)
         per_call = sum(s.pool.folds_per_call() for s in self.sites)
@@ -327,14 +334,15 @@ class FastLoRAState:
             + (f"; {staged} of them staged: such a call's A blocks are copied under the base weight first"
                if staged else "") + ")" if per_call else ""))
         # every module PEFT would hand adapter_names to is a site: fastlora takes the names itself
-        self._takes_adapter_names = (bool(self.sites) and not left_on_peft
+        self._takes_adapter_names = (self.has_lora and not left_on_peft
                                      and not has_auxiliary_wrappers(model))
         self.lora_plan = LoRAPlan(
             backend=backend_name, device=str(self.device), adapters=self._users_adapters(),
-            sites=[(s.name, s.kind, len(s.lora_layers)) for s in self.sites], left_on_peft=left_on_peft,
+            sites=[(s.name, s.kind, len(s.lora_layers)) for s in self.sites + self.expert_sites],
+            left_on_peft=left_on_peft,
             adapter_fallbacks=adapter_fallbacks, fusion_blocked=fusion_blocked,
             triton_missing=kernel_support.triton_missing() or "",
-            stack_bytes=sum(s.pool.nbytes() for s in self.sites),
+            stack_bytes=sum(s.pool.nbytes() for s in self.sites) + sum(s.nbytes() for s in self.expert_sites),
             adapter_bytes=sum(s.pool.adapter_nbytes() for s in self.sites),
             gpu_slots=self.registry.describe(hidden=(SCAFFOLD_ADAPTER,)), registered=len(self.stored),
             store_bytes=sum(a.nbytes() for a in self.stored.values()), shrink_folded=shrink_folded,
@@ -467,7 +475,9 @@ class FastLoRAState:
                 fold.unfuse()  # a single layer fused only to fold its pool: its own storage again
         for g in self.groups:
             g.unfuse()
-        self.sites, self.groups = [], []
+        for site in self.expert_sites:
+            site.uninstall()
+        self.sites, self.groups, self.expert_sites = [], [], []
         self.slots.moved()
         self._watches = {}
         self.generation += 1
@@ -567,16 +577,23 @@ class FastLoRAState:
 
     def refresh_values(self, adapter_names: Optional[Sequence[str]], fold: bool = True) -> bool:
         """The call's adapters into the stacks and its fold choice (``SlotLoader.place``)."""
-        return self.slots.place(adapter_names, self.generation, fold=fold)
+        folds = self.slots.place(adapter_names, self.generation, fold=fold)
+        if self.expert_sites and adapter_names:
+            slot = self.registry.slot
+            placed = {n: slot[n] for n in set(adapter_names) if n in slot}
+            for site in self.expert_sites:
+                site.refresh(placed)
+        return folds
 
     def _adapter_set_changed(self) -> bool:
         # adapters per layer, counted (cheap); the names compared only when the count moved
-        count = sum(adapter_count(layer) for site in self.sites for layer in site.lora_layers)
+        sites = self.sites + self.expert_sites
+        count = sum(adapter_count(layer) for site in sites for layer in site.lora_layers)
         if count == self._adapter_count:
             return False
         self._adapter_count = count
         names = set()
-        for site in self.sites:
+        for site in sites:
             for layer in site.lora_layers:
                 names |= adapter_names_of(layer)
         return sorted(names) != self._peft_names
@@ -614,6 +631,23 @@ class FastLoRAState:
         if context.boundary is not None:  # a forward outside any call: its boundary, once
             context.boundary.run(adapter_names)
         return self.batch_infos.for_rows(adapter_names, rows, tokens_per_row)
+
+    def token_slots(self, context: CallContext, adapter_names: Optional[Sequence[str]], num_tokens: int,
+                    device: torch.device) -> Optional[torch.Tensor]:
+        """Each token's slot (-1: none) for a layer that sees the forward's tokens flattened, on
+        ``device``; None where the forward has no per-row adapters fastlora serves (or its tokens
+        do not divide into the rows)."""
+        if context.graphed:
+            bi = context.graph_batch_info
+        elif context.segments is not None and adapter_names is None:
+            bi = self.segment_batch_info(context)
+        elif adapter_names is not None and len(adapter_names) and num_tokens % len(adapter_names) == 0:
+            if context.boundary is not None:  # a forward outside any call: its boundary, once
+                context.boundary.run(adapter_names)
+            bi = self.batch_infos.for_rows(adapter_names, len(adapter_names), num_tokens // len(adapter_names))
+        else:
+            return None
+        return self.batch_info_on(bi, device).token_slot[:num_tokens]
 
     def batch_info_on(self, bi, device: torch.device):
         """``bi`` on ``device``: a layer of a model split over devices (accelerate's device_map)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import peft
+import torch
 from peft.tuners.lora import layer as _lora_layer
 from torch import nn
 
@@ -17,6 +18,7 @@ LoraLayer = _lora_layer.LoraLayer
 
 
 LoraLinear = _lora_layer.Linear
+_PARAM_WRAPPER = getattr(_lora_layer, "ParamWrapper", ())  # PEFT before target_parameters: none
 
 
 LoraEmbedding = _lora_layer.Embedding
@@ -80,6 +82,65 @@ def quantized_base_kind(layer: nn.Module) -> Optional[str]:
         return "int8"
     if cls.__name__ == "Linear4bit":
         return str(getattr(base_layer_of(layer).weight, "quant_type", None) or "4bit")
+    return None
+
+
+def is_param_wrapper(module: nn.Module) -> bool:
+    """PEFT's LoRA over one parameter of a module (``target_parameters``): experts stored as 3-D
+    parameters take one such wrapper per targeted parameter, nested."""
+    return isinstance(module, _PARAM_WRAPPER)
+
+
+def param_wrapper_chain(outer: nn.Module) -> Tuple[nn.Module, Dict[str, nn.Module]]:
+    """The module under a chain of ``ParamWrapper``s, and the wrapper of each parameter named."""
+    wrappers: Dict[str, nn.Module] = {}
+    module = outer
+    while is_param_wrapper(module):
+        wrappers[module.parameter_name] = module
+        module = module.base_layer
+    return module, wrappers
+
+
+def expert_factors(wrapper: nn.Module, adapter: str) -> Tuple[torch.Tensor, torch.Tensor, float]:
+    """An adapter's factors on a 3-D expert parameter stored (experts, out, in): A (experts, r,
+    in), B (experts, out, r) and the scaling, so that expert e's delta is ``scaling * B[e] @ A[e]``.
+    PEFT keeps A as (experts * r, in) expert-major and B as (out, r * experts) expert-minor."""
+    experts = wrapper.num_experts
+    a = wrapper.lora_A[adapter].weight
+    b = wrapper.lora_B[adapter].weight
+    a = a.reshape(experts, -1, a.shape[-1])
+    b = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)
+    return a, b, float(wrapper.scaling[adapter])
+
+
+def expert_layout_blocker(experts: nn.Module, wrappers: Dict[str, nn.Module]) -> Optional[str]:
+    """Why fastlora cannot serve LoRA on these experts (None: it can). It serves transformers'
+    fused 3-D experts stored (experts, out, in), gate and up concatenated, no biases, the default
+    gate (``act_fn(gate) * up``), with LoRA on ``gate_up_proj`` and/or ``down_proj``."""
+    kind = type(experts).__name__
+    other = sorted(set(wrappers) - {"gate_up_proj", "down_proj"})
+    if other:
+        return f"LoRA on {kind}.{', '.join(other)} (fastlora serves gate_up_proj and down_proj)"
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+            and gate_up.dim() == 3 and down.dim() == 3 and hasattr(experts, "act_fn")):
+        return f"{kind} does not keep its experts as 3-D gate_up_proj and down_proj parameters"
+    layout = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+              "has_post_expert_norm": False}
+    odd = [f"{k}={getattr(experts, k)}" for k, want in layout.items() if getattr(experts, k, want) != want]
+    if odd:
+        return f"{kind} with {', '.join(odd)}"
+    gate = getattr(type(experts), "_apply_gate", None)
+    if gate is not None and gate.__name__ != "_default_apply_gate":
+        return f"{kind} has its own gate function"
+    e, two_i, h = gate_up.shape
+    if down.shape != (e, h, two_i // 2) or two_i % 2:
+        return f"{kind}'s gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not pair"
+    if type(gate_up) is not nn.Parameter or type(down) is not nn.Parameter:
+        return f"{kind}'s expert weights are not plain tensors"
+    for name, w in wrappers.items():
+        if getattr(w, "_did_swap_in_out_features", None) is not True:
+            return f"PEFT's {name} wrapper does not read {kind}'s weights as (experts, out, in)"
     return None
 
 

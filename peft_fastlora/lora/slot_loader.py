@@ -61,7 +61,7 @@ class SlotLoader:
         blocks where it does, and return that choice. ``generation``: the model state's count of
         stack rebuilds (the value refresher is rebuilt with them)."""
         self.last_fold = False
-        if not adapter_names or not self.sites:
+        if not adapter_names or not (self.sites or self.registry.names):
             return False
         placed = self.registry.assign(adapter_names)
         if placed:
@@ -150,6 +150,8 @@ class SlotLoader:
         self.moved()
 
     def _load_now(self, placed):
+        if not self.sites:  # (adapters on routed experts alone: their sites copy at the call boundary)
+            return
         # registered adapters' buffers go first: their copies run while the pools place them
         buffers = [self.stored[name].buffer for _, name in placed
                    if name in self.stored and self.stored[name].buffer is not None]

@@ -40,7 +40,9 @@ _REFUSED = {"modules_to_save": "modules_to_save",
             "rank_pattern": "rank_pattern", "alpha_pattern": "alpha_pattern",
             "trainable_token_indices": "trainable_token_indices",
             "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)", "use_qalora": "QALoRA",
-            "layer_replication": "layer_replication"}
+            "layer_replication": "layer_replication",
+            "target_parameters": "target_parameters (LoRA on parameters such as routed experts: load such "
+                                 "an adapter with PEFT's load_adapter; fastlora serves it from there)"}
 
 
 @dataclass

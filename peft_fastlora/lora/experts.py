@@ -1,0 +1,216 @@
+"""LoRA on routed experts: ``ExpertsSite``, one per mixture-of-experts layer whose 3-D expert
+parameters PEFT adapts (``target_parameters``: a chain of ``ParamWrapper``s over the experts).
+
+PEFT serves such adapters by adding each one's delta to the whole expert stack for the forward,
+so a batch can use one adapter only. Here the experts' forward is computed as pairs (token, chosen
+expert): the base projections by expert, the LoRA factors by (adapter slot, expert), both through
+``ops.grouped_gemm`` (or its torch reference off the Triton backend). A token gets its row's adapter
+on the experts it is routed to; a row without an adapter (``"__base__"``), or an adapter that did
+not train these experts, gets nothing extra.
+
+The adapters' factors are copied into per-slot stacks, ``(slots, experts, rank, in)`` for A and
+``(slots, experts, out, rank)`` for B, zero-padded to the layer's largest rank, when a call uses
+them and their values changed (``refresh``); the stacks keep their addresses, so captured decode
+graphs stay valid.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..batch import choose_block_m
+from ..call_context import CallContext
+from ..compat.peft import (adapter_names_of, expert_factors, expert_layout_blocker, is_param_wrapper,
+                           layer_adapters_disabled, layer_is_merged, param_wrapper_chain)
+from ..decode.capture import GraphUnsafe
+from ..instance_methods import InstancePatches
+from ..kernel_support import kernel_runs_on
+from ..ops.grouped_gemm import grouped_gemm, grouped_gemm_reference, plan_groups
+
+PARAMS = ("gate_up_proj", "down_proj")
+RANK_ALIGN = 16  # the kernel's smallest dot tile: stacks pad ranks to a multiple of it
+
+
+class ExpertStack:
+    """One expert parameter's adapters, by slot: A (slots, experts, R, in), B (slots, experts,
+    out, R), scaling (slots,) float32; a slot holding no adapter of this parameter is all zeros."""
+
+    def __init__(self, wrapper: nn.Module, weight: torch.Tensor, num_slots: int):
+        self.wrapper = wrapper
+        experts, out_features, in_features = weight.shape
+        ranks = [wrapper.r[n] for n in wrapper.lora_A]
+        rank = -(-max(ranks, default=1) // RANK_ALIGN) * RANK_ALIGN
+        kw = dict(dtype=weight.dtype, device=weight.device)
+        self.a = torch.zeros(num_slots, experts, rank, in_features, **kw)
+        self.b = torch.zeros(num_slots, experts, out_features, rank, **kw)
+        self.scaling = torch.zeros(num_slots, dtype=torch.float32, device=weight.device)
+        self._held: Dict[int, tuple] = {}  # slot -> the key of what it holds
+
+    def nbytes(self) -> int:
+        return self.a.nbytes + self.b.nbytes
+
+    def hold(self, slot: int, adapter: str) -> None:
+        """``adapter``'s current factors in ``slot`` (copied only when they or the slot changed)."""
+        if adapter not in self.wrapper.lora_A:
+            key: tuple = (adapter,)
+            if self._held.get(slot) != key:
+                self.a[slot].zero_()
+                self.b[slot].zero_()
+                self.scaling[slot] = 0.0
+        else:
+            a, b, scaling = expert_factors(self.wrapper, adapter)
+            key = (adapter, a.data_ptr(), a._version, b.data_ptr(), b._version, scaling)
+            if self._held.get(slot) != key:
+                r = a.shape[1]
+                with torch.no_grad():
+                    self.a[slot].zero_()
+                    self.b[slot].zero_()
+                    self.a[slot, :, :r].copy_(a)
+                    self.b[slot, :, :, :r].copy_(b)
+                    self.scaling[slot] = scaling
+        self._held[slot] = key
+
+
+class ExpertsSite:
+    """The experts of one MoE layer with their LoRA wrappers; installs the outermost wrapper's
+    forward (the module the layer calls)."""
+
+    kind = "experts"
+
+    def __init__(self, name: str, outer: nn.Module, num_slots: int):
+        self.name = name
+        self.outer = outer
+        self.experts, self.wrappers = param_wrapper_chain(outer)
+        self.lora_layers: List[nn.Module] = list(self.wrappers.values())
+        self.stacks = {p: ExpertStack(w, getattr(self.experts, p), num_slots) for p, w in self.wrappers.items()}
+        self._patches = InstancePatches()
+
+    @property
+    def device(self) -> torch.device:
+        return self.experts.gate_up_proj.device
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.stacks.values())
+
+    def adapter_names(self) -> set:
+        names = set()
+        for w in self.lora_layers:
+            names |= adapter_names_of(w)
+        return names
+
+    # -- installing -------------------------------------------------------------------------
+    def install(self, state) -> None:
+        original = self.outer.forward
+
+        def patched(module, hidden, *args, **kwargs):
+            return self.forward(state, state.context(), original, hidden, args, kwargs)
+
+        self._patches.bind(self.outer, "forward", patched)
+
+    def uninstall(self) -> None:
+        self._patches.restore()
+
+    def refresh(self, slots: Dict[str, int]) -> None:
+        """The call's adapters (name -> slot) into the stacks."""
+        for stack in self.stacks.values():
+            for name, slot in slots.items():
+                stack.hold(slot, name)
+
+    # -- the forward --------------------------------------------------------------------------
+    def forward(self, state, context: CallContext, original, hidden, args, kwargs):
+        routing = _routing(args, kwargs)
+        names = kwargs.get("adapter_names")
+        names = names if names is not None else context.names
+        slots = None
+        if routing is not None and self._takes_fast_path(hidden):
+            slots = state.token_slots(context, names, hidden.shape[0], self.device)
+        if slots is None:
+            if context.graphed and (names is not None or context.segments is not None):
+                raise GraphUnsafe(f"{self.name} would leave the static path")
+            if kwargs.get("adapter_names") is None and context.names is not None:
+                kwargs = dict(kwargs, adapter_names=list(context.names))  # PEFT's own answer to them
+            elif kwargs.get("adapter_names") is None and context.segments is not None:
+                kwargs = dict(kwargs, adapter_names=context.segments.token_names())
+            return original(hidden, *args, **kwargs)
+        top_k_index, top_k_weights = routing
+        return self._experts_forward(state, hidden, top_k_index, top_k_weights, slots)
+
+    def _takes_fast_path(self, hidden) -> bool:
+        if torch.is_grad_enabled() or not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+            return False
+        if any(layer_adapters_disabled(w) or layer_is_merged(w) for w in self.lora_layers):
+            return False
+        return hidden.dtype == self.experts.gate_up_proj.dtype and hidden.device == self.device
+
+    def _experts_forward(self, state, hidden, top_k_index, top_k_weights, slots):
+        experts = self.experts
+        tokens, k = top_k_index.shape
+        num_experts = experts.gate_up_proj.shape[0]
+        expert = top_k_index.reshape(-1)
+        pair_slot = slots[:tokens].repeat_interleave(k)
+        lora_key = torch.where((pair_slot >= 0) & (expert >= 0) & (expert < num_experts),
+                               pair_slot.long() * num_experts + expert, torch.full_like(expert, -1))
+        pairs = tokens * k
+        kernels = state.backend.name == "triton" and kernel_runs_on(hidden, experts.gate_up_proj)
+        if kernels:
+            bm = choose_block_m(pairs)
+            base_plan = plan_groups(expert, num_experts, bm)
+            lora_plan = plan_groups(lora_key, self._slots() * num_experts, bm)
+
+            def gemm(x, w, out, in_div, lora, **kw):
+                return grouped_gemm(x, w, lora_plan if lora else base_plan, out, in_div=in_div, **kw)
+        else:
+            def gemm(x, w, out, in_div, lora, **kw):
+                return grouped_gemm_reference(x, w, lora_key if lora else expert, out, in_div=in_div, **kw)
+
+        gate_up = self._projection(gemm, "gate_up_proj", hidden, k, pairs, num_experts)
+        inter = experts.act_fn(gate_up[:, : gate_up.shape[1] // 2]) * gate_up[:, gate_up.shape[1] // 2:]
+        down = self._projection(gemm, "down_proj", inter, 1, pairs, num_experts)
+        weighted = down.view(tokens, k, -1).float() * top_k_weights.reshape(tokens, k, 1).float()
+        return weighted.sum(1).to(hidden.dtype)
+
+    def _projection(self, gemm, param: str, x, in_div: int, pairs: int, num_experts: int):
+        """One expert projection for every pair: the base weight by expert, then (where the
+        parameter has adapters) ``scaling * B @ (A @ x)`` by (slot, expert) added on."""
+        weight = getattr(self.experts, param)
+        out = torch.zeros(pairs, weight.shape[1], dtype=x.dtype, device=x.device)
+        gemm(x, weight, out, in_div, lora=False)
+        stack = self.stacks.get(param)
+        if stack is not None:
+            shrunk = torch.zeros(pairs, stack.a.shape[2], dtype=x.dtype, device=x.device)
+            gemm(x, stack.a.flatten(0, 1), shrunk, in_div, lora=True)
+            gemm(shrunk, stack.b.flatten(0, 1), out, 1, lora=True, scale=stack.scaling, scale_div=num_experts,
+                 accumulate=True)
+        return out
+
+    def _slots(self) -> int:
+        return next(iter(self.stacks.values())).a.shape[0]
+
+
+def _routing(args, kwargs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """The experts' (top_k_index, top_k_weights), as transformers' MoE blocks pass them."""
+    if len(args) == 2 and not set(kwargs) - {"adapter_names"}:
+        return args[0], args[1]
+    if not args and {"top_k_index", "top_k_weights"} <= set(kwargs) <= {"top_k_index", "top_k_weights", "adapter_names"}:
+        return kwargs["top_k_index"], kwargs["top_k_weights"]
+    return None
+
+
+def find_expert_sites(named_lora_layers: Sequence[Tuple[str, nn.Module]], num_slots: int) -> tuple:
+    """The experts sites of a model's LoRA layers ((name, module), outermost first), the ids of
+    every expert wrapper found, and (name, reason) for the chains fastlora cannot serve."""
+    sites, served, refused = [], set(), []
+    for name, m in named_lora_layers:
+        if not is_param_wrapper(m) or id(m) in served:
+            continue
+        experts, wrappers = param_wrapper_chain(m)
+        served |= {id(w) for w in wrappers.values()}
+        why = expert_layout_blocker(experts, wrappers)
+        if why is not None:
+            refused.append((name, why))
+        else:
+            sites.append(ExpertsSite(name, m, num_slots))
+    return sites, served, refused

@@ -1,0 +1,198 @@
+"""LoRA on mixture-of-experts models: adapters on the routed experts' 3-D parameters (PEFT's
+``target_parameters``) beside attention adapters, in mixed batches, for Mixtral, Qwen3-MoE and
+Qwen2-MoE. PEFT refuses such adapters in ``adapter_names``, so the oracle is PEFT row by row with
+that row's adapter active (or none for ``"__base__"``), fp32 on the CPU, on an identical model."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
+
+import peft_fastlora as fastlora
+
+VOCAB = 96
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, num_experts_per_tok=2)
+
+
+def _mixtral():
+    return MixtralForCausalLM(MixtralConfig(**COMMON, intermediate_size=40, num_local_experts=5))
+
+
+def _qwen3():
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24, head_dim=8,
+                                              num_experts=6, decoder_sparse_step=1, norm_topk_prob=True))
+
+
+def _qwen2():
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24,
+                                              shared_expert_intermediate_size=16, num_experts=6,
+                                              decoder_sparse_step=1))
+
+
+ARCHS = {"mixtral": _mixtral, "qwen3_moe": _qwen3, "qwen2_moe": _qwen2}
+# (name, target_modules, target_parameters, rank): adapters on attention and experts, one on
+# attention only (the experts give it nothing), one on experts only
+ADAPTERS = (("both", ["q_proj", "v_proj"], EXPERTS, 4), ("attn", ["q_proj", "o_proj"], None, 8),
+            ("experts", [], EXPERTS, 8))
+
+
+def build(arch: str, adapters=ADAPTERS):
+    torch.manual_seed(0)
+    base = ARCHS[arch]().eval()
+    base.generation_config.eos_token_id = None
+    model = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i, (name, modules, params, r) in enumerate(adapters):
+            torch.manual_seed(10 + i)
+            cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=modules or None, target_parameters=params,
+                             init_lora_weights=False)
+            model = get_peft_model(base, cfg, adapter_name=name) if model is None else model
+            if i:
+                model.add_adapter(name, cfg)
+    with torch.no_grad():  # B large enough that each adapter moves the logits visibly
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(4.0)
+    return model.eval()
+
+
+def ids(rows: int, length: int = 7, seed: int = 1):
+    return torch.randint(3, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def peft_row_by_row(ref, x, names, **kw):
+    """Each row alone through PEFT with its adapter active: logits (``generate=False``) or tokens."""
+    outs = []
+    with torch.no_grad():
+        for i, name in enumerate(names):
+            row = x[i: i + 1]
+            if name == "__base__":
+                with ref.disable_adapter():
+                    outs.append(_run(ref, row, **kw))
+            else:
+                ref.set_adapter(name)
+                outs.append(_run(ref, row, **kw))
+    return torch.cat(outs)
+
+
+def _run(model, x, new_tokens=None, **kwargs):
+    if new_tokens is None:
+        return model(input_ids=x, **kwargs).logits
+    return model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=0, **kwargs)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_mixed_logits_equal_peft_row_by_row(arch):
+    m, ref = build(arch), build(arch)
+    report = fastlora.patch(m)
+    assert report.left_on_peft == [] and report.adapter_fallbacks == [], report
+    assert report.counts().get("experts") == 2, report.counts()
+    names = ["both", "__base__", "experts", "attn", "both", "experts"]
+    x = ids(len(names))
+    with torch.no_grad():
+        got = m(input_ids=x, adapter_names=names).logits
+    torch.testing.assert_close(got, peft_row_by_row(ref, x, names), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the expert adapters matter
+        ref.set_adapter("experts")
+        with_experts = ref(input_ids=x[:1]).logits
+        with ref.disable_adapter():
+            assert not torch.allclose(with_experts, ref(input_ids=x[:1]).logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_generate_equal_peft_row_by_row(backend):
+    """Greedy tokens of a mixed batch through ``generate`` (the Triton backend under the
+    interpreter: the grouped kernel and its device-side plan), equal to PEFT row by row."""
+    m, ref = build("qwen3_moe"), build("qwen3_moe")
+    fastlora.patch(m, backend=backend)
+    names = ["experts", "both", "__base__", "attn"]
+    x = ids(len(names), length=5, seed=3)
+    with torch.no_grad():
+        got = m.generate(input_ids=x, attention_mask=torch.ones_like(x), adapter_names=names, max_new_tokens=6,
+                         do_sample=False, pad_token_id=0)
+    assert torch.equal(got, peft_row_by_row(ref, x, names, new_tokens=6))
+
+
+def test_emulated_graphs_and_fewer_slots_than_adapters():
+    """Two slots for three adapters (the experts' stacks follow the slots as adapters move) and the
+    decode graph runner emulated on the CPU."""
+    m, ref = build("mixtral"), build("mixtral")
+    fastlora.patch(m, cuda_graphs="emulate", max_loras_per_batch=2, backend="triton")
+    x = ids(4, length=5, seed=4)
+    for names in (["both", "__base__", "experts", "both"], ["attn", "experts", "attn", "__base__"],
+                  ["both", "both", "attn", "attn"]):
+        with torch.no_grad():
+            got = m.generate(input_ids=x, attention_mask=torch.ones_like(x), adapter_names=names, max_new_tokens=5,
+                             do_sample=False, pad_token_id=0)
+        assert torch.equal(got, peft_row_by_row(ref, x, names, new_tokens=5)), names
+    assert fastlora.get_state(m).graph_runner.stats["replays"] > 0
+
+
+def test_values_changed_between_calls_are_served():
+    """An expert adapter's factors edited in place after a call: the next call uses the new values."""
+    m, ref = build("mixtral"), build("mixtral")
+    fastlora.patch(m)
+    names = ["experts", "both"]
+    x = ids(2, seed=5)
+    with torch.no_grad():
+        m(input_ids=x, adapter_names=names)
+        for model in (m, ref):
+            for n, p in model.named_parameters():
+                if "experts" in n and "lora_B.experts" in n:
+                    p.mul_(-2.0)
+        got = m(input_ids=x, adapter_names=names).logits
+    torch.testing.assert_close(got, peft_row_by_row(ref, x, names), atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_expert_layout_stays_on_peft_with_its_reason():
+    m = build("mixtral")
+    for module in m.modules():
+        if type(module).__name__ == "MixtralExperts":
+            module.has_bias = True  # a layout fastlora does not serve (as gpt-oss' experts)
+    report = fastlora.patch(m)
+    reasons = {why for _, why in report.left_on_peft}
+    assert reasons == {"MixtralExperts with has_bias=True"}, report.left_on_peft
+    with torch.no_grad(), pytest.raises(ValueError, match="mixed adapter batches"):
+        m(input_ids=ids(2), adapter_names=["both", "attn"])  # PEFT's own refusal, not a wrong answer
+
+
+def test_unpatch_restores_the_experts_forward():
+    m = build("qwen2_moe")
+    outer = m.base_model.model.model.layers[0].mlp.experts
+    before = outer.__dict__.get("forward")
+    fastlora.patch(m)
+    assert outer.__dict__.get("forward") is not None
+    fastlora.unpatch(m)
+    assert outer.__dict__.get("forward") is before
+    x = ids(1)
+    with torch.no_grad(), pytest.raises(ValueError, match="mixed adapter batches"):
+        m(input_ids=x, adapter_names=["both"])  # PEFT's path again
+
+
+def test_continuous_batching_per_request():
+    """transformers' engine: each request with its own adapter, the experts' deltas by token,
+    equal to PEFT alone on each prompt."""
+    from _continuous import cb_config, greedy_config, requires_cb
+
+    if requires_cb.args[0]:
+        pytest.skip(requires_cb.kwargs["reason"])
+    m, ref = build("qwen3_moe"), build("qwen3_moe")
+    report = fastlora.patch(m)
+    assert report.continuous_batching == "on", report
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (4, 11, 2, 7)]
+    names = ["experts", "both", "__base__", "attn"]
+    out = m.generate_batch(prompts, generation_config=greedy_config(5),
+                           continuous_batching_config=cb_config(max_batch_tokens=16), adapter_names=names)
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        alone = peft_row_by_row(ref, torch.tensor([prompt]), [name], new_tokens=5)
+        assert out[f"req_{i}"].generated_tokens == alone[0, len(prompt):].tolist(), (i, name)
