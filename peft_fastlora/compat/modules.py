@@ -44,6 +44,17 @@ def multi_device_reason(model: nn.Module) -> Optional[str]:
     return None
 
 
+def uncapturable_layers_reason(model: nn.Module) -> Optional[str]:
+    """Why a CUDA graph cannot capture this model's forward, for layers known to read their
+    activations back (None: none found): bitsandbytes' 8-bit ``Linear8bitLt`` searches its input
+    for outlier columns on the host."""
+    int8 = sum(type(m).__name__ == "Linear8bitLt" and type(m).__module__.startswith("bitsandbytes")
+               for m in model.modules())
+    if int8:
+        return f"{int8} bitsandbytes 8-bit layers (their matmul reads the activations back: not capturable)"
+    return None
+
+
 def on_device(device: Optional[torch.device]):
     """Make ``device`` the current CUDA device inside the block (Triton launches on the current
     device, not on its tensors'); a no-op for other devices."""

@@ -14,7 +14,7 @@ import torch
 
 from ..compat.generate import (cache_kwarg_name, compiled_call_override, mask_builder_override,
                                static_cache_blocker)
-from ..compat.modules import multi_device_reason
+from ..compat.modules import multi_device_reason, uncapturable_layers_reason
 from ..compat.tensor_parallel import tp_graph_blocker
 from ..instance_methods import InstancePatches
 from . import deferred_stop, step_mask
@@ -31,6 +31,9 @@ def graphs_wanted(state) -> Optional[str]:
         return "cuda_graphs=False"
     if opt != "emulate" and state.device.type != "cuda":
         return "the model is not on CUDA"
+    uncapturable = uncapturable_layers_reason(state.inner) if opt != "emulate" else None
+    if uncapturable is not None:
+        return uncapturable
     if not hasattr(state.inner, "get_compiled_call") or not hasattr(state.inner, "config"):
         return "not a transformers generation model"
     split = multi_device_reason(state.inner)

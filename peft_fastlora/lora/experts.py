@@ -150,7 +150,7 @@ class ExpertsSite:
         tokens, k = top_k_index.shape
         num_experts = experts.gate_up_proj.shape[0]
         expert = top_k_index.reshape(-1)
-        pair_slot = slots[:tokens].repeat_interleave(k)
+        pair_slot = slots[:tokens, None].expand(tokens, k).reshape(-1)  # (no read-back: capturable)
         lora_key = torch.where((pair_slot >= 0) & (expert >= 0) & (expert < num_experts),
                                pair_slot.long() * num_experts + expert, torch.full_like(expert, -1))
         pairs = tokens * k

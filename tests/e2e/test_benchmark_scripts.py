@@ -336,3 +336,13 @@ def test_bench_serving_smoke(tmp_path):
     _run([os.path.join(BENCH, "bench_serving.py"), "--smoke", "--modes", "fastlora", "--soak", "2",
           "--out", str(tmp_path)])
     assert _csv(tmp_path / "serving_tiny_soak_cpu_memory.csv")
+
+
+def test_bench_moe_smoke(tmp_path):
+    """The MoE benchmark's methods on a tiny Qwen3-MoE, through the CSV it writes."""
+    out = _run([os.path.join(BENCH, "bench_moe.py"), "--smoke", "--out", str(tmp_path)])
+    for method in ("base_patched", "fastlora_base_rows", "fastlora_mixed", "peft_loop"):
+        assert f"method={method} |" in out, out[-3000:]
+    rows = {r["method"]: r for r in _csv(tmp_path / "moe_tiny-moe_cpu.csv")}
+    assert rows["fastlora_mixed"]["speedup_vs_peft"] and rows["fastlora_mixed"]["ratio_to_base_patched"]
+    assert rows["fastlora_mixed"]["eager_steps"] == "0" and int(rows["fastlora_mixed"]["replays"]) > 0

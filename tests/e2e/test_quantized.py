@@ -163,3 +163,23 @@ def test_adapters_registered_by_name_over_a_quantized_base(saved, tmp_path):
     ref.eval()
     names = ["extra", "sql", "__base__", "extra"]
     torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
+
+
+def test_graphs_are_off_over_an_8bit_base_with_the_reason(saved):
+    """bitsandbytes' 8-bit matmul reads its activations back (outlier search), which a CUDA graph
+    cannot capture: the decode plan turns graphs off up front (a CUDA model faked: the CPU
+    model's plan is decided as a GPU one would be), instead of failing a capture per shape."""
+    import types
+
+    from peft_fastlora.decode.generate import graphs_wanted
+
+    m = quantized(saved, "int8")
+    report = fastlora.patch(m, cuda_graphs="emulate")  # emulated graphs replay eagerly: allowed
+    assert report.cuda_graphs == "emulated", report.cuda_graphs
+    state = fastlora.get_state(m)
+    as_gpu = types.SimpleNamespace(options=types.SimpleNamespace(cuda_graphs=True), device=torch.device("cuda"),
+                                   inner=state.inner, lora_plan=state.lora_plan)
+    why = graphs_wanted(as_gpu)
+    assert why is not None and why.startswith("14 bitsandbytes 8-bit layers") and "not capturable" in why, why
+    as_gpu.inner = quantized(saved, "nf4").get_base_model()
+    assert graphs_wanted(as_gpu) is None

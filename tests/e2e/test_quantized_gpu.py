@@ -62,8 +62,8 @@ def quantized(saved, quant):
 @pytest.mark.parametrize("quant", list(QUANT))
 def test_quantized_base_in_graphs_equal_peft(saved, quant):
     """Greedy tokens over 24 steps equal PEFT's mixed batch; every LoRA site on fastlora's path.
-    The 4-bit base's decode steps are replayed from CUDA graphs; an 8-bit base may refuse capture
-    (its outlier search reads the activations back), and then runs eagerly, equal all the same."""
+    The 4-bit base's decode steps are replayed from CUDA graphs; an 8-bit base's cannot be captured
+    (its outlier search reads the activations back): decided at patch time, decoded eagerly."""
     m, ref = quantized(saved, quant), quantized(saved, quant)
     names = ["a0", "__base__", "a1", "a2", "a3", "a2", "a0", "__base__"]
     inputs = generate_inputs(len(names))
@@ -71,8 +71,9 @@ def test_quantized_base_in_graphs_equal_peft(saved, quant):
     report = fastlora.patch(m)
     assert report.left_on_peft == [] and report.adapter_fallbacks == [], report
     out = m.generate(**inputs, adapter_names=names, max_new_tokens=24)
-    stats = fastlora.get_state(m).graph_runner.stats
-    assert torch.equal(out, expected), stats
+    assert torch.equal(out, expected)
     if quant == "nf4":
+        stats = fastlora.get_state(m).graph_runner.stats
         assert stats["replays"] >= 20 and stats["eager_steps"] == 0, stats
-    print(f"{quant}: {stats}")
+    else:
+        assert report.cuda_graphs.startswith("off (") and "8-bit" in report.cuda_graphs, report.cuda_graphs
