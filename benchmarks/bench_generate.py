@@ -43,9 +43,12 @@ HF_OPS = hx.HF_OPS
 FAST_OPS = {}  # the defaults, as fastlora_graphs below
 PATCH_EXTRA = {}  # options every fastlora method here is patched with (--stream-gemm, --narrow-gemms)
 METHODS = ("hf_eager_base", "base_graphs", "base_graphs_attn", "peft_native", "fastlora_eager_unfused",
-           "fastlora_eager", "fastlora_graphs", "fastlora_graphs_lora_bias", "fastlora_graphs_dora")
-# --kinds: adapters of another kind, as many as --adapters, the same rows: (name prefix, LoraConfig fields)
-KINDS = {"lora_bias": ("b", dict(lora_bias=True)), "dora": ("d", dict(use_dora=True))}
+           "fastlora_eager", "fastlora_graphs", "fastlora_graphs_plain", "fastlora_graphs_lora_bias",
+           "fastlora_graphs_dora")
+# --kinds: adapters of another kind, as many as --adapters, the same rows: (name prefix, LoraConfig fields).
+# "plain" is measured first whenever kinds are asked for: as many plain adapters again, so that each
+# kind is compared with a model holding as many adapters (stacks, folds) as it does
+KINDS = {"plain": ("p", {}), "lora_bias": ("b", dict(lora_bias=True)), "dora": ("d", dict(use_dora=True))}
 
 
 def model_runner_stats(model):
@@ -114,7 +117,8 @@ def run_adapters(peft_model, batches, args, kw, names, results):
         fastlora.unpatch(peft_model)
         results[(method, "mem")] = dict(mem_before_patch_gb=mem_peft / 2**30, mem_after_patch_gb=mem_patched / 2**30,
                                         peak_mem_gb=(mem.max_memory_allocated() if mem else 0) / 2**30)
-    for kind in args.kinds:  # as many adapters again of this kind, the same rows: the kind's cost
+    kinds = ["plain"] + [k for k in args.kinds if k != "plain"] if args.kinds else []
+    for kind in kinds:  # as many adapters again of this kind, the same rows: the kind's cost
         prefix, config = KINDS[kind]
         hx.add_adapters(peft_model, args.adapters, args.rank, prefix=prefix, **config)
         fastlora.patch(peft_model, cuda_graphs=graphs, **PATCH_EXTRA)
@@ -177,6 +181,9 @@ def run_model(shape, args, bw, vers, rows, kernel_rows):
                              tokens_per_s=round(1e3 * b / decode, 1),
                              ratio_to_base_graphs=(round(decode / results[(base_ref, b)][1], 3)
                                                    if (base_ref, b) in results else ""),
+                             ratio_to_plain_twin=(round(decode / results[("fastlora_graphs_plain", b)][1], 3)
+                                                  if method.startswith("fastlora_graphs_")
+                                                  and ("fastlora_graphs_plain", b) in results else ""),
                              base_reference=base_ref,
                              ratio_to_hf_eager_base=round(decode / hf[1], 3) if hf is not None else "",
                              **floors,
@@ -259,8 +266,9 @@ def parse_args(argv):
                    help="the CSV's stem: <name>_<model>[_<tag>]_<gpu>.csv, one file a model (and a PNG)")
     p.add_argument("--tag", default="", help="added to the file names (an A/B's side)")
     p.add_argument("--csv", default=None, help="instead, one file in --out for every model's rows")
-    p.add_argument("--kinds", nargs="*", default=[], choices=sorted(KINDS),
-                   help="also the same rows through as many adapters of these kinds (fastlora_graphs_<kind>)")
+    p.add_argument("--kinds", nargs="*", default=[], choices=sorted(KINDS),  # (plain is always added)
+                   help="also the same rows through as many adapters of these kinds (fastlora_graphs_<kind>), "
+                        "beside as many plain ones again (fastlora_graphs_plain: the like-for-like reference)")
     p.add_argument("--quant", choices=hx.QUANTS, default=None,
                    help="every method over a bitsandbytes base (QLoRA's); add it to --name or --tag")
     p.add_argument("--graphs-only", action="store_true",
@@ -300,6 +308,7 @@ def main(argv=None):
             "ratio_to_base_graphs", "ratio_to_hf_eager_base", "ratio_to_floor", "ratio_to_spec_floor",
             "replay_to_floor", "speedup_vs_peft", "greedy_match_vs_peft"]
     cols += ["gemm_us", "attention_us", "kernels_us", "gemm_attention_to_floor"] if args.kernel_split else []
+    cols += ["ratio_to_plain_twin"] if args.kinds else []
     print(" | ".join(cols))
     for r in all_rows:
         print(" | ".join(str(r[c]) for c in cols))

@@ -346,3 +346,13 @@ def test_bench_moe_smoke(tmp_path):
     rows = {r["method"]: r for r in _csv(tmp_path / "moe_tiny-moe_cpu.csv")}
     assert rows["fastlora_mixed"]["speedup_vs_peft"] and rows["fastlora_mixed"]["ratio_to_base_patched"]
     assert rows["fastlora_mixed"]["eager_steps"] == "0" and int(rows["fastlora_mixed"]["replays"]) > 0
+
+
+def test_bench_generate_kinds_smoke(tmp_path):
+    """--kinds: each kind beside as many plain adapters again (the like-for-like reference)."""
+    out = _run([os.path.join(BENCH, "bench_generate.py"), "--smoke", "--models", "tiny", "--batches", "2",
+                "--graphs-only", "--new-tokens", "3", "--reps", "1", "--kinds", "lora_bias", "--name", "kinds",
+                "--out", str(tmp_path)], env_extra={"TRITON_INTERPRET": "1"})
+    rows = {r["method"]: r for r in _csv(tmp_path / "kinds_tiny_cpu.csv")}
+    assert {"fastlora_graphs", "fastlora_graphs_plain", "fastlora_graphs_lora_bias"} <= set(rows), out[-2000:]
+    assert rows["fastlora_graphs_lora_bias"]["ratio_to_plain_twin"] and not rows["fastlora_graphs"]["ratio_to_plain_twin"]
