@@ -161,20 +161,14 @@ def varlen_attention_on(model, on: bool):
     from transformers import AttentionInterface
 
     from peft_fastlora.base_ops.paged_attention import PAGED_NAME, paged_varlen_attention
-
-    def set_attention(name):
-        setter = getattr(model, "set_attn_implementation", None)
-        if setter is not None:
-            setter(name)
-        else:  # older transformers: the config attribute is the switch
-            model.config._attn_implementation = name
+    from peft_fastlora.compat.engine import cb_set_attention
 
     if on:
         model.__dict__["_bench_attn"] = model.config._attn_implementation
         AttentionInterface.register(PAGED_NAME, paged_varlen_attention)
-        set_attention(PAGED_NAME)
+        cb_set_attention(model, PAGED_NAME)
     elif "_bench_attn" in model.__dict__:
-        set_attention(model.__dict__.pop("_bench_attn"))
+        cb_set_attention(model, model.__dict__.pop("_bench_attn"))
 
 
 def engine_attention(mode: str) -> str:

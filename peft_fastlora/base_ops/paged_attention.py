@@ -7,8 +7,10 @@ square of the requests in flight, and it builds that mask on the host at every s
 also hands each attention call the packed layout (``cu_seq_lens_q`` / ``cu_seq_lens_k``), which
 is all a variable-length kernel needs: each request's queries against its own keys only.
 
-``paged|fastlora_varlen`` is that attention: the engine's own cache update (``cache.update``
-with its read and write indices), then PyTorch's bundled flash-attention varlen kernel
+``PAGED_NAME`` is that attention (``paged|fastlora_varlen`` on transformers before 5.24,
+``fastlora_flash_varlen`` from 5.24: ``compat.engine.cb_varlen_attention_name``): the engine's own
+cache update (called here with its read and write indices before 5.24, by the model's attention
+from 5.24), then PyTorch's bundled flash-attention varlen kernel
 (``aten._flash_attention_forward``: causal aligned to the end of each request's keys, grouped
 query heads, sliding windows) on CUDA in fp16 / bf16. Nothing is copied from the model code;
 the engine keeps its scheduler, cache and graphs, and builds no mask for this implementation.
@@ -23,10 +25,11 @@ import torch
 from torch import nn
 
 from ..compat.attention import flash_varlen, flash_varlen_has_window, has_flash_varlen
+from ..compat.engine import cb_varlen_attention_name
 from ..compat.modules import attn_implementation
 from .attention_registry import _PREV_ATTR as DECODE_PREV_ATTR, ATTN_NAMES as DECODE_NAMES
 
-PAGED_NAME = "paged|fastlora_varlen"
+PAGED_NAME = cb_varlen_attention_name()  # what this transformers' engine accepts
 _MAX_HEAD_DIM = 256
 
 
@@ -94,11 +97,11 @@ def varlen_reference(q, k, v, cu_q, cu_k, scale: float, window_left: int = -1) -
 
 def paged_varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask, dropout: float = 0.0, scaling: Optional[float] = None, **kwargs):
-    """An attention function for ``AttentionInterface`` under a ``paged|`` name: called by the
-    engine's forwards with query (1, H, Tq, D), key / value (1, KVH, Tq, D) of the step's new
-    tokens and the engine's paged-attention kwargs. Returns ((Tq, H, D), None)."""
-    cache = kwargs.get("cache")
-    if cache is None or kwargs.get("cu_seq_lens_q") is None:
+    """An attention function for ``AttentionInterface`` under ``PAGED_NAME``: called by the engine's
+    forwards with query (1, H, Tq, D) and the engine's paged-attention kwargs; key / value (1, KVH,
+    T, D) are the step's new tokens (before 5.24: updated into the cache here) or already every key
+    the step reads (from 5.24: the model's attention updated the cache). Returns ((Tq, H, D), None)."""
+    if kwargs.get("cu_seq_lens_q") is None:
         raise ValueError(f"{PAGED_NAME!r} serves transformers' continuous-batching engine (it needs its paged "
                          "cache and packed layout); a plain forward uses the model's own attention")
     if kwargs.get("block_table") is not None:
@@ -107,18 +110,25 @@ def paged_varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError(f"{PAGED_NAME!r} is for inference (dropout {dropout})")
     sliding = getattr(module, "sliding_window", None)
     layer_type = "sliding_attention" if sliding else "full_attention"
-    cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_k"]
+    if "max_length_q" in kwargs:  # 5.24 on: the keys and values the step reads, as (1, KVH, T, D)
+        cu_k, max_q, max_k = kwargs["cu_seq_lens_k"], kwargs["max_length_q"], kwargs["max_length_k"]
+        k, v = (t.squeeze(0).transpose(0, 1) for t in (key, value))
+    else:
+        cache = kwargs.get("cache")
+        if cache is None:
+            raise ValueError(f"{PAGED_NAME!r} needs the engine's paged cache")
+        cu_k, max_q, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_q"], kwargs["max_seqlen_k"]
+        k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                            read_index=kwargs["read_index"], write_index=kwargs["write_index"])
     if isinstance(cu_k, dict):
         cu_k, max_k = cu_k[layer_type], max_k[layer_type]
-    k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
-                        read_index=kwargs["read_index"], write_index=kwargs["write_index"])
     q = query.transpose(1, 2).squeeze(0)
     scale = scaling if scaling is not None else module.scaling
     window_left = int(sliding) - 1 if sliding else -1
     cu_q = kwargs["cu_seq_lens_q"]
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         out = flash_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu_q.to(torch.int32),
-                                   cu_k.to(torch.int32), int(kwargs["max_seqlen_q"]), int(max_k), scale, window_left)
+                           cu_k.to(torch.int32), int(max_q), int(max_k), scale, window_left)
     else:
         out = varlen_reference(q, k, v, cu_q, cu_k, scale, window_left)
     return out, None

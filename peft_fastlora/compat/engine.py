@@ -11,7 +11,7 @@ from typing import Dict, Optional, Tuple
 
 from torch import nn
 
-from .modules import TRANSFORMERS_VERSION
+from .modules import TRANSFORMERS_VERSION, set_attn_implementation
 
 
 # The engine (``generate_batch`` / ``init_continuous_batching``, transformers >= 5.x) is used as
@@ -56,19 +56,43 @@ def continuous_batching_blocker(model: nn.Module) -> Optional[str]:
     return None
 
 
-def cb_engine_attention_blocker() -> Optional[str]:
-    """Why this transformers' engine cannot run ``paged|fastlora_varlen`` (None: it can): the
-    function calls the engine's ``PagedAttentionCache.update`` with its read and write indices
-    (5.17's form; 5.24 passes the kwargs instead)."""
-
+def _paged_update_form() -> Tuple[Optional[str], Optional[str]]:
+    """How this transformers' engine updates its paged cache around an attention function:
+    "indices" (5.17: the function calls ``cache.update`` with the step's read and write indices),
+    "in_model" (5.24 on: the model's attention calls ``cache.update(key, value, layer_idx, kwargs)``
+    first and hands the function every key the step reads); or (None, why not)."""
     try:
         from transformers.generation.continuous_batching.cache import PagedAttentionCache
-        params = inspect.signature(PagedAttentionCache.update).parameters
+        params = set(inspect.signature(PagedAttentionCache.update).parameters)
     except (ImportError, AttributeError, TypeError, ValueError) as e:
-        return f"transformers {TRANSFORMERS_VERSION}: {e}"
-    if not {"read_index", "write_index"} <= set(params):
-        return f"transformers {TRANSFORMERS_VERSION}'s paged cache takes another update call"
-    return None
+        return None, f"transformers {TRANSFORMERS_VERSION}: {e}"
+    if {"read_index", "write_index"} <= params:
+        return "indices", None
+    if "kwargs" in params:
+        return "in_model", None
+    return None, f"transformers {TRANSFORMERS_VERSION}'s paged cache takes another update call"
+
+
+def cb_engine_attention_blocker() -> Optional[str]:
+    """Why this transformers' engine cannot run fastlora's varlen attention (None: it can)."""
+    return _paged_update_form()[1]
+
+
+def cb_varlen_attention_name() -> str:
+    """The name fastlora's varlen attention is registered under for the engine. From 5.24 the engine
+    takes only ``paged|eager``, ``sdpa`` and names containing "flash" (for which it builds no mask
+    and hands the packed layout alone), so the name says "flash"; before, a ``paged|`` name."""
+    return "fastlora_flash_varlen" if _paged_update_form()[0] == "in_model" else "paged|fastlora_varlen"
+
+
+def cb_set_attention(model: nn.Module, name: str) -> None:
+    """Make ``name`` (a registered attention function) the model's attention. A name containing
+    "flash" is set on the config directly: ``set_attn_implementation`` would look it up as a flash
+    kernel to load from the hub."""
+    if "flash" in name:
+        model.config._attn_implementation = name
+    else:
+        set_attn_implementation(model, name)
 
 
 def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] = None,

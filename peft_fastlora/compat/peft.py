@@ -13,6 +13,8 @@ import torch
 from peft.tuners.lora import layer as _lora_layer
 from torch import nn
 
+from .modules import is_dtensor
+
 
 LoraLayer = _lora_layer.LoraLayer
 
@@ -136,6 +138,8 @@ def expert_layout_blocker(experts: nn.Module, wrappers: Dict[str, nn.Module]) ->
     e, two_i, h = gate_up.shape
     if down.shape != (e, h, two_i // 2) or two_i % 2:
         return f"{kind}'s gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not pair"
+    if is_dtensor(gate_up) or is_dtensor(down):
+        return f"{kind}'s experts sharded by tensor parallelism"
     if type(gate_up) is not nn.Parameter or type(down) is not nn.Parameter:
         return f"{kind}'s expert weights are not plain tensors"
     for name, w in wrappers.items():

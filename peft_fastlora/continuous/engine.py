@@ -27,7 +27,7 @@ from ..compat.engine import (CB_CHILD_MARK, cb_cached_manager, cb_capacity, cb_c
                              cb_engine_attention_blocker, cb_engine_uses_graphs, cb_fail_requests,
                              cb_fail_step, cb_graphs_blocker_of_engine, cb_new_request_id,
                              cb_processor_factory, cb_processor_steps, cb_request_done, cb_request_ids,
-                             cb_set_processor_factory, cb_set_processor_steps, cb_step, cb_stream,
+                             cb_set_attention, cb_set_processor_factory, cb_set_processor_steps, cb_step, cb_stream,
                              cb_unset_processor_steps, continuous_batching_blocker)
 from ..compat.modules import (attn_implementation, cb_vocab_size, model_dtype, multi_device_reason,
                               on_stream, set_attn_implementation)
@@ -286,7 +286,7 @@ class ContinuousBatchingHook:
                 self._use_varlen_attention()
 
     def varlen_blocker(self) -> Optional[str]:
-        """Why the engine keeps its own attention instead of ``paged|fastlora_varlen`` (None: it
+        """Why the engine keeps its own attention instead of fastlora's varlen one (None: it
         takes it; see ``base_ops.paged_attention``)."""
         choice = self.state.options.engine_attention
         if choice == "engine":
@@ -305,7 +305,7 @@ class ContinuousBatchingHook:
             return
         register_attention_function(PAGED_NAME, paged_varlen_attention, mask=None)
         try:
-            set_attn_implementation(self.inner, PAGED_NAME)
+            cb_set_attention(self.inner, PAGED_NAME)
         except BaseException:
             release_attention_function(PAGED_NAME)
             raise

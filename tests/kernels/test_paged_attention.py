@@ -1,4 +1,4 @@
-"""``paged|fastlora_varlen``, the engine's attention over each request's own keys (CPU).
+"""fastlora's varlen attention for the engine (``PAGED_NAME``): each request's queries over its own keys (CPU).
 
 The per-request torch reference against a plain per-query softmax (grouped heads, queries shorter
 than keys, windows, padded rows); the engine serving through it (``engine_attention="varlen"``,
