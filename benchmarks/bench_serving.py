@@ -88,12 +88,16 @@ async def one_request(client, model_name, prompt, max_tokens, temperature, recor
         record.append(dict(ok=False, began=began, arrivals=arrivals, tokens=0, error=repr(e)[:200]))
 
 
-async def drive(url, reqs, rate: float, duration: float, with_adapters: bool, temperature: float, seed: int):
-    """Requests at Poisson arrivals of ``rate`` a second for ``duration`` seconds; their records."""
+async def drive(url, reqs, rate: float, duration: float, with_adapters: bool, temperature: float, seed: int,
+                record=None, drain=None):
+    """Requests at Poisson arrivals of ``rate`` a second for ``duration`` seconds, appended to
+    ``record`` as they finish; then at most ``drain`` seconds (None: no limit) for those in flight,
+    the rest cancelled and counted. Returns (record, seconds, requests cut by the drain limit)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
-    rng, record, tasks = random.Random(seed), [], []
+    rng, tasks = random.Random(seed), []
+    record = [] if record is None else record
     start = time.perf_counter()
     i = 0
     while True:
@@ -105,9 +109,12 @@ async def drive(url, reqs, rate: float, duration: float, with_adapters: bool, te
         name = adapter if with_adapters else "base"
         tasks.append(asyncio.create_task(one_request(client, name, prompt, out, temperature, record)))
         await asyncio.sleep(rng.expovariate(rate))
-    await asyncio.gather(*tasks)
+    _, pending = await asyncio.wait(tasks, timeout=drain) if tasks else (set(), set())
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
     await client.close()
-    return record, time.perf_counter() - start
+    return record, time.perf_counter() - start, len(pending)  # (a cancelled request records nothing)
 
 
 def pct(values, q):
@@ -163,9 +170,9 @@ def run_mode(mode, args, reqs, versions):
             rows.append(soak(url, reqs, mode, args, samples, versions))
         else:
             for rate in args.rates:
-                record, elapsed = asyncio.run(drive(url, reqs, rate, args.duration, mode == "fastlora",
-                                                    args.temperature, args.seed))
-                row = dict(mode=mode, rate=rate, **summarize(record, elapsed), **versions)
+                record, elapsed, cut = asyncio.run(drive(url, reqs, rate, args.duration, mode == "fastlora",
+                                                         args.temperature, args.seed, drain=args.drain))
+                row = dict(mode=mode, rate=rate, **summarize(record, elapsed), cut_by_drain=cut, **versions)
                 print(" | ".join(f"{k}={v}" for k, v in row.items() if k not in versions), flush=True)
                 rows.append(row)
     finally:
@@ -175,28 +182,31 @@ def run_mode(mode, args, reqs, versions):
 
 
 def soak(url, reqs, mode, args, samples, versions):
-    """One rate for ``--soak`` seconds, memory sampled while it runs."""
+    """One rate for ``--soak`` seconds, memory and the requests finished so far sampled while it runs
+    (each sample printed: a soak stopped from outside still leaves its curve and counts)."""
     done = threading.Event()
     began = time.perf_counter()
+    record = []
 
     def sample():
         while not done.is_set():
             gpu = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+            finished = list(record)
             samples.append(dict(mode=mode, t_s=round(time.perf_counter() - began, 1), gpu_allocated_bytes=gpu,
-                                resident_bytes=resident_bytes()))
-            # each sample printed too: a soak stopped from outside still leaves its memory curve
+                                resident_bytes=resident_bytes(), finished=len(finished),
+                                failed=sum(not r["ok"] for r in finished)))
             print("soak sample " + " ".join(f"{k}={v}" for k, v in samples[-1].items()), flush=True)
             done.wait(args.sample_every)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        record, elapsed = asyncio.run(drive(url, reqs, args.rates[0], args.soak, mode == "fastlora",
-                                            args.temperature, args.seed))
+        record, elapsed, cut = asyncio.run(drive(url, reqs, args.rates[0], args.soak, mode == "fastlora",
+                                                 args.temperature, args.seed, record=record, drain=args.drain))
     finally:
         done.set()
         sampler.join()
-    row = dict(mode=mode, rate=args.rates[0], soak_s=args.soak, **summarize(record, elapsed))
+    row = dict(mode=mode, rate=args.rates[0], soak_s=args.soak, **summarize(record, elapsed), cut_by_drain=cut)
     half = samples[len(samples) // 2:] or samples
     row["gpu_allocated_growth_bytes"] = half[-1]["gpu_allocated_bytes"] - half[0]["gpu_allocated_bytes"] if half else 0
     row["resident_growth_bytes"] = half[-1]["resident_bytes"] - half[0]["resident_bytes"] if half else 0
@@ -215,6 +225,8 @@ def main(argv=None) -> int:
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
     p.add_argument("--soak", type=float, default=0.0, help="seconds of one rate (the first) with memory sampled")
     p.add_argument("--sample-every", type=float, default=5.0)
+    p.add_argument("--drain", type=float, default=None,
+                   help="seconds to wait for the requests in flight once arrivals stop (the rest cancelled, counted)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-pending", type=int, default=4096)
     p.add_argument("--max-batch-tokens", type=int, default=2048)

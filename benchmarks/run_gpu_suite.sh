@@ -8,7 +8,7 @@
 #
 # Parts of "all": tests soak kernels attention gemm generate coverage peft prefill continuous serving
 # many profile resources. Never part of "all": serving-soak (minutes of load through the endpoint, memory
-# watched), kinds (DoRA and lora_bias against plain adapters), qlora (bitsandbytes bases; needs its
+# watched), kinds (DoRA and lora_bias against plain adapters), moe (LoRA on routed experts), qlora (bitsandbytes bases; needs its
 # wheel), ab (bench_ab.py: AB_OLD's tree against this one), tma (bench_gemm.py at 65-128 rows rewrites the TMA
 # kernel's tile table in the tree), ncu (Nsight Compute over one graphed 8B step, a kernel a line),
 # and, on a two-GPU machine, multigpu (tests, serve_tp, bench_tp: TP_MODEL, TP_ARGS) and devicemap.
@@ -79,7 +79,7 @@ if want serving; then  # the OpenAI endpoint at Poisson arrival rates, patched b
 fi
 if [[ $parts == *" serving-soak "* ]]; then  # zero failed requests, memory flat (under ten minutes in all)
   timeout ${SOAK_SERVE_LIMIT:-570} python3 benchmarks/bench_serving.py --model ${SERVE_MODEL:-8b} --adapters 32 \
-    --modes fastlora --rates ${SERVE_SOAK_RATE:-8} --soak ${SERVE_SOAK:-240} --out "$OUT" 2>&1 | quiet \
+    --modes fastlora --rates ${SERVE_SOAK_RATE:-4} --soak ${SERVE_SOAK:-240} --drain ${SERVE_DRAIN:-90} --out "$OUT" 2>&1 | quiet \
     | tee "$OUT/serving_soak_$TAG.log" | tail -6
 fi
 if want many; then
@@ -100,6 +100,12 @@ if only tma; then  # the TMA kernel's tile table: measured, written into the tre
   cp peft_fastlora/base_ops/tma_tiles_h200.json "$OUT/"
   timeout 200 python3 benchmarks/bench_generate.py --models 8b --graphs-only --batches 128 \
     --tag tma --out "$OUT" 2>&1 | quiet | tail -6
+fi
+if only moe; then  # LoRA on routed experts: Qwen3-30B-A3B's widths on fewer layers, Mixtral-8x7B's on four
+  timeout ${MOE_LIMIT:-300} python3 benchmarks/bench_moe.py --model qwen3-30b-a3b --layers ${MOE_LAYERS:-12} --batch 32 \
+    --new-tokens 24 --out "$OUT" 2>&1 | quiet | tee "$OUT/moe_qwen3-30b-a3b_$TAG.log" | tail -7
+  timeout ${MOE_LIMIT:-300} python3 benchmarks/bench_moe.py --model mixtral-8x7b --layers 4 --batch 32 \
+    --new-tokens 24 --out "$OUT" 2>&1 | quiet | tee "$OUT/moe_mixtral-8x7b_$TAG.log" | tail -7
 fi
 if only kinds; then  # #62's targets: DoRA and lora_bias adapters against plain ones, the same rows (8B, graphs)
   timeout ${KINDS_LIMIT:-400} python3 benchmarks/bench_generate.py --name kinds --models 8b --graphs-only --batches ${KINDS_BATCHES:-32} \

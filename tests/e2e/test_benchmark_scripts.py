@@ -333,9 +333,12 @@ def test_bench_serving_smoke(tmp_path):
     assert set(rows) == {"base_patched", "fastlora"}
     for row in rows.values():
         assert row["failed"] == "0" and int(row["requests"]) > 0 and float(row["output_tokens_per_s"]) > 0
-    _run([os.path.join(BENCH, "bench_serving.py"), "--smoke", "--modes", "fastlora", "--soak", "2",
+    _run([os.path.join(BENCH, "bench_serving.py"), "--smoke", "--modes", "fastlora", "--soak", "2", "--drain", "30",
           "--out", str(tmp_path)])
-    assert _csv(tmp_path / "serving_tiny_soak_cpu_memory.csv")
+    samples = _csv(tmp_path / "serving_tiny_soak_cpu_memory.csv")
+    assert samples and {"finished", "failed"} <= set(samples[0])  # a soak cut from outside still leaves counts
+    soak = _csv(tmp_path / "serving_tiny_soak_cpu.csv")[0]
+    assert soak["failed"] == "0" and soak["cut_by_drain"] == "0" and int(soak["requests"]) > 0
 
 
 def test_bench_moe_smoke(tmp_path):
