@@ -54,7 +54,7 @@ def register_adapters(model, adapters: Mapping[str, object]) -> None:
     each name to a folder path or to a ``(state_dict, LoraConfig)`` pair. All are checked first;
     if one is bad, none is registered."""
     state = _patched_state(model, "register_adapter")
-    if not state.sites or not state._takes_adapter_names:
+    if not state.has_lora or not state._takes_adapter_names:
         raise ValueError("fastlora.register_adapter: this model has LoRA layers on PEFT's path or no LoRA "
                          "layer fastlora serves (see the patch report); registered adapters need fastlora's "
                          "path for every LoRA layer")
@@ -109,15 +109,18 @@ def from_folders(base_model, adapters, **patch_kwargs):
                     if os.path.isfile(os.path.join(root, d, "adapter_config.json"))}
         if not adapters:
             raise ValueError(f"fastlora.from_folders: {root!r} has no sub-folder with an adapter_config.json")
-    targets = set()
+    targets, parameters = set(), set()
     for name, folder in adapters.items():
-        found = LoraConfig.from_pretrained(os.fspath(folder)).target_modules
+        config = LoraConfig.from_pretrained(os.fspath(folder))
+        found = config.target_modules
         if isinstance(found, str):
             raise ValueError(f"fastlora.from_folders: {name!r} targets modules by the pattern {found!r}; list "
                              f"them, or build the PeftModel yourself and call register_adapters")
-        targets |= set(found)
-    model = get_peft_model_quietly(base_model, LoraConfig(r=1, target_modules=sorted(targets)),
-                                           adapter_name=LAYERS_ADAPTER)
+        targets |= set(found or ())
+        parameters |= set(getattr(config, "target_parameters", None) or ())  # routed experts' 3-D weights
+    scaffold = LoraConfig(r=1, target_modules=sorted(targets) or None,
+                          **({"target_parameters": sorted(parameters)} if parameters else {}))
+    model = get_peft_model_quietly(base_model, scaffold, adapter_name=LAYERS_ADAPTER)
     model.eval()
     patch(model, **patch_kwargs)
     register_adapters(model, dict(adapters))

@@ -280,7 +280,8 @@ class FastLoRAState:
                 parent = model.get_submodule(g.parent_name) if g.parent_name else model
                 self.sites.append(FusedSite(site_name, g, pool, parent))
                 served |= {id(m) for m in g.members}
-        self.expert_sites, expert_wrappers, refused = find_expert_sites(lora_layers, self.registry.num_slots)
+        self.expert_sites, expert_wrappers, refused = find_expert_sites(lora_layers, self.registry.num_slots,
+                                                                         list(self.stored.values()))
         left_on_peft += refused
         served |= expert_wrappers
         declared = declared_tp_plans(model)
@@ -394,8 +395,8 @@ class FastLoRAState:
 
     def served_layers(self) -> dict:
         """Module name -> LoRA layer, for every layer a site serves."""
-        return {self._layer_names[id(layer)]: layer for site in self.sites for layer in site.lora_layers
-                if id(layer) in self._layer_names}
+        return {self._layer_names[id(layer)]: layer for site in self.sites + self.expert_sites
+                for layer in site.lora_layers if id(layer) in self._layer_names}
 
     def _servable_stored(self, peft_names) -> set:
         """The registered adapters to serve: a name PEFT now holds too is PEFT's (the registered one
@@ -582,7 +583,7 @@ class FastLoRAState:
             slot = self.registry.slot
             placed = {n: slot[n] for n in set(adapter_names) if n in slot}
             for site in self.expert_sites:
-                site.refresh(placed)
+                site.refresh(placed, self.stored)
         return folds
 
     def _adapter_set_changed(self) -> bool:

@@ -105,14 +105,15 @@ def param_wrapper_chain(outer: nn.Module) -> Tuple[nn.Module, Dict[str, nn.Modul
 
 def expert_factors(wrapper: nn.Module, adapter: str) -> Tuple[torch.Tensor, torch.Tensor, float]:
     """An adapter's factors on a 3-D expert parameter stored (experts, out, in): A (experts, r,
-    in), B (experts, out, r) and the scaling, so that expert e's delta is ``scaling * B[e] @ A[e]``.
-    PEFT keeps A as (experts * r, in) expert-major and B as (out, r * experts) expert-minor."""
-    experts = wrapper.num_experts
-    a = wrapper.lora_A[adapter].weight
-    b = wrapper.lora_B[adapter].weight
-    a = a.reshape(experts, -1, a.shape[-1])
-    b = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)
+    in), B (experts, out, r) and the scaling, so that expert e's delta is ``scaling * B[e] @ A[e]``."""
+    a, b = split_expert_factors(wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight, wrapper.num_experts)
     return a, b, float(wrapper.scaling[adapter])
+
+
+def split_expert_factors(a: torch.Tensor, b: torch.Tensor, experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's A (experts * r, in), expert-major, and B (out, r * experts), expert-minor (as its
+    layers and saved files hold them), as per-expert views A (experts, r, in), B (experts, out, r)."""
+    return a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)
 
 
 def expert_layout_blocker(experts: nn.Module, wrappers: Dict[str, nn.Module]) -> Optional[str]:

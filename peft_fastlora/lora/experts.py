@@ -24,7 +24,7 @@ from torch import nn
 from ..batch import choose_block_m
 from ..call_context import CallContext
 from ..compat.peft import (adapter_names_of, expert_factors, expert_layout_blocker, is_param_wrapper,
-                           layer_adapters_disabled, layer_is_merged, param_wrapper_chain)
+                           layer_adapters_disabled, layer_is_merged, param_wrapper_chain, split_expert_factors)
 from ..decode.capture import GraphUnsafe
 from ..instance_methods import InstancePatches
 from ..kernel_support import kernel_runs_on
@@ -38,10 +38,12 @@ class ExpertStack:
     """One expert parameter's adapters, by slot: A (slots, experts, R, in), B (slots, experts,
     out, R), scaling (slots,) float32; a slot holding no adapter of this parameter is all zeros."""
 
-    def __init__(self, wrapper: nn.Module, weight: torch.Tensor, num_slots: int):
+    def __init__(self, module: str, wrapper: nn.Module, weight: torch.Tensor, num_slots: int, stored=()):
+        self.module = module  # the wrapper's name in the model (registered adapters are keyed by it)
         self.wrapper = wrapper
         experts, out_features, in_features = weight.shape
         ranks = [wrapper.r[n] for n in wrapper.lora_A]
+        ranks += [a.modules[module][0].shape[0] // experts for a in stored if module in a.modules]
         rank = -(-max(ranks, default=1) // RANK_ALIGN) * RANK_ALIGN
         kw = dict(dtype=weight.dtype, device=weight.device)
         self.a = torch.zeros(num_slots, experts, rank, in_features, **kw)
@@ -52,17 +54,25 @@ class ExpertStack:
     def nbytes(self) -> int:
         return self.a.nbytes + self.b.nbytes
 
-    def hold(self, slot: int, adapter: str) -> None:
-        """``adapter``'s current factors in ``slot`` (copied only when they or the slot changed)."""
-        if adapter not in self.wrapper.lora_A:
-            key: tuple = (adapter,)
+    def hold(self, slot: int, adapter: str, stored=None) -> None:
+        """``adapter``'s current factors in ``slot`` (copied only when they or the slot changed);
+        ``stored``: the adapter registered by name under that name, if it is one."""
+        if stored is not None and self.module in stored.modules:
+            a, b, scaling = stored.modules[self.module]
+            a, b = split_expert_factors(a, b, self.wrapper.num_experts)
+            key: tuple = (adapter, id(stored))  # a registered adapter's tensors never change
+        elif stored is None and adapter in self.wrapper.lora_A:
+            a, b, scaling = expert_factors(self.wrapper, adapter)
+            key = (adapter, a.data_ptr(), a._version, b.data_ptr(), b._version, scaling)
+        else:
+            a = b = None
+            key = (adapter,)
+        if a is None:
             if self._held.get(slot) != key:
                 self.a[slot].zero_()
                 self.b[slot].zero_()
                 self.scaling[slot] = 0.0
         else:
-            a, b, scaling = expert_factors(self.wrapper, adapter)
-            key = (adapter, a.data_ptr(), a._version, b.data_ptr(), b._version, scaling)
             if self._held.get(slot) != key:
                 r = a.shape[1]
                 with torch.no_grad():
@@ -80,12 +90,15 @@ class ExpertsSite:
 
     kind = "experts"
 
-    def __init__(self, name: str, outer: nn.Module, num_slots: int):
+    def __init__(self, name: str, outer: nn.Module, num_slots: int, stored=()):
         self.name = name
         self.outer = outer
         self.experts, self.wrappers = param_wrapper_chain(outer)
         self.lora_layers: List[nn.Module] = list(self.wrappers.values())
-        self.stacks = {p: ExpertStack(w, getattr(self.experts, p), num_slots) for p, w in self.wrappers.items()}
+        # a wrapper's module name: the outer one's, then ".base_layer" for each one inside it
+        depth = {id(w): i for i, w in enumerate(_chain(outer))}
+        self.stacks = {p: ExpertStack(name + ".base_layer" * depth[id(w)], w, getattr(self.experts, p), num_slots,
+                                      stored) for p, w in self.wrappers.items()}
         self._patches = InstancePatches()
 
     @property
@@ -113,11 +126,12 @@ class ExpertsSite:
     def uninstall(self) -> None:
         self._patches.restore()
 
-    def refresh(self, slots: Dict[str, int]) -> None:
-        """The call's adapters (name -> slot) into the stacks."""
+    def refresh(self, slots: Dict[str, int], stored: Dict[str, object]) -> None:
+        """The call's adapters (name -> slot) into the stacks; ``stored``: the adapters registered
+        by name (``lora.store``), by name."""
         for stack in self.stacks.values():
             for name, slot in slots.items():
-                stack.hold(slot, name)
+                stack.hold(slot, name, stored.get(name))
 
     # -- the forward --------------------------------------------------------------------------
     def forward(self, state, context: CallContext, original, hidden, args, kwargs):
@@ -190,6 +204,15 @@ class ExpertsSite:
         return next(iter(self.stacks.values())).a.shape[0]
 
 
+def _chain(outer: nn.Module) -> List[nn.Module]:
+    """The ``ParamWrapper``s from ``outer`` inwards."""
+    chain = []
+    while is_param_wrapper(outer):
+        chain.append(outer)
+        outer = outer.base_layer
+    return chain
+
+
 def _routing(args, kwargs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """The experts' (top_k_index, top_k_weights), as transformers' MoE blocks pass them."""
     if len(args) == 2 and not set(kwargs) - {"adapter_names"}:
@@ -199,9 +222,10 @@ def _routing(args, kwargs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     return None
 
 
-def find_expert_sites(named_lora_layers: Sequence[Tuple[str, nn.Module]], num_slots: int) -> tuple:
+def find_expert_sites(named_lora_layers: Sequence[Tuple[str, nn.Module]], num_slots: int, stored=()) -> tuple:
     """The experts sites of a model's LoRA layers ((name, module), outermost first), the ids of
-    every expert wrapper found, and (name, reason) for the chains fastlora cannot serve."""
+    every expert wrapper found, and (name, reason) for the chains fastlora cannot serve.
+    ``stored``: the adapters registered by name (their ranks size the stacks too)."""
     sites, served, refused = [], set(), []
     for name, m in named_lora_layers:
         if not is_param_wrapper(m) or id(m) in served:
@@ -212,5 +236,5 @@ def find_expert_sites(named_lora_layers: Sequence[Tuple[str, nn.Module]], num_sl
         if why is not None:
             refused.append((name, why))
         else:
-            sites.append(ExpertsSite(name, m, num_slots))
+            sites.append(ExpertsSite(name, m, num_slots, stored))
     return sites, served, refused

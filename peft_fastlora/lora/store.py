@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from torch import nn
 from peft import LoraConfig
 
-from ..compat.peft import LoraEmbedding, base_layer_of, embed_scale
+from ..compat.peft import LoraEmbedding, base_layer_of, embed_scale, is_param_wrapper
 from ..compat.tensor_parallel import full_shape_in_out, full_weight, tp_style
 
 CONFIG_FILE = "adapter_config.json"
@@ -40,9 +40,7 @@ _REFUSED = {"modules_to_save": "modules_to_save",
             "rank_pattern": "rank_pattern", "alpha_pattern": "alpha_pattern",
             "trainable_token_indices": "trainable_token_indices",
             "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)", "use_qalora": "QALoRA",
-            "layer_replication": "layer_replication",
-            "target_parameters": "target_parameters (LoRA on parameters such as routed experts: load such "
-                                 "an adapter with PEFT's load_adapter; fastlora serves it from there)"}
+            "layer_replication": "layer_replication"}
 
 
 @dataclass
@@ -165,12 +163,20 @@ def build_stored(name: str, config, state_dict: Mapping[str, torch.Tensor], sour
                                  f"(its config has {'use_dora' if kind == 'magnitude' else 'lora_bias'})")
         layer = layers[module]
         a, b = ab["A"], ab["B"]
-        fan_in, fan_out = full_shape_in_out(base_layer_of(layer))  # the whole layer's, under TP too
-        r = a.shape[0] if a.dim() == 2 else -1
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r) or r < 1:
+        experts = layer.num_experts if is_param_wrapper(layer) else 1  # routed experts: A (E*r, in), B (out, E*r)
+        if experts > 1 and set(ab) - {"A", "B"}:
+            raise ValueError(f"fastlora.register_adapter: {source}: {module!r}: a bias or DoRA on expert weights "
+                             "is not supported")
+        if experts > 1:
+            fan_in, fan_out = layer.in_features, layer.out_features
+        else:
+            fan_in, fan_out = full_shape_in_out(base_layer_of(layer))  # the whole layer's, under TP too
+        r = a.shape[0] // experts if a.dim() == 2 and a.shape[0] % experts == 0 else -1
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r * experts) or r < 1:
+            rows = "r" if experts == 1 else f"{experts} x r"
             raise ValueError(
                 f"fastlora.register_adapter: {source}: {module!r} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
-                f"its base layer takes A (r, {fan_in}) and B ({fan_out}, r)")
+                f"its base layer takes A ({rows}, {fan_in}) and B ({fan_out}, {rows})")
         if not (a.is_floating_point() and b.is_floating_point()):
             raise ValueError(f"fastlora.register_adapter: {source}: {module!r} holds {a.dtype} / {b.dtype} weights")
         scaling = config.lora_alpha / (math.sqrt(r) if getattr(config, "use_rslora", False) else r)

@@ -5,6 +5,7 @@ that row's adapter active (or none for ``"__base__"``), fp32 on the CPU, on an i
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -40,7 +41,7 @@ ARCHS = {"mixtral": _mixtral, "qwen3_moe": _qwen3, "qwen2_moe": _qwen2}
 # (name, target_modules, target_parameters, rank): adapters on attention and experts, one on
 # attention only (the experts give it nothing), one on experts only
 ADAPTERS = (("both", ["q_proj", "v_proj"], EXPERTS, 4), ("attn", ["q_proj", "o_proj"], None, 8),
-            ("experts", [], EXPERTS, 8))
+            ("routed", [], EXPERTS, 8))
 
 
 def build(arch: str, adapters=ADAPTERS):
@@ -96,13 +97,13 @@ def test_mixed_logits_equal_peft_row_by_row(arch):
     report = fastlora.patch(m)
     assert report.left_on_peft == [] and report.adapter_fallbacks == [], report
     assert report.counts().get("experts") == 2, report.counts()
-    names = ["both", "__base__", "experts", "attn", "both", "experts"]
+    names = ["both", "__base__", "routed", "attn", "both", "routed"]
     x = ids(len(names))
     with torch.no_grad():
         got = m(input_ids=x, adapter_names=names).logits
     torch.testing.assert_close(got, peft_row_by_row(ref, x, names), atol=1e-5, rtol=1e-5)
     with torch.no_grad():  # the expert adapters matter
-        ref.set_adapter("experts")
+        ref.set_adapter("routed")
         with_experts = ref(input_ids=x[:1]).logits
         with ref.disable_adapter():
             assert not torch.allclose(with_experts, ref(input_ids=x[:1]).logits, atol=1e-3)
@@ -114,7 +115,7 @@ def test_generate_equal_peft_row_by_row(backend):
     interpreter: the grouped kernel and its device-side plan), equal to PEFT row by row."""
     m, ref = build("qwen3_moe"), build("qwen3_moe")
     fastlora.patch(m, backend=backend)
-    names = ["experts", "both", "__base__", "attn"]
+    names = ["routed", "both", "__base__", "attn"]
     x = ids(len(names), length=5, seed=3)
     with torch.no_grad():
         got = m.generate(input_ids=x, attention_mask=torch.ones_like(x), adapter_names=names, max_new_tokens=6,
@@ -128,7 +129,7 @@ def test_emulated_graphs_and_fewer_slots_than_adapters():
     m, ref = build("mixtral"), build("mixtral")
     fastlora.patch(m, cuda_graphs="emulate", max_loras_per_batch=2, backend="triton")
     x = ids(4, length=5, seed=4)
-    for names in (["both", "__base__", "experts", "both"], ["attn", "experts", "attn", "__base__"],
+    for names in (["both", "__base__", "routed", "both"], ["attn", "routed", "attn", "__base__"],
                   ["both", "both", "attn", "attn"]):
         with torch.no_grad():
             got = m.generate(input_ids=x, attention_mask=torch.ones_like(x), adapter_names=names, max_new_tokens=5,
@@ -141,13 +142,13 @@ def test_values_changed_between_calls_are_served():
     """An expert adapter's factors edited in place after a call: the next call uses the new values."""
     m, ref = build("mixtral"), build("mixtral")
     fastlora.patch(m)
-    names = ["experts", "both"]
+    names = ["routed", "both"]
     x = ids(2, seed=5)
     with torch.no_grad():
         m(input_ids=x, adapter_names=names)
         for model in (m, ref):
             for n, p in model.named_parameters():
-                if "experts" in n and "lora_B.experts" in n:
+                if "experts" in n and "lora_B.routed" in n:
                     p.mul_(-2.0)
         got = m(input_ids=x, adapter_names=names).logits
     torch.testing.assert_close(got, peft_row_by_row(ref, x, names), atol=1e-5, rtol=1e-5)
@@ -190,9 +191,71 @@ def test_continuous_batching_per_request():
     assert report.continuous_batching == "on", report
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (4, 11, 2, 7)]
-    names = ["experts", "both", "__base__", "attn"]
+    names = ["routed", "both", "__base__", "attn"]
     out = m.generate_batch(prompts, generation_config=greedy_config(5),
                            continuous_batching_config=cb_config(max_batch_tokens=16), adapter_names=names)
     for i, (prompt, name) in enumerate(zip(prompts, names)):
         alone = peft_row_by_row(ref, torch.tensor([prompt]), [name], new_tokens=5)
         assert out[f"req_{i}"].generated_tokens == alone[0, len(prompt):].tolist(), (i, name)
+
+
+def _saved(tmp_path, name: str, adapter, seed: int) -> str:
+    """``adapter`` trained (random B) on its own model and saved under ``tmp_path/name``."""
+    donor = build("mixtral", (adapter,))
+    with torch.no_grad():
+        for n, p in donor.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(seed + len(n)))
+    donor.save_pretrained(str(tmp_path / "saved"), selected_adapters=[adapter[0]])
+    return str(tmp_path / "saved" / adapter[0]) if adapter[0] != "default" else str(tmp_path / "saved")
+
+
+def test_expert_adapters_registered_by_name(tmp_path):
+    """Saved adapters on attention and experts registered by name (one with a larger rank than the
+    PEFT adapters: the expert stacks grow for it), beside PEFT's own, with three slots for five
+    adapters; equal to the same folders loaded into PEFT, row by row."""
+    m, ref = build("mixtral"), build("mixtral")
+    folders = {"extra": _saved(tmp_path / "e", "extra", ("extra", ["q_proj", "o_proj"], EXPERTS, 16), 3),
+               "more": _saved(tmp_path / "m", "more", ("more", ["v_proj"], EXPERTS, 2), 4)}
+    fastlora.patch(m, max_loras_per_batch=3)
+    fastlora.register_adapters(m, folders)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, folder in folders.items():
+            ref.load_adapter(folder, adapter_name=name)
+    ref.eval()
+    x = ids(4, seed=6)
+    for names in (["extra", "__base__", "more", "extra"], ["routed", "more", "both", "more"],
+                  ["extra", "extra", "attn", "__base__"]):
+        with torch.no_grad():
+            got = m(input_ids=x, adapter_names=names).logits
+        torch.testing.assert_close(got, peft_row_by_row(ref, x, names), atol=1e-5, rtol=1e-5, msg=str(names))
+
+
+def test_from_folders_with_expert_adapters(tmp_path):
+    """A base MoE model and a folder of saved expert adapters: the scaffold adapter targets the
+    experts' parameters too, and generate equals PEFT with the folders loaded."""
+    root = tmp_path / "adapters"
+    for name, adapter, seed in (("one", ("one", ["q_proj"], EXPERTS, 4), 5), ("two", ("two", [], EXPERTS, 8), 6)):
+        folder = _saved(tmp_path / name, name, adapter, seed)
+        root.mkdir(exist_ok=True)
+        os.rename(folder, root / name)
+    torch.manual_seed(0)
+    base = ARCHS["mixtral"]().eval()
+    base.generation_config.eos_token_id = None
+    m = fastlora.from_folders(base, str(root))
+    torch.manual_seed(0)
+    ref_base = ARCHS["mixtral"]().eval()
+    ref_base.generation_config.eos_token_id = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from peft import PeftModel
+        ref = PeftModel.from_pretrained(ref_base, str(root / "one"), adapter_name="one")
+        ref.load_adapter(str(root / "two"), adapter_name="two")
+    ref.eval()
+    names = ["two", "one", "__base__", "two"]
+    x = ids(4, length=5, seed=7)
+    with torch.no_grad():
+        got = m.generate(input_ids=x, attention_mask=torch.ones_like(x), adapter_names=names, max_new_tokens=4,
+                         do_sample=False, pad_token_id=0)
+    assert torch.equal(got, peft_row_by_row(ref, x, names, new_tokens=4))

@@ -30,7 +30,7 @@ ARCHS = {
                                                             norm_topk_prob=True)),
 }
 ADAPTERS = (("both", ["q_proj", "v_proj"], EXPERTS, 8), ("attn", ["q_proj", "o_proj"], None, 16),
-            ("experts", [], EXPERTS, 16), ("wide", ["k_proj"], EXPERTS, 32))
+            ("routed", [], EXPERTS, 16), ("wide", ["k_proj"], EXPERTS, 32))
 
 
 def build(arch: str, dtype):
@@ -81,7 +81,7 @@ class _nothing:
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_graphed_generate_equals_peft_row_by_row(arch):
     model = build(arch, torch.float32)
-    names = ["both", "__base__", "experts", "attn", "wide", "both", "experts", "wide"]
+    names = ["both", "__base__", "routed", "attn", "wide", "both", "routed", "wide"]
     x = torch.randint(1, VOCAB, (len(names), 9), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(3))
     expected = peft_row_by_row(model, x, names, new_tokens=24)
     report = fastlora.patch(model)
@@ -102,7 +102,7 @@ def test_bf16_logits_as_close_to_fp32_as_peft(arch):
     """In bf16, fastlora's mixed batch is no further from the float32 answer (PEFT row by row)
     than PEFT's own bf16 rows are."""
     model = build(arch, torch.float32)
-    names = ["experts", "both", "__base__", "wide", "attn", "experts"]
+    names = ["routed", "both", "__base__", "wide", "attn", "routed"]
     x = torch.randint(1, VOCAB, (len(names), 33), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(4))
     exact = peft_row_by_row(model, x, names)
     with torch.no_grad(), model.disable_adapter():

@@ -209,8 +209,6 @@ BAD = {
     "a magnitude without dora": (dict(weights=lambda sd: {**sd, _first(sd, "lora_A.weight").replace(
         "lora_A.weight", "lora_magnitude_vector"): torch.ones(32)}), "unexpected key .*lora_magnitude_vector"),
     "rank_pattern": (dict(config={"rank_pattern": {"q_proj": 4}}), "rank_pattern is not supported"),
-    "target_parameters": (dict(config={"target_parameters": ["experts.gate_up_proj"]}),
-                          "target_parameters .*load_adapter.* is not supported"),
     "ia3": (dict(config={"peft_type": "IA3"}), "peft_type 'IA3'.*LoRA adapters only"),
     "extra key": (dict(weights=lambda sd: {**sd, "base_model.model.model.norm.weight": torch.ones(64)}),
                   "unexpected key 'base_model.model.model.norm.weight'"),
