@@ -59,16 +59,7 @@ def build_base(shape: str, layers: int, impl=None):
     cfg = getattr(transformers, cfg_name)(**fields, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if impl is not None:
         cfg._experts_implementation = impl
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(hx.DEVICE):
-            model = getattr(transformers, model_name)(cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    model.generation_config.eos_token_id = None
-    return model.eval()
+    return hx.instantiate(model_name, cfg)
 
 
 def add_adapters(model, n: int, rank: int):
@@ -170,7 +161,7 @@ def main(argv=None) -> int:
             print(f"base_patched_{impl}: not built ({type(e).__name__}: {e})", flush=True)
             continue
         fastlora.patch(base, cuda_graphs=graphs)
-        gen = lambda n: base.generate(**inputs, max_new_tokens=n, min_new_tokens=n)  # noqa: E731
+        gen = lambda n, m=base: m.generate(**inputs, max_new_tokens=n, min_new_tokens=n)  # noqa: E731
         step = decode_ms(gen, args.new_tokens)
         floor = floor_bytes(base, args.model, layers, args.batch, 0, args.rank)
         row("base_patched" + (f"_{impl}" if impl else ""), step, floor, **runner_stats(base))

@@ -101,6 +101,14 @@ def build_base(shape: str, layers: int = None):
     cfg = getattr(transformers, config_cls)(**fields, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if attn is not None:
         cfg._attn_implementation = attn
+    return instantiate(model_cls, cfg)
+
+
+def instantiate(model_cls: str, cfg):
+    """transformers' ``model_cls`` built from ``cfg`` with seeded random weights, in bf16 on
+    ``DEVICE``, in eval mode, never stopping early (random weights would emit EOS at random)."""
+    import transformers
+
     torch.manual_seed(0)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)

@@ -10,14 +10,13 @@ import warnings
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
 
 import peft_fastlora as fastlora
+from _moe import EXPERTS, peft_row_by_row, with_expert_adapters
 
 VOCAB = 96
-EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, num_experts_per_tok=2)
 
@@ -48,47 +47,11 @@ def build(arch: str, adapters=ADAPTERS):
     torch.manual_seed(0)
     base = ARCHS[arch]().eval()
     base.generation_config.eos_token_id = None
-    model = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i, (name, modules, params, r) in enumerate(adapters):
-            torch.manual_seed(10 + i)
-            cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=modules or None, target_parameters=params,
-                             init_lora_weights=False)
-            model = get_peft_model(base, cfg, adapter_name=name) if model is None else model
-            if i:
-                model.add_adapter(name, cfg)
-    with torch.no_grad():  # B large enough that each adapter moves the logits visibly
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.mul_(4.0)
-    return model.eval()
+    return with_expert_adapters(base, adapters, b_scale=4.0)  # each adapter moves the logits visibly
 
 
 def ids(rows: int, length: int = 7, seed: int = 1):
     return torch.randint(3, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
-
-
-def peft_row_by_row(ref, x, names, **kw):
-    """Each row alone through PEFT with its adapter active: logits (``generate=False``) or tokens."""
-    outs = []
-    with torch.no_grad():
-        for i, name in enumerate(names):
-            row = x[i: i + 1]
-            if name == "__base__":
-                with ref.disable_adapter():
-                    outs.append(_run(ref, row, **kw))
-            else:
-                ref.set_adapter(name)
-                outs.append(_run(ref, row, **kw))
-    return torch.cat(outs)
-
-
-def _run(model, x, new_tokens=None, **kwargs):
-    if new_tokens is None:
-        return model(input_ids=x, **kwargs).logits
-    return model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens,
-                          do_sample=False, pad_token_id=0, **kwargs)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

@@ -7,20 +7,17 @@ the low-rank product to the projection's output)."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 import peft_fastlora as fastlora
+from _moe import EXPERTS, peft_row_by_row, with_expert_adapters
 
 pytestmark = pytest.mark.gpu
 
 VOCAB = 512
 DEVICE = "cuda"
-EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 COMMON = dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, num_experts_per_tok=2)
 ARCHS = {
@@ -37,45 +34,7 @@ def build(arch: str, dtype):
     torch.manual_seed(0)
     base = ARCHS[arch]().to(DEVICE, dtype).eval()
     base.generation_config.eos_token_id = None
-    model = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i, (name, modules, params, r) in enumerate(ADAPTERS):
-            torch.manual_seed(10 + i)
-            cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=modules or None, target_parameters=params,
-                             init_lora_weights=False)
-            model = get_peft_model(base, cfg, adapter_name=name) if model is None else model
-            if i:
-                model.add_adapter(name, cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.mul_(0.1)
-    return model.to(dtype).eval()
-
-
-def peft_row_by_row(model, x, names, new_tokens=None):
-    outs = []
-    with torch.no_grad():
-        for i, name in enumerate(names):
-            row = x[i: i + 1]
-            if name != "__base__":
-                model.set_adapter(name)
-            with model.disable_adapter() if name == "__base__" else _nothing():
-                if new_tokens is None:
-                    outs.append(model(input_ids=row).logits.float())
-                else:
-                    outs.append(model.generate(input_ids=row, attention_mask=torch.ones_like(row), do_sample=False,
-                                               max_new_tokens=new_tokens, pad_token_id=0))
-    return torch.cat(outs)
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+    return with_expert_adapters(base, ADAPTERS, b_scale=0.1).to(dtype)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
