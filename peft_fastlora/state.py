@@ -541,6 +541,8 @@ class FastLoRAState:
         for site in self.sites:
             if site.pool.fold_lost():  # its A arena under a base weight the layers no longer use
                 self._rebuild_pool(site, site.pool.lora_a.dtype)
+        if any([site.follow_weights() for site in self.expert_sites]):  # model.to(): new stacks
+            self.generation += 1
         if adapter_names is None:
             self._sync_pools(None)
             return

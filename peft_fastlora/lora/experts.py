@@ -54,6 +54,18 @@ class ExpertStack:
     def nbytes(self) -> int:
         return self.a.nbytes + self.b.nbytes
 
+    def follow(self, weight: torch.Tensor) -> bool:
+        """Stacks again on ``weight``'s device and dtype where it moved (``model.to``), emptied; True
+        if they were rebuilt (graphs that read the old ones must go)."""
+        if self.a.device == weight.device and self.a.dtype == weight.dtype:
+            return False
+        kw = dict(dtype=weight.dtype, device=weight.device)
+        self.a = torch.zeros(self.a.shape, **kw)
+        self.b = torch.zeros(self.b.shape, **kw)
+        self.scaling = torch.zeros(self.scaling.shape, dtype=torch.float32, device=weight.device)
+        self._held.clear()
+        return True
+
     def hold(self, slot: int, adapter: str, stored=None) -> None:
         """``adapter``'s current factors in ``slot`` (copied only when they or the slot changed);
         ``stored``: the adapter registered by name under that name, if it is one."""
@@ -125,6 +137,10 @@ class ExpertsSite:
 
     def uninstall(self) -> None:
         self._patches.restore()
+
+    def follow_weights(self) -> bool:
+        """Stacks rebuilt where the expert weights moved device or dtype (see ``ExpertStack.follow``)."""
+        return any([stack.follow(getattr(self.experts, p)) for p, stack in self.stacks.items()])
 
     def refresh(self, slots: Dict[str, int], stored: Dict[str, object]) -> None:
         """The call's adapters (name -> slot) into the stacks; ``stored``: the adapters registered
