@@ -244,3 +244,28 @@ def test_a_model_cast_after_patch_is_served_in_its_new_dtype():
         return ((t - exact).norm() / exact.norm()).item()
 
     assert rel(got) <= 1.5 * rel(peft_bf16) + 1e-3, (rel(got), rel(peft_bf16))
+
+
+def test_random_calls_and_bad_inputs():
+    """Random calls as a server makes them (batch sizes, prompt lengths, adapter mixes, lengths to
+    generate; two slots for three adapters, emulated graphs, the grouped kernel), each row equal
+    to PEFT alone; bad adapter names are refused with PEFT's message, and the next call is served."""
+    m, ref = build("qwen3_moe"), build("qwen3_moe")
+    fastlora.patch(m, cuda_graphs="emulate", max_loras_per_batch=2, backend="triton")
+    rng = torch.Generator().manual_seed(11)
+    adapters = ["both", "attn", "routed", "__base__"]
+    for call in range(5):
+        rows = int(torch.randint(1, 6, (1,), generator=rng))
+        chosen = [adapters[int(i)] for i in torch.randperm(4, generator=rng)[:2]]
+        names = [chosen[int(i)] for i in torch.randint(0, 2, (rows,), generator=rng)]
+        length, new = int(torch.randint(2, 9, (1,), generator=rng)), int(torch.randint(1, 5, (1,), generator=rng))
+        x = ids(rows, length=length, seed=100 + call)
+        with torch.no_grad():
+            got = m.generate(input_ids=x, attention_mask=torch.ones_like(x), adapter_names=names, max_new_tokens=new,
+                             do_sample=False, pad_token_id=0)
+        assert torch.equal(got, peft_row_by_row(ref, x, names, new_tokens=new)), (call, names)
+        if call == 2:
+            with torch.no_grad(), pytest.raises(ValueError, match="non-existing adapter"):
+                m(input_ids=x, adapter_names=["nope"] * rows)
+            with torch.no_grad(), pytest.raises(ValueError, match="Length of `adapter_names`"):
+                m(input_ids=x, adapter_names=names + ["both"])  # one name too many
