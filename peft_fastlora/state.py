@@ -631,6 +631,8 @@ class FastLoRAState:
         tokens_per_row = x.numel() // max(rows, 1)
         if isinstance(site, LinearSite) or isinstance(site, FusedSite):
             tokens_per_row //= max(x.shape[-1], 1)
+            if x.dim() == 2 and rows != len(adapter_names):  # the forward's tokens flattened row by row
+                rows, tokens_per_row = len(adapter_names), rows // len(adapter_names)
         if context.boundary is not None:  # a forward outside any call: its boundary, once
             context.boundary.run(adapter_names)
         return self.batch_infos.for_rows(adapter_names, rows, tokens_per_row)

@@ -35,6 +35,11 @@ class BatchInfos:
         """The slots moved or the stacks were rebuilt: build again when next asked."""
         self._key = self._info = None
 
+    def holds(self, adapter_names: Sequence[str], rows: int, tokens_per_row: int) -> bool:
+        """Whether the batch info at hand was built for this layout (by an earlier layer of the
+        forward, which saw its rows and tokens apart)."""
+        return self._key == (tuple(adapter_names), rows, tokens_per_row)
+
     def for_rows(self, adapter_names: Sequence[str], rows: int, tokens_per_row: int):
         """``rows`` rows of ``tokens_per_row`` tokens each, row i with ``adapter_names[i]``."""
         # by value, not by list identity: a caller may reuse one list and change it in place

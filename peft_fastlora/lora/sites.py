@@ -37,6 +37,9 @@ class Site:
     """Common part: the members, their saved forwards, and the pool."""
 
     kind = "linear"
+    # a 2-D input of len(names) * S rows is the forward's tokens flattened row by row (as
+    # transformers' MoE blocks hand them to a shared expert); not an embedding's (rows, S) ids
+    takes_flat_tokens = True
 
     def __init__(self, name: str, members: List[nn.Module], pool: SitePool):
         self.name = name
@@ -98,7 +101,11 @@ class Site:
         rows = x.shape[0] if x.dim() >= 1 else -1
         # under graph capture the batch is padded to its bucket (padding rows have no adapter)
         graph_rows = context.graph_batch_info.bs if context.graphed else None
-        if rows < 0 or (len(names) != rows and rows != graph_rows) or x.device != self.device:
+        # flattened tokens only in a layout an earlier layer of the forward established (a 2-D
+        # input that is a plain batch of another size keeps PEFT's length error)
+        flat = (self.takes_flat_tokens and x.dim() == 2 and not context.graphed and len(names) > 0
+                and rows % len(names) == 0 and state.batch_infos.holds(names, len(names), rows // len(names)))
+        if rows < 0 or (len(names) != rows and rows != graph_rows and not flat) or x.device != self.device:
             return None  # PEFT's forward raises its own error for a length mismatch
         if self._blocked(state, x):  # e.g. after model.to(torch.float64): PEFT's path serves it
             return None
@@ -125,7 +132,8 @@ class Site:
     def _segments_info(self, state, context: CallContext, x):
         """Continuous batching: x is one row of ``segments.num_tokens`` tokens."""
         segments = context.segments
-        if x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != segments.num_tokens:
+        flat = self.takes_flat_tokens and x.dim() == 2 and x.shape[0] == segments.num_tokens  # (tokens, hidden)
+        if not flat and (x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != segments.num_tokens):
             raise RuntimeError(
                 f"{self.name}: a continuous-batching forward of {segments.num_tokens} tokens got an "
                 f"input of shape {tuple(x.shape)}")
@@ -147,8 +155,7 @@ class Site:
         supported = getattr(state.backend, "supported_dtypes", None)
         return supported is not None and dtype not in supported
 
-    @staticmethod
-    def peft_forward(context: CallContext, original, x, args, kwargs, lora: bool = True):
+    def peft_forward(self, context: CallContext, original, x, args, kwargs, lora: bool = True):
         """This member's own (PEFT's) forward. In a continuous-batching forward it gets one row
         per token and each token's adapter name: PEFT's per-row path, exactly, never the active
         adapter applied to every sequence. ``lora``: the member is a LoRA layer (a fused group's
@@ -161,6 +168,8 @@ class Site:
         segments = context.segments
         if segments is None or kwargs.get("adapter_names") is not None:
             return original(x, *args, **kwargs)
+        if self.takes_flat_tokens and x.dim() == 2:  # (tokens, hidden), flattened by the model
+            return original(x.unsqueeze(1), *args, adapter_names=segments.token_names(), **kwargs).squeeze(1)
         rows = x.reshape(segments.num_tokens, 1, *x.shape[2:])
         out = original(rows, *args, adapter_names=segments.token_names(), **kwargs)
         return out.reshape(1, segments.num_tokens, *out.shape[2:])
@@ -286,6 +295,7 @@ class EmbeddingSite(_OneLayerSite):
     the delta, and the ranks' parts are summed: one all-reduce, as without LoRA."""
 
     kind = "embedding"
+    takes_flat_tokens = False
 
     def __init__(self, name, members, pool, tp: Optional[str] = None):
         super().__init__(name, members, pool)

@@ -40,12 +40,12 @@ class StepSpy:
         monkeypatch.setattr(backend, "prepare_lora_batch", spy_prepare)
         peft_forward = Site.peft_forward
 
-        def spy_peft(context, original, x, args, kwargs):
+        def spy_peft(site, context, original, x, args, kwargs, **kw):
             if context.segments is not None:
                 self.peft_calls += 1
-            return peft_forward(context, original, x, args, kwargs)
+            return peft_forward(site, context, original, x, args, kwargs, **kw)
 
-        monkeypatch.setattr(Site, "peft_forward", staticmethod(spy_peft))
+        monkeypatch.setattr(Site, "peft_forward", spy_peft)
 
     def mixed_forwards(self) -> int:
         """Forwards that held a decode token and a prefill chunk of different sequences."""

@@ -269,3 +269,35 @@ def test_random_calls_and_bad_inputs():
                 m(input_ids=x, adapter_names=["nope"] * rows)
             with torch.no_grad(), pytest.raises(ValueError, match="Length of `adapter_names`"):
                 m(input_ids=x, adapter_names=names + ["both"])  # one name too many
+
+
+SHARED = (("a", ["q_proj", "gate_proj", "up_proj", "down_proj", "shared_expert_gate"], EXPERTS, 4),
+          ("b", ["down_proj", "k_proj"], EXPERTS, 8))
+
+
+@pytest.mark.parametrize("backend", ["torch_native", "triton"])
+def test_qwen2_moe_shared_expert_adapters(backend):
+    """Qwen2-MoE hands its shared expert the forward's tokens flattened, (rows x tokens, hidden):
+    its LoRA layers serve each token with its row's adapter (PEFT's mixed batch refuses the
+    shape), in plain forwards, graphed generate and continuous batching."""
+    from _continuous import cb_config, greedy_config, requires_cb
+
+    m, ref = build("qwen2_moe", SHARED), build("qwen2_moe", SHARED)
+    report = fastlora.patch(m, backend=backend, cuda_graphs="emulate")
+    assert report.left_on_peft == [] and report.counts()["gate_up"] == 2, report
+    names = ["a", "b", "__base__", "a"]
+    x = ids(4, seed=9)
+    with torch.no_grad():
+        got = m(input_ids=x, adapter_names=names).logits
+        tokens = m.generate(input_ids=x, attention_mask=torch.ones_like(x), adapter_names=names, max_new_tokens=4,
+                            do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(got, peft_row_by_row(ref, x, names), atol=1e-5, rtol=1e-5)
+    assert torch.equal(tokens, peft_row_by_row(ref, x, names, new_tokens=4))
+    if requires_cb.args[0]:
+        return
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 2)]
+    out = m.generate_batch(prompts, generation_config=greedy_config(3),
+                           continuous_batching_config=cb_config(max_batch_tokens=16), adapter_names=["b", "a", "__base__"])
+    for i, (prompt, name) in enumerate(zip(prompts, ["b", "a", "__base__"])):
+        alone = peft_row_by_row(ref, torch.tensor([prompt]), [name], new_tokens=3)
+        assert out[f"req_{i}"].generated_tokens == alone[0, len(prompt):].tolist(), (i, name)
