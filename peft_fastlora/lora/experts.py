@@ -23,7 +23,7 @@ from torch import nn
 
 from ..batch import choose_block_m
 from ..call_context import CallContext
-from ..compat.peft import (adapter_names_of, expert_factors, expert_layout_blocker, is_param_wrapper,
+from ..compat.peft import (expert_factors, expert_layout_blocker, is_param_wrapper,
                            layer_adapters_disabled, layer_is_merged, param_wrapper_chain, split_expert_factors)
 from ..decode.capture import GraphUnsafe
 from ..instance_methods import InstancePatches
@@ -119,12 +119,6 @@ class ExpertsSite:
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.stacks.values())
-
-    def adapter_names(self) -> set:
-        names = set()
-        for w in self.lora_layers:
-            names |= adapter_names_of(w)
-        return names
 
     # -- installing -------------------------------------------------------------------------
     def install(self, state) -> None:
