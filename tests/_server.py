@@ -24,28 +24,17 @@ import _options  # noqa: E402
 ADAPTERS = ["reverse", "sum", "upper"]
 
 
-class LiveServer:
-    """Args:
-        folder: where the tiny adapters are written.
-        argv: ``serve_openai.py`` arguments besides ``--tiny --device`` (``--server-device``, cpu by default).
-        reference: also load PEFT's unpatched model from the same files.
+class AppServer:
+    """``app`` run by uvicorn in a thread on a free loopback port, with plain HTTP helpers.
+
+    Args:
         headers: sent with every request (an API key, say).
     """
 
-    def __init__(self, folder: str, argv: List[str] = (), reference: bool = True, headers=None):
-        self.headers = dict(headers or {})
-        args = serve_openai.parse_args(["--tiny", "--device", _options.SERVER_DEVICE] + list(argv))
-        files.make_tiny_files(args, folder)
-        self.args = args
-        self.app, self.names = serve_openai.build_app(args)
-        self.service = self.app.state.fastlora
-        self.ref, self.tokenizer = None, self.service.tokenizer  # the served one (with its chat template)
-        if reference:  # before the server starts: the random weights come from the seeded global RNG
-            register, args.register = args.register, False
-            self.ref, _, _ = files.load_model(args)
-            args.register = register
+    def __init__(self, app, headers=None):
         import uvicorn
 
+        self.app, self.headers = app, dict(headers or {})
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
                                                     lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -56,10 +45,6 @@ class LiveServer:
             time.sleep(0.05)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}/v1"
-
-    @property
-    def supervisor(self):
-        return self.service.supervisor
 
     def stop(self, timeout: float = 60) -> None:
         self.server.should_exit = True
@@ -106,6 +91,34 @@ class LiveServer:
     def health(self):
         return self.request("GET", "/health")
 
+
+class LiveServer(AppServer):
+    """``examples/serve_openai.py --tiny`` served, with PEFT's unpatched model as the oracle.
+
+    Args:
+        folder: where the tiny adapters are written.
+        argv: ``serve_openai.py`` arguments besides ``--tiny --device`` (``--server-device``, cpu by default).
+        reference: also load PEFT's unpatched model from the same files.
+        headers: sent with every request (an API key, say).
+    """
+
+    def __init__(self, folder: str, argv: List[str] = (), reference: bool = True, headers=None):
+        args = serve_openai.parse_args(["--tiny", "--device", _options.SERVER_DEVICE] + list(argv))
+        files.make_tiny_files(args, folder)
+        self.args = args
+        app, self.names = serve_openai.build_app(args)
+        self.service = app.state.fastlora
+        self.ref, self.tokenizer = None, self.service.tokenizer  # the served one (with its chat template)
+        if reference:  # before the server starts: the random weights come from the seeded global RNG
+            register, args.register = args.register, False
+            self.ref, _, _ = files.load_model(args)
+            args.register = register
+        super().__init__(app, headers)
+
+    @property
+    def supervisor(self):
+        return self.service.supervisor
+
     # -- the oracle -------------------------------------------------------------------------------
     def prompt_ids(self, prompt: str) -> List[int]:
         return list(self.tokenizer(prompt)["input_ids"])
@@ -136,7 +149,7 @@ class LiveServer:
 class OpenStream:
     """One streamed request kept open: its events read one at a time."""
 
-    def __init__(self, live: LiveServer, path: str, body, timeout: float):
+    def __init__(self, live: AppServer, path: str, body, timeout: float):
         self.conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=timeout)
         self.conn.request("POST", path, body=json.dumps(body).encode(),
                           headers={"Content-Type": "application/json", **live.headers})
