@@ -104,10 +104,9 @@ def param_wrapper_chain(outer: nn.Module) -> Tuple[nn.Module, Dict[str, nn.Modul
 
 
 def expert_factors(wrapper: nn.Module, adapter: str) -> Tuple[torch.Tensor, torch.Tensor, float]:
-    """An adapter's factors on a 3-D expert parameter stored (experts, out, in): A (experts, r,
-    in), B (experts, out, r) and the scaling, so that expert e's delta is ``scaling * B[e] @ A[e]``."""
-    a, b = split_expert_factors(wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight, wrapper.num_experts)
-    return a, b, float(wrapper.scaling[adapter])
+    """An adapter's factors on an expert parameter as PEFT holds them (``split_expert_factors``
+    gives each expert's), and its scaling."""
+    return wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight, float(wrapper.scaling[adapter])
 
 
 def split_expert_factors(a: torch.Tensor, b: torch.Tensor, experts: int) -> Tuple[torch.Tensor, torch.Tensor]:

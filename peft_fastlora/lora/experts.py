@@ -30,7 +30,6 @@ from ..instance_methods import InstancePatches
 from ..kernel_support import kernel_runs_on
 from ..ops.grouped_gemm import grouped_gemm, grouped_gemm_reference, plan_groups
 
-PARAMS = ("gate_up_proj", "down_proj")
 RANK_ALIGN = 16  # the kernel's smallest dot tile: stacks pad ranks to a multiple of it
 
 
@@ -67,11 +66,11 @@ class ExpertStack:
         return True
 
     def hold(self, slot: int, adapter: str, stored=None) -> None:
-        """``adapter``'s current factors in ``slot`` (copied only when they or the slot changed);
-        ``stored``: the adapter registered by name under that name, if it is one."""
+        """``adapter``'s current factors in ``slot``; ``stored``: the adapter registered by name under
+        that name, if it is one. Runs for every adapter of every call: what a slot holds is compared
+        by a key first (PEFT's tensors and their version counters), copied only when it changed."""
         if stored is not None and self.module in stored.modules:
             a, b, scaling = stored.modules[self.module]
-            a, b = split_expert_factors(a, b, self.wrapper.num_experts)
             key: tuple = (adapter, id(stored))  # a registered adapter's tensors never change
         elif stored is None and adapter in self.wrapper.lora_A:
             a, b, scaling = expert_factors(self.wrapper, adapter)
@@ -79,20 +78,18 @@ class ExpertStack:
         else:
             a = b = None
             key = (adapter,)
-        if a is None:
-            if self._held.get(slot) != key:
-                self.a[slot].zero_()
-                self.b[slot].zero_()
-                self.scaling[slot] = 0.0
-        else:
-            if self._held.get(slot) != key:
+        if self._held.get(slot) == key:
+            return
+        with torch.no_grad():
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+            self.scaling[slot] = 0.0
+            if a is not None:
+                a, b = split_expert_factors(a, b, self.wrapper.num_experts)
                 r = a.shape[1]
-                with torch.no_grad():
-                    self.a[slot].zero_()
-                    self.b[slot].zero_()
-                    self.a[slot, :, :r].copy_(a)
-                    self.b[slot, :, :, :r].copy_(b)
-                    self.scaling[slot] = scaling
+                self.a[slot, :, :r].copy_(a)
+                self.b[slot, :, :, :r].copy_(b)
+                self.scaling[slot] = scaling
         self._held[slot] = key
 
 
@@ -108,7 +105,7 @@ class ExpertsSite:
         self.experts, self.wrappers = param_wrapper_chain(outer)
         self.lora_layers: List[nn.Module] = list(self.wrappers.values())
         # a wrapper's module name: the outer one's, then ".base_layer" for each one inside it
-        depth = {id(w): i for i, w in enumerate(_chain(outer))}
+        depth = {id(w): i for i, w in enumerate(self.wrappers.values())}  # (outermost first)
         self.stacks = {p: ExpertStack(name + ".base_layer" * depth[id(w)], w, getattr(self.experts, p), num_slots,
                                       stored) for p, w in self.wrappers.items()}
         self._patches = InstancePatches()
@@ -212,15 +209,6 @@ class ExpertsSite:
 
     def _slots(self) -> int:
         return next(iter(self.stacks.values())).a.shape[0]
-
-
-def _chain(outer: nn.Module) -> List[nn.Module]:
-    """The ``ParamWrapper``s from ``outer`` inwards."""
-    chain = []
-    while is_param_wrapper(outer):
-        chain.append(outer)
-        outer = outer.base_layer
-    return chain
 
 
 def _routing(args, kwargs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:

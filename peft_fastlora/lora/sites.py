@@ -103,8 +103,9 @@ class Site:
         graph_rows = context.graph_batch_info.bs if context.graphed else None
         # flattened tokens only in a layout an earlier layer of the forward established (a 2-D
         # input that is a plain batch of another size keeps PEFT's length error)
-        flat = (self.takes_flat_tokens and x.dim() == 2 and not context.graphed and len(names) > 0
-                and rows % len(names) == 0 and state.batch_infos.holds(names, len(names), rows // len(names)))
+        flat = (self.takes_flat_tokens and x.dim() == 2 and rows != len(names) and not context.graphed
+                and len(names) > 0 and rows % len(names) == 0
+                and state.batch_infos.holds(names, len(names), rows // len(names)))
         if rows < 0 or (len(names) != rows and rows != graph_rows and not flat) or x.device != self.device:
             return None  # PEFT's forward raises its own error for a length mismatch
         if self._blocked(state, x):  # e.g. after model.to(torch.float64): PEFT's path serves it
