@@ -301,3 +301,20 @@ def test_qwen2_moe_shared_expert_adapters(backend):
     for i, (prompt, name) in enumerate(zip(prompts, ["b", "a", "__base__"])):
         alone = peft_row_by_row(ref, torch.tensor([prompt]), [name], new_tokens=3)
         assert out[f"req_{i}"].generated_tokens == alone[0, len(prompt):].tolist(), (i, name)
+
+
+def test_a_registered_expert_adapter_of_the_wrong_shape_is_refused(tmp_path):
+    """A saved expert adapter whose A does not split into the layer's experts is refused, naming
+    the module and the shapes the layer takes; nothing is registered."""
+    from safetensors.torch import load_file, save_file
+
+    m = build("mixtral")
+    fastlora.patch(m)
+    folder = _saved(tmp_path, "bad", ("bad", ["q_proj"], EXPERTS, 4), 1)
+    weights = load_file(os.path.join(folder, "adapter_model.safetensors"))
+    key = next(k for k in weights if k.endswith("mlp.experts.lora_A.weight"))
+    weights[key] = weights[key][:-1]  # one row short of experts x rank
+    save_file(weights, os.path.join(folder, "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"mlp\.experts' has A .*its base layer takes A \(5 x r, \d+\)"):
+        fastlora.register_adapter(m, "bad", folder)
+    assert "bad" not in fastlora.get_state(m).stored

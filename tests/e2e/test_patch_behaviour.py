@@ -683,6 +683,16 @@ def test_forgotten_no_grad_is_served_by_peft_and_warned_once(calls, caplog):
     assert len(warned) == 1 and "torch.no_grad() or torch.inference_mode()" in warned[0]
 
 
+def test_a_2d_input_of_another_batch_keeps_peft_length_error():
+    """Rows x tokens flattened are served only in a layout an earlier layer of the forward
+    established; a 2-D batch of another size handed to a LoRA layer directly keeps PEFT's error."""
+    m = build()
+    fastlora.patch(m)
+    layer = m.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad(), pytest.raises(ValueError, match="Length of `adapter_names`"):
+        layer(torch.randn(4, 64), adapter_names=["sql", "chat"])
+
+
 def test_forgotten_no_grad_with_plain_fused_siblings(calls):
     """Adapters on q_proj alone: k_proj and v_proj join its fused group without LoRA. PEFT's path
     (gradients enabled) hands the call's adapter names to the LoRA layer, not to its plain siblings."""
