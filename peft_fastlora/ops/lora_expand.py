@@ -230,7 +230,7 @@ def lora_expand(
         return out
     dot_precision = "ieee" if y.dtype == torch.float32 else "tf32"  # Triton's fp32 default is tf32
     b_strides = (0, 0, 0) if packed else weights.stride()
-    use_pdl = pdl.mode(out, preamble=True)
+    use_pdl = pdl.mode(out)
     wide_ok = block_m <= WIDE_MAX_BLOCK_M and r <= WIDE_MAX_RANK
     if wide and not wide_ok:
         raise ValueError(f"lora_expand: the wide launch takes row tiles of up to {WIDE_MAX_BLOCK_M} and ranks "

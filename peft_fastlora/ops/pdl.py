@@ -23,15 +23,18 @@ them read before theirs only what was written before the GEMM started.
 
 Kernels from cuBLAS or PyTorch are launched as usual and keep full stream order. ``mode`` says
 how a launch on a tensor's device uses PDL: ``FULL`` on CUDA devices of compute capability 9.0 or
-more, else ``OFF`` (and everywhere with ``FASTLORA_PDL=0``, ``env.py``). ``SETTING`` exists for
-the GPU tests that compare launches with and without PDL bit for bit: ``OFF``, ``WAIT_ONLY`` (launched with PDL, but the next kernel launches only as this
-one's programs exit) or ``PREAMBLE_ONLY`` (``FULL`` for the kernels that have a preamble to run
-before the wait, the expand and the norms, and off for the others).
+more, else ``OFF`` (and everywhere with ``FASTLORA_PDL=0``, ``env.py``). ``launches(setting)``
+scopes another setting to the launches (and captures) inside it, in this thread only, for the GPU
+tests that compare launches with and without PDL bit for bit: ``OFF``, ``WAIT_ONLY`` (launched
+with PDL, but the next kernel launches only as this one's programs exit) or ``FULL``.
 """
 
 from __future__ import annotations
 
-from typing import Dict
+import contextlib
+import contextvars
+import functools
+from typing import Iterator
 
 import torch
 
@@ -39,23 +42,35 @@ from ..env import PDL_OFF
 from ..kernel_support import tl, triton
 
 OFF, WAIT_ONLY, FULL = 0, 1, 2
-PREAMBLE_ONLY = 3  # a setting, not a kernel mode: FULL where the kernel has a preamble, else OFF
-SETTING = OFF if PDL_OFF else FULL
-_capable: Dict[int, bool] = {}
+_setting: contextvars.ContextVar[int] = contextvars.ContextVar("fastlora_pdl", default=OFF if PDL_OFF else FULL)
 
 
-def mode(t: torch.Tensor, preamble: bool = False) -> int:
+@contextlib.contextmanager
+def launches(setting: int) -> Iterator[None]:
+    """Kernels launched (or captured) inside use PDL as ``setting`` says (``OFF``, ``WAIT_ONLY``
+    or ``FULL``) where the device has it; this thread only, restored on exit."""
+    if setting not in (OFF, WAIT_ONLY, FULL):
+        raise ValueError(f"a PDL setting is OFF, WAIT_ONLY or FULL, got {setting!r}")
+    token = _setting.set(setting)
+    try:
+        yield
+    finally:
+        _setting.reset(token)
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def mode(t: torch.Tensor) -> int:
     """How a kernel launched for ``t`` (on the current CUDA device) uses PDL: ``OFF``, ``WAIT_ONLY``
-    or ``FULL``. ``preamble``: the kernel reads something before its wait. Pass the result as the
-    kernel's ``USE_PDL`` and ``launch_pdl=mode > 0``."""
-    if SETTING == OFF or not t.is_cuda or (SETTING == PREAMBLE_ONLY and not preamble):
+    or ``FULL``. Pass the result as the kernel's ``USE_PDL`` and ``launch_pdl=mode > 0``."""
+    setting = _setting.get()
+    if setting == OFF or not t.is_cuda:
         return OFF
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if index not in _capable:
-        _capable[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    if not _capable[index]:
-        return OFF
-    return FULL if SETTING == PREAMBLE_ONLY else SETTING
+    return setting if _capable(index) else OFF
 
 
 @triton.jit

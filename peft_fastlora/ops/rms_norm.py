@@ -142,7 +142,7 @@ def _launch(x, residual, weight, eps, unit_offset, pre=None, post=True):
     w_pre, eps_pre = pre if pre is not None else (weight, eps)
     block = triton.next_power_of_2(n)
     num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
-    use_pdl = pdl.mode(x, preamble=True)
+    use_pdl = pdl.mode(x)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, res, summed, w_pre, n, rows.stride(0), out.stride(0),
                                            res.stride(0), summed.stride(0), float(eps), float(eps_pre),

@@ -132,14 +132,14 @@ def split_k_replays_equal_eager(gemm, cfg, rows):
     assert not work.tickets.any()
 
 
-def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
+def test_pdl_chain_in_a_graph_equals_plain_launches():
     """A norm writes each GEMM's input just before it, in one graph: with PDL (the GEMM's preamble,
     prefetch included, overlapping the norm) the outputs equal launches with PDL off."""
     cfgs = [StreamConfig(16, 512, 1, 4, 4, 4096, True), StreamConfig(64, 256, 4, 4, 4, 2048, True)]
-    pdl_chain_equals_plain(monkeypatch, stream_gemm, cfgs, rows=16)
+    pdl_chain_equals_plain(stream_gemm, cfgs, rows=16)
 
 
-def pdl_chain_equals_plain(monkeypatch, gemm, cfgs, rows):
+def pdl_chain_equals_plain(gemm, cfgs, rows):
     """Four 4,096 x 4,096 GEMMs through ``gemm`` (``stream_gemm``'s arguments; configs in turn), each
     after an RMSNorm that writes its input, in one graph: the same bits with PDL on and off."""
     ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(4)]
@@ -155,8 +155,8 @@ def pdl_chain_equals_plain(monkeypatch, gemm, cfgs, rows):
 
     results = {}
     for setting in (pdl.OFF, pdl.FULL):
-        monkeypatch.setattr(pdl, "SETTING", setting)
-        graph, out = captured(chain)
+        with pdl.launches(setting):
+            graph, out = captured(chain)
         graph.replay()
         torch.cuda.synchronize()
         results[setting] = out.clone()

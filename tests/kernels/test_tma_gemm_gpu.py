@@ -84,8 +84,8 @@ def test_split_k_across_launches_and_graph_replays():
     split_k_replays_equal_eager(tma_gemm, CONFIGS[3], rows=128)
 
 
-def test_pdl_chain_in_a_graph_equals_plain_launches(monkeypatch):
+def test_pdl_chain_in_a_graph_equals_plain_launches():
     """A norm writes each GEMM's input just before it, in one graph: with PDL (the GEMM's programs
     start while the norm runs and wait before their first load) the outputs equal launches with PDL
     off."""
-    pdl_chain_equals_plain(monkeypatch, tma_gemm, [CONFIGS[0], CONFIGS[3]], rows=96)
+    pdl_chain_equals_plain(tma_gemm, [CONFIGS[0], CONFIGS[3]], rows=96)

@@ -382,7 +382,7 @@ def _pdl_chain(x, res, w, q, k, cos, sin, kc, vc, length, y, b_arena, b_offs, ra
     return g, decode_attention(qr, kc, vc, mask)
 
 
-def test_pdl_chain_in_a_graph_equals_serial_launches(monkeypatch):
+def test_pdl_chain_in_a_graph_equals_serial_launches():
     """The kernels launched with programmatic dependent launch (ops/pdl.py) give bit-for-bit what
     they give launched one after another, captured in one CUDA graph and replayed many times
     with new inputs each time (a wait placed too late would read a stale input)."""
@@ -418,19 +418,19 @@ def test_pdl_chain_in_a_graph_equals_serial_launches(monkeypatch):
     results = {}
     modes = {"serial": pdl.OFF, "wait_only": pdl.WAIT_ONLY, "pdl": pdl.FULL}
     for mode, setting in modes.items():
-        monkeypatch.setattr(pdl, "SETTING", setting)
         kc = torch.zeros(rows, 2, 64, dim, device=dev, dtype=dt)
         vc = torch.zeros_like(kc)
         length = torch.zeros(1, device=dev, dtype=torch.int64)
         refill(0)
         static = dict(inputs, w=w, kc=kc, vc=vc, length=length, b_arena=b_arena, b_offs=b_offs, ranks=ranks,
                       scal=scal, plan=plan)
-        _pdl_chain(**static)  # compile outside the capture
-        length.zero_()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = _pdl_chain(**static)
-            length.add_(1)
+        with pdl.launches(setting):
+            _pdl_chain(**static)  # compile outside the capture
+            length.zero_()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = _pdl_chain(**static)
+                length.add_(1)
         got = []
         for step in range(40):
             refill(step)
