@@ -81,13 +81,13 @@ class FastLoRAState:
         self.decode_plan = DecodePlan("not built")  # decode.plan: graphs, stop check, token selection
         # one call at a time: a continuous-batching step (engine thread) and a generate call
         # (caller's thread) share the stacks and the batch-info buffers, so they take turns
-        self._call_lock = threading.RLock()
+        self.call_lock = threading.RLock()
         self._warned: set = set()
         self._hook = None
         self._watches: dict = {}  # adapter name -> lora.watch.AdapterWatch (the per-call check)
         self._peft_config_keys = self._config_keys()
         self._adapter_count = None  # LoRA adapters summed over the sites' layers, at the last check
-        self._takes_adapter_names = False  # see serve_adapter_names
+        self.takes_adapter_names = False  # see serve_adapter_names
         self.calls = CallScope()  # each thread's CallContext
         self.continuous = None  # continuous.engine.ContinuousBatchingHook
         self._peft_names: List[str] = []  # the adapters PEFT's layers hold, at the last build
@@ -141,7 +141,7 @@ class FastLoRAState:
         if current.checked:
             yield
             return
-        with self._call_lock:
+        with self.call_lock:
             self.sync(adapter_names)
             folds = self.refresh_values(adapter_names, fold=fold)
             with self.calls.entered(current.replace(checked=True, fold=folds, boundary=None)), \
@@ -155,7 +155,7 @@ class FastLoRAState:
         fastlora does not serve). Unknown names raise PEFT's error."""
         names = kwargs.get("adapter_names")
         check_adapter_names(names)
-        if (names is None or not self._takes_adapter_names or kwargs.get("alora_offsets") is not None
+        if (names is None or not self.takes_adapter_names or kwargs.get("alora_offsets") is not None
                 or int(kwargs.get("num_beams", 1) or 1) > 1 or self.model.training
                 or not isinstance(names, (list, tuple))):
             return None
@@ -335,7 +335,7 @@ class FastLoRAState:
             + (f"; {staged} of them staged: such a call's A blocks are copied under the base weight first"
                if staged else "") + ")" if per_call else ""))
         # every module PEFT would hand adapter_names to is a site: fastlora takes the names itself
-        self._takes_adapter_names = (self.has_lora and not left_on_peft
+        self.takes_adapter_names = (self.has_lora and not left_on_peft
                                      and not has_auxiliary_wrappers(model))
         self.lora_plan = LoRAPlan(
             backend=backend_name, device=str(self.device), adapters=self._users_adapters(),

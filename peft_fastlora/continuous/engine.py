@@ -455,7 +455,7 @@ class ContinuousBatchingHook:
         state, original = self.state, cb_processor_steps(processor)
         step, prepare, update = original["generation_step"], original["prepare_next_batch"], original["update_batch"]
         schedule, compute = original["schedule_batch"], original["compute_batch"]
-        lock, held = state._call_lock, [0]
+        lock, held = state.call_lock, [0]
         last: List = []
         failed = [0, False]  # failing steps in a row; whether the last step's update is skipped
         graphs = self._engine_graphs(processor)

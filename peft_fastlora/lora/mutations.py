@@ -19,7 +19,7 @@ class AdapterMutationLock:
 
     def __init__(self, state):
         self._methods = InstancePatches()
-        lock = state._call_lock
+        lock = state.call_lock
         for name in METHODS:
             if not callable(getattr(state.model, name, None)):
                 continue

@@ -196,7 +196,7 @@ def test_adapter_changes_wait_for_the_call_in_progress(pair):
     m, _ = pair
     state = get_state(m)
     done = threading.Event()
-    with state._call_lock:
+    with state.call_lock:
         t = threading.Thread(target=lambda: (m.delete_adapter("a1"), done.set()))
         t.start()
         assert not done.wait(0.3)  # blocked while a call holds the lock
