@@ -1,6 +1,7 @@
 """Continuous batching with one adapter per request: throughput and latency on a server-like load.
 
     python benchmarks/bench_continuous.py --model 8b --adapters 32 --requests 2000   # continuous_8b_h200.csv
+    python benchmarks/bench_continuous.py --model 8b --modes base_patched_varlen fastlora_varlen --profile 3
     python benchmarks/bench_continuous.py --smoke      # CPU: checks the script, measures nothing
 
 Requests have log-normal prompt and output lengths (means ``--prompt-mean`` / ``--output-mean``,
@@ -30,6 +31,12 @@ request latency p50/p99 (queued to last token), time to first token
 p50/p99 (from the engine's timestamps); for the fastlora modes the time per output token against
 the patched base model in the same engine mode (``time_per_token_vs_base_patched``) and against the
 unpatched one (``time_per_token_vs_base``). One CSV row per mode, with the GPU and package versions.
+
+Each row also sets the run against the workload's floor (``workload_floor``: its FLOPs at the GPU's
+specified peak, and its bytes at the engine's measured step count and the measured copy bandwidth)
+and, where fastlora's hook counts the engine's steps, the tokens a step carried. ``--profile S``
+summarises S seconds of the GPU's timeline under full load per engine mode (busy and idle shares,
+kernel families, copies, host syncs, steps: ``continuous_profile_<model>_<gpu>.csv``).
 """
 
 from __future__ import annotations
@@ -74,9 +81,17 @@ def engine_config(args, graphs: bool):
     return ContinuousBatchingConfig(**kw)
 
 
+def engine_steps(manager):
+    """Steps the engine has run, where fastlora's hook counts them (a patched model); else None."""
+    graphs = getattr(manager, "fastlora_graphs", None)
+    return None if graphs is None else graphs.stats["graphed_steps"] + graphs.stats["eager_steps"]
+
+
 def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
-    """(seconds, [latency], [time to first token], graph stats) for every request through one
-    manager; with graphs, the engine's warm-up captures run before the clock starts."""
+    """(seconds, [latency], [time to first token], graph stats, profile) for every request through
+    one manager; with graphs, the engine's warm-up captures run before the clock starts. With
+    ``--profile S``, S seconds of the GPU's timeline are summarised (``harness.GpuWindow``) from the
+    moment a quarter of the requests are done: the engine under full load."""
     from transformers import GenerationConfig
 
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.output_cap)
@@ -88,6 +103,7 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
         print(f"warm-up {time.perf_counter() - t:.1f} s", file=sys.stderr)
     manager.start()
     queued, latency, ttft = {}, [], []
+    window, profile, steps_at = hx.GpuWindow(), {}, None
     try:
         t0 = time.perf_counter()
         for i, (prompt, name, new) in enumerate(reqs):
@@ -111,11 +127,22 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
             if stamps:
                 ttft.append(stamps[0] - r.created_time)
             done += 1
+            if args.profile and steps_at is None and done >= len(reqs) // 4:
+                steps_at = (engine_steps(manager), time.perf_counter())
+                window.start()
+            elif steps_at is not None and not profile and time.perf_counter() - steps_at[1] >= args.profile:
+                profile = window.stop()
+                steps = engine_steps(manager)
+                if steps is not None:
+                    profile["engine_steps"] = steps - steps_at[0]
+                    profile["step_ms"] = round(1e3 * profile["window_s"] / max(1, profile["engine_steps"]), 3)
         seconds = time.perf_counter() - t0
+        if steps_at is not None and not profile:  # the run ended first
+            profile = window.stop()
     finally:
         manager.stop(block=True)
     lora_graphs = getattr(manager, "fastlora_graphs", None)
-    return seconds, latency, ttft, dict(lora_graphs.stats) if lora_graphs is not None else {}
+    return seconds, latency, ttft, dict(lora_graphs.stats) if lora_graphs is not None else {}, profile
 
 
 def run_static(model, reqs, args):
@@ -138,7 +165,34 @@ def run_static(model, reqs, args):
         hx.sync()
         latency += [time.perf_counter() - t0] * len(group)  # all were queued at t0
     seconds = time.perf_counter() - t0
-    return seconds, latency, [], {}
+    return seconds, latency, [], {}, {}
+
+
+def workload_floor(model, shape: str, used, steps, bw: float, gpu: str) -> dict:
+    """The least time the requests ``used`` can take on this GPU, the larger of two bounds:
+    FLOPs (every prompt and output token through every layer, attention over its context, the LM
+    head once per output token) at the specified bf16 peak, and bytes at the engine's measured
+    ``steps`` (the base weights once a step, each output token's KV context once) at the measured
+    copy bandwidth. Without a step count (an unpatched model: no hook counts them) only FLOPs."""
+    s = hx.shape_of(shape)
+    layer_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and "lora_" not in n)
+    head = s["vocab_size"] * s["hidden_size"]
+    attn_width = s["num_hidden_layers"] * s["num_attention_heads"] * s["head_dim"]
+    kv_per_position = hx.kv_bytes(shape, 1, 1)
+    flops = kv = 0.0
+    for prompt, _, new in used:
+        p = len(prompt)
+        flops += 2 * layer_params * (p + new) + 2 * head * new
+        flops += 4 * attn_width * (p * (p + 1) / 2 + new * p + new * (new - 1) / 2)
+        kv += kv_per_position * (new * p + new * (new - 1) / 2)
+    peak = hx.spec_flops(gpu)
+    flops_s = flops / peak if peak else None
+    bytes_s = (steps * hx.weight_bytes(model) + kv) / bw if steps else None
+    floor = max(t for t in (flops_s, bytes_s) if t is not None) if (flops_s or bytes_s) else None
+    def sig(x):
+        return float(f"{x:.4g}") if x else ""
+
+    return dict(flops_floor_s=sig(flops_s), bytes_floor_s=sig(bytes_s), floor_s=sig(floor))
 
 
 def pct(values, q):
@@ -233,6 +287,9 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="+", default=["base_patched_varlen", "base_varlen", "fastlora_varlen", "static"],
                    choices=MODES, help="the CSV is rewritten after each mode, so a cut-off run keeps what finished")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=float, default=0,
+                   help="seconds of the GPU's timeline summarised per engine mode, under full load "
+                        "(continuous_profile_<model>_<gpu>.csv)")
     hx.add_run_args(p)
     args = p.parse_args(argv)
     if not hx.start(args, "bench_continuous"):
@@ -245,10 +302,13 @@ def main(argv=None) -> int:
     reqs = workload(args)
     info = hx.versions()
     base = hx.build_base(args.model)
-    model, table = None, []
+    bw = hx.copy_bandwidth()
+    model, table, profiles = None, [], []
     for mode in sorted(set(args.modes), key=MODES.index):
-        used, (seconds, latency, ttft, stats), model = run_mode(mode, base, model, reqs, args)
+        used, (seconds, latency, ttft, stats, profile), model = run_mode(mode, base, model, reqs, args)
         out_tokens = sum(n for _, _, n in used)
+        steps = stats.get("graphed_steps", 0) + stats.get("eager_steps", 0) if stats else None
+        floor = workload_floor(base, args.model, used, steps, bw, info["gpu"]) if mode != "peft" else {}
         row = dict(mode=mode, model=args.model, adapters=0 if mode.startswith("base") else args.adapters,
                    rank=args.rank, requests=len(used), output_tokens=out_tokens, seconds=round(seconds, 3),
                    tokens_per_s=round(out_tokens / seconds, 1),
@@ -257,8 +317,16 @@ def main(argv=None) -> int:
                    mean_prompt=round(statistics.mean(len(q) for q, _, _ in used), 1),
                    max_batch_tokens=args.max_batch_tokens, lora_graphed_steps=stats.get("graphed_steps", ""),
                    lora_eager_steps=stats.get("eager_steps", ""), time_per_token_vs_base_patched="",
-                   time_per_token_vs_base="", **info)
+                   time_per_token_vs_base="", prompt_tokens=sum(len(q) for q, _, _ in used),
+                   tokens_per_step=round(sum(len(q) + n for q, _, n in used) / steps, 1) if steps else "",
+                   **floor, ratio_to_floor=round(seconds / floor["floor_s"], 2) if floor.get("floor_s") else "",
+                   copy_bw_tbs=round(bw / 1e12, 3), **info)
         table.append(row)
+        if profile:
+            profiles.append(dict(mode=mode, model=args.model, **profile, **info))
+            print({k: profile[k] for k in list(profile)[:8]}, file=sys.stderr)
+            if args.out:
+                hx.write_csv(profiles, hx.out_path(args.out, f"continuous_profile_{args.model}", info["gpu"]))
         patched, unpatched = REFERENCES.get(mode, (None, None))
         for ref in table:  # time per output token against the adapter-free engine runs
             if ref["mode"] == patched:

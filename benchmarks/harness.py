@@ -14,10 +14,12 @@ checks the script, measures nothing); ``use_cpu()`` switches it.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import platform
 import statistics
+import tempfile
 import time
 
 import torch
@@ -58,6 +60,9 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # the memory bandwidth each GPU is specified at (bytes/s), reported beside the measured copy bandwidth
 SPEC_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
 SMOKE_BANDWIDTH = 1e11  # a stand-in on the CPU: the floor columns exist, their values mean nothing
+# dense bf16 tensor-core peak each GPU is specified at (FLOP/s): the compute floor of prefill-heavy work
+SPEC_BF16_FLOPS = {"H200": 989e12, "H100": 989e12}
+SMOKE_FLOPS = 1e12
 
 DEVICE = "cuda"
 
@@ -206,6 +211,13 @@ def kv_bytes(shape: str, batch: int, ctx: float, esize: int = 2) -> float:
 def spec_bandwidth(gpu: str):
     """The GPU's specified memory bandwidth in bytes/s (None where this table does not know it)."""
     return next((bw for key, bw in SPEC_BANDWIDTH.items() if key in gpu), None)
+
+
+def spec_flops(gpu: str):
+    """The GPU's specified dense bf16 peak in FLOP/s (a stand-in on the CPU; None where unknown)."""
+    if gpu.startswith("cpu"):
+        return SMOKE_FLOPS
+    return next((f for key, f in SPEC_BF16_FLOPS.items() if key in gpu), None)
 
 
 def floor_columns(step_ms: float, floor_bytes: float, bw: float, gpu: str) -> dict:
@@ -432,6 +444,85 @@ def kernel_split(rows) -> dict:
     out = {k: round(v, 1) for k, v in out.items()}
     out["kernels_us"] = round(sum(r["us_per_step"] for r in rows), 1)
     return out
+
+
+class GpuWindow:
+    """Where a running process's GPU time goes over a window of wall time: kernels, copies and the
+    idle gaps between them, from every thread (CUPTI records the device's activity, so an engine's
+    background thread is seen too). ``start()``, let the work run, ``stop()`` -> the columns
+    ``summary`` names. On the CPU (smoke runs) the profiler's CPU ops stand in and the GPU columns
+    are empty."""
+
+    GAP_US = 100  # an idle gap this long is the host (or a sync) keeping the GPU waiting
+
+    def __init__(self):
+        self.prof = None
+
+    def start(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CUDA] if DEVICE == "cuda" else [ProfilerActivity.CPU]
+        self.prof = profile(activities=activities)
+        self.prof.__enter__()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> dict:
+        sync()
+        wall = time.perf_counter() - self.t0
+        self.prof.__exit__(None, None, None)
+        with tempfile.TemporaryDirectory() as folder:  # (the export replaces the file it is given)
+            path = os.path.join(folder, "trace.json")
+            self.prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+        return self.summary(events, wall)
+
+    @classmethod
+    def summary(cls, events, wall: float) -> dict:
+        """The window's columns from chrome-trace events (``ph`` "X", ``ts``/``dur`` in us)."""
+        busy, by_kind = [], {f"{kind}_share": 0.0 for kind, _ in KERNEL_KINDS}
+        by_kind["other_kernels_share"] = 0.0
+        copies = syncs = graphs = launches = 0
+        copy_us = sync_us = 0.0
+        for e in events:
+            cat, name, dur = e.get("cat", ""), e.get("name", ""), float(e.get("dur", 0))
+            if cat == "kernel":
+                busy.append((float(e["ts"]), float(e["ts"]) + dur))
+                kind = next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), None)
+                by_kind[f"{kind}_share" if kind else "other_kernels_share"] += dur
+            elif cat in ("gpu_memcpy", "gpu_memset"):
+                busy.append((float(e["ts"]), float(e["ts"]) + dur))
+                copies += 1
+                copy_us += dur
+            elif cat in ("cuda_runtime", "cuda_driver"):
+                if "Synchronize" in name:
+                    syncs += 1
+                    sync_us += dur
+                elif name == "cudaGraphLaunch":
+                    graphs += 1
+                elif "LaunchKernel" in name:
+                    launches += 1
+        busy.sort()
+        union, gaps, long_gaps, end = 0.0, 0.0, 0, None
+        for a, b in busy:
+            if end is None or a > end:
+                if end is not None:
+                    gaps += a - end
+                    long_gaps += a - end >= cls.GAP_US
+                union += b - a
+                end = b
+            elif b > end:
+                union += b - end
+                end = b
+        span = (end - busy[0][0]) if busy else 0.0
+        window_us = max(span, 1.0)
+        out = dict(window_s=round(wall, 3), gpu_busy_share=round(union / window_us, 3) if busy else "",
+                   idle_gaps_over_100us=long_gaps, idle_share=round(gaps / window_us, 3) if busy else "",
+                   copies=copies, copy_share=round(copy_us / window_us, 4) if busy else "",
+                   host_syncs=syncs, host_sync_ms=round(sync_us / 1e3, 2), graph_launches=graphs,
+                   kernel_launches=launches)
+        out.update({k: round(v / window_us, 3) if busy else "" for k, v in by_kind.items()})
+        return out
 
 
 # ---- what a row carries, and where it goes ------------------------------------------------------------

@@ -133,11 +133,35 @@ def test_bench_continuous_smoke(tmp_path):
     """Each fastlora mode is set against the patched base model through the same engine and the
     unpatched one."""
     _run([os.path.join(BENCH, "bench_continuous.py"), "--smoke", "--modes", "base", "base_patched", "fastlora",
-          "static", "peft", "base_varlen", "fastlora_varlen", "--out", str(tmp_path)])
+          "static", "peft", "base_varlen", "fastlora_varlen", "--profile", "0.01", "--out", str(tmp_path)])
     rows = {r["mode"]: r for r in _csv(tmp_path / "continuous_tiny_cpu.csv")}
     assert set(rows) == {"base", "base_patched", "fastlora", "static", "peft", "base_varlen", "fastlora_varlen"}
     assert float(rows["fastlora"]["time_per_token_vs_base_patched"]) > 0
     assert float(rows["fastlora"]["time_per_token_vs_base"]) > 0
+    # the CPU engine runs no graphs, so no hook counts its steps: the floor is the FLOPs one
+    assert rows["fastlora"]["bytes_floor_s"] == "" and float(rows["fastlora"]["ratio_to_floor"]) > 0
+    profiled = {r["mode"]: r for r in _csv(tmp_path / "continuous_profile_tiny_cpu.csv")}
+    assert {"base", "base_patched", "fastlora", "base_varlen", "fastlora_varlen"} <= set(profiled)
+    assert all(float(r["window_s"]) > 0 for r in profiled.values())
+
+
+def test_gpu_window_reads_busy_idle_and_families_from_a_timeline():
+    """``harness.GpuWindow.summary`` on a made-up timeline: overlapping kernels count once, gaps of
+    100 us and more are counted, launches and syncs by name."""
+    sys.path.insert(0, BENCH)
+    import harness
+
+    events = [dict(cat="kernel", name="nvjet_gemm", ts=0, dur=40), dict(cat="kernel", name="lora_shrink", ts=30, dur=20),
+              dict(cat="gpu_memcpy", name="Memcpy HtoD", ts=200, dur=10), dict(cat="kernel", name="flash_fwd", ts=250, dur=50),
+              dict(cat="cuda_runtime", name="cudaGraphLaunch", ts=0, dur=5),
+              dict(cat="cuda_runtime", name="cudaStreamSynchronize", ts=60, dur=140),
+              dict(cat="cuda_driver", name="cuLaunchKernelEx", ts=240, dur=3)]
+    out = harness.GpuWindow.summary(events, wall=0.001)
+    assert out["gpu_busy_share"] == round(110 / 300, 3) and out["idle_share"] == round(190 / 300, 3)
+    assert out["idle_gaps_over_100us"] == 1 and out["copies"] == 1 and out["host_syncs"] == 1
+    assert (out["graph_launches"], out["kernel_launches"]) == (1, 1)
+    assert (out["gemm_share"], out["lora_share"], out["attention_share"]) == (round(40 / 300, 3), round(20 / 300, 3),
+                                                                              round(50 / 300, 3))
 
 
 def test_bench_many_adapters_smoke(tmp_path):
