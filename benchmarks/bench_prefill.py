@@ -35,7 +35,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak of the GPU (H100/H200 SXM)")
+    p.add_argument("--peak-tflops", type=float, default=0,
+                   help="bf16 dense peak of the GPU (0: the specified one, harness.SPEC_BF16_FLOPS)")
     hx.add_run_args(p)
     args = p.parse_args(argv)
     if not hx.start(args, "bench_prefill"):
@@ -69,7 +70,10 @@ def main(argv=None) -> int:
     print(fastlora.patch(peft_model), file=sys.stderr)
     times["fastlora"] = time_it(peft_model, adapter_names=names)
     fastlora.unpatch(peft_model)
-    flops_ms = 1e3 * 2 * params * args.rows * args.tokens / (args.peak_tflops * 1e12)
+    peak = args.peak_tflops * 1e12 or hx.spec_flops(vers["gpu"])
+    if not peak:
+        sys.exit(f"the bf16 peak of {vers['gpu']} is not in harness.SPEC_BF16_FLOPS: pass --peak-tflops")
+    flops_ms = 1e3 * 2 * params * args.rows * args.tokens / peak
     bytes_ms = 1e3 * hx.weight_bytes(model) / bw
     rows = [dict(**vers, model=hx.model_label(args.model), rows=args.rows, tokens=args.tokens,
                  adapters=0 if "base" in method else args.adapters, rank=args.rank, method=method,
