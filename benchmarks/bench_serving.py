@@ -215,6 +215,16 @@ def soak(url, reqs, mode, args, samples, versions):
     return row
 
 
+def fit_context(reqs, context: int):
+    """The workload's requests cut to fit the model's context (prompt and output together), as a
+    client that knows the model would send them: the endpoint refuses the others with a 400."""
+    fitted = []
+    for prompt, name, new in reqs:
+        prompt = prompt[:context - 1]
+        fitted.append((prompt, name, max(1, min(new, context - len(prompt)))))
+    return fitted
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     hx.add_model_args(p, adapters=32)
@@ -248,7 +258,7 @@ def main(argv=None) -> int:
         args.max_batch_tokens, args.cache_tokens = 64, 4096
         args.soak = min(args.soak, 2.0)
         args.sample_every = min(args.sample_every, 0.5)
-    reqs = workload(args)
+    reqs = fit_context(workload(args), hx.context_length(args.model))
     versions = hx.versions()
     rows, samples = [], []
     for mode in args.modes:

@@ -109,6 +109,15 @@ def build_base(shape: str, layers: int = None):
     return instantiate(model_cls, cfg)
 
 
+def context_length(shape: str) -> int:
+    """The most positions a model of ``shape`` takes (its config's ``max_position_embeddings``)."""
+    import transformers
+
+    fields = dict(SHAPES[shape])
+    config_cls = ARCHS[fields.pop("arch", "llama")][0]
+    return getattr(transformers, config_cls)(**fields).max_position_embeddings
+
+
 def instantiate(model_cls: str, cfg):
     """transformers' ``model_cls`` built from ``cfg`` with seeded random weights, in bf16 on
     ``DEVICE``, in eval mode, never stopping early (random weights would emit EOS at random)."""
@@ -428,10 +437,12 @@ def kernel_times(gen, steps: int) -> list:
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
-# kernel families of a decode step, by name (cuBLAS's nvjet / cutlass GEMMs and their split-K
-# reductions, fastlora's GEMMs; the decode attention; fastlora's LoRA launches); the rest is "other"
-KERNEL_KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "splitKreduce", "xmma", "glu_lora")),
-                ("attention", ("decode_attention", "flash", "sdpa")), ("lora", ("lora_",)))
+# kernel families of a step, by name, the first that matches: the attention (fastlora's decode
+# kernel, flash kernels, whose names carry cutlass types, so before the GEMMs); cuBLAS's nvjet /
+# cutlass GEMMs and their split-K reductions, fastlora's GEMMs; fastlora's LoRA launches; the rest
+# is "other"
+KERNEL_KINDS = (("attention", ("decode_attention", "flash", "sdpa")),
+                ("gemm", ("nvjet", "gemm", "cutlass", "splitKreduce", "xmma", "glu_lora")), ("lora", ("lora_",)))
 
 
 def kernel_split(rows) -> dict:

@@ -152,7 +152,7 @@ def test_gpu_window_reads_busy_idle_and_families_from_a_timeline():
     import harness
 
     events = [dict(cat="kernel", name="nvjet_gemm", ts=0, dur=40), dict(cat="kernel", name="lora_shrink", ts=30, dur=20),
-              dict(cat="gpu_memcpy", name="Memcpy HtoD", ts=200, dur=10), dict(cat="kernel", name="flash_fwd", ts=250, dur=50),
+              dict(cat="gpu_memcpy", name="Memcpy HtoD", ts=200, dur=10), dict(cat="kernel", name="flash_fwd_kernel<cutlass::bfloat16_t>", ts=250, dur=50),
               dict(cat="cuda_runtime", name="cudaGraphLaunch", ts=0, dur=5),
               dict(cat="cuda_runtime", name="cudaStreamSynchronize", ts=60, dur=140),
               dict(cat="cuda_driver", name="cuLaunchKernelEx", ts=240, dur=3)]
