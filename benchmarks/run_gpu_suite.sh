@@ -69,7 +69,7 @@ if want prefill; then
 fi
 if want continuous; then
   timeout 560 python3 benchmarks/bench_continuous.py --model ${CB_MODEL:-8b} --requests ${CB_REQUESTS:-2000} \
-    --modes ${CB_MODES:-base_patched_varlen base_varlen fastlora_varlen static} --out "$OUT" 2>&1 | quiet \
+    --modes ${CB_MODES:-base_patched_varlen base_varlen fastlora_varlen static} --profile 3 --out "$OUT" 2>&1 | quiet \
     | tee "$OUT/continuous_$TAG.log" | tail -8
 fi
 if want serving; then  # the OpenAI endpoint at Poisson arrival rates, patched base beside the adapters
@@ -79,7 +79,7 @@ if want serving; then  # the OpenAI endpoint at Poisson arrival rates, patched b
 fi
 if [[ $parts == *" serving-soak "* ]]; then  # zero failed requests, memory flat (under ten minutes in all)
   timeout ${SOAK_SERVE_LIMIT:-570} python3 benchmarks/bench_serving.py --model ${SERVE_MODEL:-8b} --adapters 32 \
-    --modes fastlora --rates ${SERVE_SOAK_RATE:-4} --soak ${SERVE_SOAK:-240} --drain ${SERVE_DRAIN:-90} --out "$OUT" 2>&1 | quiet \
+    --modes fastlora --rates ${SERVE_SOAK_RATE:-4} --soak ${SERVE_SOAK:-120} --drain ${SERVE_DRAIN:-100} --out "$OUT" 2>&1 | quiet \
     | tee "$OUT/serving_soak_$TAG.log" | tail -6
 fi
 if want many; then
