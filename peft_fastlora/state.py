@@ -267,18 +267,24 @@ class FastLoRAState:
                 if any(m.__dict__.get("forward") is not None for m in g.members):
                     fusion_blocked.append((g.parent_name, "a member already has its own forward"))
                     continue
-                g.fuse()
+                if not g.separate:
+                    g.fuse()
                 self.groups.append(g)
                 pool = SitePool([m if is_lora_layer(m) else None for m in g.members], g.out_features,
                                 g.in_features, tuning=tuning)
-                if fold_off is None:  # (under TP: each rank's shards, column-sharded alike)
+                if g.separate:
+                    pool.no_fold = f"its {g.separate} base layers keep their own matmuls"
+                elif fold_off is None:  # (under TP: each rank's shards, column-sharded alike)
                     pool.fold = g
                     # its tables keep each arena row's slot, and it keeps B's columns: a gated MLP may
                     # take ops.glu_lora (only where it is on: its buffers and their upkeep cost)
                     pool.column_slots = g.kind == "gate_up" and glu_wanted
                 site_name = f"{g.parent_name}.{g.kind}" if g.parent_name else g.kind
                 parent = model.get_submodule(g.parent_name) if g.parent_name else model
-                self.sites.append(FusedSite(site_name, g, pool, parent))
+                site = FusedSite(site_name, g, pool, parent)
+                if g.separate:
+                    site.kind = f"{g.kind}_{g.separate}"  # counted apart in the report, as linear_nf4 is
+                self.sites.append(site)
                 served |= {id(m) for m in g.members}
         self.expert_sites, expert_wrappers, refused = find_expert_sites(lora_layers, self.registry.num_slots,
                                                                          list(self.stored.values()))

@@ -15,6 +15,12 @@ the base output and the shrink of every adapter at once, and decode runs only th
 A single ``nn.Linear`` (o_proj, down_proj) takes the same form as a group of one. With fewer GPU
 slots than adapters the tail may instead be a staging area (``staged``) a folding call copies its
 adapters' A blocks to (``SitePool.stage_call``).
+
+*Separate bases.* Quantized siblings (bitsandbytes 4-bit or 8-bit, torchao: QLoRA) cannot share a
+GEMM: each keeps its library's matmul. Where every member is such a LoRA layer of one kind, the
+group is kept ``separate``: its members' base outputs are computed one by one and laid side by
+side, and the LoRA of all of them is still one stacked call (one shrink, one expand) instead of
+one per member. Nothing is fused or folded.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..compat.modules import has_forward_hooks, is_dtensor, is_plain_weight, local, quantized_weight_name
-from ..compat.peft import base_layer_of, is_lora_layer
+from ..compat.modules import (has_forward_hooks, is_dtensor, is_plain_weight, linear_in_out, local,
+                              quantized_weight_name)
+from ..compat.peft import base_layer_of, is_lora_layer, quantized_base_kind
 from ..compat.tensor_parallel import TP_REASON, repoint_local, tp_colwise_mesh
 
 FUSIBLE_GROUPS = {
@@ -65,18 +72,25 @@ class FusedGroup:
     per_call: bool = False  # the tail is folded only for calls that use enough of it (fold_min_use)
     staged: bool = False  # the tail is a staging area a call's A blocks are copied to, not the arena
     gemm: Optional[Callable] = None  # F.linear's stand-in for the fused GEMMs (base_ops.stream_linears), or None
+    separate: Optional[str] = None  # the members' quantization ("nf4", ...): own matmuls, one LoRA call
 
     @property
     def out_features(self) -> List[int]:
+        if self.separate:
+            return [linear_in_out(b)[1] for b in self.bases]
         return [local(b.weight).shape[0] for b in self.bases]  # this rank's rows under TP
 
     @property
     def in_features(self) -> int:
+        if self.separate:
+            return linear_in_out(self.bases[0])[0]
         return local(self.bases[0].weight).shape[1]
 
     def is_intact(self) -> bool:
         """Still views of the fused tensor (``model.to()`` or a reload replaces the storage); checked
-        on every forward, so against the addresses ``fuse`` recorded."""
+        on every forward, so against the addresses ``fuse`` recorded. Separate bases: nothing fused."""
+        if self.separate:
+            return True
         if self.weight is None:
             return False
         dtype, device = self.weight.dtype, self.weight.device
@@ -92,6 +106,8 @@ class FusedGroup:
     @torch.inference_mode(False)
     def fuse(self, tail_rows: int = 0):
         """One tensor for the members' weights (and biases), ``tail_rows`` zero rows under them."""
+        if self.separate:
+            raise RuntimeError(f"{self.parent_name}.{self.kind}: separate (quantized) bases are not fused")
         self.offsets = [0]
         for n in self.out_features:
             self.offsets.append(self.offsets[-1] + n)
@@ -146,6 +162,8 @@ class FusedGroup:
     @torch.inference_mode(False)
     def unfuse(self):
         """Give every parameter its own storage again; the fused tensor is dropped."""
+        if self.separate:
+            return
         for b in self.bases:
             repoint_local(b.weight, local(b.weight).detach().clone())
             if b.bias is not None:
@@ -164,6 +182,8 @@ class FusedGroup:
         return fusion_blocker(self.bases)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.separate:  # each quantized layer's own matmul, the outputs side by side
+            return torch.cat([b(x) for b in self.bases], dim=-1)
         return (self.gemm or torch.nn.functional.linear)(x, self.weight, self.bias)
 
     def linear_with_tail(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
@@ -199,9 +219,25 @@ def fusion_blocker(bases: List[nn.Module]) -> Optional[str]:
     return None
 
 
+def separate_kind(members: List[nn.Module], bases: List[nn.Module]) -> Optional[str]:
+    """The quantization ("nf4", "int8", "torchao", ...) where these siblings may share one LoRA call
+    over their own matmuls: every member a LoRA layer over a quantized base of that one kind, with
+    the same input width and device, no forward hooks, no tensor parallelism; else None."""
+    kinds = {quantized_base_kind(m) if is_lora_layer(m) else None for m in members}
+    if len(kinds) != 1 or None in kinds:
+        return None
+    if any(has_forward_hooks(b) or is_dtensor(b.weight) for b in bases):
+        return None
+    if len({linear_in_out(b)[0] for b in bases}) != 1 or len({b.weight.device for b in bases}) != 1:
+        return None
+    if bases[0].weight.device.type == "meta":
+        return None
+    return kinds.pop()
+
+
 def find_groups(root: nn.Module) -> Tuple[List[FusedGroup], List[Tuple[str, str]]]:
-    """Fusible groups with at least one LoRA member, and (parent name, reason) of groups that
-    have LoRA members but cannot be fused."""
+    """Fusible groups with at least one LoRA member (quantized siblings as ``separate`` groups),
+    and (parent name, reason) of groups that have LoRA members but cannot be served together."""
     groups, blocked = [], []
     for parent_name, parent in root.named_modules():
         for kind, names in FUSIBLE_GROUPS.items():
@@ -212,8 +248,9 @@ def find_groups(root: nn.Module) -> Tuple[List[FusedGroup], List[Tuple[str, str]
                 continue
             bases = [base_layer_of(m) for m in members]
             why = fusion_blocker(bases)
-            if why:
+            separate = separate_kind(members, bases) if why else None
+            if why and not separate:
                 blocked.append((f"{parent_name}.{kind}" if parent_name else kind, why))
                 continue
-            groups.append(FusedGroup(kind, parent_name, names, members, bases))
+            groups.append(FusedGroup(kind, parent_name, names, members, bases, separate=separate))
     return groups, blocked

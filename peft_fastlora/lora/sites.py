@@ -340,7 +340,8 @@ class FusedSite(Site):
         gate, up = self.members
 
         def forward(x):
-            if (mlp.gate_proj is not gate or mlp.up_proj is not up or getattr(state.backend, "name", None) != "triton"
+            if (self.group.separate or mlp.gate_proj is not gate or mlp.up_proj is not up
+                    or getattr(state.backend, "name", None) != "triton"
                     or not self.group.is_intact() or self.group.ext_bias is not None
                     or has_forward_hooks(gate) or has_forward_hooks(up)):
                 return None

@@ -25,7 +25,7 @@ QUANT = {
     "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"),
     "int8": dict(load_in_8bit=True),
 }
-KIND = {"nf4": "linear_nf4", "nf4_double": "linear_nf4", "fp4": "linear_fp4", "int8": "linear_int8"}
+KIND = {"nf4": "nf4", "nf4_double": "nf4", "fp4": "fp4", "int8": "int8"}
 ADAPTERS = (("sql", ("q_proj", "v_proj", "down_proj"), 4, {}), ("chat", ("q_proj", "o_proj", "gate_proj"), 8, {}),
             ("biased", ("v_proj", "up_proj"), 2, {"lora_bias": True}))
 
@@ -67,11 +67,48 @@ def test_quantized_layers_on_fastlora_path_equal_peft(saved, quant):
     m, ref = quantized(saved, quant), quantized(saved, quant)
     report = fastlora.patch(m)
     assert report.left_on_peft == [] and report.adapter_fallbacks == [], report
-    assert report.counts() == {KIND[quant]: 12}, report.counts()
-    assert f"12 {KIND[quant]}" in str(report)
+    # gate and up both carry LoRA: one site over their own matmuls; q and v (k has none) one each
+    kind = KIND[quant]
+    assert report.counts() == {f"linear_{kind}": 8, f"gate_up_{kind}": 2}, report.counts()
+    assert f"12 LoRA layers in 10 sites (2 gate_up_{kind}, 8 linear_{kind})" in str(report), report
     for names in (["sql", "chat", "__base__", "biased"], ["biased", "biased", "sql", "__base__"]):
         torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(logits(ref, ["sql"] * 4), logits(ref, ["__base__"] * 4))  # the deltas matter
+
+
+ALL_SIBLINGS = (("sql", ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), 4, {}),
+                ("chat", ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"), 8, {"lora_bias": True}),
+                ("wide", ("k_proj", "up_proj"), 16, {}))
+
+
+@pytest.mark.parametrize("quant", ["nf4", "int8", "torchao"])
+def test_quantized_siblings_share_one_lora_call(saved, quant, monkeypatch):
+    """q/k/v and gate/up whose members all carry LoRA over one kind of quantized base: each member
+    keeps its own matmul, their LoRA is one stacked call (one shrink and one expand for the group,
+    not one per member), and the logits and greedy tokens equal PEFT's mixed batch."""
+    from peft_fastlora.backend.base import BaseLoRABackend
+
+    # (PEFT's torchao layers take no lora_bias)
+    adapters = tuple((n, t, r, {}) for n, t, r, _ in ALL_SIBLINGS) if quant == "torchao" else ALL_SIBLINGS
+    build = (lambda: _torchao(adapters)) if quant == "torchao" else (lambda: quantized(saved, quant, adapters))
+    m, ref = build(), build()
+    report = fastlora.patch(m, cuda_graphs="emulate")
+    assert report.counts() == {f"qkv_{quant}": 2, f"gate_up_{quant}": 2, f"linear_{quant}": 4}, report.counts()
+    assert report.left_on_peft == [] and report.adapter_fallbacks == [], report
+    backend = fastlora.get_state(m).backend
+    calls = []
+    real = type(backend).run_packed_lora
+    monkeypatch.setattr(type(backend), "run_packed_lora", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    assert isinstance(backend, BaseLoRABackend)
+    for names in (["sql", "chat", "__base__", "wide"], ["wide", "wide", "chat", "__base__"]):
+        calls.clear()
+        torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
+        assert len(calls) == 2 * 4, len(calls)  # per layer: q/k/v, o, gate/up, down
+    kw = dict(input_ids=IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    names = ["chat", "__base__", "sql", "wide"]
+    assert torch.equal(m.generate(**kw, adapter_names=names), ref.generate(**kw, adapter_names=names))
+    fastlora.unpatch(m)
+    torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("quant", ["nf4", "int8"])
