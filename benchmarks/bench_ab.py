@@ -108,8 +108,9 @@ def main(argv=None) -> int:
     if args.smoke:
         args.model, args.batches, args.new_tokens, args.reps = "tiny", [2], 4, 1
     rows = []
+    order = ("old", "new") if args.smoke else ("old", "new", "new", "old")  # a smoke run checks the script
     for _ in range(args.rounds):
-        for side in ("old", "new", "new", "old"):
+        for side in order:
             rows += side_rows(side, getattr(args, side), args)
     vers = hx.versions()
     table = []

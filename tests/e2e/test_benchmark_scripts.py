@@ -114,10 +114,11 @@ def test_bench_generate_smoke(tmp_path):
 
 
 def test_bench_ab_smoke(tmp_path):
-    """Both sides (here the same tree) run in their own processes, A B B A, into one table."""
+    """Both sides (here the same tree) run in their own processes, into one table (a smoke run
+    takes one run a side, A B; a measurement A B B A per round)."""
     _run([os.path.join(BENCH, "bench_ab.py"), "--smoke", "--old", ROOT, "--new", ROOT, "--out", str(tmp_path)])
     rows = _csv(tmp_path / "ab_tiny_cpu.csv")
-    assert [(r["method"], r["runs_per_side"]) for r in rows] == [("base_patched", "2"), ("mixed", "2")]
+    assert [(r["method"], r["runs_per_side"]) for r in rows] == [("base_patched", "1"), ("mixed", "1")]
     assert all(float(r["old_ms"]) > 0 and float(r["new_ms"]) > 0 for r in rows)
 
 

@@ -20,6 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from peft_fastlora import env  # noqa: E402
 from peft_fastlora.base_ops.attention_registry import (  # noqa: E402
     ATTN_NAME,
     decode_attention_enabled,
@@ -482,19 +483,23 @@ def test_every_attention_call_matches_the_models_own_function(arch):
     assert max(diffs) < 1e-5, diffs
 
 
-def _config_under(sms: str):
-    """``decode_attention_config`` of one CPU launch in a fresh process with FASTLORA_INTERPRETER_SMS."""
+def _splits_under(sms: str) -> int:
+    """``num_splits`` of one CPU launch in a fresh process with FASTLORA_INTERPRETER_SMS (read at import)."""
     code = ("from peft_fastlora.ops.decode_attention import decode_attention_config as c; import torch; "
             "print(c(2, 8, 4, 4096, 128, torch.device('cpu'))['num_splits'])")
     env = dict(os.environ, FASTLORA_INTERPRETER_SMS=sms)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return int(run.stdout)
 
 
-def test_interpreter_sm_count_from_the_environment():
-    """The interpreter plans launches for FASTLORA_INTERPRETER_SMS SMs (more SMs: more splits);
-    a value that is not a positive integer is refused at import, by name."""
-    few, many = _config_under(""), _config_under("132")
-    assert few.returncode == 0 and many.returncode == 0, (few.stderr, many.stderr)
-    assert int(many.stdout) > int(few.stdout)
-    bad = _config_under("lots")
-    assert bad.returncode != 0 and "FASTLORA_INTERPRETER_SMS must be a positive integer" in bad.stderr
+def test_interpreter_sm_count_from_the_environment(monkeypatch):
+    """The interpreter plans launches for FASTLORA_INTERPRETER_SMS SMs (more SMs: more splits than
+    this process's default of 4); a value that is not a positive integer is refused, by name."""
+    assert env.INTERPRETER_SMS == 4, "the tests run with the default"
+    few = decode_attention_config(2, 8, 4, 4096, 128, torch.device("cpu"))["num_splits"]
+    assert _splits_under("132") > few
+    for bad in ("lots", "0", "-3"):
+        monkeypatch.setenv("FASTLORA_INTERPRETER_SMS", bad)
+        with pytest.raises(ValueError, match="FASTLORA_INTERPRETER_SMS must be a positive integer"):
+            env._positive_int("FASTLORA_INTERPRETER_SMS", 4)
