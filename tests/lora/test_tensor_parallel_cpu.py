@@ -23,20 +23,14 @@ def test_tensor_parallel_lora_equals_peft_unsharded(tmp_path, arch, layout, ops)
 
 
 @pytest.mark.parametrize("layout", ["peft", "whole"])
-def test_lora_on_the_embedding_and_lm_head_under_tensor_parallelism(tmp_path, layout):
-    """An adapter on the vocabulary-sharded embedding and the gathered LM head too: PEFT's own
-    mixed batch fails there under TP; fastlora's path gives the unsharded model's results."""
-    pytest.importorskip("torch.distributed.tensor")
-    run_tp_worker(tmp_path, "llama", "cpu", "emulate", layout, "torch", heads="heads")
-
-
-@pytest.mark.parametrize("layout,heads", [("peft", "heads"), ("whole", "")])
-def test_folded_shrink_under_tensor_parallelism(tmp_path, layout, heads):
+def test_folded_shrink_and_the_heads_under_tensor_parallelism(tmp_path, layout):
     """Every Linear site's shrink folded into its base GEMM on each rank: column-sharded sites
     under this rank's output rows, row-sharded ones reducing the partial shrink with the partial
-    sums in their one all-reduce."""
+    sums in their one all-reduce. With an adapter on the vocabulary-sharded embedding and the
+    gathered LM head too (neither folds): PEFT's own mixed batch fails there under TP; fastlora's
+    path gives the unsharded model's results."""
     pytest.importorskip("torch.distributed.tensor")
-    out = run_tp_worker(tmp_path, "llama", "cpu", "emulate", layout, "torch", heads=heads, fold=True)
+    out = run_tp_worker(tmp_path, "llama", "cpu", "emulate", layout, "torch", heads="heads", fold=True)
     assert "fold=True" in out
 
 
