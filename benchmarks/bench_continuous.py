@@ -82,9 +82,12 @@ def engine_config(args, graphs: bool):
 
 
 def engine_steps(manager):
-    """Steps the engine has run, where fastlora's hook counts them (a patched model); else None."""
+    """(steps, graph captures) the engine has run, where fastlora's hook counts them (a patched
+    model); else None."""
     graphs = getattr(manager, "fastlora_graphs", None)
-    return None if graphs is None else graphs.stats["graphed_steps"] + graphs.stats["eager_steps"]
+    if graphs is None:
+        return None
+    return graphs.stats["graphed_steps"] + graphs.stats["eager_steps"], graphs.stats["captures"]
 
 
 def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
@@ -128,13 +131,14 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
                 ttft.append(stamps[0] - r.created_time)
             done += 1
             if args.profile and steps_at is None and done >= len(reqs) // 4:
-                steps_at = (engine_steps(manager), time.perf_counter())
+                steps_at = (engine_steps(manager) or (0, 0), time.perf_counter())
                 window.start()
             elif steps_at is not None and not profile and time.perf_counter() - steps_at[1] >= args.profile:
                 profile = window.stop()
                 steps = engine_steps(manager)
                 if steps is not None:
-                    profile["engine_steps"] = steps - steps_at[0]
+                    profile["engine_steps"] = steps[0] - steps_at[0][0]
+                    profile["engine_captures"] = steps[1] - steps_at[0][1]
                     profile["step_ms"] = round(1e3 * profile["window_s"] / max(1, profile["engine_steps"]), 3)
         seconds = time.perf_counter() - t0
         if steps_at is not None and not profile:  # the run ended first
@@ -316,7 +320,7 @@ def main(argv=None) -> int:
                    ttft_p50_s=round(pct(ttft, 0.5), 3), ttft_p99_s=round(pct(ttft, 0.99), 3),
                    mean_prompt=round(statistics.mean(len(q) for q, _, _ in used), 1),
                    max_batch_tokens=args.max_batch_tokens, lora_graphed_steps=stats.get("graphed_steps", ""),
-                   lora_eager_steps=stats.get("eager_steps", ""), time_per_token_vs_base_patched="",
+                   lora_eager_steps=stats.get("eager_steps", ""), engine_captures=stats.get("captures", ""), time_per_token_vs_base_patched="",
                    time_per_token_vs_base="", prompt_tokens=sum(len(q) for q, _, _ in used),
                    tokens_per_step=round(sum(len(q) + n for q, _, n in used) / steps, 1) if steps else "",
                    **floor, ratio_to_floor=round(seconds / floor["floor_s"], 2) if floor.get("floor_s") else "",

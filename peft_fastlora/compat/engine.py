@@ -226,6 +226,17 @@ def cb_graphed_step(processor) -> bool:
     return bool(runner._get_forward_fn(use_block_table=ios.use_block_table)[1])
 
 
+def cb_step_graph_held(processor) -> Optional[bool]:
+    """Whether the engine already holds a graph for the step about to run (False: the step captures
+    one: the engine keys its graphs by the padded query tokens and, on the varlen path, the keys
+    the step reads); None where this transformers does not say."""
+    ios = processor.inputs_and_outputs
+    key_of, graphs = getattr(ios, "_get_graph_key", None), getattr(ios, "graphs", None)
+    if key_of is None or not hasattr(graphs, "get_graph"):
+        return None
+    return graphs.get_graph(key_of()) is not None
+
+
 def cb_stream(processor):
     """The stream the engine computes (and replays its graphs) on; None off CUDA."""
     return getattr(processor.inputs_and_outputs, "compute_stream", None)

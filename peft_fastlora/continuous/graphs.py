@@ -20,7 +20,7 @@ import contextlib
 from typing import Dict, Optional
 
 from ..compat.engine import (cb_capacity, cb_disable_graphs, cb_drop_graphs, cb_emulate_graphs,
-                             cb_graphed_step, cb_graphs_suspended, cb_stream)
+                             cb_graphed_step, cb_graphs_suspended, cb_step_graph_held, cb_stream)
 from ..compat.modules import on_stream
 from ..batch import BLOCK_M_TIERS, NO_LORA_BATCH, BatchInfoBuffers, TokenSegments, choose_block_m
 
@@ -38,7 +38,8 @@ class EngineGraphs:
     def __init__(self, state, processor, emulate: bool = False):
         self.state, self.processor, self.emulate = state, processor, emulate
         self.blocker: Optional[str] = None  # set when a step could not be captured
-        self.stats = collections.Counter(graphed_steps=0, eager_steps=0, graphs_dropped=0)
+        # captures: graphed steps the engine held no graph for (each captured one first)
+        self.stats = collections.Counter(graphed_steps=0, eager_steps=0, graphs_dropped=0, captures=0)
         self._buffers: Dict[int, BatchInfoBuffers] = {}
         self._generation = state.generation
         self._backend = state.backend
@@ -56,6 +57,8 @@ class EngineGraphs:
         static buffers (on the stream the graph runs on), and the layers told to read them."""
         state = self.state
         self._drop_if_stale()
+        if cb_step_graph_held(self.processor) is False:
+            self.stats["captures"] += 1
         with on_stream(cb_stream(self.processor)):
             bi = self._fill(segments)
         with state.forward_context(bi):

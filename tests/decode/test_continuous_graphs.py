@@ -65,6 +65,7 @@ def test_graphed_steps_equal_peft_per_request(pair, monkeypatch):
         assert tokens == peft_alone(ref, prompt, name, new), (name, len(prompt))
     stats = manager.fastlora_graphs.stats
     assert stats["graphed_steps"] > 0 and stats["eager_steps"] == 0, stats
+    assert stats["captures"] <= stats["graphed_steps"], stats  # (emulated: the engine keeps no graph)
     assert fills.eager == 0  # no layer built an eager batch inside a graphed step
     # the engine padded steps: the padded tail is a segment with no adapter
     padded = [(lens, slots) for lens, slots in fills.fills if slots[-1] == NO_ADAPTER and len(lens) > 1]
@@ -173,3 +174,21 @@ def test_random_traffic_through_emulated_graphs(pair):
     from test_continuous_batching import test_random_traffic_like_a_server
 
     test_random_traffic_like_a_server(pair)
+
+
+def test_captures_are_counted_from_the_engines_graph_key():
+    """``compat.engine.cb_step_graph_held``: False while the engine holds no graph under the step's
+    key (that step captures one), True once it does; None where the engine keeps no such key."""
+    import types
+
+    from peft_fastlora.compat.engine import cb_step_graph_held
+
+    store = {}
+    ios = types.SimpleNamespace(_get_graph_key=lambda: (64, 512), graphs=types.SimpleNamespace(get_graph=store.get))
+    processor = types.SimpleNamespace(inputs_and_outputs=ios)
+    assert cb_step_graph_held(processor) is False
+    store[(64, 512)] = object()
+    assert cb_step_graph_held(processor) is True
+    ios._get_graph_key = lambda: (64, 768)  # more keys read: another graph
+    assert cb_step_graph_held(processor) is False
+    assert cb_step_graph_held(types.SimpleNamespace(inputs_and_outputs=types.SimpleNamespace())) is None
