@@ -184,11 +184,11 @@ def test_torchao_base_model_alone_is_left_as_it_is():
 
 
 def test_adapters_registered_by_name_over_a_quantized_base(saved, tmp_path):
-    """A saved adapter registered by name on a 4-bit model: its shapes checked against the layers'
-    (not the packed weight's), served beside PEFT's adapters, equal to the same folder loaded into
-    PEFT."""
+    """A saved adapter registered by name on a 4-bit model (on single layers and on gate/up, which
+    share one LoRA call): its shapes checked against the layers' (not the packed weight's), served
+    beside PEFT's adapters, equal to the same folder loaded into PEFT."""
     m, ref = quantized(saved, "nf4"), quantized(saved, "nf4")
-    donor = quantized(saved, "nf4", (("extra", ("q_proj", "down_proj"), 4, {"lora_bias": True}),))
+    donor = quantized(saved, "nf4", (("extra", ("q_proj", "down_proj", "gate_proj", "up_proj"), 4, {"lora_bias": True}),))
     with torch.no_grad():
         for name, p in donor.named_parameters():
             if "lora_B" in name:
