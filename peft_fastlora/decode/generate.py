@@ -113,10 +113,12 @@ def run_generate(state, generate, args, kwargs, min_cache_len: int = 0):
             return generate(*args, **kwargs)
         ids = kwargs.get("input_ids", args[0] if args else None)
         rows = ids.shape[0] * int(kwargs.get("num_return_sequences", 1) or 1)
+        needed_len = max(_needed_length(state, ids, kwargs), min_cache_len)
         try:
-            cache = runner.begin_call(rows, max(_needed_length(state, ids, kwargs), min_cache_len))
+            cache = runner.begin_call(rows, needed_len)
         except CacheUnavailable as e:
             runner.note_eager(str(e))
+            runner.make_room(rows, needed_len)
             return generate(*args, **kwargs)
         kwargs = dict(kwargs)
         kwargs[cache_kwarg_name(state.inner)] = cache

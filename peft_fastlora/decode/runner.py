@@ -73,7 +73,7 @@ class DecodeGraphRunner:
         self._counters = {"captures": 0, "replays": 0, "eager_steps": 0, "capture_s": 0.0,
                           "capture_failures": 0, "evictions": 0, "graphs_dropped": 0,
                           "deferred_stop_calls": 0, "steps_undone": 0, "fused_selection_calls": 0,
-                          "advanced_calls": 0, "advanced_steps": 0, "early_edges": 0}
+                          "advanced_calls": 0, "advanced_steps": 0, "early_edges": 0, "released_for_room": 0}
         self.eager_reasons: Dict[str, int] = {}
         self.selection_reasons: Dict[str, int] = {}  # why deferred calls kept transformers' token selection
         self.advance_reasons: Dict[str, int] = {}  # why fused-selection calls built their inputs on the host
@@ -193,6 +193,34 @@ class DecodeGraphRunner:
         """Free everything: graphs, pool, caches (unpatch)."""
         self.drop_graphs()
         self.caches.clear()
+
+    def make_room(self, rows: int, needed_len: int) -> bool:
+        """Before a call that decodes eagerly (its own KV cache, as PEFT's path would build): free
+        the graphs, their pool and the static caches when the device's free memory would not hold
+        twice that call's KV cache (the prefill's activations take about as much again), so that
+        the graphs' memory never makes a call fail that PEFT's path alone would serve. True when
+        freed; the graphs are captured again by the next call that takes them."""
+        held = self.caches.nbytes()
+        if held == 0:
+            return False
+        free = self._free_bytes()
+        if free is None or free >= 2 * rows * needed_len * self.caches.bytes_per_token():
+            return False
+        self.release()
+        self._counters["released_for_room"] += 1
+        self.state.warn_once(
+            "a call that decodes eagerly found too little free memory beside the graphs' static cache: the "
+            "graphs and their cache were freed, and are captured again by the next call that takes them")
+        return True
+
+    def _free_bytes(self) -> Optional[int]:
+        """Bytes the device can still hand out: free on the device, and what PyTorch's allocator
+        holds unused (None off CUDA)."""
+        device = self.caches.device
+        if self.emulate or device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
     # -- the compiled-call replacement -------------------------------------------------------------
     def _eager(self, reason: str, inputs):

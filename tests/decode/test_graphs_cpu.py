@@ -146,6 +146,30 @@ def test_batch_larger_than_buckets_decodes_eagerly(model):
     assert stats["eager_reasons"] == {"batch larger than the largest graph bucket (2 rows)": 1}
 
 
+@pytest.mark.parametrize("free", [0, None, 1 << 50], ids=["short", "unknown", "plenty"])
+def test_an_eager_call_short_of_memory_frees_the_graphs_first(model, monkeypatch, free):
+    """A call past the largest bucket decodes eagerly with its own cache: where the device's free
+    memory would not hold it beside the graphs' static cache, the graphs and the cache are freed
+    first (and captured again by the next call that takes them); with room, or where the free
+    memory is unknown (off CUDA), they stay. Tokens equal PEFT's throughout."""
+    small, large = _inputs(2), _inputs(4)
+    two, four = ["a", "c"], ["a", "b", "c", "__base__"]
+    refs = [model.generate(**small, adapter_names=two), model.generate(**large, adapter_names=four)]
+    with fastlora.patched(model, cuda_graphs="emulate", graph_buckets=[1, 2]):
+        runner = fastlora.get_state(model).graph_runner
+        monkeypatch.setattr(runner, "_free_bytes", lambda: free)
+        assert torch.equal(model.generate(**small, adapter_names=two), refs[0])
+        held = runner.stats["cache_bytes"]
+        assert held > 0 and runner.stats["graphs"] == 1
+        assert torch.equal(model.generate(**large, adapter_names=four), refs[1])
+        stats = runner.stats
+        freed = free == 0
+        assert stats["released_for_room"] == int(freed), stats
+        assert (stats["cache_bytes"], stats["graphs"]) == ((0, 0) if freed else (held, 1)), stats
+        assert torch.equal(model.generate(**small, adapter_names=two), refs[0])
+        assert runner.stats["captures"] == 1 + freed and runner.stats["graphs"] == 1, runner.stats
+
+
 def test_per_row_eos_and_stopping(model):
     kw = _inputs(4)
     names = ["a", "b", "c", "__base__"]
