@@ -123,6 +123,28 @@ def test_quantized_generate_with_emulated_graphs_and_slots(saved, quant):
     assert fastlora.get_state(m).graph_runner.stats["replays"] > 0
 
 
+def test_a_dora_adapter_over_quantized_siblings_sharing_a_call_takes_peft_path_for_its_rows(saved):
+    """q/k/v and gate/up share one LoRA call over their 4-bit matmuls; a DoRA adapter there (which
+    fastlora does not compute over a quantized base) is left to PEFT: batches without it stay on
+    fastlora's path and equal PEFT's mixed batch; a batch with it gets PEFT's own answer (PEFT
+    refuses DoRA in a mixed batch), and a batch of its rows alone equals PEFT with it active."""
+    adapters = ALL_SIBLINGS[:1] + (("dora", ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), 4,
+                                    {"use_dora": True}),)
+    m, ref = quantized(saved, "nf4", adapters), quantized(saved, "nf4", adapters)
+    report = fastlora.patch(m)
+    assert report.counts() == {"qkv_nf4": 2, "gate_up_nf4": 2}, report.counts()
+    assert {a for _, a, _ in report.adapter_fallbacks} == {"dora"}, report
+    names = ["sql", "__base__", "sql", "__base__"]
+    torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
+    for model in (m, ref):
+        model.set_adapter("dora")
+    torch.testing.assert_close(logits(m, None), logits(ref, None), atol=1e-5, rtol=1e-5)
+    # (last: after refusing, PEFT's own model keeps refusing plain forwards too)
+    for model in (ref, m):
+        with pytest.raises(ValueError, match="DoRA"):
+            logits(model, ["dora", "sql", "__base__", "dora"])
+
+
 def test_dora_over_a_quantized_base_stays_on_peft(saved):
     m = quantized(saved, "nf4", ADAPTERS[:1] + (("dora", ("q_proj",), 4, {"use_dora": True}),))
     report = fastlora.patch(m)
