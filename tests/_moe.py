@@ -5,10 +5,11 @@ expert adapters in ``adapter_names``)."""
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
+
+from _patch_models import with_lora
 
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 
@@ -16,16 +17,9 @@ EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 def with_expert_adapters(base, adapters, b_scale: float):
     """``base`` under PEFT with these (name, target_modules, target_parameters, rank) adapters,
     each seeded, random (B times ``b_scale``), in eval mode."""
-    model = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i, (name, modules, params, r) in enumerate(adapters):
-            torch.manual_seed(10 + i)
-            cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=modules or None, target_parameters=params,
-                             init_lora_weights=False)
-            model = get_peft_model(base, cfg, adapter_name=name) if model is None else model
-            if i:
-                model.add_adapter(name, cfg)
+    model = with_lora(base, [(name, LoraConfig(r=r, lora_alpha=2 * r, target_modules=modules or None,
+                                               target_parameters=params, init_lora_weights=False))
+                             for name, modules, params, r in adapters], seed=10)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:

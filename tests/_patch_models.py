@@ -7,6 +7,8 @@ default; ``init_lora_weights=False`` (random, non-zero B) so that each adapter c
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from peft import LoraConfig, get_peft_model
 
@@ -23,6 +25,22 @@ def tiny_llama(seed: int = 0):
 
 def lora(targets, r=4, alpha=8, **kw):
     return LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False, **kw)
+
+
+def with_lora(base, named_configs, seed: int):
+    """``base`` wrapped by PEFT with each (name, LoraConfig), the i-th adapter's random values drawn
+    after ``torch.manual_seed(seed + i)`` (PEFT's warnings silenced); ``base`` itself when there are
+    none."""
+    model = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i, (name, cfg) in enumerate(named_configs):
+            torch.manual_seed(seed + i)
+            if model is None:
+                model = get_peft_model(base, cfg, adapter_name=name)
+            else:
+                model.add_adapter(name, cfg)
+    return base if model is None else model
 
 
 def build(adapters=(("sql", ALL, 4, {}), ("chat", ("q_proj", "v_proj"), 8, {}))):

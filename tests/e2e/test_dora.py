@@ -114,10 +114,8 @@ def test_dora_in_slots_and_generate():
 def _biased_dora_models():
     """Two identical tiny Llamas with biased projections (DoRA's shift), ``ADAPTERS`` and an
     adapter with a bias on B sharing sites with the DoRA ones (both epilogues in one launch)."""
-    from peft import get_peft_model
-
     from _models import tiny_llama as llama
-    from _patch_models import VOCAB, lora
+    from _patch_models import VOCAB, lora, with_lora
 
     models = []
     for _ in range(2):
@@ -127,13 +125,8 @@ def _biased_dora_models():
             for name, p in base.named_parameters():
                 if name.endswith(".bias"):
                     p.normal_(generator=torch.Generator().manual_seed(len(name)))
-        model = None
-        for i, (name, targets, r, kw) in enumerate(ADAPTERS + (("biased", ("q_proj", "down_proj"), 4, {"lora_bias": True}),)):
-            torch.manual_seed(100 + i)
-            cfg = lora(targets, r, 2 * r, **kw)
-            model = get_peft_model(base, cfg, adapter_name=name) if model is None else model
-            if i:
-                model.add_adapter(name, cfg)
+        adapters = ADAPTERS + (("biased", ("q_proj", "down_proj"), 4, {"lora_bias": True}),)
+        model = with_lora(base, [(name, lora(targets, r, 2 * r, **kw)) for name, targets, r, kw in adapters], seed=100)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "lora_magnitude_vector" in name:

@@ -14,10 +14,9 @@ import torch
 pytest.importorskip("bitsandbytes")
 
 import peft_fastlora as fastlora  # noqa: E402
-from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
-from _patch_models import IDS, logits, tiny_llama  # noqa: E402
+from _patch_models import IDS, logits, lora, tiny_llama, with_lora  # noqa: E402
 
 QUANT = {
     "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
@@ -50,16 +49,8 @@ def quantized(saved, quant, adapters=ADAPTERS):
 def with_adapters(base, adapters, seed: int):
     """``base`` wrapped by PEFT with these (name, targets, rank, LoraConfig extras), each seeded;
     ``base`` itself when there are none."""
-    model = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i, (name, targets, r, kw) in enumerate(adapters):
-            torch.manual_seed(seed + i)
-            cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), init_lora_weights=False, **kw)
-            model = get_peft_model(base, cfg, adapter_name=name) if model is None else model
-            if i:
-                model.add_adapter(name, cfg)
-    return (model or base).eval()
+    return with_lora(base, [(name, lora(targets, r, 2 * r, **kw)) for name, targets, r, kw in adapters],
+                     seed).eval()
 
 
 @pytest.mark.parametrize("quant", list(QUANT))
