@@ -18,7 +18,7 @@ adapters' A blocks to (``SitePool.stage_call``).
 
 *Separate bases.* Quantized siblings (bitsandbytes 4-bit or 8-bit, torchao: QLoRA) cannot share a
 GEMM: each keeps its library's matmul. Where every member is such a LoRA layer of one kind, the
-group is kept ``separate``: its members' base outputs are computed one by one and laid side by
+group is a ``SeparateGroup``: its members' base outputs are computed one by one and laid side by
 side, and the LoRA of all of them is still one stacked call (one shrink, one expand) instead of
 one per member. Nothing is fused or folded.
 """
@@ -72,25 +72,19 @@ class FusedGroup:
     per_call: bool = False  # the tail is folded only for calls that use enough of it (fold_min_use)
     staged: bool = False  # the tail is a staging area a call's A blocks are copied to, not the arena
     gemm: Optional[Callable] = None  # F.linear's stand-in for the fused GEMMs (base_ops.stream_linears), or None
-    separate: Optional[str] = None  # the members' quantization ("nf4", ...): own matmuls, one LoRA call
+    separate: Optional[str] = None  # a ``SeparateGroup``'s quantization ("nf4", ...); None: fused
 
     @property
     def out_features(self) -> List[int]:
-        if self.separate:
-            return [linear_in_out(b)[1] for b in self.bases]
         return [local(b.weight).shape[0] for b in self.bases]  # this rank's rows under TP
 
     @property
     def in_features(self) -> int:
-        if self.separate:
-            return linear_in_out(self.bases[0])[0]
         return local(self.bases[0].weight).shape[1]
 
     def is_intact(self) -> bool:
         """Still views of the fused tensor (``model.to()`` or a reload replaces the storage); checked
-        on every forward, so against the addresses ``fuse`` recorded. Separate bases: nothing fused."""
-        if self.separate:
-            return True
+        on every forward, so against the addresses ``fuse`` recorded."""
         if self.weight is None:
             return False
         dtype, device = self.weight.dtype, self.weight.device
@@ -106,8 +100,6 @@ class FusedGroup:
     @torch.inference_mode(False)
     def fuse(self, tail_rows: int = 0):
         """One tensor for the members' weights (and biases), ``tail_rows`` zero rows under them."""
-        if self.separate:
-            raise RuntimeError(f"{self.parent_name}.{self.kind}: separate (quantized) bases are not fused")
         self.offsets = [0]
         for n in self.out_features:
             self.offsets.append(self.offsets[-1] + n)
@@ -162,8 +154,6 @@ class FusedGroup:
     @torch.inference_mode(False)
     def unfuse(self):
         """Give every parameter its own storage again; the fused tensor is dropped."""
-        if self.separate:
-            return
         for b in self.bases:
             repoint_local(b.weight, local(b.weight).detach().clone())
             if b.bias is not None:
@@ -182,14 +172,37 @@ class FusedGroup:
         return fusion_blocker(self.bases)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        if self.separate:  # each quantized layer's own matmul, the outputs side by side
-            return torch.cat([b(x) for b in self.bases], dim=-1)
         return (self.gemm or torch.nn.functional.linear)(x, self.weight, self.bias)
 
     def linear_with_tail(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """``x @ [W; tail].T`` (+ the bias, zeros under the tail): (s, sum out + tail rows).
         ``bias=False``: a row-sharded layer's partial sums (its bias is added once, after the reduce)."""
         return (self.gemm or torch.nn.functional.linear)(x, self.ext, self.ext_bias if bias else None)
+
+
+class SeparateGroup(FusedGroup):
+    """Quantized siblings that share one LoRA call: each member keeps its own matmul (nothing is
+    fused, so nothing is folded), the outputs laid side by side."""
+
+    @property
+    def out_features(self) -> List[int]:
+        return [linear_in_out(b)[1] for b in self.bases]  # (a packed weight's shape is not the layer's)
+
+    @property
+    def in_features(self) -> int:
+        return linear_in_out(self.bases[0])[0]
+
+    def is_intact(self) -> bool:
+        return True
+
+    def fuse(self, tail_rows: int = 0):
+        raise RuntimeError(f"{self.parent_name}.{self.kind}: quantized base layers are not fused")
+
+    def unfuse(self):
+        pass
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([b(x) for b in self.bases], dim=-1)
 
 
 def fusion_blocker(bases: List[nn.Module]) -> Optional[str]:
@@ -252,5 +265,6 @@ def find_groups(root: nn.Module) -> Tuple[List[FusedGroup], List[Tuple[str, str]
             if why and not separate:
                 blocked.append((f"{parent_name}.{kind}" if parent_name else kind, why))
                 continue
-            groups.append(FusedGroup(kind, parent_name, names, members, bases, separate=separate))
+            group = SeparateGroup if separate else FusedGroup
+            groups.append(group(kind, parent_name, names, members, bases, separate=separate))
     return groups, blocked
