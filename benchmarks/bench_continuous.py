@@ -193,6 +193,7 @@ def workload_floor(model, shape: str, used, steps, bw: float, gpu: str) -> dict:
     flops_s = flops / peak if peak else None
     bytes_s = (steps * hx.weight_bytes(model) + kv) / bw if steps else None
     floor = max(t for t in (flops_s, bytes_s) if t is not None) if (flops_s or bytes_s) else None
+
     def sig(x):
         return float(f"{x:.4g}") if x else ""
 
