@@ -36,7 +36,10 @@ Each row also sets the run against the workload's floor (``workload_floor``: its
 specified peak, and its bytes at the engine's measured step count and the measured copy bandwidth)
 and, where fastlora's hook counts the engine's steps, the tokens a step carried. ``--profile S``
 summarises S seconds of the GPU's timeline under full load per engine mode (busy and idle shares,
-kernel families, copies, host syncs, steps: ``continuous_profile_<model>_<gpu>.csv``).
+kernel families, copies, host syncs, steps, the engine thread's milliseconds per step in each phase
+of its loop: ``continuous_profile_<model>_<gpu>.csv``; the kernels that took the most time:
+``continuous_profile_kernels_<model>_<gpu>.csv``). Every row of a patched model also carries the
+whole run's host milliseconds per step by phase (``run_host_*``).
 """
 
 from __future__ import annotations
@@ -81,13 +84,33 @@ def engine_config(args, graphs: bool):
     return ContinuousBatchingConfig(**kw)
 
 
-def engine_steps(manager):
-    """(steps, graph captures) the engine has run, where fastlora's hook counts them (a patched
-    model); else None."""
+PHASES = ("schedule", "prepare", "forward", "outputs", "update")  # the engine loop's, as fastlora's hook times them
+
+
+def engine_counts(manager) -> dict:
+    """What fastlora's hook counted of the engine so far (a patched model; else empty): steps, graph
+    captures, and the engine thread's seconds in each phase of its loop."""
+    clock = getattr(manager, "fastlora_step_seconds", None)
+    if clock is None:
+        return {}
     graphs = getattr(manager, "fastlora_graphs", None)
-    if graphs is None:
-        return None
-    return graphs.stats["graphed_steps"] + graphs.stats["eager_steps"], graphs.stats["captures"]
+    counts = {phase: clock[phase] for phase in PHASES}
+    counts.update(steps=clock["steps"], captures=graphs.stats["captures"] if graphs is not None else 0)
+    return counts
+
+
+def window_counts(before: dict, after: dict, window_s: float) -> dict:
+    """The profile's engine columns over a window: steps, captures, the mean step and the host's
+    milliseconds per step in each phase (``outputs``: the engine's step around the forward, which
+    includes waiting for the GPU's outputs)."""
+    if not after:
+        return {}
+    steps = after["steps"] - before.get("steps", 0)
+    out = dict(engine_steps=steps, engine_captures=after["captures"] - before.get("captures", 0),
+               step_ms=round(1e3 * window_s / max(1, steps), 3))
+    for phase in PHASES:
+        out[f"host_{phase}_ms"] = round(1e3 * (after[phase] - before.get(phase, 0.0)) / max(1, steps), 3)
+    return out
 
 
 def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
@@ -131,22 +154,26 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
                 ttft.append(stamps[0] - r.created_time)
             done += 1
             if args.profile and steps_at is None and done >= len(reqs) // 4:
-                steps_at = (engine_steps(manager) or (0, 0), time.perf_counter())
+                steps_at = (engine_counts(manager), time.perf_counter())
                 window.start()
             elif steps_at is not None and not profile and time.perf_counter() - steps_at[1] >= args.profile:
                 profile = window.stop()
-                steps = engine_steps(manager)
-                if steps is not None:
-                    profile["engine_steps"] = steps[0] - steps_at[0][0]
-                    profile["engine_captures"] = steps[1] - steps_at[0][1]
-                    profile["step_ms"] = round(1e3 * profile["window_s"] / max(1, profile["engine_steps"]), 3)
+                profile.update(window_counts(steps_at[0], engine_counts(manager), profile["window_s"]))
         seconds = time.perf_counter() - t0
         if steps_at is not None and not profile:  # the run ended first
             profile = window.stop()
+            profile.update(window_counts(steps_at[0], engine_counts(manager), profile["window_s"]))
     finally:
         manager.stop(block=True)
     lora_graphs = getattr(manager, "fastlora_graphs", None)
-    return seconds, latency, ttft, dict(lora_graphs.stats) if lora_graphs is not None else {}, profile
+    stats = dict(lora_graphs.stats) if lora_graphs is not None else {}
+    run = engine_counts(manager)
+    if run.get("steps"):  # the whole run's host milliseconds per step, by phase
+        stats.update({f"run_host_{phase}_ms": round(1e3 * run[phase] / run["steps"], 3) for phase in PHASES},
+                     engine_steps=run["steps"])
+    if profile:
+        profile["top_kernels"] = window.kernels
+    return seconds, latency, ttft, stats, profile
 
 
 def run_static(model, reqs, args):
@@ -308,11 +335,11 @@ def main(argv=None) -> int:
     info = hx.versions()
     base = hx.build_base(args.model)
     bw = hx.copy_bandwidth()
-    model, table, profiles = None, [], []
+    model, table, profiles, kernels = None, [], [], []
     for mode in sorted(set(args.modes), key=MODES.index):
         used, (seconds, latency, ttft, stats, profile), model = run_mode(mode, base, model, reqs, args)
         out_tokens = sum(n for _, _, n in used)
-        steps = stats.get("graphed_steps", 0) + stats.get("eager_steps", 0) if stats else None
+        steps = stats.get("engine_steps") or (stats.get("graphed_steps", 0) + stats.get("eager_steps", 0)) or None
         floor = workload_floor(base, args.model, used, steps, bw, info["gpu"]) if mode != "peft" else {}
         row = dict(mode=mode, model=args.model, adapters=0 if mode.startswith("base") else args.adapters,
                    rank=args.rank, requests=len(used), output_tokens=out_tokens, seconds=round(seconds, 3),
@@ -326,13 +353,18 @@ def main(argv=None) -> int:
                    time_per_token_vs_base="", prompt_tokens=sum(len(q) for q, _, _ in used),
                    tokens_per_step=round(sum(len(q) + n for q, _, n in used) / steps, 1) if steps else "",
                    **floor, ratio_to_floor=round(seconds / floor["floor_s"], 2) if floor.get("floor_s") else "",
-                   copy_bw_tbs=round(bw / 1e12, 3), **info)
+                   copy_bw_tbs=round(bw / 1e12, 3),
+                   **{k: v for k, v in stats.items() if k.startswith("run_host_")}, **info)
         table.append(row)
         if profile:
+            kernels += [dict(mode=mode, model=args.model, **k, gpu=info["gpu"]) for k in profile.pop("top_kernels")]
             profiles.append(dict(mode=mode, model=args.model, **profile, **info))
-            print({k: profile[k] for k in list(profile)[:8]}, file=sys.stderr)
+            print({k: v for k, v in profile.items() if k.startswith(("gpu_busy", "host_", "step_ms", "engine_"))},
+                  file=sys.stderr)
             if args.out:
                 hx.write_csv(profiles, hx.out_path(args.out, f"continuous_profile_{args.model}", info["gpu"]))
+                if kernels:  # (none on the CPU)
+                    hx.write_csv(kernels, hx.out_path(args.out, f"continuous_profile_kernels_{args.model}", info["gpu"]))
         patched, unpatched = REFERENCES.get(mode, (None, None))
         for ref in table:  # time per output token against the adapter-free engine runs
             if ref["mode"] == patched:

@@ -468,6 +468,7 @@ class GpuWindow:
 
     def __init__(self):
         self.prof = None
+        self.kernels = []  # after stop(): ``top_kernels``
 
     def start(self):
         from torch.profiler import ProfilerActivity, profile
@@ -486,7 +487,23 @@ class GpuWindow:
             self.prof.export_chrome_trace(path)
             with open(path) as f:
                 events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+        self.kernels = self.top_kernels(events)
         return self.summary(events, wall)
+
+    @staticmethod
+    def top_kernels(events, n: int = 20) -> list:
+        """The ``n`` kernels (by name, cut to 90 characters) that took the most GPU time: rows of
+        name, launches, total and mean time, share of all kernel time."""
+        total, by_name = 0.0, {}
+        for e in events:
+            if e.get("cat") == "kernel":
+                dur = float(e.get("dur", 0))
+                total += dur
+                count, us = by_name.get(e.get("name", "")[:90], (0, 0.0))
+                by_name[e.get("name", "")[:90]] = (count + 1, us + dur)
+        top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:n]
+        return [dict(kernel=name, launches=count, total_ms=round(us / 1e3, 3), mean_us=round(us / count, 1),
+                     kernel_time_share=round(us / total, 4)) for name, (count, us) in top]
 
     @classmethod
     def summary(cls, events, wall: float) -> dict:

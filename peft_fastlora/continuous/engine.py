@@ -17,9 +17,11 @@ when the last one stops.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
+import time
 from typing import Dict, List, Optional, Sequence
 
 from ..compat.attention import register_attention_function, release_attention_function
@@ -421,6 +423,7 @@ class ContinuousBatchingHook:
             if not getattr(processor, "_fastlora_enabled", False):
                 hook._wrap_step(processor, adapters, records)
                 manager.fastlora_graphs = processor._fastlora_graphs
+                manager.fastlora_step_seconds = processor._fastlora_step_seconds
                 made.append(processor)
             return processor
 
@@ -463,6 +466,10 @@ class ContinuousBatchingHook:
         sampler = StepSampler(records, processor, rows=min(max_tokens, max_requests) + 1,
                               vocab=cb_vocab_size(self.inner))
         local = threading.local()  # the segments of the step the engine thread is running
+        # the engine thread's wall time by phase of its loop, summed over steps (where a step's time
+        # goes: scheduling, building its tensors, launching its forward, waiting for its outputs,
+        # updating its requests)
+        clock = collections.Counter(steps=0, schedule=0.0, prepare=0.0, forward=0.0, outputs=0.0, update=0.0)
 
         def release():
             while held[0]:
@@ -471,12 +478,17 @@ class ContinuousBatchingHook:
 
         def schedule_batch(*args, **kwargs):
             # new requests and cancellations are in; the batch is not formed yet
+            t = time.perf_counter()
             lock.acquire()
             held[0] += 1
             self._fail_orphans(processor, adapters)
-            return schedule(*args, **kwargs)
+            try:
+                return schedule(*args, **kwargs)
+            finally:
+                clock["schedule"] += time.perf_counter() - t
 
         def prepare_next_batch(*args, **kwargs):
+            t, scheduled = time.perf_counter(), clock["schedule"]
             try:
                 ready = prepare(*args, **kwargs)
             except BaseException:
@@ -484,6 +496,8 @@ class ContinuousBatchingHook:
                 raise
             if not ready:  # no step follows
                 release()
+            else:
+                clock["prepare"] += time.perf_counter() - t - (clock["schedule"] - scheduled)
             return ready
 
         def generation_step(model):
@@ -499,6 +513,7 @@ class ContinuousBatchingHook:
                 last[:] = requests
                 local.segments = TokenSegments([adapters.name_of(rid) for rid in ids], lens, num_tokens)
                 sampler.plan()
+                t, launched = time.perf_counter(), clock["forward"]
                 try:
                     step(model)
                 except Exception as error:  # noqa: BLE001  (confined to this step's requests, below)
@@ -511,6 +526,8 @@ class ContinuousBatchingHook:
                     failed[1] = True
                 else:
                     failed[0] = 0
+                    clock["steps"] += 1
+                    clock["outputs"] += time.perf_counter() - t - (clock["forward"] - launched)
             finally:
                 local.segments = None
                 release()
@@ -519,9 +536,20 @@ class ContinuousBatchingHook:
             if failed[1]:  # the failed step's requests are over: nothing to update
                 failed[1] = False
                 return None
-            return update(*args, **kwargs)
+            t = time.perf_counter()
+            try:
+                return update(*args, **kwargs)
+            finally:
+                clock["update"] += time.perf_counter() - t
 
         def compute_batch(model, batch_data):
+            t = time.perf_counter()
+            try:
+                return run_forward(model, batch_data)
+            finally:
+                clock["forward"] += time.perf_counter() - t
+
+        def run_forward(model, batch_data):
             segments = getattr(local, "segments", None)
             if segments is None:  # a warm-up forward: made-up requests, no adapter
                 _, lens, num_tokens = cb_step(processor)
@@ -546,6 +574,7 @@ class ContinuousBatchingHook:
                                                update_batch=update_batch, schedule_batch=schedule_batch,
                                                compute_batch=compute_batch))
         processor._fastlora_graphs = graphs
+        processor._fastlora_step_seconds = clock
         processor._fastlora_sampler = sampler
         processor._fastlora_enabled = True
 

@@ -139,8 +139,12 @@ def test_bench_continuous_smoke(tmp_path):
     assert set(rows) == {"base", "base_patched", "fastlora", "static", "peft", "base_varlen", "fastlora_varlen"}
     assert float(rows["fastlora"]["time_per_token_vs_base_patched"]) > 0
     assert float(rows["fastlora"]["time_per_token_vs_base"]) > 0
-    # the CPU engine runs no graphs, so no hook counts its steps: the floor is the FLOPs one
-    assert rows["fastlora"]["bytes_floor_s"] == "" and float(rows["fastlora"]["ratio_to_floor"]) > 0
+    # fastlora's hook counts a patched model's steps and times its loop's phases; nothing counts the
+    # unpatched model's steps, so its floor is the FLOPs one
+    for mode in ("fastlora", "base_patched"):
+        assert float(rows[mode]["bytes_floor_s"]) > 0 and float(rows[mode]["ratio_to_floor"]) > 0
+        assert float(rows[mode]["tokens_per_step"]) > 0 and float(rows[mode]["run_host_forward_ms"]) > 0
+    assert rows["base"]["bytes_floor_s"] == "" and rows["base"]["run_host_forward_ms"] == ""
     profiled = {r["mode"]: r for r in _csv(tmp_path / "continuous_profile_tiny_cpu.csv")}
     assert {"base", "base_patched", "fastlora", "base_varlen", "fastlora_varlen"} <= set(profiled)
     assert all(float(r["window_s"]) > 0 for r in profiled.values())
