@@ -144,7 +144,7 @@ for name, (prefix, fn, rank, _) in TASKS.items():
 
 A 3-layer Llama with hidden size 128 (about half a million parameters), built from a config, so nothing is
 downloaded. The training loop is plain PyTorch: AdamW with a one-cycle learning-rate schedule, batches
-of 64 random examples, and a loss on the answer tokens only (the prompt is context). The same loop
+of 32 random examples, and a loss on the answer tokens only (the prompt is context). The same loop
 fine-tunes the adapters below.
 
 The pretraining words mix lower- and upper-case letters, so the base model already knows how to write
@@ -178,7 +178,7 @@ def collate(pairs):
     return input_ids, attention_mask, label_ids
 
 
-def train(model, sample, steps, lr, batch_size=64, seed=SEED):
+def train(model, sample, steps, lr, batch_size=32, seed=SEED):
     \"\"\"Train the parameters with requires_grad=True on examples from sample(rng); returns the losses.\"\"\"
     rng = random.Random(seed)
     params = [p for p in model.parameters() if p.requires_grad]
