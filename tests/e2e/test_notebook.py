@@ -10,7 +10,9 @@ NOTEBOOK = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "fine
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_notebook_runs(tmp_path):
+def test_notebook_runs(tmp_path, monkeypatch):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread in the kernel too, as in the workers (conftest)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
