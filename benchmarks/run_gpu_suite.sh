@@ -108,8 +108,8 @@ if only moe; then  # LoRA on routed experts: Qwen3-30B-A3B's widths on fewer lay
     --new-tokens 24 --out "$OUT" 2>&1 | quiet | tee "$OUT/moe_mixtral-8x7b_$TAG.log" | tail -7
 fi
 if only kinds; then  # #62's targets: DoRA and lora_bias adapters against plain ones, the same rows (8B, graphs)
-  timeout ${KINDS_LIMIT:-400} python3 benchmarks/bench_generate.py --name kinds --models 8b --graphs-only --batches ${KINDS_BATCHES:-32} \
-    --kinds lora_bias dora --out "$OUT" 2>&1 | quiet | tee "$OUT/kinds_$TAG.log" | tail -8
+  timeout ${KINDS_LIMIT:-500} python3 benchmarks/bench_generate.py --name kinds --models 8b --graphs-only --batches ${KINDS_BATCHES:-32} \
+    --kinds lora_bias dora --kind-rounds ${KIND_ROUNDS:-2} --out "$OUT" 2>&1 | quiet | tee "$OUT/kinds_$TAG.log" | tail -8
 fi
 if only qlora; then  # bitsandbytes bases (bitsandbytes' wheel carried): patched base, PEFT and fastlora over each
   for q in ${QLORA_QUANTS:-nf4 int8}; do

@@ -381,10 +381,11 @@ def test_bench_moe_smoke(tmp_path):
 
 
 def test_bench_generate_kinds_smoke(tmp_path):
-    """--kinds: each kind beside as many plain adapters again (the like-for-like reference)."""
+    """--kinds: each kind beside as many plain adapters again (the like-for-like reference), in
+    rounds (the adapters of a kind added and deleted again each round)."""
     out = _run([os.path.join(BENCH, "bench_generate.py"), "--smoke", "--models", "tiny", "--batches", "2",
-                "--graphs-only", "--new-tokens", "3", "--reps", "1", "--kinds", "lora_bias", "--name", "kinds",
-                "--out", str(tmp_path)], env_extra={"TRITON_INTERPRET": "1"})
+                "--graphs-only", "--new-tokens", "3", "--reps", "1", "--kinds", "lora_bias", "--kind-rounds", "2",
+                "--name", "kinds", "--out", str(tmp_path)], env_extra={"TRITON_INTERPRET": "1"})
     rows = {r["method"]: r for r in _csv(tmp_path / "kinds_tiny_cpu.csv")}
     assert {"fastlora_graphs", "fastlora_graphs_plain", "fastlora_graphs_lora_bias"} <= set(rows), out[-2000:]
     assert rows["fastlora_graphs_lora_bias"]["ratio_to_plain_twin"] and not rows["fastlora_graphs"]["ratio_to_plain_twin"]
