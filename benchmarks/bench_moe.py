@@ -5,7 +5,9 @@ Random-weight bf16 models of real widths (``--model``; fewer layers with ``--lay
 CSV), ``--adapters`` adapters of rank ``--rank`` on q/k/v/o and on ``experts.gate_up_proj`` and
 ``experts.down_proj`` (PEFT's ``target_parameters``), a round-robin adapter mix. Methods:
 
-- ``base_patched[_<impl>]``: the base model (no PEFT) patched by fastlora, its experts computed by
+- ``base_patched``: the base model (no PEFT) patched by fastlora, its experts as fastlora's grouped
+  GEMMs (``grouped_experts``, the like-for-like reference of the two fastlora rows);
+- ``base_patched_hf[_<impl>]``: the same with ``grouped_experts=False``: its experts computed by
   transformers' experts implementation (its default, then each of ``--experts-impls``);
 - ``fastlora_base_rows``: the PEFT model patched, every row ``"__base__"`` (fastlora's grouped
   expert GEMMs, no adapter);
@@ -153,18 +155,21 @@ def main(argv=None) -> int:
         _, step, _ = hx.measure(gen, tokens, args.reps)
         return step
 
-    # the base model patched by fastlora, each experts implementation
-    for impl in [None] + list(args.experts_impls):
+    # the base model patched by fastlora: its experts as fastlora's grouped GEMMs, then as each of
+    # transformers' implementations (its default first)
+    bases = [("base_patched", None, "auto")] + [("base_patched_hf" + (f"_{impl}" if impl else ""), impl, False)
+                                                for impl in [None] + list(args.experts_impls)]
+    for method, impl, grouped in bases:
         try:
             base = build_base(args.model, layers, impl)
         except Exception as e:  # noqa: BLE001 - an implementation this transformers does not have
-            print(f"base_patched_{impl}: not built ({type(e).__name__}: {e})", flush=True)
+            print(f"{method}: not built ({type(e).__name__}: {e})", flush=True)
             continue
-        fastlora.patch(base, cuda_graphs=graphs)
+        print(fastlora.patch(base, cuda_graphs=graphs, grouped_experts=grouped), flush=True)
         gen = lambda n, m=base: m.generate(**inputs, max_new_tokens=n, min_new_tokens=n)  # noqa: E731
         step = decode_ms(gen, args.new_tokens)
         floor = floor_bytes(base, args.model, layers, args.batch, 0, args.rank)
-        row("base_patched" + (f"_{impl}" if impl else ""), step, floor, **runner_stats(base))
+        row(method, step, floor, **runner_stats(base))
         fastlora.unpatch(base)
         del base, gen
         gc.collect()

@@ -55,7 +55,7 @@ ARCHS = {  # arch -> (config class, model class, attention implementation)
 # ``fastlora.patch`` options that keep transformers' own attention and small ops (the base model under
 # fastlora's graphs alone, without its decode kernels)
 HF_OPS = dict(decode_attention=False, fuse_norms=False, fuse_rotary=False, fuse_silu_mul=False,
-              fuse_kv_write=False)
+              fuse_kv_write=False, grouped_experts=False)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # the memory bandwidth each GPU is specified at (bytes/s), reported beside the measured copy bandwidth
 SPEC_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}

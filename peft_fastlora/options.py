@@ -31,6 +31,7 @@ class PatchOptions:
     fuse_rotary: Tristate = "auto"
     fuse_silu_mul: Tristate = "auto"
     fuse_kv_write: Tristate = "auto"
+    grouped_experts: Tristate = "auto"
     engine_attention: str = "auto"  # "auto", "varlen" or "engine"
     fold_shrink: Tristate = "auto"
     stream_gemm: Tristate = "auto"
@@ -65,7 +66,7 @@ class PatchOptions:
         if not isinstance(self.tuning, Tuning):
             raise TypeError(f"tuning must be a peft_fastlora.Tuning, got {type(self.tuning).__name__}")
         for name in ("decode_attention", "fuse_norms", "fuse_rotary", "fuse_silu_mul", "fuse_kv_write",
-                     "fold_shrink", "stream_gemm"):
+                     "grouped_experts", "fold_shrink", "stream_gemm"):
             if getattr(self, name) not in _TRISTATE:
                 raise ValueError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
 

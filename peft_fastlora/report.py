@@ -35,6 +35,7 @@ class PatchReport:
     fused_rotary_kv: int = 0  # of those, the ones that also write fastlora's static caches in that kernel
     rotary_tables: int = 0  # rotary embedding modules whose cos / sin decode graphs read from a table
     fused_mlps: int = 0  # gated MLPs whose silu(gate) * up is one kernel
+    grouped_experts: int = 0  # routed experts modules without LoRA computed as grouped GEMMs
     fused_base_groups: int = 0  # q/k/v and gate/up siblings without LoRA computed by one GEMM
     stream_gemm_layers: int = 0  # plain linear layers whose decode GEMMs the streaming kernel runs
     stream_residual_layers: int = 0  # decoder layers whose MLP residual add may ride in down's streaming GEMM
@@ -114,6 +115,12 @@ class PatchReport:
                 ops[-1] += f" ({self.fused_rotary_kv} with the KV write)"
             if option == "fuse_rotary" and not why and self.rotary_tables:
                 ops[-1] += f", cos/sin from a table in graphs x{self.rotary_tables}"
-        return line + "; one-kernel " + ", ".join(ops)
+        line += "; one-kernel " + ", ".join(ops)
+        if self.grouped_experts:
+            line += f"; routed experts as grouped GEMMs x{self.grouped_experts}"
+        kept = sorted({f"{cls}: {why}" for option, cls, why in self.base_ops_skipped if option == "grouped_experts"})
+        if kept:
+            line += f"; routed experts kept as transformers' ({'; '.join(kept)})"
+        return line
 
     __str__ = summary

@@ -1,6 +1,6 @@
 """The base model's own decode work in fastlora's kernels: attention (through transformers'
 attention registry), RMSNorms (the post-attention ones with the residual add before them),
-rotary embedding and SiLU-gated MLPs (instance forwards), q/k/v and gate/up siblings without
+rotary embedding, SiLU-gated MLPs and routed experts (instance forwards), q/k/v and gate/up siblings without
 LoRA in one GEMM each, and decode-sized GEMMs through a weight-streaming kernel on Hopper.
 
 ``install_base_ops`` decides from the options and the device what to install, installs it on this
@@ -20,6 +20,7 @@ from ..compat.modules import multi_device_reason
 from ..instance_methods import InstancePatches
 from ..kernel_support import interpreting, triton_missing
 from .attention_registry import disable_decode_attention, enable_decode_attention
+from .expert_forwards import install_grouped_experts
 from .fused_linears import PlainFusedGroup, install_fused_linears
 from .layer_forwards import install_decoder_layers
 from .mlp_forwards import activation_kind, has_gated_forward, install_gated_mlps
@@ -57,7 +58,8 @@ class BaseOps:
             decode_attention=self.decode_attention, fused_norms=self.count("fuse_norms"),
             fused_add_norms=self.count("fuse_add_norm"), fused_rotary=self.count("fuse_rotary"),
             fused_rotary_kv=self.count("fuse_rotary_kv"), rotary_tables=self.count("rotary_table"),
-            fused_mlps=self.count("fuse_silu_mul"), fused_base_groups=len(self.fused_groups),
+            fused_mlps=self.count("fuse_silu_mul"), grouped_experts=self.count("grouped_experts"),
+            fused_base_groups=len(self.fused_groups),
             stream_gemm_layers=self.count("stream_gemm"),
             stream_residual_layers=stream.residual_layers if stream is not None else 0,
             stream_gated_mlps=stream.gated_mlps if stream is not None else 0,
@@ -95,6 +97,7 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
 
     ``"auto"``: decode attention and norms on CUDA; rotary and act-mul on CUDA with graphs on (an
     eager step pays the host time of each Triton launch, more than the torch ops it replaces).
+    ``grouped_experts``: on CUDA (routed experts no adapter targets as grouped GEMMs).
     ``fuse``: on CUDA, q/k/v and gate/up siblings that no LoRA site fused share one GEMM (on the CPU
     the unfused GEMMs stay, so the CPU's numerics stay the model's own). ``stream_gemm`` ``"auto"``:
     on a Hopper GPU with graphs on (``stream_linears``).
@@ -109,7 +112,7 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
     if blocker is not None:
         ops.decode_attention = f"off ({blocker})"
         ops.off.update({o: blocker for o in ("fuse_base", "fuse_norms", "fuse_rotary", "fuse_silu_mul",
-                                             "stream_gemm")})
+                                             "grouped_experts", "stream_gemm")})
         return ops
     if options.decode_attention is False:
         ops.decode_attention = "off (decode_attention=False)"
@@ -130,7 +133,9 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
     not_graphed = "the model is not on CUDA" if not on_cuda else "decode graphs off (eager steps: torch ops are cheaper)"
     for option, install, auto, why_not in (("fuse_norms", install_norms, on_cuda, "the model is not on CUDA"),
                                            ("fuse_rotary", install_rotary, graphed, not_graphed),
-                                           ("fuse_silu_mul", install_gated_mlps, graphed, not_graphed)):
+                                           ("fuse_silu_mul", install_gated_mlps, graphed, not_graphed),
+                                           ("grouped_experts", install_grouped_experts, on_cuda,
+                                            "the model is not on CUDA")):
         value = getattr(options, option)
         if value is True or (value == "auto" and auto):
             if option == "fuse_rotary":  # and, in Llama-family forwards, the KV write in its kernel

@@ -142,7 +142,7 @@ class ExpertsSite:
 
     # -- the forward --------------------------------------------------------------------------
     def forward(self, state, context: CallContext, original, hidden, args, kwargs):
-        routing = _routing(args, kwargs)
+        routing = routing_of(args, kwargs)
         names = kwargs.get("adapter_names")
         names = names if names is not None else context.names
         slots = None
@@ -167,51 +167,63 @@ class ExpertsSite:
         return hidden.dtype == self.experts.gate_up_proj.dtype and hidden.device == self.device
 
     def _experts_forward(self, state, hidden, top_k_index, top_k_weights, slots):
-        experts = self.experts
-        tokens, k = top_k_index.shape
-        num_experts = experts.gate_up_proj.shape[0]
-        expert = top_k_index.reshape(-1)
-        pair_slot = slots[:tokens, None].expand(tokens, k).reshape(-1)  # (no read-back: capturable)
-        lora_key = torch.where((pair_slot >= 0) & (expert >= 0) & (expert < num_experts),
-                               pair_slot.long() * num_experts + expert, torch.full_like(expert, -1))
-        pairs = tokens * k
-        kernels = state.backend.name == "triton" and kernel_runs_on(hidden, experts.gate_up_proj)
-        if kernels:
-            bm = choose_block_m(pairs)
-            base_plan = plan_groups(expert, num_experts, bm)
-            lora_plan = plan_groups(lora_key, self._slots() * num_experts, bm)
-
-            def gemm(x, w, out, in_div, lora, **kw):
-                return grouped_gemm(x, w, lora_plan if lora else base_plan, out, in_div=in_div, **kw)
-        else:
-            def gemm(x, w, out, in_div, lora, **kw):
-                return grouped_gemm_reference(x, w, lora_key if lora else expert, out, in_div=in_div, **kw)
-
-        gate_up = self._projection(gemm, "gate_up_proj", hidden, k, pairs, num_experts)
-        inter = experts.act_fn(gate_up[:, : gate_up.shape[1] // 2]) * gate_up[:, gate_up.shape[1] // 2:]
-        down = self._projection(gemm, "down_proj", inter, 1, pairs, num_experts)
-        weighted = down.view(tokens, k, -1).float() * top_k_weights.reshape(tokens, k, 1).float()
-        return weighted.sum(1).to(hidden.dtype)
-
-    def _projection(self, gemm, param: str, x, in_div: int, pairs: int, num_experts: int):
-        """One expert projection for every pair: the base weight by expert, then (where the
-        parameter has adapters) ``scaling * B @ (A @ x)`` by (slot, expert) added on."""
-        weight = getattr(self.experts, param)
-        out = torch.zeros(pairs, weight.shape[1], dtype=x.dtype, device=x.device)
-        gemm(x, weight, out, in_div, lora=False)
-        stack = self.stacks.get(param)
-        if stack is not None:
-            shrunk = torch.zeros(pairs, stack.a.shape[2], dtype=x.dtype, device=x.device)
-            gemm(x, stack.a.flatten(0, 1), shrunk, in_div, lora=True)
-            gemm(shrunk, stack.b.flatten(0, 1), out, 1, lora=True, scale=stack.scaling, scale_div=num_experts,
-                 accumulate=True)
-        return out
+        kernels = state.backend.name == "triton" and kernel_runs_on(hidden, self.experts.gate_up_proj)
+        return grouped_experts(self.experts, hidden, top_k_index, top_k_weights, kernels,
+                               lora=(self.stacks, slots, self._slots()))
 
     def _slots(self) -> int:
         return next(iter(self.stacks.values())).a.shape[0]
 
 
-def _routing(args, kwargs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+def grouped_experts(experts: nn.Module, hidden, top_k_index, top_k_weights, kernels: bool, lora=None):
+    """transformers' routed experts (``experts``: 3-D ``gate_up_proj`` and ``down_proj``, its
+    ``act_fn``) for every (token, chosen expert) pair as grouped GEMMs (``kernels``; else their
+    torch reference), weighted and summed per token. ``lora``: (the stacks by parameter, each
+    token's slot (-1: none), the stacks' slots) to add each token's adapter on its experts; None:
+    the base experts alone. An expert index outside the experts (transformers' "no expert") adds
+    nothing."""
+    tokens, k = top_k_index.shape
+    num_experts = experts.gate_up_proj.shape[0]
+    expert = top_k_index.reshape(-1)
+    pairs = tokens * k
+    stacks, keys = {}, {False: (expert, num_experts)}
+    if lora is not None:
+        stacks, slots, num_slots = lora
+        pair_slot = slots[:tokens, None].expand(tokens, k).reshape(-1)  # (no read-back: capturable)
+        keys[True] = (torch.where((pair_slot >= 0) & (expert >= 0) & (expert < num_experts),
+                                  pair_slot.long() * num_experts + expert, torch.full_like(expert, -1)),
+                      num_slots * num_experts)
+    if kernels:
+        bm = choose_block_m(pairs)
+        plans = {on: plan_groups(key, groups, bm) for on, (key, groups) in keys.items()}
+
+        def gemm(x, w, out, in_div, lora, **kw):
+            return grouped_gemm(x, w, plans[lora], out, in_div=in_div, **kw)
+    else:
+        def gemm(x, w, out, in_div, lora, **kw):
+            return grouped_gemm_reference(x, w, keys[lora][0], out, in_div=in_div, **kw)
+
+    gate_up = _projection(gemm, experts.gate_up_proj, stacks.get("gate_up_proj"), hidden, k, pairs, num_experts)
+    inter = experts.act_fn(gate_up[:, : gate_up.shape[1] // 2]) * gate_up[:, gate_up.shape[1] // 2:]
+    down = _projection(gemm, experts.down_proj, stacks.get("down_proj"), inter, 1, pairs, num_experts)
+    weighted = down.view(tokens, k, -1).float() * top_k_weights.reshape(tokens, k, 1).float()
+    return weighted.sum(1).to(hidden.dtype)
+
+
+def _projection(gemm, weight, stack: Optional[ExpertStack], x, in_div: int, pairs: int, num_experts: int):
+    """One expert projection for every pair: the base weight by expert, then (where the parameter
+    has adapters) ``scaling * B @ (A @ x)`` by (slot, expert) added on."""
+    out = torch.zeros(pairs, weight.shape[1], dtype=x.dtype, device=x.device)
+    gemm(x, weight, out, in_div, lora=False)
+    if stack is not None:
+        shrunk = torch.zeros(pairs, stack.a.shape[2], dtype=x.dtype, device=x.device)
+        gemm(x, stack.a.flatten(0, 1), shrunk, in_div, lora=True)
+        gemm(shrunk, stack.b.flatten(0, 1), out, 1, lora=True, scale=stack.scaling, scale_div=num_experts,
+             accumulate=True)
+    return out
+
+
+def routing_of(args, kwargs) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """The experts' (top_k_index, top_k_weights), as transformers' MoE blocks pass them."""
     if len(args) == 2 and not set(kwargs) - {"adapter_names"}:
         return args[0], args[1]

@@ -373,7 +373,7 @@ def test_bench_serving_smoke(tmp_path):
 def test_bench_moe_smoke(tmp_path):
     """The MoE benchmark's methods on a tiny Qwen3-MoE, through the CSV it writes."""
     out = _run([os.path.join(BENCH, "bench_moe.py"), "--smoke", "--out", str(tmp_path)])
-    for method in ("base_patched", "fastlora_base_rows", "fastlora_mixed", "peft_loop"):
+    for method in ("base_patched", "base_patched_hf", "fastlora_base_rows", "fastlora_mixed", "peft_loop"):
         assert f"method={method} |" in out, out[-3000:]
     rows = {r["method"]: r for r in _csv(tmp_path / "moe_tiny-moe_cpu.csv")}
     assert rows["fastlora_mixed"]["speedup_vs_peft"] and rows["fastlora_mixed"]["ratio_to_base_patched"]

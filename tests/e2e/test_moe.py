@@ -318,3 +318,59 @@ def test_a_registered_expert_adapter_of_the_wrong_shape_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"mlp\.experts' has A .*its base layer takes A \(5 x r, \d+\)"):
         fastlora.register_adapter(m, "bad", folder)
     assert "bad" not in fastlora.get_state(m).stored
+
+
+# ---- experts that no adapter targets: grouped GEMMs instead of transformers' eager loop --------------
+ATTENTION_ONLY = (("attn", ["q_proj", "o_proj"], None, 8), ("attn2", ["v_proj"], None, 4))
+
+
+def _experts_modules(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_experts_without_adapters_run_as_grouped_gemms(arch):
+    """Attention-only adapters on an MoE model: its experts, which PEFT leaves alone, take the
+    grouped forward (the Triton kernel under the interpreter). PEFT's own mixed batch is the oracle
+    (it serves attention-only adapters in ``adapter_names``); greedy tokens through emulated decode
+    graphs equal; unpatch gives the experts their class's forward back."""
+    m, ref = build(arch, ATTENTION_ONLY), build(arch, ATTENTION_ONLY)
+    report = fastlora.patch(m, grouped_experts=True, cuda_graphs="emulate")
+    assert report.grouped_experts == 2 and "routed experts as grouped GEMMs x2" in str(report), report
+    calls = []
+    for e in _experts_modules(m):
+        inner = e.forward
+        e.__dict__["forward"] = lambda *a, inner=inner, **k: (calls.append(1), inner(*a, **k))[1]
+    names = ["attn", "__base__", "attn2", "attn"]
+    x = ids(len(names))
+    with torch.no_grad():
+        got, want = m(input_ids=x, adapter_names=names).logits, ref(input_ids=x, adapter_names=names).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    kw = dict(attention_mask=torch.ones_like(x), adapter_names=names, max_new_tokens=5, do_sample=False,
+              pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(m.generate(input_ids=x, **kw), ref.generate(input_ids=x, **kw))
+    assert calls and fastlora.get_state(m).graph_runner.stats["replays"] > 0
+    for e in _experts_modules(m):
+        del e.__dict__["forward"]  # (the counting wrapper above)
+    fastlora.unpatch(m)
+    assert not any("forward" in e.__dict__ for e in _experts_modules(m))
+
+
+def test_grouped_experts_where_they_apply():
+    """Off the GPU "auto" keeps transformers' experts; LoRA'd experts stay with their expert sites;
+    an experts implementation the model chose stays, with the reason in the report."""
+    m = build("mixtral", ATTENTION_ONLY)
+    report = fastlora.patch(m)
+    assert report.grouped_experts == 0 and report.base_ops_off["grouped_experts"] == "the model is not on CUDA"
+    fastlora.unpatch(m)
+    mixed = build("mixtral")  # every experts module under expert adapters
+    report = fastlora.patch(mixed, grouped_experts=True)
+    assert report.grouped_experts == 0 and report.counts().get("experts") == 2, report
+    chosen = build("qwen3_moe", ATTENTION_ONLY)
+    chosen.config._experts_implementation = "batched_mm"
+    report = fastlora.patch(chosen, grouped_experts=True)
+    assert report.grouped_experts == 0
+    assert "experts_implementation='batched_mm' (the model's choice)" in str(report), report
+    with pytest.raises(ValueError, match="grouped_experts must be True, False or 'auto'"):
+        fastlora.patch(build("mixtral", ATTENTION_ONLY), grouped_experts="yes")

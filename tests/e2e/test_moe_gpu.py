@@ -80,3 +80,29 @@ def test_bf16_logits_as_close_to_fp32_as_peft(arch):
 
     assert rel(base) > 5e-2  # the adapters matter, so the comparison below means something
     assert rel(out) <= 1.5 * rel(peft_bf16) + 1e-3, (rel(out), rel(peft_bf16), rel(base))
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_experts_without_adapters_as_grouped_gemms_in_graphs(arch):
+    """A base MoE model (no adapters) patched: its experts take the grouped forward ("auto" on
+    CUDA), its decode steps replay graphs, and greedy fp32 tokens equal transformers' own experts
+    (the same model patched with ``grouped_experts=False``)."""
+    torch.manual_seed(0)
+    base = ARCHS[arch]().to(DEVICE, torch.float32).eval()
+    base.generation_config.eos_token_id = None
+    x = torch.randint(1, VOCAB, (6, 9), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(5))
+    kw = dict(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    fastlora.patch(base, grouped_experts=False)
+    with torch.no_grad():
+        expected = base.generate(**kw)
+    fastlora.unpatch(base)
+    report = fastlora.patch(base)
+    try:
+        assert report.grouped_experts == 2, report
+        with torch.no_grad():
+            out = base.generate(**kw)
+        stats = fastlora.get_state(base).graph_runner.stats
+    finally:
+        fastlora.unpatch(base)
+    assert torch.equal(out, expected)
+    assert stats["replays"] >= 20 and stats["eager_steps"] == 0, stats
