@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from peft import LoraConfig
 from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
 
@@ -374,3 +375,25 @@ def test_grouped_experts_where_they_apply():
     assert "experts_implementation='batched_mm' (the model's choice)" in str(report), report
     with pytest.raises(ValueError, match="grouped_experts must be True, False or 'auto'"):
         fastlora.patch(build("mixtral", ATTENTION_ONLY), grouped_experts="yes")
+
+
+def test_an_expert_adapter_added_after_grouped_experts():
+    """Experts given the grouped forward at patch time, then an adapter on them added: its expert
+    sites serve it over that forward, equal to PEFT row by row; unpatch leaves no forward behind."""
+    m, ref = build("mixtral", ATTENTION_ONLY), build("mixtral", ATTENTION_ONLY)
+    assert fastlora.patch(m, grouped_experts=True).grouped_experts == 2
+    for model in (m, ref):
+        torch.manual_seed(7)
+        model.add_adapter("late", LoraConfig(r=4, target_parameters=EXPERTS, init_lora_weights=False))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n and ".late" in n:
+                    p.mul_(4.0)
+    names = ["late", "attn", "__base__", "late"]
+    x = ids(len(names))
+    with torch.no_grad():
+        got = m(input_ids=x, adapter_names=names).logits
+    torch.testing.assert_close(got, peft_row_by_row(ref, x, names), atol=1e-5, rtol=1e-5)
+    assert len(fastlora.get_state(m).expert_sites) == 2
+    fastlora.unpatch(m)
+    assert not any("forward" in e.__dict__ for e in _experts_modules(m))
