@@ -107,7 +107,7 @@ if only moe; then  # LoRA on routed experts: Qwen3-30B-A3B's widths on fewer lay
   timeout ${MOE_LIMIT:-300} python3 benchmarks/bench_moe.py --model mixtral-8x7b --layers 4 --batch 32 \
     --new-tokens 24 --out "$OUT" 2>&1 | quiet | tee "$OUT/moe_mixtral-8x7b_$TAG.log" | tail -7
 fi
-if only kinds; then  # #62's targets: DoRA and lora_bias adapters against plain ones, the same rows (8B, graphs)
+if only kinds; then  # DoRA and lora_bias adapters against plain ones, the same rows (8B, graphs)
   timeout ${KINDS_LIMIT:-500} python3 benchmarks/bench_generate.py --name kinds --models 8b --graphs-only --batches ${KINDS_BATCHES:-32} \
     --kinds lora_bias dora --kind-rounds ${KIND_ROUNDS:-2} --out "$OUT" 2>&1 | quiet | tee "$OUT/kinds_$TAG.log" | tail -8
 fi
