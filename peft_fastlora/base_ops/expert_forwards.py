@@ -3,9 +3,8 @@
 The experts that LoRA adapts already run as grouped GEMMs over (token, chosen expert) pairs
 (``lora.experts``); an experts module no adapter targets gets the same forward with the base
 weights alone, in place of transformers' ``eager`` implementation (a loop over the experts a batch
-hits, each one's tokens found on the host) and of its ``grouped_mm`` (its default, which on Hopper
-measured an order of magnitude slower than these kernels at decode sizes:
-``benchmarks/results/moe_mixtral-8x7b_h100.csv``). Only transformers' fused 3-D layout
+hits, each one's tokens found on the host) and of its ``grouped_mm`` (its default; slower than these
+kernels at decode sizes in the MoE benchmark). Only transformers' fused 3-D layout
 (``compat.peft.expert_layout_blocker``) is changed; any other experts implementation (``batched_mm``,
 fp8, a kernel from the hub) stays.
 """
