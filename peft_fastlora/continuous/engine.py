@@ -45,6 +45,8 @@ from .sampling import RequestSampling, SamplingParams
 from .step_sampling import StepSampler
 
 BASE = "__base__"
+# the phases of the engine thread's loop that the hook times (``manager.fastlora_step_seconds``)
+ENGINE_PHASES = ("schedule", "prepare", "forward", "outputs", "update")
 logger = logging.getLogger("peft_fastlora")
 # a step that raises fails its own requests and the engine goes on; this many failing steps in a
 # row mean the engine itself is broken: the error then ends its thread as transformers would
@@ -469,7 +471,7 @@ class ContinuousBatchingHook:
         # the engine thread's wall time by phase of its loop, summed over steps (where a step's time
         # goes: scheduling, building its tensors, launching its forward, waiting for its outputs,
         # updating its requests)
-        clock = collections.Counter(steps=0, schedule=0.0, prepare=0.0, forward=0.0, outputs=0.0, update=0.0)
+        clock = collections.Counter(steps=0, **dict.fromkeys(ENGINE_PHASES, 0.0))
 
         def release():
             while held[0]:

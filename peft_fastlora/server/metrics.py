@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Callable, Mapping, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from ..continuous.engine import ENGINE_PHASES
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -37,5 +40,30 @@ class Metrics:
         self.restarts = Counter("fastlora_engine_restarts", "Times the engine was restarted after it died",
                                 registry=registry)
 
+    def watch_engine(self, read: Callable[[], Mapping[str, float]]) -> None:
+        """Expose the engine's loop as ``read()`` gives it when scraped: its steps and the engine
+        thread's seconds in each phase (``continuous.engine.ENGINE_PHASES``), summed over every
+        manager the server ran."""
+        self.registry.register(_EngineLoop(read))
+
     def render(self) -> Tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _EngineLoop:
+    """A collector of the engine's loop: whether the host or the GPU holds a step back shows in
+    how its seconds split (``outputs`` includes the wait for the GPU's tokens)."""
+
+    def __init__(self, read: Callable[[], Mapping[str, float]]):
+        self.read = read
+
+    def collect(self):
+        clock = self.read()
+        steps = CounterMetricFamily("fastlora_engine_steps", "Engine steps run (forwards with requests)")
+        steps.add_metric([], clock.get("steps", 0))
+        yield steps
+        seconds = CounterMetricFamily("fastlora_engine_seconds", "The engine thread's wall time by phase of its loop",
+                                      labels=["phase"])
+        for phase in ENGINE_PHASES:
+            seconds.add_metric([phase], clock.get(phase, 0.0))
+        yield seconds

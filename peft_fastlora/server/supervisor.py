@@ -11,6 +11,7 @@ configs and serves again; requests that arrive meanwhile wait for it (``restart_
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import Callable, Optional
@@ -30,7 +31,7 @@ class EngineSupervisor:
         model: the patched model (its ``init_continuous_batching`` makes the managers).
         generation_config / continuous_batching_config: what every manager is made with.
         config: the server's settings.
-        metrics: where restarts are counted.
+        metrics: where restarts are counted, and the engine's loop shown.
     """
 
     def __init__(self, model, generation_config, continuous_batching_config, config: ServerConfig,
@@ -45,6 +46,25 @@ class EngineSupervisor:
         self._deaths_in_a_row = 0
         self._ready: Optional[asyncio.Event] = None
         self._watcher: Optional[asyncio.Task] = None
+        self._retired = collections.Counter()  # the loop clocks of the managers stopped or replaced
+        metrics.watch_engine(self.engine_clock)
+
+    def engine_clock(self) -> collections.Counter:
+        """The engine's steps and its thread's seconds by phase, over every manager so far."""
+        total = collections.Counter(self._retired)
+        clock = getattr(self.manager, "fastlora_step_seconds", None)
+        if clock is not None:
+            total.update(dict(clock))
+        return total
+
+    def _retire(self, manager) -> None:
+        """``manager`` stops being the current one: its clock joins the totals (one step of the
+        event loop, so a scrape counts it once)."""
+        if self.manager is manager:
+            self.manager = None
+        clock = getattr(manager, "fastlora_step_seconds", None)
+        if clock is not None:
+            self._retired.update(dict(clock))
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -63,8 +83,9 @@ class EngineSupervisor:
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        manager, self.manager = self.manager, None
+        manager = self.manager
         if manager is not None:
+            self._retire(manager)
             await asyncio.to_thread(manager.stop, block=True, timeout=30, hard_stop=bool(in_flight()))
 
     def _new_manager(self):
@@ -99,7 +120,7 @@ class EngineSupervisor:
         self._ready.clear()
         self.last_error = str(cb_fatal_error(dead))
         logger.error("fastlora server: the engine stopped (%s); restarting it", self.last_error)
-        self.manager = None
+        self._retire(dead)
         try:
             await asyncio.to_thread(dead.stop, block=True, timeout=10)
         except Exception as e:  # noqa: BLE001  (a dead manager's clean-up must not stop the restart)

@@ -68,6 +68,19 @@ def test_v1_routes_need_the_key(server, headers):
         assert status == 401 and content["error"]["code"] == "invalid_api_key", content
 
 
+def test_metrics_show_the_engine_loop(server):
+    """The engine's steps and its thread's seconds by phase of its loop, growing with the work."""
+    status, _, content = server.post(C, {"model": "upper", "prompt": "ab=", "max_tokens": 4})
+    assert status == 200, content
+    steps = _metric(server, "fastlora_engine_steps_total")
+    seconds = {p: _metric(server, "fastlora_engine_seconds_total", phase=p)
+               for p in ("schedule", "prepare", "forward", "outputs", "update")}
+    assert steps >= 4 and seconds["forward"] > 0 and all(v > 0 for v in seconds.values()), (steps, seconds)
+    assert server.post(C, {"model": "base", "prompt": "cd=", "max_tokens": 4})[0] == 200
+    assert _metric(server, "fastlora_engine_steps_total") >= steps + 4
+    assert _metric(server, "fastlora_engine_seconds_total", phase="forward") > seconds["forward"]
+
+
 def test_health_and_metrics_need_no_key(server):
     assert server.request("GET", "/health", headers={"Authorization": ""})[0] == 200
     assert server.request("GET", "/metrics", headers={"Authorization": ""})[0] == 200
@@ -184,6 +197,7 @@ def test_a_failing_step_fails_its_requests_only(server):
 
 def test_the_engine_is_restarted_when_its_thread_dies_mid_load(server):
     _idle(server)
+    steps = _metric(server, "fastlora_engine_steps_total")  # (kept over the restart, below)
     poison = _Poison(server)
     try:
         streaming = server.open_stream(C, {"model": "reverse", "prompt": "stream=", "max_tokens": 400,
@@ -206,6 +220,7 @@ def test_the_engine_is_restarted_when_its_thread_dies_mid_load(server):
         status, _, content = server.post(C, {"model": model, "prompt": prompt, "max_tokens": 6})
         assert status == 200 and content["choices"][0]["text"] == server.peft_text(prompt, model, 6)
     assert _metric(server, "fastlora_engine_restarts_total") >= 1
+    assert _metric(server, "fastlora_engine_steps_total") > steps  # the dead manager's steps still counted
 
 
 # -- many clients ----------------------------------------------------------------------------------
