@@ -364,7 +364,8 @@ def main(argv=None) -> int:
             if args.out:
                 hx.write_csv(profiles, hx.out_path(args.out, f"continuous_profile_{args.model}", info["gpu"]))
                 if kernels:  # (none on the CPU)
-                    hx.write_csv(kernels, hx.out_path(args.out, f"continuous_profile_kernels_{args.model}", info["gpu"]))
+                    stem = f"continuous_profile_kernels_{args.model}"
+                    hx.write_csv(kernels, hx.out_path(args.out, stem, info["gpu"]))
         patched, unpatched = REFERENCES.get(mode, (None, None))
         for ref in table:  # time per output token against the adapter-free engine runs
             if ref["mode"] == patched:

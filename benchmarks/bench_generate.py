@@ -289,7 +289,10 @@ def parse_args(argv):
                    help="off: the base GEMMs on cuBLAS (patch(stream_gemm=False)), for an A/B")
     p.add_argument("--narrow-gemms", choices=["on", "off"], default="on",
                    help="off: layers narrower than 4,096 outputs (a 1B model's q/k/v, o, down) keep cuBLAS, for an A/B")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.kind_rounds < 1:
+        p.error(f"--kind-rounds must be at least 1, got {args.kind_rounds}")
+    return args
 
 
 def main(argv=None):

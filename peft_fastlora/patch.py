@@ -71,10 +71,11 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             "act-mul"): ``"auto"`` (on CUDA with graphs on), ``True`` or ``False``.
         fuse_kv_write: the static caches fastlora owns for its graphs write a step's keys and
             values in one Triton kernel (full-attention layers): ``"auto"``/``True`` or ``False``.
-        grouped_experts: routed experts (transformers' fused 3-D layout under its default eager
-            experts implementation) that no adapter targets are computed as grouped GEMMs over
-            (token, chosen expert) pairs, the forward LoRA'd experts get, instead of one GEMM pair
-            per expert hit with host syncs: ``"auto"`` (on CUDA), ``True`` or ``False``.
+        grouped_experts: routed experts that no adapter targets (transformers' fused 3-D layout,
+            under its ``eager`` or ``grouped_mm`` experts implementation) are computed as the
+            grouped GEMMs over (token, chosen expert) pairs that LoRA'd experts get; another
+            implementation the model chose is kept, with the reason in the report: ``"auto"`` (on
+            CUDA), ``True`` or ``False``.
         engine_attention: the attention of transformers' continuous-batching engine while a
             manager runs: ``"auto"`` (``paged|fastlora_varlen``, PyTorch's flash varlen kernel over
             each request's own keys, where it applies: CUDA, fp16 / bf16, transformers 5.17's
@@ -117,7 +118,8 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
         graph_buckets=DEFAULT_BUCKETS if graph_buckets is None else graph_buckets, max_graphs=max_graphs,
         cache_budget_bytes=cache_budget_bytes, decode_attention=decode_attention, fuse_norms=fuse_norms,
         fuse_rotary=fuse_rotary, fuse_silu_mul=fuse_silu_mul, fuse_kv_write=fuse_kv_write,
-        grouped_experts=grouped_experts, engine_attention=engine_attention, fold_shrink=fold_shrink, stream_gemm=stream_gemm,
+        grouped_experts=grouped_experts, engine_attention=engine_attention, fold_shrink=fold_shrink,
+        stream_gemm=stream_gemm,
         defer_stop_check=defer_stop_check, tuning=Tuning() if tuning is None else tuning)
     check_backend_name(options.backend)  # before the options are compared with a patched model's
     state = get_state(model)

@@ -19,18 +19,19 @@ from torch import nn
 from ..compat.peft import expert_layout_blocker, is_param_wrapper, param_wrapper_chain
 from ..instance_methods import InstancePatches
 from ..kernel_support import kernel_runs_on
-from ..lora.experts import grouped_experts, routing_of
+from ..lora.experts import grouped_experts_forward, routing_of
 
 
 def _forward(original):
     def forward(self, hidden, *args, **kwargs):
         routing = routing_of(args, kwargs)
         weight = self.gate_up_proj
-        if (routing is None or "adapter_names" in kwargs or torch.is_grad_enabled() or not isinstance(hidden, torch.Tensor)
-                or hidden.dim() != 2 or hidden.dtype != weight.dtype or hidden.device != weight.device):
-            return original(hidden, *args, **kwargs)
+        if (routing is None or "adapter_names" in kwargs or torch.is_grad_enabled()
+                or not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.dtype != weight.dtype
+                or hidden.device != weight.device):
+            return original(hidden, *args, **kwargs)  # training, or a call it does not know: transformers'
         top_k_index, top_k_weights = routing
-        return grouped_experts(self, hidden, top_k_index, top_k_weights, kernel_runs_on(hidden, weight))
+        return grouped_experts_forward(self, hidden, top_k_index, top_k_weights, kernel_runs_on(hidden, weight))
 
     return forward
 
@@ -60,11 +61,11 @@ def install_grouped_experts(root: nn.Module, patches: InstancePatches
         if id(m) in adapted or not (isinstance(gate_up, nn.Parameter) and gate_up.dim() == 3):
             continue
         cls = type(m).__name__
-        why = expert_layout_blocker(m, {})
+        why, implementation = expert_layout_blocker(m, {}), _implementation(m)
         if why is None and "forward" in m.__dict__:
             why = "it has an instance forward already"
-        if why is None and _implementation(m) not in REPLACED:
-            why = f"experts_implementation={_implementation(m)!r} (the model's choice)"
+        if why is None and implementation not in REPLACED:
+            why = f"experts_implementation={implementation!r} (the model's choice)"
         if why is not None:
             skipped[cls] = why
             continue

@@ -168,14 +168,14 @@ class ExpertsSite:
 
     def _experts_forward(self, state, hidden, top_k_index, top_k_weights, slots):
         kernels = state.backend.name == "triton" and kernel_runs_on(hidden, self.experts.gate_up_proj)
-        return grouped_experts(self.experts, hidden, top_k_index, top_k_weights, kernels,
-                               lora=(self.stacks, slots, self._slots()))
+        return grouped_experts_forward(self.experts, hidden, top_k_index, top_k_weights, kernels,
+                                       lora=(self.stacks, slots, self._slots()))
 
     def _slots(self) -> int:
         return next(iter(self.stacks.values())).a.shape[0]
 
 
-def grouped_experts(experts: nn.Module, hidden, top_k_index, top_k_weights, kernels: bool, lora=None):
+def grouped_experts_forward(experts: nn.Module, hidden, top_k_index, top_k_weights, kernels: bool, lora=None):
     """transformers' routed experts (``experts``: 3-D ``gate_up_proj`` and ``down_proj``, its
     ``act_fn``) for every (token, chosen expert) pair as grouped GEMMs (``kernels``; else their
     torch reference), weighted and summed per token. ``lora``: (the stacks by parameter, each

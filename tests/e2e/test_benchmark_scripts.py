@@ -380,6 +380,15 @@ def test_bench_moe_smoke(tmp_path):
     assert rows["fastlora_mixed"]["eager_steps"] == "0" and int(rows["fastlora_mixed"]["replays"]) > 0
 
 
+def test_bench_generate_refuses_no_kind_rounds(capsys):
+    sys.path.insert(0, BENCH)
+    import bench_generate
+
+    with pytest.raises(SystemExit):
+        bench_generate.parse_args(["--kinds", "dora", "--kind-rounds", "0"])
+    assert "--kind-rounds must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_bench_generate_kinds_smoke(tmp_path):
     """--kinds: each kind beside as many plain adapters again (the like-for-like reference), in
     rounds (the adapters of a kind added and deleted again each round)."""
