@@ -78,7 +78,8 @@ def workload(args):
 def engine_config(args, graphs: bool):
     from transformers import ContinuousBatchingConfig
 
-    kw = dict(max_batch_tokens=args.max_batch_tokens, use_cuda_graph=graphs)
+    kw = dict(max_batch_tokens=args.max_batch_tokens, use_cuda_graph=graphs,
+              use_async_batching={"engine": None, "on": True, "off": False}[args.async_batching])
     if args.cache_tokens:
         kw["num_blocks"] = max(1, args.cache_tokens // 256)
     return ContinuousBatchingConfig(**kw)
@@ -130,6 +131,7 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
     manager.start()
     queued, latency, ttft = {}, [], []
     window, profile, steps_at = hx.GpuWindow(), {}, None
+    async_ran = None  # whether the engine ran async batching (its IO pairs), seen once it runs
     try:
         t0 = time.perf_counter()
         for i, (prompt, name, new) in enumerate(reqs):
@@ -143,6 +145,8 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
                 if not manager.is_running():
                     raise RuntimeError("the engine stopped")
                 continue
+            if async_ran is None and manager.batch_processor is not None:
+                async_ran = getattr(manager.batch_processor.inputs_and_outputs, "io_pairs", None) is not None
             if not r.is_finished():
                 continue
             if r.error is not None:
@@ -167,6 +171,7 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
         manager.stop(block=True)
     lora_graphs = getattr(manager, "fastlora_graphs", None)
     stats = dict(lora_graphs.stats) if lora_graphs is not None else {}
+    stats["async_batching"] = async_ran
     run = engine_counts(manager)
     if run.get("steps"):  # the whole run's host milliseconds per step, by phase
         stats.update({f"run_host_{phase}_ms": round(1e3 * run[phase] / run["steps"], 3) for phase in PHASES},
@@ -319,6 +324,9 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="+", default=["base_patched_varlen", "base_varlen", "fastlora_varlen", "static"],
                    choices=MODES, help="the CSV is rewritten after each mode, so a cut-off run keeps what finished")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async-batching", choices=["engine", "on", "off"], default="engine",
+                   help="the engine's async batching (use_async_batching): its own choice (on with CUDA graphs "
+                        "where no attention mask is built), or forced")
     p.add_argument("--profile", type=float, default=0,
                    help="seconds of the GPU's timeline summarised per engine mode, under full load "
                         "(continuous_profile_<model>_<gpu>.csv)")
@@ -349,6 +357,7 @@ def main(argv=None) -> int:
                    mean_prompt=round(statistics.mean(len(q) for q, _, _ in used), 1),
                    max_batch_tokens=args.max_batch_tokens, lora_graphed_steps=stats.get("graphed_steps", ""),
                    lora_eager_steps=stats.get("eager_steps", ""), engine_captures=stats.get("captures", ""),
+                   async_batching=stats.get("async_batching", ""),
                    engine_graphs_dropped=stats.get("graphs_dropped", ""), time_per_token_vs_base_patched="",
                    time_per_token_vs_base="", prompt_tokens=sum(len(q) for q, _, _ in used),
                    tokens_per_step=round(sum(len(q) + n for q, _, n in used) / steps, 1) if steps else "",

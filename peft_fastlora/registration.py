@@ -75,7 +75,7 @@ def register_adapters(model, adapters: Mapping[str, object]) -> None:
             raise ValueError(f"fastlora.register_adapter: {name!r}: give a folder path or a (state_dict, "
                              f"LoraConfig) pair, got {type(source).__name__}")
         ready[name] = build_stored(name, config, state_dict, where, layers, dtype=dtype, pin=pin)
-    with state.call_lock:  # not while a generate call or an engine step runs
+    with state.exclusive():  # not while a generate call or an engine step runs
         state.stored.update(ready)
         try:
             state.rescan()
@@ -133,6 +133,6 @@ def unregister_adapter(model, name: str) -> None:
     state = _patched_state(model, "unregister_adapter")
     if name not in state.stored:
         raise ValueError(f"fastlora.unregister_adapter: no registered adapter named {name!r}")
-    with state.call_lock:
+    with state.exclusive():
         del state.stored[name]
         state.rescan()  # now: the name must stop being served at once

@@ -131,6 +131,19 @@ class FastLoRAState:
             yield
 
     @contextlib.contextmanager
+    def exclusive(self):
+        """Inside, no call or engine step runs, and no GPU work of an async engine step launched
+        before still reads what the caller changes (adapters added, deleted or registered)."""
+        with self.call_lock:
+            self.wait_for_engine()
+            yield
+
+    def wait_for_engine(self) -> None:
+        """Return once the GPU work of the engine steps launched so far is done (async batching)."""
+        if self.continuous is not None:
+            self.continuous.in_flight.wait()
+
+    @contextlib.contextmanager
     def call(self, adapter_names: Optional[Sequence[str]], fold: bool = True):
         """One ``generate`` call (or one continuous-batching step): PEFT's adapters are checked and
         the values of the ones the call uses copied into the stacks once, here; the forwards inside
@@ -490,6 +503,7 @@ class FastLoRAState:
         self.generation += 1
 
     def teardown(self):
+        self.wait_for_engine()
         if self.base_ops is not None:
             self.base_ops.remove(self.inner)
             self.base_ops = None
@@ -610,6 +624,7 @@ class FastLoRAState:
     def rescan(self):
         """Adapters were added or deleted: rebuild the LoRA sites from scratch (new LoRA layers may
         exist); the model-level parts (hooks, generate, decode kernels, graph runner) stay."""
+        self.wait_for_engine()  # the stacks go: an engine step's GPU work may still read them
         self._teardown_lora()
         self._peft_config_keys = self._config_keys()
         self._build_lora()

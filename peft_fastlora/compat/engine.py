@@ -24,7 +24,6 @@ CB_CHILD_MARK = "__child#"  # request ids of forked sequences: f"{parent}__child
 
 _CB_OFF = {  # config field -> (value fastlora needs, why)
     "allow_block_sharing": (False, "prefix sharing would serve one adapter's KV cache to another"),
-    "use_async_batching": (False, "each step's requests are read just before its forward"),
     "varlen_compile_config": (None, "torch.compile of the forward is not supported with LoRA batches"),
     "decode_compile_config": (None, "torch.compile of the forward is not supported with LoRA batches"),
     "default_compile_level": (0, "torch.compile of the forward is not supported with LoRA batches"),
@@ -111,6 +110,9 @@ def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] 
     if not isinstance(config, ContinuousBatchingConfig):
         config = ContinuousBatchingConfig()
     off = dict(_CB_OFF)
+    why_not_async = cb_async_blocker()
+    if why_not_async is not None:
+        off["use_async_batching"] = (False, why_not_async)
     if graphs_blocker is not None:
         off["use_cuda_graph"] = (False, graphs_blocker)
     changes, values = [], {}
@@ -129,16 +131,75 @@ def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] 
     return dataclasses.replace(config, **values), changes
 
 
+# Async batching (``use_async_batching``): the engine holds two IO pairs (``io_pairs``, a host and a
+# device ``ContinuousBatchingIOs`` each) and alternates them: it prepares step N+1 in one pair while
+# step N computes from the other, and updates step N's requests after launching step N+1 (its
+# ``current_pair`` then points at step N's pair again). Checked on 5.17 and 5.25.
+
+
+def cb_async(processor) -> bool:
+    """Whether the engine runs async batching (two IO pairs)."""
+    return getattr(processor.inputs_and_outputs, "io_pairs", None) is not None
+
+
+def cb_async_blocker() -> Optional[str]:
+    """Why fastlora cannot follow this transformers' async batching (None: it can)."""
+    try:
+        from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingAsyncIOs
+    except ImportError as e:
+        return f"transformers {TRANSFORMERS_VERSION}: {e}"
+    missing = [n for n in ("swap_io_pairs", "prepare_batch_update", "infer_carry_over_ids")
+               if not callable(getattr(ContinuousBatchingAsyncIOs, n, None))]
+    if missing:
+        return f"transformers {TRANSFORMERS_VERSION}'s async batching has no {', '.join(missing)}"
+    return None
+
+
+def _host_io(processor):
+    """The host inputs of the step about to run (with async batching: its pair's)."""
+    ios = processor.inputs_and_outputs
+    pairs = getattr(ios, "io_pairs", None)
+    return ios if pairs is None else pairs[ios.current_pair].host_io
+
+
+def _graph_ios(processor) -> list:
+    """The IOs holding the engine's graphs: one, or one per IO pair (each pair its own graphs)."""
+    ios = processor.inputs_and_outputs
+    pairs = getattr(ios, "io_pairs", None)
+    return [ios] if pairs is None else [pair.device_io for pair in pairs]
+
+
+def _step_graph_io(processor):
+    ios = processor.inputs_and_outputs
+    pairs = getattr(ios, "io_pairs", None)
+    return ios if pairs is None else pairs[ios.current_pair].device_io
+
+
 def cb_step(processor) -> Tuple[list, list, int]:
     """The step about to run: its requests' states (``.request_id``) and query lengths, in the
     order of their tokens in the forward's one row, and the forward's token count (padding
     included)."""
-    ios = processor.inputs_and_outputs
+    ios = _host_io(processor)
     reqs = getattr(ios, "requests_in_batch", None)
     if reqs is None or not hasattr(ios, "num_q_tokens"):
         raise RuntimeError(f"fastlora: transformers {TRANSFORMERS_VERSION}'s continuous-batching inputs "
-                           "do not list the step's requests (async batching must be off)")
+                           "do not list the step's requests")
     return [fs.state for fs in reqs], [int(fs.query_length) for fs in reqs], int(ios.num_q_tokens)
+
+
+def cb_tokens_in_flight(processor) -> Tuple[Dict[str, int], Optional[object]]:
+    """The tokens the engine selected and has not handed to its requests yet: with async batching,
+    those of the step launched before the one about to run (its update comes after this step's
+    launch). Returns (request id -> the token's index in ``output_ids``, that step's device
+    ``output_ids`` row of tokens); ({}, None) without async batching."""
+    ios = processor.inputs_and_outputs
+    pairs = getattr(ios, "io_pairs", None)
+    if pairs is None:
+        return {}, None
+    previous = pairs[1 - ios.current_pair]
+    # the engine's own carry-over reads them in this order: one per request that got a token
+    order = {rid: i for i, rid in enumerate(previous.host_io.req_id_to_new_token_position)}
+    return order, previous.device_io.output_ids[0]
 
 
 def cb_request_ids(processor) -> list:
@@ -201,8 +262,9 @@ def cb_drop_result_handler(manager, request_id: str) -> None:
 def cb_graphs_blocker_of_engine(processor) -> Optional[str]:
     """Why fastlora cannot follow this engine's graphs (None: it can)."""
     runner, ios = getattr(processor, "model_runner", None), getattr(processor, "inputs_and_outputs", None)
+    holder = _graph_ios(processor)[0] if ios is not None else None
     for obj, attr in ((runner, "_get_forward_fn"), (runner, "use_cuda_graph_varlen"), (runner, "pad_inputs"),
-                      (runner, "cache"), (ios, "graphs"), (ios, "use_block_table")):
+                      (runner, "cache"), (holder, "graphs"), (ios, "use_block_table")):
         if not hasattr(obj, attr):
             return f"transformers {TRANSFORMERS_VERSION}'s continuous-batching engine has no {attr}"
     return None
@@ -230,7 +292,7 @@ def cb_step_graph_held(processor) -> Optional[bool]:
     """Whether the engine already holds a graph for the step about to run (False: the step captures
     one: the engine keys its graphs by the padded query tokens and, on the varlen path, the keys
     the step reads); None where this transformers does not say."""
-    ios = processor.inputs_and_outputs
+    ios = _step_graph_io(processor)
     key_of, graphs = getattr(ios, "_get_graph_key", None), getattr(ios, "graphs", None)
     if key_of is None or not hasattr(graphs, "get_graph"):
         return None
@@ -244,8 +306,8 @@ def cb_stream(processor):
 
 def cb_drop_graphs(processor) -> None:
     """Drop the engine's captured graphs (each is recaptured at its next use)."""
-    ios = processor.inputs_and_outputs
-    ios.graphs = type(ios.graphs)()  # the old buffer resets its graphs when collected
+    for ios in _graph_ios(processor):
+        ios.graphs = type(ios.graphs)()  # the old buffer resets its graphs when collected
 
 
 def cb_disable_graphs(processor) -> None:
@@ -279,7 +341,7 @@ def cb_emulate_graphs(processor) -> None:
 # step's requests and frees their cache). Checked on 5.17 and 5.25.
 def cb_logit_requests(processor) -> list:
     """The states of the step's requests that get a token, in the order of the logits' rows."""
-    return [fs.state for fs in processor.inputs_and_outputs.requests_in_batch if fs.has_new_token]
+    return [fs.state for fs in _host_io(processor).requests_in_batch if fs.has_new_token]
 
 
 def cb_wrap_sample(processor, wrapper) -> None:
@@ -294,10 +356,34 @@ def cb_unwrap_sample(processor) -> None:
     processor.model_runner.__dict__.pop("_sample", None)
 
 
-def cb_fail_step(processor, error: Exception) -> None:
+def cb_fail_step(processor, error: Exception) -> bool:
     """Fail the requests of the step that just raised (each delivered with the error), free their
-    cache; the engine's other requests go on at the next step."""
+    cache; the engine's other requests go on at the next step. Returns whether the engine's next
+    ``update_batch`` must be skipped: without async batching it would update the failed step; with
+    it, the step launched before this one is next, whose pair this makes current again (as the
+    step's end would have), and is updated as usual (``cb_update_skipping_failed``)."""
     processor.handle_batch_error(error)
+    if not cb_async(processor):
+        return True
+    processor.inputs_and_outputs.swap_io_pairs()
+    return False
+
+
+def cb_update_skipping_failed(processor, update) -> None:
+    """With async batching, run the engine's ``update`` of a step some of whose requests may have
+    failed since it was launched (in the step after it, or between steps): the engine skips the
+    requests it sees finished, consuming their tokens, and so skips these, which keep their failed
+    status (the engine alone would update them and deliver them again)."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    failed = [fs.state for fs in _host_io(processor).requests_in_batch if fs.state.status == RequestStatus.FAILED]
+    for state in failed:
+        state.status = RequestStatus.FINISHED
+    try:
+        update()
+    finally:
+        for state in failed:
+            state.status = RequestStatus.FAILED
 
 
 def cb_generated_len(request_state) -> int:

@@ -64,8 +64,9 @@ def on_device(device: Optional[torch.device]):
 
 
 def on_stream(stream):
-    """Make ``stream`` the current CUDA stream inside the block; a no-op for None."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    """Make ``stream`` the current CUDA stream inside the block; a no-op for None (or any stream
+    that is not a CUDA one)."""
+    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
 
 
 def has_forward_hooks(module: nn.Module) -> bool:

@@ -8,9 +8,12 @@ fastlora reads the step's requests and token counts (``cb_step``) and hands the 
 layers a ``TokenSegments``: every layer applies each request's adapter to that request's tokens.
 
 What changes on the engine, and only on the managers fastlora hands out: the config fields in
-``_CB_OFF`` (prefix sharing, CUDA graphs, async batching, compile), logged once; the
-manager's ``add_request`` / ``add_requests`` / ``cancel_request`` / ``stop`` and its batch
-processor's step, wrapped on the instance. fastlora's decode-attention kernel is switched off
+``_CB_OFF`` (prefix sharing, compile; CUDA graphs where fastlora cannot follow them), logged once;
+the manager's ``add_request`` / ``add_requests`` / ``cancel_request`` / ``stop`` and its batch
+processor's step, wrapped on the instance. The engine's async batching stays the engine's choice:
+a step's requests are read from the IO pair it was prepared in, the tokens of the step still in
+flight count in the per-request sampling (``StepSampler``), and whoever changes adapters waits for
+the GPU work of the steps launched (``InFlightSteps``). fastlora's decode-attention kernel is switched off
 while a manager runs (the engine accepts only its own attention implementations) and back on
 when the last one stops.
 """
@@ -25,12 +28,12 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from ..compat.attention import register_attention_function, release_attention_function
-from ..compat.engine import (CB_CHILD_MARK, cb_cached_manager, cb_capacity, cb_config_for_lora, cb_disable_graphs,
+from ..compat.engine import (CB_CHILD_MARK, cb_async, cb_cached_manager, cb_capacity, cb_config_for_lora, cb_disable_graphs,
                              cb_engine_attention_blocker, cb_engine_uses_graphs, cb_fail_requests,
                              cb_fail_step, cb_graphs_blocker_of_engine, cb_new_request_id,
                              cb_processor_factory, cb_processor_steps, cb_request_done, cb_request_ids,
                              cb_set_attention, cb_set_processor_factory, cb_set_processor_steps, cb_step, cb_stream,
-                             cb_unset_processor_steps, continuous_batching_blocker)
+                             cb_unset_processor_steps, cb_update_skipping_failed, continuous_batching_blocker)
 from ..compat.modules import (attn_implementation, cb_vocab_size, model_dtype, multi_device_reason,
                               on_stream, set_attn_implementation)
 from ..compat.tensor_parallel import tensor_parallel_reason
@@ -41,6 +44,7 @@ from ..batch import TokenSegments
 from ..decode.capture import GraphUnsafe
 from ..instance_methods import InstancePatches
 from .graphs import EngineGraphs
+from .in_flight import InFlightSteps
 from .sampling import RequestSampling, SamplingParams
 from .step_sampling import StepSampler
 
@@ -125,6 +129,7 @@ class ContinuousBatchingHook:
         self._plain_attention: Optional[str] = None  # the model's own, while managers run
         self._varlen_registered = False  # PAGED_NAME registered for this model's managers
         self._lock = threading.Lock()
+        self.in_flight = InFlightSteps()  # async batching: steps whose GPU work outlasts their call
         if self.blocker is None:
             self._install()
 
@@ -462,7 +467,8 @@ class ContinuousBatchingHook:
         schedule, compute = original["schedule_batch"], original["compute_batch"]
         lock, held = state.call_lock, [0]
         last: List = []
-        failed = [0, False]  # failing steps in a row; whether the last step's update is skipped
+        failed = [0, False]  # failing steps in a row; whether the next update is skipped
+        overlapped = cb_async(processor)  # async batching: a step's GPU work outlasts its call
         graphs = self._engine_graphs(processor)
         max_tokens, max_requests = cb_capacity(processor)
         sampler = StepSampler(records, processor, rows=min(max_tokens, max_requests) + 1,
@@ -524,14 +530,15 @@ class ContinuousBatchingHook:
                         raise
                     logger.error("fastlora: a continuous-batching step failed; its %d requests fail with "
                                  "it and the engine goes on: %r", len(ids), error)
-                    cb_fail_step(processor, error)
-                    failed[1] = True
+                    failed[1] = cb_fail_step(processor, error)
                 else:
                     failed[0] = 0
                     clock["steps"] += 1
                     clock["outputs"] += time.perf_counter() - t - (clock["forward"] - launched)
             finally:
                 local.segments = None
+                if overlapped:
+                    self.in_flight.launched(processor, cb_stream(processor))
                 release()
 
         def update_batch(*args, **kwargs):
@@ -540,6 +547,8 @@ class ContinuousBatchingHook:
                 return None
             t = time.perf_counter()
             try:
+                if overlapped:
+                    return cb_update_skipping_failed(processor, lambda: update(*args, **kwargs))
                 return update(*args, **kwargs)
             finally:
                 clock["update"] += time.perf_counter() - t

@@ -135,18 +135,38 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device``; to a GPU through pinned memory, so the engine
+    thread does not wait for the GPU's queued work (the allocator keeps the pinned block until the
+    copy is done)."""
+    host = torch.tensor(list(values), dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 # ---- selection --------------------------------------------------------------------------------
-def _penalise(logits: torch.Tensor, params: Sequence[SamplingParams], outputs: Sequence[Sequence[int]]):
-    """Subtract each row's presence and frequency penalties over its earlier output tokens."""
-    rows = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and outputs[i]]
-    if not rows:
+def _penalise(logits: torch.Tensor, params: Sequence[SamplingParams], outputs: Sequence[Sequence[int]],
+              last: Optional[torch.Tensor] = None):
+    """Subtract each row's presence and frequency penalties over its earlier output tokens (and
+    ``last[row]``, one more on the device, where it is >= 0)."""
+    penalised = [bool(p.presence_penalty or p.frequency_penalty) for p in params]
+    rows = [i for i, on in enumerate(penalised) if on and outputs[i]]
+    if not rows and (last is None or not any(penalised)):
         return logits
-    vocab = logits.shape[-1]
-    flat = torch.tensor([r * vocab + t for r in rows for t in outputs[r] if 0 <= t < vocab],
-                        dtype=torch.int64, device=logits.device)
-    counts = torch.bincount(flat, minlength=logits.shape[0] * vocab).view(logits.shape).to(logits.dtype)
-    presence = torch.tensor([p.presence_penalty for p in params], device=logits.device, dtype=logits.dtype)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=logits.device, dtype=logits.dtype)
+    vocab, device = logits.shape[-1], logits.device
+    flat = [r * vocab + t for r in rows for t in outputs[r] if 0 <= t < vocab]
+    counts = torch.zeros(logits.numel(), dtype=logits.dtype, device=device)
+    if flat:
+        counts.index_add_(0, to_device(flat, torch.int64, device), torch.ones(len(flat), dtype=logits.dtype,
+                                                                              device=device))
+    if last is not None:
+        take = (last >= 0) & (last < vocab) & to_device(penalised, torch.bool, device)
+        at = torch.arange(len(params), device=device) * vocab + last.clamp(0, vocab - 1)
+        counts.index_add_(0, at, take.to(logits.dtype))
+    counts = counts.view(logits.shape)
+    presence = to_device([p.presence_penalty for p in params], logits.dtype, device)
+    frequency = to_device([p.frequency_penalty for p in params], logits.dtype, device)
     return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
 
 
@@ -156,16 +176,16 @@ def _cut(z: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     limited = [0 < p.top_k < vocab for p in params]
     if any(limited):
         widest = max(p.top_k for p, cut in zip(params, limited) if cut)
-        index = torch.tensor([p.top_k - 1 if cut else 0 for p, cut in zip(params, limited)], device=z.device)
+        index = to_device([p.top_k - 1 if cut else 0 for p, cut in zip(params, limited)], torch.int64, z.device)
         kth = torch.topk(z, widest, dim=-1).values.gather(1, index[:, None])
-        kth = kth.masked_fill(~torch.tensor(limited, device=z.device)[:, None], float("-inf"))
+        kth = kth.masked_fill(~to_device(limited, torch.bool, z.device)[:, None], float("-inf"))
         z = z.masked_fill(z < kth, float("-inf"))  # ties with the k-th are kept
     top_p = [p.top_p for p in params]
     if min(top_p) < 1.0:
         sorted_z, order = torch.sort(z, dim=-1, descending=True)
         probs = torch.softmax(sorted_z, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass of the more likely tokens
-        limit = torch.tensor(top_p, device=z.device, dtype=probs.dtype)[:, None]
+        limit = to_device(top_p, probs.dtype, z.device)[:, None]
         drop_sorted = before >= limit  # the first token is always kept (its mass before is 0)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         z = z.masked_fill(drop, float("-inf"))
@@ -173,7 +193,8 @@ def _cut(z: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
 
 
 def select(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int],
-           outputs: Sequence[Sequence[int]]) -> Tuple[torch.Tensor, List[Optional[TokenLogprobs]]]:
+           outputs: Sequence[Sequence[int]], last: Optional[torch.Tensor] = None
+           ) -> Tuple[torch.Tensor, List[Optional[TokenLogprobs]]]:
     """The next token of each row, and its log-probabilities where asked.
 
     Args:
@@ -181,20 +202,23 @@ def select(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
         params: each row's ``SamplingParams`` (a sampled row's seed set).
         positions: each row's position in its output (tokens generated before this one).
         outputs: each row's output tokens so far (for the penalties).
+        last: ``[rows]`` int64 on the logits' device, one more output token per row, after
+            ``outputs`` (-1: none): one not read back from the device yet.
     Returns:
         ``[rows]`` int64 tokens on the logits' device, and per row a ``TokenLogprobs`` or None.
     """
     logits = logits.float()
-    z = _penalise(logits, params, outputs)
+    z = _penalise(logits, params, outputs, last)
     tokens = torch.argmax(z, dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
-        rows = torch.tensor(sampled, device=logits.device)
+        device = logits.device
+        rows = to_device(sampled, torch.int64, device)
         chosen = [params[i] for i in sampled]
-        temperature = torch.tensor([p.temperature for p in chosen], device=logits.device, dtype=z.dtype)
+        temperature = to_device([p.temperature for p in chosen], z.dtype, device)
         cut = _cut(z.index_select(0, rows) / temperature[:, None], chosen)
-        seeds = torch.tensor([p.seed for p in chosen], dtype=torch.int64, device=logits.device)
-        steps = torch.tensor([positions[i] for i in sampled], dtype=torch.int64, device=logits.device)
+        seeds = to_device([p.seed for p in chosen], torch.int64, device)
+        steps = to_device([positions[i] for i in sampled], torch.int64, device)
         gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, z.shape[-1])))
         tokens = tokens.index_copy(0, rows, torch.argmax(cut + gumbel, dim=-1))
     return tokens, _logprobs(logits, tokens, params)

@@ -14,22 +14,27 @@ from typing import List, Optional
 
 import torch
 
-from ..compat.engine import (cb_generated_len, cb_generated_tokens, cb_logit_requests, cb_unwrap_sample,
-                             cb_wrap_sample)
-from .sampling import RequestSampling, SamplingParams, select
+from ..compat.engine import (cb_generated_len, cb_generated_tokens, cb_logit_requests, cb_tokens_in_flight,
+                             cb_unwrap_sample, cb_wrap_sample)
+from .sampling import RequestSampling, SamplingParams, select, to_device
 
 
 class _Plan:
-    """The rows of one step that ``finish`` selects for."""
+    """The rows of one step that ``finish`` selects for. With async batching the step before is
+    still in flight when this one is planned: a request's token from it is not in its state yet,
+    so it counts in its position and is read for the penalties from that step's device tokens
+    (``in_flight[j]``: its index there, -1 for none)."""
 
-    __slots__ = ("rows", "request_ids", "params", "positions", "outputs")
+    __slots__ = ("rows", "request_ids", "params", "positions", "outputs", "in_flight", "in_flight_tokens")
 
-    def __init__(self, rows, request_ids, params, positions, outputs):
+    def __init__(self, rows, request_ids, params, positions, outputs, in_flight, in_flight_tokens):
         self.rows: List[int] = rows
         self.request_ids: List[str] = request_ids
         self.params: List[SamplingParams] = params
         self.positions: List[int] = positions
         self.outputs: List[List[int]] = outputs
+        self.in_flight: List[int] = in_flight
+        self.in_flight_tokens: Optional[torch.Tensor] = in_flight_tokens
 
 
 class StepSampler:
@@ -67,8 +72,11 @@ class StepSampler:
         chosen = [params[i] for i in rows]
         outputs = [cb_generated_tokens(states[i]) if (p.presence_penalty or p.frequency_penalty) else []
                    for i, p in zip(rows, chosen)]
-        self._plan = _Plan(rows, [states[i].request_id for i in rows], chosen,
-                           [cb_generated_len(states[i]) for i in rows], outputs)
+        order, tokens = cb_tokens_in_flight(self.processor)
+        in_flight = [order.get(states[i].request_id, -1) for i in rows]
+        positions = [cb_generated_len(states[i]) + (k >= 0) for i, k in zip(rows, in_flight)]
+        self._plan = _Plan(rows, [states[i].request_id for i in rows], chosen, positions, outputs,
+                           in_flight, tokens if any(k >= 0 for k in in_flight) else None)
 
     def before_forward(self, graphed: bool, device: torch.device) -> None:
         """``graphed``: the forward is captured or replayed in a graph (or emulates one)."""
@@ -96,8 +104,12 @@ class StepSampler:
             return
         if scores is None or self._output_ids is None:
             raise RuntimeError("fastlora: the engine's step selected no tokens through its sampler")
-        index = torch.tensor(plan.rows, device=scores.device)
-        tokens, logprobs = select(scores.index_select(0, index), plan.params, plan.positions, plan.outputs)
+        index = to_device(plan.rows, torch.int64, scores.device)
+        last = None
+        if plan.in_flight_tokens is not None:
+            at = to_device(plan.in_flight, torch.int64, plan.in_flight_tokens.device)
+            last = torch.where(at >= 0, plan.in_flight_tokens[at.clamp(min=0)].long(), -1).to(scores.device)
+        tokens, logprobs = select(scores.index_select(0, index), plan.params, plan.positions, plan.outputs, last)
         self._output_ids[0].index_copy_(0, index.to(self._output_ids.device),
                                         tokens.to(self._output_ids.dtype).to(self._output_ids.device))
         for rid, entry in zip(plan.request_ids, logprobs):

@@ -3,8 +3,8 @@
 A continuous-batching engine steps in its own thread, and a server may add or delete adapters
 from another while requests run. PEFT changes its modules one layer at a time; a step that read
 them half-way would fail (and, in transformers' engine, fail every request in flight). Wrapped on
-the model instance, these methods wait for the call or step in progress and the next one sees the
-change whole.
+the model instance, these methods wait for the call or step in progress (and the GPU work of an
+async engine step) and the next one sees the change whole.
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ class AdapterMutationLock:
 
     def __init__(self, state):
         self._methods = InstancePatches()
-        lock = state.call_lock
         for name in METHODS:
             if not callable(getattr(state.model, name, None)):
                 continue
 
             def make(original):
                 def locked(model, *args, **kwargs):
-                    with lock:
+                    with state.exclusive():
                         return original(*args, **kwargs)
                 return locked
 

@@ -93,7 +93,9 @@ def test_generate_batch_bf16_runs():
 
 
 def _graph_manager(m, new, **overrides):
-    kw = dict(num_blocks=128, use_cuda_graph=True)
+    """A started manager with the engine's graphs and, unless told otherwise, its async batching
+    (both on the real streams: the host prepares a step while the GPU runs the one before)."""
+    kw = dict(num_blocks=128, use_cuda_graph=True, use_async_batching=True)
     kw.update(overrides)
     manager = m.init_continuous_batching(generation_config=greedy_config(new),
                                          continuous_batching_config=cb_config(**kw))
@@ -102,13 +104,19 @@ def _graph_manager(m, new, **overrides):
     return manager
 
 
-def test_engine_graphs_fp32_equal_peft_per_request(pair):
+def _ran_async(manager) -> bool:
+    return getattr(manager.batch_processor.inputs_and_outputs, "io_pairs", None) is not None
+
+
+@pytest.mark.parametrize("async_batching", [True, False], ids=["async", "sync"])
+def test_engine_graphs_fp32_equal_peft_per_request(pair, async_batching):
     m, ref = pair
     prompts, names = _prompts(16, seed=6)
     news = [int(k) for k in torch.randint(1, 24, (16,), generator=torch.Generator().manual_seed(6))]
-    manager = _graph_manager(m, 24)
+    manager = _graph_manager(m, 24, use_async_batching=async_batching)
     try:
         first = _serve(manager, list(zip(prompts[:6], names[:6], news[:6])))
+        assert _ran_async(manager) == async_batching
         rest = _serve(manager, list(zip(prompts[6:], names[6:], news[6:])))  # a second wave, graphs warm
     finally:
         manager.stop(block=True)
@@ -215,3 +223,28 @@ def test_engine_graphs_random_traffic_like_a_server(pair):
     for rid, tokens in finished.items():
         prompt, name, new = expected[rid]
         assert tokens == peft_alone(ref, prompt, name, new), (rid, name, len(prompt))
+
+
+def test_async_sampling_draws_as_sync(pair):
+    """Seeded sampling with penalties: a request's draws depend on its position and earlier tokens,
+    the latest of which is still on the GPU when async batching plans its next step. The same
+    requests draw the same tokens with and without async batching."""
+    from peft_fastlora.continuous.sampling import SamplingParams
+
+    m, _ = pair
+    prompts, names = _prompts(8, seed=12)
+    params = [SamplingParams(temperature=0.8, seed=100 + i, frequency_penalty=1.2 if i % 2 else 0.0,
+                             presence_penalty=0.0 if i % 2 else 1.5, top_p=0.9) for i in range(8)]
+    out = {}
+    for async_batching in (True, False):
+        manager = _graph_manager(m, 16, use_async_batching=async_batching)
+        try:
+            ids = [manager.add_request(p, adapter_name=n, max_new_tokens=16, sampling=s)
+                   for p, n, s in zip(prompts, names, params)]
+            finished = collect(manager, ids, 120)
+            assert _ran_async(manager) == async_batching
+        finally:
+            manager.stop(block=True)
+        out[async_batching] = [finished[i] for i in ids]
+    assert out[True] == out[False]
+
