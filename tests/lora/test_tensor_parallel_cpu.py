@@ -13,10 +13,9 @@ from _helpers import run_tp_worker
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-# "whole": adapters left whole on every rank, as PEFT before 0.21.2 leaves them (fastlora slices them);
-# "kernels": fastlora's base-model kernels in Triton's interpreter (slow: once)
-@pytest.mark.parametrize("arch,layout,ops", [("llama", "peft", "kernels"), ("qwen2", "peft", "torch"),
-                                             ("llama", "whole", "torch")])
+# "kernels": fastlora's base-model kernels in Triton's interpreter (slow: once). Adapters left whole
+# on every rank ("whole", as PEFT before 0.21.2 leaves them; fastlora slices them) run below.
+@pytest.mark.parametrize("arch,layout,ops", [("llama", "peft", "kernels"), ("qwen2", "peft", "torch")])
 def test_tensor_parallel_lora_equals_peft_unsharded(tmp_path, arch, layout, ops):
     pytest.importorskip("torch.distributed.tensor")
     run_tp_worker(tmp_path, arch, "cpu", "emulate", layout, ops)
@@ -24,6 +23,7 @@ def test_tensor_parallel_lora_equals_peft_unsharded(tmp_path, arch, layout, ops)
 
 @pytest.mark.parametrize("layout", ["peft", "whole"])
 def test_folded_shrink_and_the_heads_under_tensor_parallelism(tmp_path, layout):
+    # "whole": adapters left whole on every rank, sliced by fastlora (the heads' adapters unfolded)
     """Every Linear site's shrink folded into its base GEMM on each rank: column-sharded sites
     under this rank's output rows, row-sharded ones reducing the partial shrink with the partial
     sums in their one all-reduce. With an adapter on the vocabulary-sharded embedding and the
