@@ -344,6 +344,13 @@ def cb_logit_requests(processor) -> list:
     return [fs.state for fs in _host_io(processor).requests_in_batch if fs.has_new_token]
 
 
+def cb_output_ids(processor):
+    """The device tensor the current step's tokens are written into (row 0) before they are read
+    back: with async batching, its IO pair's (a graph replay writes where it was captured, so this
+    is read per step, not kept from a capture)."""
+    return processor.inputs_and_outputs.output_ids
+
+
 def cb_wrap_sample(processor, wrapper) -> None:
     """The engine's selection of this processor's tokens goes through
     ``wrapper(original, scores, output_ids)``; ``cb_unwrap_sample`` takes it off."""

@@ -76,7 +76,9 @@ class EngineGraphs:
         cb_disable_graphs(self.processor)
 
     def drop(self) -> None:
-        """Forget every graph the engine holds and the buffers they read."""
+        """Forget every graph the engine holds and the buffers they read (once the step launched
+        before, with async batching, no longer replays one)."""
+        self.state.wait_for_engine()
         cb_drop_graphs(self.processor)
         self.stats["graphs_dropped"] += 1  # invalidations (the engine may have held none yet)
         self._buffers.clear()

@@ -14,8 +14,8 @@ from typing import List, Optional
 
 import torch
 
-from ..compat.engine import (cb_generated_len, cb_generated_tokens, cb_logit_requests, cb_tokens_in_flight,
-                             cb_unwrap_sample, cb_wrap_sample)
+from ..compat.engine import (cb_generated_len, cb_generated_tokens, cb_logit_requests, cb_output_ids,
+                             cb_tokens_in_flight, cb_unwrap_sample, cb_wrap_sample)
 from .sampling import RequestSampling, SamplingParams, select, to_device
 
 
@@ -50,14 +50,14 @@ class StepSampler:
         self._rows, self._vocab = rows, vocab
         self._plan: Optional[_Plan] = None
         self._scores: Optional[torch.Tensor] = None  # this eager step's logits
-        self._output_ids: Optional[torch.Tensor] = None
+        self._selected = False  # the engine's selection ran through ``_sample`` (or was captured)
         self._graph_scores: Optional[torch.Tensor] = None  # what graphed steps copy their logits into
         self._graphed = False
         cb_wrap_sample(processor, self._sample)
 
     def close(self) -> None:
         cb_unwrap_sample(self.processor)
-        self._scores = self._output_ids = self._graph_scores = self._plan = None
+        self._scores = self._graph_scores = self._plan = None
 
     def plan(self) -> None:
         """Read the step about to run (its inputs are prepared)."""
@@ -86,7 +86,7 @@ class StepSampler:
 
     def _sample(self, original, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
         original(scores, output_ids)
-        self._output_ids = output_ids
+        self._selected = True
         if self._graphed:
             rows = min(scores.shape[-2], self._rows)
             self._graph_scores[:rows].copy_(scores[0, :rows])
@@ -102,16 +102,16 @@ class StepSampler:
         self._scores = None
         if plan is None:
             return
-        if scores is None or self._output_ids is None:
+        if scores is None or not self._selected:
             raise RuntimeError("fastlora: the engine's step selected no tokens through its sampler")
+        output_ids = cb_output_ids(self.processor)
         index = to_device(plan.rows, torch.int64, scores.device)
         last = None
         if plan.in_flight_tokens is not None:
             at = to_device(plan.in_flight, torch.int64, plan.in_flight_tokens.device)
             last = torch.where(at >= 0, plan.in_flight_tokens[at.clamp(min=0)].long(), -1).to(scores.device)
         tokens, logprobs = select(scores.index_select(0, index), plan.params, plan.positions, plan.outputs, last)
-        self._output_ids[0].index_copy_(0, index.to(self._output_ids.device),
-                                        tokens.to(self._output_ids.dtype).to(self._output_ids.device))
+        output_ids[0].index_copy_(0, index.to(output_ids.device), tokens.to(output_ids.dtype).to(output_ids.device))
         for rid, entry in zip(plan.request_ids, logprobs):
             if entry is not None:
                 self.records.record(rid, entry)
