@@ -9,6 +9,7 @@ import contextlib
 import inspect
 from typing import Dict, Optional, Tuple
 
+import torch
 from torch import nn
 
 from .modules import TRANSFORMERS_VERSION, set_attn_implementation
@@ -372,7 +373,11 @@ def cb_fail_step(processor, error: Exception) -> bool:
     processor.handle_batch_error(error)
     if not cb_async(processor):
         return True
-    processor.inputs_and_outputs.swap_io_pairs()
+    ios = processor.inputs_and_outputs
+    stream = getattr(ios, "compute_stream", None)
+    if isinstance(stream, torch.cuda.Stream):  # what the step launched before it raised must not
+        stream.synchronize()  # still run when its pair is prepared again (its update never waits)
+    ios.swap_io_pairs()
     return False
 
 
