@@ -38,8 +38,10 @@ and, where fastlora's hook counts the engine's steps, the tokens a step carried.
 summarises S seconds of the GPU's timeline under full load per engine mode (busy and idle shares,
 kernel families, copies, host syncs, steps, the engine thread's milliseconds per step in each phase
 of its loop: ``continuous_profile_<model>_<gpu>.csv``; the kernels that took the most time:
-``continuous_profile_kernels_<model>_<gpu>.csv``). Every row of a patched model also carries the
-whole run's host milliseconds per step by phase (``run_host_*``).
+``continuous_profile_kernels_<model>_<gpu>.csv``). ``--async-batching on|off`` forces the engine's
+async batching either way (the files' names then end in ``_async_on`` / ``_async_off``); by
+default the engine chooses, and the ``async_batching`` column says what it ran. Every row of a
+patched model also carries the whole run's host milliseconds per step by phase (``run_host_*``).
 """
 
 from __future__ import annotations
@@ -344,6 +346,7 @@ def main(argv=None) -> int:
     base = hx.build_base(args.model)
     bw = hx.copy_bandwidth()
     model, table, profiles, kernels = None, [], [], []
+    suffix = "" if args.async_batching == "engine" else f"_async_{args.async_batching}"  # in the files' names
     for mode in sorted(set(args.modes), key=MODES.index):
         used, (seconds, latency, ttft, stats, profile), model = run_mode(mode, base, model, reqs, args)
         out_tokens = sum(n for _, _, n in used)
@@ -371,9 +374,9 @@ def main(argv=None) -> int:
             print({k: v for k, v in profile.items() if k.startswith(("gpu_busy", "host_", "step_ms", "engine_"))},
                   file=sys.stderr)
             if args.out:
-                hx.write_csv(profiles, hx.out_path(args.out, f"continuous_profile_{args.model}", info["gpu"]))
+                hx.write_csv(profiles, hx.out_path(args.out, f"continuous_profile_{args.model}{suffix}", info["gpu"]))
                 if kernels:  # (none on the CPU)
-                    stem = f"continuous_profile_kernels_{args.model}"
+                    stem = f"continuous_profile_kernels_{args.model}{suffix}"
                     hx.write_csv(kernels, hx.out_path(args.out, stem, info["gpu"]))
         patched, unpatched = REFERENCES.get(mode, (None, None))
         for ref in table:  # time per output token against the adapter-free engine runs
@@ -383,7 +386,7 @@ def main(argv=None) -> int:
                 row["time_per_token_vs_base"] = round(ref["tokens_per_s"] / row["tokens_per_s"], 3)
         print(row, file=sys.stderr)
         if args.out:
-            hx.write_csv(table, hx.out_path(args.out, f"continuous_{args.model}", info["gpu"]))
+            hx.write_csv(table, hx.out_path(args.out, f"continuous_{args.model}{suffix}", info["gpu"]))
     return 0
 
 
