@@ -38,9 +38,10 @@ and, where fastlora's hook counts the engine's steps, the tokens a step carried.
 summarises S seconds of the GPU's timeline under full load per engine mode (busy and idle shares,
 kernel families, copies, host syncs, steps, the engine thread's milliseconds per step in each phase
 of its loop: ``continuous_profile_<model>_<gpu>.csv``; the kernels that took the most time:
-``continuous_profile_kernels_<model>_<gpu>.csv``). ``--async-batching on|off`` forces the engine's
-async batching either way (the files' names then end in ``_async_on`` / ``_async_off``); by
-default the engine chooses, and the ``async_batching`` column says what it ran. Every row of a
+``continuous_profile_kernels_<model>_<gpu>.csv``). ``--async-batching on|off`` sets the engine's
+async batching (the files' names then end in ``_async_on`` / ``_async_off``); left unset,
+fastlora's managers run without it and an unpatched model's engine chooses; the ``async_batching``
+column says what each mode ran. Every row of a
 patched model also carries the whole run's host milliseconds per step by phase (``run_host_*``).
 """
 
@@ -81,7 +82,7 @@ def engine_config(args, graphs: bool):
     from transformers import ContinuousBatchingConfig
 
     kw = dict(max_batch_tokens=args.max_batch_tokens, use_cuda_graph=graphs,
-              use_async_batching={"engine": None, "on": True, "off": False}[args.async_batching])
+              use_async_batching={"unset": None, "on": True, "off": False}[args.async_batching])
     if args.cache_tokens:
         kw["num_blocks"] = max(1, args.cache_tokens // 256)
     return ContinuousBatchingConfig(**kw)
@@ -326,9 +327,9 @@ def main(argv=None) -> int:
     p.add_argument("--modes", nargs="+", default=["base_patched_varlen", "base_varlen", "fastlora_varlen", "static"],
                    choices=MODES, help="the CSV is rewritten after each mode, so a cut-off run keeps what finished")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--async-batching", choices=["engine", "on", "off"], default="engine",
-                   help="the engine's async batching (use_async_batching): its own choice (on with CUDA graphs "
-                        "where no attention mask is built), or forced")
+    p.add_argument("--async-batching", choices=["unset", "on", "off"], default="unset",
+                   help="the engine's async batching (use_async_batching): left unset (fastlora's managers then "
+                        "run without it; an unpatched model's engine chooses), or set")
     p.add_argument("--profile", type=float, default=0,
                    help="seconds of the GPU's timeline summarised per engine mode, under full load "
                         "(continuous_profile_<model>_<gpu>.csv)")
@@ -346,7 +347,7 @@ def main(argv=None) -> int:
     base = hx.build_base(args.model)
     bw = hx.copy_bandwidth()
     model, table, profiles, kernels = None, [], [], []
-    suffix = "" if args.async_batching == "engine" else f"_async_{args.async_batching}"  # in the files' names
+    suffix = "" if args.async_batching == "unset" else f"_async_{args.async_batching}"  # in the files' names
     for mode in sorted(set(args.modes), key=MODES.index):
         used, (seconds, latency, ttft, stats, profile), model = run_mode(mode, base, model, reqs, args)
         out_tokens = sum(n for _, _, n in used)

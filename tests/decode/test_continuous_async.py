@@ -168,3 +168,12 @@ def test_a_failing_step_fails_its_requests_once_and_the_engine_goes_on(pair, asy
     for rid, prompt, name in zip(ids, prompts, ["a2", "a1"]):
         (out,) = seen[rid]
         assert out.error is None and list(out.generated_tokens) == peft_alone(ref, prompt, name, 8), name
+
+
+def test_async_batching_is_the_callers_choice():
+    """Left unset, a manager fastlora hands out runs without async batching; asked for, with it."""
+    from peft_fastlora.compat.engine import cb_config_for_lora
+
+    for asked, runs in ((None, False), (True, True), (False, False)):
+        config, changes = cb_config_for_lora(cb_config(use_async_batching=asked), None)
+        assert config.use_async_batching is runs and not [c for c in changes if "async" in c]
