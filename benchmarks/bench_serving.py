@@ -60,6 +60,7 @@ def serve(model, tokenizer, args):
     from peft_fastlora.server import ServerConfig, create_app
 
     cb = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens, use_cuda_graph=args.engine_graphs,
+                                  use_async_batching=args.async_batching or None,
                                   **({"num_blocks": max(1, args.cache_tokens // 256)} if args.cache_tokens else {}))
     gen = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
     app = create_app(model, tokenizer, ServerConfig(max_pending=args.max_pending, max_tokens_default=16),
@@ -242,6 +243,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--cache-tokens", type=int, default=None, help="default: the engine sizes its cache")
     p.add_argument("--engine-graphs", action="store_true", help="the engine's CUDA graphs on")
+    p.add_argument("--async-batching", action="store_true",
+                   help="the engine's async batching on (host prepares a step while the GPU runs the last)")
     p.add_argument("--requests", type=int, default=2000, help="distinct requests in the workload pool")
     p.add_argument("--prompt-mean", type=int, default=289)
     p.add_argument("--prompt-cap", type=int, default=2048)

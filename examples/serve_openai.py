@@ -57,7 +57,8 @@ def build_app(args):
         tokenizer.chat_template = TINY_CHAT_TEMPLATE
     print(files.patch_and_register(model, args, names), file=sys.stderr)
     gen = GenerationConfig(do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    cb = ContinuousBatchingConfig(num_blocks=max(1, args.cache_tokens // 256), max_batch_tokens=args.max_batch_tokens)
+    cb = ContinuousBatchingConfig(num_blocks=max(1, args.cache_tokens // 256), max_batch_tokens=args.max_batch_tokens,
+                                  use_async_batching=args.async_batching or None)
     config = ServerConfig(base_name=args.base_name, api_key=args.api_key or os.environ.get("FASTLORA_API_KEY"),
                           adapter_root=args.adapter_root, max_model_len=args.max_model_len,
                           max_pending=args.max_pending)
@@ -81,6 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--base-name", default="base", help="the 'model' that means no adapter")
     p.add_argument("--max-batch-tokens", type=int, default=256, help="tokens per forward")
     p.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache size in tokens")
+    p.add_argument("--async-batching", action="store_true",
+                   help="the engine prepares each step while the GPU runs the one before (CUDA)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="most tokens of one request, prompt and completion (default: the model's and the cache's limit)")
     p.add_argument("--max-pending", type=int, default=512, help="completions in flight before 429")
