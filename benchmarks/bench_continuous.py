@@ -39,8 +39,8 @@ summarises S seconds of the GPU's timeline under full load per engine mode (busy
 kernel families, copies, host syncs, steps, the engine thread's milliseconds per step in each phase
 of its loop: ``continuous_profile_<model>_<gpu>.csv``; the kernels that took the most time:
 ``continuous_profile_kernels_<model>_<gpu>.csv``). ``--async-batching on|off`` sets the engine's
-async batching (the files' names then end in ``_async_on`` / ``_async_off``); left unset,
-fastlora's managers run without it and an unpatched model's engine chooses; the ``async_batching``
+async batching (the files' names then end in ``_async_on`` / ``_async_off``); left unset, the
+engine chooses (on where its graphs run and it builds no attention mask); the ``async_batching``
 column says what each mode ran. Every row of a
 patched model also carries the whole run's host milliseconds per step by phase (``run_host_*``).
 """
@@ -328,8 +328,8 @@ def main(argv=None) -> int:
                    choices=MODES, help="the CSV is rewritten after each mode, so a cut-off run keeps what finished")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--async-batching", choices=["unset", "on", "off"], default="unset",
-                   help="the engine's async batching (use_async_batching): left unset (fastlora's managers then "
-                        "run without it; an unpatched model's engine chooses), or set")
+                   help="the engine's async batching (use_async_batching): left unset (the engine chooses: on "
+                        "where its graphs run and it builds no attention mask), or set")
     p.add_argument("--profile", type=float, default=0,
                    help="seconds of the GPU's timeline summarised per engine mode, under full load "
                         "(continuous_profile_<model>_<gpu>.csv)")

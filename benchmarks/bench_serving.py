@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     p.add_argument("--cache-tokens", type=int, default=None, help="default: the engine sizes its cache")
     p.add_argument("--engine-graphs", action="store_true", help="the engine's CUDA graphs on")
     p.add_argument("--async-batching", action="store_true",
-                   help="the engine's async batching on (host prepares a step while the GPU runs the last)")
+                   help="the engine's async batching forced on (default: the engine's choice)")
     p.add_argument("--requests", type=int, default=2000, help="distinct requests in the workload pool")
     p.add_argument("--prompt-mean", type=int, default=289)
     p.add_argument("--prompt-cap", type=int, default=2048)

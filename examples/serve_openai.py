@@ -83,7 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--max-batch-tokens", type=int, default=256, help="tokens per forward")
     p.add_argument("--cache-tokens", type=int, default=16384, help="KV-cache size in tokens")
     p.add_argument("--async-batching", action="store_true",
-                   help="the engine prepares each step while the GPU runs the one before (CUDA)")
+                   help="force the engine's async batching on (it prepares each step while the GPU runs the "
+                        "one before; CUDA); default: the engine's choice")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="most tokens of one request, prompt and completion (default: the model's and the cache's limit)")
     p.add_argument("--max-pending", type=int, default=512, help="completions in flight before 429")

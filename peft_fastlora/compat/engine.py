@@ -31,11 +31,6 @@ _CB_OFF = {  # config field -> (value fastlora needs, why)
 }
 
 
-# fields fastlora sets where the caller left them to the engine (None): async batching with
-# per-request adapters is the caller's choice (``use_async_batching=True``)
-_CB_UNSET = {"use_async_batching": False}
-
-
 def continuous_batching_blocker(model: nn.Module) -> Optional[str]:
     """Why transformers' continuous batching cannot take per-request adapters here (None: it can)."""
     if not callable(getattr(type(model), "init_continuous_batching", None)):
@@ -122,9 +117,6 @@ def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] 
     if graphs_blocker is not None:
         off["use_cuda_graph"] = (False, graphs_blocker)
     changes, values = [], {}
-    for name, value in _CB_UNSET.items():
-        if getattr(config, name, None) is None:
-            values[name] = value
     for name, (value, why) in off.items():
         current = getattr(config, name)
         if current != value:
