@@ -79,6 +79,46 @@ def test_async_steps_equal_peft_per_request(pair, async_on_cpu):
     assert out[late] == peft_alone(ref, prompts[0], "a2", 5)
 
 
+@pytest.mark.parametrize("pair_options", [dict(cuda_graphs="emulate")])
+def test_random_traffic_like_a_server(pair, async_on_cpu):
+    """The eager tests' server-like traffic (bursts, streaming, cancellations, bad names) with
+    async batching: every finished request equals PEFT alone."""
+    from test_continuous_batching import random_traffic
+
+    random_traffic(pair, use_async_batching=True)
+
+
+@pytest.mark.parametrize("pair_options", [dict(cuda_graphs="emulate")])
+def test_adapter_deleted_between_steps_fails_only_its_requests(pair, async_on_cpu):
+    """An adapter deleted while its request decodes (the step before still to be updated): that
+    request fails naming it, the others finish equal to PEFT."""
+    import time
+
+    m, ref = pair
+    doomed_prompt, *others = random_prompts([10, 6, 14], seed=34)
+    manager = _manager(m, 300)
+    try:
+        doomed = manager.add_request(doomed_prompt, adapter_name="a2", streaming=True)
+        partial = manager.get_result(request_id=doomed, timeout=30)
+        assert partial is not None and not partial.is_finished()  # decoding now
+        ids = [manager.add_request(p, adapter_name=n, max_new_tokens=12) for p, n in zip(others, ["a0", "a1"])]
+        m.delete_adapter("a2")  # waits for the step in progress
+        finished, deadline = {}, time.monotonic() + 60
+        while len(finished) < 3:
+            assert time.monotonic() < deadline, sorted(finished)
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                assert r.request_id not in finished, "a request finished twice"
+                finished[r.request_id] = r
+        assert manager.is_running()
+    finally:
+        manager.stop(block=True)
+    assert "'a2'" in (finished[doomed].error or "") and "deleted" in finished[doomed].error
+    for rid, prompt, name in zip(ids, others, ["a0", "a1"]):
+        assert finished[rid].error is None and list(finished[rid].generated_tokens) == \
+            peft_alone(ref, prompt, name, 12), name
+
+
 def _sampled(model, async_batching: bool):
     params = [SamplingParams(temperature=0.9, seed=7, frequency_penalty=1.5),
               SamplingParams(temperature=0.0, presence_penalty=2.0),

@@ -252,13 +252,19 @@ def test_random_traffic_like_a_server(pair):
     """Requests of random lengths and adapters arrive in random bursts while others decode; some
     stream, some are cancelled mid-way, some name a bad adapter. Every request that finishes
     equals PEFT alone; the adapter map is empty at the end."""
+    random_traffic(pair)
+
+
+def random_traffic(pair, **config):
+    """``test_random_traffic_like_a_server`` with these engine config fields."""
     import random
 
     m, ref = pair
     rng = random.Random(12)
     names = ["a0", "a1", "a2", "__base__"]
-    manager = m.init_continuous_batching(generation_config=greedy_config(12),
-                                         continuous_batching_config=cb_config(max_batch_tokens=24, num_blocks=96))
+    manager = m.init_continuous_batching(
+        generation_config=greedy_config(12),
+        continuous_batching_config=cb_config(max_batch_tokens=24, num_blocks=96, **config))
     manager.start()
     expected, cancelled, refused = {}, set(), 0
     try:

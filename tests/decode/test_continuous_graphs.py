@@ -171,9 +171,9 @@ def test_a_stopped_manager_lets_its_engine_go(pair):
 def test_random_traffic_through_emulated_graphs(pair):
     """The server-like random traffic of the eager tests (bursts, streaming, cancellations, bad
     names), every step through the graphed path: each finished request equals PEFT alone."""
-    from test_continuous_batching import test_random_traffic_like_a_server
+    from test_continuous_batching import random_traffic
 
-    test_random_traffic_like_a_server(pair)
+    random_traffic(pair)
 
 
 def test_captures_are_counted_from_the_engines_graph_key():
