@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .modules import is_dtensor, is_plain_weight, local
-from .peft import LoraEmbedding, PEFT_VERSION, base_layer_of, embed_scale, unsupported_reason
+from .peft import LoraEmbedding, PEFT_VERSION, base_layer_of, embed_scale, quantized_base_kind, unsupported_reason
 from .tensor_parallel import TP_REASON, _tp_local_adapter, tp_style
 
 
@@ -101,17 +101,35 @@ def dora_sources(layer: nn.Module, adapter: str):
             layer.lora_magnitude_vector[adapter].weight)
 
 
+# quantized bases whose weight DoRA's norms read dequantized (``quantized_base_kind``): bitsandbytes'
+# 4-bit. Its 8-bit weights are left to PEFT (their dequantization was not checked against PEFT's).
+_DORA_QUANTIZED = ("nf4", "fp4", "4bit")
+
+
 def dora_base_weight(layer: nn.Module) -> torch.Tensor:
-    """The base weight as DoRA's norms read it: (out, in); an embedding's table transposed, (dim, vocab)."""
-    weight = base_layer_of(layer).weight
-    return weight.T if isinstance(layer, LoraEmbedding) else weight
+    """The base weight as stored (quantized where the base is): its address and version counter
+    say when DoRA's norms must be computed again."""
+    return base_layer_of(layer).weight
+
+
+def dora_dense_weight(layer: nn.Module) -> torch.Tensor:
+    """The base weight as DoRA's norms read it: (out, in), dequantized over a 4-bit base as
+    PEFT's DoRA layer does (``dequantize_module_weight``); an embedding's table transposed,
+    (dim, vocab)."""
+    base = base_layer_of(layer)
+    if quantized_base_kind(layer) in _DORA_QUANTIZED:
+        from peft.utils.integrations import dequantize_module_weight
+
+        return dequantize_module_weight(base)
+    return base.weight.T if isinstance(layer, LoraEmbedding) else base.weight
 
 
 def adapter_blocker(layer: nn.Module, adapter: str) -> Optional[str]:
     """Why fastlora cannot compute ``adapter`` in ``layer`` (None: it can): PEFT's other variants,
     a B bias under tensor parallelism (each rank would add it), and DoRA where its column norms
-    are not those of a plain local weight (tensor parallelism, GPT-2's transposed ``Conv1D``, a
-    quantized base). (PEFT's ``LoraConfig`` refuses DoRA with a B bias itself.)"""
+    are not those of a plain local weight or of a 4-bit bitsandbytes base (tensor parallelism,
+    GPT-2's transposed ``Conv1D``, other quantized weights). (PEFT's ``LoraConfig``
+    refuses DoRA with a B bias itself.)"""
     why = unsupported_reason(layer, adapter)
     if why is not None:
         return why
@@ -122,8 +140,9 @@ def adapter_blocker(layer: nn.Module, adapter: str) -> Optional[str]:
         base = base_layer_of(layer)
         if not isinstance(base, (nn.Linear, nn.Embedding)):
             return f"DoRA over {type(base).__name__}"
-        if not base.weight.is_floating_point() or not is_plain_weight(base.weight):
-            # (DoRA's norms need the dequantized weight)
+        if quantized_base_kind(layer) not in _DORA_QUANTIZED and (not base.weight.is_floating_point()
+                                                                 or not is_plain_weight(base.weight)):
+            # (DoRA's norms need the dequantized weight: bitsandbytes' 4-bit ones are read)
             return f"DoRA over a quantized {type(base).__name__}"
         if sharded:
             return "DoRA under tensor parallelism"

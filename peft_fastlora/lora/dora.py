@@ -4,7 +4,7 @@ module j is ``scale * (W x + s B A x) + bias``, applied by the expand's epilogue
 zeros.
 
 ``scale`` is the magnitude over the row norms of ``W + s B A`` (PEFT's formula, in the stacks'
-dtype), which reads the whole base weight. It is computed again only where its inputs changed since
+dtype), which reads the whole base weight (dequantized, over a quantized base). It is computed again only where its inputs changed since
 the last time: for PEFT's adapters, the identity, address, shape and value of A, B and the
 magnitude (values compared on the device with a copy taken then: ``sync_tables`` reads every
 site's comparisons back in one host sync per call that uses a DoRA adapter), the scaling, and the base weight's address and version counter; for registered
@@ -19,7 +19,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..compat.adapters import base_bias, dora_base_weight, dora_scale, dora_sources
+from ..compat.adapters import base_bias, dora_base_weight, dora_dense_weight, dora_scale, dora_sources
 from ..compat.modules import version_of
 
 # module index -> (its LoRA layer, a registered adapter's magnitude on the device; None: PEFT's)
@@ -78,9 +78,9 @@ class DoraTables:
     @torch.no_grad()
     def compute(self, work, dtype: torch.dtype) -> None:
         """The scale and shift of these rows (``stale``'s items), and what they were computed from."""
-        for slot, j, layer, weight, a, b, scaling, m, facts, copy in work:
+        for slot, j, layer, _, a, b, scaling, m, facts, copy in work:
             lo, hi = self.offsets[j], self.offsets[j + 1]
-            g = dora_scale(weight, a, b, scaling, m, dtype).float()
+            g = dora_scale(dora_dense_weight(layer), a, b, scaling, m, dtype).float()
             self.scale[slot, lo:hi].copy_(g)
             bias = base_bias(layer)
             if bias is None:

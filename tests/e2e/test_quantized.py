@@ -114,32 +114,60 @@ def test_quantized_generate_with_emulated_graphs_and_slots(saved, quant):
     assert fastlora.get_state(m).graph_runner.stats["replays"] > 0
 
 
-def test_a_dora_adapter_over_quantized_siblings_sharing_a_call_takes_peft_path_for_its_rows(saved):
-    """q/k/v and gate/up share one LoRA call over their 4-bit matmuls; a DoRA adapter there (which
-    fastlora does not compute over a quantized base) is left to PEFT: batches without it stay on
-    fastlora's path and equal PEFT's mixed batch; a batch with it gets PEFT's own answer (PEFT
-    refuses DoRA in a mixed batch), and a batch of its rows alone equals PEFT with it active."""
-    adapters = ALL_SIBLINGS[:1] + (("dora", ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), 4,
-                                    {"use_dora": True}),)
-    m, ref = quantized(saved, "nf4", adapters), quantized(saved, "nf4", adapters)
-    report = fastlora.patch(m)
-    assert report.counts() == {"qkv_nf4": 2, "gate_up_nf4": 2}, report.counts()
-    assert {a for _, a, _ in report.adapter_fallbacks} == {"dora"}, report
-    names = ["sql", "__base__", "sql", "__base__"]
-    torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
-    for model in (m, ref):
-        model.set_adapter("dora")
-    torch.testing.assert_close(logits(m, None), logits(ref, None), atol=1e-5, rtol=1e-5)
-    # (last: after refusing, PEFT's own model keeps refusing plain forwards too)
-    for model in (ref, m):
-        with pytest.raises(ValueError, match="DoRA"):
-            logits(model, ["dora", "sql", "__base__", "dora"])
+def _dora_quantized(saved, quant, adapters):
+    """``quantized`` with DoRA's magnitudes moved off their initial norms (a fresh DoRA adapter's
+    scale is 1 where B A is small), the same in every copy."""
+    model = quantized(saved, quant, adapters)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(torch.rand(p.shape, generator=gen) + 0.5)
+    return model
 
 
-def test_dora_over_a_quantized_base_stays_on_peft(saved):
-    m = quantized(saved, "nf4", ADAPTERS[:1] + (("dora", ("q_proj",), 4, {"use_dora": True}),))
+@pytest.mark.parametrize("quant", ["nf4", "nf4_double", "fp4"])
+def test_dora_over_a_quantized_base_in_mixed_batches(saved, quant):
+    """QDoRA: DoRA adapters over a bitsandbytes base, on fastlora's path beside plain and biased
+    adapters and base rows, q/k/v and gate/up siblings sharing one LoRA call: its column norms read
+    the dequantized weight as PEFT's DoRA layer does. PEFT refuses DoRA in a mixed batch; the
+    oracle is PEFT row by row with that row's adapter active."""
+    from test_dora import peft_rows
+
+    adapters = ALL_SIBLINGS[:2] + (("dora", ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"), 4,
+                                    {"use_dora": True}), ("dora_o", ("o_proj",), 8, {"use_dora": True}))
+    m, ref = _dora_quantized(saved, quant, adapters), _dora_quantized(saved, quant, adapters)
     report = fastlora.patch(m)
-    assert {(a, r) for _, a, r in report.adapter_fallbacks} == {("dora", "DoRA over a quantized Linear4bit")}, report
+    assert report.adapter_fallbacks == [] and report.left_on_peft == [], report
+    kind = KIND[quant]
+    assert report.counts() == {f"qkv_{kind}": 2, f"gate_up_{kind}": 2, f"linear_{kind}": 4}, report.counts()
+    for names in (["dora", "sql", "__base__", "dora_o"], ["chat", "dora", "dora", "__base__"]):
+        torch.testing.assert_close(logits(m, names), peft_rows(ref, names), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(peft_rows(ref, ["dora"] * 4), peft_rows(ref, ["__base__"] * 4))
+
+
+def test_dora_over_an_8bit_base_stays_on_peft(saved):
+    m = quantized(saved, "int8", ADAPTERS[:1] + (("dora", ("q_proj",), 4, {"use_dora": True}),))
+    report = fastlora.patch(m)
+    assert {(a, r) for _, a, r in report.adapter_fallbacks} == {("dora", "DoRA over a quantized Linear8bitLt")}, report
+
+
+def test_dora_over_a_quantized_base_follows_magnitude_edits(saved):
+    """DoRA's column scale is computed once and again only when its inputs change: an edited
+    magnitude is followed at the next call."""
+    from test_dora import peft_rows
+
+    adapters = (("dora", ("q_proj", "v_proj"), 4, {"use_dora": True}),)
+    m, ref = _dora_quantized(saved, "nf4", adapters), _dora_quantized(saved, "nf4", adapters)
+    fastlora.patch(m)
+    names = ["dora", "__base__", "dora", "dora"]
+    torch.testing.assert_close(logits(m, names), peft_rows(ref, names), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        for model in (m, ref):
+            for name, p in model.named_parameters():
+                if "lora_magnitude_vector" in name:
+                    p.mul_(1.7)
+    torch.testing.assert_close(logits(m, names), peft_rows(ref, names), atol=1e-5, rtol=1e-5)
 
 
 def test_quantized_continuous_batching_per_request(saved):
