@@ -261,3 +261,21 @@ def test_graphs_are_off_over_an_8bit_base_with_the_reason(saved):
     assert why is not None and why.startswith("14 bitsandbytes 8-bit layers") and "not capturable" in why, why
     as_gpu.inner = quantized(saved, "nf4").get_base_model()
     assert graphs_wanted(as_gpu) is None
+
+
+def test_a_dora_adapter_registered_by_name_over_a_4bit_base(saved, tmp_path):
+    """A saved DoRA adapter registered by name on a 4-bit model: its column scale computed from the
+    dequantized weight and its slot's A and B, equal to the same folder loaded into PEFT (row by
+    row: PEFT refuses DoRA in a mixed batch)."""
+    from test_dora import peft_rows
+
+    m, ref = quantized(saved, "nf4"), quantized(saved, "nf4")
+    donor = _dora_quantized(saved, "nf4", (("qdora", ("q_proj", "gate_proj", "up_proj"), 4, {"use_dora": True}),))
+    donor.save_pretrained(str(tmp_path))
+    fastlora.patch(m)
+    fastlora.register_adapter(m, "qdora", str(tmp_path / "qdora"))
+    ref.load_adapter(str(tmp_path / "qdora"), adapter_name="qdora")
+    ref.eval()
+    names = ["qdora", "sql", "__base__", "qdora"]
+    torch.testing.assert_close(logits(m, names), peft_rows(ref, names), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(peft_rows(ref, ["qdora"] * 4), peft_rows(ref, ["__base__"] * 4))
