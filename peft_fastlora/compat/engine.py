@@ -156,11 +156,35 @@ def cb_async_blocker() -> Optional[str]:
     return None
 
 
-def _host_io(processor):
-    """The host inputs of the step about to run (with async batching: its pair's)."""
+def cb_async_device_blocker(device) -> Optional[str]:
+    """Why the engine's async batching cannot run on ``device`` (None: it can): it needs the
+    device's streams and events."""
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingAsyncIOs
+
+    kinds = tuple(getattr(ContinuousBatchingAsyncIOs, "_supported_device_types", ("cuda", "xpu")))
+    kind = torch.device(device).type if device is not None else "cpu"
+    if kind not in kinds:
+        return f"transformers' async batching runs on {' or '.join(kinds)} only, and this model is on {kind}"
+    return None
+
+
+def _current_pair(processor):
+    """The IO pair of the step about to run (None without async batching)."""
     ios = processor.inputs_and_outputs
     pairs = getattr(ios, "io_pairs", None)
-    return ios if pairs is None else pairs[ios.current_pair].host_io
+    return None if pairs is None else pairs[ios.current_pair]
+
+
+def _host_io(processor):
+    """The host inputs of the step about to run (with async batching: its pair's)."""
+    pair = _current_pair(processor)
+    return processor.inputs_and_outputs if pair is None else pair.host_io
+
+
+def _step_graph_io(processor):
+    """The IO holding the graphs of the step about to run (with async batching: its pair's device IO)."""
+    pair = _current_pair(processor)
+    return processor.inputs_and_outputs if pair is None else pair.device_io
 
 
 def _graph_ios(processor) -> list:
@@ -168,12 +192,6 @@ def _graph_ios(processor) -> list:
     ios = processor.inputs_and_outputs
     pairs = getattr(ios, "io_pairs", None)
     return [ios] if pairs is None else [pair.device_io for pair in pairs]
-
-
-def _step_graph_io(processor):
-    ios = processor.inputs_and_outputs
-    pairs = getattr(ios, "io_pairs", None)
-    return ios if pairs is None else pairs[ios.current_pair].device_io
 
 
 def cb_step(processor) -> Tuple[list, list, int]:

@@ -13,9 +13,9 @@ the manager's ``add_request`` / ``add_requests`` / ``cancel_request`` / ``stop``
 processor's step, wrapped on the instance. The engine's async batching stays the engine's choice:
 a step's requests are read from the IO pair it was prepared in, the tokens of the step still in
 flight count in the per-request sampling (``StepSampler``), and whoever changes adapters waits for
-the GPU work of the steps launched (``InFlightSteps``). fastlora's decode-attention kernel is switched off
-while a manager runs (the engine accepts only its own attention implementations) and back on
-when the last one stops.
+the GPU work of the steps launched (``InFlightSteps``). fastlora's decode-attention kernel is
+switched off while a manager runs (the engine accepts only its own attention implementations) and
+back on when the last one stops.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from ..compat.attention import register_attention_function, release_attention_function
-from ..compat.engine import (CB_CHILD_MARK, cb_async, cb_cached_manager, cb_capacity, cb_config_for_lora, cb_disable_graphs,
-                             cb_engine_attention_blocker, cb_engine_uses_graphs, cb_fail_requests,
-                             cb_fail_step, cb_graphs_blocker_of_engine, cb_new_request_id,
+from ..compat.engine import (CB_CHILD_MARK, cb_async, cb_async_device_blocker, cb_cached_manager, cb_capacity,
+                             cb_config_for_lora, cb_disable_graphs, cb_engine_attention_blocker, cb_engine_uses_graphs,
+                             cb_fail_requests, cb_fail_step, cb_graphs_blocker_of_engine, cb_new_request_id,
                              cb_processor_factory, cb_processor_steps, cb_request_done, cb_request_ids,
                              cb_set_attention, cb_set_processor_factory, cb_set_processor_steps, cb_step, cb_stream,
                              cb_unset_processor_steps, cb_update_skipping_failed, continuous_batching_blocker)
@@ -266,6 +266,11 @@ class ContinuousBatchingHook:
         registry = self.state.registry  # fewer slots than adapters: no step may need more than the slots
         config, changes = cb_config_for_lora(continuous_batching_config, gen, self.graphs_blocker(),
                                                      None if registry.all_resident else registry.num_slots)
+        if config.use_async_batching:  # asked for: the engine's thread would die on its first step
+            device = self.state.device or next(self.inner.parameters()).device
+            why = cb_async_device_blocker(device)
+            if why is not None:
+                raise ValueError(f"fastlora: use_async_batching=True cannot be served: {why}")
         for change in changes:
             self.state.warn_once(f"continuous batching with per-request adapters: {change}")
         hold = cached is None or not cached._fastlora_holds

@@ -4,12 +4,13 @@ module j is ``scale * (W x + s B A x) + bias``, applied by the expand's epilogue
 zeros.
 
 ``scale`` is the magnitude over the row norms of ``W + s B A`` (PEFT's formula, in the stacks'
-dtype), which reads the whole base weight (dequantized, over a quantized base). It is computed again only where its inputs changed since
-the last time: for PEFT's adapters, the identity, address, shape and value of A, B and the
-magnitude (values compared on the device with a copy taken then: ``sync_tables`` reads every
-site's comparisons back in one host sync per call that uses a DoRA adapter), the scaling, and the base weight's address and version counter; for registered
-adapters (immutable) only when their slot is loaded again. Base weights edited in place through
-``.data`` (which bumps no version counter) are not noticed.
+dtype), which reads the whole base weight (dequantized, over a 4-bit base). It is computed again
+only where its inputs changed since the last time: for PEFT's adapters, the identity, address,
+shape and value of A, B and the magnitude (values compared on the device with a copy taken then:
+``sync_tables`` reads every site's comparisons back in one host sync per call that uses a DoRA
+adapter), the scaling, and the base weight's address and version counter; for registered adapters
+(immutable) only when their slot is loaded again. Base weights edited in place through ``.data``
+(which bumps no version counter) are not noticed.
 """
 
 from __future__ import annotations

@@ -218,3 +218,19 @@ def test_async_batching_stays_the_engines_or_the_callers_choice():
     for asked in (None, True, False):
         config, changes = cb_config_for_lora(cb_config(use_async_batching=asked), None)
         assert config.use_async_batching is asked and not [c for c in changes if "async" in c]
+
+
+def test_async_batching_asked_off_its_devices_is_refused_up_front(pair):
+    """transformers' async batching runs on CUDA (or XPU) streams only: asked for on the CPU, the
+    manager is refused with the reason instead of its thread dying at the first step."""
+    m, _ = pair
+    with pytest.raises(ValueError, match="use_async_batching=True cannot be served: .* on cpu"):
+        m.init_continuous_batching(generation_config=greedy_config(3),
+                                   continuous_batching_config=cb_config(use_async_batching=True))
+    manager = m.init_continuous_batching(generation_config=greedy_config(3),  # unset: served without it
+                                         continuous_batching_config=cb_config())
+    manager.start()
+    try:
+        assert len(collect(manager, [manager.add_request([5, 6, 7], adapter_name="a0")])) == 1
+    finally:
+        manager.stop(block=True)

@@ -224,21 +224,27 @@ def test_torchao_base_model_alone_is_left_as_it_is():
     assert streamed == ["lm_head"] and report.fused_base_groups == 0, (streamed, report)  # the plain LM head alone
 
 
+def _registered_from(saved, donor, name: str, folder):
+    """(patched nf4 model with ``donor``'s adapter ``name`` registered by name from its saved
+    folder, PEFT's nf4 model with the same folder loaded)."""
+    m, ref = quantized(saved, "nf4"), quantized(saved, "nf4")
+    donor.save_pretrained(str(folder))  # an adapter not named "default": into its own folder
+    fastlora.patch(m)
+    fastlora.register_adapter(m, name, str(folder / name))
+    ref.load_adapter(str(folder / name), adapter_name=name)
+    return m, ref.eval()
+
+
 def test_adapters_registered_by_name_over_a_quantized_base(saved, tmp_path):
     """A saved adapter registered by name on a 4-bit model (on single layers and on gate/up, which
     share one LoRA call): its shapes checked against the layers' (not the packed weight's), served
     beside PEFT's adapters, equal to the same folder loaded into PEFT."""
-    m, ref = quantized(saved, "nf4"), quantized(saved, "nf4")
     donor = quantized(saved, "nf4", (("extra", ("q_proj", "down_proj", "gate_proj", "up_proj"), 4, {"lora_bias": True}),))
     with torch.no_grad():
         for name, p in donor.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
-    donor.save_pretrained(str(tmp_path))  # an adapter not named "default": into its own folder
-    fastlora.patch(m)
-    fastlora.register_adapter(m, "extra", str(tmp_path / "extra"))
-    ref.load_adapter(str(tmp_path / "extra"), adapter_name="extra")
-    ref.eval()
+    m, ref = _registered_from(saved, donor, "extra", tmp_path)
     names = ["extra", "sql", "__base__", "extra"]
     torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
 
@@ -269,13 +275,8 @@ def test_a_dora_adapter_registered_by_name_over_a_4bit_base(saved, tmp_path):
     row: PEFT refuses DoRA in a mixed batch)."""
     from test_dora import peft_rows
 
-    m, ref = quantized(saved, "nf4"), quantized(saved, "nf4")
     donor = _dora_quantized(saved, "nf4", (("qdora", ("q_proj", "gate_proj", "up_proj"), 4, {"use_dora": True}),))
-    donor.save_pretrained(str(tmp_path))
-    fastlora.patch(m)
-    fastlora.register_adapter(m, "qdora", str(tmp_path / "qdora"))
-    ref.load_adapter(str(tmp_path / "qdora"), adapter_name="qdora")
-    ref.eval()
+    m, ref = _registered_from(saved, donor, "qdora", tmp_path)
     names = ["qdora", "sql", "__base__", "qdora"]
     torch.testing.assert_close(logits(m, names), peft_rows(ref, names), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(peft_rows(ref, ["qdora"] * 4), peft_rows(ref, ["__base__"] * 4))
