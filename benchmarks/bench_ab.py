@@ -125,7 +125,7 @@ def main(argv=None) -> int:
             table.append(dict(**vers, model=hx.model_label(args.model), method=method, batch=b,
                               adapters=args.adapters if method == "mixed" else 0, runs_per_side=len(got["new"]),
                               old_ms=round(med["old"], 3), new_ms=round(med["new"], 3),
-                              new_over_old=round(med["new"] / med["old"], 4),
+                              new_over_old=round(med["new"] / med["old"], 4) if med["old"] > 0 else "",
                               old_replay_ms=round(rep["old"], 3) if rep["old"] else "",
                               new_replay_ms=round(rep["new"], 3) if rep["new"] else "",
                               replay_new_over_old=round(rep["new"] / rep["old"], 4) if rep["old"] and rep["new"] else "",
