@@ -144,11 +144,13 @@ class FastLoRAState:
             self.continuous.in_flight.wait()
 
     @contextlib.contextmanager
-    def call(self, adapter_names: Optional[Sequence[str]], fold: bool = True):
+    def call(self, adapter_names: Optional[Sequence[str]], fold: bool = True, step: bool = False):
         """One ``generate`` call (or one continuous-batching step): PEFT's adapters are checked and
         the values of the ones the call uses copied into the stacks once, here; the forwards inside
         skip both. Calls from different threads run one after the other. ``fold=False``: the
-        per-call sites keep the fused kernel (continuous-batching steps), nothing is staged."""
+        per-call sites keep the fused kernel, nothing is staged. ``step``: a continuous-batching
+        step, which copies only the values whose version counters moved (the manager's start
+        copies them all: ``values_unknown``)."""
         check_adapter_names(adapter_names)
         current = self.context()
         if current.checked:
@@ -156,10 +158,16 @@ class FastLoRAState:
             return
         with self.call_lock:
             self.sync(adapter_names)
-            folds = self.refresh_values(adapter_names, fold=fold)
+            folds = self.refresh_values(adapter_names, fold=fold, changed_values_only=step)
             with self.calls.entered(current.replace(checked=True, fold=folds, boundary=None)), \
                     on_device(self.device):
                 yield
+
+    def values_unknown(self) -> None:
+        """The next call or engine step copies every adapter value it uses (a manager starting:
+        its steps then copy only what their version counters show changed)."""
+        with self.call_lock:
+            self.slots.values_unknown()
 
     def serve_adapter_names(self, kwargs):
         """In place of PEFT's per-call hooks (``guard_peft_forward_hooks``): a context in
@@ -186,7 +194,7 @@ class FastLoRAState:
     def segments(self, segments: TokenSegments):
         """Forwards run inside (in this thread) hold ``segments`` in their one row: each LoRA layer
         applies each sequence's adapter. One call boundary, as for a ``generate`` call."""
-        with self.call(sorted(set(segments.names)), fold=False):
+        with self.call(sorted(set(segments.names)), fold=False, step=True):
             with self.calls.entered(self.context().replace(segments=segments)):
                 yield
 
@@ -598,9 +606,10 @@ class FastLoRAState:
         """The adapters served, for reports: without ``from_folders``' layer-making adapter of zeros."""
         return [n for n in self.registry.names if n != SCAFFOLD_ADAPTER]
 
-    def refresh_values(self, adapter_names: Optional[Sequence[str]], fold: bool = True) -> bool:
+    def refresh_values(self, adapter_names: Optional[Sequence[str]], fold: bool = True,
+                       changed_values_only: bool = False) -> bool:
         """The call's adapters into the stacks and its fold choice (``SlotLoader.place``)."""
-        folds = self.slots.place(adapter_names, self.generation, fold=fold)
+        folds = self.slots.place(adapter_names, self.generation, fold=fold, changed_values_only=changed_values_only)
         if self.expert_sites and adapter_names:
             slot = self.registry.slot
             placed = {n: slot[n] for n in set(adapter_names) if n in slot}

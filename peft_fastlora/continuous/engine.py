@@ -273,6 +273,7 @@ class ContinuousBatchingHook:
                 raise ValueError(f"fastlora: use_async_batching=True cannot be served: {why}")
         for change in changes:
             self.state.warn_once(f"continuous batching with per-request adapters: {change}")
+        self.state.values_unknown()  # a user's call: its first step reads every value (``.data`` edits too)
         hold = cached is None or not cached._fastlora_holds
         if hold:
             self._suspend_attention()

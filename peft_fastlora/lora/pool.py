@@ -27,10 +27,12 @@ The stacks are copies of PEFT's weights, kept current in two ways:
 - *slots*: with fewer slots than adapters, ``SitePool.load`` puts an adapter in a slot (its
   views, ranks and scalings), in place;
 - *values*: ``SitePool.copies`` lists, per slot, (stack view, PEFT parameter) pairs; the model
-  state copies the values of the adapters a call uses into their views at the start of every call
+  state copies the values of the adapters a ``generate`` call uses into their views at its start
   (``torch._foreach_copy_``), whatever changed them: an optimizer step, ``param.data.add_()``,
   ``copy_`` from a checkpoint. In place, so the stacks keep their addresses and captured graphs
-  stay valid. Nothing relies on version counters, which ``.data`` edits do not bump.
+  stay valid. A continuous-batching step copies only the adapters whose parameters' version
+  counters moved (``ValueRefresher``); its manager's start copies them all, so an edit through
+  ``.data`` (which bumps no counter) reaches the engine at the next manager or ``generate_batch``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 
 from ..compat.adapters import (adapter_blocker, dora_magnitudes, lora_biases, lora_layer_unchanged, lora_weights,
                                watch_lora_layer)
-from ..compat.modules import foreach_copy
+from ..compat.modules import foreach_copy, is_dtensor, version_of
 from ..backend.packed import PackedWeights, block_align
 from ..ops.glu_lora import b_columns
 from ..tuning import Tuning
@@ -525,7 +527,7 @@ class SitePool:
         name = self._slot_name[slot]
         for j, bias in self._bias_of.get(name, {}).items():
             (fixed if name in self._registered else pairs).append((self.bias[slot, self.offsets[j]: self.offsets[j + 1]], bias))
-        self.copies[slot] = pairs  # PEFT's parameters: copied again at every call that uses them
+        self.copies[slot] = pairs  # PEFT's parameters: copied again by the calls that use them
         self._fixed[slot] = fixed
         self._runs[slot] = runs
 
@@ -633,7 +635,13 @@ def copy_values(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 class ValueRefresher:
     """The (stack view, parameter) pairs of every site, per slot, grouped once, so that refreshing
-    the adapters of a call is a few ``torch._foreach_copy_`` calls whatever the number of sites."""
+    the adapters of a call is a few ``torch._foreach_copy_`` calls whatever the number of sites.
+
+    ``refresh(slots)`` copies every pair of those slots (a ``generate`` call: whatever changed the
+    values, ``.data`` edits too). ``refresh(slots, changed_only=True)`` copies the slots whose
+    parameters' version counters moved since their last copy (a continuous-batching step: tens of
+    adapters at every step, most of them unchanged): in-place ops on a parameter (an optimizer
+    step, ``copy_``, ``load_state_dict``) bump its counter, edits through ``.data`` do not."""
 
     def __init__(self, pools: Iterable[SitePool]):
         self.by_slot: Dict[int, Dict[tuple, Tuple[list, list]]] = {}
@@ -641,13 +649,31 @@ class ValueRefresher:
         for pool in pools:
             for slot, pairs in pool.copies.items():
                 pairs_by_slot.setdefault(slot, []).extend(pairs)
+        self._sources: Dict[int, list] = {}  # slot -> its parameters (None: no trusted versions)
         for slot, pairs in pairs_by_slot.items():
             self.by_slot[slot] = _grouped(pairs)
+            sources = [src for _, src in pairs]
+            self._sources[slot] = None if any(is_dtensor(t) for t in sources) else sources
+        self._copied: Dict[int, list] = {}  # slot -> its parameters' versions at its last copy
         self._merged: Dict[tuple, list] = {}  # slot set -> its groups' (dsts, srcs), recent ones
 
+    def _versions(self, slot: int) -> Optional[list]:
+        sources = self._sources.get(slot)
+        if sources is None:
+            return None
+        try:
+            return list(map(version_of, sources))
+        except RuntimeError:  # inference tensors keep no version counter
+            return None
+
     @torch.no_grad()
-    def refresh(self, slots: Iterable[int]) -> None:
+    def refresh(self, slots: Iterable[int], changed_only: bool = False) -> None:
         key = tuple(sorted(set(slots)))
+        versions = {slot: self._versions(slot) for slot in key}
+        if changed_only:
+            key = tuple(s for s in key if versions[s] is None or versions[s] != self._copied.get(s))
+            if not key:
+                return
         merged = self._merged.get(key)
         if merged is None:
             # the same sets recur (a server's steps): their merged lists are kept, a few of them
@@ -663,3 +689,8 @@ class ValueRefresher:
             self._merged[key] = merged
         for dsts, srcs in merged:
             foreach_copy(dsts, srcs)
+        for slot in key:
+            if versions[slot] is None:
+                self._copied.pop(slot, None)
+            else:
+                self._copied[slot] = versions[slot]

@@ -50,16 +50,22 @@ class SlotLoader:
     def sites(self) -> list:
         return self._sites()
 
+    def values_unknown(self) -> None:
+        """The next call copies every value it uses, whatever the version counters say."""
+        self._refresher = None
+
     def moved(self) -> None:
         """Adapters changed slots or stacks were rebuilt: what is read from the slots is rebuilt."""
         self._ranks = None
         self._moved()
 
-    def place(self, adapter_names: Optional[Sequence[str]], generation: int, fold: bool = True) -> bool:
+    def place(self, adapter_names: Optional[Sequence[str]], generation: int, fold: bool = True,
+              changed_values_only: bool = False) -> bool:
         """Put these adapters in slots, copy their current values into the stacks (in place), decide
         whether the call folds the per-call sites (never where ``fold`` is False), stage their A
         blocks where it does, and return that choice. ``generation``: the model state's count of
-        stack rebuilds (the value refresher is rebuilt with them)."""
+        stack rebuilds (the value refresher is rebuilt with them). ``changed_values_only``: copy
+        only the adapters whose parameters' version counters moved (``pool.ValueRefresher``)."""
         self.last_fold = False
         if not adapter_names or not (self.sites or self.registry.names):
             return False
@@ -81,7 +87,7 @@ class SlotLoader:
         if self._refresher is None or self._refresher_key != key:
             self._refresher = ValueRefresher(s.pool for s in self.sites)
             self._refresher_key = key
-        self._refresher.refresh(slots)
+        self._refresher.refresh(slots, changed_only=changed_values_only)
         # DoRA's column scales from the values just copied (one host sync for every site's check)
         sync_tables([p for p in (site.pool.dora_pending(slots) for site in self.sites) if p is not None])
         if folds:  # staged sites: the call's A blocks (current values) under the base weight

@@ -11,7 +11,8 @@ flat lists and compares them with ``map``:
   (``registration_epoch``): checked only when one happened since the adapter's last check;
 - storage (``param.data = ...``, ``model.to``) changes without registration: checked every call.
 
-Values are not checked: they are copied at every call (``pool.ValueRefresher``). Structure (the
+Values are not checked here: ``pool.ValueRefresher`` copies them (at every ``generate`` call; at an
+engine step, where their version counters moved). Structure (the
 adapters and scalings of each layer) stays with ``SitePool.stale``, which is cheap without names.
 """
 

@@ -208,6 +208,56 @@ def test_adapter_changes_wait_for_the_call_in_progress(pair):
     fastlora.patch(m)
 
 
+def _lora_b(model, name):
+    return [mod.lora_B[name].weight for mod in model.modules() if hasattr(mod, "lora_B") and name in mod.lora_B]
+
+
+def test_steps_copy_only_the_adapter_values_that_changed(pair, monkeypatch):
+    """An engine step copies an adapter's values into the stacks only when its parameters'
+    version counters moved: a server's steps copy nothing while no adapter changes, an in-place
+    edit (an optimizer step) is served from the next step, and a manager started afterwards reads
+    every value again, an edit through ``.data`` (which PyTorch does not count) too."""
+    from peft_fastlora.lora import pool
+
+    m, ref = pair
+    copies = []
+    copy = pool.foreach_copy
+    monkeypatch.setattr(pool, "foreach_copy", lambda dsts, srcs, **kw: (copies.append(len(dsts)), copy(dsts, srcs, **kw)))
+    prompts = random_prompts([5, 9, 3], seed=21)
+    names = ["a0", "a1", "__base__"]
+    manager = m.init_continuous_batching(generation_config=greedy_config(6), continuous_batching_config=cb_config())
+    manager.start()
+    try:
+        first_ids = manager.add_requests(prompts, adapter_names=names)
+        first = _collect(manager, first_ids)
+        assert copies, "the manager's first step copies its adapters' values"
+        copies.clear()
+        again_ids = manager.add_requests(prompts, adapter_names=names)
+        again = _collect(manager, again_ids)
+        assert copies == [], copies  # nothing changed: no step copied a value
+        assert [again[i] for i in again_ids] == [first[i] for i in first_ids]
+        with torch.no_grad():  # an optimizer's update: in place, counted
+            for model in (m, ref):
+                for w in _lora_b(model, "a1"):
+                    w.mul_(-3.0)
+        ids = manager.add_requests(prompts, adapter_names=names)
+        edited = _collect(manager, ids)
+        assert copies, "the edited adapter's values are copied"
+    finally:
+        manager.stop(block=True)
+    for rid, prompt, name in zip(ids, prompts, names):
+        assert edited[rid] == peft_alone(ref, prompt, name, 6), name
+    assert edited[ids[1]] != first[first_ids[1]]  # the edit shows in a1's tokens
+    for model in (m, ref):  # through .data: not counted; a new manager reads it
+        for w in _lora_b(model, "a0"):
+            w.data.mul_(-2.0)
+    out = m.generate_batch(prompts, generation_config=greedy_config(6),
+                           continuous_batching_config=cb_config(), adapter_names=names)
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        assert out[f"req_{i}"].generated_tokens == peft_alone(ref, prompt, name, 6), name
+    assert out["req_0"].generated_tokens != edited[ids[0]]  # the edit shows in a0's tokens
+
+
 def test_finished_requests_are_forgotten(pair):
     m, _ = pair
     manager = m.init_continuous_batching(generation_config=greedy_config(3), continuous_batching_config=cb_config())
