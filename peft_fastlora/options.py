@@ -32,7 +32,7 @@ class PatchOptions:
     fuse_silu_mul: Tristate = "auto"
     fuse_kv_write: Tristate = "auto"
     grouped_experts: Tristate = "auto"
-    engine_attention: str = "auto"  # "auto", "varlen" or "engine"
+    engine_attention: str = "auto"  # "auto", "varlen", "paged" or "engine"
     fold_shrink: Tristate = "auto"
     stream_gemm: Tristate = "auto"
     defer_stop_check: bool = True
@@ -61,8 +61,9 @@ class PatchOptions:
         if self.cache_budget_bytes is not None and (
                 isinstance(self.cache_budget_bytes, bool) or int(self.cache_budget_bytes) < 0):
             raise ValueError(f"cache_budget_bytes must be a non-negative int or None, got {self.cache_budget_bytes!r}")
-        if self.engine_attention not in ("auto", "varlen", "engine"):
-            raise ValueError(f"engine_attention must be 'auto', 'varlen' or 'engine', got {self.engine_attention!r}")
+        if self.engine_attention not in ("auto", "varlen", "paged", "engine"):
+            raise ValueError(
+                f"engine_attention must be 'auto', 'varlen', 'paged' or 'engine', got {self.engine_attention!r}")
         if not isinstance(self.tuning, Tuning):
             raise TypeError(f"tuning must be a peft_fastlora.Tuning, got {type(self.tuning).__name__}")
         for name in ("decode_attention", "fuse_norms", "fuse_rotary", "fuse_silu_mul", "fuse_kv_write",

@@ -80,7 +80,10 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             manager runs: ``"auto"`` (``paged|fastlora_varlen``, PyTorch's flash varlen kernel over
             each request's own keys, where it applies: CUDA, fp16 / bf16, transformers 5.17's
             engine; else the engine's own), ``"varlen"`` (always; off CUDA or in fp32 a slow
-            per-request reference, for tests) or ``"engine"`` (the engine's own).
+            per-request reference, for tests), ``"paged"`` (fastlora's Triton kernel reading the
+            engine's paged cache in place, with no gathered copy of the keys: a query block holds
+            a kv head's query heads, the keys split across programs) or ``"engine"`` (the
+            engine's own).
         fold_shrink: store each site's LoRA A under its base weight, so that decode-sized
             forwards get every adapter's shrink from the base GEMM itself and run only the expand
             after it: ``"auto"`` (on CUDA), ``True`` or ``False``. A site whose A rows add at most

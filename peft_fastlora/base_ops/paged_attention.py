@@ -25,11 +25,15 @@ import torch
 from torch import nn
 
 from ..compat.attention import flash_varlen, flash_varlen_has_window, has_flash_varlen
-from ..compat.engine import cb_varlen_attention_name
+from ..compat.engine import (IN_PLACE_KV, cb_full_attention_views, cb_layer_indices, cb_paged_attention_name,
+                             cb_varlen_attention_name)
+from ..kernel_support import triton_missing
+from ..ops.paged_varlen import paged_varlen_attention as paged_kernel
 from ..compat.modules import attn_implementation
 from .attention_registry import _PREV_ATTR as DECODE_PREV_ATTR, ATTN_NAMES as DECODE_NAMES
 
 PAGED_NAME = cb_varlen_attention_name()  # what this transformers' engine accepts
+IN_PLACE_NAME = cb_paged_attention_name()  # the attention that reads the paged cache in place
 _MAX_HEAD_DIM = 256
 
 
@@ -37,6 +41,20 @@ def varlen_blocker(inner: nn.Module, dtype: torch.dtype, device: torch.device) -
     """Why the engine of this model keeps its own attention (None: the flash varlen kernel applies)."""
     return kernel_blocker(dtype, device) or _model_blocker(
         inner, sliding_needs_window=not flash_varlen_has_window())
+
+
+def in_place_blocker(inner: nn.Module, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why the engine of this model cannot read its paged cache through ``ops.paged_varlen``
+    (None: it can; sliding-window layers, which the engine lays out otherwise, take the varlen
+    path per layer)."""
+    why = triton_missing()
+    if why is not None:
+        return why
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"{dtype}"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
+        return "a GPU older than sm80"
+    return _model_blocker(inner, sliding_needs_window=False, needs_flash=False)
 
 
 def kernel_blocker(dtype: torch.dtype, device: torch.device) -> Optional[str]:
@@ -51,7 +69,7 @@ def kernel_blocker(dtype: torch.dtype, device: torch.device) -> Optional[str]:
     return None
 
 
-def _model_blocker(inner: nn.Module, sliding_needs_window: bool) -> Optional[str]:
+def _model_blocker(inner: nn.Module, sliding_needs_window: bool, needs_flash: bool = True) -> Optional[str]:
     cfg = getattr(inner, "config", None)
     current = attn_implementation(inner)
     if current in DECODE_NAMES:  # fastlora's decode attention: the engine runs the model's own
@@ -65,7 +83,7 @@ def _model_blocker(inner: nn.Module, sliding_needs_window: bool) -> Optional[str
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if head_dim > _MAX_HEAD_DIM or head_dim % 8:
         return f"head dim {head_dim}"
-    if not has_flash_varlen():
+    if needs_flash and not has_flash_varlen():
         return f"torch {torch.__version__} has no aten._flash_attention_forward"
     if sliding_needs_window and any(getattr(m, "sliding_window", None) for m in inner.modules()):
         return "sliding windows (this torch's flash varlen kernel takes no window)"
@@ -122,6 +140,12 @@ def paged_varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
                             read_index=kwargs["read_index"], write_index=kwargs["write_index"])
     if isinstance(cu_k, dict):
         cu_k, max_k = cu_k[layer_type], max_k[layer_type]
+    return _attend(module, query, k, v, cu_k, max_q, max_k, scaling, kwargs), None
+
+
+def _attend(module, query, k, v, cu_k, max_q, max_k, scaling, kwargs) -> torch.Tensor:
+    """Each request's queries over its keys k / v (Tk, KVH, D): flash varlen, or the reference."""
+    sliding = getattr(module, "sliding_window", None)
     q = query.transpose(1, 2).squeeze(0)
     scale = scaling if scaling is not None else module.scaling
     window_left = int(sliding) - 1 if sliding else -1
@@ -131,4 +155,39 @@ def paged_varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
                            cu_k.to(torch.int32), int(max_q), int(max_k), scale, window_left)
     else:
         out = varlen_reference(q, k, v, cu_q, cu_k, scale, window_left)
+    return out
+
+
+def paged_in_place_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask, dropout: float = 0.0, scaling: Optional[float] = None, **kwargs):
+    """An attention function for ``AttentionInterface`` under ``IN_PLACE_NAME``: as
+    ``paged_varlen_attention``, but a full-attention layer whose step reads the cache reads it in
+    place (``ops.paged_varlen``: the queries of a kv head's group in one tile, split over the
+    keys), with no gathered copy of the keys and values. From 5.24 the cache's update left the
+    views and the read index in the kwargs (``compat.engine.cb_write_only_updates``); before, the
+    step's new keys and values are written here. Other layers and steps take
+    ``paged_varlen_attention``."""
+    views = kwargs.pop(IN_PLACE_KV, None)
+    if views is not None:  # 5.24 on
+        cu_k, max_q, max_k = kwargs["cu_seq_lens_k"], kwargs["max_length_q"], kwargs["max_length_k"]
+    elif (kwargs.get("cache") is not None and "read_index" in kwargs and kwargs.get("block_table") is None
+          and not dropout):
+        cache, layer = kwargs["cache"], module.layer_idx
+        found = cb_full_attention_views(cache, layer)
+        read_index, write_index = cb_layer_indices(cache, layer, kwargs) if found is not None else (None, None)
+        if found is not None and read_index.numel():
+            for view, new in zip(found, (key, value)):
+                view.index_copy_(0, write_index, new.squeeze(0).transpose(0, 1))
+            views = (*found, read_index)
+            cu_k, max_q, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_q"], kwargs["max_seqlen_k"]
+    if views is None:
+        return paged_varlen_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if isinstance(cu_k, dict):
+        cu_k, max_k = cu_k["full_attention"], max_k["full_attention"]
+    k_view, v_view, read_index = views
+    sliding = getattr(module, "sliding_window", None)
+    scale = scaling if scaling is not None else module.scaling
+    out = paged_kernel(query.transpose(1, 2).squeeze(0), k_view, v_view, read_index,
+                       kwargs["cu_seq_lens_q"].to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), scale,
+                       int(sliding) - 1 if sliding else -1)
     return out, None

@@ -85,6 +85,80 @@ def cb_varlen_attention_name() -> str:
     return "fastlora_flash_varlen" if _paged_update_form()[0] == "in_model" else "paged|fastlora_varlen"
 
 
+def cb_paged_attention_name() -> str:
+    """The name fastlora's in-place paged attention is registered under (the same forms as
+    ``cb_varlen_attention_name``; no digit after "flash": the engine would take it for flash
+    attention 2 or 3 and look for its block-table kernel)."""
+    return "fastlora_flash_paged" if _paged_update_form()[0] == "in_model" else "paged|fastlora_paged"
+
+
+def cb_full_attention_views(cache, layer_idx: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """The (slots, KVH, D) key and value views of a full-attention layer of the engine's paged
+    cache, which its write and read indices address (None: a sliding-window layer, or a cache
+    laid out otherwise)."""
+    if _paged_update_form()[0] == "in_model":
+        from transformers.generation.continuous_batching.cache_allocators.full_attention import (
+            FullAttentionCacheAllocator)
+
+        allocator = getattr(cache, "layer_to_allocator", {}).get(layer_idx)
+        if type(allocator) is not FullAttentionCacheAllocator:
+            return None
+        return allocator._kv_token_views.get(layer_idx)
+    groups = getattr(cache, "layer_index_to_group_indices", None)
+    if groups is None or layer_idx not in groups or cache.sliding_windows[layer_idx] != 1:
+        return None
+    _, in_group = groups[layer_idx]
+    return cache.key_cache[in_group], cache.value_cache[in_group]
+
+
+def cb_layer_indices(cache, layer_idx: int, kwargs: dict) -> Tuple[torch.Tensor, torch.Tensor]:
+    """This layer's (read index, write index) out of the step's attention kwargs."""
+    if _paged_update_form()[0] == "in_model":
+        index = cache.layer_to_allocator[layer_idx].index
+    else:
+        index = cache.layer_index_to_group_indices[layer_idx][0]
+    return kwargs["read_index"][index], kwargs["write_index"][index]
+
+
+IN_PLACE_KV = "fastlora_kv_in_place"  # the kwargs key: (key view, value view, read index) of the layer
+
+
+def cb_write_only_updates(cache) -> None:
+    """From 5.24 the model's attention calls ``cache.update(key, value, layer_idx, kwargs)``, which
+    writes the step's new keys and values and gathers a copy of every key the step reads. Make
+    this cache's update write only, for full-attention layers whose step reads the cache: it
+    leaves (key view, value view, read index) in ``kwargs[IN_PLACE_KV]`` for the attention
+    function, which reads the cache in place, and returns the new tokens' states unchanged. A
+    block-table step, a sliding-window layer or a step with nothing to read keeps the update."""
+    update = cache.update
+
+    def write_only(key_states, value_states, layer_idx, kwargs):
+        views = None if kwargs.get("block_table") is not None else cb_full_attention_views(cache, layer_idx)
+        read_index, write_index = cb_layer_indices(cache, layer_idx, kwargs) if views is not None else (None, None)
+        if views is None or read_index.numel() == 0:
+            kwargs.pop(IN_PLACE_KV, None)
+            return update(key_states, value_states, layer_idx, kwargs)
+        allocator = cache.layer_to_allocator[layer_idx]
+        kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type].to(torch.int32)
+        kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]
+        k_view, v_view = views
+        k_view.index_copy_(0, write_index, key_states.squeeze(0).transpose(0, 1))
+        v_view.index_copy_(0, write_index, value_states.squeeze(0).transpose(0, 1))
+        kwargs[IN_PLACE_KV] = (k_view, v_view, read_index)
+        return key_states, value_states
+
+    cache.update = write_only
+    cache._fastlora_write_only = True
+
+
+def cb_in_place_cache(processor) -> None:
+    """Prepare a batch processor's cache for an attention that reads it in place: from 5.24 its
+    update writes only (``cb_write_only_updates``); before, the attention function writes itself."""
+    cache = processor.cache
+    if _paged_update_form()[0] == "in_model" and not getattr(cache, "_fastlora_write_only", False):
+        cb_write_only_updates(cache)
+
+
 def cb_set_attention(model: nn.Module, name: str) -> None:
     """Make ``name`` (a registered attention function) the model's attention. A name containing
     "flash" is set on the config directly: ``set_attn_implementation`` would look it up as a flash

@@ -30,8 +30,8 @@ from typing import Dict, List, Optional, Sequence
 from ..compat.attention import register_attention_function, release_attention_function
 from ..compat.engine import (CB_CHILD_MARK, cb_async, cb_async_device_blocker, cb_cached_manager, cb_capacity,
                              cb_config_for_lora, cb_disable_graphs, cb_engine_attention_blocker, cb_engine_uses_graphs,
-                             cb_fail_requests, cb_fail_step, cb_graphs_blocker_of_engine, cb_new_request_id,
-                             cb_processor_factory, cb_processor_steps, cb_request_done, cb_request_ids,
+                             cb_fail_requests, cb_fail_step, cb_graphs_blocker_of_engine, cb_in_place_cache,
+                             cb_new_request_id, cb_processor_factory, cb_processor_steps, cb_request_done, cb_request_ids,
                              cb_set_attention, cb_set_processor_factory, cb_set_processor_steps, cb_step, cb_stream,
                              cb_unset_processor_steps, cb_update_skipping_failed, continuous_batching_blocker)
 from ..compat.modules import (attn_implementation, cb_vocab_size, model_dtype, multi_device_reason,
@@ -39,7 +39,8 @@ from ..compat.modules import (attn_implementation, cb_vocab_size, model_dtype, m
 from ..compat.tensor_parallel import tensor_parallel_reason
 from ..base_ops.attention_registry import (decode_attention_enabled, disable_decode_attention,
                                            enable_decode_attention)
-from ..base_ops.paged_attention import PAGED_NAME, kernel_blocker, paged_varlen_attention, varlen_blocker
+from ..base_ops.paged_attention import (IN_PLACE_NAME, PAGED_NAME, in_place_blocker, kernel_blocker,
+                                       paged_in_place_attention, paged_varlen_attention, varlen_blocker)
 from ..batch import TokenSegments
 from ..decode.capture import GraphUnsafe
 from ..instance_methods import InstancePatches
@@ -127,7 +128,7 @@ class ContinuousBatchingHook:
         self._running = 0  # managers started and not stopped
         self._attention_suspended = False
         self._plain_attention: Optional[str] = None  # the model's own, while managers run
-        self._varlen_registered = False  # PAGED_NAME registered for this model's managers
+        self._varlen_registered = False  # fastlora's engine attention registered for this model's managers
         self._lock = threading.Lock()
         self.in_flight = InFlightSteps()  # async batching: steps whose GPU work outlasts their call
         if self.blocker is None:
@@ -199,9 +200,11 @@ class ContinuousBatchingHook:
             return "some LoRA layers are left on PEFT's path, which a graph would replay with stale indices"
         # judged on the dtype and device alone: while a manager runs, the model's attention is the
         # varlen one itself (a model that cannot take it never gets a manager with "varlen")
-        if (state.options.engine_attention == "varlen" and state.device is not None
+        choice = state.options.engine_attention
+        if (choice in ("varlen", "paged") and state.device is not None
                 and kernel_blocker(model_dtype(self.inner), state.device) is not None):
-            return "engine_attention='varlen' off fp16 / bf16 CUDA runs a per-request reference that syncs with the host"
+            return (f"engine_attention={choice!r} off fp16 / bf16 CUDA runs a per-request reference that syncs "
+                    "with the host")
         return None
 
     def _check_servable(self, names: Sequence[str]) -> None:
@@ -301,28 +304,37 @@ class ContinuousBatchingHook:
                 self._use_varlen_attention()
 
     def varlen_blocker(self) -> Optional[str]:
-        """Why the engine keeps its own attention instead of fastlora's varlen one (None: it
-        takes it; see ``base_ops.paged_attention``)."""
+        """Why the engine keeps its own attention instead of one of fastlora's (None: it takes
+        ``attention_name()``; see ``base_ops.paged_attention``)."""
         choice = self.state.options.engine_attention
         if choice == "engine":
             return "engine_attention='engine'"
         why = cb_engine_attention_blocker()
         if why is None and choice == "auto":
             why = varlen_blocker(self.inner, model_dtype(self.inner), self.state.device)
+        if why is None and choice == "paged":
+            why = in_place_blocker(self.inner, model_dtype(self.inner), self.state.device)
         return why
+
+    def attention_name(self) -> str:
+        """The attention fastlora gives the engine: read in place ("paged"), or gathered first."""
+        return IN_PLACE_NAME if self.state.options.engine_attention == "paged" else PAGED_NAME
 
     def _use_varlen_attention(self):
         why = self.varlen_blocker()
+        choice = self.state.options.engine_attention
         if why is not None:
-            if self.state.options.engine_attention == "varlen":
-                raise ValueError(f"fastlora: engine_attention='varlen' cannot be served: {why}")
+            if choice in ("varlen", "paged"):
+                raise ValueError(f"fastlora: engine_attention={choice!r} cannot be served: {why}")
             self.state.warn_once(f"continuous batching keeps the engine's attention: {why}")
             return
-        register_attention_function(PAGED_NAME, paged_varlen_attention, mask=None)
+        name = self.attention_name()
+        register_attention_function(name, paged_in_place_attention if name == IN_PLACE_NAME else paged_varlen_attention,
+                                    mask=None)
         try:
-            cb_set_attention(self.inner, PAGED_NAME)
+            cb_set_attention(self.inner, name)
         except BaseException:
-            release_attention_function(PAGED_NAME)
+            release_attention_function(name)
             raise
         self._varlen_registered = True
 
@@ -342,12 +354,13 @@ class ContinuousBatchingHook:
         with self._lock:
             self._running = 0 if force else max(0, self._running - 1)
             if self._running == 0:
-                if self._plain_attention is not None and attn_implementation(self.inner) == PAGED_NAME:
+                name = self.attention_name()
+                if self._plain_attention is not None and attn_implementation(self.inner) == name:
                     set_attn_implementation(self.inner, self._plain_attention)
                 self._plain_attention = None
                 if self._varlen_registered:
                     self._varlen_registered = False
-                    release_attention_function(PAGED_NAME)
+                    release_attention_function(name)
             if self._running == 0 and self._attention_suspended:
                 self._attention_suspended = False
                 if self.active and not force:
@@ -433,6 +446,8 @@ class ContinuousBatchingHook:
 
         def create_():
             processor = create()
+            if hook._varlen_registered and hook.attention_name() == IN_PLACE_NAME:
+                cb_in_place_cache(processor)
             if not getattr(processor, "_fastlora_enabled", False):
                 hook._wrap_step(processor, adapters, records)
                 manager.fastlora_graphs = processor._fastlora_graphs

@@ -18,7 +18,8 @@ import peft_fastlora as fastlora
 from peft_fastlora.compat.engine import cb_engine_attention_blocker
 from peft_fastlora.compat.modules import attn_implementation
 from peft_fastlora import get_state
-from peft_fastlora.base_ops.paged_attention import PAGED_NAME, varlen_reference
+from peft_fastlora.base_ops.paged_attention import IN_PLACE_NAME, PAGED_NAME, varlen_reference
+from peft_fastlora.kernel_support import interpreting
 
 from _continuous import cb_config, greedy_config, peft_alone, random_prompts, requires_cb
 from _models import build_peft_lm
@@ -95,6 +96,50 @@ def test_engine_through_varlen_attention_equals_peft_per_request():
     finally:
         fastlora.unpatch(m)
     assert seen == [PAGED_NAME, "eager"]  # on while the manager ran, the model's own after
+    for rid, p, n in zip(ids, prompts, names):
+        assert done[rid] == peft_alone(ref, p, n, 6), (n, len(p))
+
+
+@cb
+@pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
+@pytest.mark.skipif(not interpreting(), reason="the kernel runs on CPU under TRITON_INTERPRET=1")
+def test_engine_reading_its_cache_in_place_equals_peft_per_request(monkeypatch):
+    """``engine_attention="paged"``: every step that reads the cache goes through the in-place
+    kernel (decode rows and prefill chunks with history beside each other), none through a
+    gathered copy of the cache; every request's tokens equal PEFT's for its prompt alone."""
+    from peft_fastlora.base_ops import paged_attention
+
+    m = build_peft_lm("llama")
+    ref = copy.deepcopy(m)
+    fastlora.patch(m, engine_attention="paged")
+    kernel_steps, gathers = [], []
+    kernel, index_select = paged_attention.paged_kernel, torch.index_select
+    monkeypatch.setattr(paged_attention, "paged_kernel",
+                        lambda q, *a: (kernel_steps.append(q.shape[0]), kernel(q, *a))[1])
+    monkeypatch.setattr(torch, "index_select", lambda *a, **k: (gathers.append(1), index_select(*a, **k))[1])
+    seen = []
+    try:
+        inner = get_state(m).inner
+        manager = m.init_continuous_batching(generation_config=greedy_config(6),
+                                             continuous_batching_config=cb_config(max_batch_tokens=16))
+        seen.append(attn_implementation(inner))
+        manager.start()
+        prompts = random_prompts([3, 17, 9, 30, 1], seed=11)
+        names = ["a0", "a1", "__base__", "a2", "a1"]
+        ids = [manager.add_request(p, adapter_name=n) for p, n in zip(prompts, names)]
+        done = {}
+        while len(done) < len(ids):
+            r = manager.get_result(timeout=60)
+            assert r is not None
+            if r.is_finished():
+                assert r.error is None, r.error
+                done[r.request_id] = list(r.generated_tokens)
+        manager.stop(block=True)
+        seen.append(attn_implementation(inner))
+    finally:
+        fastlora.unpatch(m)
+    assert seen == [IN_PLACE_NAME, "eager"]
+    assert kernel_steps and not gathers, (len(kernel_steps), len(gathers))
     for rid, p, n in zip(ids, prompts, names):
         assert done[rid] == peft_alone(ref, p, n, 6), (n, len(p))
 

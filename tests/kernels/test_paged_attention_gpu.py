@@ -1,7 +1,8 @@
-"""``paged|fastlora_varlen`` on the GPU: PyTorch's flash varlen kernel against the per-request
-reference (fp16 / bf16, grouped heads, queries shorter than keys, decode rows, windows), the
-engine through the reference path in fp32 (eager) giving PEFT's tokens per request, and a bf16
-engine through the kernel and the engine's graphs."""
+"""fastlora's attentions for the engine on the GPU: PyTorch's flash varlen kernel and the in-place
+paged kernel (``ops.paged_varlen``) against the per-request reference (fp16 / bf16, grouped heads,
+queries shorter than keys, decode rows, windows, long contexts split over the keys), the engine
+through the reference path and through the in-place kernel in fp32 giving PEFT's tokens per
+request, and a bf16 engine through each attention and the engine's graphs."""
 
 import math
 
@@ -13,7 +14,8 @@ from peft_fastlora.compat.attention import flash_varlen, flash_varlen_has_window
 from peft_fastlora.compat.engine import cb_engine_attention_blocker
 from peft_fastlora.compat.modules import attn_implementation
 from peft_fastlora import get_state
-from peft_fastlora.base_ops.paged_attention import PAGED_NAME, varlen_reference
+from peft_fastlora.base_ops.paged_attention import IN_PLACE_NAME, PAGED_NAME, varlen_reference
+from peft_fastlora.ops.paged_varlen import paged_varlen_attention
 
 from _continuous import cb_config, greedy_config, peft_alone, serve as _serve
 from _graphs import traffic_model as _model, traffic_prompts as _prompts
@@ -42,6 +44,48 @@ def test_flash_varlen_matches_the_reference(dtype, heads, kv_heads, dim, window)
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, dim, window", [(32, 8, 128, -1), (28, 4, 128, -1), (8, 2, 64, 5)])
+def test_paged_kernel_matches_the_reference(dtype, heads, kv_heads, dim, window):
+    """Keys read through a read index from a larger cache in a random order; decode rows with
+    short and long contexts (split over the keys) beside prefill chunks; 8B's heads, a group of 7."""
+    g = torch.Generator().manual_seed(heads + dim)
+    q_lens = [1, 1, 37, 5, 1, 130, 2, 1]
+    k_lens = [1, 3000, 37, 90, 17, 200, 2, 1200]
+    cu_q = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + torch.tensor(k_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    slots = 2 * sum(k_lens)
+    q = torch.randn(int(cu_q[-1]) + 4, heads, dim, generator=g).to("cuda", dtype)
+    k_cache = torch.randn(slots, kv_heads, dim, generator=g).to("cuda", dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=g).to("cuda", dtype)
+    read_index = torch.randperm(slots, generator=g)[:sum(k_lens)].cuda()
+    scale = 1 / math.sqrt(dim)
+    got = paged_varlen_attention(q, k_cache, v_cache, read_index, cu_q, cu_k, max(q_lens), max(k_lens), scale, window)
+    want = varlen_reference(q.float(), k_cache[read_index].float(), v_cache[read_index].float(), cu_q, cu_k,
+                            scale, window)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+@pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
+def test_engine_reading_its_cache_in_place_fp32_equals_peft():
+    m, ref = _model(), _model()
+    fastlora.patch(m, engine_attention="paged")
+    try:
+        prompts, names = _prompts(8, seed=23)
+        manager = m.init_continuous_batching(generation_config=greedy_config(12),
+                                             continuous_batching_config=cb_config(num_blocks=128))
+        assert attn_implementation(get_state(m).inner) == IN_PLACE_NAME
+        manager.start()
+        try:
+            out = _serve(manager, list(zip(prompts, names, [12] * 8)))
+        finally:
+            manager.stop(block=True)
+    finally:
+        fastlora.unpatch(m)
+    for tokens, p, n in zip(out, prompts, names):
+        assert tokens == peft_alone(ref, p, n, 12), (n, len(p))
+
+
 @pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
 def test_engine_through_the_reference_fp32_equals_peft():
     m, ref = _model(), _model()
@@ -64,7 +108,7 @@ def test_engine_through_the_reference_fp32_equals_peft():
 
 
 @pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
-@pytest.mark.parametrize("choice", ["auto", "varlen"])
+@pytest.mark.parametrize("choice", ["auto", "varlen", "paged"])
 def test_engine_bf16_through_the_kernel_and_graphs(choice):
     m = _model(seed=6).to(torch.bfloat16)
     fastlora.patch(m, engine_attention=choice)
@@ -74,14 +118,15 @@ def test_engine_bf16_through_the_kernel_and_graphs(choice):
         manager = m.init_continuous_batching(generation_config=greedy_config(16),
                                              continuous_batching_config=cb_config(max_batch_tokens=128, num_blocks=256,
                                                                                   use_cuda_graph=True))
-        assert attn_implementation(inner) == PAGED_NAME
+        name = IN_PLACE_NAME if choice == "paged" else PAGED_NAME
+        assert attn_implementation(inner) == name
         manager.warmup()
         manager.start()
         try:
             out = _serve(manager, list(zip(prompts, names, [16] * 24)))
         finally:
             manager.stop(block=True)
-        assert attn_implementation(inner) != PAGED_NAME  # the model's own again
+        assert attn_implementation(inner) != name  # the model's own again
         stats = manager.fastlora_graphs.stats
         assert stats["graphed_steps"] > 0 and stats["eager_steps"] == 0, stats
         for tokens in out:

@@ -1,0 +1,114 @@
+"""The paged varlen attention kernel (``ops/paged_varlen.py``) under Triton's interpreter.
+
+Against the per-request torch reference on the keys gathered out of the cache: decode rows,
+prefill chunks with history and whole prompts in one step, grouped heads (1, 2, 3 and 4 query
+heads a kv head: a group that is not a power of two pads its rows), left windows, one split and
+several, cache slots in a random order inside a larger cache, padded requests with no queries and
+padded query rows past the last request (left zero), head dims 16 and 24. fp32 and fp16 here
+(the interpreter keeps bf16 as raw bits); bf16 is the GPU tier's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from peft_fastlora.base_ops.paged_attention import varlen_reference  # noqa: E402
+from peft_fastlora.ops import paged_varlen as pv  # noqa: E402
+from peft_fastlora.kernel_support import interpreting  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="CPU tests run under TRITON_INTERPRET=1")
+
+# (dtype, atol, rtol): both sides accumulate in fp32; fp32 differs by summation order, fp16 by the
+# rounding of the probabilities fed to the second product and of the output
+TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.float16: (3e-3, 3e-3)}
+
+
+def _case(q_lens, k_lens, heads, kv_heads, dim, dtype, seed, pad_tokens=0, pad_seqs=0):
+    g = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()) + [sum(q_lens)] * pad_seqs,
+                        dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(k_lens).cumsum(0).tolist()) + [sum(k_lens)] * pad_seqs,
+                        dtype=torch.int32)
+    slots = 3 * sum(k_lens) + 5  # a larger cache, its slots handed out in a random order
+    k_cache = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    read_index = torch.randperm(slots, generator=g)[:sum(k_lens)]
+    q = torch.randn(sum(q_lens) + pad_tokens, heads, dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, read_index, cu_q, cu_k
+
+
+def _reference(q, k_cache, v_cache, read_index, cu_q, cu_k, scale, window):
+    k, v = k_cache[read_index].float(), v_cache[read_index].float()
+    return varlen_reference(q.float(), k, v, cu_q.long(), cu_k.long(), scale, window)
+
+
+def _check(q_lens, k_lens, heads, kv_heads, dim, dtype, window=-1, seed=0, pad_tokens=0, pad_seqs=0, splits=None,
+           monkeypatch=None):
+    q, kc, vc, idx, cu_q, cu_k = _case(q_lens, k_lens, heads, kv_heads, dim, dtype, seed, pad_tokens, pad_seqs)
+    if splits is not None:
+        config = pv.paged_varlen_config
+        monkeypatch.setattr(pv, "paged_varlen_config", lambda *a: {**config(*a), "SPLITS": splits})
+    scale = 1 / math.sqrt(dim)
+    got = pv.paged_varlen_attention(q, kc, vc, idx, cu_q, cu_k, max(q_lens), max(k_lens), scale, window)
+    want = _reference(q, kc, vc, idx, cu_q, cu_k, scale, window)
+    atol, rtol = TOLERANCES[dtype]
+    assert got.dtype == q.dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+    if pad_tokens:
+        assert not got[sum(q_lens):].any()  # padded query rows stay zero
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (6, 2), (8, 4)])
+def test_decode_rows_equal_the_reference(dtype, heads, kv_heads):
+    """One query per request (the engine's decode-only steps: one query a block)."""
+    _check([1, 1, 1, 1], [9, 1, 40, 17], heads, kv_heads, 16, dtype, seed=heads + kv_heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("window", [-1, 6])
+def test_mixed_steps_equal_the_reference(dtype, window):
+    """Decode rows, a prefill chunk with history, a whole prompt and a chunk longer than a query
+    block in one step, with padded requests and padded query rows."""
+    _check([1, 5, 9, 1, 23], [12, 5, 30, 1, 23], 8, 2, 16, dtype, window=window, seed=7, pad_tokens=3, pad_seqs=2)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_splits_merge_to_the_same_output(splits, monkeypatch):
+    """The keys cut into ranges per split, merged by their log-sum-exp: the same as one pass, with
+    ranges left empty where a request has fewer key blocks than splits."""
+    _check([1, 3, 1], [70, 35, 2], 4, 2, 16, torch.float32, seed=11, splits=splits, monkeypatch=monkeypatch)
+
+
+def test_head_dim_padded_and_a_strided_query():
+    """A head dim that is not a power of two (24: padded to 32 in the tile) and q as the engine
+    hands it, a transposed view of (1, H, Tq, D)."""
+    q, kc, vc, idx, cu_q, cu_k = _case([1, 6], [10, 6], 4, 2, 24, torch.float32, seed=3)
+    q_view = q.transpose(0, 1).contiguous().transpose(0, 1)  # (Tq, H, D) with the engine's strides
+    assert not q_view.is_contiguous()
+    got = pv.paged_varlen_attention(q_view, kc, vc, idx, cu_q, cu_k, 6, 10, 0.2)
+    torch.testing.assert_close(got, _reference(q, kc, vc, idx, cu_q, cu_k, 0.2, -1), atol=2e-5, rtol=2e-5)
+
+
+def test_the_grid_is_set_by_shapes_only():
+    """Tiles and splits come from host ints (the same for every replay of a captured shape):
+    decode-only steps take one query a block, others fill the rows; splits never exceed the
+    key blocks."""
+    cpu = torch.device("cpu")
+    decode = pv.paged_varlen_config(32, 32, 8, 4, 1, 500, cpu)
+    assert decode["BLOCK_Q"] == 1 and decode["BLOCK_M"] == 16 and decode["blocks"] == 64
+    mixed = pv.paged_varlen_config(300, 40, 8, 4, 200, 500, cpu)
+    assert mixed["BLOCK_Q"] * mixed["G_PAD"] == 64 and mixed["blocks"] == 300 // mixed["BLOCK_Q"] + 40
+    assert pv.paged_varlen_config(4, 4, 1, 1, 1, 3, cpu)["SPLITS"] == 1
+
+
+def test_bad_shapes_are_refused():
+    q, kc, vc, idx, cu_q, cu_k = _case([1], [4], 6, 4, 16, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="not a multiple"):
+        pv.paged_varlen_attention(q, kc, vc, idx, cu_q, cu_k, 1, 4, 0.25)
