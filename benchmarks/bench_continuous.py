@@ -21,6 +21,8 @@ at once (offline throughput). Modes, each on the same requests:
 - ``fastlora`` / ``fastlora_graphs`` / ``fastlora_varlen``: the patched PeftModel through the engine,
   one adapter per request (``add_request(..., adapter_name=...)``), graphs off / on / on with the
   varlen attention (``patch(engine_attention=...)``: "engine" for the first two, "varlen" for the third);
+- ``base_patched_paged`` / ``fastlora_paged``: graphs on, the engine's paged cache read in place
+  (``engine_attention="paged"``);
 - ``static``: the patched model through ``generate`` in static batches of ``--static-batch`` rows
   (left-padded; every row waits for the longest), on the first ``--static-requests`` requests;
 - ``peft``: PEFT's own mixed-batch ``generate`` (unpatched) in the same static batches, on a sample:
@@ -243,10 +245,11 @@ def pct(values, q):
 
 
 MODES = ["base", "base_graphs", "base_varlen", "base_patched", "base_patched_graphs", "base_patched_varlen",
-         "fastlora", "fastlora_graphs", "fastlora_varlen", "static", "peft"]
+         "base_patched_paged", "fastlora", "fastlora_graphs", "fastlora_varlen", "fastlora_paged", "static", "peft"]
 # each fastlora mode's references: the patched base model and the unpatched one, same engine mode
 REFERENCES = {"fastlora": ("base_patched", "base"), "fastlora_graphs": ("base_patched_graphs", "base_graphs"),
-              "fastlora_varlen": ("base_patched_varlen", "base_varlen")}
+              "fastlora_varlen": ("base_patched_varlen", "base_varlen"),
+              "fastlora_paged": ("base_patched_paged", "base_varlen")}
 
 
 def varlen_attention_on(model, on: bool):
@@ -266,7 +269,7 @@ def varlen_attention_on(model, on: bool):
 
 
 def engine_attention(mode: str) -> str:
-    return "varlen" if mode.endswith("_varlen") else "engine"
+    return {"_varlen": "varlen", "_paged": "paged"}.get(mode[mode.rfind("_"):], "engine")
 
 
 def run_mode(mode, base, model, reqs, args):
@@ -275,7 +278,7 @@ def run_mode(mode, base, model, reqs, args):
     adapters changes the base model's modules in place)."""
     import peft_fastlora as fastlora
 
-    graphs = mode.endswith(("_graphs", "_varlen"))
+    graphs = mode.endswith(("_graphs", "_varlen", "_paged"))
     if mode in ("base", "base_graphs", "base_varlen"):
         varlen_attention_on(base, mode == "base_varlen")
         try:

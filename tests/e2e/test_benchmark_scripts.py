@@ -137,9 +137,12 @@ def test_bench_continuous_smoke(tmp_path):
     """Each fastlora mode is set against the patched base model through the same engine and the
     unpatched one."""
     _run([os.path.join(BENCH, "bench_continuous.py"), "--smoke", "--modes", "base", "base_patched", "fastlora",
-          "static", "peft", "base_varlen", "fastlora_varlen", "--profile", "0.01", "--out", str(tmp_path)])
+          "static", "peft", "base_varlen", "fastlora_varlen", "fastlora_paged", "--profile", "0.01",
+          "--out", str(tmp_path)])
     rows = {r["mode"]: r for r in _csv(tmp_path / "continuous_tiny_cpu.csv")}
-    assert set(rows) == {"base", "base_patched", "fastlora", "static", "peft", "base_varlen", "fastlora_varlen"}
+    assert set(rows) == {"base", "base_patched", "fastlora", "static", "peft", "base_varlen", "fastlora_varlen",
+                         "fastlora_paged"}
+    assert float(rows["fastlora_paged"]["tokens_per_s"]) > 0 and rows["fastlora_paged"]["requests"] == "12"
     assert float(rows["fastlora"]["time_per_token_vs_base_patched"]) > 0
     assert float(rows["fastlora"]["time_per_token_vs_base"]) > 0
     # fastlora's hook counts a patched model's steps and times its loop's phases; nothing counts the
