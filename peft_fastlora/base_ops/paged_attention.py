@@ -43,10 +43,17 @@ def varlen_blocker(inner: nn.Module, dtype: torch.dtype, device: torch.device) -
         inner, sliding_needs_window=not flash_varlen_has_window())
 
 
+def forced_varlen_blocker(inner: nn.Module, device: torch.device) -> Optional[str]:
+    """Why ``engine_attention="varlen"`` would give this model wrong results (None: it would not;
+    off fp16 / bf16 CUDA it runs the per-request reference)."""
+    return _model_blocker(inner, sliding_needs_window=device.type == "cuda" and not flash_varlen_has_window(),
+                          needs_flash=False)
+
+
 def in_place_blocker(inner: nn.Module, dtype: torch.dtype, device: torch.device) -> Optional[str]:
     """Why the engine of this model cannot read its paged cache through ``ops.paged_varlen``
-    (None: it can; sliding-window layers, which the engine lays out otherwise, take the varlen
-    path per layer)."""
+    (None: it can; sliding-window layers, which the engine lays out otherwise, and steps with
+    nothing to read take the varlen path)."""
     why = triton_missing()
     if why is not None:
         return why
@@ -54,7 +61,7 @@ def in_place_blocker(inner: nn.Module, dtype: torch.dtype, device: torch.device)
         return f"{dtype}"
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
         return "a GPU older than sm80"
-    return _model_blocker(inner, sliding_needs_window=False, needs_flash=False)
+    return forced_varlen_blocker(inner, device)
 
 
 def kernel_blocker(dtype: torch.dtype, device: torch.device) -> Optional[str]:
@@ -85,9 +92,26 @@ def _model_blocker(inner: nn.Module, sliding_needs_window: bool, needs_flash: bo
         return f"head dim {head_dim}"
     if needs_flash and not has_flash_varlen():
         return f"torch {torch.__version__} has no aten._flash_attention_forward"
-    if sliding_needs_window and any(getattr(m, "sliding_window", None) for m in inner.modules()):
+    windowed = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+    if sliding_needs_window and (windowed or any(getattr(m, "sliding_window", None) for m in inner.modules())):
         return "sliding windows (this torch's flash varlen kernel takes no window)"
     return None
+
+
+def _window(module: nn.Module, kwargs: dict) -> Optional[int]:
+    """The layer's sliding window (None: full attention). Some models pass it to the attention
+    function (Mistral's attention has no attribute for it); others keep it on the module."""
+    if "sliding_window" in kwargs:
+        return kwargs["sliding_window"]
+    return getattr(module, "sliding_window", None)
+
+
+def _of_layer(per_type, sliding):
+    """The value of this layer's type out of the engine's per-layer-type dict (a tensor or int as is)."""
+    if not isinstance(per_type, dict):
+        return per_type
+    key = "sliding_attention" if sliding else "full_attention"
+    return per_type[key] if key in per_type or len(per_type) != 1 else next(iter(per_type.values()))
 
 
 def varlen_reference(q, k, v, cu_q, cu_k, scale: float, window_left: int = -1) -> torch.Tensor:
@@ -126,8 +150,7 @@ def paged_varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError(f"{PAGED_NAME!r} does not take the engine's block-table decode path")
     if dropout:
         raise ValueError(f"{PAGED_NAME!r} is for inference (dropout {dropout})")
-    sliding = getattr(module, "sliding_window", None)
-    layer_type = "sliding_attention" if sliding else "full_attention"
+    sliding = _window(module, kwargs)
     if "max_length_q" in kwargs:  # 5.24 on: the keys and values the step reads, as (1, KVH, T, D)
         cu_k, max_q, max_k = kwargs["cu_seq_lens_k"], kwargs["max_length_q"], kwargs["max_length_k"]
         k, v = (t.squeeze(0).transpose(0, 1) for t in (key, value))
@@ -138,14 +161,7 @@ def paged_varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
         cu_k, max_q, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_q"], kwargs["max_seqlen_k"]
         k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
                             read_index=kwargs["read_index"], write_index=kwargs["write_index"])
-    if isinstance(cu_k, dict):
-        cu_k, max_k = cu_k[layer_type], max_k[layer_type]
-    return _attend(module, query, k, v, cu_k, max_q, max_k, scaling, kwargs), None
-
-
-def _attend(module, query, k, v, cu_k, max_q, max_k, scaling, kwargs) -> torch.Tensor:
-    """Each request's queries over its keys k / v (Tk, KVH, D): flash varlen, or the reference."""
-    sliding = getattr(module, "sliding_window", None)
+    cu_k, max_k = _of_layer(cu_k, sliding), _of_layer(max_k, sliding)
     q = query.transpose(1, 2).squeeze(0)
     scale = scaling if scaling is not None else module.scaling
     window_left = int(sliding) - 1 if sliding else -1
@@ -155,7 +171,7 @@ def _attend(module, query, k, v, cu_k, max_q, max_k, scaling, kwargs) -> torch.T
                            cu_k.to(torch.int32), int(max_q), int(max_k), scale, window_left)
     else:
         out = varlen_reference(q, k, v, cu_q, cu_k, scale, window_left)
-    return out
+    return out, None
 
 
 def paged_in_place_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -182,10 +198,9 @@ def paged_in_place_attention(module: nn.Module, query: torch.Tensor, key: torch.
             cu_k, max_q, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_q"], kwargs["max_seqlen_k"]
     if views is None:
         return paged_varlen_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    if isinstance(cu_k, dict):
-        cu_k, max_k = cu_k["full_attention"], max_k["full_attention"]
+    sliding = _window(module, kwargs)
+    cu_k, max_k = _of_layer(cu_k, sliding), _of_layer(max_k, sliding)
     k_view, v_view, read_index = views
-    sliding = getattr(module, "sliding_window", None)
     scale = scaling if scaling is not None else module.scaling
     out = paged_kernel(query.transpose(1, 2).squeeze(0), k_view, v_view, read_index,
                        kwargs["cu_seq_lens_q"].to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), scale,

@@ -39,8 +39,9 @@ from ..compat.modules import (attn_implementation, cb_vocab_size, model_dtype, m
 from ..compat.tensor_parallel import tensor_parallel_reason
 from ..base_ops.attention_registry import (decode_attention_enabled, disable_decode_attention,
                                            enable_decode_attention)
-from ..base_ops.paged_attention import (IN_PLACE_NAME, PAGED_NAME, in_place_blocker, kernel_blocker,
-                                       paged_in_place_attention, paged_varlen_attention, varlen_blocker)
+from ..base_ops.paged_attention import (IN_PLACE_NAME, PAGED_NAME, forced_varlen_blocker, in_place_blocker,
+                                       kernel_blocker, paged_in_place_attention, paged_varlen_attention,
+                                       varlen_blocker)
 from ..batch import TokenSegments
 from ..decode.capture import GraphUnsafe
 from ..instance_methods import InstancePatches
@@ -310,11 +311,15 @@ class ContinuousBatchingHook:
         if choice == "engine":
             return "engine_attention='engine'"
         why = cb_engine_attention_blocker()
-        if why is None and choice == "auto":
-            why = varlen_blocker(self.inner, model_dtype(self.inner), self.state.device)
-        if why is None and choice == "paged":
-            why = in_place_blocker(self.inner, model_dtype(self.inner), self.state.device)
-        return why
+        if why is not None:
+            return why
+        dtype = model_dtype(self.inner)
+        device = self.state.device or next(self.inner.parameters()).device
+        if choice == "auto":
+            return varlen_blocker(self.inner, dtype, device)
+        if choice == "paged":
+            return in_place_blocker(self.inner, dtype, device)
+        return forced_varlen_blocker(self.inner, device)
 
     def attention_name(self) -> str:
         """The attention fastlora gives the engine: read in place ("paged"), or gathered first."""

@@ -70,8 +70,11 @@ def test_options_validate():
 
 @cb
 @pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
-def test_engine_through_varlen_attention_equals_peft_per_request():
-    m = build_peft_lm("llama")
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_engine_through_varlen_attention_equals_peft_per_request(arch):
+    """Mistral hands its sliding window to the attention function (its attention module has no
+    attribute for it): prompts longer than the window see only the window."""
+    m = build_peft_lm(arch)
     ref = copy.deepcopy(m)
     fastlora.patch(m, engine_attention="varlen")
     seen = []
@@ -103,13 +106,16 @@ def test_engine_through_varlen_attention_equals_peft_per_request():
 @cb
 @pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
 @pytest.mark.skipif(not interpreting(), reason="the kernel runs on CPU under TRITON_INTERPRET=1")
-def test_engine_reading_its_cache_in_place_equals_peft_per_request(monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_engine_reading_its_cache_in_place_equals_peft_per_request(arch, monkeypatch):
     """``engine_attention="paged"``: every step that reads the cache goes through the in-place
     kernel (decode rows and prefill chunks with history beside each other), none through a
-    gathered copy of the cache; every request's tokens equal PEFT's for its prompt alone."""
+    gathered copy of the cache; every request's tokens equal PEFT's for its prompt alone. Qwen3's
+    head dim differs from hidden / heads; Mistral's sliding-window layers, which the engine lays
+    out as a ring, take the varlen path (a gathered copy) and still equal PEFT."""
     from peft_fastlora.base_ops import paged_attention
 
-    m = build_peft_lm("llama")
+    m = build_peft_lm(arch)
     ref = copy.deepcopy(m)
     fastlora.patch(m, engine_attention="paged")
     kernel_steps, gathers = [], []
@@ -139,9 +145,27 @@ def test_engine_reading_its_cache_in_place_equals_peft_per_request(monkeypatch):
     finally:
         fastlora.unpatch(m)
     assert seen == [IN_PLACE_NAME, "eager"]
-    assert kernel_steps and not gathers, (len(kernel_steps), len(gathers))
+    if arch == "mistral":  # every layer a sliding one: all through the varlen path
+        assert gathers and not kernel_steps, (len(kernel_steps), len(gathers))
+    else:
+        assert kernel_steps and not gathers, (len(kernel_steps), len(gathers))
     for rid, p, n in zip(ids, prompts, names):
         assert done[rid] == peft_alone(ref, p, n, 6), (n, len(p))
+
+
+@cb
+@pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
+@pytest.mark.parametrize("choice", ["varlen", "paged"])
+def test_a_model_the_attention_cannot_express_is_refused_when_forced(choice):
+    """Gemma 2 soft-caps its attention logits, which neither of fastlora's attentions does: asked
+    for by name, it is refused with the reason instead of serving other tokens."""
+    m = build_peft_lm("gemma2")
+    fastlora.patch(m, engine_attention=choice)
+    try:
+        with pytest.raises(ValueError, match=f"engine_attention='{choice}' cannot be served: logit soft-capping"):
+            m.init_continuous_batching(generation_config=greedy_config(2), continuous_batching_config=cb_config())
+    finally:
+        fastlora.unpatch(m)
 
 
 @cb
