@@ -102,8 +102,9 @@ def dora_sources(layer: nn.Module, adapter: str):
 
 
 # quantized bases whose weight DoRA's norms read dequantized (``quantized_base_kind``): bitsandbytes'
-# 4-bit. Its 8-bit weights are left to PEFT (their dequantization was not checked against PEFT's).
-_DORA_QUANTIZED = ("nf4", "fp4", "4bit")
+# 4-bit and torchao's. bitsandbytes' 8-bit weights are left to PEFT (PEFT's own DoRA over them fails
+# on the CPU: no oracle to check against).
+_DORA_QUANTIZED = ("nf4", "fp4", "4bit", "torchao")
 
 
 def dora_base_weight(layer: nn.Module) -> torch.Tensor:
@@ -113,8 +114,8 @@ def dora_base_weight(layer: nn.Module) -> torch.Tensor:
 
 
 def dora_dense_weight(layer: nn.Module) -> torch.Tensor:
-    """The base weight as DoRA's norms read it: (out, in), dequantized over a 4-bit base as
-    PEFT's DoRA layer does (``dequantize_module_weight``); an embedding's table transposed,
+    """The base weight as DoRA's norms read it: (out, in), dequantized over a 4-bit or torchao base
+    as PEFT's DoRA layer does (``dequantize_module_weight``); an embedding's table transposed,
     (dim, vocab)."""
     base = base_layer_of(layer)
     if quantized_base_kind(layer) in _DORA_QUANTIZED:
@@ -142,7 +143,7 @@ def adapter_blocker(layer: nn.Module, adapter: str) -> Optional[str]:
             return f"DoRA over {type(base).__name__}"
         if quantized_base_kind(layer) not in _DORA_QUANTIZED and (not base.weight.is_floating_point()
                                                                  or not is_plain_weight(base.weight)):
-            # (DoRA's norms need the dequantized weight: bitsandbytes' 4-bit ones are read)
+            # (DoRA's norms need the dequantized weight: bitsandbytes' 4-bit and torchao's are read)
             return f"DoRA over a quantized {type(base).__name__}"
         if sharded:
             return "DoRA under tensor parallelism"

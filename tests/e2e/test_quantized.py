@@ -212,6 +212,31 @@ def test_torchao_bases_on_fastlora_path_equal_peft():
         torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
 
 
+def test_dora_over_a_torchao_base_in_mixed_batches():
+    """DoRA adapters over torchao's int8 weights beside plain ones and base rows: the column norms
+    read the weight dequantized as PEFT's DoRA layer does; PEFT row by row is the oracle."""
+    from test_dora import peft_rows
+
+    targets = (("sql", ("q_proj", "v_proj"), 4, {}),
+               ("dora", ("q_proj", "k_proj", "v_proj", "down_proj"), 4, {"use_dora": True}))
+    gen = torch.Generator().manual_seed(12)
+    models = []
+    for _ in range(2):
+        model = _torchao(targets)
+        with torch.no_grad():  # magnitudes off their initial norms, the same in both copies
+            gen.manual_seed(12)
+            for name, p in model.named_parameters():
+                if "lora_magnitude_vector" in name:
+                    p.mul_(torch.rand(p.shape, generator=gen) + 0.5)
+        models.append(model)
+    m, ref = models
+    report = fastlora.patch(m)
+    assert report.adapter_fallbacks == [] and report.left_on_peft == [], report
+    for names in (["dora", "sql", "__base__", "dora"], ["__base__", "dora", "sql", "sql"]):
+        torch.testing.assert_close(logits(m, names), peft_rows(ref, names), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(peft_rows(ref, ["dora"] * 4), peft_rows(ref, ["__base__"] * 4))
+
+
 def test_torchao_base_model_alone_is_left_as_it_is():
     """A torchao-quantized model without PEFT: fastlora's base-model kernels skip its quantized
     layers (stream_gemm asked for: only the plain LM head takes it), and generate equals the
