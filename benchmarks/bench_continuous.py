@@ -127,6 +127,7 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
     from transformers import GenerationConfig
 
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.output_cap)
+    free_gb = round(torch.cuda.mem_get_info()[0] / 2**30, 2) if hx.DEVICE == "cuda" else None
     manager = model.init_continuous_batching(generation_config=gen,
                                              continuous_batching_config=engine_config(args, graphs))
     if graphs:
@@ -177,6 +178,11 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
     lora_graphs = getattr(manager, "fastlora_graphs", None)
     stats = dict(lora_graphs.stats) if lora_graphs is not None else {}
     stats["async_batching"] = async_ran
+    # what the engine sized from free memory (its cache bounds how many requests run at once)
+    resolved = getattr(manager, "continuous_batching_config", None)
+    stats["cache_blocks"] = getattr(resolved, "num_blocks", None)
+    stats["max_requests_per_batch"] = getattr(resolved, "max_requests_per_batch", None)
+    stats["gpu_free_gb_at_start"] = free_gb
     run = engine_counts(manager)
     if run.get("steps"):  # the whole run's host milliseconds per step, by phase
         stats.update({f"run_host_{phase}_ms": round(1e3 * run[phase] / run["steps"], 3) for phase in PHASES},
@@ -364,7 +370,9 @@ def main(argv=None) -> int:
                    mean_prompt=round(statistics.mean(len(q) for q, _, _ in used), 1),
                    max_batch_tokens=args.max_batch_tokens, lora_graphed_steps=stats.get("graphed_steps", ""),
                    lora_eager_steps=stats.get("eager_steps", ""), engine_captures=stats.get("captures", ""),
-                   async_batching=stats.get("async_batching", ""),
+                   async_batching=stats.get("async_batching", ""), cache_blocks=stats.get("cache_blocks", ""),
+                   max_requests_per_batch=stats.get("max_requests_per_batch", ""),
+                   gpu_free_gb_at_start=stats.get("gpu_free_gb_at_start", "") or "",
                    engine_graphs_dropped=stats.get("graphs_dropped", ""), time_per_token_vs_base_patched="",
                    time_per_token_vs_base="", prompt_tokens=sum(len(q) for q, _, _ in used),
                    tokens_per_step=round(sum(len(q) + n for q, _, n in used) / steps, 1) if steps else "",

@@ -143,6 +143,8 @@ def test_bench_continuous_smoke(tmp_path):
     assert set(rows) == {"base", "base_patched", "fastlora", "static", "peft", "base_varlen", "fastlora_varlen",
                          "fastlora_paged"}
     assert float(rows["fastlora_paged"]["tokens_per_s"]) > 0 and rows["fastlora_paged"]["requests"] == "12"
+    # what the engine sized, per mode: the same cache for each (the smoke run fixes it)
+    assert rows["fastlora"]["cache_blocks"] == rows["base_patched"]["cache_blocks"] != "", rows["fastlora"]
     assert float(rows["fastlora"]["time_per_token_vs_base_patched"]) > 0
     assert float(rows["fastlora"]["time_per_token_vs_base"]) > 0
     # fastlora's hook counts a patched model's steps and times its loop's phases; nothing counts the
