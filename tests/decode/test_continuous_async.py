@@ -17,6 +17,7 @@ import torch
 
 from peft_fastlora import get_state
 from peft_fastlora.compat.engine import cb_async_blocker
+from peft_fastlora.kernel_support import interpreting
 from peft_fastlora.continuous.sampling import SamplingParams
 
 from _continuous import cb_config, collect, greedy_config, peft_alone, random_prompts, requires_cb
@@ -88,6 +89,21 @@ def test_random_traffic_like_a_server(pair, async_on_cpu):
     from test_continuous_batching import random_traffic
 
     random_traffic(pair, use_async_batching=True)
+
+
+@pytest.mark.skipif(not interpreting(), reason="the in-place kernel runs on CPU under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("pair_options", [dict(cuda_graphs="emulate", engine_attention="paged")])
+def test_random_traffic_reading_the_cache_in_place(pair, async_on_cpu, monkeypatch):
+    """The same traffic through the in-place paged attention (``engine_attention="paged"``): the
+    cache written by the update or the attention, read through the step's own read index, in
+    whichever IO pair the step was prepared; every finished request equals PEFT alone."""
+    from peft_fastlora.base_ops import paged_attention
+    from test_continuous_batching import random_traffic
+
+    calls, kernel = [], paged_attention.paged_kernel
+    monkeypatch.setattr(paged_attention, "paged_kernel", lambda *a: (calls.append(1), kernel(*a))[1])
+    random_traffic(pair, use_async_batching=True)
+    assert calls  # the steps that read the cache read it in place
 
 
 @pytest.mark.parametrize("pair_options", [dict(cuda_graphs="emulate")])
