@@ -77,10 +77,10 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             implementation the model chose is kept, with the reason in the report: ``"auto"`` (on
             CUDA), ``True`` or ``False``.
         engine_attention: the attention of transformers' continuous-batching engine while a
-            manager runs: ``"auto"`` (``paged|fastlora_varlen``, PyTorch's flash varlen kernel over
-            each request's own keys, where it applies: CUDA, fp16 / bf16, transformers 5.17's
-            engine; else the engine's own), ``"varlen"`` (always; off CUDA or in fp32 a slow
-            per-request reference, for tests), ``"paged"`` (fastlora's Triton kernel reading the
+            manager runs: ``"auto"`` (fastlora's varlen attention, PyTorch's flash varlen kernel
+            over each request's own keys gathered out of the paged cache, where it applies: CUDA,
+            fp16 / bf16; else the engine's own), ``"varlen"`` (always where it computes what the
+            model does; off CUDA or in fp32 a slow per-request reference, for tests), ``"paged"`` (fastlora's Triton kernel reading the
             engine's paged cache in place, with no gathered copy of the keys: a query block holds
             a kv head's query heads, the keys split across programs) or ``"engine"`` (the
             engine's own).
