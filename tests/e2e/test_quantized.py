@@ -212,29 +212,49 @@ def test_torchao_bases_on_fastlora_path_equal_peft():
         torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
 
 
+def _torchao_dora():
+    """``_torchao`` with a DoRA adapter beside a plain one, its magnitudes moved off their initial
+    norms (the same in every copy)."""
+    targets = (("sql", ("q_proj", "v_proj"), 4, {}),
+               ("dora", ("q_proj", "k_proj", "v_proj", "down_proj"), 4, {"use_dora": True}))
+    model = _torchao(targets)
+    gen = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                p.mul_(torch.rand(p.shape, generator=gen) + 0.5)
+    return model
+
+
 def test_dora_over_a_torchao_base_in_mixed_batches():
     """DoRA adapters over torchao's int8 weights beside plain ones and base rows: the column norms
     read the weight dequantized as PEFT's DoRA layer does; PEFT row by row is the oracle."""
     from test_dora import peft_rows
 
-    targets = (("sql", ("q_proj", "v_proj"), 4, {}),
-               ("dora", ("q_proj", "k_proj", "v_proj", "down_proj"), 4, {"use_dora": True}))
-    gen = torch.Generator().manual_seed(12)
-    models = []
-    for _ in range(2):
-        model = _torchao(targets)
-        with torch.no_grad():  # magnitudes off their initial norms, the same in both copies
-            gen.manual_seed(12)
-            for name, p in model.named_parameters():
-                if "lora_magnitude_vector" in name:
-                    p.mul_(torch.rand(p.shape, generator=gen) + 0.5)
-        models.append(model)
-    m, ref = models
+    m, ref = _torchao_dora(), _torchao_dora()
     report = fastlora.patch(m)
     assert report.adapter_fallbacks == [] and report.left_on_peft == [], report
     for names in (["dora", "sql", "__base__", "dora"], ["__base__", "dora", "sql", "sql"]):
         torch.testing.assert_close(logits(m, names), peft_rows(ref, names), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(peft_rows(ref, ["dora"] * 4), peft_rows(ref, ["__base__"] * 4))
+
+
+def test_dora_over_a_torchao_base_through_the_engine():
+    """The same adapters served per request by transformers' engine: each equal to PEFT alone."""
+    from _continuous import cb_config, greedy_config, peft_alone, requires_cb
+    from _patch_models import VOCAB
+
+    if requires_cb.args[0]:
+        pytest.skip(requires_cb.kwargs["reason"])
+    m, ref = _torchao_dora(), _torchao_dora()
+    fastlora.patch(m)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 12, 3)]
+    names = ["dora", "__base__", "sql"]
+    out = m.generate_batch(prompts, generation_config=greedy_config(5),
+                           continuous_batching_config=cb_config(max_batch_tokens=16), adapter_names=names)
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        assert out[f"req_{i}"].generated_tokens == peft_alone(ref, prompt, name, 5), (i, name)
 
 
 def test_torchao_base_model_alone_is_left_as_it_is():
