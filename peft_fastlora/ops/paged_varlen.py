@@ -146,14 +146,16 @@ def _merge_splits_kernel(ws_o_ptr, ws_lse_ptr, out_ptr, num_tokens_ptr,
 
 
 def paged_varlen_config(num_tokens: int, num_seqs: int, kv_heads: int, groups: int, max_q: int, max_k: int,
-                        device: torch.device) -> dict:
+                        device: torch.device, head_dim: int = 128) -> dict:
     """Tile sizes and splits for a step (host ints only: the same for every replay of a shape).
     Decode-only steps (one query each) take one query a block; steps with prefill chunks take
-    enough queries to fill 64 rows. Splits spread the keys until the grid covers the GPU twice."""
+    enough queries to fill 64 rows. Key tiles of 64 (32 past head dim 128, so that a head dim of
+    256 neither spills nor outgrows an sm80's shared memory). Splits spread the keys until the
+    grid covers the GPU twice."""
     g_pad = triton.next_power_of_2(groups)
     block_q = 1 if max_q <= 1 else max(1, 64 // g_pad)
     block_m = max(16, block_q * g_pad)
-    block_n = 16 if interpreting() else 64
+    block_n = 16 if interpreting() else (64 if head_dim <= 128 else 32)
     blocks = num_tokens // block_q + num_seqs
     key_blocks = max(1, triton.cdiv(max(max_k, 1), block_n))
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
@@ -179,7 +181,7 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("the head dimension of q and of the cache must be contiguous")
     groups = heads // kv_heads
     num_seqs = cu_q.shape[0] - 1
-    cfg = paged_varlen_config(num_tokens, num_seqs, kv_heads, groups, max_q, max_k, q.device)
+    cfg = paged_varlen_config(num_tokens, num_seqs, kv_heads, groups, max_q, max_k, q.device, dim)
     splits = cfg["SPLITS"]
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0 or num_seqs == 0:
@@ -199,7 +201,7 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ws_lse.stride(0) if splits > 1 else 0, ws_lse.stride(1) if splits > 1 else 0,
         G=groups, G_PAD=cfg["G_PAD"], BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         D=dim, D_PAD=d_pad, SPLITS=splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if cfg["BLOCK_M"] >= 64 else 2,
+        num_warps=8 if cfg["BLOCK_M"] >= 128 else 4,
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, heads)](
