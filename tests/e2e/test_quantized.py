@@ -114,16 +114,20 @@ def test_quantized_generate_with_emulated_graphs_and_slots(saved, quant):
     assert fastlora.get_state(m).graph_runner.stats["replays"] > 0
 
 
-def _dora_quantized(saved, quant, adapters):
-    """``quantized`` with DoRA's magnitudes moved off their initial norms (a fresh DoRA adapter's
-    scale is 1 where B A is small), the same in every copy."""
-    model = quantized(saved, quant, adapters)
-    gen = torch.Generator().manual_seed(11)
+def _magnitudes_moved(model, seed: int):
+    """DoRA's magnitudes moved off their initial norms (a fresh DoRA adapter's scale is 1 where B A
+    is small), the same in every copy made with the same seed."""
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_magnitude_vector" in name:
                 p.mul_(torch.rand(p.shape, generator=gen) + 0.5)
     return model
+
+
+def _dora_quantized(saved, quant, adapters):
+    """``quantized`` with DoRA's magnitudes moved off their initial norms."""
+    return _magnitudes_moved(quantized(saved, quant, adapters), 11)
 
 
 @pytest.mark.parametrize("quant", ["nf4", "nf4_double", "fp4"])
@@ -217,13 +221,7 @@ def _torchao_dora():
     norms (the same in every copy)."""
     targets = (("sql", ("q_proj", "v_proj"), 4, {}),
                ("dora", ("q_proj", "k_proj", "v_proj", "down_proj"), 4, {"use_dora": True}))
-    model = _torchao(targets)
-    gen = torch.Generator().manual_seed(12)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_magnitude_vector" in name:
-                p.mul_(torch.rand(p.shape, generator=gen) + 0.5)
-    return model
+    return _magnitudes_moved(_torchao(targets), 12)
 
 
 def test_dora_over_a_torchao_base_in_mixed_batches():

@@ -68,61 +68,13 @@ def test_options_validate():
         fastlora.patch(build_peft_lm("llama"), engine_attention="flash")
 
 
-@cb
-@pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_engine_through_varlen_attention_equals_peft_per_request(arch):
-    """Mistral hands its sliding window to the attention function (its attention module has no
-    attribute for it): prompts longer than the window see only the window."""
+def _serve_through(arch: str, choice: str):
+    """A manager of ``arch`` patched with ``engine_attention=choice`` serving five requests (prompts
+    longer than a step's 16 tokens come in chunks beside decode rows): the model's attention while
+    it ran and after, and each request against PEFT's tokens for its prompt alone."""
     m = build_peft_lm(arch)
     ref = copy.deepcopy(m)
-    fastlora.patch(m, engine_attention="varlen")
-    seen = []
-    try:
-        inner = get_state(m).inner
-        manager = m.init_continuous_batching(generation_config=greedy_config(6),
-                                             continuous_batching_config=cb_config(max_batch_tokens=16))
-        seen.append(attn_implementation(inner))
-        manager.start()
-        prompts = random_prompts([3, 17, 9, 30, 1], seed=11)
-        names = ["a0", "a1", "__base__", "a2", "a1"]
-        ids = [manager.add_request(p, adapter_name=n) for p, n in zip(prompts, names)]
-        done = {}
-        while len(done) < len(ids):
-            r = manager.get_result(timeout=30)
-            assert r is not None
-            if r.is_finished():
-                assert r.error is None, r.error
-                done[r.request_id] = list(r.generated_tokens)
-        manager.stop(block=True)
-        seen.append(attn_implementation(inner))
-    finally:
-        fastlora.unpatch(m)
-    assert seen == [PAGED_NAME, "eager"]  # on while the manager ran, the model's own after
-    for rid, p, n in zip(ids, prompts, names):
-        assert done[rid] == peft_alone(ref, p, n, 6), (n, len(p))
-
-
-@cb
-@pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
-@pytest.mark.skipif(not interpreting(), reason="the kernel runs on CPU under TRITON_INTERPRET=1")
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_engine_reading_its_cache_in_place_equals_peft_per_request(arch, monkeypatch):
-    """``engine_attention="paged"``: every step that reads the cache goes through the in-place
-    kernel (decode rows and prefill chunks with history beside each other), none through a
-    gathered copy of the cache; every request's tokens equal PEFT's for its prompt alone.
-    Mistral's sliding-window layers, which the engine lays out as a ring, take the varlen path (a
-    gathered copy) and still equal PEFT."""
-    from peft_fastlora.base_ops import paged_attention
-
-    m = build_peft_lm(arch)
-    ref = copy.deepcopy(m)
-    fastlora.patch(m, engine_attention="paged")
-    kernel_steps, gathers = [], []
-    kernel, index_select = paged_attention.paged_kernel, torch.index_select
-    monkeypatch.setattr(paged_attention, "paged_kernel",
-                        lambda q, *a: (kernel_steps.append(q.shape[0]), kernel(q, *a))[1])
-    monkeypatch.setattr(torch, "index_select", lambda *a, **k: (gathers.append(1), index_select(*a, **k))[1])
+    fastlora.patch(m, engine_attention=choice)
     seen = []
     try:
         inner = get_state(m).inner
@@ -144,13 +96,46 @@ def test_engine_reading_its_cache_in_place_equals_peft_per_request(arch, monkeyp
         seen.append(attn_implementation(inner))
     finally:
         fastlora.unpatch(m)
+    return seen, [(done[rid], peft_alone(ref, p, n, 6), (n, len(p))) for rid, p, n in zip(ids, prompts, names)]
+
+
+@cb
+@pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_engine_through_varlen_attention_equals_peft_per_request(arch):
+    """Mistral hands its sliding window to the attention function (its attention module has no
+    attribute for it): prompts longer than the window see only the window."""
+    seen, results = _serve_through(arch, "varlen")
+    assert seen == [PAGED_NAME, "eager"]  # on while the manager ran, the model's own after
+    for got, want, what in results:
+        assert got == want, what
+
+
+@cb
+@pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
+@pytest.mark.skipif(not interpreting(), reason="the kernel runs on CPU under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_engine_reading_its_cache_in_place_equals_peft_per_request(arch, monkeypatch):
+    """``engine_attention="paged"``: every step that reads the cache goes through the in-place
+    kernel (decode rows and prefill chunks with history beside each other), none through a
+    gathered copy of the cache; every request's tokens equal PEFT's for its prompt alone.
+    Mistral's sliding-window layers, which the engine lays out as a ring, take the varlen path (a
+    gathered copy) and still equal PEFT."""
+    from peft_fastlora.base_ops import paged_attention
+
+    kernel_steps, gathers = [], []
+    kernel, index_select = paged_attention.paged_kernel, torch.index_select
+    monkeypatch.setattr(paged_attention, "paged_kernel",
+                        lambda q, *a: (kernel_steps.append(q.shape[0]), kernel(q, *a))[1])
+    monkeypatch.setattr(torch, "index_select", lambda *a, **k: (gathers.append(1), index_select(*a, **k))[1])
+    seen, results = _serve_through(arch, "paged")
     assert seen == [IN_PLACE_NAME, "eager"]
     if arch == "mistral":  # every layer a sliding one: all through the varlen path
         assert gathers and not kernel_steps, (len(kernel_steps), len(gathers))
     else:
         assert kernel_steps and not gathers, (len(kernel_steps), len(gathers))
-    for rid, p, n in zip(ids, prompts, names):
-        assert done[rid] == peft_alone(ref, p, n, 6), (n, len(p))
+    for got, want, what in results:
+        assert got == want, what
 
 
 @cb

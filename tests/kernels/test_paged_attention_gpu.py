@@ -67,40 +67,23 @@ def test_paged_kernel_matches_the_reference(dtype, heads, kv_heads, dim, window)
 
 
 @pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
-def test_engine_reading_its_cache_in_place_fp32_equals_peft():
+@pytest.mark.parametrize("choice", ["varlen", "paged"])
+def test_engine_in_fp32_equals_peft(choice):
+    """fp32: "varlen" through the per-request reference, "paged" through the in-place kernel (its
+    steps with nothing to read through the reference); both sync with the host: no graphs."""
     m, ref = _model(), _model()
-    fastlora.patch(m, engine_attention="paged")
-    try:
-        prompts, names = _prompts(8, seed=23)
-        manager = m.init_continuous_batching(generation_config=greedy_config(12),
-                                             continuous_batching_config=cb_config(num_blocks=128))
-        assert attn_implementation(get_state(m).inner) == IN_PLACE_NAME
-        manager.start()
-        try:
-            out = _serve(manager, list(zip(prompts, names, [12] * 8)))
-        finally:
-            manager.stop(block=True)
-    finally:
-        fastlora.unpatch(m)
-    for tokens, p, n in zip(out, prompts, names):
-        assert tokens == peft_alone(ref, p, n, 12), (n, len(p))
-
-
-@pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
-def test_engine_through_the_reference_fp32_equals_peft():
-    m, ref = _model(), _model()
-    fastlora.patch(m, engine_attention="varlen")
+    fastlora.patch(m, engine_attention=choice)
     try:
         prompts, names = _prompts(8, seed=21)
         manager = m.init_continuous_batching(generation_config=greedy_config(12),
                                              continuous_batching_config=cb_config(num_blocks=128))
-        assert attn_implementation(get_state(m).inner) == PAGED_NAME
+        assert attn_implementation(get_state(m).inner) == (IN_PLACE_NAME if choice == "paged" else PAGED_NAME)
         manager.start()
         try:
             out = _serve(manager, list(zip(prompts, names, [12] * 8)))
         finally:
             manager.stop(block=True)
-        assert manager.fastlora_graphs is None  # the reference syncs with the host: no graphs
+        assert manager.fastlora_graphs is None
     finally:
         fastlora.unpatch(m)
     for tokens, p, n in zip(out, prompts, names):
