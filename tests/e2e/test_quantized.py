@@ -220,7 +220,7 @@ def _torchao_dora():
     """``_torchao`` with a DoRA adapter beside a plain one, its magnitudes moved off their initial
     norms (the same in every copy)."""
     targets = (("sql", ("q_proj", "v_proj"), 4, {}),
-               ("dora", ("q_proj", "k_proj", "v_proj", "down_proj"), 4, {"use_dora": True}))
+               ("dora", ("q_proj", "v_proj", "down_proj"), 4, {"use_dora": True}))
     return _magnitudes_moved(_torchao(targets), 12)
 
 
@@ -323,3 +323,19 @@ def test_a_dora_adapter_registered_by_name_over_a_4bit_base(saved, tmp_path):
     names = ["qdora", "sql", "__base__", "qdora"]
     torch.testing.assert_close(logits(m, names), peft_rows(ref, names), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(peft_rows(ref, ["qdora"] * 4), peft_rows(ref, ["__base__"] * 4))
+
+
+def test_a_dora_adapter_registered_by_name_over_a_torchao_base(tmp_path):
+    """A saved DoRA adapter registered by name on a torchao model: equal to the same folder loaded
+    into PEFT, row by row."""
+    from test_dora import peft_rows
+
+    _torchao_dora().save_pretrained(str(tmp_path))  # its adapters, each in its own folder
+    m, ref = _torchao(), _torchao()
+    fastlora.patch(m)
+    fastlora.register_adapter(m, "dora", str(tmp_path / "dora"))
+    ref.load_adapter(str(tmp_path / "dora"), adapter_name="dora")
+    ref.eval()
+    names = ["dora", "sql", "__base__", "dora"]
+    torch.testing.assert_close(logits(m, names), peft_rows(ref, names), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(peft_rows(ref, ["dora"] * 4), peft_rows(ref, ["__base__"] * 4))
