@@ -5,18 +5,20 @@ A continuous-batching step packs many requests' queries into one row: request i 
 ``j`` in ``cu_k[i]:cu_k[i+1]`` (its whole sequence, new tokens included, written there before).
 Reading them through ``read_index`` saves the copy of every key and value a gather makes first.
 
-One program per (query block, kv head, split). A query block holds ``BLOCK_Q`` queries of one
-request times the ``G`` query heads that share the kv head, as the rows of one tile: a decode
-request (one query) fills ``G`` rows, and its keys are read once for all ``G`` heads. The keys a
+One program per (query block, kv head, split). A query block holds the queries of one request
+times the ``G`` query heads that share the kv head, as the rows of one tile, so that a request's
+keys are read once for all ``G`` heads. Two launches: requests with one query (decode rows) take
+one program each with ``G`` rows (padded to 16); requests with more take blocks of ``BLOCK_Q``
+queries filling 64 rows (a step without them launches only the first). The keys a
 block attends (causal, aligned to the end of the request's keys; an optional left window) are cut
 into ``S`` contiguous ranges, one per split, so that long contexts spread over the GPU; each split
 writes (log2-sum-exp, normalised output) to an fp32 workspace and a second kernel merges them in a
 fixed order. With one split the first kernel writes the output.
 
-Program ids map to requests without the host: query block ``p`` belongs to the request ``i`` with
-``cu_q[i] // BLOCK_Q + i <= p < cu_q[i+1] // BLOCK_Q + i + 1`` (a binary search over ``cu_q``);
-the grid is sized from static shapes (``Tq // BLOCK_Q + B`` blocks) and programs past their
-request's queries return at once. Nothing syncs with the host: safe to capture in a CUDA graph.
+Program ids map to requests without the host: in the blocks' launch, block ``p`` belongs to the
+request ``i`` with ``cu_q[i] // BLOCK_Q + i <= p < cu_q[i+1] // BLOCK_Q + i + 1`` (a binary search
+over ``cu_q``); both grids are sized from static shapes (``B``; ``Tq // BLOCK_Q + B``) and
+programs with nothing to do return at once. Nothing syncs with the host: safe to capture in a CUDA graph.
 A query with no key to attend gets zeros.
 """
 
@@ -52,19 +54,30 @@ def _paged_varlen_kernel(
     stride_ws_s, stride_ws_t, stride_ws_h, stride_lse_s, stride_lse_t,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SINGLES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _request_of(cu_q_ptr, pid, num_seqs, BLOCK_Q)
+    if SINGLES == 1:  # one program a request, for the requests with one query (decode rows)
+        seq = pid
+    else:
+        seq = _request_of(cu_q_ptr, pid, num_seqs, BLOCK_Q)
     q0 = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q0
     k0 = tl.load(cu_k_ptr + seq)
     k_len = tl.load(cu_k_ptr + seq + 1) - k0
-    first = (pid - (q0 // BLOCK_Q + seq)) * BLOCK_Q  # the block's first query within its request
-    if first >= q_len:
-        return
+    first = 0
+    if SINGLES == 1:
+        if q_len != 1:
+            return
+    else:
+        first = (pid - (q0 // BLOCK_Q + seq)) * BLOCK_Q  # the block's first query within its request
+        if SINGLES == 2:  # the singles' launch serves those
+            if q_len == 1:
+                return
+        if first >= q_len:
+            return
     rows = tl.arange(0, BLOCK_M)
     t = first + rows // G_PAD  # query within the request
     head = rows % G_PAD
@@ -147,21 +160,23 @@ def _merge_splits_kernel(ws_o_ptr, ws_lse_ptr, out_ptr, num_tokens_ptr,
 
 def paged_varlen_config(num_tokens: int, num_seqs: int, kv_heads: int, groups: int, max_q: int, max_k: int,
                         device: torch.device, head_dim: int = 128) -> dict:
-    """Tile sizes and splits for a step (host ints only: the same for every replay of a shape).
-    Decode-only steps (one query each) take one query a block; steps with prefill chunks take
-    enough queries to fill 64 rows. Key tiles of 64 (32 past head dim 128, so that a head dim of
-    256 neither spills nor outgrows an sm80's shared memory). Splits spread the keys until the
-    grid covers the GPU twice."""
+    """Tiles and splits for a step (host ints only: the same for every replay of a shape).
+
+    Requests with one query (decode rows) take one program each, its rows the group's query heads
+    (``SINGLES`` launch). Where a request may have more (``max_q > 1``; a graphed step's bound is its
+    padded token count, so decode-only steps count here too), a second launch takes the others in
+    blocks of queries that fill 64 rows (``BLOCK_Q``). Key tiles of 64 (32 past head dim 128, so
+    that a head dim of 256 neither spills nor outgrows an sm80's shared memory). Splits spread the
+    keys until the singles' grid covers the GPU twice."""
     g_pad = triton.next_power_of_2(groups)
-    block_q = 1 if max_q <= 1 else max(1, 64 // g_pad)
-    block_m = max(16, block_q * g_pad)
+    block_q = max(1, 64 // g_pad)
     block_n = 16 if interpreting() else (64 if head_dim <= 128 else 32)
-    blocks = num_tokens // block_q + num_seqs
     key_blocks = max(1, triton.cdiv(max(max_k, 1), block_n))
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
-    splits = max(1, min(16, key_blocks, triton.cdiv(2 * sms, max(1, blocks * kv_heads))))
-    return dict(G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, blocks=blocks)
+    splits = max(1, min(16, key_blocks, triton.cdiv(2 * sms, max(1, num_seqs * kv_heads))))
+    return dict(G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_M=max(16, block_q * g_pad), SINGLE_M=max(16, g_pad),
+                BLOCK_N=block_n, SPLITS=splits, blocks=num_tokens // block_q + num_seqs if max_q > 1 else 0)
 
 
 def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_index: torch.Tensor,
@@ -192,17 +207,18 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ws_lse = torch.full((splits, num_tokens, heads), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         ws_o = ws_lse = out  # unused
-    _paged_varlen_kernel[(cfg["blocks"], kv_heads, splits)](
-        q, k_cache, v_cache, read_index, cu_q, cu_k, out, ws_o, ws_lse,
-        num_seqs, scale * _LOG2E, window_left,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1),
-        ws_o.stride(0) if splits > 1 else 0, ws_o.stride(1) if splits > 1 else 0, ws_o.stride(2) if splits > 1 else 0,
-        ws_lse.stride(0) if splits > 1 else 0, ws_lse.stride(1) if splits > 1 else 0,
-        G=groups, G_PAD=cfg["G_PAD"], BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        D=dim, D_PAD=d_pad, SPLITS=splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if cfg["BLOCK_M"] >= 128 else 4,
-    )
+    args = (q, k_cache, v_cache, read_index, cu_q, cu_k, out, ws_o, ws_lse, num_seqs, scale * _LOG2E, window_left,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            out.stride(0), out.stride(1), *(ws_o.stride()[:3] if splits > 1 else (0, 0, 0)),
+            *(ws_lse.stride()[:2] if splits > 1 else (0, 0)))
+    meta = dict(G=groups, G_PAD=cfg["G_PAD"], BLOCK_N=cfg["BLOCK_N"], D=dim, D_PAD=d_pad, SPLITS=splits,
+                PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    _paged_varlen_kernel[(num_seqs, kv_heads, splits)](*args, **meta, BLOCK_Q=1, BLOCK_M=cfg["SINGLE_M"], SINGLES=1,
+                                                       num_warps=4)
+    if cfg["blocks"]:
+        _paged_varlen_kernel[(cfg["blocks"], kv_heads, splits)](
+            *args, **meta, BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=cfg["BLOCK_M"], SINGLES=2,
+            num_warps=8 if cfg["BLOCK_M"] >= 128 else 4)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, heads)](
             ws_o, ws_lse, out, cu_q[num_seqs:], ws_o.stride(0), ws_o.stride(1), ws_o.stride(2),

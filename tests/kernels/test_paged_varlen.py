@@ -97,15 +97,36 @@ def test_head_dim_padded_and_a_strided_query():
 
 
 def test_the_grid_is_set_by_shapes_only():
-    """Tiles and splits come from host ints (the same for every replay of a captured shape):
-    decode-only steps take one query a block, others fill the rows; splits never exceed the
-    key blocks."""
+    """Tiles and splits come from host ints (the same for every replay of a captured shape): the
+    requests with one query always take the singles' launch (G rows padded to 16); a step whose
+    bound allows more takes a second launch of 64-row blocks; splits never exceed the key blocks."""
     cpu = torch.device("cpu")
     decode = pv.paged_varlen_config(32, 32, 8, 4, 1, 500, cpu)
-    assert decode["BLOCK_Q"] == 1 and decode["BLOCK_M"] == 16 and decode["blocks"] == 64
+    assert decode["SINGLE_M"] == 16 and decode["blocks"] == 0
     mixed = pv.paged_varlen_config(300, 40, 8, 4, 200, 500, cpu)
     assert mixed["BLOCK_Q"] * mixed["G_PAD"] == 64 and mixed["blocks"] == 300 // mixed["BLOCK_Q"] + 40
     assert pv.paged_varlen_config(4, 4, 1, 1, 1, 3, cpu)["SPLITS"] == 1
+
+
+def test_decode_rows_under_a_padded_bound(monkeypatch):
+    """A graphed decode step: every request has one query, but the bound the engine passes is the
+    padded token count. The blocks' launch finds nothing to do; the singles' launch serves all."""
+    launches = []
+    kernel = pv._paged_varlen_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                launches.append((grid, meta["SINGLES"]))
+                return kernel[grid](*args, **meta)
+            return launch
+
+    monkeypatch.setattr(pv, "_paged_varlen_kernel", Spy())
+    q, kc, vc, idx, cu_q, cu_k = _case([1, 1, 1], [7, 30, 2], 8, 2, 16, torch.float32, seed=5, pad_tokens=5,
+                                       pad_seqs=2)
+    got = pv.paged_varlen_attention(q, kc, vc, idx, cu_q, cu_k, 8, 30, 0.25)
+    torch.testing.assert_close(got, _reference(q, kc, vc, idx, cu_q, cu_k, 0.25, -1), atol=2e-5, rtol=2e-5)
+    assert [singles for _, singles in launches] == [1, 2]
 
 
 def test_bad_shapes_are_refused():
