@@ -153,7 +153,7 @@ def build(mode: str, args):
     began = time.perf_counter()
     base = hx.build_base(args.model, args.layers)
     model = hx.add_adapters(base, args.adapters, args.rank) if mode == "fastlora" else base
-    fastlora.patch(model, **({"cuda_graphs": "emulate"} if args.smoke else {}))
+    fastlora.patch(model, engine_attention=args.engine_attention, **({"cuda_graphs": "emulate"} if args.smoke else {}))
     print(f"{mode}: model built and patched in {time.perf_counter() - began:.0f} s", flush=True)
     return model
 
@@ -245,6 +245,8 @@ def main(argv=None) -> int:
     p.add_argument("--engine-graphs", action="store_true", help="the engine's CUDA graphs on")
     p.add_argument("--async-batching", action="store_true",
                    help="the engine's async batching forced on (default: the engine's choice)")
+    p.add_argument("--engine-attention", default="auto", choices=["auto", "varlen", "paged", "engine"],
+                   help="fastlora.patch's engine_attention for both modes")
     p.add_argument("--requests", type=int, default=2000, help="distinct requests in the workload pool")
     p.add_argument("--prompt-mean", type=int, default=289)
     p.add_argument("--prompt-cap", type=int, default=2048)
@@ -268,7 +270,10 @@ def main(argv=None) -> int:
         r, s = run_mode(mode, args, reqs, versions)
         rows += r
         samples += s
-    stem = f"serving_{args.model}" + ("_soak" if args.soak else "")
+    for r in rows:
+        r["engine_attention"] = args.engine_attention
+    stem = (f"serving_{args.model}" + ("_soak" if args.soak else "")
+            + ("" if args.engine_attention == "auto" else f"_{args.engine_attention}"))
     path = hx.out_path(args.out, stem, versions["gpu"])
     if path:
         hx.write_csv(rows, path)

@@ -364,18 +364,20 @@ def test_profile_step_summarizes_the_committed_ncu_profile():
 
 def test_bench_serving_smoke(tmp_path):
     """Poisson arrivals through the endpoint with the openai client, patched base beside the
-    adapters; the soak's memory samples."""
+    adapters; the soak's memory samples (through the in-place paged attention)."""
     _run([os.path.join(BENCH, "bench_serving.py"), "--smoke", "--out", str(tmp_path)])
     rows = {r["mode"]: r for r in _csv(tmp_path / "serving_tiny_cpu.csv")}
     assert set(rows) == {"base_patched", "fastlora"}
     for row in rows.values():
         assert row["failed"] == "0" and int(row["requests"]) > 0 and float(row["output_tokens_per_s"]) > 0
+    # the soak through the engine's cache read in place
     _run([os.path.join(BENCH, "bench_serving.py"), "--smoke", "--modes", "fastlora", "--soak", "2", "--drain", "30",
-          "--out", str(tmp_path)])
-    samples = _csv(tmp_path / "serving_tiny_soak_cpu_memory.csv")
+          "--engine-attention", "paged", "--out", str(tmp_path)])
+    samples = _csv(tmp_path / "serving_tiny_soak_paged_cpu_memory.csv")
     assert samples and {"finished", "failed"} <= set(samples[0])  # a soak cut from outside still leaves counts
-    soak = _csv(tmp_path / "serving_tiny_soak_cpu.csv")[0]
+    soak = _csv(tmp_path / "serving_tiny_soak_paged_cpu.csv")[0]
     assert soak["failed"] == "0" and soak["cut_by_drain"] == "0" and int(soak["requests"]) > 0
+    assert soak["engine_attention"] == "paged"
 
 
 def test_bench_moe_smoke(tmp_path):
