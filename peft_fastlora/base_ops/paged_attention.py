@@ -28,7 +28,7 @@ from ..compat.attention import flash_varlen, flash_varlen_has_window, has_flash_
 from ..compat.engine import (IN_PLACE_KV, cb_full_attention_views, cb_layer_indices, cb_paged_attention_name,
                              cb_varlen_attention_name)
 from ..kernel_support import triton_missing
-from ..ops.paged_varlen import paged_varlen_attention as paged_kernel
+from ..ops.paged_varlen import paged_varlen_attention as paged_kernel, paged_varlen_reference
 from ..compat.modules import attn_implementation
 from .attention_registry import _PREV_ATTR as DECODE_PREV_ATTR, ATTN_NAMES as DECODE_NAMES
 
@@ -117,24 +117,7 @@ def _of_layer(per_type, sliding):
 def varlen_reference(q, k, v, cu_q, cu_k, scale: float, window_left: int = -1) -> torch.Tensor:
     """Per request: its queries (the last ones of its keys) against its own keys, causal, with an
     optional left window; q (Tq, H, D), k / v (Tk, KVH, D). Rows past ``cu_q[-1]`` are zero."""
-    out = torch.zeros_like(q)
-    groups = q.shape[1] // k.shape[1]
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(cq) - 1):
-        qs, ks = q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]]
-        lq, lk = qs.shape[0], ks.shape[0]
-        if lq == 0:
-            continue
-        kv = ks.repeat_interleave(groups, dim=1), v[ck[i]:ck[i + 1]].repeat_interleave(groups, dim=1)
-        pos_q = torch.arange(lk - lq, lk, device=q.device)[:, None]
-        pos_k = torch.arange(lk, device=q.device)[None, :]
-        allowed = pos_k <= pos_q
-        if window_left >= 0:
-            allowed &= pos_k >= pos_q - window_left
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qs.transpose(0, 1), kv[0].transpose(0, 1), kv[1].transpose(0, 1), attn_mask=allowed, scale=scale)
-        out[cq[i]:cq[i + 1]] = o.transpose(0, 1)
-    return out
+    return paged_varlen_reference(q, k, v, None, cu_q, cu_k, scale, window_left)
 
 
 def paged_varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -9,17 +9,18 @@ One program per (query block, kv head, split). A query block holds the queries o
 times the ``G`` query heads that share the kv head, as the rows of one tile, so that a request's
 keys are read once for all ``G`` heads. Two launches: requests with one query (decode rows) take
 one program each with ``G`` rows (padded to 16); requests with more take blocks of ``BLOCK_Q``
-queries filling 64 rows (a step without them launches only the first). The keys a
-block attends (causal, aligned to the end of the request's keys; an optional left window) are cut
-into ``S`` contiguous ranges, one per split, so that long contexts spread over the GPU; each split
-writes (log2-sum-exp, normalised output) to an fp32 workspace and a second kernel merges them in a
-fixed order. With one split the first kernel writes the output.
+queries filling 64 rows (a step without them launches only the first). The keys a block attends
+(causal, aligned to the end of the request's keys; an optional left window) are cut into ``S``
+contiguous ranges, one per split, so that long contexts spread over the GPU; each split writes
+(log2-sum-exp, normalised output) to an fp32 workspace and a second kernel merges them in a fixed
+order. With one split the first kernel writes the output.
 
 Program ids map to requests without the host: in the blocks' launch, block ``p`` belongs to the
 request ``i`` with ``cu_q[i] // BLOCK_Q + i <= p < cu_q[i+1] // BLOCK_Q + i + 1`` (a binary search
 over ``cu_q``); both grids are sized from static shapes (``B``; ``Tq // BLOCK_Q + B``) and
-programs with nothing to do return at once. Nothing syncs with the host: safe to capture in a CUDA graph.
-A query with no key to attend gets zeros.
+programs with nothing to do return at once. Nothing syncs with the host: safe to capture in a
+CUDA graph. A query with no key to attend gets zeros. ``paged_varlen_reference`` is the torch
+reference.
 """
 
 from __future__ import annotations
@@ -223,4 +224,29 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _merge_splits_kernel[(num_tokens, heads)](
             ws_o, ws_lse, out, cu_q[num_seqs:], ws_o.stride(0), ws_o.stride(1), ws_o.stride(2),
             ws_lse.stride(0), ws_lse.stride(1), out.stride(0), out.stride(1), D=dim, D_PAD=d_pad, SPLITS=splits)
+    return out
+
+
+def paged_varlen_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_index, cu_q, cu_k,
+                           scale: float, window_left: int = -1) -> torch.Tensor:
+    """``paged_varlen_attention`` in torch, request by request (syncs with the host): the keys of
+    request i are ``k_cache[read_index[cu_k[i]:cu_k[i+1]]]`` (``read_index`` None: the rows
+    ``cu_k[i]:cu_k[i+1]`` themselves). Rows past ``cu_q[-1]`` are zero."""
+    out = torch.zeros_like(q)
+    groups = q.shape[1] // k_cache.shape[1]
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cq) - 1):
+        lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+        if lq == 0:
+            continue
+        rows = slice(ck[i], ck[i + 1]) if read_index is None else read_index[ck[i]:ck[i + 1]]
+        k, v = (t[rows].repeat_interleave(groups, dim=1).transpose(0, 1) for t in (k_cache, v_cache))
+        pos_q = torch.arange(lk - lq, lk, device=q.device)[:, None]
+        pos_k = torch.arange(lk, device=q.device)[None, :]
+        allowed = pos_k <= pos_q
+        if window_left >= 0:
+            allowed &= pos_k >= pos_q - window_left
+        o = torch.nn.functional.scaled_dot_product_attention(q[cq[i]:cq[i + 1]].transpose(0, 1), k, v,
+                                                             attn_mask=allowed, scale=scale)
+        out[cq[i]:cq[i + 1]] = o.transpose(0, 1)
     return out

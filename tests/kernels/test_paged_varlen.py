@@ -1,6 +1,6 @@
 """The paged varlen attention kernel (``ops/paged_varlen.py``) under Triton's interpreter.
 
-Against the per-request torch reference on the keys gathered out of the cache: decode rows,
+Against the torch reference (``paged_varlen_reference``, through the read index): decode rows,
 prefill chunks with history and whole prompts in one step, grouped heads (1, 2, 3 and 4 query
 heads a kv head: a group that is not a power of two pads its rows), left windows, one split and
 several, cache slots in a random order inside a larger cache, padded requests with no queries and
@@ -43,8 +43,15 @@ def _case(q_lens, k_lens, heads, kv_heads, dim, dtype, seed, pad_tokens=0, pad_s
 
 
 def _reference(q, k_cache, v_cache, read_index, cu_q, cu_k, scale, window):
-    k, v = k_cache[read_index].float(), v_cache[read_index].float()
-    return varlen_reference(q.float(), k, v, cu_q.long(), cu_k.long(), scale, window)
+    return pv.paged_varlen_reference(q.float(), k_cache.float(), v_cache.float(), read_index, cu_q, cu_k, scale,
+                                     window)
+
+
+def test_the_reference_reads_the_keys_its_index_names():
+    """The reference through a read index equals the per-request reference on the keys gathered."""
+    q, kc, vc, idx, cu_q, cu_k = _case([1, 4, 2], [6, 4, 9], 4, 2, 16, torch.float32, seed=2, pad_tokens=2)
+    gathered = varlen_reference(q, kc[idx], vc[idx], cu_q.long(), cu_k.long(), 0.25, 2)
+    torch.testing.assert_close(pv.paged_varlen_reference(q, kc, vc, idx, cu_q, cu_k, 0.25, 2), gathered)
 
 
 def _check(q_lens, k_lens, heads, kv_heads, dim, dtype, window=-1, seed=0, pad_tokens=0, pad_seqs=0, splits=None,
