@@ -8,7 +8,8 @@ dtype), which reads the whole base weight (dequantized, over a 4-bit base). It i
 only where its inputs changed since the last time: for PEFT's adapters, the identity, address,
 shape and value of A, B and the magnitude (values compared on the device with a copy taken then:
 ``sync_tables`` reads every site's comparisons back in one host sync per call that uses a DoRA
-adapter), the scaling, and the base weight's address and version counter; for registered adapters
+adapter; an engine step compares only where their version counters moved, as it copies values),
+the scaling, and the base weight's address and version counter; for registered adapters
 (immutable) only when their slot is loaded again. Base weights edited in place through ``.data``
 (which bumps no version counter) are not noticed.
 """
@@ -35,7 +36,8 @@ class DoraTables:
         self.scale = torch.ones(num_slots, self.offsets[-1], dtype=torch.float32, device=device)
         self.shift = torch.zeros(num_slots, self.offsets[-1], dtype=torch.float32, device=device)
         self.recomputed = 0  # rows computed (module and slot) over the tables' life: tests and probes
-        # (slot, j) -> (the host facts, copies of A, B and the magnitude (PEFT's adapters) or None)
+        # (slot, j) -> (the host facts, copies of A, B and the magnitude (PEFT's adapters) or None,
+        # their version counters then)
         self._seen: Dict[Tuple[int, int], Tuple[tuple, Optional[Tuple[torch.Tensor, ...]]]] = {}
 
     @property
@@ -43,7 +45,7 @@ class DoraTables:
         return self.scale, self.shift
 
     def nbytes(self) -> int:
-        copies = sum(t.numel() * t.element_size() for _, snap in self._seen.values() if snap for t in snap)
+        copies = sum(t.numel() * t.element_size() for _, snap, _ in self._seen.values() if snap for t in snap)
         return 2 * self.scale.numel() * 4 + copies
 
     def reset(self, slot: int) -> None:
@@ -53,11 +55,13 @@ class DoraTables:
         for key in [k for k in self._seen if k[0] == slot]:
             del self._seen[key]
 
-    def stale(self, entries: Iterable[Tuple[int, int, str, Sources]], registered_views: Callable):
+    def stale(self, entries: Iterable[Tuple[int, int, str, Sources]], registered_views: Callable,
+              versions_suffice: bool = False):
         """Of these (slot, module j, adapter, its sources): the rows to compute again (their host facts
         changed), and the rows whose values must be compared with the copies taken last time
         (``sync_tables`` compares every site's at once). ``registered_views(slot, j)``: (A, B,
-        scaling) of a registered adapter as its slot holds them."""
+        scaling) of a registered adapter as its slot holds them. ``versions_suffice`` (an engine
+        step): a row whose A, B and magnitude kept their version counters is not compared."""
         work, compare = [], []
         for slot, j, name, (layer, magnitude) in entries:
             if magnitude is None:
@@ -72,8 +76,9 @@ class DoraTables:
             item = (slot, j, layer, weight, a, b, float(scaling), m, facts, magnitude is None)
             if seen is None or seen[0] != facts:
                 work.append(item)
-            elif seen[1] is not None:  # PEFT's: its values against the copies taken then
-                compare.append((item, seen[1]))
+            elif seen[1] is not None and not (versions_suffice and seen[2] is not None
+                                              and seen[2] == _versions(a, b, m)):
+                compare.append((item, seen[1]))  # PEFT's: its values against the copies taken then
         return work, compare
 
     @torch.no_grad()
@@ -88,8 +93,17 @@ class DoraTables:
                 self.shift[slot, lo:hi].zero_()
             else:
                 self.shift[slot, lo:hi].copy_((1.0 - g) * bias.float())
-            self._seen[(slot, j)] = (facts, tuple(t.detach().clone() for t in (a, b, m)) if copy else None)
+            self._seen[(slot, j)] = (facts, tuple(t.detach().clone() for t in (a, b, m)) if copy else None,
+                                     _versions(a, b, m))
             self.recomputed += 1
+
+
+def _versions(*tensors) -> Optional[tuple]:
+    """The tensors' version counters (None where one keeps none: an inference tensor)."""
+    try:
+        return tuple(version_of(t) for t in tensors)
+    except RuntimeError:
+        return None
 
 
 @torch.no_grad()

@@ -338,10 +338,10 @@ class SitePool:
         """DoRA's (scale, shift) tables, (num_slots, N_total) float32 each (``backend.packed``), or None."""
         return self.dora_tables.tables if self.dora_tables is not None else None
 
-    def dora_pending(self, slots: Iterable[int]):
+    def dora_pending(self, slots: Iterable[int], versions_suffice: bool = False):
         """What ``lora.dora.sync_tables`` takes to bring DoRA's scale and shift of the DoRA adapters in
         ``slots`` up to date (the slot loader, at each call boundary after the value copies, for all
-        sites at once); None for a site without DoRA tables."""
+        sites at once); None for a site without DoRA tables. ``versions_suffice``: ``DoraTables.stale``."""
         if self.dora_tables is None:
             return None
         entries = [(slot, j, self._slot_name[slot], source) for slot in slots if slot in self._slot_name
@@ -351,7 +351,8 @@ class SitePool:
             rank = self._slot_ranks[slot][j]
             return self.packed_view_a(slot, j, rank), self.packed_view_b(slot, j, rank), self._slot_scalings[slot][j]
 
-        return (self.dora_tables, *self.dora_tables.stale(entries, registered_views), self.lora_a.dtype)
+        return (self.dora_tables, *self.dora_tables.stale(entries, registered_views, versions_suffice),
+                self.lora_a.dtype)
 
     def sync_b_columns(self) -> None:
         """A gate/up site with ``glu_buffers``: B's columns as the arena's rows, from the packed B and

@@ -89,7 +89,8 @@ class SlotLoader:
             self._refresher_key = key
         self._refresher.refresh(slots, changed_only=changed_values_only)
         # DoRA's column scales from the values just copied (one host sync for every site's check)
-        sync_tables([p for p in (site.pool.dora_pending(slots) for site in self.sites) if p is not None])
+        sync_tables([p for p in (site.pool.dora_pending(slots, changed_values_only) for site in self.sites)
+                     if p is not None])
         if folds:  # staged sites: the call's A blocks (current values) under the base weight
             for site in self.sites:
                 site.pool.stage_call(slots, self._stage_cache)

@@ -409,6 +409,48 @@ def test_layers_left_on_peft_serve_only_the_active_adapter(monkeypatch):
         fastlora.unpatch(m)
 
 
+def test_dora_steps_compare_values_only_after_an_edit(monkeypatch):
+    """DoRA's column scales are checked against their inputs' values at each call (one host sync);
+    an engine step skips that comparison where the version counters of A, B and the magnitude did
+    not move. An in-place edit of a magnitude between steps is followed from the next step."""
+    from peft import LoraConfig
+
+    from peft_fastlora.lora import slot_loader
+
+    m = build_peft_lm("llama")
+    torch.manual_seed(6)
+    m.add_adapter("dora", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                     init_lora_weights=False, use_dora=True))
+    m.eval()
+    ref = copy.deepcopy(m)
+    fastlora.patch(m)
+    compared = []
+    sync = slot_loader.sync_tables
+    monkeypatch.setattr(slot_loader, "sync_tables",
+                        lambda pending: (compared.append(sum(len(p[2]) for p in pending)), sync(pending))[1])
+    prompts = random_prompts([6, 3], seed=9)
+    names = ["dora", "a0"]
+    manager = m.init_continuous_batching(generation_config=greedy_config(5), continuous_batching_config=cb_config())
+    manager.start()
+    try:
+        _collect(manager, manager.add_requests(prompts, adapter_names=names))
+        compared.clear()
+        _collect(manager, manager.add_requests(prompts, adapter_names=names))
+        assert compared and not any(compared), compared  # no step compared a value
+        with torch.no_grad():  # in place: counted
+            for model in (m, ref):
+                for name, p in model.named_parameters():
+                    if "lora_magnitude_vector.dora" in name:
+                        p.mul_(1.5)
+        ids = manager.add_requests(prompts, adapter_names=names)
+        out = _collect(manager, ids)
+        assert any(compared)
+    finally:
+        manager.stop(block=True)
+        fastlora.unpatch(m)
+    _check(ref, prompts, names, [out[i] for i in ids], 5)
+
+
 @pytest.mark.parametrize("kind", ["lora_bias", "dora"])
 def test_adapter_kind_per_request(kind, monkeypatch):
     """Requests for an adapter with a bias on B, or a DoRA one, beside plain and base requests:
