@@ -182,6 +182,7 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
     resolved = getattr(manager, "continuous_batching_config", None)
     stats["cache_blocks"] = getattr(resolved, "num_blocks", None)
     stats["max_requests_per_batch"] = getattr(resolved, "max_requests_per_batch", None)
+    stats["max_memory_percent"] = getattr(resolved, "max_memory_percent", None)
     stats["gpu_free_gb_at_start"] = free_gb
     run = engine_counts(manager)
     if run.get("steps"):  # the whole run's host milliseconds per step, by phase
@@ -372,6 +373,7 @@ def main(argv=None) -> int:
                    lora_eager_steps=stats.get("eager_steps", ""), engine_captures=stats.get("captures", ""),
                    async_batching=stats.get("async_batching", ""), cache_blocks=stats.get("cache_blocks", ""),
                    max_requests_per_batch=stats.get("max_requests_per_batch", ""),
+                   max_memory_percent=stats.get("max_memory_percent", ""),
                    gpu_free_gb_at_start=stats.get("gpu_free_gb_at_start", "") or "",
                    engine_graphs_dropped=stats.get("graphs_dropped", ""), time_per_token_vs_base_patched="",
                    time_per_token_vs_base="", prompt_tokens=sum(len(q) for q, _, _ in used),
