@@ -27,9 +27,9 @@ from torch import nn
 from ..compat.attention import flash_varlen, flash_varlen_has_window, has_flash_varlen
 from ..compat.engine import (IN_PLACE_KV, cb_full_attention_views, cb_layer_indices, cb_paged_attention_name,
                              cb_varlen_attention_name)
+from ..compat.modules import attn_implementation
 from ..kernel_support import triton_missing
 from ..ops.paged_varlen import paged_varlen_attention as paged_kernel, paged_varlen_reference
-from ..compat.modules import attn_implementation
 from .attention_registry import _PREV_ATTR as DECODE_PREV_ATTR, ATTN_NAMES as DECODE_NAMES
 
 PAGED_NAME = cb_varlen_attention_name()  # what this transformers' engine accepts
@@ -58,7 +58,7 @@ def in_place_blocker(inner: nn.Module, dtype: torch.dtype, device: torch.device)
     if why is not None:
         return why
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"{dtype}"
+        return f"{dtype} (the kernel takes fp16, bf16 or fp32)"
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
         return "a GPU older than sm80"
     return forced_varlen_blocker(inner, device)

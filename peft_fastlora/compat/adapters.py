@@ -128,8 +128,8 @@ def dora_dense_weight(layer: nn.Module) -> torch.Tensor:
 def adapter_blocker(layer: nn.Module, adapter: str) -> Optional[str]:
     """Why fastlora cannot compute ``adapter`` in ``layer`` (None: it can): PEFT's other variants,
     a B bias under tensor parallelism (each rank would add it), and DoRA where its column norms
-    are not those of a plain local weight or of a 4-bit bitsandbytes base (tensor parallelism,
-    GPT-2's transposed ``Conv1D``, other quantized weights). (PEFT's ``LoraConfig``
+    are not those of a plain local weight or of a 4-bit bitsandbytes or torchao base (tensor
+    parallelism, GPT-2's transposed ``Conv1D``, other quantized weights). (PEFT's ``LoraConfig``
     refuses DoRA with a B bias itself.)"""
     why = unsupported_reason(layer, adapter)
     if why is not None:

@@ -173,6 +173,14 @@ def quantized_weight_name(t: torch.Tensor) -> str:
 version_of = operator.attrgetter("_version")
 
 
+def versions_of(tensors) -> Optional[tuple]:
+    """The tensors' version counters, or None where one keeps none (an inference tensor)."""
+    try:
+        return tuple(map(version_of, tensors))
+    except RuntimeError:
+        return None
+
+
 def foreach_copy(dsts, srcs, non_blocking: bool = False) -> None:
     """``dst.copy_(src)`` for each pair in one multi-tensor call (torch's ``_foreach_copy_``: one
     launch per group of same-device, same-dtype tensors on CUDA)."""

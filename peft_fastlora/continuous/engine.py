@@ -31,9 +31,10 @@ from ..compat.attention import register_attention_function, release_attention_fu
 from ..compat.engine import (CB_CHILD_MARK, cb_async, cb_async_device_blocker, cb_cached_manager, cb_capacity,
                              cb_config_for_lora, cb_disable_graphs, cb_engine_attention_blocker, cb_engine_uses_graphs,
                              cb_fail_requests, cb_fail_step, cb_graphs_blocker_of_engine, cb_in_place_cache,
-                             cb_new_request_id, cb_processor_factory, cb_processor_steps, cb_request_done, cb_request_ids,
-                             cb_set_attention, cb_set_processor_factory, cb_set_processor_steps, cb_step, cb_stream,
-                             cb_unset_processor_steps, cb_update_skipping_failed, continuous_batching_blocker)
+                             cb_new_request_id, cb_processor_factory, cb_processor_steps, cb_request_done,
+                             cb_request_ids, cb_set_attention, cb_set_processor_factory, cb_set_processor_steps,
+                             cb_step, cb_stream, cb_unset_processor_steps, cb_update_skipping_failed,
+                             continuous_batching_blocker)
 from ..compat.modules import (attn_implementation, cb_vocab_size, model_dtype, multi_device_reason,
                               on_stream, set_attn_implementation)
 from ..compat.tensor_parallel import tensor_parallel_reason
@@ -271,8 +272,7 @@ class ContinuousBatchingHook:
         config, changes = cb_config_for_lora(continuous_batching_config, gen, self.graphs_blocker(),
                                                      None if registry.all_resident else registry.num_slots)
         if config.use_async_batching:  # asked for: the engine's thread would die on its first step
-            device = self.state.device or next(self.inner.parameters()).device
-            why = cb_async_device_blocker(device)
+            why = cb_async_device_blocker(self._device())
             if why is not None:
                 raise ValueError(f"fastlora: use_async_batching=True cannot be served: {why}")
         for change in changes:
@@ -313,13 +313,15 @@ class ContinuousBatchingHook:
         why = cb_engine_attention_blocker()
         if why is not None:
             return why
-        dtype = model_dtype(self.inner)
-        device = self.state.device or next(self.inner.parameters()).device
+        dtype, device = model_dtype(self.inner), self._device()
         if choice == "auto":
             return varlen_blocker(self.inner, dtype, device)
         if choice == "paged":
             return in_place_blocker(self.inner, dtype, device)
         return forced_varlen_blocker(self.inner, device)
+
+    def _device(self):
+        return self.state.device or next(self.inner.parameters()).device
 
     def attention_name(self) -> str:
         """The attention fastlora gives the engine: read in place ("paged"), or gathered first."""

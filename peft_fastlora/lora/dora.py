@@ -4,7 +4,7 @@ module j is ``scale * (W x + s B A x) + bias``, applied by the expand's epilogue
 zeros.
 
 ``scale`` is the magnitude over the row norms of ``W + s B A`` (PEFT's formula, in the stacks'
-dtype), which reads the whole base weight (dequantized, over a 4-bit base). It is computed again
+dtype), which reads the whole base weight (dequantized, over a 4-bit or torchao base). It is computed again
 only where its inputs changed since the last time: for PEFT's adapters, the identity, address,
 shape and value of A, B and the magnitude (values compared on the device with a copy taken then:
 ``sync_tables`` reads every site's comparisons back in one host sync per call that uses a DoRA
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..compat.adapters import base_bias, dora_base_weight, dora_dense_weight, dora_scale, dora_sources
-from ..compat.modules import version_of
+from ..compat.modules import version_of, versions_of
 
 # module index -> (its LoRA layer, a registered adapter's magnitude on the device; None: PEFT's)
 Sources = Dict[int, Tuple[nn.Module, Optional[torch.Tensor]]]
@@ -37,8 +37,8 @@ class DoraTables:
         self.shift = torch.zeros(num_slots, self.offsets[-1], dtype=torch.float32, device=device)
         self.recomputed = 0  # rows computed (module and slot) over the tables' life: tests and probes
         # (slot, j) -> (the host facts, copies of A, B and the magnitude (PEFT's adapters) or None,
-        # their version counters then)
-        self._seen: Dict[Tuple[int, int], Tuple[tuple, Optional[Tuple[torch.Tensor, ...]]]] = {}
+        # their version counters then or None)
+        self._seen: Dict[Tuple[int, int], Tuple[tuple, Optional[Tuple[torch.Tensor, ...]], Optional[tuple]]] = {}
 
     @property
     def tables(self) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +77,7 @@ class DoraTables:
             if seen is None or seen[0] != facts:
                 work.append(item)
             elif seen[1] is not None and not (versions_suffice and seen[2] is not None
-                                              and seen[2] == _versions(a, b, m)):
+                                              and seen[2] == versions_of((a, b, m))):
                 compare.append((item, seen[1]))  # PEFT's: its values against the copies taken then
         return work, compare
 
@@ -94,16 +94,8 @@ class DoraTables:
             else:
                 self.shift[slot, lo:hi].copy_((1.0 - g) * bias.float())
             self._seen[(slot, j)] = (facts, tuple(t.detach().clone() for t in (a, b, m)) if copy else None,
-                                     _versions(a, b, m))
+                                     versions_of((a, b, m)))
             self.recomputed += 1
-
-
-def _versions(*tensors) -> Optional[tuple]:
-    """The tensors' version counters (None where one keeps none: an inference tensor)."""
-    try:
-        return tuple(version_of(t) for t in tensors)
-    except RuntimeError:
-        return None
 
 
 @torch.no_grad()

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..batch import choose_block_m
 from ..call_context import CallContext
+from ..compat.modules import version_of
 from ..compat.peft import (expert_factors, expert_layout_blocker, is_param_wrapper,
                            layer_adapters_disabled, layer_is_merged, param_wrapper_chain, split_expert_factors)
 from ..decode.capture import GraphUnsafe
@@ -74,7 +75,7 @@ class ExpertStack:
             key: tuple = (adapter, id(stored))  # a registered adapter's tensors never change
         elif stored is None and adapter in self.wrapper.lora_A:
             a, b, scaling = expert_factors(self.wrapper, adapter)
-            key = (adapter, a.data_ptr(), a._version, b.data_ptr(), b._version, scaling)
+            key = (adapter, a.data_ptr(), version_of(a), b.data_ptr(), version_of(b), scaling)
         else:
             a = b = None
             key = (adapter,)

@@ -45,7 +45,7 @@ import torch
 
 from ..compat.adapters import (adapter_blocker, dora_magnitudes, lora_biases, lora_layer_unchanged, lora_weights,
                                watch_lora_layer)
-from ..compat.modules import foreach_copy, is_dtensor, version_of
+from ..compat.modules import foreach_copy, is_dtensor, versions_of
 from ..backend.packed import PackedWeights, block_align
 from ..ops.glu_lora import b_columns
 from ..tuning import Tuning
@@ -650,27 +650,19 @@ class ValueRefresher:
         for pool in pools:
             for slot, pairs in pool.copies.items():
                 pairs_by_slot.setdefault(slot, []).extend(pairs)
-        self._sources: Dict[int, list] = {}  # slot -> its parameters (None: no trusted versions)
+        self._sources: Dict[int, Optional[list]] = {}  # slot -> its parameters (None: no trusted versions)
         for slot, pairs in pairs_by_slot.items():
             self.by_slot[slot] = _grouped(pairs)
             sources = [src for _, src in pairs]
             self._sources[slot] = None if any(is_dtensor(t) for t in sources) else sources
-        self._copied: Dict[int, list] = {}  # slot -> its parameters' versions at its last copy
+        self._copied: Dict[int, tuple] = {}  # slot -> its parameters' versions at its last copy
         self._merged: Dict[tuple, list] = {}  # slot set -> its groups' (dsts, srcs), recent ones
-
-    def _versions(self, slot: int) -> Optional[list]:
-        sources = self._sources.get(slot)
-        if sources is None:
-            return None
-        try:
-            return list(map(version_of, sources))
-        except RuntimeError:  # inference tensors keep no version counter
-            return None
 
     @torch.no_grad()
     def refresh(self, slots: Iterable[int], changed_only: bool = False) -> None:
         key = tuple(sorted(set(slots)))
-        versions = {slot: self._versions(slot) for slot in key}
+        versions = {slot: None if self._sources.get(slot) is None else versions_of(self._sources[slot])
+                    for slot in key}
         if changed_only:
             key = tuple(s for s in key if versions[s] is None or versions[s] != self._copied.get(s))
             if not key:

@@ -205,7 +205,8 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     d_pad = max(16, triton.next_power_of_2(dim))
     if splits > 1:
         ws_o = torch.empty(splits, num_tokens, heads, dim, dtype=torch.float32, device=q.device)
-        ws_lse = torch.full((splits, num_tokens, heads), float("-inf"), dtype=torch.float32, device=q.device)
+        # every split program writes each of its rows (an empty range: -inf), the merge reads real rows only
+        ws_lse = torch.empty(splits, num_tokens, heads, dtype=torch.float32, device=q.device)
     else:
         ws_o = ws_lse = out  # unused
     args = (q, k_cache, v_cache, read_index, cu_q, cu_k, out, ws_o, ws_lse, num_seqs, scale * _LOG2E, window_left,

@@ -140,3 +140,7 @@ def test_bad_shapes_are_refused():
     q, kc, vc, idx, cu_q, cu_k = _case([1], [4], 6, 4, 16, torch.float32, seed=1)
     with pytest.raises(ValueError, match="not a multiple"):
         pv.paged_varlen_attention(q, kc, vc, idx, cu_q, cu_k, 1, 4, 0.25)
+    q, kc, vc, idx, cu_q, cu_k = _case([1], [4], 4, 2, 16, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="head dimension .* must be contiguous"):
+        pv.paged_varlen_attention(q, kc.transpose(1, 2).contiguous().transpose(1, 2), vc, idx, cu_q, cu_k, 1, 4,
+                                  0.25)
