@@ -19,7 +19,7 @@ from torch import nn
 from . import kernel_support
 from .compat.adapters import adapter_blocker, lora_layer_blocker
 from .compat.modules import is_conv1d, linear_in_out, local, on_device
-from .compat.peft import (LoraEmbedding, LoraLinear, adapter_count, adapter_names_of, base_layer_of,
+from .compat.peft import (LoraEmbedding, LoraLinear, adapter_dicts, adapter_names_of, base_layer_of,
                           guard_peft_forward_hooks, has_auxiliary_wrappers, is_lora_layer, is_peft_model,
                           is_tuner_layer, quantized_base_kind, registration_epoch, unguard_peft_forward_hooks,
                           unwrap_peft)
@@ -41,7 +41,7 @@ from .lora.batch_infos import BatchInfos
 from .lora.slot_loader import SlotLoader
 from .lora.slots import check_adapter_names
 from .lora.store import SCAFFOLD_ADAPTER
-from .lora.watch import AdapterWatch
+from .lora.watch import AdapterWatch, StructureWatch
 from .lora.sites import EmbeddingSite, FusedSite, LinearSite, Site
 from .options import PatchOptions
 from .lora.plan import LoRAPlan
@@ -87,6 +87,8 @@ class FastLoRAState:
         self._watches: dict = {}  # adapter name -> lora.watch.AdapterWatch (the per-call check)
         self._peft_config_keys = self._config_keys()
         self._adapter_count = None  # LoRA adapters summed over the sites' layers, at the last check
+        self._counted = (None, [])  # (registration epoch, generation), the dicts those adapters are in
+        self._structure: Optional[StructureWatch] = None  # the engine steps' flat structure check
         self.takes_adapter_names = False  # see serve_adapter_names
         self.calls = CallScope()  # each thread's CallContext
         self.continuous = None  # continuous.engine.ContinuousBatchingHook
@@ -157,7 +159,7 @@ class FastLoRAState:
             yield
             return
         with self.call_lock:
-            self.sync(adapter_names)
+            self.sync(adapter_names, storage=not step)
             folds = self.refresh_values(adapter_names, fold=fold, changed_values_only=step)
             with self.calls.entered(current.replace(checked=True, fold=folds, boundary=None)), \
                     on_device(self.device):
@@ -168,6 +170,8 @@ class FastLoRAState:
         its steps then copy only what their version counters show changed)."""
         with self.call_lock:
             self.slots.values_unknown()
+            for watch in self._watches.values():
+                watch.forget_checks()
 
     def serve_adapter_names(self, kwargs):
         """In place of PEFT's per-call hooks (``guard_peft_forward_hooks``): a context in
@@ -553,12 +557,15 @@ class FastLoRAState:
         self._check_adapters(adapter_names)
         return self.refresh_values(adapter_names)
 
-    def sync(self, adapter_names: Optional[Sequence[str]] = None):
+    def sync(self, adapter_names: Optional[Sequence[str]] = None, storage: bool = True):
         """Rebuild what no longer fits PEFT's adapters (see ``pool.SitePool.stale``).
 
         ``adapter_names``: check the parameters of these adapters only (None: all). The others are
         checked when a call uses them, so the cost follows the adapters a call uses, not the
-        number loaded."""
+        number loaded. ``storage=False`` (an engine step): an adapter's storage addresses are
+        compared only where a module or parameter was registered since its last check, or a
+        manager started since (``values_unknown``), and the layers' adapter sets and scalings
+        flat (``_structure_unchanged``)."""
         if self._config_keys() != self._peft_config_keys or self._adapter_set_changed():
             self.rescan()
             return
@@ -574,26 +581,39 @@ class FastLoRAState:
         if adapter_names is None:
             self._sync_pools(None)
             return
-        self._sync_pools(())  # every layer's adapters and scalings; the adapters' own facts below
-        self._check_adapters(adapter_names)
+        if storage or not self._structure_unchanged():
+            self._sync_pools(())  # every layer's adapters and scalings; the adapters' own facts below
+        self._check_adapters(adapter_names, storage)
 
-    def _check_adapters(self, adapter_names: Sequence[str]):
+    def _structure_unchanged(self) -> bool:
+        """At an engine step: whether every stacked layer still has the adapters and scalings its
+        stacks were built with (``lora.watch.StructureWatch``: flat, C-speed). False (the full
+        check runs) the first time after a rebuild, or where a site has no flat facts."""
+        key = (self.generation, tuple(self.registry.names))
+        if self._structure is not None and self._structure.unchanged(key):
+            return True
+        watched = [site.pool.watched_layers() for site in self.sites]
+        self._structure = None if any(w is None for w in watched) else StructureWatch(
+            key, [site.pool for site in self.sites], [w for layers in watched for w in layers])
+        return False
+
+    def _check_adapters(self, adapter_names: Sequence[str], storage: bool = True):
         """Rebuild the stacks of these adapters if their modules, parameters or storage changed
         (``lora.watch``: flat, C-speed checks; the layer-by-layer one only for a suspect)."""
         epoch = registration_epoch()
         suspect = [n for n in set(adapter_names)
-                   if n in self.registry.index and n not in self.stored and not self._unchanged(n, epoch)]
+                   if n in self.registry.index and n not in self.stored and not self._unchanged(n, epoch, storage)]
         if suspect:
             self._sync_pools(suspect)  # finds the pools that no longer fit and rebuilds them
 
-    def _unchanged(self, name: str, epoch: int) -> bool:
+    def _unchanged(self, name: str, epoch: int, storage: bool = True) -> bool:
         watch = self._watches.get(name)
         if watch is None:
             layers = [w for site in self.sites for w in (site.pool.watched_layers() or ())]
             if any(site.pool.watched_layers() is None for site in self.sites):
                 return False  # a site without the flat facts: its full check serves it
             watch = self._watches[name] = AdapterWatch(name, layers)
-        return watch.unchanged(epoch)
+        return watch.unchanged(epoch, storage)
 
     def _sync_pools(self, adapter_names: Optional[Sequence[str]]):
         names = None if adapter_names is None else set(adapter_names)
@@ -620,7 +640,10 @@ class FastLoRAState:
     def _adapter_set_changed(self) -> bool:
         # adapters per layer, counted (cheap); the names compared only when the count moved
         sites = self.sites + self.expert_sites
-        count = sum(adapter_count(layer) for site in sites for layer in site.lora_layers)
+        key = (registration_epoch(), self.generation)  # a replaced module dict was registered
+        if self._counted[0] != key:
+            self._counted = (key, [d for site in sites for layer in site.lora_layers for d in adapter_dicts(layer)])
+        count = sum(map(len, self._counted[1]))
         if count == self._adapter_count:
             return False
         self._adapter_count = count

@@ -62,9 +62,10 @@ def embed_scale(layer: nn.Module) -> Optional[float]:
     return None if scale is None else float(scale)
 
 
-def adapter_count(layer: nn.Module) -> int:
-    """How many adapters a LoRA layer holds (Linear and Embedding kinds together)."""
-    return len(layer.lora_A) + len(layer.lora_embedding_A)
+def adapter_dicts(layer: nn.Module) -> tuple:
+    """The module dicts that hold a LoRA layer's adapters (``lora_A``, ``lora_embedding_A``): their
+    sizes summed count its adapters, read again without ``nn.Module`` attribute lookups."""
+    return layer.lora_A._modules, layer.lora_embedding_A._modules
 
 
 def adapter_names_of(layer: nn.Module):
@@ -189,12 +190,16 @@ _REGISTRATION_HOOKS: list = []
 def registration_epoch() -> int:
     """A counter of module and parameter registrations anywhere in the process (PyTorch's global
     registration hooks, installed at the first call): a module or parameter of a model can be
-    replaced only by registering another, so while it stays the same nothing was replaced."""
+    replaced only by registering another, so while it stays the same nothing was replaced.
+    Registrations into index containers (``nn.ModuleList``, ``nn.Sequential``) are not counted:
+    slicing one builds a new container at every forward (transformers' decoder loop), and the
+    adapters' modules live in ``ModuleDict``s and LoRA layers."""
     if not _REGISTRATION_HOOKS:
         from torch.nn.modules import module as torch_module
 
         def bump(module, name, value):  # returns None: the registered value is kept
-            _REGISTRATIONS[0] += 1
+            if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+                _REGISTRATIONS[0] += 1
 
         _REGISTRATION_HOOKS.append(torch_module.register_module_parameter_registration_hook(bump))
         _REGISTRATION_HOOKS.append(torch_module.register_module_module_registration_hook(bump))

@@ -457,6 +457,11 @@ class SitePool:
         """Folded when built, but the base weight has moved since (``model.to``, a reload)."""
         return self._fold_attached and not self.folded()
 
+    @property
+    def broken(self) -> bool:
+        """A load failed part-way since the last rebuild (``invalidate``)."""
+        return self._broken
+
     def invalidate(self) -> None:
         """A load failed part-way (blocks may have moved on the device, the tables there may not
         have followed): the next call rebuilds the stacks from the adapters in slots."""

@@ -9,7 +9,9 @@ flat lists and compares them with ``map``:
 - identity (the A / B modules in their ``ModuleDict``, the weights in their modules) changes only
   by registering a module or parameter, which PyTorch's global registration hooks report
   (``registration_epoch``): checked only when one happened since the adapter's last check;
-- storage (``param.data = ...``, ``model.to``) changes without registration: checked every call.
+- storage (``param.data = ...``, ``model.to``) changes without registration: checked every call;
+  at a continuous-batching step only after a registration or a manager's start
+  (``unchanged(epoch, storage=False)``), as a step copies only values whose version counters moved.
 
 Values are not checked here: ``pool.ValueRefresher`` copies them (at every ``generate`` call; at an
 engine step, where their version counters moved). Structure (the
@@ -54,9 +56,15 @@ class AdapterWatch:
         self._sharded = any(is_dtensor(p) for p in self._params)
         self.epoch: Optional[int] = None  # registration epoch of the last identity check passed
 
-    def unchanged(self, epoch: int) -> bool:
+    def forget_checks(self) -> None:
+        """The next ``unchanged`` checks everything (a continuous-batching manager starting)."""
+        self.epoch = None
+
+    def unchanged(self, epoch: int, storage: bool = True) -> bool:
         """Whether the adapter still has what its stacks were built from (identity checked only
-        when the registration epoch moved since it last passed)."""
+        when the registration epoch moved since it last passed; storage too, unless ``storage``)."""
+        if epoch == self.epoch and not storage:
+            return True
         if epoch != self.epoch:
             if not all(map(operator.is_, map(dict.get, self._dicts, self._names), self._modules)):
                 return False
@@ -67,3 +75,21 @@ class AdapterWatch:
             return False
         self.epoch = epoch
         return True
+
+
+class StructureWatch:
+    """Every stacked layer's adapter set and scalings (the ``watch_lora_layer`` entries of the
+    pools), compared flat at an engine step instead of layer by layer in Python: the step skips
+    ``SitePool.stale`` while these, the stacks (``key``) and the pools' health are as they were."""
+
+    def __init__(self, key, pools: Sequence, layer_watches: Sequence):
+        self.key = key
+        self._pools = list(pools)
+        self._dicts = [w[0] for w in layer_watches] + [w[2] for w in layer_watches]  # lora_A / lora_B ._modules
+        self._keys = [w[1] for w in layer_watches] + [w[3] for w in layer_watches]
+        self._scalings = [w[4] for w in layer_watches]
+        self._then = [w[5] for w in layer_watches]
+
+    def unchanged(self, key) -> bool:
+        return (key == self.key and not any(pool.broken for pool in self._pools)
+                and list(map(tuple, self._dicts)) == self._keys and self._scalings == self._then)

@@ -258,6 +258,89 @@ def test_steps_copy_only_the_adapter_values_that_changed(pair, monkeypatch):
     assert out["req_0"].generated_tokens != edited[ids[0]]  # the edit shows in a0's tokens
 
 
+def test_steps_compare_storage_only_after_a_registration_or_a_start(monkeypatch):
+    """An engine step compares its adapters' storage addresses only where a module or parameter was
+    registered since, or at a manager's first step: a server's steps skip that host work while
+    nothing is registered. A parameter replaced by registering another is served from the next
+    step; a storage swapped through ``.data`` by the next manager."""
+    import copy
+
+    from torch import nn
+
+    from _models import tiny_peft_llama
+    from peft_fastlora.lora import watch
+
+    m = tiny_peft_llama(third_adapter=True)  # LoRA on linear layers only: the flat per-adapter check
+    ref = copy.deepcopy(m)
+    fastlora.patch(m)
+    compared = []
+    data_ptr = watch._data_ptr
+    monkeypatch.setattr(watch, "_data_ptr", lambda t: (compared.append(1), data_ptr(t))[1])
+    prompts = random_prompts([5, 9, 3], seed=22)
+    names = ["a", "c", "__base__"]
+    manager = m.init_continuous_batching(generation_config=greedy_config(6), continuous_batching_config=cb_config())
+    manager.start()
+    try:
+        _collect(manager, manager.add_requests(prompts, adapter_names=names))
+        assert compared, "a manager's first step compares storage"
+        compared.clear()
+        _collect(manager, manager.add_requests(prompts, adapter_names=names))
+        assert compared == [], len(compared)  # nothing registered: no comparison
+        for model in (m, ref):  # registered anew: identity and storage checked at the next step
+            for mod in model.modules():
+                if hasattr(mod, "lora_B") and "c" in mod.lora_B:
+                    mod.lora_B["c"].weight = nn.Parameter(mod.lora_B["c"].weight.detach() * -2.0)
+        ids = manager.add_requests(prompts, adapter_names=names)
+        replaced = _collect(manager, ids)
+        assert compared
+    finally:
+        manager.stop(block=True)
+    for rid, prompt, name in zip(ids, prompts, names):
+        assert replaced[rid] == peft_alone(ref, prompt, name, 6), name
+    for model in (m, ref):  # new storage, nothing registered: a new manager follows it
+        for w in _lora_b(model, "a"):
+            w.data = w.data * 3.0
+    try:
+        out = m.generate_batch(prompts, generation_config=greedy_config(6),
+                               continuous_batching_config=cb_config(), adapter_names=names)
+    finally:
+        fastlora.unpatch(m)
+    for i, (prompt, name) in enumerate(zip(prompts, names)):
+        assert out[f"req_{i}"].generated_tokens == peft_alone(ref, prompt, name, 6), name
+
+
+def test_a_scaling_changed_while_serving_is_followed_at_the_next_step():
+    """Engine steps check the layers' adapter sets and scalings flat (``StructureWatch``) instead of
+    layer by layer: a scaling changed between steps (PEFT's ``set_scale``) still rebuilds the
+    stacks before the next step, which equals PEFT with the new scaling."""
+    import copy
+
+    from _models import tiny_peft_llama
+
+    m = tiny_peft_llama(third_adapter=True)
+    ref = copy.deepcopy(m)
+    fastlora.patch(m)
+    prompts = random_prompts([5, 9, 3], seed=23)
+    names = ["a", "c", "__base__"]
+    manager = m.init_continuous_batching(generation_config=greedy_config(6), continuous_batching_config=cb_config())
+    manager.start()
+    try:
+        first_ids = manager.add_requests(prompts, adapter_names=names)
+        first = _collect(manager, first_ids)
+        for model in (m, ref):
+            for mod in model.modules():
+                if hasattr(mod, "set_scale") and "c" in getattr(mod, "scaling", {}):
+                    mod.set_scale("c", 4.0)
+        ids = manager.add_requests(prompts, adapter_names=names)
+        scaled = _collect(manager, ids)
+    finally:
+        manager.stop(block=True)
+        fastlora.unpatch(m)
+    for rid, prompt, name in zip(ids, prompts, names):
+        assert scaled[rid] == peft_alone(ref, prompt, name, 6), name
+    assert scaled[ids[1]] != first[first_ids[1]]  # the new scaling shows in c's tokens
+
+
 def test_finished_requests_are_forgotten(pair):
     m, _ = pair
     manager = m.init_continuous_batching(generation_config=greedy_config(3), continuous_batching_config=cb_config())
