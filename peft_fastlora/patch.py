@@ -77,13 +77,14 @@ def patch(model: nn.Module, backend: str = "auto", *, fuse: bool = True,
             implementation the model chose is kept, with the reason in the report: ``"auto"`` (on
             CUDA), ``True`` or ``False``.
         engine_attention: the attention of transformers' continuous-batching engine while a
-            manager runs: ``"auto"`` (fastlora's varlen attention, PyTorch's flash varlen kernel
-            over each request's own keys gathered out of the paged cache, where it applies: CUDA,
-            fp16 / bf16; else the engine's own), ``"varlen"`` (always where it computes what the
-            model does; off CUDA or in fp32 a slow per-request reference, for tests), ``"paged"`` (fastlora's Triton kernel reading the
-            engine's paged cache in place, with no gathered copy of the keys: a query block holds
-            a kv head's query heads, the keys split across programs) or ``"engine"`` (the
-            engine's own).
+            manager runs: ``"paged"`` (fastlora's Triton kernel reading the engine's paged cache in
+            place, with no gathered copy of the keys: a query block holds a kv head's query
+            heads, the keys split across programs; sliding-window layers take the varlen path),
+            ``"varlen"`` (PyTorch's flash varlen kernel over each request's own keys gathered out
+            of the paged cache; off CUDA or in fp32 a slow per-request reference, for tests),
+            ``"auto"`` (where the flash varlen kernel applies, CUDA and fp16 / bf16: "paged" on
+            an sm80 or newer GPU with Triton, else "varlen"; elsewhere the engine's own) or
+            ``"engine"`` (the engine's own).
         fold_shrink: store each site's LoRA A under its base weight, so that decode-sized
             forwards get every adapter's shrink from the base GEMM itself and run only the expand
             after it: ``"auto"`` (on CUDA), ``True`` or ``False``. A site whose A rows add at most

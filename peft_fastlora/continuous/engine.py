@@ -130,7 +130,7 @@ class ContinuousBatchingHook:
         self._running = 0  # managers started and not stopped
         self._attention_suspended = False
         self._plain_attention: Optional[str] = None  # the model's own, while managers run
-        self._varlen_registered = False  # fastlora's engine attention registered for this model's managers
+        self._registered_attention: Optional[str] = None  # fastlora's engine attention, while managers run
         self._lock = threading.Lock()
         self.in_flight = InFlightSteps()  # async batching: steps whose GPU work outlasts their call
         if self.blocker is None:
@@ -270,7 +270,8 @@ class ContinuousBatchingHook:
         gen = generation_config if generation_config is not None else self.inner.generation_config
         registry = self.state.registry  # fewer slots than adapters: no step may need more than the slots
         config, changes = cb_config_for_lora(continuous_batching_config, gen, self.graphs_blocker(),
-                                                     None if registry.all_resident else registry.num_slots)
+                                             None if registry.all_resident else registry.num_slots,
+                                             reads_in_place=self.reads_in_place())
         if config.use_async_batching:  # asked for: the engine's thread would die on its first step
             why = cb_async_device_blocker(self._device())
             if why is not None:
@@ -323,9 +324,17 @@ class ContinuousBatchingHook:
     def _device(self):
         return self.state.device or next(self.inner.parameters()).device
 
+    def reads_in_place(self) -> bool:
+        """Whether a manager started now gets the attention that reads the paged cache in place."""
+        return self.varlen_blocker() is None and self.attention_name() == IN_PLACE_NAME
+
     def attention_name(self) -> str:
-        """The attention fastlora gives the engine: read in place ("paged"), or gathered first."""
-        return IN_PLACE_NAME if self.state.options.engine_attention == "paged" else PAGED_NAME
+        """The attention fastlora gives the engine: the paged cache read in place ("paged"; "auto"
+        where the in-place kernel applies: Triton, sm80 or newer), or gathered first."""
+        choice = self.state.options.engine_attention
+        if choice == "auto" and in_place_blocker(self.inner, model_dtype(self.inner), self._device()) is None:
+            return IN_PLACE_NAME
+        return IN_PLACE_NAME if choice == "paged" else PAGED_NAME
 
     def _use_varlen_attention(self):
         why = self.varlen_blocker()
@@ -343,7 +352,7 @@ class ContinuousBatchingHook:
         except BaseException:
             release_attention_function(name)
             raise
-        self._varlen_registered = True
+        self._registered_attention = name
 
     def check_plain_call(self) -> None:
         """Raise when a manager runs with a paged attention implementation set on the model: a
@@ -361,12 +370,12 @@ class ContinuousBatchingHook:
         with self._lock:
             self._running = 0 if force else max(0, self._running - 1)
             if self._running == 0:
-                name = self.attention_name()
-                if self._plain_attention is not None and attn_implementation(self.inner) == name:
+                name, self._registered_attention = self._registered_attention, None
+                if (self._plain_attention is not None and name is not None
+                        and attn_implementation(self.inner) == name):
                     set_attn_implementation(self.inner, self._plain_attention)
                 self._plain_attention = None
-                if self._varlen_registered:
-                    self._varlen_registered = False
+                if name is not None:
                     release_attention_function(name)
             if self._running == 0 and self._attention_suspended:
                 self._attention_suspended = False
@@ -453,7 +462,7 @@ class ContinuousBatchingHook:
 
         def create_():
             processor = create()
-            if hook._varlen_registered and hook.attention_name() == IN_PLACE_NAME:
+            if hook._registered_attention == IN_PLACE_NAME:
                 cb_in_place_cache(processor)
             if not getattr(processor, "_fastlora_enabled", False):
                 hook._wrap_step(processor, adapters, records)
@@ -504,8 +513,9 @@ class ContinuousBatchingHook:
         local = threading.local()  # the segments of the step the engine thread is running
         # the engine thread's wall time by phase of its loop, summed over steps (where a step's time
         # goes: scheduling, building its tensors, launching its forward, waiting for its outputs,
-        # updating its requests)
-        clock = collections.Counter(steps=0, **dict.fromkeys(ENGINE_PHASES, 0.0))
+        # updating its requests); "adapters": the part of "forward" spent on the step's adapters
+        # before the launch (checks, value copies, the graphs' batch info)
+        clock = collections.Counter(steps=0, adapters=0.0, **dict.fromkeys(ENGINE_PHASES, 0.0))
 
         def release():
             while held[0]:
@@ -589,6 +599,7 @@ class ContinuousBatchingHook:
                 clock["forward"] += time.perf_counter() - t
 
         def run_forward(model, batch_data):
+            t = time.perf_counter()
             segments = getattr(local, "segments", None)
             if segments is None:  # a warm-up forward: made-up requests, no adapter
                 _, lens, num_tokens = cb_step(processor)
@@ -598,6 +609,7 @@ class ContinuousBatchingHook:
                     try:
                         sampler.before_forward(graphed=True, device=state.device)
                         with graphs.step(segments):
+                            clock["adapters"] += time.perf_counter() - t
                             compute(model, batch_data)
                         return sampler.finish()
                     except GraphUnsafe as e:  # raised before any capture began: run it eagerly
@@ -606,6 +618,7 @@ class ContinuousBatchingHook:
                 if graphs is not None:
                     graphs.stats["eager_steps"] += 1
                 sampler.before_forward(graphed=False, device=state.device)
+                clock["adapters"] += time.perf_counter() - t
                 compute(model, batch_data)
                 return sampler.finish()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 from typing import Dict, Optional
 
 from ..compat.engine import (cb_capacity, cb_disable_graphs, cb_drop_graphs, cb_emulate_graphs,
@@ -38,8 +39,10 @@ class EngineGraphs:
     def __init__(self, state, processor, emulate: bool = False):
         self.state, self.processor, self.emulate = state, processor, emulate
         self.blocker: Optional[str] = None  # set when a step could not be captured
-        # captures: graphed steps the engine held no graph for (each captured one first)
-        self.stats = collections.Counter(graphed_steps=0, eager_steps=0, graphs_dropped=0, captures=0)
+        # captures: graphed steps the engine held no graph for (each captured one first), and
+        # the seconds their forwards took
+        self.stats = collections.Counter(graphed_steps=0, eager_steps=0, graphs_dropped=0, captures=0,
+                                         capture_s=0.0)
         self._buffers: Dict[int, BatchInfoBuffers] = {}
         self._generation = state.generation
         self._backend = state.backend
@@ -57,16 +60,20 @@ class EngineGraphs:
         static buffers (on the stream the graph runs on), and the layers told to read them."""
         state = self.state
         self._drop_if_stale()
-        if cb_step_graph_held(self.processor) is False:
+        capture = cb_step_graph_held(self.processor) is False
+        if capture:
             self.stats["captures"] += 1
         with on_stream(cb_stream(self.processor)):
             bi = self._fill(segments)
+        start = time.perf_counter()
         with state.forward_context(bi):
             if self.emulate:
                 with cb_graphs_suspended(self.processor):
                     yield
             else:
                 yield
+        if capture:  # the engine's warm-up forward and capture (host time, kernels compiled included)
+            self.stats["capture_s"] += time.perf_counter() - start
         self.stats["graphed_steps"] += 1
 
     def give_up(self, reason: str) -> None:

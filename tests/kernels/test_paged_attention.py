@@ -140,6 +140,49 @@ def test_engine_reading_its_cache_in_place_equals_peft_per_request(arch, monkeyp
 
 @cb
 @pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
+def test_in_place_reads_take_one_key_bucket_for_the_engines_graphs():
+    """The engine keys its graphs by the padded count of keys a step reads; the in-place kernel
+    reads only each request's own keys, so where the caller asks for graphs and leaves the padding
+    to the engine, a manager of a model on the in-place attention pads every step's keys to the
+    whole cache (graphs keyed by the query count alone). A padding the caller set, graphs left to
+    the engine, or the gathering varlen path (whose copy grows with the padding) keep the engine's."""
+    from peft_fastlora.compat.engine import cb_config_for_lora
+
+    asked = cb_config(use_cuda_graph=True)
+    assert cb_config_for_lora(asked, None, reads_in_place=True)[0].kv_padding_interval_size >= 1 << 30
+    assert cb_config_for_lora(asked, None, reads_in_place=False)[0].kv_padding_interval_size == 0
+    assert cb_config_for_lora(asked, None, "graphs off", reads_in_place=True)[0].kv_padding_interval_size == 0
+    assert cb_config_for_lora(cb_config(), None, reads_in_place=True)[0].kv_padding_interval_size == 0
+    own = cb_config(use_cuda_graph=True, kv_padding_interval_size=512)
+    assert cb_config_for_lora(own, None, reads_in_place=True)[0].kv_padding_interval_size == 512
+    for choice, in_place in (("paged", True), ("varlen", False), ("auto", False)):
+        m = build_peft_lm("llama")
+        fastlora.patch(m, engine_attention=choice)
+        assert get_state(m).continuous.reads_in_place() is in_place, choice
+
+
+def test_auto_reads_in_place_where_the_kernel_applies(monkeypatch):
+    """``engine_attention="auto"``: where the flash varlen kernel applies (CUDA, fp16 / bf16; faked
+    here), the engine reads its paged cache in place when the Triton kernel can too, else it gets
+    the gathering varlen attention."""
+    from peft_fastlora.continuous import engine
+
+    m = build_peft_lm("llama")
+    fastlora.patch(m)  # "auto"
+    try:
+        hook = get_state(m).continuous
+        monkeypatch.setattr(engine, "varlen_blocker", lambda *a, **k: None)
+        monkeypatch.setattr(engine, "in_place_blocker", lambda *a, **k: None)
+        if ENGINE_WHY is None:
+            assert hook.attention_name() == IN_PLACE_NAME and hook.reads_in_place()
+        monkeypatch.setattr(engine, "in_place_blocker", lambda *a, **k: "a GPU older than sm80")
+        assert hook.attention_name() == PAGED_NAME and not hook.reads_in_place()
+    finally:
+        fastlora.unpatch(m)
+
+
+@cb
+@pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
 @pytest.mark.parametrize("choice", ["varlen", "paged"])
 def test_a_model_the_attention_cannot_express_is_refused_when_forced(choice):
     """Gemma 2 soft-caps its attention logits, which neither of fastlora's attentions does: asked

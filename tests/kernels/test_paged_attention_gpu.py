@@ -4,6 +4,7 @@ queries shorter than keys, decode rows, windows, long contexts split over the ke
 through the reference path and through the in-place kernel in fp32 giving PEFT's tokens per
 request, and a bf16 engine through each attention and the engine's graphs."""
 
+import gc
 import math
 
 import pytest
@@ -101,7 +102,7 @@ def test_engine_bf16_through_the_kernel_and_graphs(choice):
         manager = m.init_continuous_batching(generation_config=greedy_config(16),
                                              continuous_batching_config=cb_config(max_batch_tokens=128, num_blocks=256,
                                                                                   use_cuda_graph=True))
-        name = IN_PLACE_NAME if choice == "paged" else PAGED_NAME
+        name = PAGED_NAME if choice == "varlen" else IN_PLACE_NAME  # "auto": in place on the GPU
         assert attn_implementation(inner) == name
         manager.warmup()
         manager.start()
@@ -116,3 +117,41 @@ def test_engine_bf16_through_the_kernel_and_graphs(choice):
             assert len(tokens) == 16 and all(0 <= t < 512 for t in tokens)
     finally:
         fastlora.unpatch(m)
+
+
+@pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
+@pytest.mark.parametrize("choice", ["varlen", "paged"])
+def test_a_stopped_engine_lets_its_cache_go(choice):
+    """A manager's batch processor and KV cache are freed when it stops (async batching, graphs,
+    bf16), by reference counting alone, so a restarted engine sizes its cache as the first did; the
+    memory allocated after a second manager is within a small constant of the first's, far below
+    its cache. (Each manager's new CUDA streams keep a cuBLAS workspace: that constant.)"""
+    import weakref
+
+    m = _model(seed=7).to(torch.bfloat16)
+    fastlora.patch(m, engine_attention=choice)
+    config = cb_config(max_batch_tokens=128, num_blocks=16384, use_cuda_graph=True, use_async_batching=True)
+    prompts, names = _prompts(12, seed=23)
+    allocated, cache_bytes = [], []
+    gc.disable()
+    try:
+        for _ in range(2):
+            start = torch.cuda.memory_allocated()
+            manager = m.init_continuous_batching(generation_config=greedy_config(8), continuous_batching_config=config)
+            manager.warmup()
+            manager.start()
+            try:
+                _serve(manager, list(zip(prompts, names, [8] * 12)))
+                processor = weakref.ref(manager.batch_processor)
+                cache = weakref.ref(manager.batch_processor.cache)
+                cache_bytes.append(torch.cuda.memory_allocated() - start)
+            finally:
+                manager.stop(block=True)
+            assert processor() is None and cache() is None
+            torch.cuda.synchronize()
+            allocated.append(torch.cuda.memory_allocated())
+    finally:
+        gc.enable()
+        fastlora.unpatch(m)
+    assert min(cache_bytes) > 128 * 2**20, cache_bytes
+    assert allocated[1] - allocated[0] < min(cache_bytes) // 2, (allocated, cache_bytes)
