@@ -50,6 +50,7 @@ patched model also carries the whole run's host milliseconds per step by phase (
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -90,7 +91,9 @@ def engine_config(args, graphs: bool):
     return ContinuousBatchingConfig(**kw)
 
 
-PHASES = ("schedule", "prepare", "forward", "outputs", "update")  # the engine loop's, as fastlora's hook times them
+# the engine loop's phases, as fastlora's hook times them; "adapters" is the part of "forward" spent on
+# the step's adapters before the launch
+PHASES = ("schedule", "prepare", "forward", "outputs", "update", "adapters")
 
 
 def engine_counts(manager) -> dict:
@@ -100,7 +103,7 @@ def engine_counts(manager) -> dict:
     if clock is None:
         return {}
     graphs = getattr(manager, "fastlora_graphs", None)
-    counts = {phase: clock[phase] for phase in PHASES}
+    counts = {phase: clock.get(phase, 0.0) for phase in PHASES}
     counts.update(steps=clock["steps"], captures=graphs.stats["captures"] if graphs is not None else 0)
     return counts
 
@@ -135,6 +138,7 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
         manager.warmup()
         print(f"warm-up {time.perf_counter() - t:.1f} s", file=sys.stderr)
     manager.start()
+    compiles = hx.TritonCompiles()
     queued, latency, ttft = {}, [], []
     window, profile, steps_at = hx.GpuWindow(), {}, None
     async_ran = None  # whether the engine ran async batching (its IO pairs), seen once it runs
@@ -175,8 +179,10 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
             profile.update(window_counts(steps_at[0], engine_counts(manager), profile["window_s"]))
     finally:
         manager.stop(block=True)
+        compiled = compiles.stop()
     lora_graphs = getattr(manager, "fastlora_graphs", None)
     stats = dict(lora_graphs.stats) if lora_graphs is not None else {}
+    stats.update(compiled)
     stats["async_batching"] = async_ran
     # what the engine sized from free memory (its cache bounds how many requests run at once)
     resolved = getattr(manager, "continuous_batching_config", None)
@@ -318,6 +324,66 @@ def run_mode(mode, base, model, reqs, args):
     return used, run_static(model, used, args), model
 
 
+def measure_modes(modes, args, reqs, info):
+    """(row, profile) of each mode, one after the other in this process, on one base model."""
+    base = hx.build_base(args.model)
+    bw = hx.copy_bandwidth()
+    model = None
+    for mode in modes:
+        used, (seconds, latency, ttft, stats, profile), model = run_mode(mode, base, model, reqs, args)
+        out_tokens = sum(n for _, _, n in used)
+        steps = stats.get("engine_steps") or (stats.get("graphed_steps", 0) + stats.get("eager_steps", 0)) or None
+        floor = workload_floor(base, args.model, used, steps, bw, info["gpu"]) if mode != "peft" else {}
+        row = dict(mode=mode, model=args.model, adapters=0 if mode.startswith("base") else args.adapters,
+                   rank=args.rank, requests=len(used), output_tokens=out_tokens, seconds=round(seconds, 3),
+                   tokens_per_s=round(out_tokens / seconds, 1),
+                   latency_p50_s=round(pct(latency, 0.5), 3), latency_p99_s=round(pct(latency, 0.99), 3),
+                   ttft_p50_s=round(pct(ttft, 0.5), 3), ttft_p99_s=round(pct(ttft, 0.99), 3),
+                   mean_prompt=round(statistics.mean(len(q) for q, _, _ in used), 1),
+                   max_batch_tokens=args.max_batch_tokens, lora_graphed_steps=stats.get("graphed_steps", ""),
+                   lora_eager_steps=stats.get("eager_steps", ""), engine_captures=stats.get("captures", ""),
+                   async_batching=stats.get("async_batching", ""), cache_blocks=stats.get("cache_blocks", ""),
+                   max_requests_per_batch=stats.get("max_requests_per_batch", ""),
+                   max_memory_percent=stats.get("max_memory_percent", ""),
+                   gpu_free_gb_at_start=stats.get("gpu_free_gb_at_start", "") or "",
+                   engine_graphs_dropped=stats.get("graphs_dropped", ""),
+                   capture_s=round(stats["capture_s"], 2) if "capture_s" in stats else "",
+                   triton_compiles=stats.get("triton_compiles", ""), triton_compile_s=stats.get("triton_compile_s", ""),
+                   time_per_token_vs_base_patched="",
+                   time_per_token_vs_base="", prompt_tokens=sum(len(q) for q, _, _ in used),
+                   tokens_per_step=round(sum(len(q) + n for q, _, n in used) / steps, 1) if steps else "",
+                   **floor, ratio_to_floor=round(seconds / floor["floor_s"], 2) if floor.get("floor_s") else "",
+                   copy_bw_tbs=round(bw / 1e12, 3),
+                   **{k: v for k, v in stats.items() if k.startswith("run_host_")}, **info)
+        yield row, profile
+
+
+def run_child(mode: str, argv) -> tuple:
+    """(row, profile) of one mode measured in a fresh process: every engine then sizes its KV cache
+    from the same free memory, whatever the modes before it left behind."""
+    import subprocess
+    import tempfile
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    kept, skip = [], False
+    for token in argv:  # the parent's arguments without its modes, output folder and isolation
+        if token.startswith("--"):
+            skip = token.split("=")[0] in ("--modes", "--out", "--isolate")
+            if skip:
+                continue
+        elif skip:
+            continue
+        kept.append(token)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, os.path.abspath(__file__), *kept, "--modes", mode, "--isolate", "off", "--out", "",
+               "--child-result", path]
+        subprocess.run(cmd, check=True)
+        with open(path) as f:
+            result = json.load(f)
+    return result["row"], result["profile"]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     hx.add_model_args(p, adapters=32)
@@ -343,6 +409,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=float, default=0,
                    help="seconds of the GPU's timeline summarised per engine mode, under full load "
                         "(continuous_profile_<model>_<gpu>.csv)")
+    p.add_argument("--isolate", choices=["auto", "on", "off"], default="auto",
+                   help="each mode in a fresh process (auto: on CUDA with several modes), so that every engine "
+                        "sizes its cache from the same free memory")
+    p.add_argument("--child-result", default="", help=argparse.SUPPRESS)
     hx.add_run_args(p)
     args = p.parse_args(argv)
     if not hx.start(args, "bench_continuous"):
@@ -354,33 +424,19 @@ def main(argv=None) -> int:
 
     reqs = workload(args)
     info = hx.versions()
-    base = hx.build_base(args.model)
-    bw = hx.copy_bandwidth()
-    model, table, profiles, kernels = None, [], [], []
+    modes = sorted(set(args.modes), key=MODES.index)
+    isolate = args.isolate == "on" or (args.isolate == "auto" and hx.DEVICE == "cuda" and len(modes) > 1)
+    if args.child_result:  # one mode for a parent process (--isolate)
+        row, profile = next(measure_modes(modes, args, reqs, info))
+        with open(args.child_result, "w") as f:
+            json.dump(dict(row=row, profile=profile), f)
+        return 0
+    results = ((run_child(mode, argv) for mode in modes) if isolate
+               else measure_modes(modes, args, reqs, info))
+    table, profiles, kernels = [], [], []
     suffix = "" if args.async_batching == "unset" else f"_async_{args.async_batching}"  # in the files' names
-    for mode in sorted(set(args.modes), key=MODES.index):
-        used, (seconds, latency, ttft, stats, profile), model = run_mode(mode, base, model, reqs, args)
-        out_tokens = sum(n for _, _, n in used)
-        steps = stats.get("engine_steps") or (stats.get("graphed_steps", 0) + stats.get("eager_steps", 0)) or None
-        floor = workload_floor(base, args.model, used, steps, bw, info["gpu"]) if mode != "peft" else {}
-        row = dict(mode=mode, model=args.model, adapters=0 if mode.startswith("base") else args.adapters,
-                   rank=args.rank, requests=len(used), output_tokens=out_tokens, seconds=round(seconds, 3),
-                   tokens_per_s=round(out_tokens / seconds, 1),
-                   latency_p50_s=round(pct(latency, 0.5), 3), latency_p99_s=round(pct(latency, 0.99), 3),
-                   ttft_p50_s=round(pct(ttft, 0.5), 3), ttft_p99_s=round(pct(ttft, 0.99), 3),
-                   mean_prompt=round(statistics.mean(len(q) for q, _, _ in used), 1),
-                   max_batch_tokens=args.max_batch_tokens, lora_graphed_steps=stats.get("graphed_steps", ""),
-                   lora_eager_steps=stats.get("eager_steps", ""), engine_captures=stats.get("captures", ""),
-                   async_batching=stats.get("async_batching", ""), cache_blocks=stats.get("cache_blocks", ""),
-                   max_requests_per_batch=stats.get("max_requests_per_batch", ""),
-                   max_memory_percent=stats.get("max_memory_percent", ""),
-                   gpu_free_gb_at_start=stats.get("gpu_free_gb_at_start", "") or "",
-                   engine_graphs_dropped=stats.get("graphs_dropped", ""), time_per_token_vs_base_patched="",
-                   time_per_token_vs_base="", prompt_tokens=sum(len(q) for q, _, _ in used),
-                   tokens_per_step=round(sum(len(q) + n for q, _, n in used) / steps, 1) if steps else "",
-                   **floor, ratio_to_floor=round(seconds / floor["floor_s"], 2) if floor.get("floor_s") else "",
-                   copy_bw_tbs=round(bw / 1e12, 3),
-                   **{k: v for k, v in stats.items() if k.startswith("run_host_")}, **info)
+    for row, profile in results:
+        mode = row["mode"]
         table.append(row)
         if profile:
             kernels += [dict(mode=mode, model=args.model, **k, gpu=info["gpu"]) for k in profile.pop("top_kernels")]

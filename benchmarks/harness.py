@@ -457,6 +457,49 @@ def kernel_split(rows) -> dict:
     return out
 
 
+class TritonCompiles:
+    """Triton kernels compiled (not found in the process's in-memory cache) from construction to
+    ``stop()``, and the seconds their compiles took, through Triton's public JIT hooks: a run whose
+    steps meet new shapes compiles inside the timed window. On the CPU (Triton's interpreter)
+    nothing is compiled; an older Triton without the hooks reports nothing."""
+
+    def __init__(self):
+        self.count, self.seconds, self._started = 0, 0.0, []
+        knobs = getattr(__import__("triton"), "knobs", None) if _has_triton() else None
+        self._runtime = getattr(knobs, "runtime", None)
+        if self._runtime is None or not hasattr(self._runtime, "jit_post_compile_hook"):
+            self._runtime = None
+            return
+        self._saved = (self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook)
+        self._runtime.jit_cache_hook = self._before
+        self._runtime.jit_post_compile_hook = self._after
+
+    def _before(self, *args, **kwargs):
+        self._started.append(time.perf_counter())
+        return None  # None: compile as usual
+
+    def _after(self, *args, **kwargs):
+        self.count += 1
+        if self._started:
+            self.seconds += time.perf_counter() - self._started.pop()
+        return None
+
+    def stop(self) -> dict:
+        if self._runtime is None:
+            return {}
+        self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = self._saved
+        self._runtime = None
+        return dict(triton_compiles=self.count, triton_compile_s=round(self.seconds, 2))
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class GpuWindow:
     """Where a running process's GPU time goes over a window of wall time: kernels, copies and the
     idle gaps between them, from every thread (CUPTI records the device's activity, so an engine's
