@@ -258,21 +258,31 @@ def test_steps_copy_only_the_adapter_values_that_changed(pair, monkeypatch):
     assert out["req_0"].generated_tokens != edited[ids[0]]  # the edit shows in a0's tokens
 
 
-def test_steps_compare_storage_only_after_a_registration_or_a_start(monkeypatch):
+@pytest.fixture
+def linear_pair():
+    """(patched model, PEFT reference): ``tiny_peft_llama`` with its third adapter, LoRA on linear
+    layers only (the flat per-adapter and structure checks serve every engine step)."""
+    import copy
+
+    from _models import tiny_peft_llama
+
+    m = tiny_peft_llama(third_adapter=True)
+    ref = copy.deepcopy(m)
+    fastlora.patch(m)
+    yield m, ref
+    fastlora.unpatch(m)
+
+
+def test_steps_compare_storage_only_after_a_registration_or_a_start(linear_pair, monkeypatch):
     """An engine step compares its adapters' storage addresses only where a module or parameter was
     registered since, or at a manager's first step: a server's steps skip that host work while
     nothing is registered. A parameter replaced by registering another is served from the next
     step; a storage swapped through ``.data`` by the next manager."""
-    import copy
-
     from torch import nn
 
-    from _models import tiny_peft_llama
     from peft_fastlora.lora import watch
 
-    m = tiny_peft_llama(third_adapter=True)  # LoRA on linear layers only: the flat per-adapter check
-    ref = copy.deepcopy(m)
-    fastlora.patch(m)
+    m, ref = linear_pair
     compared = []
     data_ptr = watch._data_ptr
     monkeypatch.setattr(watch, "_data_ptr", lambda t: (compared.append(1), data_ptr(t))[1])
@@ -300,26 +310,17 @@ def test_steps_compare_storage_only_after_a_registration_or_a_start(monkeypatch)
     for model in (m, ref):  # new storage, nothing registered: a new manager follows it
         for w in _lora_b(model, "a"):
             w.data = w.data * 3.0
-    try:
-        out = m.generate_batch(prompts, generation_config=greedy_config(6),
-                               continuous_batching_config=cb_config(), adapter_names=names)
-    finally:
-        fastlora.unpatch(m)
+    out = m.generate_batch(prompts, generation_config=greedy_config(6),
+                           continuous_batching_config=cb_config(), adapter_names=names)
     for i, (prompt, name) in enumerate(zip(prompts, names)):
         assert out[f"req_{i}"].generated_tokens == peft_alone(ref, prompt, name, 6), name
 
 
-def test_a_scaling_changed_while_serving_is_followed_at_the_next_step():
+def test_a_scaling_changed_while_serving_is_followed_at_the_next_step(linear_pair):
     """Engine steps check the layers' adapter sets and scalings flat (``StructureWatch``) instead of
     layer by layer: a scaling changed between steps (PEFT's ``set_scale``) still rebuilds the
     stacks before the next step, which equals PEFT with the new scaling."""
-    import copy
-
-    from _models import tiny_peft_llama
-
-    m = tiny_peft_llama(third_adapter=True)
-    ref = copy.deepcopy(m)
-    fastlora.patch(m)
+    m, ref = linear_pair
     prompts = random_prompts([5, 9, 3], seed=23)
     names = ["a", "c", "__base__"]
     manager = m.init_continuous_batching(generation_config=greedy_config(6), continuous_batching_config=cb_config())
@@ -335,7 +336,6 @@ def test_a_scaling_changed_while_serving_is_followed_at_the_next_step():
         scaled = _collect(manager, ids)
     finally:
         manager.stop(block=True)
-        fastlora.unpatch(m)
     for rid, prompt, name in zip(ids, prompts, names):
         assert scaled[rid] == peft_alone(ref, prompt, name, 6), name
     assert scaled[ids[1]] != first[first_ids[1]]  # the new scaling shows in c's tokens
