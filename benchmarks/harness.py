@@ -437,11 +437,11 @@ def kernel_times(gen, steps: int) -> list:
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
-# kernel families of a step, by name, the first that matches: the attention (fastlora's decode
-# kernel, flash kernels, whose names carry cutlass types, so before the GEMMs); cuBLAS's nvjet /
-# cutlass GEMMs and their split-K reductions, fastlora's GEMMs; fastlora's LoRA launches; the rest
-# is "other"
-KERNEL_KINDS = (("attention", ("decode_attention", "flash", "sdpa")),
+# kernel families of a step, by name, the first that matches: the attention (fastlora's decode and
+# paged kernels and the merge of their splits, flash kernels, whose names carry cutlass types, so
+# before the GEMMs); cuBLAS's nvjet / cutlass GEMMs and their split-K reductions, fastlora's GEMMs;
+# fastlora's LoRA launches; the rest is "other"
+KERNEL_KINDS = (("attention", ("decode_attention", "paged_varlen", "merge_splits", "flash", "sdpa")),
                 ("gemm", ("nvjet", "gemm", "cutlass", "splitKreduce", "xmma", "glu_lora")), ("lora", ("lora_",)))
 
 
