@@ -1,7 +1,7 @@
 """Continuous batching with one adapter per request: throughput and latency on a server-like load.
 
     python benchmarks/bench_continuous.py --model 8b --adapters 32 --requests 2000   # continuous_8b_h200.csv
-    python benchmarks/bench_continuous.py --model 8b --modes base_patched_varlen fastlora_varlen --profile 3
+    python benchmarks/bench_continuous.py --model 8b --requests 300 --async-batching on --profile 3
     python benchmarks/bench_continuous.py --smoke      # CPU: checks the script, measures nothing
 
 Requests have log-normal prompt and output lengths (means ``--prompt-mean`` / ``--output-mean``,
@@ -400,7 +400,8 @@ def main(argv=None) -> int:
                    help="static mode on the first N requests only (0: all); its tokens/s is over those")
     p.add_argument("--peft-requests", type=int, default=32)
     p.add_argument("--peft-tokens", type=int, default=16)
-    p.add_argument("--modes", nargs="+", default=["base_patched_varlen", "base_varlen", "fastlora_varlen", "static"],
+    p.add_argument("--modes", nargs="+", default=["base_patched_paged", "fastlora_paged", "base_patched_varlen",
+                                                  "fastlora_varlen"],
                    choices=MODES, help="the CSV is rewritten after each mode, so a cut-off run keeps what finished")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--async-batching", choices=["unset", "on", "off"], default="unset",

@@ -68,8 +68,9 @@ if want prefill; then
     | tee "$OUT/prefill_$TAG.log" | tail -6
 fi
 if want continuous; then
-  timeout 560 python3 benchmarks/bench_continuous.py --model ${CB_MODEL:-8b} --requests ${CB_REQUESTS:-2000} \
-    --modes ${CB_MODES:-base_patched_varlen base_varlen fastlora_varlen static} --profile 3 --out "$OUT" 2>&1 | quiet \
+  timeout ${CB_LIMIT:-1200} python3 benchmarks/bench_continuous.py --model ${CB_MODEL:-8b} --requests ${CB_REQUESTS:-2000} \
+    --modes ${CB_MODES:-base_patched_paged fastlora_paged base_patched_varlen fastlora_varlen} --async-batching on \
+    --profile 3 --out "$OUT" 2>&1 | quiet \
     | tee "$OUT/continuous_$TAG.log" | tail -8
 fi
 if want serving; then  # the OpenAI endpoint at Poisson arrival rates, patched base beside the adapters

@@ -158,6 +158,18 @@ def test_bench_continuous_smoke(tmp_path):
     assert all(float(r["window_s"]) > 0 for r in profiled.values())
 
 
+def test_bench_continuous_isolated_modes(tmp_path):
+    """``--isolate on``: each mode measured in its own process, the rows and their ratios written by
+    the parent; the host time on the step's adapters and the Triton compiles are columns."""
+    _run([os.path.join(BENCH, "bench_continuous.py"), "--smoke", "--modes", "base_patched", "fastlora",
+          "--isolate", "on", "--out", str(tmp_path)])
+    rows = {r["mode"]: r for r in _csv(tmp_path / "continuous_tiny_cpu.csv")}
+    assert set(rows) == {"base_patched", "fastlora"}
+    assert float(rows["fastlora"]["time_per_token_vs_base_patched"]) > 0
+    assert float(rows["fastlora"]["run_host_adapters_ms"]) > 0
+    assert rows["fastlora"]["triton_compiles"] != ""
+
+
 def test_gpu_window_reads_busy_idle_and_families_from_a_timeline():
     """``harness.GpuWindow.summary`` on a made-up timeline: overlapping kernels count once, gaps of
     100 us and more are counted, launches and syncs by name."""
