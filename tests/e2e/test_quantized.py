@@ -44,9 +44,9 @@ def quantized(saved, quant, adapters=ADAPTERS):
         base = AutoModelForCausalLM.from_pretrained(saved, device_map="cpu",
                                                     quantization_config=BitsAndBytesConfig(**QUANT[quant], **extra))
     for module in base.modules():
-        # on CPUs with AVX512-BF16, bitsandbytes repacks a 4-bit weight in place for a bf16 CPU
-        # kernel at its first forward; that kernel fails on layers under 64 inputs, and the repacked
-        # weight is what dequantization then reads. Both models here keep bitsandbytes' portable path
+        # on CPUs with AVX512-BF16, bitsandbytes repacks a 4-bit weight in place at its first forward
+        # for a CPU kernel that computes in bf16 (whatever the compute dtype) and fails on layers under
+        # 64 inputs. The fp32 oracle needs the portable path: both models here keep it
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
     return with_adapters(base, adapters, seed=200)
