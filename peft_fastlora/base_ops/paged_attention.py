@@ -92,10 +92,17 @@ def _model_blocker(inner: nn.Module, sliding_needs_window: bool, needs_flash: bo
         return f"head dim {head_dim}"
     if needs_flash and not has_flash_varlen():
         return f"torch {torch.__version__} has no aten._flash_attention_forward"
-    windowed = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
-    if sliding_needs_window and (windowed or any(getattr(m, "sliding_window", None) for m in inner.modules())):
+    if sliding_needs_window and has_sliding_layers(inner):
         return "sliding windows (this torch's flash varlen kernel takes no window)"
     return None
+
+
+def has_sliding_layers(inner: nn.Module) -> bool:
+    """Whether some attention layer of the model has a sliding window (those take the varlen path,
+    which gathers the keys a step reads, under the in-place attention too)."""
+    cfg = getattr(inner, "config", None)
+    windowed = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+    return bool(windowed) or any(getattr(m, "sliding_window", None) for m in inner.modules())
 
 
 def _window(module: nn.Module, kwargs: dict) -> Optional[int]:

@@ -182,8 +182,8 @@ def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] 
     config, or the default) with what per-request adapters need; and what was changed, why.
     ``graphs_blocker``: why the engine's CUDA graphs cannot carry this model's LoRA batches
     (None: the engine keeps its own choice). ``max_requests``: the most requests one step may
-    hold (the slots, when the model has fewer than adapters). ``reads_in_place``: the engine's
-    attention will read its paged cache in place; where the caller asked for graphs and left the
+    hold (the slots, when the model has fewer than adapters). ``reads_in_place``: every layer of
+    the engine will read its paged cache in place; where the caller asked for graphs and left the
     key padding to the engine, its graphs then take one key bucket (``_ONE_KV_BUCKET``)."""
     import dataclasses
 

@@ -40,9 +40,9 @@ from ..compat.modules import (attn_implementation, cb_vocab_size, model_dtype, m
 from ..compat.tensor_parallel import tensor_parallel_reason
 from ..base_ops.attention_registry import (decode_attention_enabled, disable_decode_attention,
                                            enable_decode_attention)
-from ..base_ops.paged_attention import (IN_PLACE_NAME, PAGED_NAME, forced_varlen_blocker, in_place_blocker,
-                                       kernel_blocker, paged_in_place_attention, paged_varlen_attention,
-                                       varlen_blocker)
+from ..base_ops.paged_attention import (IN_PLACE_NAME, PAGED_NAME, forced_varlen_blocker, has_sliding_layers,
+                                       in_place_blocker, kernel_blocker, paged_in_place_attention,
+                                       paged_varlen_attention, varlen_blocker)
 from ..batch import TokenSegments
 from ..decode.capture import GraphUnsafe
 from ..instance_methods import InstancePatches
@@ -325,8 +325,11 @@ class ContinuousBatchingHook:
         return self.state.device or next(self.inner.parameters()).device
 
     def reads_in_place(self) -> bool:
-        """Whether a manager started now gets the attention that reads the paged cache in place."""
-        return self.varlen_blocker() is None and self.attention_name() == IN_PLACE_NAME
+        """Whether every layer of a manager started now reads the paged cache in place (the
+        in-place attention, and no sliding-window layer: those gather the keys a step reads, a
+        copy that would grow with the engine's key padding)."""
+        return (self.varlen_blocker() is None and self.attention_name() == IN_PLACE_NAME
+                and not has_sliding_layers(self.inner))
 
     def attention_name(self) -> str:
         """The attention fastlora gives the engine: the paged cache read in place ("paged"; "auto"

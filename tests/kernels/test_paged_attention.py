@@ -145,7 +145,8 @@ def test_in_place_reads_take_one_key_bucket_for_the_engines_graphs():
     reads only each request's own keys, so where the caller asks for graphs and leaves the padding
     to the engine, a manager of a model on the in-place attention pads every step's keys to the
     whole cache (graphs keyed by the query count alone). A padding the caller set, graphs left to
-    the engine, or the gathering varlen path (whose copy grows with the padding) keep the engine's."""
+    the engine, the gathering varlen path or sliding-window layers (whose copy grows with the
+    padding) keep the engine's."""
     from peft_fastlora.compat.engine import cb_config_for_lora
 
     asked = cb_config(use_cuda_graph=True)
@@ -155,10 +156,12 @@ def test_in_place_reads_take_one_key_bucket_for_the_engines_graphs():
     assert cb_config_for_lora(cb_config(), None, reads_in_place=True)[0].kv_padding_interval_size == 0
     own = cb_config(use_cuda_graph=True, kv_padding_interval_size=512)
     assert cb_config_for_lora(own, None, reads_in_place=True)[0].kv_padding_interval_size == 512
-    for choice, in_place in (("paged", True), ("varlen", False), ("auto", False)):
-        m = build_peft_lm("llama")
+    # (Mistral's sliding-window layers gather the keys a step reads: the padding would grow that copy)
+    for arch, choice, in_place in (("llama", "paged", True), ("llama", "varlen", False), ("llama", "auto", False),
+                                   ("mistral", "paged", False)):
+        m = build_peft_lm(arch)
         fastlora.patch(m, engine_attention=choice)
-        assert get_state(m).continuous.reads_in_place() is in_place, choice
+        assert get_state(m).continuous.reads_in_place() is in_place, (arch, choice)
 
 
 def test_auto_reads_in_place_where_the_kernel_applies(monkeypatch):
