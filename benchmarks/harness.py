@@ -465,8 +465,11 @@ class TritonCompiles:
 
     def __init__(self):
         self.count, self.seconds, self._started = 0, 0.0, []
-        knobs = getattr(__import__("triton"), "knobs", None) if _has_triton() else None
-        self._runtime = getattr(knobs, "runtime", None)
+        try:
+            import triton
+        except ImportError:
+            triton = None
+        self._runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
         if self._runtime is None or not hasattr(self._runtime, "jit_post_compile_hook"):
             self._runtime = None
             return
@@ -490,14 +493,6 @@ class TritonCompiles:
         self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = self._saved
         self._runtime = None
         return dict(triton_compiles=self.count, triton_compile_s=round(self.seconds, 2))
-
-
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class GpuWindow:
