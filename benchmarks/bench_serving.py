@@ -59,8 +59,9 @@ def serve(model, tokenizer, args):
 
     from peft_fastlora.server import ServerConfig, create_app
 
-    cb = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens, use_cuda_graph=args.engine_graphs,
-                                  use_async_batching=args.async_batching or None,
+    choice = {"auto": None, "on": True, "off": False}
+    cb = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens, use_cuda_graph=choice[args.engine_graphs],
+                                  use_async_batching=choice[args.async_batching],
                                   **({"num_blocks": max(1, args.cache_tokens // 256)} if args.cache_tokens else {}))
     gen = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
     app = create_app(model, tokenizer, ServerConfig(max_pending=args.max_pending, max_tokens_default=16),
@@ -116,6 +117,14 @@ async def drive(url, reqs, rate: float, duration: float, with_adapters: bool, te
     await asyncio.gather(*pending, return_exceptions=True)
     await client.close()
     return record, time.perf_counter() - start, len(pending)  # (a cancelled request records nothing)
+
+
+SLO_TTFT_S, SLO_ITL_MS = 2.0, 50.0  # the service levels a rate is held to
+
+
+def meets_slo(row: dict) -> bool:
+    return (not row["failed"] and row["ttft_p99_s"] < SLO_TTFT_S and row["itl_p99_ms"] < SLO_ITL_MS
+            and not row.get("cut_by_drain"))
 
 
 def pct(values, q):
@@ -242,9 +251,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-pending", type=int, default=4096)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--cache-tokens", type=int, default=None, help="default: the engine sizes its cache")
-    p.add_argument("--engine-graphs", action="store_true", help="the engine's CUDA graphs on")
-    p.add_argument("--async-batching", action="store_true",
-                   help="the engine's async batching forced on (default: the engine's choice)")
+    p.add_argument("--engine-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="the engine's CUDA graphs (auto: the engine's choice, as a server started plainly gets)")
+    p.add_argument("--async-batching", choices=["auto", "on", "off"], default="auto",
+                   help="the engine's async batching (auto: the engine's choice)")
     p.add_argument("--engine-attention", default="auto", choices=["auto", "varlen", "paged", "engine"],
                    help="fastlora.patch's engine_attention for both modes")
     p.add_argument("--requests", type=int, default=2000, help="distinct requests in the workload pool")
@@ -271,7 +281,12 @@ def main(argv=None) -> int:
         rows += r
         samples += s
     for r in rows:
-        r["engine_attention"] = args.engine_attention
+        r.update(engine_attention=args.engine_attention, engine_graphs=args.engine_graphs,
+                 async_batching=args.async_batching)
+    for mode in args.modes:
+        met = [r["rate"] for r in rows if r["mode"] == mode and meets_slo(r)]
+        print(f"{mode}: highest rate with TTFT p99 < {SLO_TTFT_S} s and ITL p99 < {SLO_ITL_MS} ms: "
+              f"{max(met) if met else 'none of those measured'}", flush=True)
     stem = (f"serving_{args.model}" + ("_soak" if args.soak else "")
             + ("" if args.engine_attention == "auto" else f"_{args.engine_attention}"))
     path = hx.out_path(args.out, stem, versions["gpu"])
