@@ -124,8 +124,8 @@ def window_counts(before: dict, after: dict, window_s: float) -> dict:
 
 def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
     """(seconds, [latency], [time to first token], graph stats, profile) for every request through
-    one manager; with graphs, the engine's warm-up captures run before the clock starts. With
-    ``--profile S``, S seconds of the GPU's timeline are summarised (``harness.GpuWindow``) from the
+    one manager; with graphs, the warm-up (on a patched model ``fastlora.warmup_engine``: every
+    step size) runs before the clock starts. With ``--profile S``, S seconds of the GPU's timeline are summarised (``harness.GpuWindow``) from the
     moment a quarter of the requests are done: the engine under full load."""
     from transformers import GenerationConfig
 
@@ -133,10 +133,17 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
     free_gb = round(torch.cuda.mem_get_info()[0] / 2**30, 2) if hx.DEVICE == "cuda" else None
     manager = model.init_continuous_batching(generation_config=gen,
                                              continuous_batching_config=engine_config(args, graphs))
-    if graphs:
+    warm = {}
+    if graphs:  # as a server starts: fastlora's warm-up (every step size) on a patched model
+        import peft_fastlora as fastlora
+
         t = time.perf_counter()
-        manager.warmup()
-        print(f"warm-up {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        if fastlora.get_state(model) is not None:
+            fastlora.warmup_engine(manager)
+        else:
+            manager.warmup()
+        warm = dict(getattr(getattr(manager, "fastlora_graphs", None), "stats", {}), warmup_s=time.perf_counter() - t)
+        print(f"warm-up {warm['warmup_s']:.1f} s", file=sys.stderr)
     manager.start()
     compiles = hx.TritonCompiles()
     queued, latency, ttft = {}, [], []
@@ -182,6 +189,10 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
         compiled = compiles.stop()
     lora_graphs = getattr(manager, "fastlora_graphs", None)
     stats = dict(lora_graphs.stats) if lora_graphs is not None else {}
+    for key in ("captures", "capture_s"):  # those of the run (the warm-up's apart)
+        if key in stats:
+            stats[key] -= warm.get(key, 0)
+    stats.update(warmup_s=round(warm.get("warmup_s", 0.0), 2), warmup_captures=warm.get("captures", ""))
     stats.update(compiled)
     stats["async_batching"] = async_ran
     # what the engine sized from free memory (its cache bounds how many requests run at once)
@@ -348,6 +359,7 @@ def measure_modes(modes, args, reqs, info):
                    gpu_free_gb_at_start=stats.get("gpu_free_gb_at_start", "") or "",
                    engine_graphs_dropped=stats.get("graphs_dropped", ""),
                    capture_s=round(stats["capture_s"], 2) if "capture_s" in stats else "",
+                   warmup_s=stats.get("warmup_s", ""), warmup_captures=stats.get("warmup_captures", ""),
                    triton_compiles=stats.get("triton_compiles", ""), triton_compile_s=stats.get("triton_compile_s", ""),
                    time_per_token_vs_base_patched="",
                    time_per_token_vs_base="", prompt_tokens=sum(len(q) for q, _, _ in used),

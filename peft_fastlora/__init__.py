@@ -11,7 +11,8 @@ from .backend import BaseLoRABackend, available_backends, get_backend
 from .batch import ForwardBatch, LoRABatchInfo
 from .decode.generate import WarmupReport
 from .options import PatchOptions
-from .patch import get_state, patch, unpatch, warmup
+from .continuous.graphs import EngineWarmup
+from .patch import get_state, patch, unpatch, warmup, warmup_engine
 from .registration import from_folders, register_adapter, register_adapters, unregister_adapter
 from .report import PatchReport
 from .tuning import Tuning
@@ -30,6 +31,7 @@ def patched(model, **kwargs):
 
 
 __all__ = [
+    "EngineWarmup",
     "BaseLoRABackend",
     "ForwardBatch",
     "LoRABatchInfo",
@@ -48,4 +50,5 @@ __all__ = [
     "unpatch",
     "unregister_adapter",
     "warmup",
+    "warmup_engine",
 ]

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 from torch import nn
 
 from .backend import check_backend_name
+from .continuous.graphs import EngineWarmup
 from .decode.generate import WarmupReport, warm_up
 from .options import DEFAULT_BUCKETS, PatchOptions
 from .report import PatchReport
@@ -182,3 +183,19 @@ def warmup(model: nn.Module, batch_sizes: Optional[Sequence[int]] = None, max_le
     if state is None:
         raise ValueError("fastlora.warmup: the model is not patched (call fastlora.patch first)")
     return warm_up(state, batch_sizes, max_length, adapter_names)
+
+
+def warmup_engine(manager) -> EngineWarmup:
+    """Capture a continuous-batching manager's CUDA graphs before it serves.
+
+    ``manager``: made by ``init_continuous_batching`` on a patched model, not started yet. Runs the
+    engine's own warm-up, then, where fastlora's attention lets the engine key its graphs by the
+    step's query count alone, one made-up step of every query count a step can have (on each of
+    async batching's two IO pairs): a server's first requests then meet no capture. A no-op
+    (nothing captured) where the engine runs no graphs. Returns an ``EngineWarmup``.
+    """
+    warm = getattr(manager, "fastlora_warmup", None)
+    if warm is None:
+        raise ValueError("fastlora.warmup_engine takes a continuous-batching manager of a fastlora-patched "
+                         f"model, got {type(manager).__name__}")
+    return warm()

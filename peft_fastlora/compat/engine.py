@@ -442,6 +442,56 @@ def cb_emulate_graphs(processor) -> None:
     runner.use_cuda_graph_varlen = runner.use_cuda_graph_decode = True
 
 
+# Graph keys and warm-up. The engine keys a graph by the step's padded query count, its padded count
+# of keys read and the longest request's key count padded to a power of two up to a cap
+# (``max_length_k`` from 5.24, ``max_seqlen_k`` before); ``model_runner.run_one_warmup`` runs one
+# made-up step of a given size on the current IO pair. Checked on 5.17 and 5.25.
+def _key_length_cap(processor) -> int:
+    cache = processor.cache
+    return int(cache.max_tokens_read if hasattr(cache, "max_tokens_read") else cache.num_pages)
+
+
+def cb_one_key_bucket(processor) -> bool:
+    """Whether the engine pads every step's keys read to one bucket (``cb_config_for_lora``)."""
+    return getattr(processor.model_runner.cb_config, "kv_padding_interval_size", None) == _ONE_KV_BUCKET
+
+
+def cb_pin_key_lengths(processor) -> None:
+    """Key the step about to run as if its longest request read the most keys the engine allows:
+    with one bucket of keys read, graphs are then keyed by the query count alone."""
+    io = _host_io(processor)
+    lengths = io.max_length_k if hasattr(io, "max_length_k") else io.max_seqlen_k
+    cap = _key_length_cap(processor)
+    for layer_type in lengths:
+        lengths[layer_type] = cap
+
+
+def cb_query_sizes(processor) -> list:
+    """Every padded query count a graphed step of the engine can have, largest first."""
+    runner = processor.model_runner
+    top, interval = int(runner.cache.max_batch_tokens), int(runner.cb_config.q_padding_interval_size)
+    if interval <= 0:
+        return [top]
+    return sorted({min(q, top) for q in range(interval, top + interval, interval)}, reverse=True)
+
+
+def cb_warm_up_sizes(processor, model, sizes) -> None:
+    """One made-up step per query count in ``sizes`` (one request reading the most keys the engine
+    allows) on every IO pair, each of which holds its own graphs; then the cache emptied."""
+    runner, ios = processor.model_runner, processor.inputs_and_outputs
+    pairs = len(getattr(ios, "io_pairs", None) or [ios])
+    cap = _key_length_cap(processor)
+    with torch.no_grad():  # as the engine's own warm-up
+        for _ in range(pairs):
+            for q in sizes:
+                runner.run_one_warmup(model=model, num_q_tokens=int(q), max_kv_read=max(1, cap - int(q)))
+            if pairs > 1:
+                ios.swap_io_pairs()
+    reset = getattr(processor.cache, "reset", None)
+    if callable(reset):
+        reset()
+
+
 # The engine's token selection and step failures (``model_runner._sample`` writes the step's tokens
 # into ``output_ids[0]`` in the order of the requests that get one; ``handle_batch_error`` fails a
 # step's requests and frees their cache). Checked on 5.17 and 5.25.
@@ -562,6 +612,11 @@ def cb_processor_factory(manager):
 
 def cb_set_processor_factory(manager, factory) -> None:
     manager._create_batch_processor = factory
+
+
+def cb_manager_model(manager):
+    """The model the manager's steps run."""
+    return manager.model
 
 
 def cb_cached_manager(model):

@@ -31,7 +31,7 @@ from ..compat.attention import register_attention_function, release_attention_fu
 from ..compat.engine import (CB_CHILD_MARK, cb_async, cb_async_device_blocker, cb_cached_manager, cb_capacity,
                              cb_config_for_lora, cb_disable_graphs, cb_engine_attention_blocker, cb_engine_uses_graphs,
                              cb_fail_requests, cb_fail_step, cb_graphs_blocker_of_engine, cb_in_place_cache,
-                             cb_new_request_id, cb_processor_factory, cb_processor_steps, cb_request_done,
+                             cb_manager_model, cb_new_request_id, cb_processor_factory, cb_processor_steps, cb_request_done,
                              cb_request_ids, cb_set_attention, cb_set_processor_factory, cb_set_processor_steps,
                              cb_step, cb_stream, cb_unset_processor_steps, cb_update_skipping_failed,
                              continuous_batching_blocker)
@@ -46,7 +46,7 @@ from ..base_ops.paged_attention import (IN_PLACE_NAME, PAGED_NAME, forced_varlen
 from ..batch import TokenSegments
 from ..decode.capture import GraphUnsafe
 from ..instance_methods import InstancePatches
-from .graphs import EngineGraphs
+from .graphs import EngineGraphs, EngineWarmup
 from .in_flight import InFlightSteps
 from .sampling import RequestSampling, SamplingParams
 from .step_sampling import StepSampler
@@ -201,9 +201,10 @@ class ContinuousBatchingHook:
         if state.lora_plan.left_on_peft:
             return "some LoRA layers are left on PEFT's path, which a graph would replay with stale indices"
         # judged on the dtype and device alone: while a manager runs, the model's attention is the
-        # varlen one itself (a model that cannot take it never gets a manager with "varlen")
+        # varlen one itself (a model that cannot take it never gets a manager with "varlen");
+        # emulated graphs capture nothing, so a reference that syncs is no obstacle there
         choice = state.options.engine_attention
-        if (choice in ("varlen", "paged") and state.device is not None
+        if (choice in ("varlen", "paged") and state.device is not None and state.options.cuda_graphs != "emulate"
                 and kernel_blocker(model_dtype(self.inner), state.device) is not None):
             return (f"engine_attention={choice!r} off fp16 / bf16 CUDA runs a per-request reference that syncs "
                     "with the host")
@@ -474,6 +475,17 @@ class ContinuousBatchingHook:
                 made.append(processor)
             return processor
 
+        def warmup_():
+            if manager.is_running():  # its made-up steps would run beside the engine thread's
+                raise RuntimeError("fastlora.warmup_engine: warm the manager up before manager.start()")
+            began = time.perf_counter()
+            manager.warmup()  # the engine's own: makes the batch processor, its largest step first
+            graphs = getattr(manager.batch_processor, "_fastlora_graphs", None)
+            if graphs is None:
+                return EngineWarmup([], 0, time.perf_counter() - began)
+            return graphs.warm_up(cb_manager_model(manager), began)
+
+        manager.fastlora_warmup = warmup_
         manager.add_request = add_request_
         manager.add_requests = add_requests_
         manager.cancel_request = cancel_request_
@@ -546,6 +558,8 @@ class ContinuousBatchingHook:
             if not ready:  # no step follows
                 release()
             else:
+                if graphs is not None:
+                    graphs.prepared()
                 clock["prepare"] += time.perf_counter() - t - (clock["schedule"] - scheduled)
             return ready
 

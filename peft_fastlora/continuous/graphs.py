@@ -11,6 +11,11 @@ beyond the tier, so one fill serves any graph of that tier.
 Graphs read the stacks and the buffers: when fastlora rebuilds either (an adapter added or
 deleted, more slots than the buffers hold, a new backend), every graph of the engine is dropped
 and recaptured at its next use.
+
+Where the engine pads every step's keys read to one bucket (an attention reading the paged cache in
+place), each step is also keyed as if its longest request read the most keys allowed, so graphs are
+keyed by the query count alone and ``warm_up`` can capture every one of them before serving: a
+capture synchronizes the GPU and empties allocator caches, a stall no client should meet.
 """
 
 from __future__ import annotations
@@ -18,12 +23,23 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from typing import Dict, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
-from ..compat.engine import (cb_capacity, cb_disable_graphs, cb_drop_graphs, cb_emulate_graphs,
-                             cb_graphed_step, cb_graphs_suspended, cb_step_graph_held, cb_stream)
+from ..compat.engine import (cb_capacity, cb_disable_graphs, cb_drop_graphs, cb_emulate_graphs, cb_graphed_step,
+                             cb_graphs_suspended, cb_one_key_bucket, cb_pin_key_lengths, cb_query_sizes,
+                             cb_step_graph_held, cb_stream, cb_warm_up_sizes)
 from ..compat.modules import on_stream
 from ..batch import BLOCK_M_TIERS, NO_LORA_BATCH, BatchInfoBuffers, TokenSegments, choose_block_m
+
+
+@dataclass
+class EngineWarmup:
+    """What ``warmup_engine`` did: the query counts warmed, graphs captured, seconds."""
+
+    query_sizes: List[int]
+    captures: int
+    seconds: float
 
 
 class EngineGraphs:
@@ -49,6 +65,21 @@ class EngineGraphs:
         self._max_tokens, self._max_requests = cb_capacity(processor)
         if emulate:
             cb_emulate_graphs(processor)
+        self.keyed_by_queries = cb_one_key_bucket(processor)
+
+    def prepared(self) -> None:
+        """The engine prepared its next step: keyed by its query count alone where it can be."""
+        if self.keyed_by_queries:
+            cb_pin_key_lengths(self.processor)
+
+    def warm_up(self, model, began: float) -> EngineWarmup:
+        """Capture the graph of every query count a step can have, where graphs are keyed by it
+        alone (otherwise the engine's own warm-up is all); ``began``: when the warm-up began."""
+        captures = self.stats["captures"]
+        sizes = cb_query_sizes(self.processor) if self.keyed_by_queries else []
+        if sizes:
+            cb_warm_up_sizes(self.processor, model, sizes)
+        return EngineWarmup(sizes, self.stats["captures"] - captures, time.perf_counter() - began)
 
     def graphed(self) -> bool:
         """Whether the step about to run goes through one of the engine's graphs."""

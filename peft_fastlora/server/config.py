@@ -31,6 +31,8 @@ class ServerConfig:
         restart_wait_s: how long a request waits for a restarting engine before a 503.
         shutdown_grace_s: at shutdown, how long requests in flight may finish before they are
             cancelled.
+        warmup: capture the engine's CUDA graphs for every step size before each manager serves
+            (``fastlora.warmup_engine``), so that no request waits for a capture.
     """
 
     base_name: str = "base"
@@ -45,6 +47,7 @@ class ServerConfig:
     restart_attempts: int = 3
     restart_wait_s: float = 30.0
     shutdown_grace_s: float = 30.0
+    warmup: bool = True
 
     def __post_init__(self):
         if not isinstance(self.base_name, str) or not self.base_name:
@@ -65,6 +68,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
+        if not isinstance(self.warmup, bool):
+            raise ValueError(f"warmup must be True or False, got {self.warmup!r}")
         if self.adapter_root is not None and not isinstance(self.adapter_root, str):
             raise ValueError(f"adapter_root must be a folder path or None, got {self.adapter_root!r}")
 

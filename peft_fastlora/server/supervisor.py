@@ -17,6 +17,7 @@ import time
 from typing import Callable, Optional
 
 from ..compat.engine import cb_cache_tokens, cb_fatal_error
+from ..patch import warmup_engine
 from .config import ServerConfig
 from .errors import APIError
 from .metrics import Metrics
@@ -91,6 +92,11 @@ class EngineSupervisor:
     def _new_manager(self):
         manager = self.model.init_continuous_batching(generation_config=self.generation_config,
                                                       continuous_batching_config=self.cb_config)
+        if self.config.warmup:
+            warm = warmup_engine(manager)
+            if warm.captures:
+                logger.info("fastlora: the engine captured %d graphs in %.1f s before serving",
+                            warm.captures, warm.seconds)
         manager.start()
         deadline = time.monotonic() + _START_TIMEOUT_S
         while manager.batch_processor is None:  # the engine's thread makes it, and its cache

@@ -164,6 +164,54 @@ def test_in_place_reads_take_one_key_bucket_for_the_engines_graphs():
         assert get_state(m).continuous.reads_in_place() is in_place, (arch, choice)
 
 
+@cb
+@pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
+@pytest.mark.skipif(not interpreting(), reason="the kernel runs on CPU under TRITON_INTERPRET=1")
+def test_warmup_engine_captures_every_step_a_server_meets(monkeypatch):
+    """With the in-place attention and graphs (emulated here), each step is keyed as if its longest
+    request read the whole cache, so graphs are keyed by the query count alone:
+    ``fastlora.warmup_engine`` runs one made-up step per padded query count, and every step of
+    mixed prefill and decode traffic afterwards finds one of those keys. Tokens equal PEFT's."""
+    from peft_fastlora.compat import engine as compat_engine
+    from peft_fastlora.continuous import graphs as engine_graphs
+
+    keys = []
+    held = engine_graphs.cb_step_graph_held
+    monkeypatch.setattr(engine_graphs, "cb_step_graph_held", lambda processor: (
+        keys.append(compat_engine._step_graph_io(processor)._get_graph_key()), held(processor))[1])
+    m = build_peft_lm("llama")
+    ref = copy.deepcopy(m)
+    fastlora.patch(m, engine_attention="paged", cuda_graphs="emulate")
+    with pytest.raises(ValueError, match="warmup_engine takes a continuous-batching manager"):
+        fastlora.warmup_engine(m)
+    manager = m.init_continuous_batching(generation_config=greedy_config(6), continuous_batching_config=cb_config(
+        max_batch_tokens=32, q_padding_interval_size=8, use_cuda_graph=True, num_blocks=256))
+    warm = fastlora.warmup_engine(manager)
+    assert warm.query_sizes == [32, 24, 16, 8] and warm.captures >= 4 and warm.seconds > 0, warm
+    warmed, keys[:] = set(keys), []
+    manager.start()
+    try:
+        with pytest.raises(RuntimeError, match="before manager.start"):
+            fastlora.warmup_engine(manager)
+        prompts = random_prompts([3, 17, 9, 40, 1, 25], seed=5)
+        names = ["a0", "a1", "__base__", "a2", "a1", "a0"]
+        ids = [manager.add_request(p, adapter_name=n) for p, n in zip(prompts, names)]
+        done = {}
+        while len(done) < len(ids):
+            r = manager.get_result(timeout=60)
+            assert r is not None
+            if r.is_finished():
+                assert r.error is None, r.error
+                done[r.request_id] = list(r.generated_tokens)
+    finally:
+        manager.stop(block=True)
+        fastlora.unpatch(m)
+    assert keys and set(keys) <= warmed, (sorted(set(keys) - warmed), sorted(warmed))
+    assert len({k[0] for k in keys}) > 1  # steps of several sizes met
+    for rid, p, n in zip(ids, prompts, names):
+        assert done[rid] == peft_alone(ref, p, n, 6), (n, len(p))
+
+
 def test_auto_reads_in_place_where_the_kernel_applies(monkeypatch):
     """``engine_attention="auto"``: where the flash varlen kernel applies (CUDA, fp16 / bf16; faked
     here), the engine reads its paged cache in place when the Triton kernel can too, else it gets

@@ -120,6 +120,36 @@ def test_engine_bf16_through_the_kernel_and_graphs(choice):
 
 
 @pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
+def test_warmup_engine_leaves_no_capture_to_the_requests():
+    """``fastlora.warmup_engine`` (in-place attention, async batching, bf16): mixed prefill and
+    decode traffic afterwards captures no graph, and every request's tokens equal those of a
+    manager that captured its graphs as the steps came."""
+    m = _model(seed=8).to(torch.bfloat16)
+    fastlora.patch(m, engine_attention="paged")
+    config = cb_config(max_batch_tokens=128, num_blocks=1024, use_cuda_graph=True, use_async_batching=True)
+    prompts, names = _prompts(24, seed=24)
+    out = {}
+    try:
+        for warm in (True, False):
+            manager = m.init_continuous_batching(generation_config=greedy_config(12), continuous_batching_config=config)
+            report = fastlora.warmup_engine(manager) if warm else None
+            warmed = manager.fastlora_graphs.stats["captures"] if warm else None
+            manager.start()
+            try:
+                out[warm] = _serve(manager, list(zip(prompts, names, [12] * 24)))
+            finally:
+                manager.stop(block=True)
+            stats = manager.fastlora_graphs.stats
+            assert stats["graphed_steps"] > 0 and stats["eager_steps"] == 0, stats
+            if warm:
+                assert report.query_sizes and report.captures >= 2 * len(report.query_sizes), report
+                assert stats["captures"] == warmed, (stats, report)
+    finally:
+        fastlora.unpatch(m)
+    assert out[True] == out[False]
+
+
+@pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
 @pytest.mark.parametrize("choice", ["varlen", "paged"])
 def test_a_stopped_engine_lets_its_cache_go(choice):
     """A manager's batch processor and KV cache are freed when it stops (async batching, graphs,
