@@ -373,26 +373,7 @@ def measure_modes(modes, args, reqs, info):
 def run_child(mode: str, argv) -> tuple:
     """(row, profile) of one mode measured in a fresh process: every engine then sizes its KV cache
     from the same free memory, whatever the modes before it left behind."""
-    import subprocess
-    import tempfile
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    kept, skip = [], False
-    for token in argv:  # the parent's arguments without its modes, output folder and isolation
-        if token.startswith("--"):
-            skip = token.split("=")[0] in ("--modes", "--out", "--isolate")
-            if skip:
-                continue
-        elif skip:
-            continue
-        kept.append(token)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, os.path.abspath(__file__), *kept, "--modes", mode, "--isolate", "off", "--out", "",
-               "--child-result", path]
-        subprocess.run(cmd, check=True)
-        with open(path) as f:
-            result = json.load(f)
+    result = hx.run_in_child(__file__, argv, ["--modes", mode, "--isolate", "off", "--out", ""])
     return result["row"], result["profile"]
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import sys
@@ -264,6 +265,10 @@ def main(argv=None) -> int:
     p.add_argument("--output-cap", type=int, default=1024)
     p.add_argument("--zipf", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--isolate", choices=["auto", "on", "off"], default="auto",
+                   help="each mode in its own process (auto: on CUDA with several modes), so that each "
+                        "engine sizes its cache from the same free memory")
+    p.add_argument("--child-result", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not hx.start(args, "bench_serving"):
         return 0
@@ -275,9 +280,19 @@ def main(argv=None) -> int:
         args.sample_every = min(args.sample_every, 0.5)
     reqs = fit_context(workload(args), hx.context_length(args.model))
     versions = hx.versions()
+    if args.child_result:  # one mode for a parent process (--isolate)
+        r, s = run_mode(args.modes[0], args, reqs, versions)
+        with open(args.child_result, "w") as f:
+            json.dump(dict(rows=r, samples=s), f)
+        return 0
+    isolate = args.isolate == "on" or (args.isolate == "auto" and hx.DEVICE == "cuda" and len(args.modes) > 1)
     rows, samples = [], []
     for mode in args.modes:
-        r, s = run_mode(mode, args, reqs, versions)
+        if isolate:
+            child = hx.run_in_child(__file__, argv, ["--modes", mode, "--isolate", "off", "--out", ""])
+            r, s = child["rows"], child["samples"]
+        else:
+            r, s = run_mode(mode, args, reqs, versions)
         rows += r
         samples += s
     for r in rows:

@@ -613,6 +613,31 @@ def gpu_tag(gpu: str = None) -> str:
     return (model.group(0) if model else gpu.split()[-1]).lower()
 
 
+def run_in_child(script: str, argv, extra, drop=("--modes", "--out", "--isolate")) -> dict:
+    """Run ``script`` in a fresh process with this one's arguments (``argv``; None: the command
+    line's) less the options in ``drop``, plus ``extra`` and ``--child-result FILE``; returns the
+    JSON the child wrote there. Each mode of a benchmark measured this way finds the GPU as empty
+    as the first did, whatever the modes before it left allocated."""
+    import subprocess
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    kept, skip = [], False
+    for token in argv:
+        if token.startswith("--"):
+            skip = token.split("=")[0] in drop
+            if skip:
+                continue
+        elif skip:
+            continue
+        kept.append(token)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.json")
+        subprocess.run([sys.executable, os.path.abspath(script), *kept, *extra, "--child-result", path], check=True)
+        with open(path) as f:
+            return json.load(f)
+
+
 def write_csv(rows, path: str) -> str:
     """The rows (dicts; the header is the union of their keys, in order of appearance) as ``path``."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

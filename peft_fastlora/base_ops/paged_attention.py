@@ -28,7 +28,7 @@ from ..compat.attention import flash_varlen, flash_varlen_has_window, has_flash_
 from ..compat.engine import (IN_PLACE_KV, cb_full_attention_views, cb_layer_indices, cb_paged_attention_name,
                              cb_varlen_attention_name)
 from ..compat.modules import attn_implementation
-from ..kernel_support import triton_missing
+from ..kernel_support import interpreting, triton_missing
 from ..ops.paged_varlen import paged_varlen_attention as paged_kernel, paged_varlen_reference
 from .attention_registry import _PREV_ATTR as DECODE_PREV_ATTR, ATTN_NAMES as DECODE_NAMES
 
@@ -61,6 +61,8 @@ def in_place_blocker(inner: nn.Module, dtype: torch.dtype, device: torch.device)
         return f"{dtype} (the kernel takes fp16, bf16 or fp32)"
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8:
         return "a GPU older than sm80"
+    if device.type != "cuda" and not interpreting():
+        return f"the model is on {device.type} (the kernel runs on CUDA, or on the CPU under TRITON_INTERPRET=1)"
     return forced_varlen_blocker(inner, device)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -129,15 +130,18 @@ def cb_write_only_updates(cache) -> None:
     this cache's update write only, for full-attention layers whose step reads the cache: it
     leaves (key view, value view, read index) in ``kwargs[IN_PLACE_KV]`` for the attention
     function, which reads the cache in place, and returns the new tokens' states unchanged. A
-    block-table step, a sliding-window layer or a step with nothing to read keeps the update."""
-    update = cache.update
+    block-table step, a sliding-window layer or a step with nothing to read keeps the update.
+    The wrapper holds the cache weakly: a cycle through it would keep the cache's memory until a
+    garbage collection, after its manager stopped."""
+    update, cache_ref = type(cache).update, weakref.ref(cache)
 
     def write_only(key_states, value_states, layer_idx, kwargs):
+        cache = cache_ref()
         views = None if kwargs.get("block_table") is not None else cb_full_attention_views(cache, layer_idx)
         read_index, write_index = cb_layer_indices(cache, layer_idx, kwargs) if views is not None else (None, None)
         if views is None or read_index.numel() == 0:
             kwargs.pop(IN_PLACE_KV, None)
-            return update(key_states, value_states, layer_idx, kwargs)
+            return update(cache, key_states, value_states, layer_idx, kwargs)
         allocator = cache.layer_to_allocator[layer_idx]
         kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type].to(torch.int32)
         kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]

@@ -479,11 +479,13 @@ class ContinuousBatchingHook:
             if manager.is_running():  # its made-up steps would run beside the engine thread's
                 raise RuntimeError("fastlora.warmup_engine: warm the manager up before manager.start()")
             began = time.perf_counter()
+            before = getattr(manager.batch_processor, "_fastlora_graphs", None)
+            captured = before.stats["captures"] if before is not None else 0
             manager.warmup()  # the engine's own: makes the batch processor, its largest step first
             graphs = getattr(manager.batch_processor, "_fastlora_graphs", None)
             if graphs is None:
                 return EngineWarmup([], 0, time.perf_counter() - began)
-            return graphs.warm_up(cb_manager_model(manager), began)
+            return graphs.warm_up(cb_manager_model(manager), began, captured)
 
         manager.fastlora_warmup = warmup_
         manager.add_request = add_request_

@@ -72,14 +72,14 @@ class EngineGraphs:
         if self.keyed_by_queries:
             cb_pin_key_lengths(self.processor)
 
-    def warm_up(self, model, began: float) -> EngineWarmup:
+    def warm_up(self, model, began: float, captured: int = 0) -> EngineWarmup:
         """Capture the graph of every query count a step can have, where graphs are keyed by it
-        alone (otherwise the engine's own warm-up is all); ``began``: when the warm-up began."""
-        captures = self.stats["captures"]
+        alone (otherwise the engine's own warm-up is all); ``began``: when the warm-up began,
+        ``captured``: the captures counted before it (those of the engine's own are the warm-up's)."""
         sizes = cb_query_sizes(self.processor) if self.keyed_by_queries else []
         if sizes:
             cb_warm_up_sizes(self.processor, model, sizes)
-        return EngineWarmup(sizes, self.stats["captures"] - captures, time.perf_counter() - began)
+        return EngineWarmup(sizes, self.stats["captures"] - captured, time.perf_counter() - began)
 
     def graphed(self) -> bool:
         """Whether the step about to run goes through one of the engine's graphs."""

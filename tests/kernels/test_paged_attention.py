@@ -248,6 +248,23 @@ def test_a_model_the_attention_cannot_express_is_refused_when_forced(choice):
 
 
 @cb
+@pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
+def test_the_in_place_kernel_is_refused_on_a_cpu_without_the_interpreter(monkeypatch):
+    """Off CUDA the in-place kernel runs only under Triton's interpreter: elsewhere a forced
+    ``"paged"`` is refused when the manager is made (its steps would all fail), naming the device."""
+    from peft_fastlora.base_ops import paged_attention
+
+    monkeypatch.setattr(paged_attention, "interpreting", lambda: False)
+    m = build_peft_lm("llama")
+    fastlora.patch(m, engine_attention="paged")
+    try:
+        with pytest.raises(ValueError, match="engine_attention='paged' cannot be served: the model is on cpu"):
+            m.init_continuous_batching(generation_config=greedy_config(2), continuous_batching_config=cb_config())
+    finally:
+        fastlora.unpatch(m)
+
+
+@cb
 @pytest.mark.skipif(ENGINE_WHY is None, reason="this transformers' engine takes the varlen attention")
 def test_an_engine_that_cannot_take_it_keeps_its_attention():
     m = build_peft_lm("llama")
