@@ -11,6 +11,9 @@ from typing import List, Optional, Sequence
 from ..continuous.sampling import TokenLogprobs
 
 
+_CONTEXT_TOKENS = 4  # tokens decoded before a window's new ones
+
+
 class Choice:
     """Args:
         index: the choice's place in the answer.
@@ -37,6 +40,12 @@ class Choice:
         self.last_token: Optional[float] = None
         self._sent = ""  # text already streamed
         self._logprobs_sent = 0
+        # incremental decoding: the text of the kept tokens before ``_read`` is ``_committed``;
+        # each new token decodes a short window from ``_prefix`` (a few tokens back, so that a
+        # tokenizer joining words sees their context) instead of the whole completion
+        self._prefix = self._read = 0
+        self._committed = ""
+        self._seen = (0, "")  # (kept tokens, their text) of the last decode
         self._hold = max((len(s) for s in self.stop), default=1) - 1  # a stop string may still be forming
 
     def update(self, tokens: Sequence[int], engine_finished: bool, error: Optional[str]) -> bool:
@@ -68,22 +77,47 @@ class Choice:
             tokens = tokens[:-1]
         return tokens
 
+    def _decode(self, tokens) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
     def _decoded(self) -> str:
-        return self.tokenizer.decode(self._kept_tokens(), skip_special_tokens=True)
+        """The text of the kept tokens, decoded incrementally (a window of new tokens a call, not
+        the whole completion: the cost of a token stays flat however long the answer grows). A
+        window ending in an incomplete character is not committed until the character is whole."""
+        kept = self._kept_tokens()
+        if len(kept) == self._seen[0]:
+            return self._seen[1]
+        if len(kept) < self._read:  # cannot happen (tokens only grow): decode afresh
+            self._prefix = self._read = 0
+            self._committed = ""
+        before = self._decode(kept[self._prefix:self._read])
+        window = self._decode(kept[self._prefix:])
+        text = self._committed + window[len(before):]
+        if not window.endswith("\ufffd"):
+            self._committed = text
+            self._prefix, self._read = max(self._read - _CONTEXT_TOKENS, 0), len(kept)
+        self._seen = (len(kept), text)
+        return text
 
     def _stop_index(self, text: str) -> Optional[int]:
         found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         return min(found) if found else None
 
-    def text(self) -> str:
-        text = self._decoded()
+    def _cut(self, text: str) -> str:
         cut = self._stop_index(text) if self.stop else None
         return text if cut is None else text[:cut]
 
+    def text(self) -> str:
+        """The answer's text: once finished, the whole completion decoded at once (exact whatever
+        the tokenizer does at window edges); before, the streamed text."""
+        if self.finished:
+            return self._cut(self._decode(self._kept_tokens()))
+        return self._cut(self._decoded())
+
     def new_text(self) -> str:
-        """What the text gained since the last call, holding back what a stop string or an
-        incomplete character may still change."""
-        text = self.text()
+        """What the streamed text gained since the last call, holding back what a stop string or
+        an incomplete character may still change."""
+        text = self._cut(self._decoded())
         if not self.finished:
             if text.endswith("\ufffd"):
                 return ""

@@ -302,6 +302,8 @@ class _Run:
 
     async def _next(self, request):
         """The next engine output; None when the client went away."""
+        if not self.outputs.empty():  # no timer when one is waiting (the common case under load)
+            return self.outputs.get_nowait()
         while True:
             try:
                 return await asyncio.wait_for(self.outputs.get(), timeout=_POLL_S)
@@ -336,20 +338,28 @@ class _Run:
                 for choice in self.choices:
                     yield event(answer.chunk(choice.index, None, None, role=True))
             while self._open:
-                item = await self._next(None)
-                choice = self._take(*item)
-                if choice.error is not None:
-                    self._end(choice, "failed")
-                    yield event(self._failure(choice).body())
-                    yield "data: [DONE]\n\n"
-                    return
-                text, entries = choice.new_text(), self._logprobs_of(choice)
-                if text or entries:
-                    offset = len(choice.text()) - len(text)
-                    yield event(answer.chunk(choice.index, text, None, answer.logprobs(entries, offset)))
-                if choice.finished:
-                    self._end(choice, "ok")
-                    yield event(answer.chunk(choice.index, None if answer.chat else "", choice.finish_reason))
+                # every output already waiting is taken before sending: a stream that fell behind
+                # the engine catches up in one chunk a choice, not one a token
+                items = [await self._next(None)]
+                while not self.outputs.empty():
+                    items.append(self.outputs.get_nowait())
+                touched = {}
+                for item in items:
+                    choice = self._take(*item)
+                    touched[choice.index] = choice
+                for choice in touched.values():
+                    if choice.error is not None:
+                        self._end(choice, "failed")
+                        yield event(self._failure(choice).body())
+                        yield "data: [DONE]\n\n"
+                        return
+                    text, entries = choice.new_text(), self._logprobs_of(choice)
+                    if text or entries:
+                        offset = len(choice.text()) - len(text)
+                        yield event(answer.chunk(choice.index, text, None, answer.logprobs(entries, offset)))
+                    if choice.finished and choice.request_id in self._open:
+                        self._end(choice, "ok")
+                        yield event(answer.chunk(choice.index, None if answer.chat else "", choice.finish_reason))
             if include_usage:
                 yield event(answer.usage_chunk(self.prompt_tokens, self.choices))
             yield "data: [DONE]\n\n"
