@@ -21,7 +21,7 @@ from peft_fastlora import get_state
 from peft_fastlora.base_ops.paged_attention import IN_PLACE_NAME, PAGED_NAME, varlen_reference
 from peft_fastlora.kernel_support import interpreting
 
-from _continuous import cb_config, greedy_config, peft_alone, random_prompts, requires_cb
+from _continuous import cb_config, greedy_config, peft_alone, random_prompts, requires_cb, serve
 from _models import build_peft_lm
 
 cb = requires_cb
@@ -195,21 +195,14 @@ def test_warmup_engine_captures_every_step_a_server_meets(monkeypatch):
             fastlora.warmup_engine(manager)
         prompts = random_prompts([3, 17, 9, 40, 1, 25], seed=5)
         names = ["a0", "a1", "__base__", "a2", "a1", "a0"]
-        ids = [manager.add_request(p, adapter_name=n) for p, n in zip(prompts, names)]
-        done = {}
-        while len(done) < len(ids):
-            r = manager.get_result(timeout=60)
-            assert r is not None
-            if r.is_finished():
-                assert r.error is None, r.error
-                done[r.request_id] = list(r.generated_tokens)
+        out = serve(manager, list(zip(prompts, names, [6] * len(names))))
     finally:
         manager.stop(block=True)
         fastlora.unpatch(m)
     assert keys and set(keys) <= warmed, (sorted(set(keys) - warmed), sorted(warmed))
     assert len({k[0] for k in keys}) > 1  # steps of several sizes met
-    for rid, p, n in zip(ids, prompts, names):
-        assert done[rid] == peft_alone(ref, p, n, 6), (n, len(p))
+    for tokens, p, n in zip(out, prompts, names):
+        assert tokens == peft_alone(ref, p, n, 6), (n, len(p))
 
 
 def test_auto_reads_in_place_where_the_kernel_applies(monkeypatch):
