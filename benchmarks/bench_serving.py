@@ -9,7 +9,8 @@ under uvicorn on the loopback interface; clients are ``openai.AsyncOpenAI`` stre
 Requests arrive as a Poisson process at each ``--rates`` value for ``--duration`` seconds; their
 prompt and output lengths are ``bench_continuous``'s log-normal workload and their adapters are
 drawn from a Zipf law over ``--adapters``. Random weights never emit EOS, so each request produces
-exactly its output length.
+exactly its output length. The clients run in a process of their own (``--client-process``), as
+clients on other machines would: in the server's process their Python would slow the server.
 
 Modes (``--modes``), each through the same endpoint, engine and workload:
 
@@ -128,6 +129,29 @@ def meets_slo(row: dict) -> bool:
             and not row.get("cut_by_drain"))
 
 
+def _drive_sync(url, reqs, rate, duration, with_adapters, temperature, seed, drain):
+    return asyncio.run(drive(url, reqs, rate, duration, with_adapters, temperature, seed, drain=drain))
+
+
+class ClientProcess:
+    """``drive`` in a process of its own. Clients on other machines take no time from the server;
+    in the server's process the load generator's Python (the openai client parses every chunk)
+    would share the interpreter with the endpoint's event loop and the engine's thread and slow
+    both, so the measured rates would be the benchmark's, not the server's."""
+
+    def __init__(self):
+        import multiprocessing
+
+        self._pool = multiprocessing.get_context("spawn").Pool(1)
+
+    def drive(self, *args, drain=None):
+        return self._pool.apply(_drive_sync, (*args, drain))
+
+    def close(self):
+        self._pool.close()
+        self._pool.join()
+
+
 def pct(values, q):
     if not values:
         return float("nan")
@@ -177,15 +201,23 @@ def run_mode(mode, args, reqs, versions):
         began = time.perf_counter()
         asyncio.run(drive(url, reqs[:4], 1.0, min(2.0, args.duration), mode == "fastlora", 0.0, 0))  # warm-up
         print(f"{mode}: served, warm-up requests done in {time.perf_counter() - began:.0f} s", flush=True)
-        if args.soak:
+        if args.soak:  # in this process: the sampler reads the requests finished so far
             rows.append(soak(url, reqs, mode, args, samples, versions))
         else:
-            for rate in args.rates:
-                record, elapsed, cut = asyncio.run(drive(url, reqs, rate, args.duration, mode == "fastlora",
-                                                         args.temperature, args.seed, drain=args.drain))
-                row = dict(mode=mode, rate=rate, **summarize(record, elapsed), cut_by_drain=cut, **versions)
-                print(" | ".join(f"{k}={v}" for k, v in row.items() if k not in versions), flush=True)
-                rows.append(row)
+            clients = ClientProcess() if args.client_process == "on" else None
+            try:
+                for rate in args.rates:
+                    run = (clients.drive if clients is not None
+                           else lambda *a, drain: asyncio.run(drive(*a, drain=drain)))
+                    record, elapsed, cut = run(url, reqs, rate, args.duration, mode == "fastlora", args.temperature,
+                                               args.seed, drain=args.drain)
+                    row = dict(mode=mode, rate=rate, **summarize(record, elapsed), cut_by_drain=cut,
+                               client_process=args.client_process, **versions)
+                    print(" | ".join(f"{k}={v}" for k, v in row.items() if k not in versions), flush=True)
+                    rows.append(row)
+            finally:
+                if clients is not None:
+                    clients.close()
     finally:
         server.should_exit = True
         thread.join(timeout=120)
@@ -268,6 +300,9 @@ def main(argv=None) -> int:
     p.add_argument("--isolate", choices=["auto", "on", "off"], default="auto",
                    help="each mode in its own process (auto: on CUDA with several modes), so that each "
                         "engine sizes its cache from the same free memory")
+    p.add_argument("--client-process", choices=["on", "off"], default="on",
+                   help="the clients in a process of their own (on: as clients on other machines; off: in the "
+                        "server's process, where their Python slows the server)")
     p.add_argument("--child-result", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not hx.start(args, "bench_serving"):
