@@ -304,6 +304,8 @@ class _Run:
         """The next engine output; None when the client went away."""
         if not self.outputs.empty():  # no timer when one is waiting (the common case under load)
             return self.outputs.get_nowait()
+        if request is None:  # a stream: a send to a client that went away ends it
+            return await self.outputs.get()
         while True:
             try:
                 return await asyncio.wait_for(self.outputs.get(), timeout=_POLL_S)
