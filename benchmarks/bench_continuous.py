@@ -125,8 +125,9 @@ def window_counts(before: dict, after: dict, window_s: float) -> dict:
 def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
     """(seconds, [latency], [time to first token], graph stats, profile) for every request through
     one manager; with graphs, the warm-up (on a patched model ``fastlora.warmup_engine``: every
-    step size) runs before the clock starts. With ``--profile S``, S seconds of the GPU's timeline are summarised (``harness.GpuWindow``) from the
-    moment a quarter of the requests are done: the engine under full load."""
+    step size) runs before the clock starts. With ``--profile S``, S seconds of the GPU's timeline
+    are summarised (``harness.GpuWindow``) from the moment a quarter of the requests are done: the
+    engine under full load."""
     from transformers import GenerationConfig
 
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.output_cap)

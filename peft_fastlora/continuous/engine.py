@@ -31,10 +31,10 @@ from ..compat.attention import register_attention_function, release_attention_fu
 from ..compat.engine import (CB_CHILD_MARK, cb_async, cb_async_device_blocker, cb_cached_manager, cb_capacity,
                              cb_config_for_lora, cb_disable_graphs, cb_engine_attention_blocker, cb_engine_uses_graphs,
                              cb_fail_requests, cb_fail_step, cb_graphs_blocker_of_engine, cb_in_place_cache,
-                             cb_manager_model, cb_new_request_id, cb_processor_factory, cb_processor_steps, cb_request_done,
-                             cb_request_ids, cb_set_attention, cb_set_processor_factory, cb_set_processor_steps,
-                             cb_step, cb_stream, cb_unset_processor_steps, cb_update_skipping_failed,
-                             continuous_batching_blocker)
+                             cb_manager_model, cb_new_request_id, cb_processor_factory, cb_processor_steps,
+                             cb_request_done, cb_request_ids, cb_set_attention, cb_set_processor_factory,
+                             cb_set_processor_steps, cb_step, cb_stream, cb_unset_processor_steps,
+                             cb_update_skipping_failed, continuous_batching_blocker)
 from ..compat.modules import (attn_implementation, cb_vocab_size, model_dtype, multi_device_reason,
                               on_stream, set_attn_implementation)
 from ..compat.tensor_parallel import tensor_parallel_reason

@@ -12,7 +12,8 @@ import pytest
 
 from peft_fastlora.server.choices import Choice
 
-TEXT = ("Héllo wörld! Ça va? 中文字符 and emoji 🙂🚀 mixed with code: def f(x): return x ** 2 # ok\n"
+TEXT = ("Héllo wörld! Ça va? 中文字符 and emoji 🙂🚀 mixed with code: "
+        "def f(x): return x ** 2 # ok\n"
         "Ünïcödé everywhere, naïve café, smörgåsbord, 東京, Ελληνικά, русский текст. ") * 3
 
 
@@ -23,7 +24,8 @@ def _byte_level():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
