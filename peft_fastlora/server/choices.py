@@ -45,6 +45,7 @@ class Choice:
         # tokenizer joining words sees their context) instead of the whole completion
         self._prefix = self._read = 0
         self._committed = ""
+        self._before: Optional[str] = None  # the text of the tokens from ``_prefix`` to ``_read``
         self._seen = (0, "")  # (kept tokens, their text) of the last decode
         self._hold = max((len(s) for s in self.stop), default=1) - 1  # a stop string may still be forming
 
@@ -89,12 +90,13 @@ class Choice:
             return self._seen[1]
         if len(kept) < self._read:  # cannot happen (tokens only grow): decode afresh
             self._prefix = self._read = 0
-            self._committed = ""
-        before = self._decode(kept[self._prefix:self._read])
+            self._committed, self._before = "", None
+        if self._before is None:  # the context's text, the same until the next commit
+            self._before = self._decode(kept[self._prefix:self._read])
         window = self._decode(kept[self._prefix:])
-        text = self._committed + window[len(before):]
+        text = self._committed + window[len(self._before):]
         if not window.endswith("\ufffd"):
-            self._committed = text
+            self._committed, self._before = text, None
             self._prefix, self._read = max(self._read - _CONTEXT_TOKENS, 0), len(kept)
         self._seen = (len(kept), text)
         return text
