@@ -356,8 +356,8 @@ class _Run:
                         yield "data: [DONE]\n\n"
                         return
                     text, entries = choice.new_text(), self._logprobs_of(choice)
-                    if text or entries:
-                        offset = len(choice.text()) - len(text)
+                    if text or entries:  # (the text offset only where completion logprobs need it)
+                        offset = len(choice.text()) - len(text) if entries is not None and not answer.chat else 0
                         yield event(answer.chunk(choice.index, text, None, answer.logprobs(entries, offset)))
                     if choice.finished and choice.request_id in self._open:
                         self._end(choice, "ok")
