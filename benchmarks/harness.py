@@ -135,7 +135,9 @@ def instantiate(model_cls: str, cfg):
     return model.eval()
 
 
-QUANTS = ("nf4", "nf4dq", "fp4", "int8")  # bitsandbytes bases: 4-bit (dq: double quantization), 8-bit
+# bitsandbytes bases: 4-bit (dq: double quantization), 8-bit with transformers' default outlier
+# threshold (6.0) and 8-bit without outlier decomposition (llm_int8_threshold=0.0)
+QUANTS = ("nf4", "nf4dq", "fp4", "int8", "int8t0")
 
 
 def quantize_base(model, quant: str):
@@ -149,8 +151,9 @@ def quantize_base(model, quant: str):
                 continue
             weight, bias, device = child.weight.data.to("cpu"), child.bias, child.weight.device
             shape = (child.in_features, child.out_features)
-            if quant == "int8":
-                q = bnb.nn.Linear8bitLt(*shape, bias=bias is not None, has_fp16_weights=False)
+            if quant.startswith("int8"):
+                q = bnb.nn.Linear8bitLt(*shape, bias=bias is not None, has_fp16_weights=False,
+                                        threshold=0.0 if quant == "int8t0" else 6.0)
                 q.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
             else:
                 kind, double = quant[:3], quant.endswith("dq")
@@ -161,7 +164,8 @@ def quantize_base(model, quant: str):
                 q.bias = torch.nn.Parameter(bias.data.to("cpu"), requires_grad=False)
             setattr(parent, name, q.to(device))  # quantized on the move
     # what PEFT reads to give these layers its bitsandbytes LoRA classes
-    model.is_loaded_in_8bit, model.is_loaded_in_4bit = quant == "int8", quant != "int8"
+    model.is_loaded_in_8bit = quant.startswith("int8")
+    model.is_loaded_in_4bit = not model.is_loaded_in_8bit
     return model
 
 

@@ -47,12 +47,15 @@ def multi_device_reason(model: nn.Module) -> Optional[str]:
 
 def uncapturable_layers_reason(model: nn.Module) -> Optional[str]:
     """Why a CUDA graph cannot capture this model's forward, for layers known to read their
-    activations back (None: none found): bitsandbytes' 8-bit ``Linear8bitLt`` searches its input
-    for outlier columns on the host."""
-    int8 = sum(type(m).__name__ == "Linear8bitLt" and type(m).__module__.startswith("bitsandbytes")
-               for m in model.modules())
-    if int8:
-        return f"{int8} bitsandbytes 8-bit layers (their matmul reads the activations back: not capturable)"
+    activations back (None: none found): bitsandbytes' 8-bit ``Linear8bitLt`` with an outlier
+    threshold (transformers' ``llm_int8_threshold``, 6.0 by default) looks for outlier columns with
+    a host-side ``argwhere``; with a threshold of 0 its matmul is all device work and is captured."""
+    int8 = [m for m in model.modules()
+            if type(m).__name__ == "Linear8bitLt" and type(m).__module__.startswith("bitsandbytes")]
+    searching = sum(float(getattr(getattr(m, "state", None), "threshold", 0.0) or 0.0) > 0 for m in int8)
+    if searching:
+        return (f"{searching} bitsandbytes 8-bit layers with an outlier threshold (their matmul reads the "
+                "activations back: not capturable; llm_int8_threshold=0.0 lets graphs capture them)")
     return None
 
 

@@ -25,6 +25,7 @@ QUANT = {
     "int8": dict(load_in_8bit=True),
 }
 KIND = {"nf4": "nf4", "nf4_double": "nf4", "fp4": "fp4", "int8": "int8"}
+INT8_NO_OUTLIERS = dict(load_in_8bit=True, llm_int8_threshold=0.0)
 ADAPTERS = (("sql", ("q_proj", "v_proj", "down_proj"), 4, {}), ("chat", ("q_proj", "o_proj", "gate_proj"), 8, {}),
             ("biased", ("v_proj", "up_proj"), 2, {"lora_bias": True}))
 
@@ -37,12 +38,14 @@ def saved(tmp_path_factory):
 
 
 def quantized(saved, quant, adapters=ADAPTERS):
-    """A PEFT model over the saved tiny Llama loaded by bitsandbytes with ``quant``."""
-    extra = {"bnb_4bit_compute_dtype": torch.float32} if "load_in_4bit" in QUANT[quant] else {}
+    """A PEFT model over the saved tiny Llama loaded by bitsandbytes with ``quant`` (a name of
+    ``QUANT`` or ``BitsAndBytesConfig`` fields)."""
+    fields = QUANT[quant] if isinstance(quant, str) else quant
+    extra = {"bnb_4bit_compute_dtype": torch.float32} if "load_in_4bit" in fields else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         base = AutoModelForCausalLM.from_pretrained(saved, device_map="cpu",
-                                                    quantization_config=BitsAndBytesConfig(**QUANT[quant], **extra))
+                                                    quantization_config=BitsAndBytesConfig(**fields, **extra))
     for module in base.modules():
         # on CPUs with AVX512-BF16, bitsandbytes repacks a 4-bit weight in place at its first forward
         # for a CPU kernel that computes in bf16 (whatever the compute dtype) and fails on layers under
@@ -298,10 +301,12 @@ def test_adapters_registered_by_name_over_a_quantized_base(saved, tmp_path):
     torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
 
 
-def test_graphs_are_off_over_an_8bit_base_with_the_reason(saved):
-    """bitsandbytes' 8-bit matmul reads its activations back (outlier search), which a CUDA graph
-    cannot capture: the decode plan turns graphs off up front (a CUDA model faked: the CPU
-    model's plan is decided as a GPU one would be), instead of failing a capture per shape."""
+def test_graphs_are_off_over_an_8bit_base_with_outliers_with_the_reason(saved):
+    """bitsandbytes' 8-bit matmul with an outlier threshold (transformers' default) looks for
+    outlier columns on the host, which a CUDA graph cannot capture: the decode plan turns graphs off
+    up front (a CUDA model faked: the CPU model's plan is decided as a GPU one would be), instead of
+    failing a capture per shape. With ``llm_int8_threshold=0.0`` there is no search, and no
+    blocker; nor over a 4-bit base."""
     import types
 
     from peft_fastlora.decode.generate import graphs_wanted
@@ -313,9 +318,11 @@ def test_graphs_are_off_over_an_8bit_base_with_the_reason(saved):
     as_gpu = types.SimpleNamespace(options=types.SimpleNamespace(cuda_graphs=True), device=torch.device("cuda"),
                                    inner=state.inner, lora_plan=state.lora_plan)
     why = graphs_wanted(as_gpu)
-    assert why is not None and why.startswith("14 bitsandbytes 8-bit layers") and "not capturable" in why, why
-    as_gpu.inner = quantized(saved, "nf4").get_base_model()
-    assert graphs_wanted(as_gpu) is None
+    assert why is not None and why.startswith("14 bitsandbytes 8-bit layers with an outlier threshold"), why
+    assert "not capturable" in why and "llm_int8_threshold=0.0" in why, why
+    for other in (INT8_NO_OUTLIERS, "nf4"):
+        as_gpu.inner = quantized(saved, other).get_base_model()
+        assert graphs_wanted(as_gpu) is None, other
 
 
 def test_a_dora_adapter_registered_by_name_over_a_4bit_base(saved, tmp_path):
