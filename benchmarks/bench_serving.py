@@ -19,7 +19,9 @@ Modes (``--modes``), each through the same endpoint, engine and workload:
   the like-for-like reference.
 
 Per mode and rate, one CSV row: requests sent and failed, output tokens/s, time to first token and
-inter-token latency p50 / p99 (from the chunks' arrival times). ``--soak S``: one rate held for S
+inter-token latency p50 / p99 (from the chunks' arrival times), and the server process's CPU time
+over the window (``server_cpu_share``, its three busiest threads: the engine's loop, the HTTP
+server's) with the engine's steps and its thread's milliseconds a step by phase. ``--soak S``: one rate held for S
 seconds, the GPU memory allocated and the process's resident memory sampled every
 ``--sample-every`` seconds into a second CSV (flat when nothing leaks); any failed request is
 reported (a well-formed request should never fail).
@@ -40,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as hx  # noqa: E402
-from bench_continuous import workload  # noqa: E402
+from bench_continuous import engine_counts, window_counts, workload  # noqa: E402
 
 
 def id_tokenizer(vocab: int):
@@ -68,14 +70,15 @@ def serve(model, tokenizer, args):
     gen = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
     app = create_app(model, tokenizer, ServerConfig(max_pending=args.max_pending, max_tokens_default=16),
                      generation_config=gen, continuous_batching_config=cb)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    stack = dict(loop="asyncio", http="h11") if args.http == "pure-python" else dict(loop="auto", http="auto")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", **stack))
+    thread = threading.Thread(target=server.run, daemon=True, name="http")
     thread.start()
     while not server.started:
         if not thread.is_alive():
             raise RuntimeError("the server did not start")
         time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+    return server, thread, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1", app
 
 
 async def one_request(client, model_name, prompt, max_tokens, temperature, record):
@@ -170,6 +173,33 @@ def summarize(record, elapsed: float) -> dict:
                 first_error=next((r["error"] for r in record if not r["ok"]), ""))
 
 
+def thread_cpu_seconds() -> dict:
+    """CPU seconds (user + system) each live thread of this process has used, by thread name
+    (the engine's loop, the HTTP server's, the workers of ``asyncio.to_thread`` together)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = names.get(int(tid), "native")
+        name = "to_thread" if name.startswith("asyncio_") else name.split("(")[-1].rstrip(")")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def cpu_shares(before: dict, after: dict, elapsed: float) -> dict:
+    """The process's CPU time over ``elapsed`` seconds, in all and for its three busiest threads:
+    near 1.0 in one Python thread, or in all of them together, the interpreter is the limit."""
+    used = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    busiest = sorted(used.items(), key=lambda kv: -kv[1])[:3]
+    return dict(server_cpu_share=round(sum(used.values()) / elapsed, 3),
+                busiest_threads=" ".join(f"{k}={v / elapsed:.2f}" for k, v in busiest))
+
+
 def resident_bytes() -> int:
     try:
         with open("/proc/self/status") as f:
@@ -195,7 +225,8 @@ def build(mode: str, args):
 def run_mode(mode, args, reqs, versions):
     model = build(mode, args)
     tokenizer = id_tokenizer(hx.SHAPES[args.model]["vocab_size"])
-    server, thread, url = serve(model, tokenizer, args)
+    server, thread, url, app = serve(model, tokenizer, args)
+    engine = lambda: engine_counts(app.state.fastlora.supervisor.manager)  # noqa: E731
     rows, samples = [], []
     try:
         began = time.perf_counter()
@@ -209,10 +240,13 @@ def run_mode(mode, args, reqs, versions):
                 for rate in args.rates:
                     run = (clients.drive if clients is not None
                            else lambda *a, drain: asyncio.run(drive(*a, drain=drain)))
+                    cpu_before, engine_before = thread_cpu_seconds(), engine()
                     record, elapsed, cut = run(url, reqs, rate, args.duration, mode == "fastlora", args.temperature,
                                                args.seed, drain=args.drain)
                     row = dict(mode=mode, rate=rate, **summarize(record, elapsed), cut_by_drain=cut,
-                               client_process=args.client_process, **versions)
+                               client_process=args.client_process, http=args.http,
+                               **cpu_shares(cpu_before, thread_cpu_seconds(), elapsed),
+                               **window_counts(engine_before, engine(), elapsed), **versions)
                     print(" | ".join(f"{k}={v}" for k, v in row.items() if k not in versions), flush=True)
                     rows.append(row)
             finally:
@@ -303,6 +337,9 @@ def main(argv=None) -> int:
     p.add_argument("--client-process", choices=["on", "off"], default="on",
                    help="the clients in a process of their own (on: as clients on other machines; off: in the "
                         "server's process, where their Python slows the server)")
+    p.add_argument("--http", choices=["auto", "pure-python"], default="auto",
+                   help="uvicorn's event loop and HTTP parser: auto (uvloop and httptools, which the serve extra "
+                        "installs) or pure-python (asyncio's loop and h11: what uvicorn falls back to without them)")
     p.add_argument("--child-result", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not hx.start(args, "bench_serving"):
@@ -334,9 +371,11 @@ def main(argv=None) -> int:
         r.update(engine_attention=args.engine_attention, engine_graphs=args.engine_graphs,
                  async_batching=args.async_batching)
     for mode in args.modes:
+        measured = [r["rate"] for r in rows if r["mode"] == mode]
         met = [r["rate"] for r in rows if r["mode"] == mode and meets_slo(r)]
-        print(f"{mode}: highest rate with TTFT p99 < {SLO_TTFT_S} s and ITL p99 < {SLO_ITL_MS} ms: "
-              f"{max(met) if met else 'none of those measured'}", flush=True)
+        best = "none of those measured" if not met else (
+            f"{max(met)} (the highest measured: the limit is above it)" if max(met) == max(measured) else max(met))
+        print(f"{mode}: highest rate with TTFT p99 < {SLO_TTFT_S} s and ITL p99 < {SLO_ITL_MS} ms: {best}", flush=True)
     stem = (f"serving_{args.model}" + ("_soak" if args.soak else "")
             + ("" if args.engine_attention == "auto" else f"_{args.engine_attention}"))
     path = hx.out_path(args.out, stem, versions["gpu"])

@@ -187,8 +187,9 @@ def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] 
     ``graphs_blocker``: why the engine's CUDA graphs cannot carry this model's LoRA batches
     (None: the engine keeps its own choice). ``max_requests``: the most requests one step may
     hold (the slots, when the model has fewer than adapters). ``reads_in_place``: every layer of
-    the engine will read its paged cache in place; where the caller asked for graphs and left the
-    key padding to the engine, its graphs then take one key bucket (``_ONE_KV_BUCKET``)."""
+    the engine will read its paged cache in place; where the caller asked for graphs or left them to
+    the engine, and left the key padding to it, its graphs then take one key bucket
+    (``_ONE_KV_BUCKET``)."""
     import dataclasses
 
     from transformers import ContinuousBatchingConfig
@@ -215,7 +216,11 @@ def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] 
         values["max_requests_per_batch"] = max_requests
         changes.append(f"max_requests_per_batch={max_requests} (each step's adapters must fit the slots)")
     graphs_asked = config.use_cuda_graph is True or (isinstance(config.use_cuda_graph, tuple) and any(config.use_cuda_graph))
-    if (reads_in_place and graphs_blocker is None and graphs_asked
+    # left to the engine, graphs are on where the attention needs no mask, as the in-place one does,
+    # unless a compile config brings its own: then the keys' padding would also decide the captures
+    graphs_left = config.use_cuda_graph is None and not any(
+        getattr(config, name, None) is not None for name in ("varlen_compile_config", "decode_compile_config"))
+    if (reads_in_place and graphs_blocker is None and (graphs_asked or graphs_left)
             and getattr(config, "kv_padding_interval_size", None) == 0):
         values["kv_padding_interval_size"] = _ONE_KV_BUCKET  # a tuning, not a change of results: not reported
     if getattr(config, "use_default_compile_configs", None) is not None:
