@@ -1,7 +1,7 @@
 """Hundreds of registered adapters served from M GPU slots, against all of them resident, against the
 same base model patched by fastlora (no adapters) and against the unpatched HF model, in one run.
 
-    python benchmarks/bench_many_adapters.py --model 8b --adapters 512 --slots 64   # many_adapters_8b_h200.csv
+    python benchmarks/bench_many_adapters.py --model 8b --adapters 512 --slots 64   # many_adapters_8b_h100.csv
     python benchmarks/bench_many_adapters.py --smoke      # CPU: checks the script, measures nothing
 
 Random-weight Llama shape in bf16. One PEFT adapter (rank 8) makes the LoRA layers; ``--adapters``
