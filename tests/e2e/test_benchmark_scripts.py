@@ -382,6 +382,9 @@ def test_bench_serving_smoke(tmp_path):
     assert set(rows) == {"base_patched", "fastlora"}
     for row in rows.values():
         assert row["failed"] == "0" and int(row["requests"]) > 0 and float(row["output_tokens_per_s"]) > 0
+        # the server's side of the window: its threads' CPU time and the engine's steps
+        assert 0 < float(row["server_cpu_share"]) and "_run_generation_loop=" in row["busiest_threads"], row
+        assert int(row["engine_steps"]) > 0 and float(row["host_prepare_ms"]) > 0, row
     # the soak through the engine's cache read in place
     _run([os.path.join(BENCH, "bench_serving.py"), "--smoke", "--modes", "fastlora", "--soak", "2", "--drain", "30",
           "--engine-attention", "paged", "--out", str(tmp_path)])
