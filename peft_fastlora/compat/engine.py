@@ -216,10 +216,9 @@ def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] 
         values["max_requests_per_batch"] = max_requests
         changes.append(f"max_requests_per_batch={max_requests} (each step's adapters must fit the slots)")
     graphs_asked = config.use_cuda_graph is True or (isinstance(config.use_cuda_graph, tuple) and any(config.use_cuda_graph))
-    # left to the engine, graphs are on where the attention needs no mask, as the in-place one does,
-    # unless a compile config brings its own: then the keys' padding would also decide the captures
-    graphs_left = config.use_cuda_graph is None and not any(
-        getattr(config, name, None) is not None for name in ("varlen_compile_config", "decode_compile_config"))
+    # graphs left to the engine are asked for too: the in-place attention needs no mask, the engine's
+    # own criterion (from 5.24 it reads it in the name; earlier engines would leave graphs off)
+    graphs_left = config.use_cuda_graph is None
     if (reads_in_place and graphs_blocker is None and (graphs_asked or graphs_left)
             and getattr(config, "kv_padding_interval_size", None) == 0):
         values["kv_padding_interval_size"] = _ONE_KV_BUCKET  # a tuning, not a change of results: not reported

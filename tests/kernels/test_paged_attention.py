@@ -143,12 +143,11 @@ def test_engine_reading_its_cache_in_place_equals_peft_per_request(arch, monkeyp
 def test_in_place_reads_take_one_key_bucket_for_the_engines_graphs():
     """The engine keys its graphs by the padded count of keys a step reads; the in-place kernel
     reads only each request's own keys, so where the caller asks for graphs or leaves them to the
-    engine (which turns them on for an attention with no mask), and leaves the padding to it, a
-    manager of a model on the in-place attention pads every step's keys to the whole cache (graphs
+    engine (the in-place attention needs no mask, the engine's criterion) and leaves the padding to
+    it, a manager of a model on the in-place attention pads every step's keys to the whole cache (graphs
     keyed by the query count alone, all captured by the warm-up). A padding the caller set, graphs
-    off, a compile config of the caller's, the gathering varlen path or sliding-window layers
-    (whose copy grows with the padding) keep the engine's."""
-    from transformers import CompileConfig
+    off, the gathering varlen path or sliding-window layers (whose copy grows with the padding)
+    keep the engine's."""
     from peft_fastlora.compat.engine import cb_config_for_lora
 
     asked = cb_config(use_cuda_graph=True)
@@ -157,8 +156,6 @@ def test_in_place_reads_take_one_key_bucket_for_the_engines_graphs():
     assert cb_config_for_lora(asked, None, "graphs off", reads_in_place=True)[0].kv_padding_interval_size == 0
     assert cb_config_for_lora(cb_config(), None, reads_in_place=True)[0].kv_padding_interval_size >= 1 << 30
     assert cb_config_for_lora(cb_config(use_cuda_graph=False), None, reads_in_place=True)[0].kv_padding_interval_size == 0
-    compiled = cb_config(decode_compile_config=CompileConfig())
-    assert cb_config_for_lora(compiled, None, reads_in_place=True)[0].kv_padding_interval_size == 0
     own = cb_config(use_cuda_graph=True, kv_padding_interval_size=512)
     assert cb_config_for_lora(own, None, reads_in_place=True)[0].kv_padding_interval_size == 512
     # (Mistral's sliding-window layers gather the keys a step reads: the padding would grow that copy)
