@@ -181,7 +181,8 @@ _ONE_KV_BUCKET = 1 << 30
 
 
 def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] = None,
-                       max_requests: Optional[int] = None, reads_in_place: bool = False) -> Tuple[object, list]:
+                       max_requests: Optional[int] = None, reads_in_place: bool = False,
+                       async_possible: bool = False) -> Tuple[object, list]:
     """A copy of the continuous-batching config (the caller's, the one set on the generation
     config, or the default) with what per-request adapters need; and what was changed, why.
     ``graphs_blocker``: why the engine's CUDA graphs cannot carry this model's LoRA batches
@@ -189,7 +190,9 @@ def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] 
     hold (the slots, when the model has fewer than adapters). ``reads_in_place``: every layer of
     the engine will read its paged cache in place; where the caller asked for graphs or left them to
     the engine, and left the key padding to it, its graphs then take one key bucket
-    (``_ONE_KV_BUCKET``)."""
+    (``_ONE_KV_BUCKET``); and, where the caller left async batching to the engine too and the device
+    runs it (``async_possible``), async batching is asked for: the engine's own rule for it is
+    graphs and no mask."""
     import dataclasses
 
     from transformers import ContinuousBatchingConfig
@@ -219,9 +222,11 @@ def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] 
     # graphs left to the engine are asked for too: the in-place attention needs no mask, the engine's
     # own criterion (from 5.24 it reads it in the name; earlier engines would leave graphs off)
     graphs_left = config.use_cuda_graph is None
-    if (reads_in_place and graphs_blocker is None and (graphs_asked or graphs_left)
-            and getattr(config, "kv_padding_interval_size", None) == 0):
+    graphs = reads_in_place and graphs_blocker is None and (graphs_asked or graphs_left)
+    if graphs and getattr(config, "kv_padding_interval_size", None) == 0:
         values["kv_padding_interval_size"] = _ONE_KV_BUCKET  # a tuning, not a change of results: not reported
+    if graphs and async_possible and config.use_async_batching is None and "use_async_batching" not in values:
+        values["use_async_batching"] = True  # likewise
     if getattr(config, "use_default_compile_configs", None) is not None:
         values["use_default_compile_configs"] = None  # deprecated alias: it would set the level again
     return dataclasses.replace(config, **values), changes

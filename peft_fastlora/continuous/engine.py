@@ -272,7 +272,8 @@ class ContinuousBatchingHook:
         registry = self.state.registry  # fewer slots than adapters: no step may need more than the slots
         config, changes = cb_config_for_lora(continuous_batching_config, gen, self.graphs_blocker(),
                                              None if registry.all_resident else registry.num_slots,
-                                             reads_in_place=self.reads_in_place())
+                                             reads_in_place=self.reads_in_place(),
+                                             async_possible=cb_async_device_blocker(self._device()) is None)
         if config.use_async_batching:  # asked for: the engine's thread would die on its first step
             why = cb_async_device_blocker(self._device())
             if why is not None:
