@@ -36,7 +36,7 @@ from ..compat.engine import (CB_CHILD_MARK, cb_async, cb_async_device_blocker, c
                              cb_set_processor_steps, cb_step, cb_stream, cb_unset_processor_steps,
                              cb_update_skipping_failed, continuous_batching_blocker)
 from ..compat.modules import (attn_implementation, cb_vocab_size, model_dtype, multi_device_reason,
-                              on_stream, set_attn_implementation)
+                              on_stream, set_attn_implementation, uncapturable_layers_reason)
 from ..compat.tensor_parallel import tensor_parallel_reason
 from ..base_ops.attention_registry import (decode_attention_enabled, disable_decode_attention,
                                            enable_decode_attention)
@@ -200,6 +200,9 @@ class ContinuousBatchingHook:
             return f"{split}: a CUDA graph captures one device"
         if state.lora_plan.left_on_peft:
             return "some LoRA layers are left on PEFT's path, which a graph would replay with stale indices"
+        uncapturable = uncapturable_layers_reason(self.inner) if state.options.cuda_graphs != "emulate" else None
+        if uncapturable is not None:
+            return uncapturable
         # judged on the dtype and device alone: while a manager runs, the model's attention is the
         # varlen one itself (a model that cannot take it never gets a manager with "varlen");
         # emulated graphs capture nothing, so a reference that syncs is no obstacle there

@@ -323,6 +323,12 @@ def test_graphs_are_off_over_an_8bit_base_with_outliers_with_the_reason(saved):
     for other in (INT8_NO_OUTLIERS, "nf4"):
         as_gpu.inner = quantized(saved, other).get_base_model()
         assert graphs_wanted(as_gpu) is None, other
+    # the continuous-batching engine's graphs decide the same, up front
+    for quant, blocked in (("int8", True), (INT8_NO_OUTLIERS, False)):
+        m = quantized(saved, quant)
+        fastlora.patch(m)
+        why = fastlora.get_state(m).continuous.graphs_blocker()
+        assert (why is not None and "outlier threshold" in why) if blocked else why is None, (quant, why)
 
 
 def test_a_dora_adapter_registered_by_name_over_a_4bit_base(saved, tmp_path):
