@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -19,7 +19,8 @@ from torch import nn
 from . import kernel_support
 from .compat.adapters import adapter_blocker, lora_layer_blocker
 from .compat.modules import is_conv1d, linear_in_out, local, on_device
-from .compat.peft import (LoraEmbedding, LoraLinear, adapter_dicts, adapter_names_of, base_layer_of,
+from .compat.peft import (LoraEmbedding, LoraLinear, adapter_dicts, adapter_names_of, adapter_parameters,
+                          base_layer_of,
                           guard_peft_forward_hooks, has_auxiliary_wrappers, is_lora_layer, is_peft_model,
                           is_tuner_layer, quantized_base_kind, registration_epoch, unguard_peft_forward_hooks,
                           unwrap_peft)
@@ -272,6 +273,12 @@ class FastLoRAState:
             self._build_base_only()
             return
         self._peft_names = sorted(names)
+        # before any stack records the parameters' storage: re-homing them moves it
+        by_adapter: Dict[str, list] = {}
+        for _, m in lora_layers:
+            for name, params in adapter_parameters(m).items():
+                by_adapter.setdefault(name, []).extend(params)
+        self.slots.shared_versions.share(by_adapter.values())
         first = next(p for _, m in lora_layers for p in m.parameters())
         self.device = first.device
         backend_name = resolve_backend_name(self.options.backend, self.device)
@@ -532,6 +539,7 @@ class FastLoRAState:
             self._hook.remove()
             self._hook = None
         self._teardown_lora()
+        self.slots.shared_versions.release()
 
     def warn_once(self, message: str) -> None:
         """A warning logged once per model and message."""

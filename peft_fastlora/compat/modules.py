@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Optional, Tuple
+import weakref
+from typing import Optional, Sequence, Tuple
 
 import torch
 import transformers
@@ -182,6 +183,65 @@ def versions_of(tensors) -> Optional[tuple]:
         return tuple(map(version_of, tensors))
     except RuntimeError:
         return None
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """How many references hold ``t``'s storage (a tensor's ``.data`` or ``.detach()`` alias is
+    one more); -1 where this torch does not say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return -1 if count is None else count(t.untyped_storage()._cdata)
+
+
+def _rehomable(t, device, dtype, alone: int) -> bool:
+    return (type(t) in (torch.Tensor, nn.Parameter) and not is_dtensor(t) and t.device == device
+            and t.dtype == dtype and t.layout == torch.strided and t.device.type != "meta"
+            and not t.is_inference() and t.is_leaf and t._base is None and t.is_contiguous()
+            and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            and t.grad is None and t._backward_hooks is None and not weakref.getweakrefs(t)
+            and t._use_count() == 1 and _storage_users(t) == alone)
+
+
+@torch.no_grad()
+@torch.inference_mode(False)  # (called inside a forward under inference mode: no inference buffer)
+def share_version_counter(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Re-home ``tensors`` (dense leaf tensors of one device and dtype, each alone on its whole
+    storage) onto one new buffer: each Python object is swapped (``torch.utils.swap_tensors``) onto
+    a view of the buffer holding its values, keeping its identity, attributes and
+    ``requires_grad``. Views share their base's version counter, so an in-place op on any of them
+    (an optimizer step, ``copy_``) moves the buffer's ``_version``: one read tells whether any
+    changed. Returns the buffer, or None, with nothing changed, where one of them cannot be
+    re-homed (a subclass, a DTensor, an inference tensor, a view, a gradient or hooks held, another
+    tensor sharing its data, such as a ``.data`` alias kept somewhere, which would go stale)."""
+    if not tensors:
+        return None
+    device, dtype = tensors[0].device, tensors[0].dtype
+    alone = _storage_users(torch.empty(1))  # a tensor no alias shares its storage with
+    if alone < 0:
+        return None
+    storages = {t.untyped_storage().data_ptr() for t in tensors if _rehomable(t, device, dtype, alone)}
+    if len(storages) != len(tensors) or len({id(t) for t in tensors}) != len(tensors):
+        return None
+    buffer = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+    news, offset = [], 0
+    for t in tensors:
+        view = buffer[offset:offset + t.numel()].view(t.shape)
+        offset += t.numel()
+        view.copy_(t)
+        new = nn.Parameter(view, requires_grad=t.requires_grad) if type(t) is nn.Parameter else view.detach()
+        if type(t) is torch.Tensor:
+            new.requires_grad_(t.requires_grad)
+        new.__dict__.update(t.__dict__)  # (swap_tensors swaps the attribute dicts too)
+        news.append(new)
+    swapped = []
+    try:
+        for t, new in zip(tensors, news):
+            torch.utils.swap_tensors(t, new)
+            swapped.append((t, new))
+    except RuntimeError:  # (a reference swap_tensors refuses): every tensor back as it was
+        for t, new in reversed(swapped):
+            torch.utils.swap_tensors(t, new)
+        return None
+    return buffer
 
 
 def foreach_copy(dsts, srcs, non_blocking: bool = False) -> None:

@@ -72,6 +72,20 @@ def adapter_names_of(layer: nn.Module):
     return set(layer.lora_A.keys()) | set(layer.lora_embedding_A.keys())
 
 
+def adapter_parameters(layer: nn.Module) -> Dict[str, list]:
+    """Each adapter's own parameters in a LoRA layer (A, B, B's bias, DoRA's magnitude, the
+    embedding's A and B: PEFT's ``adapter_layer_names`` containers), by adapter name."""
+    out: Dict[str, list] = {}
+    for container_name in getattr(layer, "adapter_layer_names", ()):
+        container = getattr(layer, container_name, None)
+        if not isinstance(container, (nn.ModuleDict, nn.ParameterDict)):
+            continue
+        for name, entry in container.items():
+            params = list(entry.parameters()) if isinstance(entry, nn.Module) else [entry]
+            out.setdefault(name, []).extend(p for p in params if p is not None)
+    return out
+
+
 def quantized_base_kind(layer: nn.Module) -> Optional[str]:
     """"nf4", "fp4" or "int8" where ``layer`` is PEFT's LoRA layer over a bitsandbytes base (its
     ``lora.bnb`` classes), "torchao" over a torchao-quantized one (``lora.torchao``): the base

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 from array import array
-from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -647,19 +647,24 @@ class ValueRefresher:
     values, ``.data`` edits too). ``refresh(slots, changed_only=True)`` copies the slots whose
     parameters' version counters moved since their last copy (a continuous-batching step: tens of
     adapters at every step, most of them unchanged): in-place ops on a parameter (an optimizer
-    step, ``copy_``, ``load_state_dict``) bump its counter, edits through ``.data`` do not."""
+    step, ``copy_``, ``load_state_dict``) bump its counter, edits through ``.data`` do not.
+    ``witness``: the tensor to read a parameter's counter from (``shared_versions``: one buffer's
+    for all of an adapter's parameters re-homed onto it)."""
 
-    def __init__(self, pools: Iterable[SitePool]):
+    def __init__(self, pools: Iterable[SitePool], witness: Callable[[torch.Tensor], torch.Tensor] = lambda t: t):
         self.by_slot: Dict[int, Dict[tuple, Tuple[list, list]]] = {}
         pairs_by_slot: Dict[int, list] = {}
         for pool in pools:
             for slot, pairs in pool.copies.items():
                 pairs_by_slot.setdefault(slot, []).extend(pairs)
-        self._sources: Dict[int, Optional[list]] = {}  # slot -> its parameters (None: no trusted versions)
+        # slot -> the tensors whose version counters tell whether its parameters moved (None: no
+        # trusted versions)
+        self._sources: Dict[int, Optional[list]] = {}
         for slot, pairs in pairs_by_slot.items():
             self.by_slot[slot] = _grouped(pairs)
             sources = [src for _, src in pairs]
-            self._sources[slot] = None if any(is_dtensor(t) for t in sources) else sources
+            witnesses = {id(w): w for w in map(witness, sources)}
+            self._sources[slot] = None if any(is_dtensor(t) for t in sources) else list(witnesses.values())
         self._copied: Dict[int, tuple] = {}  # slot -> its parameters' versions at its last copy
         self._merged: Dict[tuple, list] = {}  # slot set -> its groups' (dsts, srcs), recent ones
 

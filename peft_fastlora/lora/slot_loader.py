@@ -19,6 +19,7 @@ from ..tuning import Tuning
 from .dora import sync_tables
 from .host_copy import copy_from_host, prestage
 from .pool import ValueRefresher, copy_values
+from .shared_versions import SharedVersions
 from .slots import AdapterRegistry
 from .store import StoredAdapter
 
@@ -43,6 +44,7 @@ class SlotLoader:
         self.last_fold = False  # the fold choice of the last call that decided one (reports, tests)
         self._refresher: Optional[ValueRefresher] = None
         self._refresher_key = None
+        self.shared_versions = SharedVersions()  # each PEFT adapter's parameters on one version counter
         self._stage_cache: dict = {}  # staged folds' row indices and tables by layout (FoldStaging)
         self._ranks: Optional[List[int]] = None
 
@@ -85,7 +87,7 @@ class SlotLoader:
         folds = self.last_fold = fold and self.decide_fold(slots)
         key = (generation, self.loads)
         if self._refresher is None or self._refresher_key != key:
-            self._refresher = ValueRefresher(s.pool for s in self.sites)
+            self._refresher = ValueRefresher((s.pool for s in self.sites), self.shared_versions.witness)
             self._refresher_key = key
         self._refresher.refresh(slots, changed_only=changed_values_only)
         # DoRA's column scales from the values just copied (one host sync for every site's check)
