@@ -21,8 +21,8 @@ Modes (``--modes``), each through the same endpoint, engine and workload:
 Per mode and rate, one CSV row: requests sent and failed, output tokens/s, time to first token and
 inter-token latency p50 / p99 (from the chunks' arrival times), and the server process's CPU time
 over the window (``server_cpu_share``, its three busiest threads: the engine's loop, the HTTP
-server's) with the engine's steps and its thread's milliseconds a step by phase. ``--soak S``: one rate held for S
-seconds, the GPU memory allocated and the process's resident memory sampled every
+server's) with the engine's steps and its thread's milliseconds a step by phase. ``--soak S``: one
+rate held for S seconds, the GPU memory allocated and the process's resident memory sampled every
 ``--sample-every`` seconds into a second CSV (flat when nothing leaks); any failed request is
 reported (a well-formed request should never fail).
 """

@@ -20,10 +20,9 @@ from . import kernel_support
 from .compat.adapters import adapter_blocker, lora_layer_blocker
 from .compat.modules import is_conv1d, linear_in_out, local, on_device
 from .compat.peft import (LoraEmbedding, LoraLinear, adapter_dicts, adapter_names_of, adapter_parameters,
-                          base_layer_of,
-                          guard_peft_forward_hooks, has_auxiliary_wrappers, is_lora_layer, is_peft_model,
-                          is_tuner_layer, quantized_base_kind, registration_epoch, unguard_peft_forward_hooks,
-                          unwrap_peft)
+                          base_layer_of, guard_peft_forward_hooks, has_auxiliary_wrappers, is_lora_layer,
+                          is_peft_model, is_tuner_layer, quantized_base_kind, registration_epoch,
+                          unguard_peft_forward_hooks, unwrap_peft)
 from .compat.tensor_parallel import declared_tp_plans, tp_local_stored, tp_style
 from .backend import get_backend, resolve_backend_name
 from .base_ops import BaseOps, activation_kind, has_gated_forward, install_base_ops, stream_wanted

@@ -227,9 +227,8 @@ def share_version_counter(tensors: Sequence[torch.Tensor]) -> Optional[torch.Ten
         view = buffer[offset:offset + t.numel()].view(t.shape)
         offset += t.numel()
         view.copy_(t)
-        new = nn.Parameter(view, requires_grad=t.requires_grad) if type(t) is nn.Parameter else view.detach()
-        if type(t) is torch.Tensor:
-            new.requires_grad_(t.requires_grad)
+        new = (nn.Parameter(view, requires_grad=t.requires_grad) if type(t) is nn.Parameter
+               else view.detach().requires_grad_(t.requires_grad))
         new.__dict__.update(t.__dict__)  # (swap_tensors swaps the attribute dicts too)
         news.append(new)
     swapped = []

@@ -273,14 +273,12 @@ class ContinuousBatchingHook:
                 "model; call destroy_cached_continuous_batching_manager() first")
         gen = generation_config if generation_config is not None else self.inner.generation_config
         registry = self.state.registry  # fewer slots than adapters: no step may need more than the slots
+        no_async = cb_async_device_blocker(self._device())
         config, changes = cb_config_for_lora(continuous_batching_config, gen, self.graphs_blocker(),
                                              None if registry.all_resident else registry.num_slots,
-                                             reads_in_place=self.reads_in_place(),
-                                             async_possible=cb_async_device_blocker(self._device()) is None)
-        if config.use_async_batching:  # asked for: the engine's thread would die on its first step
-            why = cb_async_device_blocker(self._device())
-            if why is not None:
-                raise ValueError(f"fastlora: use_async_batching=True cannot be served: {why}")
+                                             reads_in_place=self.reads_in_place(), async_possible=no_async is None)
+        if config.use_async_batching and no_async is not None:  # asked for: the engine's thread would die
+            raise ValueError(f"fastlora: use_async_batching=True cannot be served: {no_async}")
         for change in changes:
             self.state.warn_once(f"continuous batching with per-request adapters: {change}")
         self.state.values_unknown()  # a user's call: its first step reads every value (``.data`` edits too)

@@ -23,7 +23,8 @@ class SharedVersions:
     """The parameters re-homed onto a buffer, each with that buffer."""
 
     def __init__(self):
-        self._entries: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id(parameter) -> (it, its buffer)
+        # id(parameter) -> (it, its buffer): held here, so an id stands for that parameter alone
+        self._entries: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def share(self, adapters: Iterable[List[torch.Tensor]]) -> None:
         """Re-home each adapter's parameters (one list per adapter; one buffer per device and
@@ -51,7 +52,7 @@ class SharedVersions:
         buffer = first[1]
         for p in members:
             entry = self._entries.get(id(p))
-            if entry is None or entry[0] is not p or entry[1] is not buffer or not _on(p, buffer):
+            if entry is None or entry[1] is not buffer or not _on(p, buffer):
                 return None
         return buffer if sum(p.numel() for p in members) == buffer.numel() else None
 
@@ -69,7 +70,7 @@ class SharedVersions:
         """The tensor whose version counter tells whether ``t`` changed in place: its buffer while
         it is on it, else ``t`` itself."""
         entry = self._entries.get(id(t))
-        return entry[1] if entry is not None and entry[0] is t and _on(t, entry[1]) else t
+        return entry[1] if entry is not None and _on(t, entry[1]) else t
 
 
 def _on(t: torch.Tensor, buffer: torch.Tensor) -> bool:
