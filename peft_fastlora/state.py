@@ -33,7 +33,7 @@ from .decode import plan as decode_plan
 from .decode.generate import GenerateHook
 from .decode.plan import DecodePlan
 from .decode.runner import DecodeGraphRunner
-from .lora.fusion import FusedGroup, find_groups, fusion_blocker
+from .lora.fusion import FusedGroup, IntactWatch, find_groups, fusion_blocker
 from .lora.mutations import AdapterMutationLock
 from .lora.experts import ExpertsSite, find_expert_sites
 from .lora.pool import AdapterRegistry, SitePool
@@ -89,6 +89,7 @@ class FastLoRAState:
         self._adapter_count = None  # LoRA adapters summed over the sites' layers, at the last check
         self._counted = (None, [])  # (registration epoch, generation), the dicts those adapters are in
         self._structure: Optional[StructureWatch] = None  # the engine steps' flat structure check
+        self._intact: Optional[IntactWatch] = None  # each call's flat check of the fused groups
         self.takes_adapter_names = False  # see serve_adapter_names
         self.calls = CallScope()  # each thread's CallContext
         self.continuous = None  # continuous.engine.ContinuousBatchingHook
@@ -576,10 +577,11 @@ class FastLoRAState:
         if self._config_keys() != self._peft_config_keys or self._adapter_set_changed():
             self.rescan()
             return
-        for g in self.groups:
-            if not g.is_intact():
-                g.fuse()  # model.to() or a reload gave the members new storage
-                self.generation += 1
+        if not self._groups_intact():
+            for g in self.groups:
+                if not g.is_intact():
+                    g.fuse()  # model.to() or a reload gave the members new storage
+                    self.generation += 1
         for site in self.sites:
             if site.pool.fold_lost():  # its A arena under a base weight the layers no longer use
                 self._rebuild_pool(site, site.pool.lora_a.dtype)
@@ -592,12 +594,20 @@ class FastLoRAState:
             self._sync_pools(())  # every layer's adapters and scalings; the adapters' own facts below
         self._check_adapters(adapter_names, storage)
 
+    def _groups_intact(self) -> bool:
+        """Whether every fused group's members still view its fused tensor (``IntactWatch``: flat,
+        C-speed; False, so that each group is checked, where it cannot tell)."""
+        watch = self._intact
+        if watch is None or not watch.holds(self.groups):
+            watch = self._intact = IntactWatch.of(self.groups)
+        return watch is not None and watch.intact()
+
     def _structure_unchanged(self) -> bool:
         """At an engine step: whether every stacked layer still has the adapters and scalings its
         stacks were built with (``lora.watch.StructureWatch``: flat, C-speed). False (the full
         check runs) the first time after a rebuild, or where a site has no flat facts."""
         key = (self.generation, tuple(self.registry.names))
-        if self._structure is not None and self._structure.unchanged(key):
+        if self._structure is not None and self._structure.unchanged(key, registration_epoch()):
             return True
         watched = [site.pool.watched_layers() for site in self.sites]
         self._structure = None if any(w is None for w in watched) else StructureWatch(

@@ -80,16 +80,28 @@ class AdapterWatch:
 class StructureWatch:
     """Every stacked layer's adapter set and scalings (the ``watch_lora_layer`` entries of the
     pools), compared flat at an engine step instead of layer by layer in Python: the step skips
-    ``SitePool.stale`` while these, the stacks (``key``) and the pools' health are as they were."""
+    ``SitePool.stale`` while these, the stacks (``key``) and the pools' health are as they were.
+
+    An adapter joins a layer's ``ModuleDict`` by registering a module (``registration_epoch``) and
+    leaves it without one, so while the epoch stays put the dicts' sizes tell whether their keys
+    are the ones seen; the keys themselves are compared after a registration."""
 
     def __init__(self, key, pools: Sequence, layer_watches: Sequence):
         self.key = key
         self._pools = list(pools)
         self._dicts = [w[0] for w in layer_watches] + [w[2] for w in layer_watches]  # lora_A / lora_B ._modules
         self._keys = [w[1] for w in layer_watches] + [w[3] for w in layer_watches]
+        self._sizes = list(map(len, self._keys))
         self._scalings = [w[4] for w in layer_watches]
         self._then = [w[5] for w in layer_watches]
+        self._epoch: Optional[int] = None  # the registration epoch the keys were last compared at
 
-    def unchanged(self, key) -> bool:
-        return (key == self.key and not any(pool.broken for pool in self._pools)
-                and list(map(tuple, self._dicts)) == self._keys and self._scalings == self._then)
+    def unchanged(self, key, epoch: int) -> bool:
+        if key != self.key or any(pool.broken for pool in self._pools) or self._scalings != self._then:
+            return False
+        if epoch == self._epoch:
+            return list(map(len, self._dicts)) == self._sizes
+        if list(map(tuple, self._dicts)) != self._keys:
+            return False
+        self._epoch = epoch
+        return True

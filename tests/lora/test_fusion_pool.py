@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import peft_fastlora as fastlora
 from peft_fastlora.backend.segmented import SegmentedLoRABackend
-from peft_fastlora.lora.fusion import FusedGroup
+from peft_fastlora.lora.fusion import FusedGroup, IntactWatch
 from peft_fastlora.lora.sites import FusedSite
 from peft_fastlora import get_state
 from peft_fastlora.lora.pool import AdapterRegistry
@@ -326,6 +326,30 @@ def test_dtype_change_after_patch(calls):
     assert calls["qkv"] == 2  # back on the fast path
     assert all(g.is_intact() and g.weight.dtype == torch.float32 for g in state.groups)
     assert storage_bytes(m) == storage_bytes(ref)
+
+
+def test_the_flat_intact_check_agrees_with_each_group_s():
+    """``IntactWatch`` (each call's check of every fused group at once) sees a member moved off
+    the fused tensor by ``.data`` or replaced by a new Parameter, and stops holding once a group
+    is fused again."""
+    m = build()
+    fastlora.patch(m)
+    groups = get_state(m).groups
+    watch = IntactWatch.of(groups)
+    assert watch is not None and watch.holds(groups) and watch.intact()
+    q = layers_of(m)[1].self_attn.q_proj.base_layer
+    q.weight.data = q.weight.data.clone()
+    assert not watch.intact() and not all(g.is_intact() for g in groups)
+    owner = next(g for g in groups if q in g.bases)
+    owner.fuse()
+    assert not watch.holds(groups)
+    watch = IntactWatch.of(groups)
+    assert watch.intact()
+    up = layers_of(m)[0].mlp.up_proj.base_layer
+    up.weight = torch.nn.Parameter(up.weight.detach().clone())
+    assert not watch.intact()
+    torch.testing.assert_close(logits(m), logits(build()), **TOL)  # re-fused by the next call's check
+    assert all(g.is_intact() for g in groups)
 
 
 def test_fusion_blocked_by_a_forward_hook():
