@@ -181,8 +181,7 @@ _ONE_KV_BUCKET = 1 << 30
 
 
 def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] = None,
-                       max_requests: Optional[int] = None, reads_in_place: bool = False,
-                       async_possible: bool = False) -> Tuple[object, list]:
+                       max_requests: Optional[int] = None, reads_in_place: bool = False) -> Tuple[object, list]:
     """A copy of the continuous-batching config (the caller's, the one set on the generation
     config, or the default) with what per-request adapters need; and what was changed, why.
     ``graphs_blocker``: why the engine's CUDA graphs cannot carry this model's LoRA batches
@@ -190,9 +189,7 @@ def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] 
     hold (the slots, when the model has fewer than adapters). ``reads_in_place``: every layer of
     the engine will read its paged cache in place; where the caller asked for graphs or left them to
     the engine, and left the key padding to it, its graphs then take one key bucket
-    (``_ONE_KV_BUCKET``); and, where the caller left async batching to the engine too and the device
-    runs it (``async_possible``), async batching is asked for: the engine's own rule for it is
-    graphs and no mask."""
+    (``_ONE_KV_BUCKET``). Async batching stays the caller's or the engine's choice."""
     import dataclasses
 
     from transformers import ContinuousBatchingConfig
@@ -225,8 +222,6 @@ def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] 
     graphs = reads_in_place and graphs_blocker is None and (graphs_asked or graphs_left)
     if graphs and getattr(config, "kv_padding_interval_size", None) == 0:
         values["kv_padding_interval_size"] = _ONE_KV_BUCKET  # a tuning, not a change of results: not reported
-    if graphs and async_possible and config.use_async_batching is None and "use_async_batching" not in values:
-        values["use_async_batching"] = True  # likewise
     if getattr(config, "use_default_compile_configs", None) is not None:
         values["use_default_compile_configs"] = None  # deprecated alias: it would set the level again
     return dataclasses.replace(config, **values), changes
@@ -416,6 +411,18 @@ def cb_step_graph_held(processor) -> Optional[bool]:
     if key_of is None or not hasattr(graphs, "get_graph"):
         return None
     return graphs.get_graph(key_of()) is not None
+
+
+def cb_settle_inputs(processor) -> None:
+    """Wait for the work a batch processor left on the current stream when it was made or reset.
+    With async batching the engine copies each step's inputs to the GPU on a stream of its own,
+    which does not wait for the current one, where transformers 5.17 zeroes the IO pairs' device
+    tensors (at construction and at each reset: the manager's start resets the processor its
+    warm-up made) and goes on: that zeroing could land after the first step's inputs and run the
+    first request on zeros. Later transformers synchronize the device there themselves."""
+    stream = cb_stream(processor)
+    if cb_async(processor) and isinstance(stream, torch.cuda.Stream):
+        torch.cuda.synchronize(stream.device)
 
 
 def cb_stream(processor):

@@ -33,7 +33,7 @@ from ..compat.engine import (CB_CHILD_MARK, cb_async, cb_async_device_blocker, c
                              cb_fail_requests, cb_fail_step, cb_graphs_blocker_of_engine, cb_in_place_cache,
                              cb_manager_model, cb_new_request_id, cb_processor_factory, cb_processor_steps,
                              cb_request_done, cb_request_ids, cb_set_attention, cb_set_processor_factory,
-                             cb_set_processor_steps, cb_step, cb_stream, cb_unset_processor_steps,
+                             cb_set_processor_steps, cb_settle_inputs, cb_step, cb_stream, cb_unset_processor_steps,
                              cb_update_skipping_failed, continuous_batching_blocker)
 from ..compat.modules import (attn_implementation, cb_vocab_size, model_dtype, multi_device_reason,
                               on_stream, set_attn_implementation, uncapturable_layers_reason)
@@ -273,11 +273,11 @@ class ContinuousBatchingHook:
                 "model; call destroy_cached_continuous_batching_manager() first")
         gen = generation_config if generation_config is not None else self.inner.generation_config
         registry = self.state.registry  # fewer slots than adapters: no step may need more than the slots
-        no_async = cb_async_device_blocker(self._device())
         config, changes = cb_config_for_lora(continuous_batching_config, gen, self.graphs_blocker(),
                                              None if registry.all_resident else registry.num_slots,
-                                             reads_in_place=self.reads_in_place(), async_possible=no_async is None)
-        if config.use_async_batching and no_async is not None:  # asked for: the engine's thread would die
+                                             reads_in_place=self.reads_in_place())
+        no_async = cb_async_device_blocker(self._device()) if config.use_async_batching else None
+        if no_async is not None:  # asked for: the engine's thread would die on its first step
             raise ValueError(f"fastlora: use_async_batching=True cannot be served: {no_async}")
         for change in changes:
             self.state.warn_once(f"continuous batching with per-request adapters: {change}")
@@ -467,7 +467,8 @@ class ContinuousBatchingHook:
                 release()
 
         def create_():
-            processor = create()
+            processor = create()  # a new processor, or the one kept, reset
+            cb_settle_inputs(processor)
             if hook._registered_attention == IN_PLACE_NAME:
                 cb_in_place_cache(processor)
             if not getattr(processor, "_fastlora_enabled", False):

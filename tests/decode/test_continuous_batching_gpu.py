@@ -128,6 +128,28 @@ def test_engine_graphs_fp32_equal_peft_per_request(pair, async_batching):
         assert tokens == peft_alone(ref, p, n, k), (n, len(p), k)
 
 
+def test_async_engine_starting_while_the_current_stream_is_busy_equals_peft(pair):
+    """The manager's start resets the batch processor its warm-up made; transformers 5.17 zeroes
+    the IO tensors there on the current stream, and async batching copies the first step's inputs
+    on a stream that does not wait for it. With the current stream kept busy through the start, the
+    zeroing would land after those inputs (the first request then runs on zeros) unless fastlora
+    waits for it: every request equals PEFT."""
+    m, ref = pair
+    prompts, names = _prompts(4, seed=12)
+    manager = m.init_continuous_batching(generation_config=greedy_config(8), continuous_batching_config=cb_config(
+        num_blocks=128, use_cuda_graph=True, use_async_batching=True))
+    manager.warmup()
+    torch.cuda._sleep(10 ** 9)  # about half a second of the GPU's clock on the current stream
+    manager.start()
+    try:
+        got = _serve(manager, list(zip(prompts, names, [8] * 4)))
+    finally:
+        manager.stop(block=True)
+    assert _ran_async(manager)
+    for tokens, p, n in zip(got, prompts, names):
+        assert tokens == peft_alone(ref, p, n, 8), (n, len(p))
+
+
 def test_engine_graphs_follow_adapters_added_and_deleted_while_serving(pair):
     """The graphs read the stacks by address: an adapter added or deleted mid-run rebuilds them,
     and a replay of an old graph would read freed memory. The graphs are dropped and recaptured;

@@ -140,15 +140,14 @@ def test_engine_reading_its_cache_in_place_equals_peft_per_request(arch, monkeyp
 
 @cb
 @pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
-def test_in_place_reads_take_one_key_bucket_and_async_batching_for_the_engines_graphs():
+def test_in_place_reads_take_one_key_bucket_for_the_engines_graphs():
     """The engine keys its graphs by the padded count of keys a step reads; the in-place kernel
     reads only each request's own keys, so where the caller asks for graphs or leaves them to the
     engine (the in-place attention needs no mask, the engine's criterion) and leaves the padding to
     it, a manager of a model on the in-place attention pads every step's keys to the whole cache (graphs
     keyed by the query count alone, all captured by the warm-up). A padding the caller set, graphs
     off, the gathering varlen path or sliding-window layers (whose copy grows with the padding)
-    keep the engine's. Async batching left to the engine is asked for with such graphs (the
-    engine's rule: graphs and no mask), where the device runs it."""
+    keep the engine's. Async batching is left as the caller set it."""
     from peft_fastlora.compat.engine import cb_config_for_lora
 
     asked = cb_config(use_cuda_graph=True)
@@ -159,16 +158,10 @@ def test_in_place_reads_take_one_key_bucket_and_async_batching_for_the_engines_g
     assert cb_config_for_lora(cb_config(use_cuda_graph=False), None, reads_in_place=True)[0].kv_padding_interval_size == 0
     own = cb_config(use_cuda_graph=True, kv_padding_interval_size=512)
     assert cb_config_for_lora(own, None, reads_in_place=True)[0].kv_padding_interval_size == 512
-    # async batching left to the engine: its rule (graphs, no mask) applied, where the device runs it
-    left = cb_config()
-    assert cb_config_for_lora(left, None, reads_in_place=True, async_possible=True)[0].use_async_batching is True
-    assert cb_config_for_lora(left, None, reads_in_place=True)[0].use_async_batching is None
-    assert cb_config_for_lora(left, None, reads_in_place=False, async_possible=True)[0].use_async_batching is None
-    assert cb_config_for_lora(left, None, "graphs off", reads_in_place=True,
-                              async_possible=True)[0].use_async_batching is None
-    for asked in (False, True):
+    # async batching stays the caller's or the engine's choice
+    for asked in (None, False, True):
         own = cb_config(use_async_batching=asked)
-        assert cb_config_for_lora(own, None, reads_in_place=True, async_possible=True)[0].use_async_batching is asked
+        assert cb_config_for_lora(own, None, reads_in_place=True)[0].use_async_batching is asked
     # (Mistral's sliding-window layers gather the keys a step reads: the padding would grow that copy)
     for arch, choice, in_place in (("llama", "paged", True), ("llama", "varlen", False), ("llama", "auto", False),
                                    ("mistral", "paged", False)):
