@@ -240,6 +240,9 @@ def share_version_counter(tensors: Sequence[torch.Tensor]) -> Optional[torch.Ten
         for t, new in reversed(swapped):
             torch.utils.swap_tensors(t, new)
         return None
+    if device.type == "cuda":  # the old storages (now in ``news``) are freed on return, while the
+        for old in news:  # copies from them may still be queued on this stream (an engine's)
+            old.record_stream(torch.cuda.current_stream(device))
     return buffer
 
 

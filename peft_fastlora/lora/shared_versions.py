@@ -64,6 +64,8 @@ class SharedVersions:
         for p, buffer in self._entries.values():
             if _on(p, buffer):
                 p.data = p.detach().clone()
+                if buffer.is_cuda:  # freed below, while the clone may still be reading it
+                    buffer.record_stream(torch.cuda.current_stream(buffer.device))
         self._entries = {}
 
     def witness(self, t: torch.Tensor) -> torch.Tensor:
