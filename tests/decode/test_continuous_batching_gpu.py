@@ -124,8 +124,10 @@ def test_engine_graphs_fp32_equal_peft_per_request(pair, async_batching):
     assert manager.fastlora_graphs.blocker is None
     assert stats["graphed_steps"] > 0 and stats["eager_steps"] == 0, stats
     assert stats["captures"] < stats["graphed_steps"], stats  # the second wave replays graphs
-    for tokens, p, n, k in zip(first + rest, prompts, names, news):
-        assert tokens == peft_alone(ref, p, n, k), (n, len(p), k)
+    served = zip(first + rest, prompts, names, news)
+    wrong = [(i, n, len(p), k, tokens[:4]) for i, (tokens, p, n, k) in enumerate(served)
+             if tokens != peft_alone(ref, p, n, k)]
+    assert not wrong, f"requests unlike PEFT's (index, adapter, prompt length, new tokens, first tokens): {wrong}"
 
 
 def test_async_engine_starting_while_the_current_stream_is_busy_equals_peft(pair):
