@@ -597,10 +597,9 @@ class FastLoRAState:
     def _groups_intact(self) -> bool:
         """Whether every fused group's members still view its fused tensor (``IntactWatch``: flat,
         C-speed; False, so that each group is checked, where it cannot tell)."""
-        watch = self._intact
-        if watch is None or not watch.holds(self.groups):
-            watch = self._intact = IntactWatch.of(self.groups)
-        return watch is not None and watch.intact()
+        if self._intact is None or not self._intact.holds(self.groups):
+            self._intact = IntactWatch(self.groups)
+        return self._intact.intact()
 
     def _structure_unchanged(self) -> bool:
         """At an engine step: whether every stacked layer still has the adapters and scalings its

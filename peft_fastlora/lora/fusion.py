@@ -237,34 +237,33 @@ class IntactWatch:
     """``FusedGroup.is_intact`` for every fused group of a model in one flat comparison, for the
     check each call (each engine step) makes: valid for the groups as they were fused when it was
     made (``holds``). A member's weight moved off the fused tensor has another address: the fused
-    tensor stays alive in its group, so no new storage can take the address it had."""
+    tensor stays alive in its group, so no new storage can take the address it had. Where a group
+    is not fused or its weights are tensor-parallel shards, ``intact`` says False and each group
+    is asked."""
 
     def __init__(self, groups: Sequence["FusedGroup"]):
-        self._groups = list(groups)
+        self._groups = _fused_groups(groups)
         self._fused = [g.weight for g in self._groups]  # ``fuse`` makes a new one
-        bases = [b for g in self._groups for b in g.bases]
+        self._flat = all(g.weight is not None and not any(is_dtensor(b.weight) for b in g.bases)
+                         for g in self._groups)
+        bases = [b for g in self._groups for b in g.bases] if self._flat else []
         self._param_dicts = [b._parameters for b in bases]
         self._weights = [d.get("weight") for d in self._param_dicts]
         self._names = ["weight"] * len(bases)
-        self._ptrs = [ptr for g in self._groups for ptr in g._member_ptrs]
-
-    @classmethod
-    def of(cls, groups: Sequence["FusedGroup"]) -> Optional["IntactWatch"]:
-        """The watch of the fused groups among ``groups``, or None where one is not fused or its
-        weights are tensor-parallel shards (their local tensors are read one by one)."""
-        fused = [g for g in groups if type(g) is FusedGroup]
-        if any(g.weight is None or any(is_dtensor(b.weight) for b in g.bases) for g in fused):
-            return None
-        return cls(fused)
+        self._ptrs = [ptr for g in self._groups for ptr in g._member_ptrs] if self._flat else []
 
     def holds(self, groups: Sequence["FusedGroup"]) -> bool:
-        fused = [g for g in groups if type(g) is FusedGroup]
+        fused = _fused_groups(groups)
         return (len(fused) == len(self._groups) and all(map(operator.is_, fused, self._groups))
                 and all(map(operator.is_, (g.weight for g in fused), self._fused)))
 
     def intact(self) -> bool:
-        return (all(map(operator.is_, map(dict.get, self._param_dicts, self._names), self._weights))
-                and list(map(torch.Tensor.data_ptr, self._weights)) == self._ptrs)
+        return self._flat and (all(map(operator.is_, map(dict.get, self._param_dicts, self._names), self._weights))
+                               and list(map(torch.Tensor.data_ptr, self._weights)) == self._ptrs)
+
+
+def _fused_groups(groups) -> list:
+    return [g for g in groups if type(g) is FusedGroup]  # (a ``SeparateGroup`` is always intact)
 
 
 def separate_kind(members: List[nn.Module], bases: List[nn.Module]) -> Optional[str]:

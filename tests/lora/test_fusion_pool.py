@@ -335,20 +335,24 @@ def test_the_flat_intact_check_agrees_with_each_group_s():
     m = build()
     fastlora.patch(m)
     groups = get_state(m).groups
-    watch = IntactWatch.of(groups)
-    assert watch is not None and watch.holds(groups) and watch.intact()
+    watch = IntactWatch(groups)
+    assert watch.holds(groups) and watch.intact()
     q = layers_of(m)[1].self_attn.q_proj.base_layer
     q.weight.data = q.weight.data.clone()
     assert not watch.intact() and not all(g.is_intact() for g in groups)
     owner = next(g for g in groups if q in g.bases)
     owner.fuse()
     assert not watch.holds(groups)
-    watch = IntactWatch.of(groups)
+    watch = IntactWatch(groups)
     assert watch.intact()
     up = layers_of(m)[0].mlp.up_proj.base_layer
     up.weight = torch.nn.Parameter(up.weight.detach().clone())
     assert not watch.intact()
     torch.testing.assert_close(logits(m), logits(build()), **TOL)  # re-fused by the next call's check
+    assert all(g.is_intact() for g in groups)
+    owner.unfuse()
+    assert not IntactWatch(groups).intact()  # a group not fused: each group is asked
+    torch.testing.assert_close(logits(m), logits(build()), **TOL)
     assert all(g.is_intact() for g in groups)
 
 
