@@ -145,6 +145,8 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
             manager.warmup()
         warm = dict(getattr(getattr(manager, "fastlora_graphs", None), "stats", {}), warmup_s=time.perf_counter() - t)
         print(f"warm-up {warm['warmup_s']:.1f} s", file=sys.stderr)
+    # the hook's clock timed the warm-up's forwards too: left out below (where the engine kept the processor)
+    warmed, warm_clock = engine_counts(manager), getattr(manager, "fastlora_step_seconds", None)
     manager.start()
     compiles = hx.TritonCompiles()
     queued, latency, ttft = {}, [], []
@@ -203,9 +205,12 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
     stats["max_memory_percent"] = getattr(resolved, "max_memory_percent", None)
     stats["gpu_free_gb_at_start"] = free_gb
     run = engine_counts(manager)
-    if run.get("steps"):  # the whole run's host milliseconds per step, by phase
-        stats.update({f"run_host_{phase}_ms": round(1e3 * run[phase] / run["steps"], 3) for phase in PHASES},
-                     engine_steps=run["steps"])
+    if getattr(manager, "fastlora_step_seconds", None) is not warm_clock:
+        warmed = {}
+    steps = run.get("steps", 0) - warmed.get("steps", 0)
+    if steps:  # the timed run's host milliseconds per step, by phase
+        stats.update({f"run_host_{phase}_ms": round(1e3 * (run[phase] - warmed.get(phase, 0.0)) / steps, 3)
+                      for phase in PHASES}, engine_steps=steps)
     if profile:
         profile["top_kernels"] = window.kernels
     return seconds, latency, ttft, stats, profile
