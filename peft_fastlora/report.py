@@ -5,7 +5,7 @@ the continuous-batching hook) and never changed after."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class PatchReport:
     base_ops_off: Dict[str, str] = field(default_factory=dict)  # option -> why it is off
     shrink_folded: str = "off"  # "N of M sites" whose decode shrink the base GEMM computes, or "off (why)"
     fold_refused: List[Tuple[str, str]] = field(default_factory=list)  # (site, why it keeps the shrink kernel)
+    # (group, None where its quantized siblings' base matmuls are one, else why each keeps its own)
+    quantized_joined: List[Tuple[str, Optional[str]]] = field(default_factory=list)
 
     @property
     def num_patched_layers(self) -> int:
@@ -91,6 +93,9 @@ class PatchReport:
         line += f"; continuous batching {self.continuous_batching}"
         if self.adapters:
             line += f"; shrink folded into the base GEMM: {self.shrink_folded}"
+        if self.quantized_joined:
+            joined = sum(why is None for _, why in self.quantized_joined)
+            line += f"; quantized siblings in one matmul: {joined} of {len(self.quantized_joined)} groups"
         why = self.base_ops_off.get("fuse_base")
         line += (f"; siblings without LoRA in one GEMM: off ({why})" if why
                  else f"; siblings without LoRA in one GEMM: {self.fused_base_groups} groups")

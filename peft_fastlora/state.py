@@ -287,7 +287,7 @@ class FastLoRAState:
         names |= self._servable_stored(names)
         self.slots.registry = AdapterRegistry(names, num_slots=self.options.max_loras_per_batch)
         self._ensure_backend(backend_name)
-        left_on_peft, adapter_fallbacks, fusion_blocked = [], [], []
+        left_on_peft, adapter_fallbacks, fusion_blocked, quantized_joined = [], [], [], []
         served = set()
         tuning = self.options.tuning
         fold_off = self._fold_blocker()
@@ -299,13 +299,18 @@ class FastLoRAState:
                 if any(m.__dict__.get("forward") is not None for m in g.members):
                     fusion_blocked.append((g.parent_name, "a member already has its own forward"))
                     continue
-                if not g.separate:
+                if g.separate:
+                    unjoined = g.join()
+                    joined = unjoined is None
+                    quantized_joined.append((f"{g.parent_name}.{g.kind}" if g.parent_name else g.kind, unjoined))
+                else:
                     g.fuse()
                 self.groups.append(g)
                 pool = SitePool([m if is_lora_layer(m) else None for m in g.members], g.out_features,
                                 g.in_features, tuning=tuning)
                 if g.separate:
-                    pool.no_fold = f"its {g.separate} base layers keep their own matmuls"
+                    pool.no_fold = (f"its {g.separate} base layers share one bitsandbytes matmul, not fastlora's GEMM"
+                                    if joined else f"its {g.separate} base layers keep their own matmuls")
                 elif fold_off is None:  # (under TP: each rank's shards, column-sharded alike)
                     pool.fold = g
                     # its tables keep each arena row's slot, and it keeps B's columns: a gated MLP may
@@ -386,7 +391,8 @@ class FastLoRAState:
             gpu_slots=self.registry.describe(hidden=(SCAFFOLD_ADAPTER,)), registered=len(self.stored),
             store_bytes=sum(a.nbytes() for a in self.stored.values()), shrink_folded=shrink_folded,
             fold_refused=[] if fold_off is not None else
-            [(s.name, s.pool.fold_refusal()) for s in self.sites if not s.pool.folded()])
+            [(s.name, s.pool.fold_refusal()) for s in self.sites if not s.pool.folded()],
+            quantized_joined=quantized_joined)
 
     def _build_base_only(self) -> None:
         """A model without PEFT: no LoRA sites, only the base-model decode speedups."""

@@ -158,6 +158,8 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
         ops.stream = StreamLinears(device, options.tuning)
         ops.installed["stream_gemm"] = ops.stream.install(model, ops.patches)
         for g in ops.fused_groups:
+            if g.group.separate:  # (bitsandbytes' matmul: not the streaming GEMM's)
+                continue
             g.group.gemm = ops.gemm
             parent = model.get_submodule(g.group.parent_name) if g.group.kind == "gate_up" else None
             if parent is not None and has_gated_forward(parent):

@@ -8,7 +8,8 @@ tensor: no second copy, ``state_dict()`` unchanged), and each member gets an ins
 first member called with an input computes every member's output and keeps the others for the
 siblings, keyed by the input tensor's identity; a sibling called with that input takes its output,
 once. Any other call (another input, gradients on, weights no longer views of the fused tensor)
-runs the member's own ``nn.Linear`` forward.
+runs the member's own forward. bitsandbytes' 8-bit siblings share one 8-bit matmul over their
+joined rows instead (``compat.bitsandbytes``), as the LoRA sites' do.
 """
 
 from __future__ import annotations
@@ -18,27 +19,34 @@ from typing import List, Tuple
 import torch
 from torch import nn
 
+from ..compat.bitsandbytes import int8_join_blocker, is_int8_linear
 from ..compat.modules import has_forward_hooks, is_dtensor
 from ..instance_methods import InstancePatches
-from ..lora.fusion import FUSIBLE_GROUPS, FusedGroup, fusion_blocker
+from ..lora.fusion import FUSIBLE_GROUPS, FusedGroup, SeparateGroup, fusion_blocker
 
 
 class PlainFusedGroup:
-    """One group of plain ``nn.Linear`` siblings and the outputs kept for them."""
+    """One group of plain ``nn.Linear`` siblings (or bitsandbytes 8-bit ones: ``int8``) and the
+    outputs kept for them."""
 
-    def __init__(self, parent_name: str, kind: str, names: Tuple[str, ...], members: List[nn.Linear]):
-        self.group = FusedGroup(kind, parent_name, names, members, members)
+    def __init__(self, parent_name: str, kind: str, names: Tuple[str, ...], members: List[nn.Linear],
+                 int8: bool = False):
+        self.group = (SeparateGroup(kind, parent_name, names, members, members, separate="int8") if int8
+                      else FusedGroup(kind, parent_name, names, members, members))
         self._kept = None  # (input, [output or None per member])
 
     def install(self, patches: InstancePatches):
-        self.group.fuse()
+        if self.group.separate:
+            self.group.join()
+        else:
+            self.group.fuse()
         for i, m in enumerate(self.group.members):
             patches.bind(m, "forward", self._forward_of(i))
 
     def remove(self):
         """The members' own weights again (their forwards go back with the patches)."""
         self._kept = None
-        if self.group.weight is not None:
+        if self.group.weight is not None or self.group.separate:
             self.group.unfuse()
 
     def gated(self, mlp: nn.Module, stream, act: str):
@@ -66,7 +74,7 @@ class PlainFusedGroup:
                 return out
             if (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)) \
                     or not self.group.is_intact():
-                return nn.Linear.forward(module, x)  # its own weight: a view of the fused tensor, or its own again
+                return type(module).forward(module, x)  # its own weight: a view of the fused tensor, or its own again
             res = self.group.linear(x)
             g = self.group
             outs = [res[..., lo:hi] for lo, hi in zip(g.offsets[:-1], g.offsets[1:])]
@@ -87,19 +95,20 @@ def install_fused_linears(model: nn.Module, patches: InstancePatches) -> Tuple[L
     for parent_name, parent in model.named_modules():
         for kind, names in FUSIBLE_GROUPS.items():
             members = [getattr(parent, n, None) for n in names]
-            if any(type(m) is not nn.Linear for m in members):
+            int8 = all(m is not None and is_int8_linear(m) for m in members)
+            if not int8 and any(type(m) is not nn.Linear for m in members):
                 continue  # absent, a LoRA layer (its site fuses it), or another layer type
             label = f"{parent_name}.{kind}" if parent_name else kind
             if any("forward" in m.__dict__ for m in members):
                 skipped.append((label, "a member already has an instance forward"))
                 continue
-            why = fusion_blocker(members)
+            why = int8_join_blocker(members) if int8 else fusion_blocker(members)
             if why is None and any(is_dtensor(m.weight) or has_forward_hooks(m) for m in members):
                 why = "sharded or hooked weights"
             if why is not None:
                 skipped.append((label, why))
                 continue
-            g = PlainFusedGroup(parent_name, kind, names, members)
+            g = PlainFusedGroup(parent_name, kind, names, members, int8=int8)
             g.install(patches)
             groups.append(g)
             done.extend((f"{parent_name}.{n}" if parent_name else n, m) for n, m in zip(names, members))

@@ -16,11 +16,12 @@ A single ``nn.Linear`` (o_proj, down_proj) takes the same form as a group of one
 slots than adapters the tail may instead be a staging area (``staged``) a folding call copies its
 adapters' A blocks to (``SitePool.stage_call``).
 
-*Separate bases.* Quantized siblings (bitsandbytes 4-bit or 8-bit, torchao: QLoRA) cannot share a
-GEMM: each keeps its library's matmul. Where every member is such a LoRA layer of one kind, the
-group is a ``SeparateGroup``: its members' base outputs are computed one by one and laid side by
-side, and the LoRA of all of them is still one stacked call (one shrink, one expand) instead of
-one per member. Nothing is fused or folded.
+*Separate bases.* Quantized siblings (bitsandbytes 4-bit or 8-bit, torchao: QLoRA) keep their
+library's matmul. Where every member is such a LoRA layer of one kind, the group is a
+``SeparateGroup``: the LoRA of all of them is one stacked call (one shrink, one expand) instead of
+one per member, and their base outputs are laid side by side. bitsandbytes' 8-bit siblings, whose
+weights are quantized row by row, share one 8-bit matmul over their rows joined
+(``compat.bitsandbytes``); the others are computed one by one. Nothing is folded.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..compat.bitsandbytes import JoinedInt8, int8_join_blocker
 from ..compat.modules import (has_forward_hooks, is_dtensor, is_plain_weight, linear_in_out, local,
                               quantized_weight_name)
 from ..compat.peft import base_layer_of, is_lora_layer, quantized_base_kind
@@ -182,8 +184,22 @@ class FusedGroup:
 
 
 class SeparateGroup(FusedGroup):
-    """Quantized siblings that share one LoRA call: each member keeps its own matmul (nothing is
-    fused, so nothing is folded), the outputs laid side by side."""
+    """Quantized siblings that share one LoRA call: each member keeps its library's matmul (nothing
+    is folded), the outputs laid side by side; 8-bit ones one matmul over their joined rows
+    (``join``)."""
+
+    joined: Optional[JoinedInt8] = None
+
+    def join(self) -> Optional[str]:
+        """One matmul for the members where their quantization allows it (bitsandbytes' 8-bit);
+        returns why not (None: joined)."""
+        self.offsets = [0]
+        for n in self.out_features:
+            self.offsets.append(self.offsets[-1] + n)
+        why = int8_join_blocker(self.bases) if self.separate == "int8" else f"{self.separate} weights"
+        if why is None:
+            self.joined = JoinedInt8(self.bases)
+        return why
 
     @property
     def out_features(self) -> List[int]:
@@ -200,9 +216,14 @@ class SeparateGroup(FusedGroup):
         raise RuntimeError(f"{self.parent_name}.{self.kind}: quantized base layers are not fused")
 
     def unfuse(self):
-        pass
+        if self.joined is not None:
+            self.joined.release()
+            self.joined = None
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
+        joined = self.joined
+        if joined is not None and joined.intact():
+            return joined.matmul(x)
         return torch.cat([b(x) for b in self.bases], dim=-1)
 
 

@@ -4,7 +4,7 @@ group and site left off a fast path. ``PatchReport`` takes its LoRA fields from 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,8 @@ class LoRAPlan:
         registered, store_bytes: adapters registered by name and their bytes in CPU memory.
         shrink_folded: "N of M sites" whose decode shrink the base GEMM computes, or "off (why)".
         fold_refused: (site, why) of each site that keeps the shrink kernel.
+        quantized_joined: (group, None where its quantized siblings' base matmuls are one, else why
+            each keeps its own) of each group of quantized siblings with LoRA.
     """
 
     backend: str
@@ -39,6 +41,7 @@ class LoRAPlan:
     store_bytes: int = 0
     shrink_folded: str = "off"
     fold_refused: List[Tuple[str, str]] = field(default_factory=list)
+    quantized_joined: List[Tuple[str, Optional[str]]] = field(default_factory=list)
 
     def report_fields(self) -> Dict[str, object]:
         return asdict(self)

@@ -111,6 +111,79 @@ def test_quantized_siblings_share_one_lora_call(saved, quant, monkeypatch):
     torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 6.0])
+def test_8bit_siblings_share_one_bitsandbytes_matmul(saved, threshold, monkeypatch):
+    """bitsandbytes' 8-bit weights are quantized row by row, so q/k/v (gate/up) with LoRA share one
+    8-bit matmul over their rows joined: 4 matmuls a layer instead of 7, the members' int8 rows views
+    of the joined ones (no second copy), the logits PEFT's mixed batch's, with outlier columns
+    (threshold 0.5 finds some in this model) and without. ``unpatch`` gives each layer its own rows."""
+    import bitsandbytes as bnb
+
+    quant = dict(load_in_8bit=True, llm_int8_threshold=threshold)
+    m, ref = quantized(saved, quant, ALL_SIBLINGS), quantized(saved, quant, ALL_SIBLINGS)
+    report = fastlora.patch(m)
+    assert report.counts() == {"qkv_int8": 2, "gate_up_int8": 2, "linear_int8": 4}, report.counts()
+    assert report.quantized_joined == [(f"base_model.model.model.layers.{i}.{p}", None) for i in (0, 1)
+                                       for p in ("self_attn.qkv", "mlp.gate_up")], report.quantized_joined
+    assert "quantized siblings in one matmul: 4 of 4 groups" in str(report), report
+    attn = m.get_base_model().model.layers[0].self_attn
+    joined = fastlora.get_state(m).groups[0].joined
+    assert joined is not None and joined.intact()
+    for layer, (lo, hi) in zip((attn.q_proj, attn.k_proj, attn.v_proj), zip(joined.offsets, joined.offsets[1:])):
+        rows = layer.base_layer.state.CB
+        assert rows.data_ptr() == joined.rows[lo:hi].data_ptr() and layer.base_layer.weight.data_ptr() == rows.data_ptr()
+    calls, outliers = [], []
+    real = bnb.matmul
+    monkeypatch.setattr(bnb, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    found = bnb.functional.int8_vectorwise_quant
+    monkeypatch.setattr(bnb.functional, "int8_vectorwise_quant",
+                        lambda *a, **k: (lambda r: outliers.append(r[2] is not None and r[2].numel() > 0) or r)(found(*a, **k)))
+    for names in (["sql", "chat", "__base__", "wide"], ["wide", "wide", "chat", "__base__"]):
+        calls.clear()
+        out = logits(m, names)
+        assert len(calls) == 2 * 4, len(calls)  # per layer: q/k/v, o, gate/up, down
+        torch.testing.assert_close(out, logits(ref, names), atol=1e-5, rtol=1e-5)
+        assert len(calls) == 2 * 4 + 2 * 7, len(calls)  # PEFT's: one per layer
+    assert any(outliers) == (threshold == 0.5), outliers  # the outlier path ran where it should
+    kw = dict(input_ids=IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    names = ["chat", "__base__", "sql", "wide"]
+    assert torch.equal(m.generate(**kw, adapter_names=names), ref.generate(**kw, adapter_names=names))
+    fastlora.unpatch(m)
+    assert not joined.intact() or joined.rows is None
+    ptrs = {layer.base_layer.state.CB.data_ptr() for layer in (attn.q_proj, attn.k_proj, attn.v_proj)}
+    assert len(ptrs) == 3 and all(layer.base_layer.weight.data_ptr() == layer.base_layer.state.CB.data_ptr()
+                                  for layer in (attn.q_proj, attn.k_proj, attn.v_proj))
+    torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
+
+
+def test_8bit_siblings_without_lora_share_one_matmul(saved, monkeypatch):
+    """The base model's own q/k/v and gate/up over bitsandbytes' 8-bit weights (no LoRA: what
+    ``fuse`` gives a base model on CUDA) share one 8-bit matmul a group, with the logits the model's
+    own; removed, each layer has its own rows again and its own forward."""
+    import bitsandbytes as bnb
+
+    from peft_fastlora.base_ops.fused_linears import install_fused_linears
+    from peft_fastlora.instance_methods import InstancePatches
+
+    model, ref = (quantized(saved, INT8_NO_OUTLIERS, adapters=()) for _ in range(2))
+    patches = InstancePatches()
+    done, skipped, groups = install_fused_linears(model, patches)
+    assert len(groups) == 4 and len(done) == 10 and skipped == [], (done, skipped)
+    calls = []
+    real = bnb.matmul
+    monkeypatch.setattr(bnb, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = logits(model)
+    assert len(calls) == 2 * 4, len(calls)
+    torch.testing.assert_close(out, logits(ref), atol=1e-5, rtol=1e-5)
+    patches.restore()
+    for g in groups:
+        g.remove()
+    attn = model.model.layers[0].self_attn
+    assert len({m.state.CB.data_ptr() for m in (attn.q_proj, attn.k_proj, attn.v_proj)}) == 3
+    assert "forward" not in attn.q_proj.__dict__
+    torch.testing.assert_close(logits(model), logits(ref), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("quant", ["nf4", "int8"])
 def test_quantized_generate_with_emulated_graphs_and_slots(saved, quant):
     """Greedy tokens through the decode graph runner (emulated on the CPU) and two slots for three
