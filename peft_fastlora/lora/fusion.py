@@ -196,7 +196,8 @@ class SeparateGroup(FusedGroup):
         self.offsets = [0]
         for n in self.out_features:
             self.offsets.append(self.offsets[-1] + n)
-        why = int8_join_blocker(self.bases) if self.separate == "int8" else f"{self.separate} weights"
+        why = (int8_join_blocker(self.bases) if self.separate == "int8"
+               else f"{self.separate} weights: one matmul a member")
         if why is None:
             self.joined = JoinedInt8(self.bases)
         return why
