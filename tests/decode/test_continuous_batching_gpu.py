@@ -145,9 +145,10 @@ def test_async_engine_starting_while_the_current_stream_is_busy_equals_peft(pair
     manager.start()
     try:
         got = _serve(manager, list(zip(prompts, names, [8] * 4)))
+        ran_async = _ran_async(manager)  # (a stopped manager lets its processor go)
     finally:
         manager.stop(block=True)
-    assert _ran_async(manager)
+    assert ran_async
     for tokens, p, n in zip(got, prompts, names):
         assert tokens == peft_alone(ref, p, n, 8), (n, len(p))
 
