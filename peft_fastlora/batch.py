@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 NO_ADAPTER = -1
@@ -218,7 +219,9 @@ class BatchInfoBuffers:
 
     All integer fields live in one int32 device tensor (the scalings in one float32 tensor), so
     a refresh is one pinned host-to-device copy per tensor, with no host sync; under CUDA graphs
-    the captured kernels keep reading the same addresses.
+    the captured kernels keep reading the same addresses. The host side is written through numpy
+    views of the pinned buffers: an engine step refills them, and a torch op per field would cost
+    the host more than the copy.
     """
 
     def __init__(self, max_bs: int, max_tokens: int, max_slots: int, max_loras: int, block_m: int,
@@ -255,13 +258,38 @@ class BatchInfoBuffers:
                                    for _ in range(2)]
             self.dev = torch.zeros(total, dtype=torch.int32, device=self.device)
             self.dev_scalings = torch.zeros(max_slots, dtype=torch.float32, device=self.device)
+        self._host_arrays = [h.numpy() for h in self._hosts]  # the same memory
+        self._host_scaling_arrays = [h.numpy() for h in self._host_scalings]
         self._events = [torch.cuda.Event() if pin else None for _ in range(2)]
         self._turn = 0
         self._last_key, self._last_info = None, None
+        self._views = {}  # (rows, tokens, slots, chunks) -> the device views a LoRABatchInfo holds
 
     def _view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         off, n = self._offsets[name]
         return buf[off : off + n]
+
+    def _views_for(self, bs: int, num_tokens: int, n_slots: int, max_chunks: int) -> dict:
+        """The device views a ``LoRABatchInfo`` of this size holds, made once per size (an engine
+        step's sizes come back; a bound keeps eager calls of every size from growing it)."""
+        size = (bs, num_tokens, n_slots, max_chunks)
+        views = self._views.get(size)
+        if views is None:
+            if len(self._views) >= 4096:
+                self._views.clear()
+            dev = self.dev
+            views = self._views[size] = dict(
+                seg_lens=self._view(dev, "seg_lens")[:bs],
+                seg_indptr=self._view(dev, "seg_indptr")[: bs + 1],
+                weight_indices=self._view(dev, "weight_indices")[:bs],
+                lora_ranks=self._view(dev, "lora_ranks")[:n_slots],
+                scalings=self.dev_scalings[:n_slots],
+                token_slot=self._view(dev, "token_slot")[:num_tokens],
+                sorted_token_ids=self._view(dev, "sorted_token_ids"),
+                chunk_slot=self._view(dev, "chunk_slot")[:max_chunks],
+                chunk_start=self._view(dev, "chunk_start")[:max_chunks],
+                chunk_len=self._view(dev, "chunk_len")[:max_chunks])
+        return views
 
     def fill(self, bs: int, num_tokens: int, seg_lens: Sequence[int], weight_indices: Sequence[int],
              lora_ranks: Sequence[int], scalings: Sequence[float]) -> LoRABatchInfo:
@@ -287,10 +315,11 @@ class BatchInfoBuffers:
                 f"{len(slots)} distinct adapters in one batch exceed max_loras_per_batch")
         turn, self._turn = self._turn, 1 - self._turn
         host, host_scalings, event = self._hosts[turn], self._host_scalings[turn], self._events[turn]
+        array, scaling_array = self._host_arrays[turn], self._host_scaling_arrays[turn]
         if event is not None:
             event.synchronize()
-        host.zero_()
-        host_scalings.zero_()
+        array.fill(0)
+        scaling_array.fill(0)
         indptr = [0]
         for n in seg_lens:
             indptr.append(indptr[-1] + n)
@@ -309,30 +338,16 @@ class BatchInfoBuffers:
         }
         for name, vals in values.items():
             if vals:
-                self._view(host, name)[: len(vals)] = torch.tensor(vals, dtype=torch.int32)
+                off = self._offsets[name][0]
+                array[off : off + len(vals)] = vals
         if scalings:
-            host_scalings[: len(scalings)] = torch.tensor(list(scalings), dtype=torch.float32)
+            scaling_array[: len(scalings)] = scalings
         self.dev.copy_(host, non_blocking=True)
         self.dev_scalings.copy_(host_scalings, non_blocking=True)
         if event is not None:
             event.record()
         n_slots = len(lora_ranks)
         self._last_key = key
-        self._last_info = LoRABatchInfo(
-            bs=bs,
-            num_tokens=num_tokens,
-            seg_lens=self._view(self.dev, "seg_lens")[:bs],
-            seg_indptr=self._view(self.dev, "seg_indptr")[: bs + 1],
-            weight_indices=self._view(self.dev, "weight_indices")[:bs],
-            lora_ranks=self._view(self.dev, "lora_ranks")[:n_slots],
-            scalings=self.dev_scalings[:n_slots],
-            token_slot=self._view(self.dev, "token_slot")[:num_tokens],
-            block_m=self.block_m,
-            max_chunks=max_chunks,
-            sorted_token_ids=self._view(self.dev, "sorted_token_ids"),
-            chunk_slot=self._view(self.dev, "chunk_slot")[:max_chunks],
-            chunk_start=self._view(self.dev, "chunk_start")[:max_chunks],
-            chunk_len=self._view(self.dev, "chunk_len")[:max_chunks],
-            slots_in_batch=slots,
-        )
+        self._last_info = LoRABatchInfo(bs=bs, num_tokens=num_tokens, block_m=self.block_m, max_chunks=max_chunks,
+                                        slots_in_batch=slots, **self._views_for(bs, num_tokens, n_slots, max_chunks))
         return self._last_info
