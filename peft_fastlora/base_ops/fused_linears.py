@@ -72,11 +72,11 @@ class PlainFusedGroup:
                 if all(o is None for o in kept[1]):
                     self._kept = None  # every sibling served: the input and the fused output are let go
                 return out
-            if (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)) \
-                    or not self.group.is_intact():
-                return type(module).forward(module, x)  # its own weight: a view of the fused tensor, or its own again
-            res = self.group.linear(x)
             g = self.group
+            if (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)) \
+                    or not (g.joined_intact() if g.separate else g.is_intact()):
+                return type(module).forward(module, x)  # its own weight: a view of the fused tensor, or its own again
+            res = g.linear(x)
             outs = [res[..., lo:hi] for lo, hi in zip(g.offsets[:-1], g.offsets[1:])]
             mine, outs[i] = outs[i], None
             self._kept = (x, outs)

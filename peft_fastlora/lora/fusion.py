@@ -221,10 +221,13 @@ class SeparateGroup(FusedGroup):
             self.joined.release()
             self.joined = None
 
+    def joined_intact(self) -> bool:
+        """Joined, and every member still reads its rows of the joined tensors."""
+        return self.joined is not None and self.joined.intact()
+
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        joined = self.joined
-        if joined is not None and joined.intact():
-            return joined.matmul(x)
+        if self.joined_intact():
+            return self.joined.matmul(x)
         return torch.cat([b(x) for b in self.bases], dim=-1)
 
 

@@ -184,6 +184,12 @@ def test_8bit_siblings_without_lora_share_one_matmul(saved, monkeypatch):
     out = logits(model)
     assert len(calls) == 2 * 4, len(calls)
     torch.testing.assert_close(out, logits(ref), atol=1e-5, rtol=1e-5)
+    # a layer given rows of its own (a reload): the group no longer joined, each layer its own matmul
+    attn = model.model.layers[1].self_attn
+    attn.k_proj.state.CB = attn.k_proj.weight.data = attn.k_proj.state.CB.clone()
+    calls.clear()
+    torch.testing.assert_close(logits(model), logits(ref), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2 * 4 + 2 + 2 * 7, len(calls)  # that layer's q/k/v: three; PEFT-free ref: 14
     patches.restore()
     for g in groups:
         g.remove()
