@@ -67,6 +67,9 @@ if want prefill; then
   timeout 300 python3 benchmarks/bench_prefill.py --model ${PREFILL_MODEL:-8b} --out "$OUT" 2>&1 | quiet \
     | tee "$OUT/prefill_$TAG.log" | tail -6
 fi
+if want continuous; then  # the host's part of a step first (seconds), on this machine's CPU and CUDA
+  timeout 120 python3 benchmarks/bench_host_step.py --out "$OUT" 2>&1 | quiet | tail -2
+fi
 if want continuous; then  # profiled first (its profile files stay), then the throughput run (the profiler slows the engine)
   for profile in "--profile 3" ""; do
     timeout ${CB_LIMIT:-1200} python3 benchmarks/bench_continuous.py --model ${CB_MODEL:-8b} --requests ${CB_REQUESTS:-2000} \

@@ -197,6 +197,13 @@ def test_bench_many_adapters_smoke(tmp_path):
     assert float(rows["resident"]["decode_time_per_token_vs_hf_base"]) > 0
 
 
+def test_bench_host_step_smoke(tmp_path):
+    _run([os.path.join(BENCH, "bench_host_step.py"), "--device", "cpu", "--layers", "2", "--adapters", "4",
+          "--steps", "6", "--reps", "1", "--out", str(tmp_path)])
+    (row,) = _csv(tmp_path / "host_step_cpu.csv")
+    assert row["rebuilds"] == "0" and float(row["step_ms"]) > 0 and float(row["fill_ms"]) > 0, row
+
+
 def test_bench_device_map_smoke():
     out = _run([os.path.join(BENCH, "bench_device_map.py"), "--smoke"])
     assert "'method': 'fastlora'" in out and "'method': 'peft_native'" in out
