@@ -271,20 +271,28 @@ def test_dora_over_a_quantized_base_follows_magnitude_edits(saved):
     torch.testing.assert_close(logits(m, names), peft_rows(ref, names), atol=1e-5, rtol=1e-5)
 
 
-def test_quantized_continuous_batching_per_request(saved):
-    """transformers' engine over a 4-bit base: each request with its own adapter, every step on
-    fastlora's path, equal to PEFT alone."""
+@pytest.mark.parametrize("quant", ["nf4", "int8_joined"])
+def test_quantized_continuous_batching_per_request(saved, quant):
+    """transformers' engine over a 4-bit base, and over an 8-bit one whose q/k/v and gate/up share
+    one 8-bit matmul: each request with its own adapter, every step on fastlora's path, equal to
+    PEFT alone."""
     from _continuous import cb_config, greedy_config, peft_alone, requires_cb
     from _patch_models import VOCAB
 
     if requires_cb.args[0]:
         pytest.skip(requires_cb.kwargs["reason"])
-    m, ref = quantized(saved, "nf4"), quantized(saved, "nf4")
+    if quant == "nf4":
+        m, ref = quantized(saved, "nf4"), quantized(saved, "nf4")
+        names = ["sql", "biased", "__base__", "chat"]
+    else:
+        m, ref = (quantized(saved, INT8_NO_OUTLIERS, ALL_SIBLINGS) for _ in range(2))
+        names = ["sql", "wide", "__base__", "chat"]
     report = fastlora.patch(m)
     assert report.continuous_batching == "on", report
+    why_not = {why for _, why in report.quantized_joined}
+    assert why_not == ({"nf4 weights: one matmul a member"} if quant == "nf4" else {None}), report.quantized_joined
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (4, 13, 2, 9)]  # the tiny vocabulary
-    names = ["sql", "biased", "__base__", "chat"]
     out = m.generate_batch(prompts, generation_config=greedy_config(5),
                            continuous_batching_config=cb_config(max_batch_tokens=16), adapter_names=names)
     for i, (prompt, name) in enumerate(zip(prompts, names)):
