@@ -44,6 +44,7 @@ class SlotLoader:
         self.last_fold = False  # the fold choice of the last call that decided one (reports, tests)
         self._refresher: Optional[ValueRefresher] = None
         self._refresher_key = None
+        self._dora_pools: list = []  # the pools with DoRA tables, listed with the refresher
         self.shared_versions = SharedVersions()  # each PEFT adapter's parameters on one version counter
         self._stage_cache: dict = {}  # staged folds' row indices and tables by layout (FoldStaging)
         self._ranks: Optional[List[int]] = None
@@ -89,10 +90,13 @@ class SlotLoader:
         if self._refresher is None or self._refresher_key != key:
             self._refresher = ValueRefresher((s.pool for s in self.sites), self.shared_versions.witness)
             self._refresher_key = key
+            # (pools are built, and their DoRA tables with them, only where the key moves)
+            self._dora_pools = [s.pool for s in self.sites if s.pool.dora_tables is not None]
         self._refresher.refresh(slots, changed_only=changed_values_only)
         # DoRA's column scales from the values just copied (one host sync for every site's check)
-        sync_tables([p for p in (site.pool.dora_pending(slots, changed_values_only) for site in self.sites)
-                     if p is not None])
+        if self._dora_pools:
+            sync_tables([p for p in (pool.dora_pending(slots, changed_values_only) for pool in self._dora_pools)
+                         if p is not None])
         if folds:  # staged sites: the call's A blocks (current values) under the base weight
             for site in self.sites:
                 site.pool.stage_call(slots, self._stage_cache)

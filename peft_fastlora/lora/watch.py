@@ -28,6 +28,7 @@ import torch
 from ..compat.modules import is_dtensor, local
 
 _data_ptr = torch.Tensor.data_ptr
+_broken = operator.attrgetter("broken")  # a pool whose last load failed part-way
 
 
 class AdapterWatch:
@@ -97,7 +98,7 @@ class StructureWatch:
         self._epoch: Optional[int] = None  # the registration epoch the keys were last compared at
 
     def unchanged(self, key, epoch: int) -> bool:
-        if key != self.key or any(pool.broken for pool in self._pools) or self._scalings != self._then:
+        if key != self.key or any(map(_broken, self._pools)) or self._scalings != self._then:
             return False
         if epoch == self._epoch:
             return list(map(len, self._dicts)) == self._sizes
