@@ -199,6 +199,49 @@ def test_8bit_siblings_without_lora_share_one_matmul(saved, monkeypatch):
     torch.testing.assert_close(logits(model), logits(ref), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_8bit_joined_siblings_under_random_adapter_traffic(saved, seed):
+    """A user's random sequence over an 8-bit model: mixed calls, adapters added and deleted,
+    unpatch and patch again. Every call equals PEFT's mixed batch; while patched, every group whose
+    members all carry LoRA reads joined rows; unpatched, each layer owns its rows."""
+    import random
+
+    rng = random.Random(seed)
+    m, ref = (quantized(saved, INT8_NO_OUTLIERS, ALL_SIBLINGS) for _ in range(2))
+    fastlora.patch(m)
+    patched, names, added = True, ["sql", "chat", "wide"], 0
+    for step in range(10):
+        op = rng.choice(["call", "call", "add", "delete", "repatch"])
+        if op == "add":
+            added += 1
+            targets = rng.choice([("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("k_proj", "down_proj")])
+            rank = rng.choice([2, 4, 8])
+            for model in (m, ref):
+                torch.manual_seed(1000 + added)
+                model.add_adapter(f"n{added}", lora(targets, rank, 8))
+            names.append(f"n{added}")
+        elif op == "delete" and len(names) > 1:  # (not PEFT's active adapter, "sql": PEFT needs it)
+            gone = names.pop(rng.randrange(1, len(names)))
+            for model in (m, ref):
+                model.delete_adapter(gone)
+        elif op == "repatch":
+            if patched:
+                fastlora.unpatch(m)
+                layers = [layer for block in m.get_base_model().model.layers
+                          for layer in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj)]
+                rows = [getattr(layer, "base_layer", layer).state.CB for layer in layers]
+                assert len({r.untyped_storage().data_ptr() for r in rows}) == len(rows), step  # each its own
+            else:
+                fastlora.patch(m)
+            patched = not patched
+        row_names = [rng.choice(names + ["__base__"]) for _ in range(4)]
+        torch.testing.assert_close(logits(m, row_names), logits(ref, row_names), atol=1e-5, rtol=1e-5,
+                                   msg=lambda e: f"step {step} ({op}, {row_names}): {e}")
+        if patched:
+            groups = [g for g in fastlora.get_state(m).groups if g.separate]
+            assert all(g.joined_intact() for g in groups), step
+
+
 @pytest.mark.parametrize("quant", ["nf4", "int8"])
 def test_quantized_generate_with_emulated_graphs_and_slots(saved, quant):
     """Greedy tokens through the decode graph runner (emulated on the CPU) and two slots for three
