@@ -118,7 +118,7 @@ if only kinds; then  # DoRA and lora_bias adapters against plain ones, the same 
     --kinds lora_bias dora --kind-rounds ${KIND_ROUNDS:-2} --out "$OUT" 2>&1 | quiet | tee "$OUT/kinds_$TAG.log" | tail -8
 fi
 if only qlora; then  # bitsandbytes bases (bitsandbytes' wheel carried): patched base, PEFT and fastlora over each
-  for q in ${QLORA_QUANTS:-nf4 int8}; do
+  for q in ${QLORA_QUANTS:-nf4 int8t0 int8}; do  # int8t0: no outlier threshold (graphs); int8: the default (eager)
     timeout ${QLORA_LIMIT:-400} python3 benchmarks/bench_generate.py --name qlora --tag $q --quant $q --models 8b \
       --batches ${QLORA_BATCHES:-32} --out "$OUT" 2>&1 | quiet | tee "$OUT/qlora_${q}_$TAG.log" | tail -10
   done
