@@ -76,7 +76,7 @@ class PlainFusedGroup:
             if (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)) \
                     or not (g.joined_intact() if g.separate else g.is_intact()):
                 return type(module).forward(module, x)  # its own weight: a view of the fused tensor, or its own again
-            res = g.linear(x)
+            res = g.joined.matmul(x) if g.separate else g.linear(x)  # (intact: checked just above)
             outs = [res[..., lo:hi] for lo, hi in zip(g.offsets[:-1], g.offsets[1:])]
             mine, outs[i] = outs[i], None
             self._kept = (x, outs)

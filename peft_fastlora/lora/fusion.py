@@ -26,6 +26,7 @@ weights are quantized row by row, share one 8-bit matmul over their rows joined
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -85,6 +86,10 @@ class FusedGroup:
     def in_features(self) -> int:
         return local(self.bases[0].weight).shape[1]
 
+    def _set_offsets(self) -> None:
+        """Where each member's output columns start in the group's output (and its end)."""
+        self.offsets = [0, *itertools.accumulate(self.out_features)]
+
     def is_intact(self) -> bool:
         """Still views of the fused tensor (``model.to()`` or a reload replaces the storage); checked
         on every forward, so against the addresses ``fuse`` recorded."""
@@ -103,9 +108,7 @@ class FusedGroup:
     @torch.inference_mode(False)
     def fuse(self, tail_rows: int = 0):
         """One tensor for the members' weights (and biases), ``tail_rows`` zero rows under them."""
-        self.offsets = [0]
-        for n in self.out_features:
-            self.offsets.append(self.offsets[-1] + n)
+        self._set_offsets()
         n = self.offsets[-1]
         first = local(self.bases[0].weight)
         # the new copy first, then the parameters are repointed: the old storages are freed, so
@@ -193,9 +196,7 @@ class SeparateGroup(FusedGroup):
     def join(self) -> Optional[str]:
         """One matmul for the members where their quantization allows it (bitsandbytes' 8-bit);
         returns why not (None: joined)."""
-        self.offsets = [0]
-        for n in self.out_features:
-            self.offsets.append(self.offsets[-1] + n)
+        self._set_offsets()
         why = (int8_join_blocker(self.bases) if self.separate == "int8"
                else f"{self.separate} weights: one matmul a member")
         if why is None:
