@@ -17,7 +17,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 import torch
 
 NO_ADAPTER = -1

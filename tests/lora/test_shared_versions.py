@@ -146,4 +146,3 @@ def test_an_engine_reads_one_counter_an_adapter_and_serves_a_single_edited_param
     for rid, prompt, name in zip(ids, prompts, names):
         assert edited[rid] == peft_alone(ref, prompt, name, 5), name
     assert any(edited[r] != first[f] for r, f in zip(ids, first_ids)), "the edit changed a1's tokens"
-
