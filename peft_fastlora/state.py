@@ -33,7 +33,7 @@ from .decode import plan as decode_plan
 from .decode.generate import GenerateHook
 from .decode.plan import DecodePlan
 from .decode.runner import DecodeGraphRunner
-from .lora.fusion import FusedGroup, IntactWatch, find_groups, fusion_blocker
+from .lora.fusion import FusedGroup, IntactWatch, SeparateGroup, find_groups, fusion_blocker
 from .lora.mutations import AdapterMutationLock
 from .lora.experts import ExpertsSite, find_expert_sites
 from .lora.pool import AdapterRegistry, SitePool
@@ -347,6 +347,13 @@ class FastLoRAState:
                 if fold_off is None and blocker is None:
                     site.pool.fold = FusedGroup("linear", name, (name,), [m], [base])
                 site.pool.no_fold = blocker or "not eligible"
+                if quant == "int8" and site.tp is None:
+                    # held as a join of one, so that decode can dequantize its product with the
+                    # deltas (``sites._int8_forward``); ``unpatch`` gives it its own storage back
+                    single = SeparateGroup("linear", name, (name,), [m], [base], separate="int8")
+                    if single.join() is None:
+                        self.groups.append(single)
+                        site.int8 = single
                 self.sites.append(site)
             elif type(m) is LoraEmbedding and isinstance(base, nn.Embedding):
                 vocab = local(base.weight).shape[0]  # this rank's rows under TP

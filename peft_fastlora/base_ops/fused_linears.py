@@ -9,7 +9,10 @@ first member called with an input computes every member's output and keeps the o
 siblings, keyed by the input tensor's identity; a sibling called with that input takes its output,
 once. Any other call (another input, gradients on, weights no longer views of the fused tensor)
 runs the member's own forward. bitsandbytes' 8-bit siblings share one 8-bit matmul over their
-joined rows instead (``compat.bitsandbytes``), as the LoRA sites' do.
+joined rows instead (``compat.bitsandbytes``), as the LoRA sites' do; without an outlier threshold
+its product is dequantized by fastlora's kernel (``lora.fusion.int8_matmul``), and so is that of
+every other 8-bit layer outside PEFT's LoRA layers (a group of one), as the LoRA sites' are: the
+base model patched by fastlora takes the same base path as the model with adapters.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 
 from ..compat.bitsandbytes import int8_join_blocker, is_int8_linear
 from ..compat.modules import has_forward_hooks, is_dtensor
+from ..compat.peft import is_tuner_layer
 from ..instance_methods import InstancePatches
 from ..lora.fusion import FUSIBLE_GROUPS, FusedGroup, SeparateGroup, fusion_blocker
 
@@ -76,7 +80,7 @@ class PlainFusedGroup:
             if (torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad)) \
                     or not (g.joined_intact() if g.separate else g.is_intact()):
                 return type(module).forward(module, x)  # its own weight: a view of the fused tensor, or its own again
-            res = g.joined.matmul(x) if g.separate else g.linear(x)  # (intact: checked just above)
+            res = g.linear(x)  # (intact: checked just above)
             outs = [res[..., lo:hi] for lo, hi in zip(g.offsets[:-1], g.offsets[1:])]
             mine, outs[i] = outs[i], None
             self._kept = (x, outs)
@@ -112,4 +116,14 @@ def install_fused_linears(model: nn.Module, patches: InstancePatches) -> Tuple[L
             g.install(patches)
             groups.append(g)
             done.extend((f"{parent_name}.{n}" if parent_name else n, m) for n, m in zip(names, members))
+    for name, m in list(model.named_modules()):
+        parent_name, _, child = name.rpartition(".")
+        if (not is_int8_linear(m) or "forward" in m.__dict__ or float(m.state.threshold or 0.0) != 0.0
+                or is_tuner_layer(model.get_submodule(parent_name) if parent_name else model)
+                or int8_join_blocker([m]) is not None or has_forward_hooks(m)):
+            continue  # (a LoRA layer's base: its site computes it)
+        g = PlainFusedGroup(parent_name, "linear", (child,), [m], int8=True)
+        g.install(patches)
+        groups.append(g)
+        done.append((name, m))
     return done, skipped, groups

@@ -5,7 +5,13 @@ The rows of siblings laid one after the other are therefore, exactly, the 8-bit 
 stacked layer, and one ``bnb.matmul`` over them quantizes the shared input once, runs one int8
 GEMM and one dequantization (and, with an outlier threshold, one outlier search) where the
 siblings ran one of each. Each layer's int8 rows and scales become views of the joined tensors:
-no second copy, and the layer's own forward still works. Only bitsandbytes' names are read here.
+no second copy, and the layer's own forward still works. A single layer is held the same way (a
+join of one) where fastlora dequantizes its product itself.
+
+Without an outlier threshold the matmul's steps are also available apart (``JoinedInt8.product``:
+bitsandbytes' quantization of the input and its int8 GEMM), so that ``ops.int8_lora`` can
+dequantize the int32 product and add the LoRA deltas in one pass. Only bitsandbytes' names are
+read here.
 """
 
 from __future__ import annotations
@@ -96,6 +102,25 @@ class JoinedInt8:
     def intact(self) -> bool:
         """Every layer still reads its rows of the joined tensors (a reload or ``model.to`` moves them)."""
         return self._current_addresses() == self._addresses
+
+    @property
+    def threshold(self) -> float:
+        return self.state.threshold
+
+    def product(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(the int32 product (rows, sum of output widths), each input row's scale): what the
+        matmul computes before its dequantization, for an input of rows (M, in). Only without
+        an outlier threshold (where there is one, the outlier columns are computed apart)."""
+        if self.state.threshold != 0.0:
+            raise RuntimeError("JoinedInt8.product: layers with an outlier threshold split outlier columns out")
+        functional = self._bnb.functional
+        quantized, row_scales, _ = functional.int8_vectorwise_quant(x.to(torch.float16), threshold=0.0)
+        return functional.int8_linear_matmul(quantized, self.rows), row_scales
+
+    def dequantize(self, product: torch.Tensor, row_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """bitsandbytes' own dequantization of ``product`` into ``dtype``, as its matmul asks for it
+        (its CUDA kernel rounds to fp16 on the way; its CPU one does not)."""
+        return torch.ops.bitsandbytes.int8_mm_dequant.default(product, row_scales, self.scales, dtype=dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Every sibling's output side by side: (..., sum of their output widths)."""

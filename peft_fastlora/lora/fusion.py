@@ -21,7 +21,11 @@ library's matmul. Where every member is such a LoRA layer of one kind, the group
 ``SeparateGroup``: the LoRA of all of them is one stacked call (one shrink, one expand) instead of
 one per member, and their base outputs are laid side by side. bitsandbytes' 8-bit siblings, whose
 weights are quantized row by row, share one 8-bit matmul over their rows joined
-(``compat.bitsandbytes``); the others are computed one by one. Nothing is folded.
+(``compat.bitsandbytes``); the others are computed one by one. Nothing is folded. Without an
+outlier threshold, on a GPU, the joined product is dequantized by ``ops.int8_lora`` straight to
+the input's dtype (bitsandbytes' values, without its separate cast from fp16), and a decode-sized
+LoRA forward adds its deltas in that same pass (``lora.sites``). A single 8-bit layer takes the
+same form as a group of one.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from ..compat.modules import (has_forward_hooks, is_dtensor, is_plain_weight, li
                               quantized_weight_name)
 from ..compat.peft import base_layer_of, is_lora_layer, quantized_base_kind
 from ..compat.tensor_parallel import TP_REASON, repoint_local, tp_colwise_mesh
+from ..kernel_support import kernel_runs_on
+from ..ops.int8_lora import int8_dequant_lora
 
 FUSIBLE_GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -228,8 +234,17 @@ class SeparateGroup(FusedGroup):
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.joined_intact():
-            return self.joined.matmul(x)
+            return int8_matmul(self.joined, x)
         return torch.cat([b(x) for b in self.bases], dim=-1)
+
+
+def int8_matmul(joined: JoinedInt8, x: torch.Tensor) -> torch.Tensor:
+    """``joined``'s 8-bit matmul of ``x``; without an outlier threshold, on a GPU, its product
+    dequantized by ``ops.int8_lora`` into ``x``'s dtype (one launch where bitsandbytes has two)."""
+    if joined.threshold != 0.0 or not x.is_cuda or not kernel_runs_on(x):
+        return joined.matmul(x)
+    product, row_scales = joined.product(x.reshape(-1, x.shape[-1]))
+    return int8_dequant_lora(product, row_scales, joined.scales, x.dtype).view(*x.shape[:-1], product.shape[1])
 
 
 def fusion_blocker(bases: List[nn.Module]) -> Optional[str]:

@@ -209,6 +209,28 @@ def _fold_forward(state, pool: SitePool, x2: torch.Tensor, bi, bias: bool = True
     return full
 
 
+def _int8_forward(state, pool: SitePool, group, x2: torch.Tensor, bi) -> Optional[torch.Tensor]:
+    """Base output and LoRA deltas of a decode-sized forward over bitsandbytes 8-bit layers with no
+    outlier threshold (``group``: their ``SeparateGroup``, joined): bitsandbytes' quantization and
+    int8 GEMM, the shrink of every A arena row as one GEMM (a folded site's tail, without the base
+    weight to ride on), then the dequantization and the expand in one pass
+    (``backend.run_int8_lora``). None where it does not apply: an outlier threshold, a prefill,
+    an A arena past ``Tuning.fold_max_share`` of the output rows (every call computes every row
+    of it), bias or DoRA tables."""
+    packed = pool.packed
+    if (group is None or bi.block_m > FOLD_MAX_BLOCK_M or packed.bias is not None or packed.dora is not None
+            or packed.a.shape[0] > pool.tuning.fold_max_share * packed.offsets[-1] or not group.joined_intact()):
+        return None
+    joined = group.joined
+    if joined.threshold != 0.0:
+        return None
+    product, row_scales = joined.product(x2)
+    tail = torch.nn.functional.linear(x2, packed.a)
+    return state.backend.run_int8_lora(product, row_scales, joined.scales, tail, packed, dequantize=joined.dequantize,
+                                       dtype=x2.dtype, layer_ranks=pool.ranks, layer_scalings=pool.scalings,
+                                       batch_info=bi)
+
+
 class _OneLayerSite(Site):
     """A site of one LoRA layer: its base output, then the LoRA delta added in place."""
 
@@ -253,8 +275,13 @@ class LinearSite(_OneLayerSite):
         super().__init__(name, members, pool)
         self.tp = tp
         self.tp_group = tp_group(members[0]) if tp in ("rowwise", "colwise_gather") else None
+        self.int8 = None  # a bitsandbytes 8-bit base held as a join of one (``_int8_forward``)
 
     def _folded_forward(self, state, context, x, bi):
+        if self.int8 is not None:  # (never under tensor parallelism)
+            res = _int8_forward(state, state.pool_for(self, x.dtype), self.int8,
+                                _as_rows(x, x.shape[-1]).contiguous(), bi)
+            return None if res is None else res.view(*x.shape[:-1], res.shape[-1])
         if self.pool.fold is None or self.tp == "colwise_gather":
             return None
         pool = state.pool_for(self, x.dtype)
@@ -393,9 +420,10 @@ class FusedSite(Site):
             return self.peft_forward(context, original, x, args, kwargs, lora=is_lora_layer(self.members[i]))
         pool = state.pool_for(self, x.dtype)
         x2 = _as_rows(x, x.shape[-1]).contiguous()
-        if _folded(context, pool, bi):
-            res = _fold_forward(state, pool, x2, bi)[:, :pool.offsets[-1]]
-        else:
+        res = _fold_forward(state, pool, x2, bi)[:, :pool.offsets[-1]] if _folded(context, pool, bi) else None
+        if res is None and self.group.separate == "int8":
+            res = _int8_forward(state, pool, self.group, x2, bi)
+        if res is None:
             res = self.group.linear(x2)
             state.backend.run_packed_lora(x2, pool.packed, base_output=res, layer_ranks=pool.ranks,
                                           layer_scalings=pool.scalings, batch_info=bi)

@@ -167,7 +167,8 @@ def test_8bit_siblings_share_one_bitsandbytes_matmul(saved, threshold, monkeypat
 
 def test_8bit_siblings_without_lora_share_one_matmul(saved, monkeypatch):
     """The base model's own q/k/v and gate/up over bitsandbytes' 8-bit weights (no LoRA: what
-    ``fuse`` gives a base model on CUDA) share one 8-bit matmul a group, with the logits the model's
+    ``fuse`` gives a base model on CUDA) share one 8-bit matmul a group, and o / down are held as
+    groups of one (on a GPU fastlora dequantizes their products), with the logits the model's
     own; removed, each layer has its own rows again and its own forward."""
     import bitsandbytes as bnb
 
@@ -177,7 +178,8 @@ def test_8bit_siblings_without_lora_share_one_matmul(saved, monkeypatch):
     model, ref = (quantized(saved, INT8_NO_OUTLIERS, adapters=()) for _ in range(2))
     patches = InstancePatches()
     done, skipped, groups = install_fused_linears(model, patches)
-    assert len(groups) == 4 and len(done) == 10 and skipped == [], (done, skipped)
+    assert len(groups) == 8 and len(done) == 14 and skipped == [], (done, skipped)
+    assert sorted(g.group.kind for g in groups) == ["gate_up"] * 2 + ["linear"] * 4 + ["qkv"] * 2
     calls = []
     real = bnb.matmul
     monkeypatch.setattr(bnb, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -197,6 +199,39 @@ def test_8bit_siblings_without_lora_share_one_matmul(saved, monkeypatch):
     assert len({m.state.CB.data_ptr() for m in (attn.q_proj, attn.k_proj, attn.v_proj)}) == 3
     assert "forward" not in attn.q_proj.__dict__
     torch.testing.assert_close(logits(model), logits(ref), atol=1e-5, rtol=1e-5)
+
+
+LOW_RANKS = (("sql", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 2, {}),
+             ("chat", ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"), 1, {}))
+
+
+def test_8bit_products_dequantized_with_the_deltas_in_one_pass(saved, monkeypatch):
+    """Over 8-bit bases without an outlier threshold, a decode-sized forward takes bitsandbytes'
+    quantization and int8 GEMM, the shrink of every A arena row, then the dequantization and the
+    expand as one backend call (``run_int8_lora``) at every site whose arena is at most
+    ``fold_max_share`` of its rows: equal to PEFT's mixed batch, rows of no adapter included, and
+    greedy ``generate`` token for token. A larger adapter added pushes some arenas past the share:
+    those sites keep the separate path, the others stay, every result still equal."""
+    m, ref = (quantized(saved, INT8_NO_OUTLIERS, LOW_RANKS) for _ in range(2))
+    fastlora.patch(m)
+    backend_type = type(fastlora.get_state(m).backend)
+    calls = []
+    real = backend_type.run_int8_lora
+    monkeypatch.setattr(backend_type, "run_int8_lora", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    for names in (["sql", "chat", "__base__", "sql"], ["__base__"] * 4, ["chat"] * 4):
+        torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 3 * 8, len(calls)  # 2 layers x (q/k/v, o, gate/up, down), every call
+    names = ["chat", "__base__", "sql", "chat"]
+    kw = dict(input_ids=IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=5, do_sample=False,
+              adapter_names=names)
+    assert torch.equal(m.generate(**kw), ref.generate(**kw))
+    for model in (m, ref):
+        torch.manual_seed(7)
+        model.add_adapter("big", lora(("q_proj", "down_proj"), 16, 16))
+    calls.clear()
+    names = ["big", "sql", "__base__", "chat"]
+    torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2 * 2, len(calls)  # o and gate/up still; q/k/v and down past the share
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -81,6 +81,57 @@ def test_quantized_base_in_graphs_equal_peft(saved, quant):
         assert report.cuda_graphs.startswith("off (") and "outlier threshold" in report.cuda_graphs, report.cuda_graphs
 
 
+def low_rank_int8(saved, dtype):
+    """The saved tiny Llama as 8-bit weights without an outlier threshold, with four rank-4 adapters
+    on every projection and no bias: every site's arena within ``fold_max_share`` of its rows."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = AutoModelForCausalLM.from_pretrained(saved, device_map="cuda", dtype=dtype,
+                                                    quantization_config=BitsAndBytesConfig(**QUANT["int8_no_outliers"]))
+        model = None
+        for i in range(4):
+            torch.manual_seed(60 + i)
+            cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+            model = get_peft_model(base, cfg, adapter_name=f"a{i}") if model is None else model
+            if i:
+                model.add_adapter(f"a{i}", cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(0.05)
+    return model.eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_8bit_products_with_their_deltas_in_one_pass_in_graphs(saved, dtype, monkeypatch):
+    """An 8-bit base without an outlier threshold: each site's decode dequantizes its int8 product
+    and adds the deltas in one launch (``ops.int8_lora``, its backend calls counted while the graphs
+    are captured), replayed from CUDA graphs. fp32: greedy tokens equal PEFT's mixed batch. bf16:
+    one forward's logits against PEFT's within bf16's tolerance."""
+    m, ref = low_rank_int8(saved, dtype), low_rank_int8(saved, dtype)
+    names = ["a0", "__base__", "a1", "a2", "a3", "a2", "a0", "__base__"]
+    inputs = generate_inputs(len(names))
+    report = fastlora.patch(m)
+    assert report.left_on_peft == [] and report.adapter_fallbacks == [], report
+    backend_type = type(fastlora.get_state(m).backend)
+    calls = []
+    real = backend_type.run_int8_lora
+    monkeypatch.setattr(backend_type, "run_int8_lora", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    if dtype == torch.float32:
+        expected = ref.generate(**inputs, adapter_names=names, max_new_tokens=24)
+        out = m.generate(**inputs, adapter_names=names, max_new_tokens=24)
+        assert torch.equal(out, expected)
+        stats = fastlora.get_state(m).graph_runner.stats
+        assert stats["replays"] >= 20 and stats["eager_steps"] == 0, stats
+    else:
+        fwd = {k: inputs[k] for k in ("input_ids", "attention_mask")}
+        with torch.no_grad():
+            ours = m(**fwd, adapter_names=names).logits
+            theirs = ref(**fwd, adapter_names=names).logits
+        torch.testing.assert_close(ours, theirs, atol=5e-2, rtol=5e-2)
+    assert len(calls) >= 4 * 2, len(calls)  # (tiny Llama: 2 layers of q/k/v, o, gate/up, down)
+
+
 def test_dora_over_an_nf4_base_in_graphs_equal_peft_row_by_row(saved):
     """QDoRA: a DoRA adapter over the nf4 base beside plain ones and base rows, through fastlora's
     graphs; PEFT refuses DoRA in a mixed batch, so each row is compared with PEFT's greedy tokens
