@@ -15,7 +15,10 @@ the int32 product and writes
 - ``tail``: ``x @ A.T`` over every row of the site's packed A arena (one GEMM, as a folded site's
   tail is): each row takes the columns of its own adapter's blocks, scaled by its scaling, and
   the product with that adapter's B (read from the packed arena, ``backend.packed``) is added in
-  float32 before the one rounding. A program reads the B blocks of the adapters its rows use only.
+  float32 before the one rounding. A program takes the tail columns of a module's blocks
+  ``TAIL_BLOCK`` at a time: each column's block found from the slot tables, the rows' tail
+  values kept where the column is their adapter's, B gathered column by column, one dot, with
+  every load of a step independent of the others (no per-adapter chain of loads and dots).
 
 Rows with no adapter (slot -1) get the base part alone.
 """
@@ -31,6 +34,7 @@ from ..kernel_support import interpreting, tl, triton
 DEQUANT_SCALE = 6.200012e-05  # bitsandbytes' CUDA constant for 1 / (127 * 127), as it writes it
 MAX_MODULES = 4  # stacked modules a launch takes (q/k/v: 3)
 BLOCK_N = 64
+TAIL_BLOCK = 64  # tail columns (over the adapters' blocks) one dot takes
 
 
 class Int8Lora(NamedTuple):
@@ -56,7 +60,7 @@ def _int8_dequant_lora_kernel(
     OFF0, OFF1, OFF2, OFF3, OFF4,  # module column offsets; unused ones repeat the end
     SCALE: tl.constexpr,
     C: tl.constexpr,  # stacked modules (0: no LoRA)
-    RB: tl.constexpr,  # the largest rank's power of two (at least 16)
+    KB: tl.constexpr,  # tail columns a dot takes
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,  # float32 dots with no TF32 rounding (float32 inputs; the interpreter)
@@ -77,31 +81,50 @@ def _int8_dequant_lora_kernel(
     res = deq.to(tl.float16).to(tl.float32).to(out_ty).to(tl.float32)
     if C > 0:
         slot = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
-        kr = tl.arange(0, RB)
-        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        has_slot = row_ok & (slot >= 0)
+        safe_slot = tl.where(has_slot, slot, 0)
+        ks0 = tl.arange(0, KB)
         for j in tl.static_range(C):
             lo = tl.where(j == 0, OFF0, tl.where(j == 1, OFF1, tl.where(j == 2, OFF2, OFF3)))
             hi = tl.where(j == 0, OFF1, tl.where(j == 1, OFF2, tl.where(j == 2, OFF3, OFF4)))
             in_module = col_ok & (cols >= lo) & (cols < hi)
             if tl.max(in_module.to(tl.int32)) > 0:
+                # the tail columns module j's blocks span
+                k_lo = 2147483647
+                k_hi = 0
                 for s in range(num_slots):
-                    rank = tl.load(ranks_ptr + s * stride_rl + j)
-                    mine = (slot == s) & row_ok
-                    if (rank > 0) & (tl.max(mine.to(tl.int32)) > 0):
-                        a0 = tl.load(a_rows_ptr + s * stride_al + j)
+                    r = tl.load(ranks_ptr + s * stride_rl + j)
+                    a0 = tl.load(a_rows_ptr + s * stride_al + j).to(tl.int32)
+                    k_lo = tl.where(r > 0, tl.minimum(k_lo, a0), k_lo)
+                    k_hi = tl.where(r > 0, tl.maximum(k_hi, a0 + r), k_hi)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k0 in range(k_lo, k_hi, KB):
+                    ks = k0 + ks0
+                    # each column's block: its slot, first column, B offset and rank (-1: free)
+                    owner = tl.full((KB,), -1, tl.int32)
+                    first = tl.zeros((KB,), tl.int32)
+                    rank = tl.zeros((KB,), tl.int32)
+                    boff = tl.zeros((KB,), tl.int64)
+                    for s in range(num_slots):
+                        r = tl.load(ranks_ptr + s * stride_rl + j)
+                        a0 = tl.load(a_rows_ptr + s * stride_al + j).to(tl.int32)
                         b0 = tl.load(b_offs_ptr + s * stride_bl + j)
-                        scaling = tl.load(scal_ptr + s * stride_sl + j)
-                        k_ok = kr < rank
-                        t = tl.load(tail_ptr + rows64[:, None] * stride_tm + (a0 + kr)[None, :],
-                                    mask=mine[:, None] & k_ok[None, :], other=0.0)
-                        bt = tl.load(b_ptr + b0 + (cols - lo)[None, :].to(tl.int64) * rank + kr[:, None],
-                                     mask=k_ok[:, None] & in_module[None, :], other=0.0)
-                        if UPCAST:
-                            d = tl.dot(t.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
-                        else:
-                            d = tl.dot(t, bt)
-                        delta += d * scaling
-        res = res + delta
+                        hit = (ks >= a0) & (ks < a0 + r)
+                        owner = tl.where(hit, s, owner)
+                        first = tl.where(hit, a0, first)
+                        rank = tl.where(hit, r, rank)
+                        boff = tl.where(hit, b0, boff)
+                    used = owner >= 0
+                    keep = (owner[None, :] == slot[:, None]) & used[None, :] & has_slot[:, None]
+                    t = tl.load(tail_ptr + rows64[:, None] * stride_tm + ks[None, :], mask=keep, other=0.0)
+                    bt = tl.load(b_ptr + boff[:, None] + (cols - lo)[None, :].to(tl.int64) * rank[:, None]
+                                 + (ks - first)[:, None], mask=used[:, None] & in_module[None, :], other=0.0)
+                    if UPCAST:
+                        acc = tl.dot(t.to(tl.float32), bt.to(tl.float32), acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(t, bt, acc)
+                scaling = tl.load(scal_ptr + safe_slot * stride_sl + j, mask=has_slot, other=0.0)
+                res += acc * scaling[:, None]
     tl.store(out_ptr + rows64[:, None] * stride_om + cols[None, :], res.to(out_ty), mask=mask)
 
 
@@ -159,7 +182,7 @@ def int8_dequant_lora(acc: torch.Tensor, row_stats: torch.Tensor, col_stats: tor
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, block_m))
     if lora is None:
         tail = b = slot = ranks = scal = a_rows = b_offs = acc
-        strides, offs, num_slots, rb = (0, 0, 0, 0, 0), (n,) * 5, 0, 16
+        strides, offs, num_slots = (0, 0, 0, 0, 0), (n,) * 5, 0
     else:
         tail, b, slot = lora.tail, lora.b, lora.token_slot
         ranks, scal, a_rows, b_offs = lora.ranks, lora.scalings, lora.a_rows, lora.b_offs
@@ -168,13 +191,13 @@ def int8_dequant_lora(acc: torch.Tensor, row_stats: torch.Tensor, col_stats: tor
                              "(the tail with unit column stride)")
         strides = (tail.stride(0), ranks.stride(0), scal.stride(0), a_rows.stride(0), b_offs.stride(0))
         offs = tuple(lora.offsets) + (lora.offsets[-1],) * (5 - len(lora.offsets))
-        num_slots, rb = ranks.shape[0], max(16, triton.next_power_of_2(max(1, lora.max_rank)))
+        num_slots = ranks.shape[0]
     _int8_dequant_lora_kernel[grid](
         acc, acc.stride(0), row_stats, col_stats, out, out.stride(0),
         tail, strides[0], b, slot,
         ranks, strides[1], scal, strides[2], a_rows, strides[3], b_offs, strides[4],
         m, n, num_slots, *offs,
-        SCALE=DEQUANT_SCALE, C=c, RB=rb, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        SCALE=DEQUANT_SCALE, C=c, KB=TAIL_BLOCK, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         UPCAST=interpreting() or dtype == torch.float32,
         num_warps=4,
     )

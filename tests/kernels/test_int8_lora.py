@@ -84,6 +84,7 @@ DEQ = 6.200012e-05
     (21, (48, 48), [(2, 2), (0, 8)], 1),  # gate/up-like, widths not a whole column tile
     (3, (40,), [(8,), (4,), (1,)], 2),  # one layer, more slots than rows
     (40, (64,), [(32,), (16,)], 3),  # rows past one tile, rank 32
+    (9, (32, 16), [(16, 8)] * 5 + [(8, 16)], 4),  # a module's blocks past one dot's columns
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_deltas_equal_the_reference(m, widths, slot_ranks, seed, dtype):
