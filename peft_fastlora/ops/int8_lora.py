@@ -15,10 +15,10 @@ the int32 product and writes
 - ``tail``: ``x @ A.T`` over every row of the site's packed A arena (one GEMM, as a folded site's
   tail is): each row takes the columns of its own adapter's blocks, scaled by its scaling, and
   the product with that adapter's B (read from the packed arena, ``backend.packed``) is added in
-  float32 before the one rounding. A program takes the tail columns of a module's blocks
-  ``TAIL_BLOCK`` at a time: each column's block found from the slot tables, the rows' tail
-  values kept where the column is their adapter's, B gathered column by column, one dot, with
-  every load of a step independent of the others (no per-adapter chain of loads and dots).
+  float32 before the one rounding. A program reads a module's slot tables whole (one load each),
+  then takes the tail columns of the module's blocks ``TAIL_BLOCK`` at a time: each column's
+  block found by comparing it with every block's span, the rows' tail values kept where the column
+  is their adapter's, B gathered column by column, one dot (no per-adapter chain of loads and dots).
 
 Rows with no adapter (slot -1) get the base part alone.
 """
@@ -61,6 +61,7 @@ def _int8_dequant_lora_kernel(
     SCALE: tl.constexpr,
     C: tl.constexpr,  # stacked modules (0: no LoRA)
     KB: tl.constexpr,  # tail columns a dot takes
+    SLOTS: tl.constexpr,  # num_slots' power of two
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,  # float32 dots with no TF32 rounding (float32 inputs; the interpreter)
@@ -73,10 +74,10 @@ def _int8_dequant_lora_kernel(
     col_ok = cols < N
     mask = row_ok[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)
-    acc = tl.load(acc_ptr + rows64[:, None] * stride_am + cols[None, :], mask=mask, other=0)
+    prod = tl.load(acc_ptr + rows64[:, None] * stride_am + cols[None, :], mask=mask, other=0)
     rscale = tl.load(row_ptr + rows, mask=row_ok, other=0.0)
     cscale = tl.load(col_ptr + cols, mask=col_ok, other=0.0)
-    deq = (acc.to(tl.float32) * rscale[:, None]) * cscale[None, :] * SCALE
+    deq = (prod.to(tl.float32) * rscale[:, None]) * cscale[None, :] * SCALE
     out_ty = out_ptr.dtype.element_ty
     res = deq.to(tl.float16).to(tl.float32).to(out_ty).to(tl.float32)
     if C > 0:
@@ -89,42 +90,35 @@ def _int8_dequant_lora_kernel(
             hi = tl.where(j == 0, OFF1, tl.where(j == 1, OFF2, tl.where(j == 2, OFF3, OFF4)))
             in_module = col_ok & (cols >= lo) & (cols < hi)
             if tl.max(in_module.to(tl.int32)) > 0:
-                # the tail columns module j's blocks span
-                k_lo = 2147483647
-                k_hi = 0
-                for s in range(num_slots):
-                    r = tl.load(ranks_ptr + s * stride_rl + j)
-                    a0 = tl.load(a_rows_ptr + s * stride_al + j).to(tl.int32)
-                    k_lo = tl.where(r > 0, tl.minimum(k_lo, a0), k_lo)
-                    k_hi = tl.where(r > 0, tl.maximum(k_hi, a0 + r), k_hi)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                # every slot's block of module j in one load of each table
+                sl = tl.arange(0, SLOTS)
+                sl_ok = sl < num_slots
+                r_s = tl.load(ranks_ptr + sl * stride_rl + j, mask=sl_ok, other=0)
+                a_s = tl.load(a_rows_ptr + sl * stride_al + j, mask=sl_ok, other=0).to(tl.int32)
+                b_s = tl.load(b_offs_ptr + sl * stride_bl + j, mask=sl_ok, other=0)
+                live = r_s > 0
+                k_lo = tl.min(tl.where(live, a_s, 2147483647))
+                k_hi = tl.max(tl.where(live, a_s + r_s, 0))
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for k0 in range(k_lo, k_hi, KB):
                     ks = k0 + ks0
                     # each column's block: its slot, first column, B offset and rank (-1: free)
-                    owner = tl.full((KB,), -1, tl.int32)
-                    first = tl.zeros((KB,), tl.int32)
-                    rank = tl.zeros((KB,), tl.int32)
-                    boff = tl.zeros((KB,), tl.int64)
-                    for s in range(num_slots):
-                        r = tl.load(ranks_ptr + s * stride_rl + j)
-                        a0 = tl.load(a_rows_ptr + s * stride_al + j).to(tl.int32)
-                        b0 = tl.load(b_offs_ptr + s * stride_bl + j)
-                        hit = (ks >= a0) & (ks < a0 + r)
-                        owner = tl.where(hit, s, owner)
-                        first = tl.where(hit, a0, first)
-                        rank = tl.where(hit, r, rank)
-                        boff = tl.where(hit, b0, boff)
+                    hit = (ks[:, None] >= a_s[None, :]) & (ks[:, None] < (a_s + r_s)[None, :])
+                    owner = tl.max(tl.where(hit, sl[None, :], -1), axis=1)
+                    first = tl.sum(tl.where(hit, a_s[None, :], 0), axis=1)
+                    rank = tl.sum(tl.where(hit, r_s[None, :], 0), axis=1)
+                    boff = tl.sum(tl.where(hit, b_s[None, :], 0), axis=1)
                     used = owner >= 0
                     keep = (owner[None, :] == slot[:, None]) & used[None, :] & has_slot[:, None]
                     t = tl.load(tail_ptr + rows64[:, None] * stride_tm + ks[None, :], mask=keep, other=0.0)
                     bt = tl.load(b_ptr + boff[:, None] + (cols - lo)[None, :].to(tl.int64) * rank[:, None]
                                  + (ks - first)[:, None], mask=used[:, None] & in_module[None, :], other=0.0)
                     if UPCAST:
-                        acc = tl.dot(t.to(tl.float32), bt.to(tl.float32), acc, input_precision="ieee")
+                        part = tl.dot(t.to(tl.float32), bt.to(tl.float32), part, input_precision="ieee")
                     else:
-                        acc = tl.dot(t, bt, acc)
+                        part = tl.dot(t, bt, part)
                 scaling = tl.load(scal_ptr + safe_slot * stride_sl + j, mask=has_slot, other=0.0)
-                res += acc * scaling[:, None]
+                res += part * scaling[:, None]
     tl.store(out_ptr + rows64[:, None] * stride_om + cols[None, :], res.to(out_ty), mask=mask)
 
 
@@ -197,7 +191,8 @@ def int8_dequant_lora(acc: torch.Tensor, row_stats: torch.Tensor, col_stats: tor
         tail, strides[0], b, slot,
         ranks, strides[1], scal, strides[2], a_rows, strides[3], b_offs, strides[4],
         m, n, num_slots, *offs,
-        SCALE=DEQUANT_SCALE, C=c, KB=TAIL_BLOCK, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        SCALE=DEQUANT_SCALE, C=c, KB=TAIL_BLOCK, SLOTS=triton.next_power_of_2(max(num_slots, 2)),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         UPCAST=interpreting() or dtype == torch.float32,
         num_warps=4,
     )
