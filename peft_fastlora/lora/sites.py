@@ -298,6 +298,8 @@ class LinearSite(_OneLayerSite):
         return res.view(*x.shape[:-1], n)
 
     def _base_output(self, base, x):
+        if self.int8 is not None and self.int8.joined_intact():
+            return self.int8.linear(x)  # (fastlora's dequantization on a GPU, as the groups')
         if self.tp == "rowwise":
             return tp_rowwise_partial(base, x)
         if self.tp == "colwise_gather":
