@@ -18,6 +18,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # NVLink multicast stays off in every process (torchrun's ranks inherit it)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# transformers 5.25's from_pretrained fetches hub kernels by default; a GPU machine without the hub
+# fails there (the quantized GPU tests load their models so)
+export USE_HUB_KERNELS=${USE_HUB_KERNELS:-0}
 parts=" ${*:-all} "
 want() { [[ $parts == *" all "* || $parts == *" $1 "* ]]; }
 only() { [[ $parts == *" $1 "* ]]; }
