@@ -38,16 +38,19 @@ def saved(tmp_path_factory):
     return folder
 
 
-def quantized(saved, quant):
-    """The saved tiny Llama loaded by bitsandbytes on the GPU, with four seeded adapters (one with a
-    bias on B)."""
+MIXED_ADAPTERS = ((8, TARGETS, False), (16, ["q_proj", "v_proj"], False), (4, TARGETS, True),
+                  (32, ["o_proj", "down_proj"], False))
+
+
+def quantized(saved, quant, dtype=torch.float32, adapters=MIXED_ADAPTERS):
+    """The saved tiny Llama loaded by bitsandbytes on the GPU, with seeded adapters ``a0``, ``a1``,
+    ... of these (rank, targets, lora_bias) (by default four, one with a bias on B)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        base = AutoModelForCausalLM.from_pretrained(saved, device_map="cuda", dtype=torch.float32,
+        base = AutoModelForCausalLM.from_pretrained(saved, device_map="cuda", dtype=dtype,
                                                     quantization_config=BitsAndBytesConfig(**QUANT[quant]))
         model = None
-        for i, (r, targets, bias) in enumerate([(8, TARGETS, False), (16, ["q_proj", "v_proj"], False),
-                                                (4, TARGETS, True), (32, ["o_proj", "down_proj"], False)]):
+        for i, (r, targets, bias) in enumerate(adapters):
             torch.manual_seed(40 + i)
             cfg = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False, lora_bias=bias)
             model = get_peft_model(base, cfg, adapter_name=f"a{i}") if model is None else model
@@ -81,34 +84,15 @@ def test_quantized_base_in_graphs_equal_peft(saved, quant):
         assert report.cuda_graphs.startswith("off (") and "outlier threshold" in report.cuda_graphs, report.cuda_graphs
 
 
-def low_rank_int8(saved, dtype):
-    """The saved tiny Llama as 8-bit weights without an outlier threshold, with four rank-4 adapters
-    on every projection and no bias: every site's arena within ``fold_max_share`` of its rows."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        base = AutoModelForCausalLM.from_pretrained(saved, device_map="cuda", dtype=dtype,
-                                                    quantization_config=BitsAndBytesConfig(**QUANT["int8_no_outliers"]))
-        model = None
-        for i in range(4):
-            torch.manual_seed(60 + i)
-            cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
-            model = get_peft_model(base, cfg, adapter_name=f"a{i}") if model is None else model
-            if i:
-                model.add_adapter(f"a{i}", cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.mul_(0.05)
-    return model.eval()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_8bit_products_with_their_deltas_in_one_pass_in_graphs(saved, dtype, monkeypatch):
     """An 8-bit base without an outlier threshold: each site's decode dequantizes its int8 product
     and adds the deltas in one launch (``ops.int8_lora``, its backend calls counted while the graphs
     are captured), replayed from CUDA graphs. fp32: greedy tokens equal PEFT's mixed batch. bf16:
     one forward's logits against PEFT's within bf16's tolerance."""
-    m, ref = low_rank_int8(saved, dtype), low_rank_int8(saved, dtype)
+    # four rank-4 adapters on every projection, no bias: every site's A arena within
+    # ``fold_max_share`` of its rows
+    m, ref = (quantized(saved, "int8_no_outliers", dtype, adapters=[(4, TARGETS, False)] * 4) for _ in range(2))
     names = ["a0", "__base__", "a1", "a2", "a3", "a2", "a0", "__base__"]
     inputs = generate_inputs(len(names))
     report = fastlora.patch(m)
