@@ -349,11 +349,12 @@ def test_dora_over_a_quantized_base_follows_magnitude_edits(saved):
     torch.testing.assert_close(logits(m, names), peft_rows(ref, names), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("quant", ["nf4", "int8_joined"])
-def test_quantized_continuous_batching_per_request(saved, quant):
-    """transformers' engine over a 4-bit base, and over an 8-bit one whose q/k/v and gate/up share
-    one 8-bit matmul: each request with its own adapter, every step on fastlora's path, equal to
-    PEFT alone."""
+@pytest.mark.parametrize("quant", ["nf4", "int8_joined", "int8_one_pass"])
+def test_quantized_continuous_batching_per_request(saved, quant, monkeypatch):
+    """transformers' engine over a 4-bit base, over an 8-bit one whose q/k/v and gate/up share
+    one 8-bit matmul, and over an 8-bit one whose every site takes the one-pass dequantize-and-expand
+    (its backend calls counted): each request with its own adapter, every step on fastlora's path,
+    equal to PEFT alone."""
     from _continuous import cb_config, greedy_config, peft_alone, requires_cb
     from _patch_models import VOCAB
 
@@ -362,10 +363,17 @@ def test_quantized_continuous_batching_per_request(saved, quant):
     if quant == "nf4":
         m, ref = quantized(saved, "nf4"), quantized(saved, "nf4")
         names = ["sql", "biased", "__base__", "chat"]
-    else:
+    elif quant == "int8_joined":
         m, ref = (quantized(saved, INT8_NO_OUTLIERS, ALL_SIBLINGS) for _ in range(2))
         names = ["sql", "wide", "__base__", "chat"]
+    else:
+        m, ref = (quantized(saved, INT8_NO_OUTLIERS, LOW_RANKS) for _ in range(2))
+        names = ["chat", "sql", "__base__", "chat"]
     report = fastlora.patch(m)
+    calls = []
+    backend_type = type(fastlora.get_state(m).backend)
+    real = backend_type.run_int8_lora
+    monkeypatch.setattr(backend_type, "run_int8_lora", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     assert report.continuous_batching == "on", report
     why_not = {why for _, why in report.quantized_joined}
     assert why_not == ({"nf4 weights: one matmul a member"} if quant == "nf4" else {None}), report.quantized_joined
@@ -375,6 +383,7 @@ def test_quantized_continuous_batching_per_request(saved, quant):
                            continuous_batching_config=cb_config(max_batch_tokens=16), adapter_names=names)
     for i, (prompt, name) in enumerate(zip(prompts, names)):
         assert out[f"req_{i}"].generated_tokens == peft_alone(ref, prompt, name, 5), (i, name)
+    assert (len(calls) > 0) == (quant == "int8_one_pass"), len(calls)
 
 
 def _torchao(targets=(("sql", ("q_proj", "v_proj"), 4, {}), ("chat", ("q_proj", "down_proj", "gate_proj"), 8, {}))):
