@@ -168,7 +168,7 @@ class TritonLoRABackend(SegmentedLoRABackend):
         ranks, scalings = self._packed_tables(bi, w, layer_ranks, layer_scalings)
         self._check_place("int8 lora", bi, product, row_scales, col_scales, y, w.b, w.a_rows, w.b_offs, ranks,
                           scalings)
-        lora = _int8.Int8Lora(y, w.b, bi.token_slot, ranks, scalings, w.a_rows, w.b_offs, w.offsets, w.max_rank)
+        lora = _int8.Int8Lora(y, w.b, bi.token_slot, ranks, scalings, w.a_rows, w.b_offs, w.offsets)
         return _int8.int8_dequant_lora(product, row_scales, col_scales, dtype, lora)
 
     def _packed_embedding(self, input_ids, weights, vocab_size, ranks, scalings, out, bi):

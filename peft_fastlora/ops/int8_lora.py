@@ -48,7 +48,6 @@ class Int8Lora(NamedTuple):
     a_rows: torch.Tensor  # (num_slots, c): each block's first arena row (its first tail column)
     b_offs: torch.Tensor  # (num_slots, c) int64
     offsets: Sequence[int]  # c + 1 column offsets of the stacked modules in the output
-    max_rank: int
 
 
 @triton.jit

@@ -53,8 +53,7 @@ def lora_case(m, widths, slot_ranks, dtype, seed, gap=3, row_slots=None):
         row_slots = [-1 if i % 3 == 2 else i % slots for i in range(m)]
     scalings = torch.tensor([[0.5 + s + 0.25 * j for j in range(c)] for s in range(slots)], dtype=torch.float32)
     return Int8Lora(tail.to(dtype), b.to(dtype), torch.tensor(row_slots + [0, 1], dtype=torch.int32),
-                    torch.tensor(slot_ranks, dtype=torch.int32), scalings, a_rows, b_offs, tuple(offsets),
-                    max(r for ranks in slot_ranks for r in ranks))
+                    torch.tensor(slot_ranks, dtype=torch.int32), scalings, a_rows, b_offs, tuple(offsets))
 
 
 @pytest.mark.parametrize("m,n,seed", [(1, 64, 0), (5, 100, 1), (33, 130, 2), (70, 64, 3)])
