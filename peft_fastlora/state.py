@@ -18,6 +18,7 @@ from torch import nn
 
 from . import kernel_support
 from .compat.adapters import adapter_blocker, lora_layer_blocker
+from .compat.bitsandbytes import outlier_threshold
 from .compat.modules import is_conv1d, linear_in_out, local, on_device
 from .compat.peft import (LoraEmbedding, LoraLinear, adapter_dicts, adapter_names_of, adapter_parameters,
                           base_layer_of, guard_peft_forward_hooks, has_auxiliary_wrappers, is_lora_layer,
@@ -347,9 +348,9 @@ class FastLoRAState:
                 if fold_off is None and blocker is None:
                     site.pool.fold = FusedGroup("linear", name, (name,), [m], [base])
                 site.pool.no_fold = blocker or "not eligible"
-                if quant == "int8" and site.tp is None:
-                    # held as a join of one, so that decode can dequantize its product with the
-                    # deltas (``sites._int8_forward``); ``unpatch`` gives it its own storage back
+                if quant == "int8" and site.tp is None and outlier_threshold(base) == 0.0:
+                    # held as a join of one, so that fastlora dequantizes its product (with the
+                    # deltas at decode: ``sites._int8_forward``); ``unpatch`` gives it its own storage back
                     single = SeparateGroup("linear", name, (name,), [m], [base], separate="int8")
                     if single.join() is None:
                         self.groups.append(single)

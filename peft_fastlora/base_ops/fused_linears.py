@@ -22,7 +22,7 @@ from typing import List, Tuple
 import torch
 from torch import nn
 
-from ..compat.bitsandbytes import int8_join_blocker, is_int8_linear
+from ..compat.bitsandbytes import int8_join_blocker, is_int8_linear, outlier_threshold
 from ..compat.modules import has_forward_hooks, is_dtensor
 from ..compat.peft import is_tuner_layer
 from ..instance_methods import InstancePatches
@@ -118,7 +118,7 @@ def install_fused_linears(model: nn.Module, patches: InstancePatches) -> Tuple[L
             done.extend((f"{parent_name}.{n}" if parent_name else n, m) for n, m in zip(names, members))
     for name, m in list(model.named_modules()):
         parent_name, _, child = name.rpartition(".")
-        if (not is_int8_linear(m) or "forward" in m.__dict__ or float(m.state.threshold or 0.0) != 0.0
+        if (not is_int8_linear(m) or "forward" in m.__dict__ or outlier_threshold(m) != 0.0
                 or is_tuner_layer(model.get_submodule(parent_name) if parent_name else model)
                 or int8_join_blocker([m]) is not None or has_forward_hooks(m)):
             continue  # (a LoRA layer's base: its site computes it)

@@ -37,6 +37,11 @@ def _int8_parts(layer: nn.Module) -> Optional[Tuple[torch.Tensor, torch.Tensor]]
     return None if rows is None or scales is None else (rows, scales)
 
 
+def outlier_threshold(layer: nn.Module) -> float:
+    """An 8-bit layer's outlier threshold (0.0: none, every column quantized)."""
+    return float(layer.state.threshold or 0.0)
+
+
 def int8_join_blocker(layers: Sequence[nn.Module]) -> Optional[str]:
     """Why these sibling layers cannot share one 8-bit matmul (None: they can)."""
     if not all(is_int8_linear(m) for m in layers):
@@ -45,7 +50,7 @@ def int8_join_blocker(layers: Sequence[nn.Module]) -> Optional[str]:
         return "8-bit layers that keep 16-bit weights (has_fp16_weights)"
     if any(m.bias is not None for m in layers):
         return "a base layer has a bias"
-    if len({float(m.state.threshold or 0.0) for m in layers}) != 1:
+    if len({outlier_threshold(m) for m in layers}) != 1:
         return "different outlier thresholds"
     parts = [_int8_parts(m) for m in layers]
     if any(p is None for p in parts):
@@ -79,7 +84,7 @@ class JoinedInt8:
             self.scales = torch.cat([scales for _, scales in parts])
         self.state = bnb.MatmulLtState()
         self.state.CB, self.state.SCB = self.rows, self.scales
-        self.state.threshold = float(self.layers[0].state.threshold or 0.0)
+        self.state.threshold = outlier_threshold(self.layers[0])
         self.state.has_fp16_weights = False
         self._repoint([(self.rows[lo:hi], self.scales[lo:hi]) for lo, hi in self._spans()])
         self._addresses = self._current_addresses()

@@ -219,11 +219,10 @@ def _int8_forward(state, pool: SitePool, group, x2: torch.Tensor, bi) -> Optiona
     of it), bias or DoRA tables."""
     packed = pool.packed
     if (group is None or bi.block_m > FOLD_MAX_BLOCK_M or packed.bias is not None or packed.dora is not None
-            or packed.a.shape[0] > pool.tuning.fold_max_share * packed.offsets[-1] or not group.joined_intact()):
+            or packed.a.shape[0] > pool.tuning.fold_max_share * packed.offsets[-1] or not group.joined_intact()
+            or group.joined.threshold != 0.0):
         return None
     joined = group.joined
-    if joined.threshold != 0.0:
-        return None
     product, row_scales = joined.product(x2)
     tail = torch.nn.functional.linear(x2, packed.a)
     return state.backend.run_int8_lora(product, row_scales, joined.scales, tail, packed, dequantize=joined.dequantize,

@@ -12,6 +12,7 @@ from peft_fastlora.ops.int8_lora import (Int8Lora, dequantize_reference, int8_de
                                          int8_dequant_lora_reference)
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}
+DEQ = 6.200012e-05  # bitsandbytes' CUDA constant for 1 / 127^2
 
 
 def product(m, n, k, seed):
@@ -74,8 +75,6 @@ def test_dequantize_rounds_through_fp16_as_bitsandbytes_does():
     assert torch.equal(out, dequantize_reference(acc, row, col, torch.float32))
     assert out[0, 1] == torch.tensor(127.0 * DEQ, dtype=torch.float16).float()
 
-
-DEQ = 6.200012e-05
 
 
 @pytest.mark.parametrize("m,widths,slot_ranks,seed", [
