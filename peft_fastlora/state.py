@@ -39,6 +39,7 @@ from .lora.mutations import AdapterMutationLock
 from .lora.experts import ExpertsSite, find_expert_sites
 from .lora.pool import AdapterRegistry, SitePool
 from .lora.batch_infos import BatchInfos
+from .lora.beside import SideStreams
 from .lora.slot_loader import SlotLoader
 from .lora.slots import check_adapter_names
 from .lora.store import SCAFFOLD_ADAPTER
@@ -74,6 +75,7 @@ class FastLoRAState:
         self.sites: List[Site] = []
         self.expert_sites: List[ExpertsSite] = []  # MoE layers whose expert parameters have LoRA
         self.groups = []
+        self.side_streams = SideStreams()  # an 8-bit site's LoRA delta computed beside its matmul
         self.base_ops: Optional[BaseOps] = None
         self.generate_hook = None  # decode.generate.GenerateHook
         self.mutation_lock = None  # lora.mutations.AdapterMutationLock
@@ -350,7 +352,7 @@ class FastLoRAState:
                 site.pool.no_fold = blocker or "not eligible"
                 if quant == "int8" and site.tp is None and outlier_threshold(base) == 0.0:
                     # held as a join of one, so that fastlora dequantizes its product (with the
-                    # deltas at decode: ``sites._int8_forward``); ``unpatch`` gives it its own storage back
+                    # deltas at decode: ``sites._int8_beside_forward``); ``unpatch`` gives it its own storage back
                     single = SeparateGroup("linear", name, (name,), [m], [base], separate="int8")
                     if single.join() is None:
                         self.groups.append(single)
@@ -377,6 +379,8 @@ class FastLoRAState:
                         adapter_fallbacks.append((name_of.get(id(layer), "?"), adapter, why))
         for site in self.expert_sites:
             site.install(self)
+        self.side_streams.prepare({g.bases[0].weight.device for g in self.groups
+                                   if isinstance(g, SeparateGroup) and g.joined is not None})
         self._drop_unservable_stored()
         folded = sum(s.pool.folded() and not s.pool.folds_per_call() for s in self.sites)
         per_call = sum(s.pool.folds_per_call() for s in self.sites)

@@ -379,34 +379,6 @@ class SegmentedLoRABackend(BaseLoRABackend):
         ranks, scalings = self._packed_tables(bi, weights, layer_ranks, layer_scalings)
         return self._packed_expand(y, weights, ranks, scalings, base_output, bi)
 
-    def run_int8_lora(self, product, row_scales, col_scales, y, weights: PackedWeights, *, dequantize,
-                      dtype, layer_ranks=None, layer_scalings=None, batch_info=None):
-        """An 8-bit layer's output from its int32 product, with each row's LoRA delta: the product
-        dequantized (bitsandbytes' rule), then ``run_packed_expand`` of ``y`` into it.
-
-        Args:
-            product: (s, output_dim) int32, the int8 GEMM of the quantized input and weight.
-            row_scales: (s,) float32, the input rows' scales; col_scales: (output_dim,) float32.
-            y: (s, rows of ``weights.a``), x @ A.T for every row of the arena (as ``run_packed_expand``).
-            dequantize: ``(product, row_scales, dtype) -> (s, output_dim)``, the library's own
-                dequantization (this backend's result is its output plus the deltas).
-            dtype: the output's dtype.
-            weights, layer_ranks, layer_scalings, batch_info: as ``run_packed_lora``.
-        """
-        if product.dim() != 2 or product.dtype != torch.int32 or product.shape[1] != weights.offsets[-1]:
-            raise ValueError(f"run_int8_lora: product {tuple(product.shape)} {product.dtype} is not the int32 "
-                             f"(s, {weights.offsets[-1]}) product of this site")
-        bi = self._bi(batch_info)
-        self._check_tokens(product, bi)
-        return self._int8_lora(product, row_scales, col_scales, y, weights, dequantize, dtype, layer_ranks,
-                               layer_scalings, bi)
-
-    def _int8_lora(self, product, row_scales, col_scales, y, weights, dequantize, dtype, layer_ranks,
-                   layer_scalings, bi):
-        out = dequantize(product, row_scales, dtype)
-        return self.run_packed_expand(y, weights, base_output=out, layer_ranks=layer_ranks,
-                                      layer_scalings=layer_scalings, batch_info=bi)
-
     def run_packed_embedding_lora(self, input_ids, weights: PackedWeights, vocab_size: int, *,
                                   base_output=None, layer_ranks=None, layer_scalings=None, batch_info=None):
         """fastlora's own storage for a LoRA embedding: ``run_lora_a_embedding`` then

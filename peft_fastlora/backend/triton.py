@@ -17,7 +17,6 @@ import torch
 from ..batch import BLOCK_M_TIERS, BatchInfoBuffers, LoRABatchInfo, max_chunks_for
 from ..kernel_support import interpreting
 from .. import ops as _ops
-from ..ops import int8_lora as _int8
 from .segmented import SegmentedLoRABackend
 
 
@@ -153,23 +152,6 @@ class TritonLoRABackend(SegmentedLoRABackend):
                                 bi.chunk_start, bi.chunk_len, block_m=bi.block_m, check=False,
                                 b_offs=w.b_offs, b_align=w.align, y_cols=w.a_rows, max_rank=w.max_rank,
                                 bias=w.bias, dora=w.dora)
-
-    def _int8_lora(self, product, row_scales, col_scales, y, weights, dequantize, dtype, layer_ranks,
-                   layer_scalings, bi):
-        """On CUDA one launch dequantizes (in bitsandbytes' CUDA roundings) and adds the deltas
-        (``ops.int8_lora``); elsewhere the library's dequantization and the expand."""
-        w = weights
-        if not product.is_cuda or w.bias is not None or w.dora is not None or w.stack_num > _int8.MAX_MODULES:
-            return super()._int8_lora(product, row_scales, col_scales, y, weights, dequantize, dtype, layer_ranks,
-                                      layer_scalings, bi)
-        if y.dim() != 2 or y.stride(1) != 1 or y.shape[1] != w.a.shape[0] or y.dtype != w.b.dtype:
-            raise ValueError(f"run_int8_lora: y {tuple(y.shape)} {y.dtype} does not hold one {w.b.dtype} column "
-                             f"per row of the packed A arena ({w.a.shape[0]})")
-        ranks, scalings = self._packed_tables(bi, w, layer_ranks, layer_scalings)
-        self._check_place("int8 lora", bi, product, row_scales, col_scales, y, w.b, w.a_rows, w.b_offs, ranks,
-                          scalings)
-        lora = _int8.Int8Lora(y, w.b, bi.token_slot, ranks, scalings, w.a_rows, w.b_offs, w.offsets)
-        return _int8.int8_dequant_lora(product, row_scales, col_scales, dtype, lora)
 
     def _packed_embedding(self, input_ids, weights, vocab_size, ranks, scalings, out, bi):
         w = weights

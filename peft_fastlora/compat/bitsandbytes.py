@@ -8,10 +8,10 @@ siblings ran one of each. Each layer's int8 rows and scales become views of the 
 no second copy, and the layer's own forward still works. A single layer is held the same way (a
 join of one) where fastlora dequantizes its product itself.
 
-Without an outlier threshold the matmul's steps are also available apart (``JoinedInt8.product``:
-bitsandbytes' quantization of the input and its int8 GEMM), so that ``ops.int8_lora`` can
-dequantize the int32 product and add the LoRA deltas in one pass. Only bitsandbytes' names are
-read here.
+Without an outlier threshold the matmul's steps are also available apart (``JoinedInt8.quantize``
+and ``int8_gemm``: bitsandbytes' quantization of the input and its int8 GEMM), so that
+``ops.int8_dequant`` can dequantize the int32 product and add the LoRA deltas in one pass. Only
+bitsandbytes' names are read here.
 """
 
 from __future__ import annotations
@@ -112,15 +112,24 @@ class JoinedInt8:
     def threshold(self) -> float:
         return self.state.threshold
 
+    def quantize(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(int8 rows, each row's scale): bitsandbytes' quantization of an input of rows (M, in),
+        cast to fp16 first as its matmul does. Only without an outlier threshold (where there is
+        one, the outlier columns are computed apart)."""
+        if self.state.threshold != 0.0:
+            raise RuntimeError("JoinedInt8.quantize: layers with an outlier threshold split outlier columns out")
+        quantized, row_scales, _ = self._bnb.functional.int8_vectorwise_quant(x.to(torch.float16), threshold=0.0)
+        return quantized, row_scales
+
+    def int8_gemm(self, quantized: torch.Tensor) -> torch.Tensor:
+        """The int32 product (rows, sum of output widths) of quantized input rows and the joined rows."""
+        return self._bnb.functional.int8_linear_matmul(quantized, self.rows)
+
     def product(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(the int32 product (rows, sum of output widths), each input row's scale): what the
-        matmul computes before its dequantization, for an input of rows (M, in). Only without
-        an outlier threshold (where there is one, the outlier columns are computed apart)."""
-        if self.state.threshold != 0.0:
-            raise RuntimeError("JoinedInt8.product: layers with an outlier threshold split outlier columns out")
-        functional = self._bnb.functional
-        quantized, row_scales, _ = functional.int8_vectorwise_quant(x.to(torch.float16), threshold=0.0)
-        return functional.int8_linear_matmul(quantized, self.rows), row_scales
+        matmul computes before its dequantization, for an input of rows (M, in)."""
+        quantized, row_scales = self.quantize(x)
+        return self.int8_gemm(quantized), row_scales
 
     def dequantize(self, product: torch.Tensor, row_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """bitsandbytes' own dequantization of ``product`` into ``dtype``, as its matmul asks for it

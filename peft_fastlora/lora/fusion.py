@@ -22,10 +22,10 @@ library's matmul. Where every member is such a LoRA layer of one kind, the group
 one per member, and their base outputs are laid side by side. bitsandbytes' 8-bit siblings, whose
 weights are quantized row by row, share one 8-bit matmul over their rows joined
 (``compat.bitsandbytes``); the others are computed one by one. Nothing is folded. Without an
-outlier threshold, on a GPU, the joined product is dequantized by ``ops.int8_lora`` straight to
-the input's dtype (bitsandbytes' values, without its separate cast from fp16), and a decode-sized
-LoRA forward adds its deltas in that same pass (``lora.sites``). A single 8-bit layer takes the
-same form as a group of one.
+outlier threshold, on a GPU, the joined product is dequantized by ``ops.int8_dequant`` straight to
+the input's dtype (bitsandbytes' values, without its separate cast from fp16); a decode-sized
+LoRA forward adds its deltas, computed beside the matmul (``lora.beside``), in that same pass. A
+single 8-bit layer takes the same form as a group of one.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from ..compat.modules import (has_forward_hooks, is_dtensor, is_plain_weight, li
 from ..compat.peft import base_layer_of, is_lora_layer, quantized_base_kind
 from ..compat.tensor_parallel import TP_REASON, repoint_local, tp_colwise_mesh
 from ..kernel_support import kernel_runs_on
-from ..ops.int8_lora import int8_dequant_lora
+from ..ops.int8_dequant import int8_dequant
 
 FUSIBLE_GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -238,13 +238,30 @@ class SeparateGroup(FusedGroup):
         return torch.cat([b(x) for b in self.bases], dim=-1)
 
 
+def dequantized_by_fastlora(joined: JoinedInt8, x: torch.Tensor) -> bool:
+    """Whether ``joined``'s product of ``x`` is dequantized by ``ops.int8_dequant`` (no outlier
+    threshold, on a GPU the kernels run on) rather than inside bitsandbytes' matmul."""
+    return joined.threshold == 0.0 and x.is_cuda and kernel_runs_on(x)
+
+
 def int8_matmul(joined: JoinedInt8, x: torch.Tensor) -> torch.Tensor:
-    """``joined``'s 8-bit matmul of ``x``; without an outlier threshold, on a GPU, its product
-    dequantized by ``ops.int8_lora`` into ``x``'s dtype (one launch where bitsandbytes has two)."""
-    if joined.threshold != 0.0 or not x.is_cuda or not kernel_runs_on(x):
+    """``joined``'s 8-bit matmul of ``x``; where ``dequantized_by_fastlora``, its product
+    dequantized in one launch where bitsandbytes has two."""
+    if not dequantized_by_fastlora(joined, x):
         return joined.matmul(x)
     product, row_scales = joined.product(x.reshape(-1, x.shape[-1]))
-    return int8_dequant_lora(product, row_scales, joined.scales, x.dtype).view(*x.shape[:-1], product.shape[1])
+    return int8_dequant(product, row_scales, joined.scales, x.dtype).view(*x.shape[:-1], product.shape[1])
+
+
+def int8_dequantize(joined: JoinedInt8, product: torch.Tensor, row_scales: torch.Tensor, dtype: torch.dtype,
+                    addend: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``joined``'s int32 ``product`` (``JoinedInt8.product``) dequantized into ``dtype``, plus
+    ``addend`` where given: on a GPU in one launch of ``ops.int8_dequant`` (bitsandbytes' CUDA
+    roundings), elsewhere by bitsandbytes' own dequantization and an add."""
+    if product.is_cuda and kernel_runs_on(product):
+        return int8_dequant(product, row_scales, joined.scales, dtype, addend)
+    out = joined.dequantize(product, row_scales, dtype)
+    return out if addend is None else out.add_(addend)
 
 
 def fusion_blocker(bases: List[nn.Module]) -> Optional[str]:

@@ -22,7 +22,8 @@ from ..compat.tensor_parallel import (tp_gather_finish, tp_gather_partial, tp_gr
                                       tp_rowwise_finish_columns, tp_rowwise_partial, tp_sum, tp_vocab_ids,
                                       tp_vocab_partial)
 from ..instance_methods import InstancePatches
-from .fusion import FusedGroup
+from .beside import LoraBeside
+from .fusion import FusedGroup, int8_dequantize
 from .pool import SitePool
 from ..decode.capture import GraphUnsafe
 from ..ops.glu_lora import check_glu_lora, GluLora, MAX_RANK
@@ -209,25 +210,21 @@ def _fold_forward(state, pool: SitePool, x2: torch.Tensor, bi, bias: bool = True
     return full
 
 
-def _int8_forward(state, pool: SitePool, group, x2: torch.Tensor, bi) -> Optional[torch.Tensor]:
-    """Base output and LoRA deltas of a decode-sized forward over bitsandbytes 8-bit layers with no
-    outlier threshold (``group``: their ``SeparateGroup``, joined): bitsandbytes' quantization and
-    int8 GEMM, the shrink of every A arena row as one GEMM (a folded site's tail, without the base
-    weight to ride on), then the dequantization and the expand in one pass
-    (``backend.run_int8_lora``). None where it does not apply: an outlier threshold, a prefill,
-    an A arena past ``Tuning.fold_max_share`` of the output rows (every call computes every row
-    of it), bias or DoRA tables."""
-    packed = pool.packed
-    if (group is None or bi.block_m > FOLD_MAX_BLOCK_M or packed.bias is not None or packed.dora is not None
-            or packed.a.shape[0] > pool.tuning.fold_max_share * packed.offsets[-1] or not group.joined_intact()
-            or group.joined.threshold != 0.0):
+def _int8_beside_forward(state, pool: SitePool, x2: torch.Tensor, bi, group) -> Optional[torch.Tensor]:
+    """A decode-sized forward of a site over bitsandbytes' 8-bit layers without an outlier threshold
+    (``group``: the site's ``SeparateGroup``, joined): the input quantized, the LoRA delta started
+    beside the int8 GEMM (``lora.beside``), the product dequantized with the delta (on a GPU in one
+    launch). None where it does not apply: a prefill (the GEMM fills the GPU), DoRA tables (their
+    scale reads the base output)."""
+    if (group is None or bi.block_m > FOLD_MAX_BLOCK_M or pool.packed.dora is not None
+            or not group.joined_intact() or group.joined.threshold != 0.0):
         return None
     joined = group.joined
-    product, row_scales = joined.product(x2)
-    tail = torch.nn.functional.linear(x2, packed.a)
-    return state.backend.run_int8_lora(product, row_scales, joined.scales, tail, packed, dequantize=joined.dequantize,
-                                       dtype=x2.dtype, layer_ranks=pool.ranks, layer_scalings=pool.scalings,
-                                       batch_info=bi)
+    branch = LoraBeside(state.side_streams, state.backend, pool, x2, bi)
+    quantized, row_scales = joined.quantize(x2)
+    branch.start()  # after the quantization, which the GEMM waits for: the LoRA never delays it
+    product = joined.int8_gemm(quantized)
+    return int8_dequantize(joined, product, row_scales, x2.dtype, branch.join())
 
 
 class _OneLayerSite(Site):
@@ -274,12 +271,12 @@ class LinearSite(_OneLayerSite):
         super().__init__(name, members, pool)
         self.tp = tp
         self.tp_group = tp_group(members[0]) if tp in ("rowwise", "colwise_gather") else None
-        self.int8 = None  # a bitsandbytes 8-bit base held as a join of one (``_int8_forward``)
+        self.int8 = None  # a bitsandbytes 8-bit base held as a join of one
 
     def _folded_forward(self, state, context, x, bi):
         if self.int8 is not None:  # (never under tensor parallelism)
-            res = _int8_forward(state, state.pool_for(self, x.dtype), self.int8,
-                                _as_rows(x, x.shape[-1]).contiguous(), bi)
+            res = _int8_beside_forward(state, state.pool_for(self, x.dtype), _as_rows(x, x.shape[-1]).contiguous(),
+                                       bi, self.int8)
             return None if res is None else res.view(*x.shape[:-1], res.shape[-1])
         if self.pool.fold is None or self.tp == "colwise_gather":
             return None
@@ -423,7 +420,7 @@ class FusedSite(Site):
         x2 = _as_rows(x, x.shape[-1]).contiguous()
         res = _fold_forward(state, pool, x2, bi)[:, :pool.offsets[-1]] if _folded(context, pool, bi) else None
         if res is None and self.group.separate == "int8":
-            res = _int8_forward(state, pool, self.group, x2, bi)
+            res = _int8_beside_forward(state, pool, x2, bi, self.group)
         if res is None:
             res = self.group.linear(x2)
             state.backend.run_packed_lora(x2, pool.packed, base_output=res, layer_ranks=pool.ranks,

@@ -14,9 +14,10 @@ import torch
 pytest.importorskip("bitsandbytes")
 
 import peft_fastlora as fastlora  # noqa: E402
+from peft_fastlora.lora.beside import LoraBeside  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
-from _patch_models import IDS, logits, lora, tiny_llama, with_lora  # noqa: E402
+from _patch_models import IDS, VOCAB, logits, lora, tiny_llama, with_lora  # noqa: E402
 
 QUANT = {
     "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
@@ -132,19 +133,18 @@ def test_8bit_siblings_share_one_bitsandbytes_matmul(saved, threshold, monkeypat
     for layer, (lo, hi) in zip((attn.q_proj, attn.k_proj, attn.v_proj), zip(joined.offsets, joined.offsets[1:])):
         rows = layer.base_layer.state.CB
         assert rows.data_ptr() == joined.rows[lo:hi].data_ptr() and layer.base_layer.weight.data_ptr() == rows.data_ptr()
-    calls, outliers = [], []
-    real = bnb.matmul
-    monkeypatch.setattr(bnb, "matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # every 8-bit matmul quantizes its input once, bitsandbytes' own or split into its steps
+    outliers = []
     found = bnb.functional.int8_vectorwise_quant
     monkeypatch.setattr(bnb.functional, "int8_vectorwise_quant",
                         lambda *a, **k: (lambda r: outliers.append(r[2] is not None and r[2].numel() > 0) or r)(found(*a, **k)))
     for names in (["sql", "chat", "__base__", "wide"], ["wide", "wide", "chat", "__base__"]):
-        calls.clear()
+        outliers.clear()
         out = logits(m, names)
-        assert len(calls) == 2 * 4, len(calls)  # per layer: q/k/v, o, gate/up, down
+        assert len(outliers) == 2 * 4, len(outliers)  # per layer: q/k/v, o, gate/up, down
         torch.testing.assert_close(out, logits(ref, names), atol=1e-5, rtol=1e-5)
-        assert len(calls) == 2 * 4 + 2 * 7, len(calls)  # PEFT's: one per layer
-    assert any(outliers) == (threshold == 0.5), outliers  # the outlier path ran where it should
+        assert len(outliers) == 2 * 4 + 2 * 7, len(outliers)  # PEFT's: one per layer
+        assert any(outliers) == (threshold == 0.5), outliers  # the outlier path ran where it should
     kw = dict(input_ids=IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=6, do_sample=False, pad_token_id=0)
     names = ["chat", "__base__", "sql", "wide"]
     assert torch.equal(m.generate(**kw, adapter_names=names), ref.generate(**kw, adapter_names=names))
@@ -205,22 +205,30 @@ LOW_RANKS = (("sql", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
              ("chat", ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"), 1, {}))
 
 
-def test_8bit_products_dequantized_with_the_deltas_in_one_pass(saved, monkeypatch):
-    """Over 8-bit bases without an outlier threshold, a decode-sized forward takes bitsandbytes'
-    quantization and int8 GEMM, the shrink of every A arena row, then the dequantization and the
-    expand as one backend call (``run_int8_lora``) at every site whose arena is at most
-    ``fold_max_share`` of its rows: equal to PEFT's mixed batch, rows of no adapter included, and
-    greedy ``generate`` token for token. A larger adapter added pushes some arenas past the share:
-    those sites keep the separate path, the others stay, every result still equal."""
-    m, ref = (quantized(saved, INT8_NO_OUTLIERS, LOW_RANKS) for _ in range(2))
-    fastlora.patch(m)
-    backend_type = type(fastlora.get_state(m).backend)
+def _count_beside(monkeypatch) -> list:
+    """Each LoRA delta the sites start beside an 8-bit matmul (``lora.beside``), counted."""
     calls = []
-    real = backend_type.run_int8_lora
-    monkeypatch.setattr(backend_type, "run_int8_lora", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    real = LoraBeside.start
+    monkeypatch.setattr(LoraBeside, "start", lambda self: calls.append(1) or real(self))
+    return calls
+
+
+@pytest.mark.parametrize("quant", ["int8_no_outliers", "int8", "nf4"])
+def test_8bit_deltas_computed_beside_the_matmul(saved, quant, monkeypatch):
+    """A decode-sized forward (at most 256 tokens) over 8-bit layers without an outlier threshold
+    quantizes the input, starts each site's LoRA delta beside the int8 GEMM (``lora.beside``: on a
+    GPU a parallel branch) and dequantizes the product with it: at every site of every call, equal
+    to PEFT's mixed batch, rows of no adapter included, greedy ``generate`` token for token, and
+    after an adapter is added. A longer forward, and the bases with an outlier threshold or 4-bit
+    weights, run the matmul and then the LoRA, as equal."""
+    m, ref = (quantized(saved, INT8_NO_OUTLIERS if quant == "int8_no_outliers" else quant, LOW_RANKS)
+              for _ in range(2))
+    fastlora.patch(m)
+    calls = _count_beside(monkeypatch)
+    per_call = 8 if quant == "int8_no_outliers" else 0  # 2 layers x (q/k/v, o, gate/up, down)
     for names in (["sql", "chat", "__base__", "sql"], ["__base__"] * 4, ["chat"] * 4):
         torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
-    assert len(calls) == 3 * 8, len(calls)  # 2 layers x (q/k/v, o, gate/up, down), every call
+    assert len(calls) == 3 * per_call, len(calls)
     names = ["chat", "__base__", "sql", "chat"]
     kw = dict(input_ids=IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=5, do_sample=False,
               adapter_names=names)
@@ -231,7 +239,12 @@ def test_8bit_products_dequantized_with_the_deltas_in_one_pass(saved, monkeypatc
     calls.clear()
     names = ["big", "sql", "__base__", "chat"]
     torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
-    assert len(calls) == 2 * 2, len(calls)  # o and gate/up still; q/k/v and down past the share
+    assert len(calls) == per_call, len(calls)
+    calls.clear()
+    long_ids = torch.randint(3, VOCAB, (5, 60), generator=torch.Generator().manual_seed(3))
+    names = ["big", "sql", "__base__", "chat", "sql"]
+    torch.testing.assert_close(logits(m, names, long_ids), logits(ref, names, long_ids), atol=1e-5, rtol=1e-5)
+    assert calls == []
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -349,14 +362,13 @@ def test_dora_over_a_quantized_base_follows_magnitude_edits(saved):
     torch.testing.assert_close(logits(m, names), peft_rows(ref, names), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("quant", ["nf4", "int8_joined", "int8_one_pass"])
+@pytest.mark.parametrize("quant", ["nf4", "int8_joined", "int8_low_ranks"])
 def test_quantized_continuous_batching_per_request(saved, quant, monkeypatch):
     """transformers' engine over a 4-bit base, over an 8-bit one whose q/k/v and gate/up share
-    one 8-bit matmul, and over an 8-bit one whose every site takes the one-pass dequantize-and-expand
-    (its backend calls counted): each request with its own adapter, every step on fastlora's path,
-    equal to PEFT alone."""
+    one 8-bit matmul, and over an 8-bit one whose every site has adapters: each request with its
+    own adapter, every step on fastlora's path (the 8-bit sites' deltas computed beside the
+    matmul, counted), equal to PEFT alone."""
     from _continuous import cb_config, greedy_config, peft_alone, requires_cb
-    from _patch_models import VOCAB
 
     if requires_cb.args[0]:
         pytest.skip(requires_cb.kwargs["reason"])
@@ -370,10 +382,7 @@ def test_quantized_continuous_batching_per_request(saved, quant, monkeypatch):
         m, ref = (quantized(saved, INT8_NO_OUTLIERS, LOW_RANKS) for _ in range(2))
         names = ["chat", "sql", "__base__", "chat"]
     report = fastlora.patch(m)
-    calls = []
-    backend_type = type(fastlora.get_state(m).backend)
-    real = backend_type.run_int8_lora
-    monkeypatch.setattr(backend_type, "run_int8_lora", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    calls = _count_beside(monkeypatch)
     assert report.continuous_batching == "on", report
     why_not = {why for _, why in report.quantized_joined}
     assert why_not == ({"nf4 weights: one matmul a member"} if quant == "nf4" else {None}), report.quantized_joined
@@ -383,7 +392,7 @@ def test_quantized_continuous_batching_per_request(saved, quant, monkeypatch):
                            continuous_batching_config=cb_config(max_batch_tokens=16), adapter_names=names)
     for i, (prompt, name) in enumerate(zip(prompts, names)):
         assert out[f"req_{i}"].generated_tokens == peft_alone(ref, prompt, name, 5), (i, name)
-    assert (len(calls) > 0) == (quant == "int8_one_pass"), len(calls)
+    assert (len(calls) > 0) == (quant != "nf4"), len(calls)
 
 
 def _torchao(targets=(("sql", ("q_proj", "v_proj"), 4, {}), ("chat", ("q_proj", "down_proj", "gate_proj"), 8, {}))):
@@ -432,7 +441,6 @@ def test_dora_over_a_torchao_base_in_mixed_batches():
 def test_dora_over_a_torchao_base_through_the_engine():
     """The same adapters served per request by transformers' engine: each equal to PEFT alone."""
     from _continuous import cb_config, greedy_config, peft_alone, requires_cb
-    from _patch_models import VOCAB
 
     if requires_cb.args[0]:
         pytest.skip(requires_cb.kwargs["reason"])

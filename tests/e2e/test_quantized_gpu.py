@@ -85,34 +85,37 @@ def test_quantized_base_in_graphs_equal_peft(saved, quant):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_8bit_products_with_their_deltas_in_one_pass_in_graphs(saved, dtype, monkeypatch):
-    """An 8-bit base without an outlier threshold: each site's decode dequantizes its int8 product
-    and adds the deltas in one launch (``ops.int8_lora``, its backend calls counted while the graphs
-    are captured), replayed from CUDA graphs. fp32: greedy tokens equal PEFT's mixed batch. bf16:
-    one forward's logits against PEFT's within bf16's tolerance."""
-    # four rank-4 adapters on every projection, no bias: every site's A arena within
-    # ``fold_max_share`` of its rows
-    m, ref = (quantized(saved, "int8_no_outliers", dtype, adapters=[(4, TARGETS, False)] * 4) for _ in range(2))
-    names = ["a0", "__base__", "a1", "a2", "a3", "a2", "a0", "__base__"]
-    inputs = generate_inputs(len(names))
+def test_8bit_deltas_beside_the_matmul_in_graphs(saved, dtype, monkeypatch):
+    """An 8-bit base without an outlier threshold: each site's decode delta computed on a side
+    stream beside the int8 GEMM (``lora.beside``, started while the graphs are captured: parallel
+    branches of each graph, counted) and added by the dequantization's launch, replayed from CUDA
+    graphs for two different mixes of adapters. fp32: greedy tokens equal PEFT's mixed batch.
+    bf16: one forward's logits against PEFT's within bf16's tolerance."""
+    from peft_fastlora.lora.beside import LoraBeside
+
+    quant = "int8_no_outliers"
+    m, ref = (quantized(saved, quant, dtype, adapters=[(4, TARGETS, False)] * 3 + [(16, TARGETS[:4], True)])
+              for _ in range(2))
     report = fastlora.patch(m)
     assert report.left_on_peft == [] and report.adapter_fallbacks == [], report
-    backend_type = type(fastlora.get_state(m).backend)
     calls = []
-    real = backend_type.run_int8_lora
-    monkeypatch.setattr(backend_type, "run_int8_lora", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    real = LoraBeside.start
+    monkeypatch.setattr(LoraBeside, "start", lambda self: calls.append(1) or real(self))
+    for names in (["a0", "__base__", "a1", "a2", "a3", "a2", "a0", "__base__"],
+                  ["a3", "a3", "__base__", "a1", "a0", "a1", "a2", "a3"]):
+        inputs = generate_inputs(len(names))
+        if dtype == torch.float32:
+            expected = ref.generate(**inputs, adapter_names=names, max_new_tokens=24)
+            assert torch.equal(m.generate(**inputs, adapter_names=names, max_new_tokens=24), expected)
+        else:
+            fwd = {k: inputs[k] for k in ("input_ids", "attention_mask")}
+            with torch.no_grad():
+                ours = m(**fwd, adapter_names=names).logits
+                theirs = ref(**fwd, adapter_names=names).logits
+            torch.testing.assert_close(ours, theirs, atol=5e-2, rtol=5e-2)
     if dtype == torch.float32:
-        expected = ref.generate(**inputs, adapter_names=names, max_new_tokens=24)
-        out = m.generate(**inputs, adapter_names=names, max_new_tokens=24)
-        assert torch.equal(out, expected)
         stats = fastlora.get_state(m).graph_runner.stats
-        assert stats["replays"] >= 20 and stats["eager_steps"] == 0, stats
-    else:
-        fwd = {k: inputs[k] for k in ("input_ids", "attention_mask")}
-        with torch.no_grad():
-            ours = m(**fwd, adapter_names=names).logits
-            theirs = ref(**fwd, adapter_names=names).logits
-        torch.testing.assert_close(ours, theirs, atol=5e-2, rtol=5e-2)
+        assert stats["replays"] >= 40 and stats["eager_steps"] == 0, stats
     assert len(calls) >= 4 * 2, len(calls)  # (tiny Llama: 2 layers of q/k/v, o, gate/up, down)
 
 

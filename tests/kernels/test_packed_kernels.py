@@ -212,32 +212,3 @@ def test_packed_expand_bad_inputs():
     column_major = y.t().contiguous().t()
     with pytest.raises(ValueError, match="unit column stride"):
         tri.run_packed_expand(column_major, w, **kw)
-
-
-def test_int8_lora_is_the_dequantized_product_plus_the_expand():
-    """``run_int8_lora`` (off CUDA, both backends): the library's dequantization of the int32 product,
-    then the packed expand of the arena's shrink into it; a product that is not the site's int32
-    (s, N) one, or not of the batch's tokens, is refused."""
-    seq_lens = [1] * 6
-    wi = COMPOSITIONS["mixed"](6)
-    x, a, b, base, ranks, scalings = site_inputs("qkv", token_slots(wi, seq_lens), torch.float32)
-    w = pack(a, b, FUSED_SITES["qkv"], ranks)
-    g = torch.Generator().manual_seed(0)
-    product = torch.randint(-5000, 5000, base.shape, generator=g, dtype=torch.int32)
-    row_scales, col_scales = torch.rand(base.shape[0], generator=g), torch.rand(base.shape[1], generator=g)
-
-    def dequantize(p, rows, dtype):
-        return (p.float() * rows[:, None] * col_scales[None, :] / 127 ** 2).to(dtype)
-
-    y = x @ w.a.T
-    kw = dict(dequantize=dequantize, dtype=torch.float32, layer_ranks=ranks, layer_scalings=scalings)
-    for be in make_backends(wi, seq_lens):
-        want = be.run_packed_expand(y, w, base_output=dequantize(product, row_scales, torch.float32),
-                                    layer_ranks=ranks, layer_scalings=scalings)
-        assert torch.equal(be.run_int8_lora(product, row_scales, col_scales, y, w, **kw), want)
-        with pytest.raises(ValueError, match="is not the int32"):
-            be.run_int8_lora(product.float(), row_scales, col_scales, y, w, **kw)
-        with pytest.raises(ValueError, match="is not the int32"):
-            be.run_int8_lora(product[:, :-1], row_scales, col_scales, y, w, **kw)
-        with pytest.raises(ValueError, match="input has 3 tokens"):
-            be.run_int8_lora(product[:3], row_scales[:3], col_scales, y[:3], w, **kw)
