@@ -2,8 +2,8 @@
 
 Over bitsandbytes' 8-bit layers the shrink cannot ride the base GEMM as a folded site's does, and
 the base output does not feed the delta. So at decode the delta is computed into a buffer of its
-own on a second stream, forked from the current one once the input's quantization is queued and
-joined before the dequantization, which adds it in its own launch (``ops.int8_dequant``): inside a
+own on a second stream, forked from the current one before the input's quantization and joined
+before the dequantization, which adds it in its own launch (``ops.int8_dequant``): inside a
 CUDA graph the two are parallel branches, and the LoRA launches run on the SMs and bandwidth that a
 decode-sized int8 GEMM leaves unused instead of after it. Off CUDA the same steps run in turn.
 

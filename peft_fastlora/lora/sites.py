@@ -212,17 +212,19 @@ def _fold_forward(state, pool: SitePool, x2: torch.Tensor, bi, bias: bool = True
 
 def _int8_beside_forward(state, pool: SitePool, x2: torch.Tensor, bi, group) -> Optional[torch.Tensor]:
     """A decode-sized forward of a site over bitsandbytes' 8-bit layers without an outlier threshold
-    (``group``: the site's ``SeparateGroup``, joined): the input quantized, the LoRA delta started
-    beside the int8 GEMM (``lora.beside``), the product dequantized with the delta (on a GPU in one
-    launch). None where it does not apply: a prefill (the GEMM fills the GPU), DoRA tables (their
+    (``group``: the site's ``SeparateGroup``, joined): the LoRA delta started beside the input's
+    quantization and the int8 GEMM (``lora.beside``), the product dequantized with the delta (on a
+    GPU in one launch). None where it does not apply: a prefill (the GEMM fills the GPU), DoRA tables (their
     scale reads the base output)."""
     if (group is None or bi.block_m > FOLD_MAX_BLOCK_M or pool.packed.dora is not None
             or not group.joined_intact() or group.joined.threshold != 0.0):
         return None
     joined = group.joined
     branch = LoraBeside(state.side_streams, state.backend, pool, x2, bi)
+    # started before the input's quantization: the LoRA gets ahead while the quantization runs
+    # (started after it, the LoRA and the GEMM met head on and the step was slower)
+    branch.start()
     quantized, row_scales = joined.quantize(x2)
-    branch.start()  # after the quantization, which the GEMM waits for: the LoRA never delays it
     product = joined.int8_gemm(quantized)
     return int8_dequantize(joined, product, row_scales, x2.dtype, branch.join())
 

@@ -216,11 +216,11 @@ def _count_beside(monkeypatch) -> list:
 @pytest.mark.parametrize("quant", ["int8_no_outliers", "int8", "nf4"])
 def test_8bit_deltas_computed_beside_the_matmul(saved, quant, monkeypatch):
     """A decode-sized forward (at most 256 tokens) over 8-bit layers without an outlier threshold
-    quantizes the input, starts each site's LoRA delta beside the int8 GEMM (``lora.beside``: on a
-    GPU a parallel branch) and dequantizes the product with it: at every site of every call, equal
-    to PEFT's mixed batch, rows of no adapter included, greedy ``generate`` token for token, and
-    after an adapter is added. A longer forward, and the bases with an outlier threshold or 4-bit
-    weights, run the matmul and then the LoRA, as equal."""
+    starts each site's LoRA delta beside the input's quantization and the int8 GEMM
+    (``lora.beside``: on a GPU a parallel branch) and dequantizes the product with it: at every site
+    of every call, equal to PEFT's mixed batch, rows of no adapter included, greedy ``generate``
+    token for token, and after an adapter is added. A longer forward, and the bases with an outlier
+    threshold or 4-bit weights, run the matmul and then the LoRA, as equal."""
     m, ref = (quantized(saved, INT8_NO_OUTLIERS if quant == "int8_no_outliers" else quant, LOW_RANKS)
               for _ in range(2))
     fastlora.patch(m)
