@@ -214,8 +214,8 @@ def _int8_beside_forward(state, pool: SitePool, x2: torch.Tensor, bi, group) -> 
     """A decode-sized forward of a site over bitsandbytes' 8-bit layers without an outlier threshold
     (``group``: the site's ``SeparateGroup``, joined): the LoRA delta started beside the input's
     quantization and the int8 GEMM (``lora.beside``), the product dequantized with the delta (on a
-    GPU in one launch). None where it does not apply: a prefill (the GEMM fills the GPU), DoRA tables (their
-    scale reads the base output)."""
+    GPU in one launch). None where it does not apply: a prefill (the GEMM fills the GPU), DoRA
+    tables (their scale reads the base output)."""
     if (group is None or bi.block_m > FOLD_MAX_BLOCK_M or pool.packed.dora is not None
             or not group.joined_intact() or group.joined.threshold != 0.0):
         return None
@@ -224,9 +224,12 @@ def _int8_beside_forward(state, pool: SitePool, x2: torch.Tensor, bi, group) -> 
     # started before the input's quantization: the LoRA gets ahead while the quantization runs
     # (started after it, the LoRA and the GEMM met head on and the step was slower)
     branch.start()
-    quantized, row_scales = joined.quantize(x2)
-    product = joined.int8_gemm(quantized)
-    return int8_dequantize(joined, product, row_scales, x2.dtype, branch.join())
+    try:
+        quantized, row_scales = joined.quantize(x2)
+        product = joined.int8_gemm(quantized)
+    finally:  # joined even on an error: the side stream must not outlive the buffers it writes
+        delta = branch.join()
+    return int8_dequantize(joined, product, row_scales, x2.dtype, delta)
 
 
 class _OneLayerSite(Site):

@@ -247,6 +247,29 @@ def test_8bit_deltas_computed_beside_the_matmul(saved, quant, monkeypatch):
     assert calls == []
 
 
+def test_an_error_beside_the_8bit_matmul_propagates_and_the_next_call_is_whole(saved, monkeypatch):
+    """An int8 GEMM that raises while the delta is being computed beside it (an injected failure):
+    the caller gets the error, the branch is joined, and the next call equals PEFT's mixed batch."""
+    from peft_fastlora.compat.bitsandbytes import JoinedInt8
+
+    m, ref = (quantized(saved, INT8_NO_OUTLIERS, LOW_RANKS) for _ in range(2))
+    fastlora.patch(m)
+    joins = []
+    real_join, real_gemm = LoraBeside.join, JoinedInt8.int8_gemm
+    monkeypatch.setattr(LoraBeside, "join", lambda self: joins.append(1) or real_join(self))
+
+    def failing_gemm(self, quantized):
+        raise RuntimeError("injected: int8 GEMM failed")
+
+    monkeypatch.setattr(JoinedInt8, "int8_gemm", failing_gemm)
+    names = ["sql", "chat", "__base__", "sql"]
+    with pytest.raises(RuntimeError, match="injected"):
+        logits(m, names)
+    assert joins == [1]
+    monkeypatch.setattr(JoinedInt8, "int8_gemm", real_gemm)
+    torch.testing.assert_close(logits(m, names), logits(ref, names), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_8bit_joined_siblings_under_random_adapter_traffic(saved, seed):
     """A user's random sequence over an 8-bit model: mixed calls, adapters added and deleted,

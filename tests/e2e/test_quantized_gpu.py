@@ -119,6 +119,34 @@ def test_8bit_deltas_beside_the_matmul_in_graphs(saved, dtype, monkeypatch):
     assert len(calls) >= 4 * 2, len(calls)  # (tiny Llama: 2 layers of q/k/v, o, gate/up, down)
 
 
+def test_an_error_beside_the_8bit_matmul_leaves_the_streams_whole(saved, monkeypatch):
+    """An int8 GEMM that raises on the GPU while the delta runs on the side stream (an injected
+    failure, an eager forward): the error reaches the caller, the side stream is joined, and later
+    calls, eager and through graphs, equal PEFT's mixed batch in fp32."""
+    from peft_fastlora.compat.bitsandbytes import JoinedInt8
+
+    m, ref = (quantized(saved, "int8_no_outliers", adapters=[(4, TARGETS, False)] * 3) for _ in range(2))
+    fastlora.patch(m)
+    names = ["a0", "__base__", "a1", "a2"]
+    inputs = generate_inputs(len(names))
+    fwd = {k: inputs[k] for k in ("input_ids", "attention_mask")}
+    real = JoinedInt8.int8_gemm
+
+    def failing_gemm(self, quantized):
+        raise RuntimeError("injected: int8 GEMM failed")
+
+    monkeypatch.setattr(JoinedInt8, "int8_gemm", failing_gemm)
+    with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
+        m(**fwd, adapter_names=names)
+    monkeypatch.setattr(JoinedInt8, "int8_gemm", real)
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        torch.testing.assert_close(m(**fwd, adapter_names=names).logits, ref(**fwd, adapter_names=names).logits,
+                                   atol=1e-4, rtol=1e-4)
+    expected = ref.generate(**inputs, adapter_names=names, max_new_tokens=12)
+    assert torch.equal(m.generate(**inputs, adapter_names=names, max_new_tokens=12), expected)
+
+
 def test_dora_over_an_nf4_base_in_graphs_equal_peft_row_by_row(saved):
     """QDoRA: a DoRA adapter over the nf4 base beside plain ones and base rows, through fastlora's
     graphs; PEFT refuses DoRA in a mixed batch, so each row is compared with PEFT's greedy tokens
