@@ -9,7 +9,8 @@ thread sets the pace (the endpoint at high request rates), this time adds to eve
 The cost follows the counts (layers, projections, adapters, requests a step), not the widths, so
 the model has the 8B layout's 32 layers and seven targeted projections at tiny widths, on the
 device given (the GPU machine's host is what serving meets). The steps: ``--steps`` made-up ones
-of 30-110 requests drawn from the adapters by a Zipf law, two of them prefill chunks.
+of 30-110 requests (``--requests``) drawn from the adapters by a Zipf law, two of them prefill
+chunks.
 
     python benchmarks/bench_host_step.py                  # host_step_<gpu or cpu>.csv
     python benchmarks/bench_host_step.py --device cpu --out ""
@@ -41,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=64, help="distinct made-up steps, each run --reps times")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--requests", type=int, nargs=2, default=[30, 110], metavar=("LO", "HI"),
+                   help="requests a made-up step, drawn uniformly between these (the 2,000-request workload's "
+                        "steps carry several hundred)")
     p.add_argument("--tag", default="", help="in the file name: host_step_<tag>_<gpu or cpu>.csv")
     p.add_argument("--out", default=hx.RESULTS, help="folder for host_step_<gpu or cpu>.csv (empty: none)")
     return p.parse_args(argv)
@@ -58,14 +62,14 @@ def host_cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-def made_up_steps(n: int, adapters: int, zipf: float, seed: int = 0):
+def made_up_steps(n: int, adapters: int, zipf: float, requests=(30, 110), seed: int = 0):
     """``n`` engine-like steps: (adapter names, tokens of each request)."""
     from peft_fastlora.batch import TokenSegments
 
     rng = random.Random(seed)
     steps = []
     for _ in range(n):
-        rows = rng.randint(30, 110)
+        rows = rng.randint(*requests)
         names = [f"a{min(adapters, int(rng.paretovariate(zipf))) - 1}" for _ in range(rows)]
         lens = [1] * (rows - 2) + [rng.randint(20, 200), rng.randint(1, 60)]
         steps.append(TokenSegments(names, lens, sum(lens)))
@@ -84,8 +88,10 @@ def main(argv=None):
     model = hx.add_adapters(base, args.adapters, args.rank)
     fastlora.patch(model)
     state = fastlora.get_state(model)
-    steps = made_up_steps(args.steps, args.adapters, args.zipf)
-    buffers = state.backend.new_graph_buffers(257, 2048, max_slots=state.registry.num_slots)
+    steps = made_up_steps(args.steps, args.adapters, args.zipf, args.requests)
+    buffers = state.backend.new_graph_buffers(max(257, max(len(s.names) for s in steps) + 1),
+                                              max(2048, max(s.num_tokens for s in steps)),
+                                              max_slots=state.registry.num_slots)
 
     def checks(seg):
         with state.segments(seg):

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 NO_ADAPTER = -1
@@ -91,7 +92,7 @@ class TokenSegments:
         if self.padding:
             lens.append(self.padding)
             slots.append(NO_ADAPTER)
-        mode = ForwardMode.DECODE if all(n == 1 for n in lens) else ForwardMode.EXTEND
+        mode = ForwardMode.DECODE if min(lens, default=1) == 1 == max(lens, default=1) else ForwardMode.EXTEND
         return ForwardBatch(len(lens), lens, mode, torch.device(device)), slots
 
     def token_names(self) -> list:
@@ -181,36 +182,26 @@ def max_chunks_for(num_tokens: int, block_m: int, max_loras: int) -> int:
     return min(num_tokens, (num_tokens + k * (block_m - 1)) // block_m)
 
 
-def plan_chunks(
-    weight_indices: Sequence[int], seg_lens: Sequence[int], block_m: int
-) -> tuple[list[int], list[int], list[int], list[int], list[int], tuple]:
-    """Host-side grouping of tokens by slot (pure Python, small: one entry per row).
+def plan_chunks(weight_indices: Sequence[int], seg_lens: Sequence[int], block_m: int) -> tuple:
+    """Host-side grouping of tokens by slot, in numpy (an engine step carries hundreds of rows).
 
-    Returns (token_slot, sorted_token_ids, chunk_slot, chunk_start, chunk_len, slots_in_batch).
-    Slots are visited in ascending order and rows in their original order within a slot, so
-    the plan is deterministic.
+    Returns (token_slot, sorted_token_ids, chunk_slot, chunk_start, chunk_len), int64 arrays, and
+    slots_in_batch, a tuple. Slots are visited in ascending order and rows in their original order
+    within a slot, so the plan is deterministic.
     """
-    token_slot: list[int] = []
-    by_slot: dict[int, list[int]] = {}
-    t = 0
-    for slot, n in zip(weight_indices, seg_lens):
-        token_slot.extend([slot] * n)
-        if slot != NO_ADAPTER:
-            by_slot.setdefault(slot, []).extend(range(t, t + n))
-        t += n
-    sorted_ids: list[int] = []
-    chunk_slot: list[int] = []
-    chunk_start: list[int] = []
-    chunk_len: list[int] = []
-    for slot in sorted(by_slot):
-        toks = by_slot[slot]
-        base = len(sorted_ids)
-        sorted_ids.extend(toks)
-        for off in range(0, len(toks), block_m):
-            chunk_slot.append(slot)
-            chunk_start.append(base + off)
-            chunk_len.append(min(block_m, len(toks) - off))
-    return token_slot, sorted_ids, chunk_slot, chunk_start, chunk_len, tuple(sorted(by_slot))
+    rows = np.asarray(weight_indices, dtype=np.int64)
+    token_slot = np.repeat(rows, np.asarray(seg_lens, dtype=np.int64))
+    adapter_tokens = np.flatnonzero(token_slot != NO_ADAPTER)
+    of_adapter = token_slot[adapter_tokens]
+    sorted_ids = adapter_tokens[np.argsort(of_adapter, kind="stable")]  # stable: row order kept
+    used, counts = np.unique(of_adapter, return_counts=True)  # ascending slots
+    n_chunks = (counts + block_m - 1) // block_m
+    first = np.repeat(np.cumsum(counts) - counts, n_chunks)  # each chunk's slot's first token
+    k = np.arange(int(n_chunks.sum())) - np.repeat(np.cumsum(n_chunks) - n_chunks, n_chunks)  # its index in the slot
+    chunk_start = first + k * block_m
+    chunk_len = np.minimum(block_m, np.repeat(counts, n_chunks) - k * block_m)
+    in_batch = tuple(np.unique(rows[rows != NO_ADAPTER]).tolist())  # (a row of no tokens too)
+    return token_slot, sorted_ids, np.repeat(used, n_chunks), chunk_start, chunk_len, in_batch
 
 
 class BatchInfoBuffers:
@@ -319,26 +310,25 @@ class BatchInfoBuffers:
             event.synchronize()
         array.fill(0)
         scaling_array.fill(0)
-        indptr = [0]
-        for n in seg_lens:
-            indptr.append(indptr[-1] + n)
-        unused = self.max_chunks - len(c_slot)
         values = {
-            "seg_lens": list(seg_lens),
-            "seg_indptr": indptr,
-            "weight_indices": list(weight_indices),
-            "lora_ranks": list(lora_ranks),
-            # padded tokens (graph buckets) belong to no adapter
-            "token_slot": token_slot + [NO_ADAPTER] * (self.max_tokens - len(token_slot)),
+            "seg_lens": seg_lens,
+            "seg_indptr": np.concatenate(([0], np.cumsum(seg_lens, dtype=np.int64))),
+            "weight_indices": weight_indices,
+            "lora_ranks": lora_ranks,
+            "token_slot": token_slot,
             "sorted_token_ids": sorted_ids,
-            "chunk_slot": c_slot + [NO_ADAPTER] * unused,
+            "chunk_slot": c_slot,
             "chunk_start": c_start,
             "chunk_len": c_len,
         }
         for name, vals in values.items():
-            if vals:
+            if len(vals):
                 off = self._offsets[name][0]
                 array[off : off + len(vals)] = vals
+        # padded tokens (graph buckets) belong to no adapter, and so do the chunks past the plan
+        for name, used in (("token_slot", len(token_slot)), ("chunk_slot", len(c_slot))):
+            off, n = self._offsets[name]
+            array[off + used : off + n] = NO_ADAPTER
         if scalings:
             scaling_array[: len(scalings)] = scalings
         self.dev.copy_(host, non_blocking=True)

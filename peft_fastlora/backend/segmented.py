@@ -140,7 +140,8 @@ class SegmentedLoRABackend(BaseLoRABackend):
         scalings: Sequence[float],
         use_cuda_graph: bool,
     ) -> LoRABatchInfo:
-        weight_indices = [int(w) for w in weight_indices]
+        # (builtins over the whole list, no Python loop: an engine step has hundreds of rows)
+        weight_indices = list(map(int, weight_indices))
         if len(weight_indices) != forward_batch.batch_size:
             raise ValueError(
                 f"weight_indices has {len(weight_indices)} entries for a batch of "
@@ -149,10 +150,11 @@ class SegmentedLoRABackend(BaseLoRABackend):
             raise ValueError(
                 f"lora_ranks ({len(lora_ranks)}) and scalings ({len(scalings)}) must both have "
                 "one entry per slot")
-        for w in weight_indices:
-            if w < -1 or w >= len(lora_ranks):
-                raise ValueError(f"weight index {w} is not a slot (0..{len(lora_ranks) - 1}) or -1")
-        distinct = {w for w in weight_indices if w >= 0}
+        if weight_indices and (min(weight_indices) < -1 or max(weight_indices) >= len(lora_ranks)):
+            w = next(w for w in weight_indices if w < -1 or w >= len(lora_ranks))
+            raise ValueError(f"weight index {w} is not a slot (0..{len(lora_ranks) - 1}) or -1")
+        distinct = set(weight_indices)
+        distinct.discard(-1)
         if len(distinct) > self.max_loras_per_batch:
             raise ValueError(
                 f"{len(distinct)} distinct adapters in one batch exceed "

@@ -84,13 +84,15 @@ class AdapterRegistry:
 
     def slots_for(self, adapter_names: Sequence[str]) -> List[int]:
         """Each row's slot (-1: no adapter)."""
-        unknown = sorted({n for n in adapter_names if n != BASE and n not in self.index})
+        names = set(adapter_names)  # (the rows' few names, looked up once each)
+        unknown = sorted(n for n in names if n != BASE and n not in self.index)
         if unknown:
             raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(unknown)}")
         try:
-            return [-1 if n == BASE else self.slot[n] for n in adapter_names]
+            slot_of = {n: -1 if n == BASE else self.slot[n] for n in names}
         except KeyError as e:
             raise RuntimeError(f"fastlora: adapter {e.args[0]!r} is not in a slot (assign first)") from None
+        return list(map(slot_of.__getitem__, adapter_names))
 
     def describe(self, hidden: Sequence[str] = ()) -> str:
         """For the report: how the adapters are held (``hidden``: names not counted, such as

@@ -28,7 +28,8 @@ CPU = torch.device("cpu")
 
 def check_plan(weight_indices, seg_lens, block_m):
     """Assert every invariant of ``plan_chunks``; returns the plan."""
-    token_slot, sorted_ids, c_slot, c_start, c_len, slots = plan_chunks(weight_indices, seg_lens, block_m)
+    *arrays, slots = plan_chunks(weight_indices, seg_lens, block_m)
+    token_slot, sorted_ids, c_slot, c_start, c_len = (a.tolist() for a in arrays)
     # token_slot: the row's slot repeated over the row's tokens, in row order
     expected = [w for w, n in zip(weight_indices, seg_lens) for _ in range(n)]
     assert token_slot == expected
@@ -81,6 +82,37 @@ def test_plan_chunks_random(seed):
     seg_lens = [rng.choice([0, 1, 1, 3, 7, 20]) for _ in range(bs)]
     _, _, c_slot, _, _, slots = check_plan(weight_indices, seg_lens, block_m)
     assert len(c_slot) <= max_chunks_for(sum(seg_lens), block_m, max(len(slots), 1))
+
+
+def plan_by_rows(weight_indices, seg_lens, block_m):
+    """The plan built row by row in Python (the reference for the vectorized one)."""
+    token_slot, by_slot, t = [], {}, 0
+    for slot, n in zip(weight_indices, seg_lens):
+        token_slot.extend([slot] * n)
+        if slot != NO_ADAPTER:
+            by_slot.setdefault(slot, []).extend(range(t, t + n))
+        t += n
+    sorted_ids, c_slot, c_start, c_len = [], [], [], []
+    for slot in sorted(by_slot):
+        toks, first = by_slot[slot], len(sorted_ids)
+        sorted_ids.extend(toks)
+        for off in range(0, len(toks), block_m):
+            c_slot.append(slot)
+            c_start.append(first + off)
+            c_len.append(min(block_m, len(toks) - off))
+    return token_slot, sorted_ids, c_slot, c_start, c_len, tuple(sorted(by_slot))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_plan_chunks_equals_the_row_by_row_plan(seed):
+    """Engine-sized steps (hundreds of rows, prefill chunks among decode rows, rows of no tokens)."""
+    rng = random.Random(100 + seed)
+    bs = rng.randint(1, 600)
+    weight_indices = [rng.randint(-1, 31) for _ in range(bs)]
+    seg_lens = [rng.choice([1] * 8 + [0, 2, 37, 300]) for _ in range(bs)]
+    block_m = rng.choice([16, 32, 64])
+    *arrays, slots = plan_chunks(weight_indices, seg_lens, block_m)
+    assert [a.tolist() for a in arrays] + [slots] == list(plan_by_rows(weight_indices, seg_lens, block_m))
 
 
 def test_max_chunks_bound_is_tight():
