@@ -146,6 +146,12 @@ class SegmentedLoRABackend(BaseLoRABackend):
             raise ValueError(
                 f"weight_indices has {len(weight_indices)} entries for a batch of "
                 f"{forward_batch.batch_size} rows")
+        seq_lens = list(map(int, forward_batch.seq_lens))
+        if len(seq_lens) != forward_batch.batch_size:
+            raise ValueError(f"forward_batch.seq_lens has {len(seq_lens)} entries for a batch of "
+                             f"{forward_batch.batch_size} rows")
+        if seq_lens and min(seq_lens) < 0:
+            raise ValueError(f"forward_batch.seq_lens holds a negative token count ({min(seq_lens)})")
         if len(lora_ranks) != len(scalings):
             raise ValueError(
                 f"lora_ranks ({len(lora_ranks)}) and scalings ({len(scalings)}) must both have "
@@ -167,7 +173,7 @@ class SegmentedLoRABackend(BaseLoRABackend):
         else:
             buffers = self._eager_buffers_for(forward_batch.batch_size, num_tokens, len(lora_ranks))
         self.batch_info = buffers.fill(
-            forward_batch.batch_size, num_tokens, list(forward_batch.seq_lens), weight_indices,
+            forward_batch.batch_size, num_tokens, seq_lens, weight_indices,
             list(lora_ranks), list(scalings))
         return self.batch_info
 

@@ -238,19 +238,13 @@ class SeparateGroup(FusedGroup):
         return torch.cat([b(x) for b in self.bases], dim=-1)
 
 
-def dequantized_by_fastlora(joined: JoinedInt8, x: torch.Tensor) -> bool:
-    """Whether ``joined``'s product of ``x`` is dequantized by ``ops.int8_dequant`` (no outlier
-    threshold, on a GPU the kernels run on) rather than inside bitsandbytes' matmul."""
-    return joined.threshold == 0.0 and x.is_cuda and kernel_runs_on(x)
-
-
 def int8_matmul(joined: JoinedInt8, x: torch.Tensor) -> torch.Tensor:
-    """``joined``'s 8-bit matmul of ``x``; where ``dequantized_by_fastlora``, its product
-    dequantized in one launch where bitsandbytes has two."""
-    if not dequantized_by_fastlora(joined, x):
+    """``joined``'s 8-bit matmul of ``x``; without an outlier threshold, on a GPU, its product
+    dequantized by ``int8_dequantize`` (one launch where bitsandbytes has two)."""
+    if joined.threshold != 0.0 or not (x.is_cuda and kernel_runs_on(x)):
         return joined.matmul(x)
     product, row_scales = joined.product(x.reshape(-1, x.shape[-1]))
-    return int8_dequant(product, row_scales, joined.scales, x.dtype).view(*x.shape[:-1], product.shape[1])
+    return int8_dequantize(joined, product, row_scales, x.dtype).view(*x.shape[:-1], product.shape[1])
 
 
 def int8_dequantize(joined: JoinedInt8, product: torch.Tensor, row_scales: torch.Tensor, dtype: torch.dtype,

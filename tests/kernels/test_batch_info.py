@@ -285,6 +285,8 @@ def test_eager_buffers_stop_growing_after_the_largest_call():
     ("slot_negative", ValueError, "weight index -2 is not a slot"),
     ("too_many", ValueError, "3 distinct adapters in one batch exceed max_loras_per_batch=2"),
     ("graph_without_init", RuntimeError, "init_cuda_graph_batch_info"),
+    ("seq_lens_rows", ValueError, "seq_lens has 2 entries for a batch of 3 rows"),
+    ("seq_lens_negative", ValueError, r"negative token count \(-1\)"),
 ])
 def test_prepare_lora_batch_validation(case, exc, match):
     be = TorchNativeLoRABackend(2, CPU)
@@ -302,6 +304,10 @@ def test_prepare_lora_batch_validation(case, exc, match):
         args.update(weight_indices=[0, 1, 2], lora_ranks=[1, 1, 1], scalings=[1.0] * 3)
     elif case == "graph_without_init":
         args["use_cuda_graph"] = True
+    elif case == "seq_lens_rows":
+        fb = ForwardBatch(3, [1, 1], ForwardMode.EXTEND, CPU)
+    elif case == "seq_lens_negative":
+        fb = ForwardBatch(3, [2, -1, 3], ForwardMode.EXTEND, CPU)
     with pytest.raises(exc, match=match):
         be.prepare_lora_batch(fb, **args)
 
