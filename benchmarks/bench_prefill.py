@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--kernel-split", action="store_true",
+                   help="also the GPU time of one prefill by kernel, patched base and fastlora: <csv stem>_kernels.csv")
     p.add_argument("--peak-tflops", type=float, default=0,
                    help="bf16 dense peak of the GPU (0: the specified one, harness.SPEC_BF16_FLOPS)")
     hx.add_run_args(p)
@@ -57,18 +59,24 @@ def main(argv=None) -> int:
         with torch.no_grad():
             return m(input_ids=ids, attention_mask=mask, logits_to_keep=1, **kw)
 
-    def time_it(m, **kw):
+    kernels = []  # (method, kernel row) with --kernel-split
+
+    def time_it(m, method=None, **kw):
         forward(m, **kw)  # warm-up: kernels compiled
-        return hx.timed(lambda: forward(m, **kw), args.reps)
+        t = hx.timed(lambda: forward(m, **kw), args.reps)
+        if args.kernel_split and method:  # one prefill's kernels: the totals of two forwards less one's
+            split = hx.kernel_times(lambda k: [forward(m, **kw) for _ in range(k)], 1)
+            kernels.extend(dict(method=method, **r) for r in split)
+        return t
 
     times = {"hf_base": time_it(model)}
     print(fastlora.patch(model), file=sys.stderr)
-    times["base_patched"] = time_it(model)
+    times["base_patched"] = time_it(model, "base_patched")
     fastlora.unpatch(model)  # before PEFT wraps the model's layers
     peft_model = hx.add_adapters(model, args.adapters, args.rank)
     times["peft"] = time_it(peft_model, adapter_names=names)
     print(fastlora.patch(peft_model), file=sys.stderr)
-    times["fastlora"] = time_it(peft_model, adapter_names=names)
+    times["fastlora"] = time_it(peft_model, "fastlora", adapter_names=names)
     fastlora.unpatch(peft_model)
     peak = args.peak_tflops * 1e12 or hx.spec_flops(vers["gpu"])
     if not peak:
@@ -86,7 +94,10 @@ def main(argv=None) -> int:
         print({k: r[k] for k in ("method", "prefill_ms", "ratio_to_base_patched", "ratio_to_hf_base",
                                  "ratio_to_flop_floor")}, file=sys.stderr)
     if args.out:
-        hx.write_csv(rows, hx.out_path(args.out, f"prefill_{args.model}", vers["gpu"]))
+        path = hx.out_path(args.out, f"prefill_{args.model}", vers["gpu"])
+        hx.write_csv(rows, path)
+        if kernels:
+            hx.write_csv(kernels, os.path.splitext(path)[0] + "_kernels.csv")
     return 0
 
 
