@@ -45,17 +45,23 @@ async batching (the files' names then end in ``_async_on`` / ``_async_off``); le
 engine chooses (on where its graphs run and it builds no attention mask); the ``async_batching``
 column says what each mode ran. Every row of a
 patched model also carries the whole run's host milliseconds per step by phase (``run_host_*``).
+``--host-profile N`` runs the engine thread under cProfile and writes its N costliest functions per
+step (``continuous_host_profile_<model>_<gpu>.csv``): where the host's part of a step goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
 import math
 import os
 import random
+import pstats
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -122,6 +128,50 @@ def window_counts(before: dict, after: dict, window_s: float) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def profiled_engine_thread(manager, prof):
+    """The manager's engine thread, started inside, runs under ``prof`` (a ``cProfile.Profile``,
+    which sees only the thread that enables it); None: nothing changes."""
+    if prof is None:
+        yield
+        return
+    original = threading.Thread.run
+
+    def run(thread):
+        if getattr(thread, "_target", None) != getattr(manager, "_run_generation_loop", None):
+            return original(thread)
+        prof.enable()
+        try:
+            return original(thread)
+        finally:
+            prof.disable()
+
+    threading.Thread.run = run
+    try:
+        yield
+    finally:
+        threading.Thread.run = original
+
+
+def host_functions(prof, steps: int, top: int) -> list:
+    """The ``top`` functions by time spent in them and below, and the ``top`` by time spent in
+    them alone, per engine step: calls, own and total
+    milliseconds (cProfile's clock: the profiler slows small calls, compare shares)."""
+    def where(file, line, name):
+        for root in ("site-packages/", "dist-packages/", "/lib/", os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+                     + os.sep):
+            if root in file:
+                file = file.split(root, 1)[1]
+        return f"{file}:{line}({name})"
+
+    stats = pstats.Stats(prof).stats
+    chosen = set(sorted(stats, key=lambda k: -stats[k][3])[:top]) | set(sorted(stats, key=lambda k: -stats[k][2])[:top])
+    items = sorted(((k, stats[k]) for k in chosen), key=lambda kv: -kv[1][3])
+    return [dict(function=where(*key)[-160:], calls_per_step=round(nc / steps, 2),
+                 own_ms_per_step=round(1e3 * tt / steps, 4), total_ms_per_step=round(1e3 * ct / steps, 4))
+            for key, (_, nc, tt, ct, _) in items]
+
+
 def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
     """(seconds, [latency], [time to first token], graph stats, profile) for every request through
     one manager; with graphs, the warm-up (on a patched model ``fastlora.warmup_engine``: every
@@ -147,7 +197,9 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
         print(f"warm-up {warm['warmup_s']:.1f} s", file=sys.stderr)
     # the hook's clock timed the warm-up's forwards too: left out below (where the engine kept the processor)
     warmed, warm_clock = engine_counts(manager), getattr(manager, "fastlora_step_seconds", None)
-    manager.start()
+    engine_prof = cProfile.Profile() if args.host_profile else None
+    with profiled_engine_thread(manager, engine_prof):
+        manager.start()
     compiles = hx.TritonCompiles()
     queued, latency, ttft = {}, [], []
     window, profile, steps_at = hx.GpuWindow(), {}, None
@@ -213,6 +265,8 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
                       for phase in PHASES}, engine_steps=steps)
     if profile:
         profile["top_kernels"] = window.kernels
+    if engine_prof is not None:
+        profile["host_functions"] = host_functions(engine_prof, max(1, steps), args.host_profile)
     return seconds, latency, ttft, stats, profile
 
 
@@ -409,6 +463,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=float, default=0,
                    help="seconds of the GPU's timeline summarised per engine mode, under full load "
                         "(continuous_profile_<model>_<gpu>.csv)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="the engine thread under cProfile: its N costliest functions per step, per mode "
+                        "(continuous_host_profile_<model>_<gpu>.csv; the profiler slows the run: quote shares)")
     p.add_argument("--isolate", choices=["auto", "on", "off"], default="auto",
                    help="each mode in a fresh process (auto: on CUDA with several modes), so that every engine "
                         "sizes its cache from the same free memory")
@@ -433,11 +490,16 @@ def main(argv=None) -> int:
         return 0
     results = ((run_child(mode, argv) for mode in modes) if isolate
                else measure_modes(modes, args, reqs, info))
-    table, profiles, kernels = [], [], []
+    table, profiles, kernels, functions = [], [], [], []
     suffix = "" if args.async_batching == "unset" else f"_async_{args.async_batching}"  # in the files' names
     for row, profile in results:
         mode = row["mode"]
         table.append(row)
+        if profile.get("host_functions"):
+            functions += [dict(mode=mode, model=args.model, **f, gpu=info["gpu"]) for f in profile.pop("host_functions")]
+            if args.out:
+                hx.write_csv(functions, hx.out_path(args.out, f"continuous_host_profile_{args.model}{suffix}",
+                                                    info["gpu"]))
         if profile:
             kernels += [dict(mode=mode, model=args.model, **k, gpu=info["gpu"]) for k in profile.pop("top_kernels")]
             profiles.append(dict(mode=mode, model=args.model, **profile, **info))

@@ -43,7 +43,7 @@ from .lora.beside import SideStreams
 from .lora.slot_loader import SlotLoader
 from .lora.slots import check_adapter_names
 from .lora.store import SCAFFOLD_ADAPTER
-from .lora.watch import AdapterWatch, StructureWatch
+from .lora.watch import AdapterWatch, FoldWatch, StructureWatch
 from .lora.sites import EmbeddingSite, FusedSite, LinearSite, Site
 from .options import PatchOptions
 from .lora.plan import LoRAPlan
@@ -93,6 +93,7 @@ class FastLoRAState:
         self._counted = (None, [])  # (registration epoch, generation), the dicts those adapters are in
         self._structure: Optional[StructureWatch] = None  # the engine steps' flat structure check
         self._intact: Optional[IntactWatch] = None  # each call's flat check of the fused groups
+        self._folds: Optional[FoldWatch] = None  # and of the pools' folds
         self.takes_adapter_names = False  # see serve_adapter_names
         self.calls = CallScope()  # each thread's CallContext
         self.continuous = None  # continuous.engine.ContinuousBatchingHook
@@ -600,9 +601,10 @@ class FastLoRAState:
                 if not g.is_intact():
                     g.fuse()  # model.to() or a reload gave the members new storage
                     self.generation += 1
-        for site in self.sites:
-            if site.pool.fold_lost():  # its A arena under a base weight the layers no longer use
-                self._rebuild_pool(site, site.pool.lora_a.dtype)
+        if not self._folds_intact():
+            for site in self.sites:
+                if site.pool.fold_lost():  # its A arena under a base weight the layers no longer use
+                    self._rebuild_pool(site, site.pool.lora_a.dtype)
         if any([site.follow_weights() for site in self.expert_sites]):  # model.to(): new stacks
             self.generation += 1
         if adapter_names is None:
@@ -618,6 +620,13 @@ class FastLoRAState:
         if self._intact is None or not self._intact.holds(self.groups):
             self._intact = IntactWatch(self.groups)
         return self._intact.intact()
+
+    def _folds_intact(self) -> bool:
+        """Whether no site's fold is lost (``FoldWatch``: flat, C-speed; False, so that each pool is
+        asked, where it cannot tell)."""
+        if self._folds is None or not self._folds.holds(self.sites):
+            self._folds = FoldWatch(self.sites)
+        return self._folds.intact()
 
     def _structure_unchanged(self) -> bool:
         """At an engine step: whether every stacked layer still has the adapters and scalings its

@@ -76,6 +76,13 @@ class RequestAdapters:
         with self._lock:
             self._names[request_id] = name
 
+    def lookup_all(self, request_ids: Sequence[str]) -> List[Optional[str]]:
+        """``lookup`` of each request, the ones on record read under one lock (every engine step
+        reads them all)."""
+        with self._lock:
+            names = list(map(self._names.get, request_ids))
+        return [n if n is not None else self.lookup(rid) for rid, n in zip(request_ids, names)]
+
     def lookup(self, request_id: str) -> Optional[str]:
         """The request's adapter, or None when it has none on record."""
         try:
@@ -669,12 +676,11 @@ class ContinuousBatchingHook:
         others keep running (a step with an unknown adapter would fail them all)."""
         config = getattr(self.state.model, "peft_config", None)  # PEFT's adapters as they are now
         known = (set(config) if isinstance(config, dict) else set(self.state.registry.names)) | set(self.state.stored)
-        errors = {}
-        for rid in cb_request_ids(processor):
-            name = adapters.lookup(rid)
-            if name is not None and name != BASE and name not in known:
-                errors[rid] = RuntimeError(f"fastlora: adapter {name!r} of request {rid!r} was deleted "
-                                           "while the request was in flight")
+        known.add(BASE)
+        ids = cb_request_ids(processor)
+        errors = {rid: RuntimeError(f"fastlora: adapter {name!r} of request {rid!r} was deleted "
+                                    "while the request was in flight")
+                  for rid, name in zip(ids, adapters.lookup_all(ids)) if name is not None and name not in known}
         if errors:
             cb_fail_requests(processor, errors)
             adapters.forget(list(errors))

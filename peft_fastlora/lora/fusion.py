@@ -304,6 +304,11 @@ class IntactWatch:
         self._names = ["weight"] * len(bases)
         self._ptrs = [ptr for g in self._groups for ptr in g._member_ptrs] if self._flat else []
 
+    @property
+    def flat(self) -> bool:
+        """Every group fused and unsharded: ``intact`` can answer (else it says False)."""
+        return self._flat
+
     def holds(self, groups: Sequence["FusedGroup"]) -> bool:
         fused = _fused_groups(groups)
         return (len(fused) == len(self._groups) and all(map(operator.is_, fused, self._groups))

@@ -453,6 +453,11 @@ class SitePool:
             return None
         return self.fold.fold_refusal or "its base weight has new storage since the stacks were built"
 
+    @property
+    def fold_attached(self) -> bool:
+        """The A arena (or the staging rows) was built as the tail of the fold's base weight."""
+        return self._fold_attached
+
     def fold_lost(self) -> bool:
         """Folded when built, but the base weight has moved since (``model.to``, a reload)."""
         return self._fold_attached and not self.folded()

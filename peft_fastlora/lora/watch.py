@@ -20,15 +20,21 @@ adapters and scalings of each layer) stays with ``SitePool.stale``, which is che
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import List, Optional, Sequence
 
 import torch
 
 from ..compat.modules import is_dtensor, local
+from .fusion import IntactWatch
 
 _data_ptr = torch.Tensor.data_ptr
 _broken = operator.attrgetter("broken")  # a pool whose last load failed part-way
+_pool = operator.attrgetter("pool")
+# what a pool's fold rests on besides its group's storage: replaced only by a rebuild or a re-fuse
+_fold_parts = operator.attrgetter("fold_attached", "fold", "lora_a", "staging")
+_tail = operator.attrgetter("tail")
 
 
 class AdapterWatch:
@@ -106,3 +112,34 @@ class StructureWatch:
             return False
         self._epoch = epoch
         return True
+
+
+class FoldWatch:
+    """``SitePool.fold_lost`` for every site of a model in one flat comparison, for the check each
+    call (each engine step) makes: valid for the sites and pools it was made with (``holds``).
+
+    A fold holds while its group's members still view the fused tensor (``IntactWatch`` over the
+    folds) and the pool's arena, staging rows, fold and the fold's tail are the objects they were
+    (each is replaced only by a rebuild or a re-fuse; compared by identity). Where any fold was
+    already lost when the watch was made, or a fold's weights are tensor-parallel shards, ``intact``
+    says False and each pool is asked."""
+
+    def __init__(self, sites: Sequence):
+        self._sites = list(sites)
+        self._pools = list(map(_pool, self._sites))
+        self._parts = list(itertools.chain.from_iterable(map(_fold_parts, self._pools)))
+        self._folds = [p.fold for p in self._pools if p.fold_attached]
+        self._tails = list(map(_tail, self._folds))
+        self._groups = IntactWatch(self._folds)
+        self._sound = not any(p.fold_lost() for p in self._pools) and (not self._folds or self._groups.flat)
+
+    def holds(self, sites: Sequence) -> bool:
+        return (len(sites) == len(self._sites) and all(map(operator.is_, sites, self._sites))
+                and all(map(operator.is_, map(_pool, sites), self._pools)))
+
+    def intact(self) -> bool:
+        """True: no pool's fold is lost. False: ask each pool."""
+        return (self._sound
+                and all(map(operator.is_, itertools.chain.from_iterable(map(_fold_parts, self._pools)), self._parts))
+                and all(map(operator.is_, map(_tail, self._folds), self._tails))
+                and (not self._folds or self._groups.intact()))

@@ -166,12 +166,17 @@ def test_bench_continuous_isolated_modes(tmp_path):
     """``--isolate on``: each mode measured in its own process, the rows and their ratios written by
     the parent; the host time on the step's adapters and the Triton compiles are columns."""
     _run([os.path.join(BENCH, "bench_continuous.py"), "--smoke", "--modes", "base_patched", "fastlora",
-          "--isolate", "on", "--out", str(tmp_path)])
+          "--isolate", "on", "--host-profile", "20", "--out", str(tmp_path)])
     rows = {r["mode"]: r for r in _csv(tmp_path / "continuous_tiny_cpu.csv")}
     assert set(rows) == {"base_patched", "fastlora"}
     assert float(rows["fastlora"]["time_per_token_vs_base_patched"]) > 0
     assert float(rows["fastlora"]["run_host_adapters_ms"]) > 0
     assert rows["fastlora"]["triton_compiles"] != ""
+    # --host-profile: the engine thread's costliest functions per step, fastlora's own among them
+    functions = _csv(tmp_path / "continuous_host_profile_tiny_cpu.csv")
+    assert {r["mode"] for r in functions} == {"base_patched", "fastlora"}
+    assert any(r["mode"] == "fastlora" and r["function"].startswith("peft_fastlora/continuous/engine.py")
+               and float(r["calls_per_step"]) > 0 for r in functions)
 
 
 def test_gpu_window_reads_busy_idle_and_families_from_a_timeline():

@@ -356,6 +356,35 @@ def test_the_flat_intact_check_agrees_with_each_group_s():
     assert all(g.is_intact() for g in groups)
 
 
+def test_the_flat_fold_check_agrees_with_each_pool_s():
+    """``FoldWatch`` (each call's check of every site's fold at once) says a fold is lost exactly
+    when a pool would: a folded group's member or a single folded layer moved off its fused tensor,
+    or a pool rebuilt; the next call rebuilds what was lost and the watch holds again."""
+    from peft_fastlora.lora.watch import FoldWatch
+
+    m = build()
+    fastlora.patch(m, fold_shrink=True)
+    state = get_state(m)
+    logits(m)
+    pools = [site.pool for site in state.sites]
+    assert sum(p.fold_attached for p in pools) >= 2  # a fused group's and a single layer's folds
+    watch = FoldWatch(state.sites)
+    assert watch.holds(state.sites) and watch.intact() and not any(p.fold_lost() for p in pools)
+    for mod in (layers_of(m)[1].self_attn.k_proj.base_layer, layers_of(m)[0].self_attn.o_proj.base_layer):
+        site = next(s for s in state.sites if mod in [b for b in (getattr(s.pool.fold, "bases", None) or ())])
+        assert site.pool.fold_attached
+        mod.weight.data = mod.weight.data.clone()
+        assert not watch.intact() and site.pool.fold_lost()
+        torch.testing.assert_close(logits(m), logits(build()), **TOL)  # rebuilt by the next call's check
+        assert not site.pool.fold_lost() and not watch.intact()  # (the old watch: the arena it saw is gone)
+        watch = FoldWatch(state.sites)
+        assert watch.intact() and not any(s.pool.fold_lost() for s in state.sites)
+    site = next(s for s in state.sites if s.pool.fold_attached)
+    state._rebuild_pool(site, site.pool.lora_a.dtype)  # a rebuild replaces the arena it watched
+    assert not watch.intact()
+    assert FoldWatch(state.sites).intact()
+
+
 def test_fusion_blocked_by_a_forward_hook():
     m, ref = build(), build()
     layers_of(m)[0].self_attn.k_proj.base_layer.register_forward_hook(lambda mod, args, out: None)
