@@ -76,6 +76,12 @@ class RequestAdapters:
         with self._lock:
             self._names[request_id] = name
 
+    def names_of(self, request_ids: Sequence[str]) -> List[str]:
+        """``name_of`` of each request, the ones on record read under one lock (every engine step)."""
+        with self._lock:
+            names = list(map(self._names.get, request_ids))
+        return [n if n is not None else self.name_of(rid) for rid, n in zip(request_ids, names)]
+
     def lookup_all(self, request_ids: Sequence[str]) -> List[Optional[str]]:
         """``lookup`` of each request, the ones on record read under one lock (every engine step
         reads them all)."""
@@ -586,7 +592,7 @@ class ContinuousBatchingHook:
                 adapters.forget(done, running=ids)
                 records.forget(done)
                 last[:] = requests
-                local.segments = TokenSegments([adapters.name_of(rid) for rid in ids], lens, num_tokens)
+                local.segments = TokenSegments(adapters.names_of(ids), lens, num_tokens)
                 sampler.plan()
                 t, launched = time.perf_counter(), clock["forward"]
                 try:

@@ -121,18 +121,14 @@ def _lora_expand_kernel(
 def expand_config(block_m: int, rank: int, max_width: int) -> dict:
     """Launch parameters for Hopper, by shape class (no autotuning: graphs need a fixed launch).
 
-    Decode-sized chunks (here only with ``wide=False`` or ranks past the wide launch's) are memory
-    bound on B and on the output rows: column blocks wide enough that each program moves a few
-    KB, narrow enough to keep every SM busy. Prefill chunks take wider tiles and more warps.
+    Every size is memory bound on the output rows it reads and writes (and, at decode, on B):
+    column blocks wide enough that each program moves a few KB, narrow enough to keep every SM
+    busy. Four warps up to 64-row tiles: the prefill tiles (64 rows) stream faster with four than
+    with eight (``benchmarks/sweep_expand.py``); eight only past them.
     """
     r_pow2 = max(16, triton.next_power_of_2(rank))
-    if block_m <= 16:
-        cfg = dict(block_n=128 if rank <= 32 else 64, block_r=min(r_pow2, 64), num_warps=4,
-                   num_stages=2)
-    elif block_m <= 32:
-        cfg = dict(block_n=128, block_r=min(r_pow2, 64), num_warps=4, num_stages=2)
-    else:
-        cfg = dict(block_n=128, block_r=min(r_pow2, 64), num_warps=8, num_stages=2)
+    cfg = dict(block_n=128 if block_m > 16 or rank <= 32 else 64, block_r=min(r_pow2, 64),
+               num_warps=4 if block_m <= 64 else 8, num_stages=2)
     cfg["block_n"] = min(cfg["block_n"], max(16, triton.next_power_of_2(max_width)))
     return cfg
 

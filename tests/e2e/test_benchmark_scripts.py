@@ -234,6 +234,15 @@ def test_bench_kernels_smoke(tmp_path):
     assert max(float(r["max_abs_err_triton_vs_torch"]) for r in rows) < 1e-3
 
 
+def test_sweep_expand_smoke(tmp_path):
+    """Each launch of the sweep is checked against torch before it is timed."""
+    _run([os.path.join(BENCH, "sweep_expand.py"), "--smoke", "--out", str(tmp_path)],
+         env_extra={"TRITON_INTERPRET": "1"})
+    rows = _csv(tmp_path / "expand_sweep_cpu.csv")
+    assert {r["site"] for r in rows} == {"qkv", "gate_up", "o"}
+    assert all(float(r["max_abs_err"]) < 1e-4 and float(r["ms"]) > 0 for r in rows)
+
+
 def test_bench_attention_smoke(tmp_path):
     out = _run([os.path.join(BENCH, "bench_attention.py"), "--smoke", "--out", str(tmp_path)],
                env_extra={"TRITON_INTERPRET": "1"})

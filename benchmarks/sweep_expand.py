@@ -1,0 +1,116 @@
+"""The segmented LoRA expand at prefill sizes, over its launch parameters.
+
+A prefill's expand reads and writes every output row of every LoRA site once: at 8 x 2k tokens it
+is a pure stream over the output (the dot has the rank for its depth). This script times the
+column-block launch (``ops.lora_expand``, ``wide=False``) for each row tile, column block, warp
+count and stage count over the 8B layout's site widths (fused q/k/v, fused gate/up, o / down),
+8 adapters of rank 16 in segments of 2k tokens, bf16, reports the achieved bandwidth (output
+read and written, the shrink's output read) and checks each launch's result against torch. The
+shrink at the same sizes is timed once for scale. ``expand_config``'s choice is the row marked
+``chosen``.
+
+    python benchmarks/sweep_expand.py                    # expand_sweep_<gpu>.csv
+    TRITON_INTERPRET=1 python benchmarks/sweep_expand.py --smoke --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness as hx  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--segment", type=int, default=2048, help="tokens of one adapter in a row")
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--block-m", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--block-n", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--stages", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--reps", type=int, default=10)
+    hx.add_run_args(p)
+    return p.parse_args(argv)
+
+
+def reference(y, b, offsets, scaling, out, token_slot):
+    """``out`` plus each token's delta, in float32."""
+    res = out.float().clone()
+    r = b.shape[2]
+    for slot in token_slot.unique().tolist():
+        rows = (token_slot == slot).nonzero().squeeze(1)
+        for j, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):
+            res[rows, lo:hi] += scaling * (y[rows, j * r:(j + 1) * r].float() @ b[slot, lo:hi].float().T)
+    return res
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not hx.start(args, "sweep_expand"):
+        return 0
+    from peft_fastlora.batch import plan_chunks
+    from peft_fastlora.ops import expand_config, lora_expand, lora_shrink
+
+    hidden, kv, inter = 4096, 1024, 14336
+    dtype = torch.bfloat16
+    if args.smoke:  # tiny widths and one launch for Triton's interpreter
+        hidden, kv, inter, dtype = 32, 8, 64, torch.float32
+        args.tokens, args.segment, args.block_m, args.block_n, args.warps, args.stages, args.reps = \
+            64, 16, [16], [32], [4], [1], 1
+    dev, vers = hx.DEVICE, hx.versions()
+    sites = {"qkv": [0, hidden, hidden + kv, hidden + 2 * kv], "gate_up": [0, inter, 2 * inter], "o": [0, hidden]}
+    seg_lens = [args.segment] * (args.tokens // args.segment)
+    slots = [i % args.adapters for i in range(len(seg_lens))]
+    token_slot = torch.tensor(slots, device=dev).repeat_interleave(args.segment)
+    scaling, rows = 0.5, []
+    torch.manual_seed(0)
+    for site, offsets in sites.items():
+        c, n = len(offsets) - 1, offsets[-1]
+        b = torch.randn(args.adapters, n, args.rank, device=dev, dtype=dtype) * 0.05
+        y = torch.randn(args.tokens, c * args.rank, device=dev, dtype=dtype)
+        out0 = torch.randn(args.tokens, n, device=dev, dtype=dtype)
+        ranks = torch.full((args.adapters, c), args.rank, dtype=torch.int32, device=dev)
+        scalings = torch.full((args.adapters, c), scaling, dtype=torch.float32, device=dev)
+        want = reference(y, b, offsets, scaling, out0, token_slot)
+        gbytes = (2 * out0.numel() + y.numel()) * out0.element_size() / 1e9
+        for block_m in args.block_m:
+            plan = [torch.as_tensor(a, dtype=torch.int32, device=dev)
+                    for a in plan_chunks(slots, seg_lens, block_m)[1:5]]
+            chosen = expand_config(block_m, args.rank, max(hi - lo for lo, hi in zip(offsets[:-1], offsets[1:])))
+            for block_n, warps, stages in itertools.product(args.block_n, args.warps, args.stages):
+                out = out0.clone()
+                run = lambda: lora_expand(y, b, offsets, ranks, scalings, out, *plan, block_m=block_m,  # noqa: E731
+                                          block_n=block_n, num_warps=warps, num_stages=stages, wide=False)
+                run()  # once: compiled, and the result to check
+                err = (out.float() - want).abs().max().item()
+                ms = 1e3 * hx.timed(run, args.reps)
+                rows.append(dict(site=site, tokens=args.tokens, width=n, block_m=block_m, block_n=block_n,
+                                 num_warps=warps, num_stages=stages, ms=round(ms, 4),
+                                 tb_per_s=round(gbytes / ms, 3), max_abs_err=err,
+                                 chosen=(block_n, warps, stages) == (chosen["block_n"], chosen["num_warps"],
+                                                                     chosen["num_stages"]), **vers))
+                print({k: rows[-1][k] for k in ("site", "block_m", "block_n", "num_warps", "num_stages", "ms",
+                                                "tb_per_s", "max_abs_err", "chosen")}, flush=True)
+    for k, c in ((hidden, 3), (inter, 1)):  # the shrink of q/k/v's input and of down's, for scale
+        a = torch.randn(args.adapters, c * args.rank, k, device=dev, dtype=dtype) * 0.05
+        x = torch.randn(args.tokens, k, device=dev, dtype=dtype)
+        ranks = torch.full((args.adapters, c), args.rank, dtype=torch.int32, device=dev)
+        plan = [torch.as_tensor(p, dtype=torch.int32, device=dev) for p in plan_chunks(slots, seg_lens, 64)[1:5]]
+        ms = 1e3 * hx.timed(lambda: lora_shrink(x, a, c, ranks, *plan, block_m=64), args.reps)
+        print(f"shrink of {c} module(s) over an input {k} wide: {ms:.4f} ms, input read "
+              f"{args.tokens * k * x.element_size() / 1e6 / ms:.2f} GB/s per pass", flush=True)
+    if args.out:
+        hx.write_csv(rows, hx.out_path(args.out, "expand_sweep", vers["gpu"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
