@@ -6,8 +6,9 @@ column-block launch (``ops.lora_expand``, ``wide=False``) for each row tile, col
 count and stage count over the 8B layout's site widths (fused q/k/v, fused gate/up, o / down),
 8 adapters of rank 16 in segments of 2k tokens, bf16, reports the achieved bandwidth (output
 read and written, the shrink's output read) and checks each launch's result against torch. The
-shrink at the same sizes is timed once for scale. ``expand_config``'s choice is the row marked
-``chosen``.
+shrink at the same sizes is swept the same way over its K tile, warps and stages (rows of
+``kernel`` "shrink": the input read once counted). ``expand_config`` / ``shrink_config``'s choice
+is the row marked ``chosen``.
 
     python benchmarks/sweep_expand.py                    # expand_sweep_<gpu>.csv
     TRITON_INTERPRET=1 python benchmarks/sweep_expand.py --smoke --out /tmp/x
@@ -36,6 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--block-n", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--block-k", type=int, nargs="+", default=[64, 128, 256], help="the shrink's K tiles")
+    p.add_argument("--shrink-stages", type=int, nargs="+", default=[2, 3])
     p.add_argument("--reps", type=int, default=10)
     hx.add_run_args(p)
     return p.parse_args(argv)
@@ -58,6 +61,7 @@ def main(argv=None) -> int:
         return 0
     from peft_fastlora.batch import plan_chunks
     from peft_fastlora.ops import expand_config, lora_expand, lora_shrink
+    from peft_fastlora.ops.lora_shrink import shrink_config
 
     hidden, kv, inter = 4096, 1024, 14336
     dtype = torch.bfloat16
@@ -65,6 +69,7 @@ def main(argv=None) -> int:
         hidden, kv, inter, dtype = 32, 8, 64, torch.float32
         args.tokens, args.segment, args.block_m, args.block_n, args.warps, args.stages, args.reps = \
             64, 16, [16], [32], [4], [1], 1
+        args.block_k, args.shrink_stages = [32], [2]
     dev, vers = hx.DEVICE, hx.versions()
     sites = {"qkv": [0, hidden, hidden + kv, hidden + 2 * kv], "gate_up": [0, inter, 2 * inter], "o": [0, hidden]}
     seg_lens = [args.segment] * (args.tokens // args.segment)
@@ -92,21 +97,38 @@ def main(argv=None) -> int:
                 run()  # once: compiled, and the result to check
                 err = (out.float() - want).abs().max().item()
                 ms = 1e3 * hx.timed(run, args.reps)
-                rows.append(dict(site=site, tokens=args.tokens, width=n, block_m=block_m, block_n=block_n,
+                rows.append(dict(kernel="expand", site=site, tokens=args.tokens, width=n, block_m=block_m, block_n=block_n,
                                  num_warps=warps, num_stages=stages, ms=round(ms, 4),
                                  tb_per_s=round(gbytes / ms, 3), max_abs_err=err,
                                  chosen=(block_n, warps, stages) == (chosen["block_n"], chosen["num_warps"],
                                                                      chosen["num_stages"]), **vers))
                 print({k: rows[-1][k] for k in ("site", "block_m", "block_n", "num_warps", "num_stages", "ms",
                                                 "tb_per_s", "max_abs_err", "chosen")}, flush=True)
-    for k, c in ((hidden, 3), (inter, 1)):  # the shrink of q/k/v's input and of down's, for scale
+    for site, k, c in (("qkv", hidden, 3), ("gate_up", hidden, 2), ("down", inter, 1)):
         a = torch.randn(args.adapters, c * args.rank, k, device=dev, dtype=dtype) * 0.05
         x = torch.randn(args.tokens, k, device=dev, dtype=dtype)
         ranks = torch.full((args.adapters, c), args.rank, dtype=torch.int32, device=dev)
-        plan = [torch.as_tensor(p, dtype=torch.int32, device=dev) for p in plan_chunks(slots, seg_lens, 64)[1:5]]
-        ms = 1e3 * hx.timed(lambda: lora_shrink(x, a, c, ranks, *plan, block_m=64), args.reps)
-        print(f"shrink of {c} module(s) over an input {k} wide: {ms:.4f} ms, input read "
-              f"{args.tokens * k * x.element_size() / 1e6 / ms:.2f} GB/s per pass", flush=True)
+        want = torch.empty(args.tokens, c * args.rank, device=dev)
+        for slot in token_slot.unique().tolist():
+            rows_of = (token_slot == slot).nonzero().squeeze(1)
+            want[rows_of] = x[rows_of].float() @ a[slot].float().T
+        gbytes = x.numel() * x.element_size() / 1e9
+        for block_m in args.block_m:
+            plan = [torch.as_tensor(p, dtype=torch.int32, device=dev)
+                    for p in plan_chunks(slots, seg_lens, block_m)[1:5]]
+            chosen = shrink_config(block_m, args.rank, k)
+            for block_k, warps, stages in itertools.product(args.block_k, args.warps, args.shrink_stages):
+                run = lambda: lora_shrink(x, a, c, ranks, *plan, block_m=block_m, block_k=block_k,  # noqa: E731
+                                          num_warps=warps, num_stages=stages)
+                err = (run().float() - want).abs().max().item()
+                ms = 1e3 * hx.timed(run, args.reps)
+                rows.append(dict(kernel="shrink", site=site, tokens=args.tokens, width=k, block_m=block_m,
+                                 block_k=block_k, num_warps=warps, num_stages=stages, ms=round(ms, 4),
+                                 tb_per_s=round(gbytes / ms, 3), max_abs_err=err,
+                                 chosen=(min(block_k, k), warps, stages) == (chosen["block_k"], chosen["num_warps"],
+                                                                             chosen["num_stages"]), **vers))
+                print({f: rows[-1][f] for f in ("kernel", "site", "block_m", "block_k", "num_warps", "num_stages",
+                                                "ms", "tb_per_s", "max_abs_err", "chosen")}, flush=True)
     if args.out:
         hx.write_csv(rows, hx.out_path(args.out, "expand_sweep", vers["gpu"]))
     return 0
