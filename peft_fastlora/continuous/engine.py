@@ -77,17 +77,18 @@ class RequestAdapters:
             self._names[request_id] = name
 
     def names_of(self, request_ids: Sequence[str]) -> List[str]:
-        """``name_of`` of each request, the ones on record read under one lock (every engine step)."""
-        with self._lock:
-            names = list(map(self._names.get, request_ids))
-        return [n if n is not None else self.name_of(rid) for rid, n in zip(request_ids, names)]
+        """``name_of`` of each request (every engine step reads them all)."""
+        return self._each(request_ids, self.name_of)
 
     def lookup_all(self, request_ids: Sequence[str]) -> List[Optional[str]]:
-        """``lookup`` of each request, the ones on record read under one lock (every engine step
-        reads them all)."""
+        """``lookup`` of each request (every engine step reads them all)."""
+        return self._each(request_ids, self.lookup)
+
+    def _each(self, request_ids: Sequence[str], one) -> list:
+        # the ones on record read under one lock; ``one`` for the rest (forked sequences, unknown ids)
         with self._lock:
             names = list(map(self._names.get, request_ids))
-        return [n if n is not None else self.lookup(rid) for rid, n in zip(request_ids, names)]
+        return [n if n is not None else one(rid) for rid, n in zip(request_ids, names)]
 
     def lookup(self, request_id: str) -> Optional[str]:
         """The request's adapter, or None when it has none on record."""

@@ -563,3 +563,20 @@ def test_adapter_kind_per_request(kind, monkeypatch):
         assert spy.peft_calls == 0
     finally:
         fastlora.unpatch(m)
+
+
+def test_request_adapters_read_in_bulk_as_one_by_one():
+    """An engine step reads every request's adapter at once: the same names as one by one, a
+    forked sequence's from its parent, an id with none on record refused (``names_of``) or None
+    (``lookup_all``)."""
+    from peft_fastlora.compat.engine import CB_CHILD_MARK
+    from peft_fastlora.continuous.engine import RequestAdapters
+
+    adapters = RequestAdapters()
+    adapters.assign("r0", "a0")
+    adapters.assign("r1", "__base__")
+    ids = ["r1", "r0", f"r0{CB_CHILD_MARK}1"]
+    assert adapters.names_of(ids) == ["__base__", "a0", "a0"] == [adapters.name_of(i) for i in ids]
+    assert adapters.lookup_all(ids + ["nobody"]) == ["__base__", "a0", "a0", None]
+    with pytest.raises(RuntimeError, match="'nobody' has no adapter on record"):
+        adapters.names_of(ids + ["nobody"])
