@@ -172,6 +172,26 @@ def host_functions(prof, steps: int, top: int) -> list:
             for key, (_, nc, tt, ct, _) in items]
 
 
+def memory_breakdown(model) -> dict:
+    """Where the GPU's memory is as the engine sizes its cache from what is free: the model's
+    parameters, PEFT's LoRA parameters among them, fastlora's stacks (``LoRAPlan.stack_bytes``),
+    the rest allocated, and what is free once the allocator's cache is given back (as the engine
+    does before it measures). GB; empty off CUDA."""
+    if hx.DEVICE != "cuda":
+        return {}
+    import peft_fastlora as fastlora
+
+    torch.cuda.empty_cache()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    lora = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    state = fastlora.get_state(model)
+    stacks = state.lora_plan.stack_bytes if state is not None else 0
+    allocated = torch.cuda.memory_allocated()
+    gb = lambda b: round(b / 2**30, 2)  # noqa: E731
+    return dict(free_gb=gb(torch.cuda.mem_get_info()[0]), gpu_params_gb=gb(params), gpu_peft_lora_gb=gb(lora),
+                gpu_stacks_gb=gb(stacks), gpu_other_allocated_gb=gb(allocated - params - stacks))
+
+
 def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
     """(seconds, [latency], [time to first token], graph stats, profile) for every request through
     one manager; with graphs, the warm-up (on a patched model ``fastlora.warmup_engine``: every
@@ -181,7 +201,8 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
     from transformers import GenerationConfig
 
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=args.output_cap)
-    free_gb = round(torch.cuda.mem_get_info()[0] / 2**30, 2) if hx.DEVICE == "cuda" else None
+    memory = memory_breakdown(model)
+    free_gb = memory.pop("free_gb", None)
     manager = model.init_continuous_batching(generation_config=gen,
                                              continuous_batching_config=engine_config(args, graphs))
     warm = {}
@@ -256,6 +277,7 @@ def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
     stats["max_requests_per_batch"] = getattr(resolved, "max_requests_per_batch", None)
     stats["max_memory_percent"] = getattr(resolved, "max_memory_percent", None)
     stats["gpu_free_gb_at_start"] = free_gb
+    stats.update(memory)
     run = engine_counts(manager)
     if getattr(manager, "fastlora_step_seconds", None) is not warm_clock:
         warmed = {}
@@ -417,6 +439,8 @@ def measure_modes(modes, args, reqs, info):
                    max_requests_per_batch=stats.get("max_requests_per_batch", ""),
                    max_memory_percent=stats.get("max_memory_percent", ""),
                    gpu_free_gb_at_start=stats.get("gpu_free_gb_at_start", "") or "",
+                   **{k: stats.get(k, "") for k in ("gpu_params_gb", "gpu_peft_lora_gb", "gpu_stacks_gb",
+                                                    "gpu_other_allocated_gb")},
                    engine_graphs_dropped=stats.get("graphs_dropped", ""),
                    capture_s=round(stats["capture_s"], 2) if "capture_s" in stats else "",
                    warmup_s=stats.get("warmup_s", ""), warmup_captures=stats.get("warmup_captures", ""),
