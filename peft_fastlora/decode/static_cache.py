@@ -19,7 +19,8 @@ step's keys and values with one kernel (``ops.kv_cache``) where it applies.
 
 from __future__ import annotations
 
-import types
+import copy
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -168,7 +169,7 @@ class StaticCacheStore:
                           vbuf[: rows * h * length * dv].view(rows, h, length, dv)))
         cache = static_cache_over(self.model, length, views)
         for layer in cache.layers:  # a cache of ours, never the user's: nothing to restore later
-            layer.update = types.MethodType(_update_first_rows, layer)
+            layer.update = _FirstRowsUpdate(layer)
             layer._fastlora_kernel_writes = self.kernel_writes
             layer._fastlora_ticket = self._ticket
         return cache
@@ -177,6 +178,24 @@ class StaticCacheStore:
 def make_static_cache(model: nn.Module, max_cache_len: int, batch_size: int, kernel_writes: bool = True):
     """A stand-alone static cache of ``batch_size`` rows for ``model`` (tests and profiling)."""
     return StaticCacheStore(model, kernel_writes).cache_for(batch_size, max_cache_len)
+
+
+class _FirstRowsUpdate:
+    """``update`` of a store's cache layer: ``_update_first_rows`` on the layer, held weakly. A
+    method bound to the layer and stored on it would make every layer a reference cycle, freed only
+    by Python's cyclic collector: a released cache's buffers (the whole KV memory) would stay
+    allocated until that ran, and the calls that the release made room for would run out of memory."""
+
+    __slots__ = ("_layer",)
+
+    def __init__(self, layer):
+        self._layer = weakref.ref(layer)
+
+    def __call__(self, *args, **kwargs):
+        return _update_first_rows(self._layer(), *args, **kwargs)
+
+    def __deepcopy__(self, memo):  # a copied layer's update is the copy's, as a bound method's would be
+        return _FirstRowsUpdate(copy.deepcopy(self._layer(), memo))
 
 
 def _update_first_rows(layer, key_states, value_states, *args, **kwargs):

@@ -2,6 +2,9 @@
 input buffers, batch info refreshed in place, cache lengths saved and restored around capture) with
 each graph re-executed eagerly, so everything but the capture itself is checked here."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -161,9 +164,18 @@ def test_an_eager_call_short_of_memory_frees_the_graphs_first(model, monkeypatch
         assert torch.equal(model.generate(**small, adapter_names=two), refs[0])
         held = runner.stats["cache_bytes"]
         assert held > 0 and runner.stats["graphs"] == 1
-        assert torch.equal(model.generate(**large, adapter_names=four), refs[1])
+        buffers = [weakref.ref(t) for pair in runner.caches._buffers for t in pair]
+        collecting = gc.isenabled()
+        gc.disable()  # freed means freed now, not at the cyclic collector's next pass
+        try:
+            assert torch.equal(model.generate(**large, adapter_names=four), refs[1])
+            alive = sum(ref() is not None for ref in buffers)
+        finally:
+            if collecting:
+                gc.enable()
         stats = runner.stats
         freed = free == 0
+        assert alive == (0 if freed else len(buffers)), alive
         assert stats["released_for_room"] == int(freed), stats
         assert (stats["cache_bytes"], stats["graphs"]) == ((0, 0) if freed else (held, 1)), stats
         assert torch.equal(model.generate(**small, adapter_names=two), refs[0])

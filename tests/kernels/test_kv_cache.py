@@ -1,11 +1,15 @@
 """The KV-cache write kernel against ``index_copy_`` (the interpreter on CPU), and fastlora's static
 cache layers (``static_cache.make_static_cache``) against transformers' own ``StaticLayer.update``."""
 
+import copy
+import gc
 import importlib
+import weakref
+
 import pytest
 import torch
 
-from peft_fastlora.decode.static_cache import make_static_cache
+from peft_fastlora.decode.static_cache import make_static_cache, StaticCacheStore
 from peft_fastlora.ops.kv_cache import kv_cache_write
 
 from _helpers import count_calls
@@ -110,6 +114,34 @@ def test_static_cache_layers_match_transformers_update(monkeypatch):
     assert not ours.layers[0].keys[3].any()  # the padding row was never written
     assert calls["kv_cache_write"] == 3  # every update took the kernel, which advanced the length itself
     assert int(ours.layers[0]._fastlora_ticket) == 0
+
+
+def test_a_cleared_store_frees_its_buffers_by_reference_counting():
+    """A store's caches reach its buffers through their layers: once the caller lets go of a
+    cache, clearing the store frees the KV memory at once. A layer in a reference cycle (its
+    ``update`` a method bound to itself, say) would keep it allocated until Python's cyclic
+    collector ran, which a call short of GPU memory does not wait for."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(llama_config(vocab_size=64, pad_token_id=None))
+    store = StaticCacheStore(model)
+    cache = store.cache_for(2, 12)
+    k, v = states(2, 2, 3, 8, torch.float32)
+    got = cache.layers[0].update(k, v, 0)  # the layers' update still reaches the layer
+    torch.testing.assert_close(got[0][:, :, :3], k, atol=0, rtol=0)
+    twin = copy.deepcopy(cache.layers[1])  # a copied layer updates itself, as with a bound method
+    twin.update(k, v, 1)
+    assert int(twin.cumulative_length) == 3 and int(cache.layers[1].cumulative_length) == 0
+    buffers = [weakref.ref(t) for pair in store._buffers for t in pair]
+    del cache, got, twin
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        store.clear()
+        assert buffers and all(ref() is None for ref in buffers)
+    finally:
+        if collecting:
+            gc.enable()
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])
