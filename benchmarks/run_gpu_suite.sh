@@ -35,8 +35,10 @@ if want tests; then
   timeout 120 python3 examples/quickstart.py 2>&1 | tee "$OUT/quickstart_$TAG.log" | tail -12
 fi
 if want soak; then
+  # the 8B mix (up to 300 rows of 600-token prompts beside the graphs' cache) fits a 141 GB card, not an 80 GB one
+  big_rows=${SOAK_BIG_ROWS:-$(python3 -c "import torch; print(300 if torch.cuda.get_device_properties(0).total_memory > 100 * 2**30 else 128)")}
   for m in ${SOAK_MODELS:-tiny-llama tiny-qwen2 8b}; do
-    if [[ $m == 8b || $m == 1b ]]; then args="--calls ${SOAK_BIG_CALLS:-50} --time-limit ${SOAK_LIMIT:-200}"
+    if [[ $m == 8b || $m == 1b ]]; then args="--calls ${SOAK_BIG_CALLS:-50} --max-rows $big_rows --time-limit ${SOAK_LIMIT:-200}"
     else args="--calls ${SOAK_CALLS:-300} --compare-peft --time-limit ${SOAK_LIMIT:-200}"; fi
     timeout 450 python3 benchmarks/soak_graphs.py --model $m $args --out "$OUT" 2>&1 | quiet \
       | tee "$OUT/soak_${m}_$TAG.log" | tail -3
