@@ -171,7 +171,8 @@ class DecodeGraphRunner:
         self.failed.clear()
         if self.pool is not None:
             self.pool = None
-            self._hand_back_memory()  # the pool's
+            if torch.cuda.is_available() and not self.emulate:
+                torch.cuda.empty_cache()  # hand the pool's memory back to the device
 
     def _drop(self, key):
         if self.last_step is not None and self.last_step[0] is self.graphs[key]:
@@ -192,14 +193,6 @@ class DecodeGraphRunner:
         """Free everything: graphs, pool, caches (unpatch)."""
         self.drop_graphs()
         self.caches.clear()
-        # the caches' buffers too: left in PyTorch's allocator as one block a layer, they could not
-        # serve the larger allocations of the eager call this release makes room for
-        self._hand_back_memory()
-
-    def _hand_back_memory(self):
-        """Give the memory PyTorch's allocator holds unused back to the device (CUDA only)."""
-        if torch.cuda.is_available() and not self.emulate:
-            torch.cuda.empty_cache()
 
     def make_room(self, rows: int, needed_len: int) -> bool:
         """Before a call that decodes eagerly (its own KV cache, as PEFT's path would build): free

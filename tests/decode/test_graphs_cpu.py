@@ -165,9 +165,6 @@ def test_an_eager_call_short_of_memory_frees_the_graphs_first(model, monkeypatch
         held = runner.stats["cache_bytes"]
         assert held > 0 and runner.stats["graphs"] == 1
         buffers = [weakref.ref(t) for pair in runner.caches._buffers for t in pair]
-        handed_back = []  # the buffers still alive each time the runner hands memory back to the device
-        monkeypatch.setattr(runner, "_hand_back_memory",
-                            lambda: handed_back.append(sum(ref() is not None for ref in buffers)))
         collecting = gc.isenabled()
         gc.disable()  # freed means freed now, not at the cyclic collector's next pass
         try:
@@ -179,7 +176,6 @@ def test_an_eager_call_short_of_memory_frees_the_graphs_first(model, monkeypatch
         stats = runner.stats
         freed = free == 0
         assert alive == (0 if freed else len(buffers)), alive
-        assert handed_back == ([0] if freed else []), handed_back  # after the caches went, not before
         assert stats["released_for_room"] == int(freed), stats
         assert (stats["cache_bytes"], stats["graphs"]) == ((0, 0) if freed else (held, 1)), stats
         assert torch.equal(model.generate(**small, adapter_names=two), refs[0])
