@@ -144,6 +144,8 @@ class DecodeGraphRunner:
             self.drop_graphs()  # they read stacks or fused weights that were rebuilt
             self.generation = self.state.generation
         self._ensure_batch_info()
+        if self.caches.would_grow(bucket, needed_len):
+            self.drop_graphs()  # they hold the old buffers: freed before the new ones are allocated
         try:
             cache = self.caches.cache_for(bucket, needed_len, reset=reset)
         finally:

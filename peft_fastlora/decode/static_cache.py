@@ -113,22 +113,13 @@ class StaticCacheStore:
     # -- the caches ---------------------------------------------------------------------------
     def cache_for(self, rows: int, needed_len: int, reset: bool = True):
         """A static cache holding ``rows`` rows of at least ``needed_len`` tokens (reset)."""
-        if self.window is not None and needed_len > self.window:
-            # full-attention layers equal sliding ones only while no token leaves the window
-            raise CacheUnavailable(f"the call needs {needed_len} tokens, past the model's "
-                                   f"{self.window}-token sliding window")
-        entry = self._entries.get(rows)
-        if entry is not None and entry.length >= needed_len:
+        length = self._new_length(rows, needed_len)
+        if length is None:
+            cache = self._entries[rows].cache
             if reset:
-                entry.cache.reset()
-            return entry.cache
-        length = round_length(max(needed_len, self._lengths.get(rows, 0)))
+                cache.reset()
+            return cache
         tokens = rows * length
-        if self.budget_bytes is not None and tokens * self.bytes_per_token() > self.budget_bytes:
-            raise CacheUnavailable(
-                f"a static cache of {rows} rows x {length} tokens needs "
-                f"{tokens * self.bytes_per_token() / 2**20:.1f} MiB, over cache_budget_bytes="
-                f"{self.budget_bytes}")
         if tokens > self.capacity_tokens:
             self._grow(tokens)
         self._serial += 1
@@ -136,6 +127,33 @@ class StaticCacheStore:
         self._entries[rows] = entry
         self._lengths[rows] = length
         return entry.cache
+
+    def would_grow(self, rows: int, needed_len: int) -> bool:
+        """Whether ``cache_for(rows, needed_len)`` replaces the shared buffers (and with them every
+        cache): whoever holds the old caches can let them go first, so the peak is the new size."""
+        try:
+            length = self._new_length(rows, needed_len)
+        except CacheUnavailable:
+            return False
+        return length is not None and rows * length > self.capacity_tokens
+
+    def _new_length(self, rows: int, needed_len: int) -> Optional[int]:
+        """The length of the cache to make for this call (None: the one kept serves); raises
+        ``CacheUnavailable`` where none may be made."""
+        if self.window is not None and needed_len > self.window:
+            # full-attention layers equal sliding ones only while no token leaves the window
+            raise CacheUnavailable(f"the call needs {needed_len} tokens, past the model's "
+                                   f"{self.window}-token sliding window")
+        entry = self._entries.get(rows)
+        if entry is not None and entry.length >= needed_len:
+            return None
+        length = round_length(max(needed_len, self._lengths.get(rows, 0)))
+        if self.budget_bytes is not None and rows * length * self.bytes_per_token() > self.budget_bytes:
+            raise CacheUnavailable(
+                f"a static cache of {rows} rows x {length} tokens needs "
+                f"{rows * length * self.bytes_per_token() / 2**20:.1f} MiB, over cache_budget_bytes="
+                f"{self.budget_bytes}")
+        return length
 
     def clear(self):
         """Drop every cache, the shared buffers and the lengths learnt."""

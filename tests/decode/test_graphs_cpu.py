@@ -182,6 +182,38 @@ def test_an_eager_call_short_of_memory_frees_the_graphs_first(model, monkeypatch
         assert runner.stats["captures"] == 1 + freed and runner.stats["graphs"] == 1, runner.stats
 
 
+def test_a_cache_that_grows_frees_the_old_one_first(model, monkeypatch):
+    """A call past the shared buffers' size makes new ones: the graphs holding the old buffers are
+    freed before the new ones are allocated, so the peak is the new size, not old + new."""
+    small, large = _inputs(2), _inputs(4)
+    two, four = ["a", "c"], ["a", "b", "c", "__base__"]
+    refs = [model.generate(**small, adapter_names=two), model.generate(**large, adapter_names=four)]
+    with fastlora.patched(model, cuda_graphs="emulate", graph_buckets=[2, 4]):
+        runner = fastlora.get_state(model).graph_runner
+        assert torch.equal(model.generate(**small, adapter_names=two), refs[0])
+        assert runner.stats["graphs"] == 1
+        old = [weakref.ref(t) for pair in runner.caches._buffers for t in pair]
+        alive_at_growth = []  # the old buffers still alive once the store let go of them
+        drop = runner.caches._drop_buffers
+
+        def counting_drop():
+            drop()
+            alive_at_growth.append(sum(ref() is not None for ref in old))
+
+        monkeypatch.setattr(runner.caches, "_drop_buffers", counting_drop)
+        collecting = gc.isenabled()
+        gc.disable()  # freed means freed now, not at the cyclic collector's next pass
+        try:
+            assert torch.equal(model.generate(**large, adapter_names=four), refs[1])
+        finally:
+            if collecting:
+                gc.enable()
+        assert alive_at_growth == [0], alive_at_growth
+        assert runner.stats["graphs"] == 1 and runner.stats["captures"] == 2, runner.stats
+        assert torch.equal(model.generate(**small, adapter_names=two), refs[0])  # recaptured in the new buffers
+        assert runner.stats["captures"] == 3, runner.stats
+
+
 def test_per_row_eos_and_stopping(model):
     kw = _inputs(4)
     names = ["a", "b", "c", "__base__"]
