@@ -91,8 +91,14 @@ class AdapterCatalog:
             if state is None or name not in state.stored:
                 raise APIError(f"adapter {name!r} was loaded into the model before it was served; only "
                                "adapters loaded by name can be unloaded", 400, param="lora_name")
-            await asyncio.to_thread(unregister_adapter, self.model, name)
+            # marked first: the removal fails the adapter's requests in the engine's thread, and their
+            # handlers may read the reason before this coroutine resumes
+            self._unloaded.add(name)
+            try:
+                await asyncio.to_thread(unregister_adapter, self.model, name)
+            except BaseException:
+                self._unloaded.discard(name)
+                raise
             if self._served is not None:
                 self._served.discard(name)
-            self._unloaded.add(name)
 

@@ -134,7 +134,8 @@ def test_bench_prefill_smoke(tmp_path):
     split = _csv(tmp_path / "prefill_tiny_cpu_kernels.csv")  # one prefill's ops by method (CPU times here)
     assert {r["method"] for r in split} == {"base_patched", "fastlora"}
     assert all(float(r["launches_per_step"]) > 0 for r in split)
-    assert all(sum(float(r["us_per_step"]) for r in split if r["method"] == m) > 0 for m in ("base_patched", "fastlora"))
+    # on the CPU the times are differences of two noisy host timings: present, not necessarily positive
+    assert all(any(float(r["us_per_step"]) != 0 for r in split if r["method"] == m) for m in ("base_patched", "fastlora"))
 
 
 def test_bench_continuous_smoke(tmp_path):

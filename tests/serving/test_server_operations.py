@@ -143,8 +143,17 @@ def test_load_serve_and_unload_an_adapter(server, root):
     assert "sum2" not in [m["id"] for m in server.request("GET", "/v1/models")[2]["data"]]
 
 
-def test_unloading_fails_only_the_requests_using_the_adapter(server, root):
+def test_unloading_fails_only_the_requests_using_the_adapter(server, root, monkeypatch):
     _idle(server)
+    from peft_fastlora.server import adapters
+
+    removal = adapters.unregister_adapter
+
+    def slow_removal(*args):  # the failed request's handler runs before the unload's coroutine resumes
+        removal(*args)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(adapters, "unregister_adapter", slow_removal)
     shutil.copytree(f"{server.args.adapters}/reverse", root / "rev-copy")
     assert server.post("/v1/load_lora_adapter", {"lora_name": "rev2", "lora_path": "rev-copy"})[0] == 200
     doomed = server.open_stream(C, {"model": "rev2", "prompt": "long=", "max_tokens": 400, "stream": True})
