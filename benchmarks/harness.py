@@ -586,7 +586,7 @@ class GpuWindow:
                 end = b
         span = (end - busy[0][0]) if busy else 0.0
         window_us = max(span, 1.0)
-        out = dict(window_s=round(wall, 3), gpu_busy_share=round(union / window_us, 3) if busy else "",
+        out = dict(window_s=round(wall, 6), gpu_busy_share=round(union / window_us, 3) if busy else "",
                    idle_gaps_over_100us=long_gaps, idle_share=round(gaps / window_us, 3) if busy else "",
                    copies=copies, copy_share=round(copy_us / window_us, 4) if busy else "",
                    host_syncs=syncs, host_sync_ms=round(sync_us / 1e3, 2), graph_launches=graphs,
