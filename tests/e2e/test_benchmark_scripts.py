@@ -127,15 +127,16 @@ def test_bench_ab_smoke(tmp_path):
 
 def test_bench_prefill_smoke(tmp_path):
     """The patched base model is the reference column, the unpatched one beside it."""
-    _run([os.path.join(BENCH, "bench_prefill.py"), "--smoke", "--kernel-split", "--out", str(tmp_path)])
+    _run([os.path.join(BENCH, "bench_prefill.py"), "--smoke", "--kernel-split", "--glu-expand", "--out", str(tmp_path)])
     rows = {r["method"]: r for r in _csv(tmp_path / "prefill_tiny_cpu.csv")}
-    assert set(rows) == {"hf_base", "base_patched", "peft", "fastlora"}
+    assert set(rows) == {"hf_base", "base_patched", "peft", "fastlora", "fastlora_glu_expand"}
     assert rows["base_patched"]["ratio_to_base_patched"] == "1.0" and rows["hf_base"]["ratio_to_hf_base"] == "1.0"
     split = _csv(tmp_path / "prefill_tiny_cpu_kernels.csv")  # one prefill's ops by method (CPU times here)
-    assert {r["method"] for r in split} == {"base_patched", "fastlora"}
+    methods = ("base_patched", "fastlora", "fastlora_glu_expand")
+    assert {r["method"] for r in split} == set(methods)
     assert all(float(r["launches_per_step"]) > 0 for r in split)
     # on the CPU the times are differences of two noisy host timings: present, not necessarily positive
-    assert all(any(float(r["us_per_step"]) != 0 for r in split if r["method"] == m) for m in ("base_patched", "fastlora"))
+    assert all(any(float(r["us_per_step"]) != 0 for r in split if r["method"] == m) for m in methods)
 
 
 def test_bench_continuous_smoke(tmp_path):
