@@ -144,6 +144,7 @@ def sweep_glu(args, n, dtype, slots, seg_lens, token_slot, scaling, vers) -> lis
     it replaces (the expand at ``expand_config``, then ``act_mul``), each checked against torch."""
     from peft_fastlora.batch import plan_chunks
     from peft_fastlora.ops import act_mul, act_mul_reference, glu_expand, lora_expand
+    from peft_fastlora.ops.glu_expand import LAUNCH as GLU_LAUNCH
 
     dev, r, rows = hx.DEVICE, args.rank, []
     b = torch.randn(args.adapters, 2 * n, r, device=dev, dtype=dtype) * 0.05
@@ -186,7 +187,8 @@ def sweep_glu(args, n, dtype, slots, seg_lens, token_slot, scaling, vers) -> lis
                                                     max_rank=r, b_align=align, block_m=block_m, block_n=block_n,
                                                     num_warps=warps, num_stages=stages),
                    block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-                   chosen=(block_m, block_n, warps, stages) == (64, 64, 8, 2))
+                   chosen=dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
+                   == {k: v for k, v in GLU_LAUNCH.items() if k != "block_r"})
     return rows
 
 

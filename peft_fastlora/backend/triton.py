@@ -17,7 +17,7 @@ import torch
 from ..batch import BLOCK_M_TIERS, BatchInfoBuffers, LoRABatchInfo, max_chunks_for
 from ..kernel_support import interpreting
 from .. import ops as _ops
-from .segmented import SegmentedLoRABackend
+from .segmented import SegmentedLoRABackend, check_input
 
 
 class TritonLoRABackend(SegmentedLoRABackend):
@@ -161,8 +161,7 @@ class TritonLoRABackend(SegmentedLoRABackend):
         """
         bi = self._bi(batch_info)
         w = weights
-        if x.dim() != 2:
-            raise ValueError(f"run_packed_glu: x must be (s, input_dim), got {tuple(x.shape)}")
+        check_input("x", x, 2)
         self._check_tokens(x, bi)
         w.check(x)
         n = w.offsets[1]

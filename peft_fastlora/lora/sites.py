@@ -26,7 +26,6 @@ from .beside import LoraBeside
 from .fusion import FusedGroup, int8_dequantize
 from .pool import SitePool
 from ..decode.capture import GraphUnsafe
-from ..ops.glu_expand import GLU_EXPAND_MAX_RANK
 from ..ops.glu_lora import check_glu_lora, GluLora, MAX_RANK
 
 _VARIANT_KWARGS = ("alora_offsets",)
@@ -392,7 +391,7 @@ class FusedSite(Site):
                 lora = self._glu_lora(pool, bi, x) if pool.glu_buffers is not None else None
                 return None if lora is None else stream.gated_lora(x, pool.fold.ext, n, act, lora)
             x2 = _as_rows(x, x.shape[-1])
-            if min_rows is None or x2.shape[0] < min_rows or pool.packed.max_rank > GLU_EXPAND_MAX_RANK:
+            if min_rows is None or x2.shape[0] < min_rows:
                 return None
             x2 = x2.contiguous()
             out = state.backend.run_packed_glu(x2, pool.packed, self.group.linear(x2), act, layer_ranks=pool.ranks,

@@ -19,9 +19,10 @@ import torch
 from ..kernel_support import interpreting, tl, triton
 from . import pdl
 from .expand_common import packed_row_stride
-from .silu_mul import ACTIVATIONS, act_mul_rounded
+from .silu_mul import ACTIVATIONS, act_mul_reference, act_mul_rounded
 
-GLU_EXPAND_MAX_RANK = 256  # larger ranks loop over more rank blocks; kept to the shrink's range
+# the launch taken unless a caller gives another (``benchmarks/sweep_expand.py`` marks it "chosen")
+LAUNCH = dict(block_m=64, block_n=64, block_r=16, num_warps=8, num_stages=2)
 
 
 @triton.jit
@@ -100,8 +101,7 @@ def _glu_expand_kernel(
 
 def glu_expand(y: torch.Tensor, b: torch.Tensor, b_offs: torch.Tensor, ranks: torch.Tensor,
                scalings: torch.Tensor, token_slot: torch.Tensor, gate_up: torch.Tensor, act: str = "silu", *,
-               max_rank: int, b_align: int = 1, block_m: int = 64, block_n: int = 64, block_r: int = 16,
-               num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
+               max_rank: int, b_align: int = 1, **launch) -> torch.Tensor:
     """``act(gate + dg) * (up + du)`` of a packed gate/up site (module doc).
 
     Args:
@@ -114,6 +114,7 @@ def glu_expand(y: torch.Tensor, b: torch.Tensor, b_offs: torch.Tensor, ranks: to
         token_slot: (>= s,) int32, each token's slot (-1: no adapter).
         gate_up: (s, 2n) the base output, gate's columns then up's, unit column stride.
         act: one of ``ops.silu_mul.ACTIVATIONS``.
+        launch: ``LAUNCH``'s fields to override (benchmarks).
     Returns:
         (s, n), contiguous, ``gate_up``'s dtype.
     """
@@ -123,8 +124,8 @@ def glu_expand(y: torch.Tensor, b: torch.Tensor, b_offs: torch.Tensor, ranks: to
     if s is None or width % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"glu_expand: gate_up must be (s, 2n) with unit column stride, got {tuple(gate_up.shape)}")
     n = width // 2
-    if not 0 < max_rank <= GLU_EXPAND_MAX_RANK:
-        raise ValueError(f"glu_expand: ranks up to {GLU_EXPAND_MAX_RANK}, got {max_rank}")
+    if max_rank < 1:
+        raise ValueError(f"glu_expand: max_rank must be positive, got {max_rank}")
     if y.dim() != 2 or y.shape[0] != s or y.shape[1] != 2 * max_rank or y.stride(1) != 1 or y.dtype != gate_up.dtype:
         raise ValueError(f"glu_expand: y must be ({s}, {2 * max_rank}) of gate_up's dtype with unit column stride, "
                          f"got {tuple(y.shape)} {y.dtype}")
@@ -137,20 +138,24 @@ def glu_expand(y: torch.Tensor, b: torch.Tensor, b_offs: torch.Tensor, ranks: to
         raise ValueError(f"glu_expand: token_slot must be int32 with at least {s} entries")
     if b.dim() != 1 or b.dtype != gate_up.dtype or b_align not in (1, 8):
         raise ValueError("glu_expand: B must be a flat arena of gate_up's dtype, b_align 1 or 8")
+    unknown = set(launch) - set(LAUNCH)
+    if unknown:
+        raise ValueError(f"glu_expand: unknown launch fields {sorted(unknown)}; it takes {sorted(LAUNCH)}")
+    cfg = dict(LAUNCH, **launch)
     out = torch.empty(s, n, dtype=gate_up.dtype, device=gate_up.device)
     if s == 0 or n == 0:
         return out
     use_pdl = pdl.mode(out)
-    grid = (triton.cdiv(s, block_m), triton.cdiv(n, block_n))
+    grid = (triton.cdiv(s, cfg["block_m"]), triton.cdiv(n, cfg["block_n"]))
     _glu_expand_kernel[grid](
         y, b, b_offs, ranks, scalings, token_slot, gate_up, out,
         s, n, max_rank, num_slots,
         y.stride(0), gate_up.stride(0),
         ranks.stride(0), scalings.stride(0), b_offs.stride(0),
         GELU_TANH=act == "gelu_tanh", LIBDEVICE=not interpreting(), B_ALIGN=b_align,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r"],
         DOT_PRECISION="ieee" if y.dtype == torch.float32 else "tf32",
-        USE_PDL=use_pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl > 0)
+        USE_PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=use_pdl > 0)
     return out
 
 
@@ -158,8 +163,6 @@ def glu_expand_reference(y, b, b_offs, ranks, scalings, token_slot, gate_up, act
                          max_rank: int, b_align: int = 1) -> torch.Tensor:
     """torch's own, token by token: the delta added and rounded as the expand stores it, then
     ``act(gate) * up`` in ``act_mul_reference``'s order."""
-    from .silu_mul import act_mul_reference
-
     n = gate_up.shape[1] // 2
     gu = gate_up.float().clone()
     slots = token_slot[: gate_up.shape[0]].tolist()

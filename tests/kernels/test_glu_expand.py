@@ -92,7 +92,8 @@ def test_a_rank_past_one_rank_block_and_a_strided_base():
     (dict(y=lambda t: t[:, :-1]), "y must be"),
     (dict(token_slot=lambda t: t.long()), "token_slot must be int32"),
     (dict(ranks=lambda t: t.long()), "ranks must be"),
-    (dict(max_rank=0), "ranks up to"),
+    (dict(max_rank=0), "max_rank must be positive"),
+    (dict(block_k=64), r"unknown launch fields \['block_k'\]"),
 ])
 def test_bad_operands_raise_a_clear_error(change, pattern):
     tri, _, w, x, base, ranks, scalings = _site("mixed", torch.float32)
@@ -102,3 +103,21 @@ def test_bad_operands_raise_a_clear_error(change, pattern):
         args[key] = value(args[key]) if callable(value) else value
     with pytest.raises(ValueError, match=pattern):
         glu_expand(**args)
+
+
+def test_the_backend_takes_only_a_gate_up_site():
+    """``TritonLoRABackend.run_packed_glu``: a site of other than two modules of one width, or an
+    input that is not (tokens, width), is refused with the reason."""
+    from peft_fastlora.backend.packed import PackedWeights
+
+    tri, _, w, x, base, ranks, scalings = _site("mixed", torch.float32)
+    kw = dict(layer_ranks=ranks, layer_scalings=scalings)
+    three = PackedWeights(w.a, w.b, w.a_rows, w.b_offs, w.max_rank, (0, N, 2 * N - 1), align=w.align)
+    with pytest.raises(ValueError, match=r"a gate/up site of two modules of one width.*\(0, 37, 73\)"):
+        tri.run_packed_glu(x, three, base[:, :-1], "silu", **kw)
+    with pytest.raises(ValueError, match="x must have 2 dimensions"):
+        tri.run_packed_glu(x[None], w, base, "silu", **kw)
+    with pytest.raises(ValueError, match=r"base_output must be \(66, 74\)"):
+        tri.run_packed_glu(x, w, base[:, :-2], "silu", **kw)
+    got = tri.run_packed_glu(x, w, base, "silu", **kw)  # the same call, well formed
+    assert got.shape == (x.shape[0], N) and not got.isnan().any()
