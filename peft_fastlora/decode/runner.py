@@ -66,6 +66,9 @@ class DecodeGraphRunner:
                                        budget_bytes=opts.cache_budget_bytes)
         self.graphs: "OrderedDict[tuple, dict]" = OrderedDict()  # least recently used first
         self.failed: Dict[tuple, str] = {}  # graph key -> why its capture failed
+        # keys of ``failed`` whose capture ran out of memory: tried again at the next call, which may
+        # find the memory that an earlier call held freed
+        self._short_of_memory: set = set()
         self.pool: Optional[GraphPool] = None
         self.adapter_names = None  # the names of the armed generate call
         self.generation = state.generation
@@ -136,6 +139,9 @@ class DecodeGraphRunner:
     def begin_call(self, rows: int, needed_len: int, reset: bool = True):
         """The static cache for a call of ``rows`` rows and ``needed_len`` tokens; raises
         ``CacheUnavailable`` (the call then decodes eagerly)."""
+        for key in self._short_of_memory:
+            self.failed.pop(key, None)
+        self._short_of_memory.clear()
         bucket = self.bucket_for(rows)
         if bucket is None:
             # one reason for every such size: it is logged once
@@ -171,6 +177,7 @@ class DecodeGraphRunner:
         self.graphs.clear()
         self.last_step = None
         self.failed.clear()
+        self._short_of_memory.clear()
         if self.pool is not None:
             self.pool = None
             if torch.cuda.is_available() and not self.emulate:
@@ -190,6 +197,7 @@ class DecodeGraphRunner:
             self._drop(key)
         for key in [k for k in self.failed if k[0] not in live]:
             del self.failed[key]
+            self._short_of_memory.discard(key)
 
     def release(self):
         """Free everything: graphs, pool, caches (unpatch)."""
@@ -427,6 +435,8 @@ class DecodeGraphRunner:
             restore()
             why = str(e) if isinstance(e, GraphUnsafe) else f"capture failed ({type(e).__name__}: {e})"
             self.failed[key] = why
+            if isinstance(e, torch.OutOfMemoryError):
+                self._short_of_memory.add(key)
             self._counters["capture_failures"] += 1
             if not self.graphs:
                 self.drop_graphs_keep_failures()
@@ -462,6 +472,7 @@ class DecodeGraphRunner:
 
     def drop_graphs_keep_failures(self):
         """After a failed capture with no graph alive: release the pool, keep the failure memo."""
-        failed = dict(self.failed)
+        failed, short = dict(self.failed), set(self._short_of_memory)
         self.drop_graphs()
         self.failed.update(failed)
+        self._short_of_memory.update(short)

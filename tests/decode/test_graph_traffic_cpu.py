@@ -154,6 +154,34 @@ def test_failed_capture_runs_eagerly_logs_once_and_later_calls_work(monkeypatch,
     assert runner.DecodeGraphRunner  # the module stays importable after the monkeypatch
 
 
+def test_a_capture_out_of_memory_is_tried_again_at_the_next_call(monkeypatch):
+    """Memory that one call lacked may be free at the next (another call's cache released): the
+    shape is retried there, once a call, not at every step."""
+    from peft_fastlora.decode.capture import EmulatedGraph
+
+    m, ref = _pair()
+    fastlora.patch(m, cuda_graphs="emulate", graph_buckets=[4, 8])
+    real_capture = EmulatedGraph.capture
+    attempts = []
+
+    def short_twice(self, fn):
+        attempts.append(1)
+        if len(attempts) <= 2:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return real_capture(self, fn)
+
+    monkeypatch.setattr(EmulatedGraph, "capture", short_twice)
+    names = ["a0", "a2", "__base__"]
+    _same_as_peft(m, ref, [4, 6, 3], 5, names)  # out of memory: eager, one attempt for its 4 steps
+    assert len(attempts) == 1
+    _same_as_peft(m, ref, [5, 2, 7], 5, names)  # tried again once: out of memory again
+    assert len(attempts) == 2
+    _same_as_peft(m, ref, [3, 3, 3], 5, names)  # tried again: captured, the next steps replay it
+    stats = get_state(m).graph_runner.stats
+    assert len(attempts) == 3 and stats["capture_failures"] == 2 and stats["captures"] == 1, stats
+    assert stats["replays"] > 0 and stats["eager_steps"] == 8, stats
+
+
 def test_cache_budget_sends_large_calls_to_eager():
     m, ref = _pair()
     fastlora.patch(m, cuda_graphs="emulate", graph_buckets=[2, 4], cache_budget_bytes=200_000)
