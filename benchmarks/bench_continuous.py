@@ -410,7 +410,8 @@ def run_mode(mode, base, model, reqs, args):
     if state is None or state.options.engine_attention != attention:
         if state is not None:
             fastlora.unpatch(model)
-        print(fastlora.patch(model, engine_attention=attention), file=sys.stderr)
+        tuning = fastlora.Tuning(glu_expand_min_rows=args.glu_expand_min_rows or None)
+        print(fastlora.patch(model, engine_attention=attention, tuning=tuning), file=sys.stderr)
     if mode.startswith("fastlora"):
         return reqs, run_engine(model, reqs, args, True, graphs), model
     used = reqs[:args.static_requests or len(reqs)]
@@ -428,7 +429,8 @@ def measure_modes(modes, args, reqs, info):
         steps = stats.get("engine_steps") or (stats.get("graphed_steps", 0) + stats.get("eager_steps", 0)) or None
         floor = workload_floor(base, args.model, used, steps, bw, info["gpu"]) if mode != "peft" else {}
         row = dict(mode=mode, model=args.model, adapters=0 if mode.startswith("base") else args.adapters,
-                   rank=args.rank, requests=len(used), output_tokens=out_tokens, seconds=round(seconds, 3),
+                   rank=args.rank, glu_expand_min_rows=args.glu_expand_min_rows if mode.startswith("fastlora") else "",
+                   requests=len(used), output_tokens=out_tokens, seconds=round(seconds, 3),
                    tokens_per_s=round(out_tokens / seconds, 1),
                    latency_p50_s=round(pct(latency, 0.5), 3), latency_p99_s=round(pct(latency, 0.99), 3),
                    ttft_p50_s=round(pct(ttft, 0.5), 3), ttft_p99_s=round(pct(ttft, 0.99), 3),
@@ -481,6 +483,9 @@ def main(argv=None) -> int:
                                                   "fastlora_varlen"],
                    choices=MODES, help="the CSV is rewritten after each mode, so a cut-off run keeps what finished")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--glu-expand-min-rows", type=int, default=0, metavar="N",
+                   help="fastlora modes: Tuning(glu_expand_min_rows=N), the gate/up deltas added inside the "
+                        "activation's launch in steps of at least N tokens (0: off, the default)")
     p.add_argument("--async-batching", choices=["unset", "on", "off"], default="unset",
                    help="the engine's async batching (use_async_batching): left unset (the engine chooses: on "
                         "where its graphs run and it builds no attention mask), or set")
