@@ -188,8 +188,11 @@ def memory_breakdown(model) -> dict:
     stacks = state.lora_plan.stack_bytes if state is not None else 0
     allocated = torch.cuda.memory_allocated()
     gb = lambda b: round(b / 2**30, 2)  # noqa: E731
-    return dict(free_gb=gb(torch.cuda.mem_get_info()[0]), gpu_params_gb=gb(params), gpu_peft_lora_gb=gb(lora),
-                gpu_stacks_gb=gb(stacks), gpu_other_allocated_gb=gb(allocated - params - stacks))
+    free, total = torch.cuda.mem_get_info()
+    reserved = torch.cuda.memory_reserved()
+    return dict(free_gb=gb(free), gpu_params_gb=gb(params), gpu_peft_lora_gb=gb(lora),
+                gpu_stacks_gb=gb(stacks), gpu_other_allocated_gb=gb(allocated - params - stacks),
+                gpu_reserved_unused_gb=gb(reserved - allocated), gpu_outside_torch_gb=gb(total - free - reserved))
 
 
 def run_engine(model, reqs, args, with_adapters: bool, graphs: bool = False):
@@ -442,7 +445,8 @@ def measure_modes(modes, args, reqs, info):
                    max_memory_percent=stats.get("max_memory_percent", ""),
                    gpu_free_gb_at_start=stats.get("gpu_free_gb_at_start", "") or "",
                    **{k: stats.get(k, "") for k in ("gpu_params_gb", "gpu_peft_lora_gb", "gpu_stacks_gb",
-                                                    "gpu_other_allocated_gb")},
+                                                    "gpu_other_allocated_gb", "gpu_reserved_unused_gb",
+                                                    "gpu_outside_torch_gb")},
                    engine_graphs_dropped=stats.get("graphs_dropped", ""),
                    capture_s=round(stats["capture_s"], 2) if "capture_s" in stats else "",
                    warmup_s=stats.get("warmup_s", ""), warmup_captures=stats.get("warmup_captures", ""),
