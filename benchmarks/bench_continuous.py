@@ -400,10 +400,13 @@ def run_mode(mode, base, model, reqs, args):
             return reqs, run_engine(base, reqs, args, False, graphs), model
         finally:
             fastlora.unpatch(base)
-    if model is None:
-        model = hx.add_adapters(base, args.adapters, args.rank)
+    if model is None:  # registered: PEFT holds one adapter of its own, which no request uses
+        model = hx.add_adapters(base, *((args.adapters, args.rank) if args.adapter_source == "peft"
+                                        else (1, args.rank)), prefix="a" if args.adapter_source == "peft" else "seed")
     state = fastlora.get_state(model)
     if mode == "peft":  # PEFT's own path: unpatched, on a capped sample
+        if args.adapter_source != "peft":
+            raise SystemExit("bench_continuous: the peft mode needs --adapter-source peft")
         if state is not None:
             fastlora.unpatch(model)
         used = [(q, n, min(k, args.peft_tokens)) for q, n, k in reqs[:args.peft_requests]]
@@ -415,6 +418,9 @@ def run_mode(mode, base, model, reqs, args):
             fastlora.unpatch(model)
         tuning = fastlora.Tuning(glu_expand_min_rows=args.glu_expand_min_rows or None)
         print(fastlora.patch(model, engine_attention=attention, tuning=tuning), file=sys.stderr)
+        if args.adapter_source == "registered":  # as the endpoint serves them: pinned on the host, stacks on the GPU
+            fastlora.register_adapters(model, hx.adapter_state_dicts(model, args.adapters, [args.rank], prefix="a",
+                                                                     seed=args.seed, pin=hx.DEVICE == "cuda"))
     if mode.startswith("fastlora"):
         return reqs, run_engine(model, reqs, args, True, graphs), model
     used = reqs[:args.static_requests or len(reqs)]
@@ -433,6 +439,7 @@ def measure_modes(modes, args, reqs, info):
         floor = workload_floor(base, args.model, used, steps, bw, info["gpu"]) if mode != "peft" else {}
         row = dict(mode=mode, model=args.model, adapters=0 if mode.startswith("base") else args.adapters,
                    rank=args.rank, glu_expand_min_rows=args.glu_expand_min_rows if mode.startswith("fastlora") else "",
+                   adapter_source=args.adapter_source if mode.startswith("fastlora") else "",
                    requests=len(used), output_tokens=out_tokens, seconds=round(seconds, 3),
                    tokens_per_s=round(out_tokens / seconds, 1),
                    latency_p50_s=round(pct(latency, 0.5), 3), latency_p99_s=round(pct(latency, 0.99), 3),
@@ -487,6 +494,10 @@ def main(argv=None) -> int:
                                                   "fastlora_varlen"],
                    choices=MODES, help="the CSV is rewritten after each mode, so a cut-off run keeps what finished")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adapter-source", choices=["peft", "registered"], default="peft",
+                   help="the fastlora modes' adapters: PEFT's (add_adapter: PEFT's parameters and fastlora's stacks "
+                        "on the GPU) or registered by name (fastlora.register_adapters, as the endpoint loads them: "
+                        "the weights pinned on the host, the stacks on the GPU)")
     p.add_argument("--glu-expand-min-rows", type=int, default=0, metavar="N",
                    help="fastlora modes: Tuning(glu_expand_min_rows=N), the gate/up deltas added inside the "
                         "activation's launch in steps of at least N tokens (0: off, the default)")

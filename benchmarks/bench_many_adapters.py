@@ -46,34 +46,6 @@ def rss_gb() -> float:
     return float("nan")
 
 
-def make_adapters(model, n: int, ranks, targets, seed: int, pin: bool):
-    """n (state dict, LoraConfig) pairs in PEFT's saved key format, random weights, in bf16."""
-    from peft import LoraConfig
-
-    shapes = {}
-    for name, module in model.named_modules():
-        if name.endswith(tuple(f".{t}" for t in targets)) and hasattr(module, "base_layer"):
-            base = module.base_layer
-            shapes[name] = (base.in_features, base.out_features)
-    rng, gen = random.Random(seed), torch.Generator(device=hx.DEVICE).manual_seed(seed)
-    out = {}
-    for i in range(n):
-        r = rng.choice(ranks)
-        layout = [(f"{name}.lora_{ab}.weight", shape) for name, (fan_in, fan_out) in shapes.items()
-                  for ab, shape in (("A", (r, fan_in)), ("B", (fan_out, r)))]
-        total = sum(a * b for _, (a, b) in layout)
-        # one random draw and one (pinned) host buffer per adapter; its tensors are views of it
-        flat = torch.randn(total, generator=gen, device=hx.DEVICE, dtype=torch.bfloat16).mul_(0.02)
-        host = torch.empty(total, dtype=torch.bfloat16, pin_memory=pin)
-        host.copy_(flat)
-        sd, at = {}, 0
-        for key, (a, b) in layout:
-            sd[key] = host[at:at + a * b].view(a, b)
-            at += a * b
-        out[f"r{i}"] = (sd, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets)))
-    return out
-
-
 def zipf_batch(rng, names, rows, s):
     weights = [1 / (k + 1) ** s for k in range(len(names))]
     return rng.choices(names, weights, k=rows)
@@ -311,7 +283,7 @@ def main(argv=None) -> int:
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=args.targets), adapter_name="seed",
                            autocast_adapter_dtype=False).eval()
     t = time.perf_counter()
-    adapters = make_adapters(model, args.adapters, args.ranks, args.targets, args.seed, pin=hx.DEVICE == "cuda")
+    adapters = hx.adapter_state_dicts(model, args.adapters, args.ranks, args.targets, args.seed, pin=hx.DEVICE == "cuda")
     print(f"{args.adapters} adapters made in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     for mode in [m for m in ("slots", "resident") if m in args.modes]:
         run_mode(model, adapters, args, args.slots if mode == "slots" else None, rows, info)

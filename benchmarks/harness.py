@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import random
 import re
 import platform
 import statistics
@@ -184,6 +185,36 @@ def add_adapters(model, n: int, rank: int, targets=TARGETS, prefix: str = "a", *
         else:
             peft_model.add_adapter(f"{prefix}{i}", cfg, autocast_adapter_dtype=False)
     return peft_model.eval()
+
+
+def adapter_state_dicts(model, n: int, ranks, targets=TARGETS, seed: int = 0, pin: bool = False, prefix: str = "r"):
+    """``{prefix}0 .. {prefix}{n-1}``: (state dict, LoraConfig) pairs in PEFT's saved key format, for
+    ``fastlora.register_adapters`` on ``model`` (a PeftModel whose LoRA layers cover ``targets``),
+    ranks drawn from ``ranks``, random weights in bf16, on the host (pinned with ``pin``)."""
+    from peft import LoraConfig
+
+    shapes = {}
+    for name, module in model.named_modules():
+        if name.endswith(tuple(f".{t}" for t in targets)) and hasattr(module, "base_layer"):
+            base = module.base_layer
+            shapes[name] = (base.in_features, base.out_features)
+    rng, gen = random.Random(seed), torch.Generator(device=DEVICE).manual_seed(seed)
+    out = {}
+    for i in range(n):
+        r = rng.choice(ranks)
+        layout = [(f"{name}.lora_{ab}.weight", shape) for name, (fan_in, fan_out) in shapes.items()
+                  for ab, shape in (("A", (r, fan_in)), ("B", (fan_out, r)))]
+        total = sum(a * b for _, (a, b) in layout)
+        # one random draw and one (pinned) host buffer per adapter; its tensors are views of it
+        flat = torch.randn(total, generator=gen, device=DEVICE, dtype=torch.bfloat16).mul_(0.02)
+        host = torch.empty(total, dtype=torch.bfloat16, pin_memory=pin)
+        host.copy_(flat)
+        sd, at = {}, 0
+        for key, (a, b) in layout:
+            sd[key] = host[at:at + a * b].view(a, b)
+            at += a * b
+        out[f"{prefix}{i}"] = (sd, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets)))
+    return out
 
 
 def round_robin(batch: int, adapters: int) -> list:
