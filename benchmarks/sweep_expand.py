@@ -14,6 +14,7 @@ is swept over its row tile, column block, warps and stages, beside the two launc
 (``kernel`` "expand_then_act_mul", ``expand_config``'s launch then ``ops.act_mul``).
 
     python benchmarks/sweep_expand.py                    # expand_sweep_<gpu>.csv
+    python benchmarks/sweep_expand.py --kernels glu --tokens 1024 --segment 1 --adapters 32   # decode-like rows
     TRITON_INTERPRET=1 python benchmarks/sweep_expand.py --smoke --out /tmp/x
 """
 
@@ -44,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--shrink-stages", type=int, nargs="+", default=[2, 3])
     p.add_argument("--glu-block-n", type=int, nargs="+", default=[32, 64, 128], help="glu_expand's column blocks")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--kernels", nargs="+", choices=["expand", "shrink", "glu"], default=["expand", "shrink", "glu"],
+                   help="which sweeps run (glu: glu_expand beside the expand then act_mul)")
     hx.add_run_args(p)
     return p.parse_args(argv)
 
@@ -81,7 +84,7 @@ def main(argv=None) -> int:
     token_slot = torch.tensor(slots, device=dev).repeat_interleave(args.segment)
     scaling, rows = 0.5, []
     torch.manual_seed(0)
-    for site, offsets in sites.items():
+    for site, offsets in sites.items() if "expand" in args.kernels else ():
         c, n = len(offsets) - 1, offsets[-1]
         b = torch.randn(args.adapters, n, args.rank, device=dev, dtype=dtype) * 0.05
         y = torch.randn(args.tokens, c * args.rank, device=dev, dtype=dtype)
@@ -108,7 +111,7 @@ def main(argv=None) -> int:
                                                                      chosen["num_stages"]), **vers))
                 print({k: rows[-1][k] for k in ("site", "block_m", "block_n", "num_warps", "num_stages", "ms",
                                                 "tb_per_s", "max_abs_err", "chosen")}, flush=True)
-    for site, k, c in (("qkv", hidden, 3), ("gate_up", hidden, 2), ("down", inter, 1)):
+    for site, k, c in (("qkv", hidden, 3), ("gate_up", hidden, 2), ("down", inter, 1)) if "shrink" in args.kernels else ():
         a = torch.randn(args.adapters, c * args.rank, k, device=dev, dtype=dtype) * 0.05
         x = torch.randn(args.tokens, k, device=dev, dtype=dtype)
         ranks = torch.full((args.adapters, c), args.rank, dtype=torch.int32, device=dev)
@@ -133,7 +136,8 @@ def main(argv=None) -> int:
                                                                              chosen["num_stages"]), **vers))
                 print({f: rows[-1][f] for f in ("kernel", "site", "block_m", "block_k", "num_warps", "num_stages",
                                                 "ms", "tb_per_s", "max_abs_err", "chosen")}, flush=True)
-    rows += sweep_glu(args, inter, dtype, slots, seg_lens, token_slot, scaling, vers)
+    if "glu" in args.kernels:
+        rows += sweep_glu(args, inter, dtype, slots, seg_lens, token_slot, scaling, vers)
     if args.out:
         hx.write_csv(rows, hx.out_path(args.out, "expand_sweep", vers["gpu"]))
     return 0
