@@ -230,7 +230,7 @@ class FastLoRAState:
         stream = self.base_ops.stream
         if stream is not None:
             stream.skip = lambda: self.context().segments is not None
-            stream.clear_gated_lora()
+        self.base_ops.gated.clear("lora")
         for g in self.groups:
             g.gemm = gemm
         for site in self.sites:
@@ -238,11 +238,12 @@ class FastLoRAState:
                 site.pool.fold.gemm = gemm
             mlp = getattr(site, "parent", None)
             glu_rows = self.options.tuning.glu_expand_min_rows
-            if (stream is not None and site.kind == "gate_up" and (site.pool.column_slots or glu_rows is not None)
+            if (site.kind == "gate_up" and (site.pool.column_slots or glu_rows is not None)
                     and mlp is not None and has_gated_forward(mlp)):
                 # both deltas inside the activation's launch: at 65-128 rows of a folded site the base
-                # GEMM too (ops.glu_lora); from glu_rows rows, after it (ops.glu_expand)
-                stream.fold_gated_lora(mlp, site.gated(self, mlp, stream, activation_kind(mlp.act_fn), glu_rows))
+                # GEMM too (ops.glu_lora, with stream_gemm); from glu_rows rows, after it (ops.glu_expand)
+                self.base_ops.gated.set("lora", mlp, site.gated(self, mlp, stream, activation_kind(mlp.act_fn),
+                                                                glu_rows))
 
     def _render_report(self) -> PatchReport:
         """The report, rendered from what the build decided: the LoRA plan, the base ops, the

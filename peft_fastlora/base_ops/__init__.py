@@ -23,7 +23,7 @@ from .attention_registry import disable_decode_attention, enable_decode_attentio
 from .expert_forwards import install_grouped_experts
 from .fused_linears import PlainFusedGroup, install_fused_linears
 from .layer_forwards import install_decoder_layers
-from .mlp_forwards import activation_kind, has_gated_forward, install_gated_mlps
+from .mlp_forwards import GatedHooks, activation_kind, has_gated_forward, install_gated_mlps
 from .norm_forwards import install_norms
 from .rotary_forwards import install_rotary
 from .rotary_tables import RotaryTables
@@ -41,6 +41,7 @@ class BaseOps:
     fused_groups: List[PlainFusedGroup] = field(default_factory=list)  # siblings without LoRA in one GEMM
     stream: Optional[StreamLinears] = None  # the decode GEMMs' kernel, where ``stream_gemm`` is on
     rotary_tables: Optional[RotaryTables] = None  # cos / sin from tables in decode graphs (``fuse_rotary``)
+    gated: GatedHooks = field(default_factory=GatedHooks)  # gated MLPs' gate/up and activation in fewer launches
     patches: InstancePatches = field(default_factory=InstancePatches)  # every instance forward installed
 
     @property
@@ -62,12 +63,12 @@ class BaseOps:
             fused_base_groups=len(self.fused_groups),
             stream_gemm_layers=self.count("stream_gemm"),
             stream_residual_layers=stream.residual_layers if stream is not None else 0,
-            stream_gated_mlps=stream.gated_mlps if stream is not None else 0,
-            stream_lora_gated_mlps=stream.lora_gated_mlps if stream is not None else 0,
+            stream_gated_mlps=self.gated.count("base"), lora_gated_mlps=self.gated.count("lora"),
             base_ops_skipped=list(self.skipped), base_ops_off=dict(self.off))
 
     def remove(self, model: nn.Module) -> None:
         disable_decode_attention(model)
+        self.gated.clear()
         self.patches.restore()
         for g in self.fused_groups:
             g.remove()
@@ -163,7 +164,7 @@ def install_base_ops(model: nn.Module, options, device: torch.device) -> BaseOps
             g.group.gemm = ops.gemm
             parent = model.get_submodule(g.group.parent_name) if g.group.kind == "gate_up" else None
             if parent is not None and has_gated_forward(parent):
-                ops.stream.fold_gated(parent, g.gated(parent, ops.stream, activation_kind(parent.act_fn)))
+                ops.gated.set("base", parent, g.gated(parent, ops.stream, activation_kind(parent.act_fn)))
         ops.stream.fold_residuals([(n, m) for n, m in ops.installed.get("fuse_add_norm", ())
                                    if not hasattr(m, "pre_feedforward_layernorm")])  # (Gemma 2's: a norm after)
     else:

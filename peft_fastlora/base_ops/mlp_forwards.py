@@ -12,7 +12,7 @@ the product become one kernel, when it takes the inputs.
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -70,7 +70,7 @@ def _kernel_applies(gate: torch.Tensor, up: torch.Tensor) -> bool:
 def _forward_with(act: str):
     def forward(self, x):
 
-        gated = self.__dict__.get("_fastlora_gated")  # gate/up and the activation in one GEMM (stream_linears)
+        gated = self.__dict__.get("_fastlora_gated")  # set by GatedHooks
         hidden = None if gated is None else gated(x)
         if hidden is not None:
             return self.down_proj(hidden)
@@ -84,6 +84,30 @@ def _forward_with(act: str):
 
 
 _FORWARDS = {"silu": _forward_with("silu"), "gelu_tanh": _forward_with("gelu_tanh")}
+
+
+class GatedHooks:
+    """The gated MLPs whose ``act(gate(x)) * up(x)`` a function of their gate/up's owner computes in
+    fewer launches (the forward above calls it first; None from it: the members' forwards, as
+    usual): a plain fused gate/up's GEMM with the activation in its epilogue (``"base"``) or a LoRA
+    gate/up site's deltas added in the activation's launch (``"lora"``). One function per MLP, set
+    and taken back by its owner's kind."""
+
+    def __init__(self):
+        self._mlps: Dict[str, List[nn.Module]] = {}
+
+    def set(self, kind: str, mlp: nn.Module, fn: Callable) -> None:
+        mlp._fastlora_gated = fn
+        self._mlps.setdefault(kind, []).append(mlp)
+
+    def count(self, kind: str) -> int:
+        return len(self._mlps.get(kind, ()))
+
+    def clear(self, kind: Optional[str] = None) -> None:
+        """Take back the functions of ``kind`` (None: all)."""
+        for k in [kind] if kind is not None else list(self._mlps):
+            for mlp in self._mlps.pop(k, ()):
+                mlp.__dict__.pop("_fastlora_gated", None)
 
 
 def has_gated_forward(mlp: nn.Module) -> bool:

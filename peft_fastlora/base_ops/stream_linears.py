@@ -162,10 +162,8 @@ class StreamLinears:
         self._tma_rows = TMA_ROWS
         self.modules: List[Tuple[str, nn.Module]] = []
         self._streamed: set = set()  # ids of the modules with the instance forward
-        self._folding: List[nn.Module] = []  # decoder layers told to fold their residual add, gated MLPs
-        self.residual_layers = self.gated_mlps = 0  # how many of each (the patch report's)
-        self._lora_gated: List[nn.Module] = []  # gated MLPs given ``gated_lora`` by their gate/up LoRA site
-        self.lora_gated_mlps = 0
+        self._folding: List[nn.Module] = []  # decoder layers told to fold their residual add
+        self.residual_layers = 0  # how many (the patch report's)
         # the residual a decoder layer is folding: (down weight's address, residual, taken), per thread
         # (a forward on another thread, say the continuous-batching engine's, never takes this one's)
         self._pending = threading.local()
@@ -266,24 +264,6 @@ class StreamLinears:
             return None
         return glu_lora(x2, weight, n, lora, act, tile, check=False).view(*x.shape[:-1], n)
 
-    def fold_gated_lora(self, mlp: nn.Module, gated: Callable) -> None:
-        """Give ``mlp``, whose gate/up is a folded LoRA site, ``gated`` (the site's ``gated_lora``
-        caller); taken back when the sites are rebuilt (``clear_gated_lora``)."""
-        mlp._fastlora_gated = gated
-        self._lora_gated.append(mlp)
-        self.lora_gated_mlps += 1
-
-    def clear_gated_lora(self) -> None:
-        for m in self._lora_gated:
-            m.__dict__.pop("_fastlora_gated", None)
-        self._lora_gated, self.lora_gated_mlps = [], 0
-
-    def fold_gated(self, mlp: nn.Module, gated: Callable) -> None:
-        """Give ``mlp`` (a gated MLP forward of ``mlp_forwards``) its one-GEMM gate/up and activation."""
-        mlp._fastlora_gated = gated
-        self._folding.append(mlp)
-        self.gated_mlps += 1
-
     # -- the residual add in down_proj's GEMM ----------------------------------------------------
     def expect_add(self, weight: torch.Tensor, residual: torch.Tensor) -> None:
         """The next GEMM over ``weight`` (its address: a folded ``[W; A]`` starts with W) that takes
@@ -330,11 +310,9 @@ class StreamLinears:
             self.residual_layers += 1
 
     def remove(self) -> None:
-        self.clear_gated_lora()
         for m in self._folding:
             m.__dict__.pop("_fastlora_stream", None)
-            m.__dict__.pop("_fastlora_gated", None)
-        self._folding, self.residual_layers, self.gated_mlps = [], 0, 0
+        self._folding, self.residual_layers = [], 0
 
     def install(self, root: nn.Module, patches: InstancePatches) -> List[Tuple[str, nn.Module]]:
         """Give ``linear`` as an instance forward to every plain ``nn.Linear`` under ``root`` that is

@@ -542,7 +542,7 @@ def test_lora_gate_up_takes_shrink_deltas_and_activation_in_one_launch(monkeypat
     got = []
     with fastlora.patched(model, backend="triton", stream_gemm=True, fuse_norms=True, fuse_silu_mul=True,
                           fold_shrink=True, cuda_graphs="emulate", tuning=tuning) as report, torch.no_grad():
-        assert report.stream_lora_gated_mlps == layers and "LoRA gate/up deltas in the act-mul" in str(report)
+        assert report.lora_gated_mlps == layers and "LoRA gate/up deltas in the act-mul" in str(report)
         _same_decode(model.generate(**batch, adapter_names=names, **kwargs), want)
         assert sum(taken) >= layers * 3, taken  # every layer's MLP, the prefill and each decode step
         model.add_adapter("c", LoraConfig(r=8, lora_alpha=8, target_modules=["up_proj"], init_lora_weights=False))
@@ -550,7 +550,7 @@ def test_lora_gate_up_takes_shrink_deltas_and_activation_in_one_launch(monkeypat
         for change in ("added", "deleted"):
             taken.clear()
             got.append(model.generate(**batch, adapter_names=names, **kwargs))
-            assert get_state(model).base_ops.stream.lora_gated_mlps == layers and sum(taken) >= layers * 3, change
+            assert get_state(model).base_ops.gated.count("lora") == layers and sum(taken) >= layers * 3, change
             if change == "added":
                 model.delete_adapter("a")
                 model.set_adapter("b")  # (PEFT's model keeps the deleted name as its active adapter)
@@ -561,12 +561,13 @@ def test_lora_gate_up_takes_shrink_deltas_and_activation_in_one_launch(monkeypat
         _same_decode(g, want)
 
 
-@pytest.mark.parametrize("min_rows", [None, 8])
-def test_lora_gate_up_prefill_adds_both_deltas_in_the_activation(monkeypatch, min_rows):
+@pytest.mark.parametrize("min_rows,stream", [(None, True), (8, True), (8, False)])
+def test_lora_gate_up_prefill_adds_both_deltas_in_the_activation(monkeypatch, min_rows, stream):
     """``Tuning.glu_expand_min_rows``: a gate/up LoRA site's unfolded calls of that many rows (the
     prefill here) take the shrink and ``ops.glu_expand``, the deltas added inside the activation's
     launch: mixed ranks, an adapter on gate only (up's rank 0), "__base__" rows, a sequence boundary
-    inside a row tile. None (the default): never. PEFT's tokens and logits either way."""
+    inside a row tile; with the decode GEMMs' kernel or without it. None (the default): never.
+    PEFT's tokens and logits either way."""
     import peft_fastlora as fastlora
     import peft_fastlora.ops as ops
 
@@ -580,9 +581,10 @@ def test_lora_gate_up_prefill_adds_both_deltas_in_the_activation(monkeypatch, mi
 
     monkeypatch.setattr(ops, "glu_expand", spy)
     layers = model.config.num_hidden_layers
-    with fastlora.patched(model, backend="triton", stream_gemm=True, fuse_norms=True, fuse_silu_mul=True,
+    with fastlora.patched(model, backend="triton", stream_gemm=stream, fuse_norms=True, fuse_silu_mul=True,
                           fold_shrink=False, cuda_graphs="emulate", tuning=tuning) as report, torch.no_grad():
-        assert report.stream_lora_gated_mlps == (0 if min_rows is None else layers), str(report)
+        assert report.lora_gated_mlps == (0 if min_rows is None else layers), str(report)
+        assert (fastlora.get_state(model).base_ops.stream is not None) == stream
         _same_decode(model.generate(**batch, adapter_names=names, **kwargs), want)
     prefill = batch["input_ids"].numel()
     assert rows == ([] if min_rows is None else [prefill] * layers), rows  # the prefill's, not the steps' 4 rows
