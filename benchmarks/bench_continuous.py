@@ -416,8 +416,7 @@ def run_mode(mode, base, model, reqs, args):
     if state is None or state.options.engine_attention != attention:
         if state is not None:
             fastlora.unpatch(model)
-        tuning = fastlora.Tuning(glu_expand_min_rows=args.glu_expand_min_rows or None)
-        print(fastlora.patch(model, engine_attention=attention, tuning=tuning), file=sys.stderr)
+        print(fastlora.patch(model, engine_attention=attention), file=sys.stderr)
         if args.adapter_source == "registered":  # as the endpoint serves them: pinned on the host, stacks on the GPU
             fastlora.register_adapters(model, hx.adapter_state_dicts(model, args.adapters, [args.rank], prefix="a",
                                                                      seed=args.seed, pin=hx.DEVICE == "cuda"))
@@ -438,8 +437,7 @@ def measure_modes(modes, args, reqs, info):
         steps = stats.get("engine_steps") or (stats.get("graphed_steps", 0) + stats.get("eager_steps", 0)) or None
         floor = workload_floor(base, args.model, used, steps, bw, info["gpu"]) if mode != "peft" else {}
         row = dict(mode=mode, model=args.model, adapters=0 if mode.startswith("base") else args.adapters,
-                   rank=args.rank, glu_expand_min_rows=args.glu_expand_min_rows if mode.startswith("fastlora") else "",
-                   adapter_source=args.adapter_source if mode.startswith("fastlora") else "",
+                   rank=args.rank, adapter_source=args.adapter_source if mode.startswith("fastlora") else "",
                    requests=len(used), output_tokens=out_tokens, seconds=round(seconds, 3),
                    tokens_per_s=round(out_tokens / seconds, 1),
                    latency_p50_s=round(pct(latency, 0.5), 3), latency_p99_s=round(pct(latency, 0.99), 3),
@@ -498,9 +496,6 @@ def main(argv=None) -> int:
                    help="the fastlora modes' adapters: PEFT's (add_adapter: PEFT's parameters and fastlora's stacks "
                         "on the GPU) or registered by name (fastlora.register_adapters, as the endpoint loads them: "
                         "the weights pinned on the host, the stacks on the GPU)")
-    p.add_argument("--glu-expand-min-rows", type=int, default=0, metavar="N",
-                   help="fastlora modes: Tuning(glu_expand_min_rows=N), the gate/up deltas added inside the "
-                        "activation's launch in steps of at least N tokens (0: off, the default)")
     p.add_argument("--async-batching", choices=["unset", "on", "off"], default="unset",
                    help="the engine's async batching (use_async_batching): left unset (the engine chooses: on "
                         "where its graphs run and it builds no attention mask), or set")

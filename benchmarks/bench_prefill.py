@@ -11,9 +11,7 @@ One forward over ``--rows`` prompts of ``--tokens`` tokens (the logits of the la
 - ``base_patched``: the base model patched by fastlora (``fastlora.patch`` on the plain model): the
   like-for-like reference (``ratio_to_base_patched``);
 - ``peft``: PEFT's mixed batch, one adapter per row (round-robin);
-- ``fastlora``: the same PeftModel patched, the same adapter names;
-- ``fastlora_glu_expand`` (``--glu-expand``): the same with ``Tuning(glu_expand_min_rows=...)``, the
-  gate/up deltas added inside the activation's launch (``ops.glu_expand``).
+- ``fastlora``: the same PeftModel patched, the same adapter names.
 
 Floors: weight bytes / copy bandwidth, and 2 x parameters x tokens / the bf16 dense peak
 (``--peak-tflops``); prefill at this size is bound by the second.
@@ -41,8 +39,6 @@ def main(argv=None) -> int:
                    help="also the GPU time of one prefill by kernel, patched base and fastlora: <csv stem>_kernels.csv")
     p.add_argument("--peak-tflops", type=float, default=0,
                    help="bf16 dense peak of the GPU (0: the specified one, harness.SPEC_BF16_FLOPS)")
-    p.add_argument("--glu-expand", action="store_true",
-                   help="also fastlora_glu_expand: the gate/up deltas added inside the activation's launch")
     hx.add_run_args(p)
     args = p.parse_args(argv)
     if not hx.start(args, "bench_prefill"):
@@ -82,11 +78,6 @@ def main(argv=None) -> int:
     print(fastlora.patch(peft_model), file=sys.stderr)
     times["fastlora"] = time_it(peft_model, "fastlora", adapter_names=names)
     fastlora.unpatch(peft_model)
-    if args.glu_expand:
-        print(fastlora.patch(peft_model, tuning=fastlora.Tuning(glu_expand_min_rows=args.rows * args.tokens)),
-              file=sys.stderr)
-        times["fastlora_glu_expand"] = time_it(peft_model, "fastlora_glu_expand", adapter_names=names)
-        fastlora.unpatch(peft_model)
     peak = args.peak_tflops * 1e12 or hx.spec_flops(vers["gpu"])
     if not peak:
         sys.exit(f"the bf16 peak of {vers['gpu']} is not in harness.SPEC_BF16_FLOPS: pass --peak-tflops")

@@ -8,13 +8,9 @@ count and stage count over the 8B layout's site widths (fused q/k/v, fused gate/
 read and written, the shrink's output read) and checks each launch's result against torch. The
 shrink at the same sizes is swept the same way over its K tile, warps and stages (rows of
 ``kernel`` "shrink": the input read once counted). ``expand_config`` / ``shrink_config``'s choice
-is the row marked ``chosen``. Gate/up's expand and activation in one launch (``ops.glu_expand``,
-rows of ``kernel`` "glu_expand": the base output and the shrink's read, the activation's written)
-is swept over its row tile, column block, warps and stages, beside the two launches it replaces
-(``kernel`` "expand_then_act_mul", ``expand_config``'s launch then ``ops.act_mul``).
+is the row marked ``chosen``.
 
     python benchmarks/sweep_expand.py                    # expand_sweep_<gpu>.csv
-    python benchmarks/sweep_expand.py --kernels glu --tokens 1024 --segment 1 --adapters 32   # decode-like rows
     TRITON_INTERPRET=1 python benchmarks/sweep_expand.py --smoke --out /tmp/x
 """
 
@@ -43,10 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2])
     p.add_argument("--block-k", type=int, nargs="+", default=[64, 128, 256], help="the shrink's K tiles")
     p.add_argument("--shrink-stages", type=int, nargs="+", default=[2, 3])
-    p.add_argument("--glu-block-n", type=int, nargs="+", default=[32, 64, 128], help="glu_expand's column blocks")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--kernels", nargs="+", choices=["expand", "shrink", "glu"], default=["expand", "shrink", "glu"],
-                   help="which sweeps run (glu: glu_expand beside the expand then act_mul)")
     hx.add_run_args(p)
     return p.parse_args(argv)
 
@@ -76,7 +69,7 @@ def main(argv=None) -> int:
         hidden, kv, inter, dtype = 32, 8, 64, torch.float32
         args.tokens, args.segment, args.block_m, args.block_n, args.warps, args.stages, args.reps = \
             64, 16, [16], [32], [4], [1], 1
-        args.block_k, args.shrink_stages, args.glu_block_n = [32], [2], [32]
+        args.block_k, args.shrink_stages = [32], [2]
     dev, vers = hx.DEVICE, hx.versions()
     sites = {"qkv": [0, hidden, hidden + kv, hidden + 2 * kv], "gate_up": [0, inter, 2 * inter], "o": [0, hidden]}
     seg_lens = [args.segment] * (args.tokens // args.segment)
@@ -84,7 +77,7 @@ def main(argv=None) -> int:
     token_slot = torch.tensor(slots, device=dev).repeat_interleave(args.segment)
     scaling, rows = 0.5, []
     torch.manual_seed(0)
-    for site, offsets in sites.items() if "expand" in args.kernels else ():
+    for site, offsets in sites.items():
         c, n = len(offsets) - 1, offsets[-1]
         b = torch.randn(args.adapters, n, args.rank, device=dev, dtype=dtype) * 0.05
         y = torch.randn(args.tokens, c * args.rank, device=dev, dtype=dtype)
@@ -111,7 +104,7 @@ def main(argv=None) -> int:
                                                                      chosen["num_stages"]), **vers))
                 print({k: rows[-1][k] for k in ("site", "block_m", "block_n", "num_warps", "num_stages", "ms",
                                                 "tb_per_s", "max_abs_err", "chosen")}, flush=True)
-    for site, k, c in (("qkv", hidden, 3), ("gate_up", hidden, 2), ("down", inter, 1)) if "shrink" in args.kernels else ():
+    for site, k, c in (("qkv", hidden, 3), ("gate_up", hidden, 2), ("down", inter, 1)):
         a = torch.randn(args.adapters, c * args.rank, k, device=dev, dtype=dtype) * 0.05
         x = torch.randn(args.tokens, k, device=dev, dtype=dtype)
         ranks = torch.full((args.adapters, c), args.rank, dtype=torch.int32, device=dev)
@@ -136,64 +129,9 @@ def main(argv=None) -> int:
                                                                              chosen["num_stages"]), **vers))
                 print({f: rows[-1][f] for f in ("kernel", "site", "block_m", "block_k", "num_warps", "num_stages",
                                                 "ms", "tb_per_s", "max_abs_err", "chosen")}, flush=True)
-    if "glu" in args.kernels:
-        rows += sweep_glu(args, inter, dtype, slots, seg_lens, token_slot, scaling, vers)
     if args.out:
         hx.write_csv(rows, hx.out_path(args.out, "expand_sweep", vers["gpu"]))
     return 0
-
-
-def sweep_glu(args, n, dtype, slots, seg_lens, token_slot, scaling, vers) -> list:
-    """``ops.glu_expand`` over its launch parameters at gate/up's width ``n``, and the two launches
-    it replaces (the expand at ``expand_config``, then ``act_mul``), each checked against torch."""
-    from peft_fastlora.batch import plan_chunks
-    from peft_fastlora.ops import act_mul, act_mul_reference, glu_expand, lora_expand
-    from peft_fastlora.ops.glu_expand import LAUNCH as GLU_LAUNCH
-
-    dev, r, rows = hx.DEVICE, args.rank, []
-    b = torch.randn(args.adapters, 2 * n, r, device=dev, dtype=dtype) * 0.05
-    arena = torch.cat([b[s, j * n:(j + 1) * n].reshape(-1) for s in range(args.adapters) for j in range(2)])
-    b_offs = (torch.arange(2 * args.adapters, device=dev, dtype=torch.int64) * n * r).view(args.adapters, 2)
-    y = torch.randn(args.tokens, 2 * r, device=dev, dtype=dtype)
-    gate_up = torch.randn(args.tokens, 2 * n, device=dev, dtype=dtype)
-    ranks = torch.full((args.adapters, 2), r, dtype=torch.int32, device=dev)
-    scalings = torch.full((args.adapters, 2), scaling, dtype=torch.float32, device=dev)
-    slot_of = token_slot.to(torch.int32)
-    projected = reference(y, b, [0, n, 2 * n], scaling, gate_up, token_slot).to(dtype)
-    want = act_mul_reference(projected[:, :n], projected[:, n:]).float()
-    gbytes = (gate_up.numel() + args.tokens * n + y.numel()) * gate_up.element_size() / 1e9
-    align = 8 if r % 8 == 0 else 1
-
-    def record(kernel, run, **launch):
-        try:
-            err = (run().float() - want).abs().max().item()
-            ms = 1e3 * hx.timed(run, args.reps)
-        except Exception as e:  # noqa: BLE001 - a launch that does not fit the chip: its row says why
-            err, ms = None, None
-            launch["error"] = f"{type(e).__name__}: {str(e)[:120]}"
-        rows.append(dict(kernel=kernel, site="gate_up", tokens=args.tokens, width=2 * n, **launch,
-                         ms=ms and round(ms, 4), tb_per_s=ms and round(gbytes / ms, 3), max_abs_err=err, **vers))
-        print({k: rows[-1].get(k) for k in ("kernel", "block_m", "block_n", "num_warps", "num_stages", "ms",
-                                            "tb_per_s", "max_abs_err", "chosen", "error")}, flush=True)
-
-    for block_m in args.block_m:
-        plan = [torch.as_tensor(a, dtype=torch.int32, device=dev) for a in plan_chunks(slots, seg_lens, block_m)[1:5]]
-
-        work = gate_up.clone()  # the expand adds into it: the first call's result is checked, the rest timed
-
-        def two_launches(plan=plan, block_m=block_m, work=work):
-            lora_expand(y, b, [0, n, 2 * n], ranks, scalings, work, *plan, block_m=block_m, wide=False)
-            return act_mul(work[:, :n], work[:, n:])
-
-        record("expand_then_act_mul", two_launches, block_m=block_m, chosen=False)
-        for block_n, warps, stages in itertools.product(args.glu_block_n, args.warps, args.stages):
-            record("glu_expand", lambda: glu_expand(y, arena, b_offs, ranks, scalings, slot_of, gate_up,  # noqa: E731
-                                                    max_rank=r, b_align=align, block_m=block_m, block_n=block_n,
-                                                    num_warps=warps, num_stages=stages),
-                   block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
-                   chosen=dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
-                   == {k: v for k, v in GLU_LAUNCH.items() if k != "block_r"})
-    return rows
 
 
 if __name__ == "__main__":

@@ -40,9 +40,8 @@ class PatchReport:
     stream_gemm_layers: int = 0  # plain linear layers whose decode GEMMs the streaming kernel runs
     stream_residual_layers: int = 0  # decoder layers whose MLP residual add may ride in down's streaming GEMM
     stream_gated_mlps: int = 0  # gated MLPs whose plain gate/up GEMM gives act(gate) * up
-    # gated MLPs whose LoRA gate/up site adds its deltas in the activation's launch: the folded site's
-    # GEMM too at 65-128 rows (stream_gemm), large calls with ``Tuning.glu_expand_min_rows``
-    lora_gated_mlps: int = 0
+    # gated MLPs whose folded LoRA gate/up gives act(gate) * up with the deltas in one launch (65-128 rows)
+    stream_lora_gated_mlps: int = 0
     cuda_graphs: str = "off"  # "on", "emulated", or "off (why)"
     stop_check: str = "per step"  # with graphs on: "deferred" (read one step late on CUDA) or "per step (why)"
     token_selection: str = "transformers'"  # with graphs on: "one kernel for greedy calls" or "transformers' (why)"
@@ -104,11 +103,11 @@ class PatchReport:
         line += (f"; decode GEMMs streamed: off ({why})" if why
                  else f"; decode GEMMs streamed: fused groups and {self.stream_gemm_layers} layers")
         folds = [f"residual add in down's GEMM x{self.stream_residual_layers}" if self.stream_residual_layers else "",
-                 f"act-mul in gate/up's GEMM x{self.stream_gated_mlps}" if self.stream_gated_mlps else ""]
+                 f"act-mul in gate/up's GEMM x{self.stream_gated_mlps}" if self.stream_gated_mlps else "",
+                 f"LoRA gate/up deltas in the act-mul's launch x{self.stream_lora_gated_mlps}"
+                 if self.stream_lora_gated_mlps else ""]
         if not why and any(folds):
             line += f" ({', '.join(f for f in folds if f)})"
-        if self.lora_gated_mlps:
-            line += f"; LoRA gate/up deltas in the act-mul's launch x{self.lora_gated_mlps}"
         ops = []
         for option, label, count in (("fuse_norms", "RMSNorm", self.fused_norms),
                                      ("fuse_rotary", "rotary", self.fused_rotary),

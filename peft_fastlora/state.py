@@ -237,13 +237,10 @@ class FastLoRAState:
             if site.pool.fold is not None:
                 site.pool.fold.gemm = gemm
             mlp = getattr(site, "parent", None)
-            glu_rows = self.options.tuning.glu_expand_min_rows
-            if (site.kind == "gate_up" and (site.pool.column_slots or glu_rows is not None)
+            if (stream is not None and site.kind == "gate_up" and site.pool.column_slots
                     and mlp is not None and has_gated_forward(mlp)):
-                # both deltas inside the activation's launch: at 65-128 rows of a folded site the base
-                # GEMM too (ops.glu_lora, with stream_gemm); from glu_rows rows, after it (ops.glu_expand)
-                self.base_ops.gated.set("lora", mlp, site.gated(self, mlp, stream, activation_kind(mlp.act_fn),
-                                                                glu_rows))
+                # 65-128 rows: gate/up, both deltas and the activation in one launch (ops.glu_lora)
+                self.base_ops.gated.set("lora", mlp, site.gated(self, mlp, stream, activation_kind(mlp.act_fn)))
 
     def _render_report(self) -> PatchReport:
         """The report, rendered from what the build decided: the LoRA plan, the base ops, the

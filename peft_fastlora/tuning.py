@@ -32,11 +32,6 @@ class Tuning:
             it applies to); a class left out keeps cuBLAS. None: the table measured on an H200.
         tma_add_tiles: the tile of a folded deep weight whose residual add rides in its epilogue,
             by class: (``TmaConfig`` fields, min_k).
-        glu_expand_min_rows: a LoRA gate/up site's calls of at least this many rows that do not take
-            the folded shrink (prefill) add both deltas inside the activation's launch
-            (``ops.glu_expand``) instead of writing them into the projection's output for the
-            activation to read again; None: never (the expand, then the activation). Applies where
-            the gated activation kernel and the streamed GEMMs are on.
         fold_max_share: the shrink folded under the base weight (``lora.fusion``): an arena of at
             most this share of the base weight's rows is folded for every call.
         fold_call_share: one of at most this share is folded for the calls whose adapters use at
@@ -60,7 +55,6 @@ class Tuning:
     tma_tiles: Optional[Mapping[str, Mapping[str, int]]] = None
     tma_add_tiles: Mapping[str, Tuple[Mapping[str, int], int]] = dataclasses.field(default_factory=lambda: {
         "deep": (dict(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4), 14336)})
-    glu_expand_min_rows: Optional[int] = None
     fold_max_share: float = 1 / 8
     fold_call_share: float = 1.0
     fold_min_use: float = 1 / 3
@@ -75,9 +69,6 @@ class Tuning:
             if f.type in ("int", "float"):
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                     raise ValueError(f"Tuning.{f.name} must be a non-negative number, got {value!r}")
-        rows = self.glu_expand_min_rows
-        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
-            raise ValueError(f"Tuning.glu_expand_min_rows must be a positive int or None, got {rows!r}")
         if not all(isinstance(d, torch.dtype) for d in self.stream_dtypes):
             raise ValueError(f"Tuning.stream_dtypes must be torch dtypes, got {self.stream_dtypes!r}")
         if not all(isinstance(d, str) for d in self.staged_devices):

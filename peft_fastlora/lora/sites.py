@@ -363,13 +363,10 @@ class FusedSite(Site):
         self._stash = None  # (input tensor, [output or None per member])
         self._glu_checked = None  # the scratch whose operands ``ops.glu_lora`` has checked
 
-    def gated(self, state, mlp: nn.Module, stream, act: str, min_rows: Optional[int]):
+    def gated(self, state, mlp: nn.Module, stream, act: str):
         """For the gate/up site of a gated ``mlp``: ``x -> act(gate(x)) * up(x)`` with both LoRA
-        deltas applied in the activation's launch, or None where that does not apply and the MLP
-        calls the members as usual. Two launches take it, for an unstaged site without a LoRA bias
-        or DoRA: ``StreamLinears.gated_lora`` (65-128 rows of a folded site: the base GEMM too) and,
-        from ``min_rows`` rows of an unfolded call (None: never), the shrink and ``ops.glu_expand``
-        after the base GEMM."""
+        deltas in one launch (``StreamLinears.gated_lora``: 65-128 rows of a folded, unstaged site
+        without a bias), or None where that does not apply and the MLP calls the members as usual."""
         gate, up = self.members
 
         def forward(x):
@@ -384,19 +381,11 @@ class FusedSite(Site):
                 return None  # the members' forwards decide (PEFT's path, or a graph-unsafe refusal)
             pool = state.pool_for(self, x.dtype)
             n = pool.offsets[1]
-            if (pool.staging is not None or pool.bias is not None or pool.dora is not None
-                    or list(pool.offsets) != [0, n, 2 * n]):
+            if (pool.glu_buffers is None or not _folded(context, pool, bi) or pool.staging is not None
+                    or pool.bias is not None or pool.dora is not None or list(pool.offsets) != [0, n, 2 * n]):
                 return None
-            if _folded(context, pool, bi):
-                lora = self._glu_lora(pool, bi, x) if pool.glu_buffers is not None else None
-                return None if lora is None else stream.gated_lora(x, pool.fold.ext, n, act, lora)
-            x2 = _as_rows(x, x.shape[-1])
-            if min_rows is None or x2.shape[0] < min_rows:
-                return None
-            x2 = x2.contiguous()
-            out = state.backend.run_packed_glu(x2, pool.packed, self.group.linear(x2), act, layer_ranks=pool.ranks,
-                                               layer_scalings=pool.scalings, batch_info=bi)
-            return out.view(*x.shape[:-1], n)
+            lora = self._glu_lora(pool, bi, x)
+            return None if lora is None else stream.gated_lora(x, pool.fold.ext, n, act, lora)
 
         return forward
 

@@ -580,27 +580,3 @@ def test_request_adapters_read_in_bulk_as_one_by_one():
     assert adapters.lookup_all(ids + ["nobody"]) == ["__base__", "a0", "a0", None]
     with pytest.raises(RuntimeError, match="'nobody' has no adapter on record"):
         adapters.names_of(ids + ["nobody"])
-
-
-@pytest.mark.parametrize("pair_options", [dict(backend="triton", stream_gemm=True, fuse_silu_mul=True,
-                                               tuning=fastlora.Tuning(glu_expand_min_rows=8))])
-def test_gate_up_deltas_inside_the_activation_per_request(pair, monkeypatch):
-    """``Tuning.glu_expand_min_rows`` through the engine: forwards of 8 tokens and more, prefill
-    chunks and decode tokens of different adapters and "__base__" ones in one flat row, take the
-    shrink and ``ops.glu_expand``; every request's tokens equal PEFT's alone."""
-    import peft_fastlora.ops as ops
-
-    m, ref = pair
-    tokens, launch = [], ops.glu_expand
-
-    def spy(y, *args, **kw):
-        tokens.append(y.shape[0])
-        return launch(y, *args, **kw)
-
-    monkeypatch.setattr(ops, "glu_expand", spy)
-    prompts = random_prompts([3, 17, 9, 1, 25, 6], seed=4)
-    names = ["a0", "a1", "__base__", "a2", "a1", "a0"]
-    out = m.generate_batch(prompts, generation_config=greedy_config(5),
-                           continuous_batching_config=cb_config(max_batch_tokens=16), adapter_names=names)
-    _check(ref, prompts, names, [out[f"req_{i}"].generated_tokens for i in range(len(prompts))], 5)
-    assert tokens and min(tokens) >= 8, tokens

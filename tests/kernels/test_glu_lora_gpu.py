@@ -195,7 +195,7 @@ def test_float32_model_tokens_equal_peft_through_graphs_under_traffic(monkeypatc
     adapters = ["a", "b", "c", "__base__"]
     taken = []
     with fastlora.patched(model, stream_gemm=True, cuda_graphs=True, tuning=tuning) as report, torch.no_grad():
-        assert report.lora_gated_mlps == 2, str(report)
+        assert report.stream_lora_gated_mlps == 2, str(report)
         for call in range(10):
             if call == 3:
                 for m in (model, twin):

@@ -542,7 +542,7 @@ def test_lora_gate_up_takes_shrink_deltas_and_activation_in_one_launch(monkeypat
     got = []
     with fastlora.patched(model, backend="triton", stream_gemm=True, fuse_norms=True, fuse_silu_mul=True,
                           fold_shrink=True, cuda_graphs="emulate", tuning=tuning) as report, torch.no_grad():
-        assert report.lora_gated_mlps == layers and "LoRA gate/up deltas in the act-mul" in str(report)
+        assert report.stream_lora_gated_mlps == layers and "LoRA gate/up deltas in the act-mul" in str(report)
         _same_decode(model.generate(**batch, adapter_names=names, **kwargs), want)
         assert sum(taken) >= layers * 3, taken  # every layer's MLP, the prefill and each decode step
         model.add_adapter("c", LoraConfig(r=8, lora_alpha=8, target_modules=["up_proj"], init_lora_weights=False))
@@ -559,35 +559,6 @@ def test_lora_gate_up_takes_shrink_deltas_and_activation_in_one_launch(monkeypat
         want = model.generate(**batch, adapter_names=names, **kwargs)
     for g in got:
         _same_decode(g, want)
-
-
-@pytest.mark.parametrize("min_rows,stream", [(None, True), (8, True), (8, False)])
-def test_lora_gate_up_prefill_adds_both_deltas_in_the_activation(monkeypatch, min_rows, stream):
-    """``Tuning.glu_expand_min_rows``: a gate/up LoRA site's unfolded calls of that many rows (the
-    prefill here) take the shrink and ``ops.glu_expand``, the deltas added inside the activation's
-    launch: mixed ranks, an adapter on gate only (up's rank 0), "__base__" rows, a sequence boundary
-    inside a row tile; with the decode GEMMs' kernel or without it. None (the default): never.
-    PEFT's tokens and logits either way."""
-    import peft_fastlora as fastlora
-    import peft_fastlora.ops as ops
-
-    tuning = _tuning(tma_tiles=TINY_TMA, fp32=True).replace(stream_max_rows=2, glu_expand_min_rows=min_rows)
-    model, batch, names, kwargs, want = _gate_up_case()
-    rows, launch = [], ops.glu_expand
-
-    def spy(y, *args, **kw):
-        rows.append(y.shape[0])
-        return launch(y, *args, **kw)
-
-    monkeypatch.setattr(ops, "glu_expand", spy)
-    layers = model.config.num_hidden_layers
-    with fastlora.patched(model, backend="triton", stream_gemm=stream, fuse_norms=True, fuse_silu_mul=True,
-                          fold_shrink=False, cuda_graphs="emulate", tuning=tuning) as report, torch.no_grad():
-        assert report.lora_gated_mlps == (0 if min_rows is None else layers), str(report)
-        assert (fastlora.get_state(model).base_ops.stream is not None) == stream
-        _same_decode(model.generate(**batch, adapter_names=names, **kwargs), want)
-    prefill = batch["input_ids"].numel()
-    assert rows == ([] if min_rows is None else [prefill] * layers), rows  # the prefill's, not the steps' 4 rows
 
 
 def test_a_model_on_several_devices_gets_no_decode_gemm_kernel(monkeypatch):
