@@ -166,11 +166,13 @@ def test_bench_continuous_smoke(tmp_path):
 
 def test_bench_continuous_isolated_modes(tmp_path):
     """``--isolate on``: each mode measured in its own process, the rows and their ratios written by
-    the parent; the host time on the step's adapters and the Triton compiles are columns."""
+    the parent; the host time on the step's adapters and the Triton compiles are columns. The
+    adapters registered by name here (``--adapter-source registered``), as the endpoint loads them."""
     _run([os.path.join(BENCH, "bench_continuous.py"), "--smoke", "--modes", "base_patched", "fastlora",
-          "--isolate", "on", "--host-profile", "20", "--out", str(tmp_path)])
+          "--isolate", "on", "--host-profile", "20", "--adapter-source", "registered", "--out", str(tmp_path)])
     rows = {r["mode"]: r for r in _csv(tmp_path / "continuous_tiny_cpu.csv")}
     assert set(rows) == {"base_patched", "fastlora"}
+    assert rows["fastlora"]["adapter_source"] == "registered" and rows["base_patched"]["adapter_source"] == ""
     assert float(rows["fastlora"]["time_per_token_vs_base_patched"]) > 0
     assert float(rows["fastlora"]["run_host_adapters_ms"]) > 0
     assert rows["fastlora"]["triton_compiles"] != ""
