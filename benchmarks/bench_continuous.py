@@ -400,13 +400,11 @@ def run_mode(mode, base, model, reqs, args):
             return reqs, run_engine(base, reqs, args, False, graphs), model
         finally:
             fastlora.unpatch(base)
-    if model is None:  # registered: PEFT holds one adapter of its own, which no request uses
-        model = hx.add_adapters(base, *((args.adapters, args.rank) if args.adapter_source == "peft"
-                                        else (1, args.rank)), prefix="a" if args.adapter_source == "peft" else "seed")
+    if model is None:  # registered: PEFT holds one adapter of its own ("seed0"), which no request uses
+        model = (hx.add_adapters(base, 1, args.rank, prefix="seed") if args.adapter_source == "registered"
+                 else hx.add_adapters(base, args.adapters, args.rank))
     state = fastlora.get_state(model)
     if mode == "peft":  # PEFT's own path: unpatched, on a capped sample
-        if args.adapter_source != "peft":
-            raise SystemExit("bench_continuous: the peft mode needs --adapter-source peft")
         if state is not None:
             fastlora.unpatch(model)
         used = [(q, n, min(k, args.peft_tokens)) for q, n, k in reqs[:args.peft_requests]]
@@ -511,6 +509,8 @@ def main(argv=None) -> int:
     p.add_argument("--child-result", default="", help=argparse.SUPPRESS)
     hx.add_run_args(p)
     args = p.parse_args(argv)
+    if args.adapter_source == "registered" and "peft" in args.modes:
+        p.error("the peft mode runs PEFT's own adapters: it needs --adapter-source peft")
     if not hx.start(args, "bench_continuous"):
         return 0
     if args.smoke:

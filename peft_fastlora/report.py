@@ -104,7 +104,7 @@ class PatchReport:
                  else f"; decode GEMMs streamed: fused groups and {self.stream_gemm_layers} layers")
         folds = [f"residual add in down's GEMM x{self.stream_residual_layers}" if self.stream_residual_layers else "",
                  f"act-mul in gate/up's GEMM x{self.stream_gated_mlps}" if self.stream_gated_mlps else "",
-                 f"LoRA gate/up deltas in the act-mul's launch x{self.stream_lora_gated_mlps}"
+                 f"LoRA gate/up, its shrink and act-mul in one launch at 65-128 rows x{self.stream_lora_gated_mlps}"
                  if self.stream_lora_gated_mlps else ""]
         if not why and any(folds):
             line += f" ({', '.join(f for f in folds if f)})"

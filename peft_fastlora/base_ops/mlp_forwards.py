@@ -89,9 +89,9 @@ _FORWARDS = {"silu": _forward_with("silu"), "gelu_tanh": _forward_with("gelu_tan
 class GatedHooks:
     """The gated MLPs whose ``act(gate(x)) * up(x)`` a function of their gate/up's owner computes in
     fewer launches (the forward above calls it first; None from it: the members' forwards, as
-    usual): a plain fused gate/up's GEMM with the activation in its epilogue (``"base"``) or a LoRA
-    gate/up site's deltas added in the activation's launch (``"lora"``). One function per MLP, set
-    and taken back by its owner's kind."""
+    usual): a plain fused gate/up's GEMM with the activation in its epilogue (``"base"``) or a folded
+    LoRA gate/up site's GEMM, shrink, deltas and activation in one launch at 65-128 rows
+    (``"lora"``, ``ops.glu_lora``). One function per MLP, set and taken back by its owner's kind."""
 
     def __init__(self):
         self._mlps: Dict[str, List[nn.Module]] = {}

@@ -132,11 +132,10 @@ def test_bench_prefill_smoke(tmp_path):
     assert set(rows) == {"hf_base", "base_patched", "peft", "fastlora"}
     assert rows["base_patched"]["ratio_to_base_patched"] == "1.0" and rows["hf_base"]["ratio_to_hf_base"] == "1.0"
     split = _csv(tmp_path / "prefill_tiny_cpu_kernels.csv")  # one prefill's ops by method (CPU times here)
-    methods = ("base_patched", "fastlora")
-    assert {r["method"] for r in split} == set(methods)
+    assert {r["method"] for r in split} == {"base_patched", "fastlora"}
     assert all(float(r["launches_per_step"]) > 0 for r in split)
     # on the CPU the times are differences of two noisy host timings: present, not necessarily positive
-    assert all(any(float(r["us_per_step"]) != 0 for r in split if r["method"] == m) for m in methods)
+    assert all(any(float(r["us_per_step"]) != 0 for r in split if r["method"] == m) for m in ("base_patched", "fastlora"))
 
 
 def test_bench_continuous_smoke(tmp_path):
@@ -181,6 +180,17 @@ def test_bench_continuous_isolated_modes(tmp_path):
     assert {r["mode"] for r in functions} == {"base_patched", "fastlora"}
     assert any(r["mode"] == "fastlora" and r["function"].startswith("peft_fastlora/continuous/engine.py")
                and float(r["calls_per_step"]) > 0 for r in functions)
+
+
+def test_bench_continuous_refuses_peft_mode_with_registered_adapters(capsys):
+    """PEFT's own path cannot serve adapters registered by name: refused before any model is built."""
+    sys.path.insert(0, BENCH)
+    import bench_continuous
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_continuous.main(["--smoke", "--modes", "fastlora", "peft", "--adapter-source", "registered"])
+    assert exit_info.value.code == 2
+    assert "the peft mode runs PEFT's own adapters: it needs --adapter-source peft" in capsys.readouterr().err
 
 
 def test_gpu_window_reads_busy_idle_and_families_from_a_timeline():

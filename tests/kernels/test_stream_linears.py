@@ -500,11 +500,17 @@ def test_a_folded_deep_weight_with_its_residual_pending_takes_the_add_tile(monke
         assert not streams.took_add() and calls["tma_gemm"] == 1
 
 
-def _gate_up_case():
-    """A float32 PeftModel with adapters on gate and up (mixed ranks) and on gate alone, a batch
-    mixing them with "__base__", and PEFT's greedy result (tokens and logits)."""
+def test_lora_gate_up_takes_shrink_deltas_and_activation_in_one_launch(monkeypatch):
+    """Past ``MAX_ROWS`` (lowered) a folded gate/up LoRA site gives ``act(gate) * up`` with both
+    deltas from one ``ops.glu_lora`` launch (B's columns kept by the site): mixed ranks, an adapter
+    on gate only, "__base__" rows, through emulated graphs; then an adapter added and one deleted mid-way (the sites rebuilt, the
+    MLPs' path replaced, not doubled). PEFT's tokens and logits each time."""
+    import peft_fastlora as fastlora
     from _models import left_padded_batch
+    from peft_fastlora.patch import get_state
 
+    tuning = _tuning(tma_tiles=TINY_TMA, fp32=True)
+    tuning = tuning.replace(stream_max_rows=2)
     base = tiny_llama(0, vocab_size=128)
     base.generation_config.eos_token_id = None
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "q_proj"],
@@ -515,20 +521,6 @@ def _gate_up_case():
     kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
         want = model.generate(**batch, adapter_names=names, **kwargs)
-    return model, batch, names, kwargs, want
-
-
-def test_lora_gate_up_takes_shrink_deltas_and_activation_in_one_launch(monkeypatch):
-    """Past ``MAX_ROWS`` (lowered) a folded gate/up LoRA site gives ``act(gate) * up`` with both
-    deltas from one ``ops.glu_lora`` launch (B's columns kept by the site): mixed ranks, an adapter
-    on gate only, "__base__" rows, through emulated graphs; then an adapter added and one deleted mid-way (the sites rebuilt, the
-    MLPs' path replaced, not doubled). PEFT's tokens and logits each time."""
-    import peft_fastlora as fastlora
-    from peft_fastlora.patch import get_state
-
-    tuning = _tuning(tma_tiles=TINY_TMA, fp32=True)
-    tuning = tuning.replace(stream_max_rows=2)
-    model, batch, names, kwargs, want = _gate_up_case()
     taken = []
     original = sl.StreamLinears.gated_lora
 
@@ -542,7 +534,7 @@ def test_lora_gate_up_takes_shrink_deltas_and_activation_in_one_launch(monkeypat
     got = []
     with fastlora.patched(model, backend="triton", stream_gemm=True, fuse_norms=True, fuse_silu_mul=True,
                           fold_shrink=True, cuda_graphs="emulate", tuning=tuning) as report, torch.no_grad():
-        assert report.stream_lora_gated_mlps == layers and "LoRA gate/up deltas in the act-mul" in str(report)
+        assert report.stream_lora_gated_mlps == layers and "LoRA gate/up, its shrink" in str(report)
         _same_decode(model.generate(**batch, adapter_names=names, **kwargs), want)
         assert sum(taken) >= layers * 3, taken  # every layer's MLP, the prefill and each decode step
         model.add_adapter("c", LoraConfig(r=8, lora_alpha=8, target_modules=["up_proj"], init_lora_weights=False))
