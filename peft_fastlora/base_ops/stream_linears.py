@@ -131,6 +131,16 @@ def tma_tiles(path: Optional[str] = None) -> Dict[str, TmaTile]:
             for name, fields in classes.items()}
 
 
+def _dense_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` with its rows packed where they are spread out in memory and few beside ``weight``'s:
+    the LM head reads each sequence's last token as a strided slice of the hidden states, and for a
+    row stride that large cuBLAS picks a kernel that reads the weight several times over; the copy
+    costs a few rows' bytes."""
+    if x.dim() < 2 or x.is_contiguous() or x.numel() >= weight.numel():
+        return x
+    return x.contiguous()
+
+
 class StreamLinears:
     """One model's decode GEMMs through the kernel: ``linear`` for its fused groups and the instance
     forwards of its other plain ``nn.Linear`` layers, and the split-K workspace they share (the
@@ -206,7 +216,7 @@ class StreamLinears:
         """``F.linear(x, weight, bias)``, through the streaming kernel where it applies (module doc)."""
         rows = self._rows(x, weight, bias)
         if not rows:
-            return F.linear(x, weight, bias)
+            return F.linear(_dense_rows(x, weight), weight, bias)
 
         n, k = weight.shape
         x2 = x.reshape(rows, k)

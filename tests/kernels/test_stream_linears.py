@@ -98,6 +98,26 @@ def test_decode_sized_bf16_gemms_take_the_kernel_others_keep_f_linear(monkeypatc
     assert calls["stream_gemm"] == 2  # too shallow a reduction: cuBLAS
 
 
+def test_a_wide_layer_gets_the_rows_of_a_strided_slice_packed(monkeypatch):
+    """The LM head past the kernel's widths reads each sequence's last token, a strided slice of
+    the hidden states: F.linear gets the rows packed, the same values; a large input, or one
+    already packed, goes as it is."""
+    streams = sl.StreamLinears(torch.device("cpu"), _tuning(stream_max_n=32))
+    seen, original = [], F.linear
+    monkeypatch.setattr(sl.F, "linear", lambda x, w, b=None: seen.append(x) or original(x, w, b))
+    w, hidden = torch.randn(48, 64).bfloat16(), torch.randn(2, 5, 64).bfloat16()
+    last = hidden[:, -1:, :]
+    assert not last.is_contiguous()
+    out = streams.linear(last, w)
+    assert seen[-1].is_contiguous() and seen[-1].shape == last.shape
+    torch.testing.assert_close(out, original(last, w), atol=0, rtol=0)
+    wide = torch.randn(4, 64).bfloat16()  # as many input elements as the weight's: left strided
+    streams.linear(torch.randn(2, 6, 64).bfloat16()[:, ::2], wide)
+    assert not seen[-1].is_contiguous()
+    streams.linear(hidden, w)
+    assert seen[-1] is hidden
+
+
 @pytest.mark.parametrize("m,n,k,split", [(1, 4096, 14336, 1), (32, 4096, 14336, 2), (16, 4096, 4096, 2),
                                          (64, 4096, 4096, 1), (32, 6144, 4096, 1), (64, 28672, 4096, 1)])
 def test_tile_choice(m, n, k, split):
