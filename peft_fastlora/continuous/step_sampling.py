@@ -2,10 +2,11 @@
 
 Before a step's forward, ``plan`` reads which of the rows that get a token belong to requests with
 sampling parameters. The engine's own selection runs as always (inside its CUDA graph where the
-step is graphed) and leaves its logits here: a reference to them on eager steps, a copy into a
-buffer of this object's on graphed steps (made inside the graph, so every replay refreshes it).
-After the forward, ``finish`` selects again for the planned rows only and overwrites their tokens
-before the engine reads them back; a step with no such row costs nothing more than that copy.
+step is graphed) and leaves its logits here: a reference to them on eager steps; on graphed steps
+a copy of the planned rows' logits into a buffer of this object's, by a gather captured in the
+graph that reads its row list from the device (``ops.row_gather``: the list is written before each
+replay, and a step with no planned row copies nothing). After the forward, ``finish`` selects again
+for the planned rows only and overwrites their tokens before the engine reads them back.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from ..compat.engine import (cb_generated_len, cb_generated_tokens, cb_logit_requests, cb_output_ids,
                              cb_tokens_in_flight, cb_unwrap_sample, cb_wrap_sample)
+from ..ops.row_gather import gather_rows
 from .sampling import RequestSampling, SamplingParams, select, to_device
 
 
@@ -51,13 +53,15 @@ class StepSampler:
         self._plan: Optional[_Plan] = None
         self._scores: Optional[torch.Tensor] = None  # this eager step's logits
         self._selected = False  # the engine's selection ran through ``_sample`` (or was captured)
-        self._graph_scores: Optional[torch.Tensor] = None  # what graphed steps copy their logits into
+        self._graph_scores: Optional[torch.Tensor] = None  # what graphed steps gather planned rows' logits into
+        self._row_table: Optional[torch.Tensor] = None  # the gather's [count, rows...] on the device
+        self._table_count = 0  # the count the table holds
         self._graphed = False
         cb_wrap_sample(processor, self._sample)
 
     def close(self) -> None:
         cb_unwrap_sample(self.processor)
-        self._scores = self._graph_scores = self._plan = None
+        self._scores = self._graph_scores = self._row_table = self._plan = None
 
     def plan(self) -> None:
         """Read the step about to run (its inputs are prepared)."""
@@ -81,15 +85,22 @@ class StepSampler:
     def before_forward(self, graphed: bool, device: torch.device) -> None:
         """``graphed``: the forward is captured or replayed in a graph (or emulates one)."""
         self._graphed = graphed
-        if graphed and self._graph_scores is None:  # made before any capture, outside its pool
+        if not graphed:
+            return
+        if self._graph_scores is None:  # made before any capture, outside its pool
             self._graph_scores = torch.empty(self._rows, self._vocab, dtype=torch.float32, device=device)
+            self._row_table = torch.zeros(self._rows + 1, dtype=torch.int32, device=device)
+            self._table_count = 0
+        rows = self._plan.rows if self._plan is not None else []
+        if rows or self._table_count:  # queued on the step's stream, before its replay
+            self._row_table[: len(rows) + 1].copy_(torch.tensor([len(rows)] + rows, dtype=torch.int32))
+            self._table_count = len(rows)
 
     def _sample(self, original, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
         original(scores, output_ids)
         self._selected = True
         if self._graphed:
-            rows = min(scores.shape[-2], self._rows)
-            self._graph_scores[:rows].copy_(scores[0, :rows])
+            gather_rows(scores[0], self._row_table, self._graph_scores)
             self._scores = None
         else:
             self._scores = scores[0]
@@ -106,11 +117,13 @@ class StepSampler:
             raise RuntimeError("fastlora: the engine's step selected no tokens through its sampler")
         output_ids = cb_output_ids(self.processor)
         index = to_device(plan.rows, torch.int64, scores.device)
+        # graphed: the gather left the planned rows first, in the plan's order
+        planned = scores[: len(plan.rows)] if self._graphed else scores.index_select(0, index)
         last = None
         if plan.in_flight_tokens is not None:
             at = to_device(plan.in_flight, torch.int64, plan.in_flight_tokens.device)
             last = torch.where(at >= 0, plan.in_flight_tokens[at.clamp(min=0)].long(), -1).to(scores.device)
-        tokens, logprobs = select(scores.index_select(0, index), plan.params, plan.positions, plan.outputs, last)
+        tokens, logprobs = select(planned, plan.params, plan.positions, plan.outputs, last)
         output_ids[0].index_copy_(0, index.to(output_ids.device), tokens.to(output_ids.dtype).to(output_ids.device))
         for rid, entry in zip(plan.request_ids, logprobs):
             if entry is not None:
