@@ -64,6 +64,16 @@ FUSIBLE_GROUPS = {
 # the fused kernel.
 
 
+def release_cached(device: torch.device) -> None:
+    """Give the CUDA allocator's unused blocks back to the driver once a (re-)fuse has dropped the
+    previous copy of a group's weights. Left cached, that copy's segment is split by the smaller
+    buffers allocated next (the next group's, the adapters' stacks), and what they leave free in it
+    stays stranded: neither returned to the driver nor large enough for a KV cache, which the
+    continuous-batching engine sizes from what the driver reports free. Not while a graph captures."""
+    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        torch.cuda.empty_cache()
+
+
 @dataclass
 class FusedGroup:
     kind: str  # "qkv", "gate_up", or "linear" (one layer, fused only to fold a pool's arena)
@@ -136,6 +146,7 @@ class FusedGroup:
                     repoint_local(b.bias, self.bias[lo:hi])
         else:
             self.bias = self.ext_bias = None
+        release_cached(ext.device)
 
     def attach_tail(self, rows: int, dtype: torch.dtype, device, *, max_share: float, call_share: float,
                     per_call_ok: bool = True, stage_rows: int = 0) -> Optional[torch.Tensor]:
@@ -166,11 +177,14 @@ class FusedGroup:
     @torch.inference_mode(False)
     def unfuse(self):
         """Give every parameter its own storage again; the fused tensor is dropped."""
+        device = self.ext.device if self.ext is not None else None
         for b in self.bases:
             repoint_local(b.weight, local(b.weight).detach().clone())
             if b.bias is not None:
                 repoint_local(b.bias, local(b.bias).detach().clone())
         self.weight = self.bias = self.ext = self.ext_bias = self.tail = None
+        if device is not None:
+            release_cached(device)
 
     def _fold_refusal(self, rows, n, first, dtype, device, limit: float, per_call_ok: bool) -> Optional[str]:
         if rows <= 0:
