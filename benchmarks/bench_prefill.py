@@ -28,6 +28,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as hx  # noqa: E402
 
+# one prefill's GPU timeline with --kernel-split (``harness.GpuWindow``): how much of it the GPU
+# idles between kernels, and the host's synchronising calls that can cause it
+WINDOW_COLUMNS = ("gpu_busy_share", "idle_share", "idle_gaps_over_100us", "host_syncs", "host_sync_ms",
+                  "kernel_launches")
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,6 +65,7 @@ def main(argv=None) -> int:
             return m(input_ids=ids, attention_mask=mask, logits_to_keep=1, **kw)
 
     kernels = []  # (method, kernel row) with --kernel-split
+    windows = {}  # method: one prefill's GPU timeline (busy and idle shares, syncs) with --kernel-split
 
     def time_it(m, method=None, **kw):
         forward(m, **kw)  # warm-up: kernels compiled
@@ -67,6 +73,11 @@ def main(argv=None) -> int:
         if args.kernel_split and method:  # one prefill's kernels: the totals of two forwards less one's
             split = hx.kernel_times(lambda k: [forward(m, **kw) for _ in range(k)], 1)
             kernels.extend(dict(method=method, **r) for r in split)
+            window = hx.GpuWindow()
+            window.start()
+            forward(m, **kw)
+            timeline = window.stop()
+            windows[method] = {k: timeline[k] for k in WINDOW_COLUMNS}
         return t
 
     times = {"hf_base": time_it(model)}
@@ -88,7 +99,7 @@ def main(argv=None) -> int:
                  prefill_ms=round(1e3 * t, 2), ratio_to_base_patched=round(t / times["base_patched"], 3),
                  ratio_to_hf_base=round(t / times["hf_base"], 3), flop_floor_ms=round(flops_ms, 2),
                  byte_floor_ms=round(bytes_ms, 2), ratio_to_flop_floor=round(1e3 * t / flops_ms, 3),
-                 copy_bw_tbs=round(bw / 1e12, 3))
+                 copy_bw_tbs=round(bw / 1e12, 3), **windows.get(method, dict.fromkeys(WINDOW_COLUMNS, "")))
             for method, t in times.items()]
     for r in rows:
         print({k: r[k] for k in ("method", "prefill_ms", "ratio_to_base_patched", "ratio_to_hf_base",

@@ -136,6 +136,11 @@ def test_bench_prefill_smoke(tmp_path):
     assert all(float(r["launches_per_step"]) > 0 for r in split)
     # on the CPU the times are differences of two noisy host timings: present, not necessarily positive
     assert all(any(float(r["us_per_step"]) != 0 for r in split if r["method"] == m) for m in ("base_patched", "fastlora"))
+    # the timeline columns: filled for the split methods (no GPU activity on the CPU: counts of 0),
+    # empty for the others
+    for m, r in rows.items():
+        assert (r["host_syncs"] == "0" and r["kernel_launches"] == "0") if m in ("base_patched", "fastlora") \
+            else (r["host_syncs"] == "" and r["idle_share"] == ""), (m, r)
 
 
 def test_bench_continuous_smoke(tmp_path):
