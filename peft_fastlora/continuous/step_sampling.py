@@ -92,8 +92,9 @@ class StepSampler:
             self._row_table = torch.zeros(self._rows + 1, dtype=torch.int32, device=device)
             self._table_count = 0
         rows = self._plan.rows if self._plan is not None else []
-        if rows or self._table_count:  # queued on the step's stream, before its replay
-            self._row_table[: len(rows) + 1].copy_(torch.tensor([len(rows)] + rows, dtype=torch.int32))
+        if rows or self._table_count:  # queued on the step's stream before its replay, the host not waiting
+            self._row_table[: len(rows) + 1].copy_(to_device([len(rows)] + rows, torch.int32, device),
+                                                    non_blocking=True)
             self._table_count = len(rows)
 
     def _sample(self, original, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
