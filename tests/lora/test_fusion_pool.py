@@ -201,6 +201,32 @@ def test_storage_bytes_and_parameters_unchanged():
     assert q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
 
 
+def test_each_fuse_and_unfuse_hands_the_dropped_copy_back(monkeypatch):
+    """A (re-)fuse gives the allocator's cache back once it has dropped the previous copy (on CUDA,
+    so that smaller buffers cannot split its segment); never while the current stream captures."""
+    import peft_fastlora.lora.fusion as fusion
+
+    released = []
+    monkeypatch.setattr(fusion, "release_cached", lambda device: released.append(torch.device(device).type))
+    m = build()
+    fastlora.patch(m)
+    fused = len(released)
+    assert fused >= len(get_state(m).groups) > 0 and set(released) == {"cpu"}
+    fastlora.unpatch(m)
+    assert len(released) > fused
+
+    emptied = []
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    fusion.release_cached(torch.device("cpu"))
+    fusion.release_cached(torch.device("cuda", 0))
+    capturing[0] = True
+    fusion.release_cached(torch.device("cuda", 0))
+    assert emptied == [1]
+
+
 # ---- the pool ------------------------------------------------------------------------------------
 def test_mixed_targets_and_ranks_in_one_batch(calls):
     m, ref = build(), build()
