@@ -17,11 +17,11 @@ GATHER_BLOCK = 1024  # columns a program moves per row
 
 
 @triton.jit
-def _gather_rows_kernel(src_ptr, table_ptr, dst_ptr, n_src_rows, n_cols, src_stride, dst_stride,
+def _gather_rows_kernel(src_ptr, table_ptr, dst_ptr, n_src_rows, max_count, n_cols, src_stride, dst_stride,
                         BLOCK: tl.constexpr):
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < n_cols
-    count = tl.load(table_ptr)
+    count = tl.minimum(tl.load(table_ptr), max_count)  # never past dst's rows nor the table's entries
     dst_row = dst_ptr + cols  # advanced a row at a time (64-bit pointers: no index overflow)
     for i in range(count):
         row = tl.load(table_ptr + 1 + i).to(tl.int64) + tl.zeros([BLOCK], dtype=tl.int64)
@@ -33,8 +33,9 @@ def _gather_rows_kernel(src_ptr, table_ptr, dst_ptr, n_src_rows, n_cols, src_str
 
 def gather_rows(src: torch.Tensor, table: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy rows of the 2-D ``src`` into the first rows of ``dst`` (same columns and dtype), as the
-    int32 ``table`` on ``src``'s device lists them: ``[count, row_0, row_1, ...]``. ``count`` must
-    not exceed ``dst``'s rows nor the table's entries; a listed row outside ``src`` gives zeros."""
+    int32 ``table`` on ``src``'s device lists them: ``[count, row_0, row_1, ...]``. A count past
+    ``dst``'s rows or the table's entries copies only as many as both hold, and a listed row outside
+    ``src`` gives zeros: a wrong table never reads or writes out of bounds."""
     if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
         raise ValueError(f"gather_rows: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} "
                          "must be 2-D with the same columns and dtype")
@@ -43,13 +44,14 @@ def gather_rows(src: torch.Tensor, table: torch.Tensor, dst: torch.Tensor) -> No
                          f"{tuple(table.shape)} {table.dtype} on {table.device}")
     if src.stride(1) != 1:
         src = src.contiguous()
+    max_count = min(dst.shape[0], table.numel() - 1)
     if kernel_runs_on(src, table, dst) and dst.stride(1) == 1:
         grid = (triton.cdiv(src.shape[1], GATHER_BLOCK),)
-        _gather_rows_kernel[grid](src, table, dst, src.shape[0], src.shape[1], src.stride(0), dst.stride(0),
-                                  BLOCK=GATHER_BLOCK, num_warps=4)
+        _gather_rows_kernel[grid](src, table, dst, src.shape[0], max_count, src.shape[1], src.stride(0),
+                                  dst.stride(0), BLOCK=GATHER_BLOCK, num_warps=4)
         return
     # without Triton (the reference): the same rows, read on the host
-    count = int(table[0])
+    count = max(0, min(int(table[0]), max_count))
     rows = table[1: 1 + count].long()
     inside = (rows >= 0) & (rows < src.shape[0])
     dst[:count] = torch.where(inside[:, None], src[rows.clamp(0, max(0, src.shape[0] - 1))], 0)

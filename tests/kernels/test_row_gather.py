@@ -58,6 +58,20 @@ def test_a_listed_row_outside_src_gives_zeros(use_kernel, monkeypatch):
     assert (dst[1] == 0).all() and (dst[2] == 0).all()
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "reference"])
+def test_a_count_past_dst_or_the_table_copies_only_what_both_hold(use_kernel, monkeypatch):
+    if not use_kernel:
+        monkeypatch.setattr(rg, "kernel_runs_on", lambda *t: False)
+    src = torch.randn(6, 30)
+    guard = torch.full((5, 30), -7.0)
+    dst = guard[:2]  # rows past it must keep their sentinel
+    gather_rows(src, torch.tensor([9, 4, 1, 3, 5], dtype=torch.int32), dst)  # count 9: 2 rows fit
+    assert torch.equal(dst, src[[4, 1]]) and (guard[2:] == -7).all()
+    dst = torch.full((6, 30), -7.0)
+    gather_rows(src, torch.tensor([4, 2, 0], dtype=torch.int32), dst)  # count 4, two entries
+    assert torch.equal(dst[:2], src[[2, 0]]) and (dst[2:] == -7).all()
+
+
 def test_a_strided_source_reads_its_own_rows():
     base = torch.randn(6, 40)
     src = base[:, ::2]  # columns 2 apart
