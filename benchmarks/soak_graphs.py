@@ -221,9 +221,10 @@ def main(argv=None):
         rows_out.append(row)
         if i % 10 == 0 or not ok:
             print(row, flush=True)
-        else:  # (a run stopped from outside still shows every call's shape)
+        else:  # (a run stopped from outside still shows every call's shape and comparison)
+            compared = f", rows equal / tie flip / mismatch {equal} / {ties} / {other}" if equal != "" else ""
             print(f"call {i}: {rows} rows, {new} new tokens, {'sampled' if sample else 'greedy'}, ok {int(ok)}, "
-                  f"{dt:.1f} s", flush=True)
+                  f"{dt:.1f} s{compared}", flush=True)
     # before and after the change (no change made: the two halves of the calls)
     half = change_at if change_at is not None else len(rows_out) // 2
     before, after = rows_out[:half], rows_out[half:]
