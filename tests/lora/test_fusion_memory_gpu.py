@@ -3,6 +3,8 @@ the previous copy of its weights; handed back to the driver at once (``fusion.re
 no smaller buffer allocated next (another group's, the stacks) splits its segment, so what the
 continuous-batching engine finds free is all the model does not hold."""
 
+import gc
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -17,7 +19,10 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 def _stranded() -> int:
     """Bytes the allocator holds unallocated in large-block segments it cannot give back (the
-    fused copies are large blocks; the small-block pool's 2 MB segments are left out)."""
+    fused copies are large blocks; the small-block pool's 2 MB segments are left out). Garbage
+    first: tensors an earlier test in this process left to the collector would otherwise be freed
+    in the middle of this one and count as split."""
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return torch.cuda.memory_stats()["inactive_split_bytes.large_pool.current"]
