@@ -29,9 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as hx  # noqa: E402
 
 # one prefill's GPU timeline with --kernel-split (``harness.GpuWindow``): how much of it the GPU
-# idles between kernels, and the host's synchronising calls that can cause it
-WINDOW_COLUMNS = ("gpu_busy_share", "idle_share", "idle_gaps_over_100us", "host_syncs", "host_sync_ms",
-                  "kernel_launches")
+# idles between kernels, the host's synchronising calls that can cause it, and the wall time
+# outside the GPU's first-to-last activity (the host's work before the first kernel)
+WINDOW_COLUMNS = ("gpu_busy_share", "idle_share", "idle_gaps_over_100us", "outside_gpu_span_ms", "host_syncs",
+                  "host_sync_ms", "kernel_launches")
 
 
 def main(argv=None) -> int:

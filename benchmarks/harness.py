@@ -617,7 +617,11 @@ class GpuWindow:
                 end = b
         span = (end - busy[0][0]) if busy else 0.0
         window_us = max(span, 1.0)
-        out = dict(window_s=round(wall, 6), gpu_busy_share=round(union / window_us, 3) if busy else "",
+        # the wall time before the GPU's first activity and after its last: host work the busy and
+        # idle shares (taken over the GPU's span) do not see
+        outside_ms = round(max(0.0, 1e3 * wall - span / 1e3), 3) if busy else ""
+        out = dict(window_s=round(wall, 6), outside_gpu_span_ms=outside_ms,
+                   gpu_busy_share=round(union / window_us, 3) if busy else "",
                    idle_gaps_over_100us=long_gaps, idle_share=round(gaps / window_us, 3) if busy else "",
                    copies=copies, copy_share=round(copy_us / window_us, 4) if busy else "",
                    host_syncs=syncs, host_sync_ms=round(sync_us / 1e3, 2), graph_launches=graphs,

@@ -211,6 +211,7 @@ def test_gpu_window_reads_busy_idle_and_families_from_a_timeline():
               dict(cat="cuda_driver", name="cuLaunchKernelEx", ts=240, dur=3)]
     out = harness.GpuWindow.summary(events, wall=0.001)
     assert out["gpu_busy_share"] == round(110 / 300, 3) and out["idle_share"] == round(190 / 300, 3)
+    assert out["outside_gpu_span_ms"] == 0.7  # 1 ms of wall, the GPU active from 0 to 300 us
     assert out["idle_gaps_over_100us"] == 1 and out["copies"] == 1 and out["host_syncs"] == 1
     assert (out["graph_launches"], out["kernel_launches"]) == (1, 1)
     assert (out["gemm_share"], out["lora_share"], out["attention_share"]) == (round(40 / 300, 3), round(20 / 300, 3),
