@@ -381,6 +381,13 @@ def engine_attention(mode: str) -> str:
     return {"_varlen": "varlen", "_paged": "paged"}.get(mode[mode.rfind("_"):], "engine")
 
 
+def tuning_of(args):
+    """The ``Tuning`` the patched PeftModel runs with: the library's, or with ``--fold-max-tokens``."""
+    from peft_fastlora import Tuning
+
+    return Tuning() if args.fold_max_tokens is None else Tuning(fold_max_tokens=args.fold_max_tokens)
+
+
 def run_mode(mode, base, model, reqs, args):
     """(requests used, (seconds, latencies, times to first token, graph stats), the PeftModel): one
     mode's run; the PeftModel is made at the first mode that needs it (after every base mode: adding
@@ -414,7 +421,7 @@ def run_mode(mode, base, model, reqs, args):
     if state is None or state.options.engine_attention != attention:
         if state is not None:
             fastlora.unpatch(model)
-        print(fastlora.patch(model, engine_attention=attention), file=sys.stderr)
+        print(fastlora.patch(model, engine_attention=attention, tuning=tuning_of(args)), file=sys.stderr)
         if args.adapter_source == "registered":  # as the endpoint serves them: pinned on the host, stacks on the GPU
             fastlora.register_adapters(model, hx.adapter_state_dicts(model, args.adapters, [args.rank], prefix="a",
                                                                      seed=args.seed, pin=hx.DEVICE == "cuda"))
@@ -436,6 +443,7 @@ def measure_modes(modes, args, reqs, info):
         floor = workload_floor(base, args.model, used, steps, bw, info["gpu"]) if mode != "peft" else {}
         row = dict(mode=mode, model=args.model, adapters=0 if mode.startswith("base") else args.adapters,
                    rank=args.rank, adapter_source=args.adapter_source if mode.startswith("fastlora") else "",
+                   fold_max_tokens=tuning_of(args).fold_max_tokens if mode.startswith("fastlora") else "",
                    requests=len(used), output_tokens=out_tokens, seconds=round(seconds, 3),
                    tokens_per_s=round(out_tokens / seconds, 1),
                    latency_p50_s=round(pct(latency, 0.5), 3), latency_p99_s=round(pct(latency, 0.99), 3),
@@ -490,6 +498,9 @@ def main(argv=None) -> int:
                                                   "fastlora_varlen"],
                    choices=MODES, help="the CSV is rewritten after each mode, so a cut-off run keeps what finished")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fold-max-tokens", type=int, default=None,
+                   help="Tuning.fold_max_tokens for the patched PeftModel (default: the library's): steps of at most "
+                        "this many tokens take the shrink from the folded base GEMMs")
     p.add_argument("--adapter-source", choices=["peft", "registered"], default="peft",
                    help="the fastlora modes' adapters: PEFT's (add_adapter: PEFT's parameters and fastlora's stacks "
                         "on the GPU) or registered by name (fastlora.register_adapters, as the endpoint loads them: "

@@ -39,6 +39,9 @@ class Tuning:
         fold_min_use: see ``fold_call_share``.
         fold_stage_margin: with fewer slots than adapters, a staging tail sized for a call of
             average adapters, times this margin.
+        fold_max_tokens: the most tokens a forward carries for its sites to take the shrink from
+            the folded GEMM (the GEMM computes every arena row for every token); a larger one
+            launches each site's shrink, which reads each adapter's A for its own tokens only.
         staging_bytes: registered adapters' loads (``lora.host_copy``): the most staging at once.
         prestage_bytes: the most of a load's buffers queued ahead of placement.
         staged_devices: the device types where loads are staged (tests add "cpu").
@@ -59,6 +62,7 @@ class Tuning:
     fold_call_share: float = 1.0
     fold_min_use: float = 1 / 3
     fold_stage_margin: float = 1.25
+    fold_max_tokens: int = 256
     staging_bytes: int = 256 << 20
     prestage_bytes: int = 1 << 30
     staged_devices: Tuple[str, ...] = ("cuda",)

@@ -29,9 +29,8 @@ from ..decode.capture import GraphUnsafe
 from ..ops.glu_lora import check_glu_lora, GluLora, MAX_RANK
 
 _VARIANT_KWARGS = ("alora_offsets",)
-# forwards of decode size (this row tile) take the shrink from a folded base GEMM; larger ones keep
-# the shrink kernel, which reads each adapter's A only for its own tokens
-FOLD_MAX_BLOCK_M = 16
+# the row tile of decode-sized forwards (the 8-bit path computes their LoRA beside the int8 GEMM)
+DECODE_MAX_BLOCK_M = 16
 
 
 class Site:
@@ -192,9 +191,10 @@ def _as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _folded(context: CallContext, pool: SitePool, bi) -> bool:
-    """Whether this forward takes the shrink from the folded GEMM. A per-call site does where the
-    call uses enough of its arena (``CallContext.folds``)."""
-    if bi.block_m > FOLD_MAX_BLOCK_M or not pool.folded():
+    """Whether this forward takes the shrink from the folded GEMM: one of at most
+    ``Tuning.fold_max_tokens`` tokens, and at a per-call site where the call uses enough of its
+    arena (``CallContext.folds``)."""
+    if bi.num_tokens > pool.tuning.fold_max_tokens or not pool.folded():
         return False
     return not pool.fold.per_call or context.folds()
 
@@ -216,7 +216,7 @@ def _int8_beside_forward(state, pool: SitePool, x2: torch.Tensor, bi, group) -> 
     quantization and the int8 GEMM (``lora.beside``), the product dequantized with the delta (on a
     GPU in one launch). None where it does not apply: a prefill (the GEMM fills the GPU), DoRA
     tables (their scale reads the base output)."""
-    if (group is None or bi.block_m > FOLD_MAX_BLOCK_M or pool.packed.dora is not None
+    if (group is None or bi.block_m > DECODE_MAX_BLOCK_M or pool.packed.dora is not None
             or not group.joined_intact() or group.joined.threshold != 0.0):
         return None
     joined = group.joined

@@ -157,6 +157,7 @@ def test_bench_continuous_smoke(tmp_path):
     assert rows["fastlora"]["cache_blocks"] == rows["base_patched"]["cache_blocks"] != "", rows["fastlora"]
     assert float(rows["fastlora"]["time_per_token_vs_base_patched"]) > 0
     assert float(rows["fastlora"]["time_per_token_vs_base"]) > 0
+    assert rows["fastlora"]["fold_max_tokens"] == "256"  # the library's default
     # fastlora's hook counts a patched model's steps and times its loop's phases; nothing counts the
     # unpatched model's steps, so its floor is the FLOPs one
     for mode in ("fastlora", "base_patched"):
@@ -173,10 +174,12 @@ def test_bench_continuous_isolated_modes(tmp_path):
     the parent; the host time on the step's adapters and the Triton compiles are columns. The
     adapters registered by name here (``--adapter-source registered``), as the endpoint loads them."""
     _run([os.path.join(BENCH, "bench_continuous.py"), "--smoke", "--modes", "base_patched", "fastlora",
-          "--isolate", "on", "--host-profile", "20", "--adapter-source", "registered", "--out", str(tmp_path)])
+          "--isolate", "on", "--host-profile", "20", "--adapter-source", "registered", "--fold-max-tokens", "4096",
+          "--out", str(tmp_path)])
     rows = {r["mode"]: r for r in _csv(tmp_path / "continuous_tiny_cpu.csv")}
     assert set(rows) == {"base_patched", "fastlora"}
     assert rows["fastlora"]["adapter_source"] == "registered" and rows["base_patched"]["adapter_source"] == ""
+    assert rows["fastlora"]["fold_max_tokens"] == "4096" and rows["base_patched"]["fold_max_tokens"] == ""
     assert float(rows["fastlora"]["time_per_token_vs_base_patched"]) > 0
     assert float(rows["fastlora"]["run_host_adapters_ms"]) > 0
     assert rows["fastlora"]["triton_compiles"] != ""

@@ -200,8 +200,8 @@ def test_bad_option():
 
 
 def test_prefill_sized_forward_keeps_the_shrink_kernel(no_limit, calls):
-    """Over 256 tokens the row tile grows: the shrink kernel reads each adapter's A for its own
-    tokens only, so the fold serves decode-sized forwards alone."""
+    """Over ``Tuning.fold_max_tokens`` (256) tokens the sites launch the shrink kernel, which reads
+    each adapter's A for its own tokens only: by default the fold serves decode-sized forwards."""
     m = build()
     ids = torch.randint(3, 100, (2, 150), generator=torch.Generator().manual_seed(5))
     names = ["sql", "chat"]
@@ -210,6 +210,25 @@ def test_prefill_sized_forward_keeps_the_shrink_kernel(no_limit, calls):
     got = logits(m, names, ids)
     assert calls["run_packed_expand"] == 0 and calls["run_packed_lora"] == 8, calls
     torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fold_token_limit_decides_per_forward(backend, no_limit, calls):
+    """``Tuning.fold_max_tokens``: a forward of at most that many tokens takes the shrink from the
+    folded GEMM, a larger one the shrink kernel; both equal PEFT. Raised past 256, a forward in the
+    32-row tile folds too."""
+    ids = torch.randint(3, 100, (2, 150), generator=torch.Generator().manual_seed(5))
+    names = ["sql", "chat"]
+    for limit, tokens, folded in ((4, 8, False), (8, 8, True), (4096, 300, True), (299, 300, False)):
+        m = build()
+        want = logits(m, names, ids[:, : tokens // 2])
+        fastlora.patch(m, backend=backend, fold_shrink=True, tuning=no_limit.replace(fold_max_tokens=limit))
+        calls.clear()
+        got = logits(m, names, ids[:, : tokens // 2])
+        expected = dict(run_packed_expand=8, run_packed_lora=0) if folded else dict(run_packed_expand=0, run_packed_lora=8)
+        assert {k: calls[k] for k in expected} == expected, (limit, tokens, calls)
+        torch.testing.assert_close(got, want, **TOL)
+        fastlora.unpatch(m)
 
 
 def test_replaced_base_weight_refolds_and_stays_equal_to_peft(no_limit, calls):
@@ -297,6 +316,28 @@ def test_continuous_batching_through_folded_sites(no_limit, calls):
     assert calls["run_packed_expand"] > 0
     for tokens, p, n in zip(got, prompts, names):
         assert tokens == peft_alone(ref, p, n, 5), n
+
+
+def test_continuous_batching_steps_past_256_tokens_fold_under_a_raised_limit(no_limit, calls):
+    """With ``fold_max_tokens`` raised, engine steps of hundreds of tokens (prefill chunks beside
+    decode tokens, the 32-row tile) take every shrink from the folded GEMMs: no shrink kernel runs,
+    and each request equals PEFT serving it alone."""
+    from _continuous import cb_config, greedy_config, peft_alone, requires_cb
+
+    if requires_cb.args[0]:
+        pytest.skip(requires_cb.kwargs["reason"])
+    m, ref = build(), build()
+    fastlora.patch(m, fold_shrink=True, tuning=no_limit.replace(fold_max_tokens=4096))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 100, (n,), generator=g).tolist() for n in (120, 90, 70, 40)]
+    names = ["sql", "chat", "mlp", "__base__"]
+    out = m.generate_batch(prompts, generation_config=greedy_config(4),
+                           continuous_batching_config=cb_config(max_batch_tokens=512, num_blocks=128),
+                           adapter_names=names)
+    got = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+    assert calls["run_packed_expand"] > 0 and calls["run_packed_lora"] == 0, calls
+    for tokens, p, n in zip(got, prompts, names):
+        assert tokens == peft_alone(ref, p, n, 4), n
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
