@@ -50,6 +50,7 @@ def test_unknown_backend_on_a_patched_model_is_an_unknown_backend():
 @pytest.mark.parametrize("fields, pattern", [
     (dict(stream_max_rows=-1), "Tuning.stream_max_rows must be a non-negative number"),
     (dict(stream_max_rows=True), "Tuning.stream_max_rows must be a non-negative number"),
+    (dict(fold_max_tokens=-1), "Tuning.fold_max_tokens must be a non-negative number"),
 ])
 def test_a_bad_tuning_value_names_the_field(fields, pattern):
     with pytest.raises(ValueError, match=pattern):
