@@ -199,3 +199,28 @@ def test_bf16_staged_fold_logits_close_to_peft():
     delta = (ref - base).norm() / ref.norm()
     assert delta > 1e-2
     assert err < 1e-2, (err.item(), delta.item())
+
+
+def test_engine_steps_past_256_tokens_fold_under_a_raised_limit_and_equal_peft(monkeypatch):
+    """``Tuning.fold_max_tokens`` raised: transformers' engine packs prefill chunks of hundreds of
+    tokens beside decode tokens, every shrink comes from the folded GEMMs (no shrink kernel runs),
+    and each fp32 request's greedy tokens equal PEFT's for that prompt alone."""
+    from _continuous import cb_config, greedy_config, peft_alone, random_prompts, requires_cb
+    from _helpers import count_backend_calls
+    from peft_fastlora.backend.segmented import SegmentedLoRABackend
+    from peft_fastlora.tuning import Tuning
+
+    if requires_cb.args[0]:
+        pytest.skip(requires_cb.kwargs["reason"])
+    m, ref = _model(seed=9), _model(seed=9)
+    calls = count_backend_calls(monkeypatch, SegmentedLoRABackend, ("run_packed_lora", "run_packed_expand"))
+    prompts = random_prompts([300, 170, 90, 41, 260, 7], seed=9)
+    names = ["a0", "a2", "__base__", "a3", "a1", "a0"]
+    with fastlora.patched(m, tuning=Tuning(fold_max_tokens=2048)) as report:
+        assert report.shrink_folded == "8 of 8 sites", report
+        out = m.generate_batch(prompts, generation_config=greedy_config(12), adapter_names=names,
+                               continuous_batching_config=cb_config(max_batch_tokens=512, num_blocks=256))
+    got = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+    assert calls["run_packed_expand"] > 0 and calls["run_packed_lora"] == 0, calls
+    for tokens, p, n in zip(got, prompts, names):
+        assert tokens == peft_alone(ref, p, n, 12), (n, len(p))
