@@ -7,10 +7,15 @@ loses it. ``fusion.release_cached`` hands each dropped copy back at once.
 The mechanism needs weights the allocator gives segments of their own (blocks of 10 MB and more), as
 an 8B model's are: the model here has the 8B layout's widths and two layers. Small models' weights
 share 20 MB segments with everything else, and their split does not come from the fuses. The test
-runs the same patch and registration with ``release_cached`` and with it disabled, and requires
-the second to strand memory (the mechanism is reproduced) and the first to strand far less."""
+runs the same patch and registration with ``release_cached`` and with it disabled, each in a fresh
+process (what an earlier test or run leaves in the allocator's segments changes what is split), and
+requires the second to strand memory (the mechanism is reproduced) and the first far less."""
 
 import gc
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -58,11 +63,24 @@ def _patch_and_register() -> tuple:
         _stranded()
 
 
-def test_patch_and_registration_strand_no_memory(monkeypatch):
-    with monkeypatch.context() as m:
-        m.setattr(fusion, "release_cached", lambda device: None)
-        kept, fused = _patch_and_register()
-    released, _ = _patch_and_register()
+def _in_fresh_process(release: bool) -> tuple:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                                        os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, __file__, "release" if release else "keep"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tuple(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_patch_and_registration_strand_no_memory():
+    kept, fused = _in_fresh_process(release=False)
+    released, _ = _in_fresh_process(release=True)
     # without the release the dropped copies' segments are split (on the 8B model: 2.5 GB of 15)
     assert kept >= LARGE_SEGMENT, (kept, fused)
     assert released < kept / 4, (released, kept, fused)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "keep":
+        fusion.release_cached = lambda device: None
+    print(json.dumps(_patch_and_register()))
