@@ -8,7 +8,7 @@ count and stage count over the 8B layout's site widths (fused q/k/v, fused gate/
 read and written, the shrink's output read) and checks each launch's result against torch. The
 shrink at the same sizes is swept the same way over its K tile, warps and stages (rows of
 ``kernel`` "shrink": the input read once counted). ``expand_config`` / ``shrink_config``'s choice
-is the row marked ``chosen``.
+is the row marked ``chosen``; ``--split-k`` also sweeps the shrink's K ranges per tile.
 
     python benchmarks/sweep_expand.py                    # expand_sweep_<gpu>.csv
     TRITON_INTERPRET=1 python benchmarks/sweep_expand.py --smoke --out /tmp/x
@@ -39,6 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2])
     p.add_argument("--block-k", type=int, nargs="+", default=[64, 128, 256], help="the shrink's K tiles")
     p.add_argument("--shrink-stages", type=int, nargs="+", default=[2, 3])
+    p.add_argument("--split-k", type=int, nargs="+", default=[1], help="the shrink's K ranges per tile")
     p.add_argument("--reps", type=int, default=10)
     hx.add_run_args(p)
     return p.parse_args(argv)
@@ -117,18 +118,19 @@ def main(argv=None) -> int:
             plan = [torch.as_tensor(p, dtype=torch.int32, device=dev)
                     for p in plan_chunks(slots, seg_lens, block_m)[1:5]]
             chosen = shrink_config(block_m, args.rank, k)
-            for block_k, warps, stages in itertools.product(args.block_k, args.warps, args.shrink_stages):
+            for block_k, warps, stages, split in itertools.product(args.block_k, args.warps, args.shrink_stages,
+                                                                   args.split_k):
                 run = lambda: lora_shrink(x, a, c, ranks, *plan, block_m=block_m, block_k=block_k,  # noqa: E731
-                                          num_warps=warps, num_stages=stages)
+                                          num_warps=warps, num_stages=stages, split_k=split)
                 err = (run().float() - want).abs().max().item()
                 ms = 1e3 * hx.timed(run, args.reps)
                 rows.append(dict(kernel="shrink", site=site, tokens=args.tokens, width=k, block_m=block_m,
-                                 block_k=block_k, num_warps=warps, num_stages=stages, ms=round(ms, 4),
-                                 tb_per_s=round(gbytes / ms, 3), max_abs_err=err,
-                                 chosen=(min(block_k, k), warps, stages) == (chosen["block_k"], chosen["num_warps"],
-                                                                             chosen["num_stages"]), **vers))
+                                 block_k=block_k, num_warps=warps, num_stages=stages, split_k=split,
+                                 ms=round(ms, 4), tb_per_s=round(gbytes / ms, 3), max_abs_err=err,
+                                 chosen=(min(block_k, k), warps, stages, split) == tuple(
+                                     chosen[f] for f in ("block_k", "num_warps", "num_stages", "split_k")), **vers))
                 print({f: rows[-1][f] for f in ("kernel", "site", "block_m", "block_k", "num_warps", "num_stages",
-                                                "ms", "tb_per_s", "max_abs_err", "chosen")}, flush=True)
+                                                "split_k", "ms", "tb_per_s", "max_abs_err", "chosen")}, flush=True)
     if args.out:
         hx.write_csv(rows, hx.out_path(args.out, "expand_sweep", vers["gpu"]))
     return 0

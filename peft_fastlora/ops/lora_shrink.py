@@ -9,6 +9,12 @@ below); one program computes one (module, rank block) of one chunk, so a tile ne
 adapters and each adapter's A is streamed once per chunk. Only the first ``rank(slot, j)`` rows
 of a module's A are read and only those columns of ``y`` are written: the rest of ``y`` is left
 as it was (the expand never reads it).
+
+Split-K (``split_k`` > 1): a chunk's few programs stream the whole K one tile after the other, so a
+step of a few hundred tokens keeps only tens of programs in flight and each waits on its loads. With
+``split_k`` programs per (chunk, module, rank block), each over one K range, every program writes
+its float32 partial to a workspace and counts itself in on the tile's counter; the last to arrive
+sums the partials in split order (the same sum whichever arrives last) and writes ``y``.
 """
 
 from __future__ import annotations
@@ -39,8 +45,11 @@ def _lora_shrink_kernel(
     stride_rl,
     stride_tl,  # row stride of the packed row table
     sorted_ids_ptr, chunk_slot_ptr, chunk_start_ptr, chunk_len_ptr,
+    # split-K: (SPLIT_K, s, c * R) float32 partials (unit column stride), a zeroed int32 counter per tile
+    part_ptr, count_ptr, stride_ps, stride_pr,
     # meta-parameters
     PACKED: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     NUM_RB: tl.constexpr,  # rank blocks per module
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -48,10 +57,12 @@ def _lora_shrink_kernel(
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # axis 0 walks the (module, rank block) pairs of one chunk first, so the programs sharing a
-    # chunk's rows of x run side by side and read them from L2 rather than DRAM
-    j = tl.program_id(0) // NUM_RB
-    rb = tl.program_id(0) % NUM_RB
+    # axis 0 walks the (module, rank block, K range) triples of one chunk first, so the programs
+    # sharing a chunk's rows of x run side by side and read them from L2 rather than DRAM
+    tile = tl.program_id(0) // SPLIT_K
+    split = tl.program_id(0) % SPLIT_K
+    j = tile // NUM_RB
+    rb = tile % NUM_RB
     chunk = tl.program_id(1)
     slot = tl.load(chunk_slot_ptr + chunk)
     n_rows = tl.load(chunk_len_ptr + chunk)
@@ -73,7 +84,12 @@ def _lora_shrink_kernel(
     tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    offs_k = tl.arange(0, BLOCK_K)
+    # this program's K range: whole K tiles, the last range ending at K (empty when the splits
+    # outnumber the tiles: its partial is zeros)
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = split * k_per
+    k_hi = tl.minimum(K, k_lo + k_per)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
 
     x_ptrs = x_ptr + tok[:, None] * stride_xs + offs_k[None, :] * stride_xk
     # A is read transposed, (BLOCK_K, BLOCK_R), so the dot needs no permute
@@ -84,20 +100,34 @@ def _lora_shrink_kernel(
         a_ptrs = (a_ptr + slot.to(tl.int64) * stride_al + (j * R + offs_r)[None, :] * stride_ar
                   + offs_k[:, None] * stride_ak)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
             at = tl.load(a_ptrs, mask=r_mask[None, :], other=0.0)
         else:
-            k_mask = (k0 + offs_k) < K
+            k_mask = (k0 - k_lo + offs_k) < K
             xt = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             at = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         acc = tl.dot(xt, at, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         a_ptrs += BLOCK_K * stride_ak
 
+    y_mask = row_mask[:, None] & r_mask[None, :]
     y_ptrs = y_ptr + tok[:, None] * stride_ys + (j * R + offs_r)[None, :] * stride_yr
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & r_mask[None, :])
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        p_ptrs = part_ptr + tok[:, None] * stride_pr + (j * R + offs_r)[None, :]
+        tl.store(p_ptrs + split * stride_ps, acc, mask=y_mask)
+        # every thread's partial stored before the count (a barrier, then the count's release);
+        # the count's acquire, and loads past L1 (not coherent across SMs), for the last to read them
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + chunk * (tl.num_programs(0) // SPLIT_K) + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for i in range(SPLIT_K):
+                total += tl.load(p_ptrs + i * stride_ps, mask=y_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def shrink_config(block_m: int, rank: int, k: int) -> dict:
@@ -105,7 +135,8 @@ def shrink_config(block_m: int, rank: int, k: int) -> dict:
 
     Decode-sized chunks (``block_m`` 16) are memory bound on A: wide K tiles, deep pipelining,
     and ranks split in blocks of 16 for more programs in flight. Prefill chunks re-read x once
-    per rank block, so the whole rank is taken in one block.
+    per rank block, so the whole rank is taken in one block. ``split_k`` is 1 for every shape;
+    ``benchmarks/sweep_expand.py --split-k`` times the split launches against it.
     """
     r_pow2 = max(16, triton.next_power_of_2(rank))
     if block_m <= 16:
@@ -116,6 +147,7 @@ def shrink_config(block_m: int, rank: int, k: int) -> dict:
         cfg = dict(block_k=64, block_r=min(r_pow2, 128), num_warps=8, num_stages=3)
     cfg["block_k"] = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
     cfg["block_r"] = min(cfg["block_r"], r_pow2)
+    cfg["split_k"] = 1
     return cfg
 
 
@@ -135,6 +167,7 @@ def lora_shrink(
     block_r: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    split_k: Optional[int] = None,
     check: bool = True,
     a_rows: Optional[torch.Tensor] = None,
     max_rank: Optional[int] = None,
@@ -151,7 +184,8 @@ def lora_shrink(
             is sized from ``chunk_slot``'s length, never from its contents.
         block_m: rows per chunk (a power of two >= 16).
         out: optional (s, c * R) output; allocated (uninitialised) when omitted.
-        block_k, block_r, num_warps, num_stages: override ``shrink_config``.
+        block_k, block_r, num_warps, num_stages, split_k: override ``shrink_config``; ``split_k``
+            > 1 splits K over that many programs per tile (float32 partials, summed in order).
         check: validate the shapes (False: the caller has).
         a_rows: packed layout: (num_slots, c) int32, the first row in ``weights`` of each (slot,
             module) (read only where its rank is not 0); ``max_rank`` then gives R.
@@ -185,7 +219,16 @@ def lora_shrink(
     max_chunks = chunk_slot.shape[0]
     if s == 0 or max_chunks == 0 or r == 0:
         return out
-    grid = (stack_num * num_rb, max_chunks)
+    split_k = split_k or cfg["split_k"]
+    if split_k < 1:
+        raise ValueError(f"lora_shrink: split_k must be at least 1, got {split_k}")
+    grid = (stack_num * num_rb * split_k, max_chunks)
+    if split_k > 1:
+        partials = torch.empty(split_k, s, cr, dtype=torch.float32, device=x.device)
+        counts = torch.zeros(stack_num * num_rb * max_chunks, dtype=torch.int32, device=x.device)
+        split_args = (partials, counts, partials.stride(0), partials.stride(1))
+    else:
+        split_args = (out, ranks, 0, 0)  # never read
     a_strides = (0,) + weights.stride() if packed else weights.stride()
     _lora_shrink_kernel[grid](
         x, weights, out, a_rows if packed else ranks,
@@ -195,7 +238,9 @@ def lora_shrink(
         out.stride(0), out.stride(1),
         ranks, ranks.stride(0), a_rows.stride(0) if packed else 0,
         sorted_token_ids, chunk_slot, chunk_start, chunk_len,
+        *split_args,
         PACKED=packed,
+        SPLIT_K=split_k,
         NUM_RB=num_rb,
         BLOCK_M=block_m,
         BLOCK_R=block_r,

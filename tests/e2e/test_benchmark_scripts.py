@@ -258,13 +258,15 @@ def test_bench_kernels_smoke(tmp_path):
 
 
 def test_sweep_expand_smoke(tmp_path):
-    """Each launch of the sweep is checked against torch before it is timed."""
-    _run([os.path.join(BENCH, "sweep_expand.py"), "--smoke", "--out", str(tmp_path)],
+    """Each launch of the sweep is checked against torch before it is timed, the shrink's split-K
+    launches among them."""
+    _run([os.path.join(BENCH, "sweep_expand.py"), "--smoke", "--split-k", "1", "3", "--out", str(tmp_path)],
          env_extra={"TRITON_INTERPRET": "1"})
     rows = _csv(tmp_path / "expand_sweep_cpu.csv")
     assert {(r["kernel"], r["site"]) for r in rows} == {("expand", "qkv"), ("expand", "gate_up"), ("expand", "o"),
                                                         ("shrink", "qkv"), ("shrink", "gate_up"), ("shrink", "down")}
     assert all(float(r["max_abs_err"]) < 1e-4 and float(r["ms"]) > 0 for r in rows)
+    assert {r["split_k"] for r in rows if r["kernel"] == "shrink"} == {"1", "3"}
 
 
 def test_bench_attention_smoke(tmp_path):

@@ -443,3 +443,54 @@ def test_pdl_chain_in_a_graph_equals_serial_launches():
             for i, (x, y) in enumerate(zip(a, b)):
                 assert torch.equal(x, y), (mode, step, i)
         assert torch.equal(results["serial"][1], results[mode][1]), mode
+
+
+@pytest.mark.parametrize("split_k", [2, 4, 7])
+@pytest.mark.parametrize("site", ["qkv", "down"])
+def test_shrink_split_k_at_engine_step_sizes(site, split_k):
+    """The shrink with K split over programs, bf16 at the 8B widths, the 32-row tiles of an engine
+    step (segments of 1 to 70 tokens, mixed ranks, rows with no adapter): within bf16 of the torch
+    reference and of one split; the same bits run after run (the partials are summed in split
+    order, whichever program arrives last); and captured in a CUDA graph, whose replays zero the
+    tile counters again, with the inputs changed between replays."""
+    from peft_fastlora.batch import plan_chunks
+    from peft_fastlora.ops import lora_shrink
+
+    k, offsets = SITES[site]
+    c, rank, dtype = len(offsets) - 1, 16, torch.bfloat16
+    atol, rtol = TOLERANCES[dtype]
+    ranks, _ = slot_tables(rank, c)
+    a, _ = make_weights(k, offsets, rank, ranks, dtype)
+    g = torch.Generator().manual_seed(split_k)
+    lens = torch.randint(1, 71, (24,), generator=g).tolist()
+    slots = [NO_ADAPTER if i % 7 == 3 else i % NUM_ADAPTERS for i in range(len(lens))]
+    plan = [torch.as_tensor(p, dtype=torch.int32, device="cuda") for p in plan_chunks(slots, lens, 32)[1:5]]
+    token_slot = torch.tensor([s for s, n in zip(slots, lens) for _ in range(n)], device="cuda")
+    x = torch.randn(len(token_slot), k, device="cuda", dtype=dtype)
+
+    def want():
+        y = torch.zeros(len(token_slot), c * rank, device="cuda")
+        for s in token_slot.unique().tolist():
+            if s >= 0:
+                rows = (token_slot == s).nonzero().squeeze(1)
+                y[rows] = x[rows].float() @ torch.nan_to_num(a[s].float()).T
+        return y
+
+    mask = torch.zeros(len(token_slot), c * rank, dtype=torch.bool, device="cuda")
+    for t, s in enumerate(token_slot.tolist()):
+        for j in range(c):
+            if s >= 0:
+                mask[t, j * rank: j * rank + int(ranks[s, j])] = True
+    run = lambda sk: lora_shrink(x, a, c, ranks, *plan, block_m=32, split_k=sk)  # noqa: E731
+    one, got, again = run(1), run(split_k), run(split_k)
+    assert torch.equal(got[mask], again[mask]), "the split sum changed between runs"
+    assert_close(got[mask], want()[mask], atol, rtol, f"split_k={split_k} against torch")
+    assert_close(got[mask], one[mask], atol, rtol, f"split_k={split_k} against one split")
+    out = torch.zeros(len(token_slot), c * rank, device="cuda", dtype=dtype)
+    graph, _ = captured(lambda: lora_shrink(x, a, c, ranks, *plan, block_m=32, split_k=split_k, out=out),
+                        warmups=2)
+    for seed in range(3):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(10 + seed)).to("cuda", dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out[mask], want()[mask], atol, rtol, f"split_k={split_k}, replay {seed}")

@@ -18,6 +18,8 @@ from peft_fastlora.backend.torch_native import TorchNativeLoRABackend  # noqa: E
 from peft_fastlora.backend.triton import TritonLoRABackend  # noqa: E402
 from peft_fastlora.batch import NO_ADAPTER, ForwardBatch, ForwardMode  # noqa: E402
 
+from _helpers import pack  # noqa: E402
+
 # (dtype, atol, rtol): both sides accumulate in fp32 and round once, so fp32 differs only by
 # summation order (observed < 1e-6) and fp16 by an ulp of a rounding that fell the other way
 # (observed < 1e-3; 5e-3 is about 5 fp16 ulps)
@@ -329,6 +331,55 @@ def test_shrink_launcher_small_tiles_writes_only_own_rank():
     mask = defined_mask(tok, ranks, c)
     assert_close(out, want, atol, rtol, "shrink (small tiles)", mask=mask)
     assert (out[~mask] == sentinel).all(), "the shrink wrote past an adapter's rank or row"
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+@pytest.mark.parametrize("comp", ["mixed", "skewed", "all_base"])
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES, ids=DTYPE_IDS)
+def test_shrink_split_k(dtype, atol, rtol, comp, split_k, layout):
+    """K split over 2, 3 or 8 programs per tile (K of 70 in tiles of 16: five tiles, the last
+    partial; with 8 splits three ranges are empty): mixed ranks and a module of rank 0, rows with
+    no adapter, NaN past every rank and in the unused slot, both layouts of A. Equal to the torch
+    reference, written only where defined, and the same as one split up to float32 rounding."""
+    from peft_fastlora.ops import lora_shrink
+
+    seq_lens = MODES["prefill"]
+    wi = COMPOSITIONS[comp](len(seq_lens))
+    tri, ref = make_backends(wi, seq_lens)
+    bi = tri.batch_info
+    c, k, sentinel = 3, 70, 777.0
+    ranks, _ = layer_tables(c)
+    tok = token_slots(wi, seq_lens)
+    x = torch.randn(len(tok), k, dtype=dtype)
+    a = make_a(c, k, ranks, dtype)
+    kw = dict(block_m=bi.block_m, block_k=16, block_r=16)
+    weights = a
+    if layout == "packed":
+        w = pack(a, torch.zeros(NUM_SLOTS, 3 * 8, R, dtype=dtype), [0, 8, 16, 24], ranks, seed=split_k)
+        weights, kw = w.a, dict(kw, a_rows=w.a_rows, max_rank=w.max_rank)
+    plan = (bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len)
+    one = lora_shrink(x, weights, c, ranks, *plan, out=torch.full((len(tok), c * R), sentinel, dtype=dtype), **kw)
+    out = torch.full((len(tok), c * R), sentinel, dtype=dtype)
+    lora_shrink(x, weights, c, ranks, *plan, out=out, split_k=split_k, **kw)
+    want = ref.run_lora_a_sgemm(x, a, stack_num=c, layer_ranks=ranks)
+    mask = defined_mask(tok, ranks, c)
+    assert not out[mask].isnan().any(), "the shrink read padding or another slot"
+    assert_close(out, want, atol, rtol, f"shrink split_k={split_k}", mask=mask)
+    assert_close(out, one, atol, rtol, f"shrink split_k={split_k} against one split", mask=mask)
+    assert (out[~mask] == sentinel).all(), "the shrink wrote past an adapter's rank or row"
+
+
+def test_shrink_split_k_refuses_zero():
+    from peft_fastlora.ops import lora_shrink
+
+    seq_lens, wi = [2, 3], [0, 1]
+    tri, _ = make_backends(wi, seq_lens)
+    bi = tri.batch_info
+    ranks = torch.tensor(SLOT_RANKS, dtype=torch.int32)[:, None]
+    with pytest.raises(ValueError, match="split_k must be at least 1"):
+        lora_shrink(torch.randn(5, K), make_a(1, K, ranks, torch.float32), 1, ranks, bi.sorted_token_ids,
+                    bi.chunk_slot, bi.chunk_start, bi.chunk_len, block_m=bi.block_m, split_k=-1)
 
 
 def test_expand_launcher_small_tiles():
