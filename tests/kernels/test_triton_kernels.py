@@ -309,21 +309,25 @@ def test_long_prefill_tiles(seq_lens, block_m):
 
 
 # ---- the launchers directly: tile loops, and what is written -----------------------------------
+def launcher_case(comp, dtype, c=3, k=70):
+    """A prefill batch of composition ``comp`` for the launchers: (the Triton backend's batch
+    info, the torch backend, layer ranks, token slots, x, padded A)."""
+    seq_lens = MODES["prefill"]
+    wi = COMPOSITIONS[comp](len(seq_lens))
+    tri, ref = make_backends(wi, seq_lens)
+    ranks, _ = layer_tables(c)
+    tok = token_slots(wi, seq_lens)
+    return tri.batch_info, ref, ranks, tok, torch.randn(len(tok), k, dtype=dtype), make_a(c, k, ranks, dtype)
+
+
 def test_shrink_launcher_small_tiles_writes_only_own_rank():
     """Small tile overrides force several K tiles (the last partial) and several rank blocks;
     outside its defined region the output buffer must keep what it held."""
     from peft_fastlora.ops import lora_shrink
 
     dtype, atol, rtol = TOLERANCES[0]
-    seq_lens = MODES["prefill"]
-    wi = COMPOSITIONS["mixed"](len(seq_lens))
-    tri, ref = make_backends(wi, seq_lens)
-    bi = tri.batch_info
-    c, k, sentinel = 3, 70, 777.0
-    ranks, _ = layer_tables(c)
-    tok = token_slots(wi, seq_lens)
-    x = torch.randn(len(tok), k, dtype=dtype)
-    a = make_a(c, k, ranks, dtype)
+    c, sentinel = 3, 777.0
+    bi, ref, ranks, tok, x, a = launcher_case("mixed", dtype, c)
     out = torch.full((len(tok), c * R), sentinel, dtype=dtype)
     lora_shrink(x, a, c, ranks, bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len,
                 block_m=bi.block_m, out=out, block_k=16, block_r=16)
@@ -344,15 +348,8 @@ def test_shrink_split_k(dtype, atol, rtol, comp, split_k, layout):
     reference, written only where defined, and the same as one split up to float32 rounding."""
     from peft_fastlora.ops import lora_shrink
 
-    seq_lens = MODES["prefill"]
-    wi = COMPOSITIONS[comp](len(seq_lens))
-    tri, ref = make_backends(wi, seq_lens)
-    bi = tri.batch_info
-    c, k, sentinel = 3, 70, 777.0
-    ranks, _ = layer_tables(c)
-    tok = token_slots(wi, seq_lens)
-    x = torch.randn(len(tok), k, dtype=dtype)
-    a = make_a(c, k, ranks, dtype)
+    c, sentinel = 3, 777.0
+    bi, ref, ranks, tok, x, a = launcher_case(comp, dtype, c)
     kw = dict(block_m=bi.block_m, block_k=16, block_r=16)
     weights = a
     if layout == "packed":
