@@ -8,7 +8,10 @@ count and stage count over the 8B layout's site widths (fused q/k/v, fused gate/
 read and written, the shrink's output read) and checks each launch's result against torch. The
 shrink at the same sizes is swept the same way over its K tile, warps and stages (rows of
 ``kernel`` "shrink": the input read once counted). ``expand_config`` / ``shrink_config``'s choice
-is the row marked ``chosen``; ``--split-k`` also sweeps the shrink's K ranges per tile.
+is the row marked ``chosen``; ``--split-k`` also sweeps the shrink's K ranges per tile. Each
+launch is timed on the GPU by events, the L2 flushed before each (``harness.GpuTimer``): at an
+engine step's size a launch takes tens of microseconds, which the host's launch and a
+synchronisation around it would otherwise swamp.
 
     python benchmarks/sweep_expand.py                    # expand_sweep_<gpu>.csv
     TRITON_INTERPRET=1 python benchmarks/sweep_expand.py --smoke --out /tmp/x
@@ -72,6 +75,7 @@ def main(argv=None) -> int:
             64, 16, [16], [32], [4], [1], 1
         args.block_k, args.shrink_stages = [32], [2]
     dev, vers = hx.DEVICE, hx.versions()
+    gpu_us = hx.GpuTimer(args.reps)
     sites = {"qkv": [0, hidden, hidden + kv, hidden + 2 * kv], "gate_up": [0, inter, 2 * inter], "o": [0, hidden]}
     seg_lens = [args.segment] * (args.tokens // args.segment)
     slots = [i % args.adapters for i in range(len(seg_lens))]
@@ -97,7 +101,7 @@ def main(argv=None) -> int:
                                           block_n=block_n, num_warps=warps, num_stages=stages, wide=False)
                 run()  # once: compiled, and the result to check
                 err = (out.float() - want).abs().max().item()
-                ms = 1e3 * hx.timed(run, args.reps)
+                ms = gpu_us(run) / 1e3
                 rows.append(dict(kernel="expand", site=site, tokens=args.tokens, width=n, block_m=block_m, block_n=block_n,
                                  num_warps=warps, num_stages=stages, ms=round(ms, 4),
                                  tb_per_s=round(gbytes / ms, 3), max_abs_err=err,
@@ -123,7 +127,7 @@ def main(argv=None) -> int:
                 run = lambda: lora_shrink(x, a, c, ranks, *plan, block_m=block_m, block_k=block_k,  # noqa: E731
                                           num_warps=warps, num_stages=stages, split_k=split)
                 err = (run().float() - want).abs().max().item()
-                ms = 1e3 * hx.timed(run, args.reps)
+                ms = gpu_us(run) / 1e3
                 rows.append(dict(kernel="shrink", site=site, tokens=args.tokens, width=k, block_m=block_m,
                                  block_k=block_k, num_warps=warps, num_stages=stages, split_k=split,
                                  ms=round(ms, 4), tb_per_s=round(gbytes / ms, 3), max_abs_err=err,
