@@ -84,11 +84,15 @@ def _lora_shrink_kernel(
     tok = tl.load(sorted_ids_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    # this program's K range: whole K tiles, the last range ending at K (empty when the splits
-    # outnumber the tiles: its partial is zeros)
-    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_lo = split * k_per
-    k_hi = tl.minimum(K, k_lo + k_per)
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = K
+    else:
+        # this program's K range: whole K tiles, the last range ending at K (empty when the
+        # splits outnumber the tiles: its partial is zeros)
+        k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = split * k_per
+        k_hi = tl.minimum(K, k_lo + k_per)
     offs_k = k_lo + tl.arange(0, BLOCK_K)
 
     x_ptrs = x_ptr + tok[:, None] * stride_xs + offs_k[None, :] * stride_xk

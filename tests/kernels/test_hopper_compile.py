@@ -32,13 +32,33 @@ KERNEL_TESTS = ["tests/kernels/" + test for test in [
 ]]
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records launches under the interpreter (no GPU)")
-def test_kernels_compile_for_hopper():
-    run = subprocess.run([sys.executable, os.path.join(TESTS, "hopper_compile.py"), "--max-per-kernel", "3",
-                          *KERNEL_TESTS], capture_output=True, text=True, cwd=os.path.dirname(TESTS), timeout=900)
+def _compile_for_hopper(tests, ptx_dir=None) -> str:
+    extra = ["--ptx", str(ptx_dir)] if ptx_dir is not None else []
+    run = subprocess.run([sys.executable, os.path.join(TESTS, "hopper_compile.py"), "--max-per-kernel", "3", *extra,
+                          *tests], capture_output=True, text=True, cwd=os.path.dirname(TESTS), timeout=900)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
     assert "compiled" in out and " of 0 " not in out, out[-2000:]
+    return out
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records launches under the interpreter (no GPU)")
+def test_kernels_compile_for_hopper():
+    _compile_for_hopper(KERNEL_TESTS)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records launches under the interpreter (no GPU)")
+def test_split_k_shrink_compiles_for_hopper_with_its_handshake(tmp_path):
+    """The shrink's split-K launch (one test case: a split of one, its bfloat16 twin, a split of
+    three): its partials stored, a barrier, one thread's acquire-release count, and the last
+    program's loads past L1."""
+    _compile_for_hopper(["tests/kernels/test_triton_kernels.py::test_shrink_split_k[fp16-mixed-3-padded]"], tmp_path)
+    split = [open(f).read() for f in tmp_path.glob("_lora_shrink_kernel_*.ptx")
+             if "atom." in open(f).read()]
+    assert len(split) == 1, [f.name for f in tmp_path.iterdir()]
+    ptx = split[0]
+    assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
+    assert "bar.sync" in ptx[:ptx.index("atom.global")]
 
 
 _COPY_KERNEL = """
