@@ -220,12 +220,12 @@ def lora_shrink(
     block_k = block_k or cfg["block_k"]
     block_r = block_r or cfg["block_r"]
     num_rb = triton.cdiv(r, block_r)
+    split_k = cfg["split_k"] if split_k is None else int(split_k)
+    if split_k < 1:
+        raise ValueError(f"lora_shrink: split_k must be at least 1, got {split_k}")
     max_chunks = chunk_slot.shape[0]
     if s == 0 or max_chunks == 0 or r == 0:
         return out
-    split_k = split_k or cfg["split_k"]
-    if split_k < 1:
-        raise ValueError(f"lora_shrink: split_k must be at least 1, got {split_k}")
     grid = (stack_num * num_rb * split_k, max_chunks)
     if split_k > 1:
         partials = torch.empty(split_k, s, cr, dtype=torch.float32, device=x.device)

@@ -367,7 +367,8 @@ def test_shrink_split_k(dtype, atol, rtol, comp, split_k, layout):
     assert (out[~mask] == sentinel).all(), "the shrink wrote past an adapter's rank or row"
 
 
-def test_shrink_split_k_refuses_zero():
+@pytest.mark.parametrize("split_k", [0, -1])
+def test_shrink_split_k_below_one_is_refused(split_k):
     from peft_fastlora.ops import lora_shrink
 
     seq_lens, wi = [2, 3], [0, 1]
@@ -376,7 +377,7 @@ def test_shrink_split_k_refuses_zero():
     ranks = torch.tensor(SLOT_RANKS, dtype=torch.int32)[:, None]
     with pytest.raises(ValueError, match="split_k must be at least 1"):
         lora_shrink(torch.randn(5, K), make_a(1, K, ranks, torch.float32), 1, ranks, bi.sorted_token_ids,
-                    bi.chunk_slot, bi.chunk_start, bi.chunk_len, block_m=bi.block_m, split_k=-1)
+                    bi.chunk_slot, bi.chunk_start, bi.chunk_len, block_m=bi.block_m, split_k=split_k)
 
 
 def test_expand_launcher_small_tiles():
