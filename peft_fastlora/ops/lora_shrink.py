@@ -220,9 +220,9 @@ def lora_shrink(
     block_k = block_k or cfg["block_k"]
     block_r = block_r or cfg["block_r"]
     num_rb = triton.cdiv(r, block_r)
-    split_k = cfg["split_k"] if split_k is None else int(split_k)
-    if split_k < 1:
-        raise ValueError(f"lora_shrink: split_k must be at least 1, got {split_k}")
+    split_k = cfg["split_k"] if split_k is None else split_k
+    if isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1:
+        raise ValueError(f"lora_shrink: split_k must be an integer of at least 1, got {split_k!r}")
     max_chunks = chunk_slot.shape[0]
     if s == 0 or max_chunks == 0 or r == 0:
         return out

@@ -367,15 +367,15 @@ def test_shrink_split_k(dtype, atol, rtol, comp, split_k, layout):
     assert (out[~mask] == sentinel).all(), "the shrink wrote past an adapter's rank or row"
 
 
-@pytest.mark.parametrize("split_k", [0, -1])
-def test_shrink_split_k_below_one_is_refused(split_k):
+@pytest.mark.parametrize("split_k", [0, -1, 2.5, True])
+def test_shrink_split_k_not_a_positive_integer_is_refused(split_k):
     from peft_fastlora.ops import lora_shrink
 
     seq_lens, wi = [2, 3], [0, 1]
     tri, _ = make_backends(wi, seq_lens)
     bi = tri.batch_info
     ranks = torch.tensor(SLOT_RANKS, dtype=torch.int32)[:, None]
-    with pytest.raises(ValueError, match="split_k must be at least 1"):
+    with pytest.raises(ValueError, match="split_k must be an integer of at least 1"):
         lora_shrink(torch.randn(5, K), make_a(1, K, ranks, torch.float32), 1, ranks, bi.sorted_token_ids,
                     bi.chunk_slot, bi.chunk_start, bi.chunk_len, block_m=bi.block_m, split_k=split_k)
 
