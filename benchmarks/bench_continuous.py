@@ -431,6 +431,14 @@ def run_mode(mode, base, model, reqs, args):
     return used, run_static(model, used, args), model
 
 
+def shrink_splits(config, rank: int) -> str:
+    """The shrink's K ranges at an engine step's 32-row tiles, as the tree chooses them: at the
+    hidden size (q/k/v, o, gate/up) / at the MLP's width (down)."""
+    from peft_fastlora.ops import shrink_config
+
+    return "/".join(str(shrink_config(32, rank, k)["split_k"]) for k in (config.hidden_size, config.intermediate_size))
+
+
 def measure_modes(modes, args, reqs, info):
     """(row, profile) of each mode, one after the other in this process, on one base model."""
     base = hx.build_base(args.model)
@@ -444,6 +452,8 @@ def measure_modes(modes, args, reqs, info):
         row = dict(mode=mode, model=args.model, adapters=0 if mode.startswith("base") else args.adapters,
                    rank=args.rank, adapter_source=args.adapter_source if mode.startswith("fastlora") else "",
                    fold_max_tokens=tuning_of(args).fold_max_tokens if mode.startswith("fastlora") else "",
+                   shrink_split_k=shrink_splits(base.config, args.rank) if mode.startswith("fastlora") else "",
+                   alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                    requests=len(used), output_tokens=out_tokens, seconds=round(seconds, 3),
                    tokens_per_s=round(out_tokens / seconds, 1),
                    latency_p50_s=round(pct(latency, 0.5), 3), latency_p99_s=round(pct(latency, 0.99), 3),
