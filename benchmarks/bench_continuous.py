@@ -431,12 +431,13 @@ def run_mode(mode, base, model, reqs, args):
     return used, run_static(model, used, args), model
 
 
-def shrink_splits(config, rank: int) -> str:
-    """The shrink's K ranges at an engine step's 32-row tiles, as the tree chooses them: at the
-    hidden size (q/k/v, o, gate/up) / at the MLP's width (down)."""
+def shrink_tiles(config, rank: int) -> str:
+    """The shrink's launch at an engine step's 32-row tiles as the tree chooses it, "K tile x K
+    ranges" at the hidden size (q/k/v, o, gate/up) / at the MLP's width (down)."""
     from peft_fastlora.ops import shrink_config
 
-    return "/".join(str(shrink_config(32, rank, k)["split_k"]) for k in (config.hidden_size, config.intermediate_size))
+    cfgs = (shrink_config(32, rank, k) for k in (config.hidden_size, config.intermediate_size))
+    return "/".join(f"{c['block_k']}x{c['split_k']}" for c in cfgs)
 
 
 def measure_modes(modes, args, reqs, info):
@@ -452,7 +453,7 @@ def measure_modes(modes, args, reqs, info):
         row = dict(mode=mode, model=args.model, adapters=0 if mode.startswith("base") else args.adapters,
                    rank=args.rank, adapter_source=args.adapter_source if mode.startswith("fastlora") else "",
                    fold_max_tokens=tuning_of(args).fold_max_tokens if mode.startswith("fastlora") else "",
-                   shrink_split_k=shrink_splits(base.config, args.rank) if mode.startswith("fastlora") else "",
+                   shrink_32_rows=shrink_tiles(base.config, args.rank) if mode.startswith("fastlora") else "",
                    alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                    requests=len(used), output_tokens=out_tokens, seconds=round(seconds, 3),
                    tokens_per_s=round(out_tokens / seconds, 1),

@@ -158,8 +158,8 @@ def test_bench_continuous_smoke(tmp_path):
     assert float(rows["fastlora"]["time_per_token_vs_base_patched"]) > 0
     assert float(rows["fastlora"]["time_per_token_vs_base"]) > 0
     assert rows["fastlora"]["fold_max_tokens"] == "256"  # the library's default
-    # the shrink's K ranges at 32-row tiles as the tree chooses them (the tiny model's K is short)
-    assert rows["fastlora"]["shrink_split_k"] == "1/1" and rows["base_patched"]["shrink_split_k"] == ""
+    # the shrink's launch at 32-row tiles as the tree chooses it (K tile x ranges; the tiny model's K is short)
+    assert rows["fastlora"]["shrink_32_rows"] == "64x1/128x1" and rows["base_patched"]["shrink_32_rows"] == ""
     # fastlora's hook counts a patched model's steps and times its loop's phases; nothing counts the
     # unpatched model's steps, so its floor is the FLOPs one
     for mode in ("fastlora", "base_patched"):
