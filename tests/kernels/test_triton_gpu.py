@@ -448,17 +448,19 @@ def test_pdl_chain_in_a_graph_equals_serial_launches():
 @pytest.mark.parametrize("split_k", [None, 2, 4, 7])
 @pytest.mark.parametrize("site", ["qkv", "down"])
 def test_shrink_split_k_at_engine_step_sizes(site, split_k):
-    """The shrink with K split over programs (None: the library's own launch), bf16 at the 8B
-    widths, the 32-row tiles of an engine step (segments of 1 to 70 tokens, mixed ranks, rows with
-    no adapter): within bf16 of the torch reference and of one split; the same bits run after run
-    (the partials are summed in split order, whichever program arrives last); and captured in a
-    CUDA graph, whose replays zero the tile counters again, with the inputs changed between
-    replays."""
+    """The shrink with K split over programs (None: the library's choice, which splits at these
+    widths), bf16 at the 8B widths, the 32-row tiles of an engine step (segments of 1 to 70 tokens,
+    mixed ranks, rows with no adapter): within bf16 of the torch reference and of one split; the
+    same bits run after run (the partials are summed in split order, whichever program arrives
+    last); and captured in a CUDA graph, whose replays zero the tile counters again, with the
+    inputs changed between replays."""
     from peft_fastlora.batch import plan_chunks
-    from peft_fastlora.ops import lora_shrink
+    from peft_fastlora.ops import lora_shrink, shrink_config
 
     k, offsets = SITES[site]
     c, rank, dtype = len(offsets) - 1, 16, torch.bfloat16
+    if split_k is None:
+        assert shrink_config(32, rank, k)["split_k"] > 1
     atol, rtol = TOLERANCES[dtype]
     ranks, _ = slot_tables(rank, c)
     a, _ = make_weights(k, offsets, rank, ranks, dtype)
