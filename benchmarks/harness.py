@@ -370,10 +370,12 @@ class GpuTimer:
     """Median microseconds of a callable, timed with CUDA events, the L2 evicted before each call
     by a 256 MiB memset (in a model the other layers' weights pass through between two calls of one
     layer; the memset also keeps the GPU busy while the host enqueues the call, so a graph replay
-    is timed on the GPU alone). On the CPU: wall time, for ``--smoke`` runs."""
+    is timed on the GPU alone). With ``warm_l2``: the mean of ``iters`` calls back to back between
+    two events, what the calls read left in L2 from the one before (as a kernel reads the
+    activations the previous one just wrote). On the CPU: wall time, for ``--smoke`` runs."""
 
-    def __init__(self, iters: int):
-        self.iters = iters
+    def __init__(self, iters: int, warm_l2: bool = False):
+        self.iters, self.warm_l2 = iters, warm_l2
         self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda") if DEVICE == "cuda" else None
 
     def __call__(self, fn) -> float:
@@ -382,6 +384,14 @@ class GpuTimer:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
+        if self.warm_l2:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(self.iters):
+                fn()
+            b.record()
+            torch.cuda.synchronize()
+            return 1e3 * a.elapsed_time(b) / self.iters
         events = []
         for _ in range(self.iters):
             self.flush.zero_()

@@ -11,7 +11,8 @@ shrink at the same sizes is swept the same way over its K tile, warps and stages
 is the row marked ``chosen``; ``--split-k`` also sweeps the shrink's K ranges per tile. Each
 launch is timed on the GPU by events, the L2 flushed before each (``harness.GpuTimer``): at an
 engine step's size a launch takes tens of microseconds, which the host's launch and a
-synchronisation around it would otherwise swamp.
+synchronisation around it would otherwise swamp. ``--warm-l2`` times launches back to back
+instead, their inputs left in L2 as in a model's step, where the kernel before wrote them.
 
     python benchmarks/sweep_expand.py                    # expand_sweep_<gpu>.csv
     TRITON_INTERPRET=1 python benchmarks/sweep_expand.py --smoke --out /tmp/x
@@ -44,6 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--shrink-stages", type=int, nargs="+", default=[2, 3])
     p.add_argument("--split-k", type=int, nargs="+", default=[1], help="the shrink's K ranges per tile")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warm-l2", action="store_true", help="launches back to back, inputs left in L2 (column l2)")
     hx.add_run_args(p)
     return p.parse_args(argv)
 
@@ -75,7 +77,8 @@ def main(argv=None) -> int:
             64, 16, [16], [32], [4], [1], 1
         args.block_k, args.shrink_stages = [32], [2]
     dev, vers = hx.DEVICE, hx.versions()
-    gpu_us = hx.GpuTimer(args.reps)
+    gpu_us = hx.GpuTimer(args.reps, warm_l2=args.warm_l2)
+    vers = dict(l2="warm" if args.warm_l2 else "flushed", **vers)
     sites = {"qkv": [0, hidden, hidden + kv, hidden + 2 * kv], "gate_up": [0, inter, 2 * inter], "o": [0, hidden]}
     seg_lens = [args.segment] * (args.tokens // args.segment)
     slots = [i % args.adapters for i in range(len(seg_lens))]

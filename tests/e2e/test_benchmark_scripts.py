@@ -269,6 +269,16 @@ def test_sweep_expand_smoke(tmp_path):
                                                         ("shrink", "qkv"), ("shrink", "gate_up"), ("shrink", "down")}
     assert all(float(r["max_abs_err"]) < 1e-4 and float(r["ms"]) > 0 for r in rows)
     assert {r["split_k"] for r in rows if r["kernel"] == "shrink"} == {"1", "3"}
+    assert {r["l2"] for r in rows} == {"flushed"}
+
+
+def test_sweep_expand_warm_l2_smoke(tmp_path):
+    """``--warm-l2`` times the same launches back to back, and says so in each row."""
+    _run([os.path.join(BENCH, "sweep_expand.py"), "--smoke", "--warm-l2", "--out", str(tmp_path)],
+         env_extra={"TRITON_INTERPRET": "1"})
+    rows = _csv(tmp_path / "expand_sweep_cpu.csv")
+    assert rows and {r["l2"] for r in rows} == {"warm"}
+    assert all(float(r["max_abs_err"]) < 1e-4 and float(r["ms"]) > 0 for r in rows)
 
 
 def test_bench_attention_smoke(tmp_path):
