@@ -47,15 +47,17 @@ def test_repeated_adapter_changes_hold_memory_flat():
     for i in range(1, 4):
         model.add_adapter(f"a{i}", _config(i))
     model.eval()
-    names = [f"a{i}" for i in range(4)]
+    kinds = {f"a{i}": i % 2 for i in range(4)}  # each adapter's config
+    names = list(kinds)
     fastlora.patch(model)
     fastlora.warmup(model, batch_sizes=BUCKETS, max_length=PROMPT + NEW)
     first = _largest_call(model, names)
     seen = []
     for change in range(4):
-        gone, new = names[change % 2], f"b{change}"  # the same shape as the adapter it replaces
+        gone, new = names[change % 2], f"b{change}"
+        kinds[new] = kinds.pop(gone)  # the same shape as the adapter it replaces
         torch.manual_seed(10 + change)
-        model.add_adapter(new, _config(change % 2))
+        model.add_adapter(new, _config(kinds[new]))
         model.delete_adapter(gone)
         model.eval()
         names = [n for n in names if n != gone] + [new]
