@@ -142,10 +142,11 @@ def shrink_config(block_m: int, rank: int, k: int) -> dict:
 
     Decode-sized chunks (``block_m`` 16) are memory bound on A: wide K tiles, deep pipelining,
     and ranks split in blocks of 16 for more programs in flight. Prefill chunks re-read x once
-    per rank block, so the whole rank is taken in one block. A continuous-batching step cuts its
-    tokens into 32-row chunks of one adapter each: few tiles, each streaming all of K, so K is
-    split into ranges of about 2,048 (up to 8) to put more programs in flight; smaller and larger
-    chunks take one range (``benchmarks/sweep_expand.py --split-k`` times the alternatives).
+    per rank block, so the whole rank is taken in one block. Forwards of 257 to 2,048 tokens (a
+    continuous-batching step's, a short prefill's) take 32-row chunks of one adapter each: few
+    tiles, each streaming all of K, so K is split into ranges of about 2,048 (up to 8) to put more
+    programs in flight; the other tiles take one range (``benchmarks/sweep_expand.py --split-k``
+    times the alternatives).
     """
     r_pow2 = max(16, triton.next_power_of_2(rank))
     if block_m <= 16:
