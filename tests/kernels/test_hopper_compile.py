@@ -53,8 +53,7 @@ def test_split_k_shrink_compiles_for_hopper_with_its_handshake(tmp_path):
     three): its partials stored, a barrier, one thread's acquire-release count, and the last
     program's loads past L1."""
     _compile_for_hopper(["tests/kernels/test_triton_kernels.py::test_shrink_split_k[fp16-mixed-3-padded]"], tmp_path)
-    split = [open(f).read() for f in tmp_path.glob("_lora_shrink_kernel_*.ptx")
-             if "atom." in open(f).read()]
+    split = [ptx for ptx in (f.read_text() for f in tmp_path.glob("_lora_shrink_kernel_*.ptx")) if "atom." in ptx]
     assert len(split) == 1, [f.name for f in tmp_path.iterdir()]
     ptx = split[0]
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
