@@ -17,7 +17,7 @@ import torch
 from ..batch import BLOCK_M_TIERS, BatchInfoBuffers, LoRABatchInfo, max_chunks_for
 from ..kernel_support import interpreting
 from .. import ops as _ops
-from .segmented import SegmentedLoRABackend
+from .segmented import SegmentedLoRABackend, check_input
 
 
 class TritonLoRABackend(SegmentedLoRABackend):
@@ -143,6 +143,44 @@ class TritonLoRABackend(SegmentedLoRABackend):
                              a_rows=w.a_rows, max_rank=w.max_rank)
         return _ops.lora_expand(y, w.b, w.offsets, ranks, scalings, out, *plan, block_m=bi.block_m,
                                 check=False, b_offs=w.b_offs, b_align=w.align, bias=w.bias, dora=w.dora)
+
+    def run_packed_glu(self, x, weights, gate_up, act: str, *, layer_ranks=None, layer_scalings=None,
+                       batch_info=None):
+        """Beside the contract, for a gate/up site at prefill: ``act(gate + dg) * (up + du)`` from
+        the site's base output, by the shrink then ``ops.glu_expand`` (the deltas added inside
+        the activation's launch: the projection's output is read once and never written back).
+        Its tiles are fastest where each holds one adapter's tokens (rows of at least
+        ``ops.glu_expand.BLOCK_M`` tokens); the caller decides.
+
+        Args:
+            x: (s, input_dim).
+            weights: the site's ``PackedWeights``: two modules of one width n, no LoRA bias or DoRA.
+            gate_up: (s, 2n) the base output, gate's columns then up's.
+            act: one of ``ops.silu_mul.ACTIVATIONS``.
+            layer_ranks, layer_scalings, batch_info: as ``run_packed_lora``.
+        Returns:
+            (s, n), a new tensor.
+        """
+        bi = self._bi(batch_info)
+        w = weights
+        check_input("x", x, 2)
+        self._check_tokens(x, bi)
+        w.check(x)
+        n = w.offsets[1]
+        if tuple(w.offsets) != (0, n, 2 * n) or w.bias is not None or w.dora is not None:
+            raise ValueError(f"run_packed_glu: a gate/up site of two modules of one width without LoRA bias or "
+                             f"DoRA, got offsets {tuple(w.offsets)}"
+                             + (" and a LoRA bias" if w.bias is not None else "")
+                             + (" and DoRA" if w.dora is not None else ""))
+        gate_up = self._checked_base_output(gate_up, x, 2 * n)
+        if gate_up.dtype != x.dtype:
+            raise TypeError(f"run_packed_glu: the base output is {gate_up.dtype}, the input {x.dtype}")
+        ranks, scalings = self._packed_tables(bi, w, layer_ranks, layer_scalings)
+        self._check_place("packed gate/up lora", bi, x, w.a, w.b, w.a_rows, w.b_offs, ranks, scalings, gate_up)
+        y = _ops.lora_shrink(x, w.a, w.stack_num, ranks, bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start,
+                             bi.chunk_len, block_m=bi.block_m, check=False, a_rows=w.a_rows, max_rank=w.max_rank)
+        return _ops.glu_expand(y, w.b, w.b_offs, ranks, scalings, bi.token_slot, gate_up, act,
+                               max_rank=w.max_rank, b_align=w.align)
 
     def _packed_expand(self, y, weights, ranks, scalings, out, bi):
         w = weights

@@ -9,6 +9,7 @@ the modules still import (their torch references and configs work) and a kernel 
 """
 
 from .decode_attention import decode_attention, decode_attention_config, decode_attention_reference
+from .glu_expand import glu_expand, glu_expand_reference
 from .kv_cache import kv_cache_write
 from .lora_embedding import lora_embedding_a, lora_extra_token_embedding
 from .lora_expand import expand_config, lora_expand
@@ -36,6 +37,8 @@ __all__ = [
     "expand_config",
     "fused_config",
     "fused_supported",
+    "glu_expand",
+    "glu_expand_reference",
     "kv_cache_write",
     "lora_embedding_a",
     "lora_expand",
