@@ -42,6 +42,9 @@ class PatchReport:
     stream_gated_mlps: int = 0  # gated MLPs whose plain gate/up GEMM gives act(gate) * up
     # gated MLPs whose folded LoRA gate/up gives act(gate) * up with the deltas in one launch (65-128 rows)
     stream_lora_gated_mlps: int = 0
+    # gated MLPs whose LoRA gate/up adds its deltas inside the activation's launch at prefill (a
+    # forward of at least ``Tuning.glu_expand_min_tokens`` tokens in rows of at least a tile each)
+    lora_glu_expand_mlps: int = 0
     cuda_graphs: str = "off"  # "on", "emulated", or "off (why)"
     stop_check: str = "per step"  # with graphs on: "deferred" (read one step late on CUDA) or "per step (why)"
     token_selection: str = "transformers'"  # with graphs on: "one kernel for greedy calls" or "transformers' (why)"
@@ -108,6 +111,8 @@ class PatchReport:
                  if self.stream_lora_gated_mlps else ""]
         if not why and any(folds):
             line += f" ({', '.join(f for f in folds if f)})"
+        if self.lora_glu_expand_mlps:
+            line += f"; LoRA gate/up deltas in the act-mul's launch at prefill x{self.lora_glu_expand_mlps}"
         ops = []
         for option, label, count in (("fuse_norms", "RMSNorm", self.fused_norms),
                                      ("fuse_rotary", "rotary", self.fused_rotary),

@@ -231,16 +231,24 @@ class FastLoRAState:
         if stream is not None:
             stream.skip = lambda: self.context().segments is not None
         self.base_ops.gated.clear("lora")
+        glu_tokens = self.options.tuning.glu_expand_min_tokens
+        if getattr(self.backend, "name", None) != "triton":
+            glu_tokens = None
         for g in self.groups:
             g.gemm = gemm
         for site in self.sites:
             if site.pool.fold is not None:
                 site.pool.fold.gemm = gemm
             mlp = getattr(site, "parent", None)
-            if (stream is not None and site.kind == "gate_up" and site.pool.column_slots
-                    and mlp is not None and has_gated_forward(mlp)):
-                # 65-128 rows: gate/up, both deltas and the activation in one launch (ops.glu_lora)
-                self.base_ops.gated.set("lora", mlp, site.gated(self, mlp, stream, activation_kind(mlp.act_fn)))
+            if site.kind != "gate_up" or mlp is None or not has_gated_forward(mlp):
+                continue
+            # both deltas inside the activation's launch: at 65-128 rows of a folded site the base
+            # GEMM and the shrink too (ops.glu_lora); at prefill after them (ops.glu_expand)
+            paths = tuple(path for path, on in (("glu_lora", stream is not None and site.pool.column_slots),
+                                                ("glu_expand", glu_tokens is not None)) if on)
+            if paths:
+                self.base_ops.gated.set("lora", mlp, site.gated(self, mlp, stream, activation_kind(mlp.act_fn),
+                                                                glu_tokens), paths)
 
     def _render_report(self) -> PatchReport:
         """The report, rendered from what the build decided: the LoRA plan, the base ops, the

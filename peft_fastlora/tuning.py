@@ -32,6 +32,15 @@ class Tuning:
             it applies to); a class left out keeps cuBLAS. None: the table measured on an H200.
         tma_add_tiles: the tile of a folded deep weight whose residual add rides in its epilogue,
             by class: (``TmaConfig`` fields, min_k).
+        glu_expand_min_tokens: a LoRA gate/up site of a gated MLP adds both deltas inside the
+            activation's launch (``ops.glu_expand``, after the base GEMM and the shrink) in the
+            forwards of at least this many tokens whose every row brings at least the kernel's
+            row tile of tokens (a prefill: each tile then holds one adapter's tokens), instead of
+            writing them into the projection's output for the activation to read again; never in
+            a continuous-batching step (its tiles mix sequences) or a decode step. None: never.
+            Applies with the Triton backend and the gated activation kernel (``fuse_silu_mul``).
+            On until measured against the two launches (``benchmarks/bench_prefill.py
+            --glu-expand``, whose ``fastlora`` row runs with None).
         fold_max_share: the shrink folded under the base weight (``lora.fusion``): an arena of at
             most this share of the base weight's rows is folded for every call.
         fold_call_share: one of at most this share is folded for the calls whose adapters use at
@@ -58,6 +67,7 @@ class Tuning:
     tma_tiles: Optional[Mapping[str, Mapping[str, int]]] = None
     tma_add_tiles: Mapping[str, Tuple[Mapping[str, int], int]] = dataclasses.field(default_factory=lambda: {
         "deep": (dict(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4), 14336)})
+    glu_expand_min_tokens: Optional[int] = 4096
     fold_max_share: float = 1 / 8
     fold_call_share: float = 1.0
     fold_min_use: float = 1 / 3
@@ -73,6 +83,9 @@ class Tuning:
             if f.type in ("int", "float"):
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                     raise ValueError(f"Tuning.{f.name} must be a non-negative number, got {value!r}")
+        tokens = self.glu_expand_min_tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise ValueError(f"Tuning.glu_expand_min_tokens must be a positive int or None, got {tokens!r}")
         if not all(isinstance(d, torch.dtype) for d in self.stream_dtypes):
             raise ValueError(f"Tuning.stream_dtypes must be torch dtypes, got {self.stream_dtypes!r}")
         if not all(isinstance(d, str) for d in self.staged_devices):

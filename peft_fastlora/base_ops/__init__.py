@@ -63,7 +63,9 @@ class BaseOps:
             fused_base_groups=len(self.fused_groups),
             stream_gemm_layers=self.count("stream_gemm"),
             stream_residual_layers=stream.residual_layers if stream is not None else 0,
-            stream_gated_mlps=self.gated.count("base"), stream_lora_gated_mlps=self.gated.count("lora"),
+            stream_gated_mlps=self.gated.count("base"),
+            stream_lora_gated_mlps=self.gated.count("lora", "glu_lora"),
+            lora_glu_expand_mlps=self.gated.count("lora", "glu_expand"),
             base_ops_skipped=list(self.skipped), base_ops_off=dict(self.off))
 
     def remove(self, model: nn.Module) -> None:

@@ -89,24 +89,27 @@ _FORWARDS = {"silu": _forward_with("silu"), "gelu_tanh": _forward_with("gelu_tan
 class GatedHooks:
     """The gated MLPs whose ``act(gate(x)) * up(x)`` a function of their gate/up's owner computes in
     fewer launches (the forward above calls it first; None from it: the members' forwards, as
-    usual): a plain fused gate/up's GEMM with the activation in its epilogue (``"base"``) or a folded
-    LoRA gate/up site's GEMM, shrink, deltas and activation in one launch at 65-128 rows
-    (``"lora"``, ``ops.glu_lora``). One function per MLP, set and taken back by its owner's kind."""
+    usual): a plain fused gate/up's GEMM with the activation in its epilogue (``"base"``) or a LoRA
+    gate/up site's deltas inside the activation's launch (``"lora"``: at 65-128 rows of a folded
+    site its GEMM and shrink too, ``ops.glu_lora``; at prefill after the GEMM and the shrink,
+    ``ops.glu_expand``). One function per MLP, set and taken back by its owner's kind, with the
+    paths it may take (for the report)."""
 
     def __init__(self):
-        self._mlps: Dict[str, List[nn.Module]] = {}
+        self._mlps: Dict[str, List[Tuple[nn.Module, Tuple[str, ...]]]] = {}
 
-    def set(self, kind: str, mlp: nn.Module, fn: Callable) -> None:
+    def set(self, kind: str, mlp: nn.Module, fn: Callable, paths: Tuple[str, ...] = ()) -> None:
         mlp._fastlora_gated = fn
-        self._mlps.setdefault(kind, []).append(mlp)
+        self._mlps.setdefault(kind, []).append((mlp, tuple(paths)))
 
-    def count(self, kind: str) -> int:
-        return len(self._mlps.get(kind, ()))
+    def count(self, kind: str, path: Optional[str] = None) -> int:
+        """The MLPs of ``kind`` (that may take ``path``, where given)."""
+        return sum(path is None or path in paths for _, paths in self._mlps.get(kind, ()))
 
     def clear(self, kind: Optional[str] = None) -> None:
         """Take back the functions of ``kind`` (None: all)."""
         for k in [kind] if kind is not None else list(self._mlps):
-            for mlp in self._mlps.pop(k, ()):
+            for mlp, _ in self._mlps.pop(k, ()):
                 mlp.__dict__.pop("_fastlora_gated", None)
 
 

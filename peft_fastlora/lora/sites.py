@@ -26,6 +26,7 @@ from .beside import LoraBeside
 from .fusion import FusedGroup, int8_dequantize
 from .pool import SitePool
 from ..decode.capture import GraphUnsafe
+from ..ops.glu_expand import BLOCK_M as GLU_EXPAND_BLOCK_M
 from ..ops.glu_lora import check_glu_lora, GluLora, MAX_RANK
 
 _VARIANT_KWARGS = ("alora_offsets",)
@@ -199,6 +200,22 @@ def _folded(context: CallContext, pool: SitePool, bi) -> bool:
     return not pool.fold.per_call or context.folds()
 
 
+def _prefill_sized(context: CallContext, x: torch.Tensor, min_tokens: Optional[int]) -> bool:
+    """Whether a gate/up call may add its deltas inside the activation's launch
+    (``ops.glu_expand``): at least ``min_tokens`` tokens (None: never), and neither a
+    continuous-batching step (one row of many sequences: its tiles mix them) nor a captured decode
+    step. From the input's shape alone: the MLPs' other calls pay nothing more."""
+    if min_tokens is None or context.segments is not None or context.graphed or x.dim() < 2:
+        return False
+    return x.numel() >= min_tokens * x.shape[-1]
+
+
+def _rows_fill_tiles(bi) -> bool:
+    """Whether each row of the forward brings at least ``ops.glu_expand``'s row tile of tokens, so
+    that a tile holds one adapter's tokens but where two rows meet."""
+    return bi.num_tokens >= bi.bs * GLU_EXPAND_BLOCK_M
+
+
 def _fold_forward(state, pool: SitePool, x2: torch.Tensor, bi, bias: bool = True) -> torch.Tensor:
     """Base output and LoRA delta of a folded site: one GEMM over ``[W; A]`` gives the base output
     and every arena row's shrink, the expand adds the batch's deltas into the first N columns.
@@ -363,10 +380,14 @@ class FusedSite(Site):
         self._stash = None  # (input tensor, [output or None per member])
         self._glu_checked = None  # the scratch whose operands ``ops.glu_lora`` has checked
 
-    def gated(self, state, mlp: nn.Module, stream, act: str):
+    def gated(self, state, mlp: nn.Module, stream, act: str, glu_min_tokens: Optional[int]):
         """For the gate/up site of a gated ``mlp``: ``x -> act(gate(x)) * up(x)`` with both LoRA
-        deltas in one launch (``StreamLinears.gated_lora``: 65-128 rows of a folded, unstaged site
-        without a bias), or None where that does not apply and the MLP calls the members as usual."""
+        deltas applied in the activation's launch, or None where that does not apply and the MLP
+        calls the members as usual. Two launches take it, for an unstaged site without a LoRA bias
+        or DoRA: ``StreamLinears.gated_lora`` (65-128 rows of a folded site: the base GEMM and the
+        shrink too; ``stream`` None: never) and, at prefill (``_prefill_sized`` from
+        ``glu_min_tokens`` tokens, None: never; ``_rows_fill_tiles``), ``ops.glu_expand`` after the
+        base GEMM and the shrink."""
         gate, up = self.members
 
         def forward(x):
@@ -376,16 +397,26 @@ class FusedSite(Site):
                     or has_forward_hooks(gate) or has_forward_hooks(up)):
                 return None
             context = state.context()
+            prefill = _prefill_sized(context, x, glu_min_tokens)
+            if stream is None and not prefill:
+                return None
             bi = self._fast_path_info(state, context, x, (), {})
             if bi is None:
                 return None  # the members' forwards decide (PEFT's path, or a graph-unsafe refusal)
             pool = state.pool_for(self, x.dtype)
             n = pool.offsets[1]
-            if (pool.glu_buffers is None or not _folded(context, pool, bi) or pool.staging is not None
-                    or pool.bias is not None or pool.dora is not None or list(pool.offsets) != [0, n, 2 * n]):
+            if (pool.staging is not None or pool.bias is not None or pool.dora is not None
+                    or list(pool.offsets) != [0, n, 2 * n]):
                 return None
-            lora = self._glu_lora(pool, bi, x)
-            return None if lora is None else stream.gated_lora(x, pool.fold.ext, n, act, lora)
+            if _folded(context, pool, bi):
+                lora = self._glu_lora(pool, bi, x) if stream is not None and pool.glu_buffers is not None else None
+                return None if lora is None else stream.gated_lora(x, pool.fold.ext, n, act, lora)
+            if not (prefill and _rows_fill_tiles(bi)):
+                return None
+            x2 = _as_rows(x, x.shape[-1]).contiguous()
+            out = state.backend.run_packed_glu(x2, pool.packed, self.group.linear(x2), act, layer_ranks=pool.ranks,
+                                               layer_scalings=pool.scalings, batch_info=bi)
+            return out.view(*x.shape[:-1], n)
 
         return forward
 

@@ -580,3 +580,28 @@ def test_request_adapters_read_in_bulk_as_one_by_one():
     assert adapters.lookup_all(ids + ["nobody"]) == ["__base__", "a0", "a0", None]
     with pytest.raises(RuntimeError, match="'nobody' has no adapter on record"):
         adapters.names_of(ids + ["nobody"])
+
+
+@pytest.mark.parametrize("pair_options", [dict(backend="triton", fuse_silu_mul=True,
+                                               tuning=fastlora.Tuning(glu_expand_min_tokens=8))])
+def test_engine_steps_keep_gate_up_deltas_out_of_the_activation(pair, monkeypatch):
+    """``Tuning.glu_expand_min_tokens`` is for prefills: an engine step (one row of many sequences,
+    prefill chunks beside decode tokens, tiles that mix them) never takes ``ops.glu_expand``,
+    however many tokens it holds; every request's tokens equal PEFT's alone."""
+    import peft_fastlora.ops as ops
+
+    m, ref = pair
+    assert get_state(m).report.lora_glu_expand_mlps == m.config.num_hidden_layers
+    launches, launch = [], ops.glu_expand
+
+    def spy(y, *args, **kw):
+        launches.append(y.shape[0])
+        return launch(y, *args, **kw)
+
+    monkeypatch.setattr(ops, "glu_expand", spy)
+    prompts = random_prompts([150, 9, 66, 1], seed=4)  # (a first step of 128 tokens of one prompt)
+    names = ["a0", "a1", "__base__", "a2"]
+    out = m.generate_batch(prompts, generation_config=greedy_config(3),
+                           continuous_batching_config=cb_config(max_batch_tokens=128), adapter_names=names)
+    _check(ref, prompts, names, [out[f"req_{i}"].generated_tokens for i in range(len(prompts))], 3)
+    assert launches == []
