@@ -2,6 +2,7 @@
 unpatched HF model and against PEFT's mixed batch, in one run.
 
     python benchmarks/bench_prefill.py --model 8b --rows 8 --tokens 2048   # prefill_8b_h200.csv
+    python benchmarks/bench_prefill.py --model 8b --glu-expand             # and the fastlora_glu_expand arm
     python benchmarks/bench_prefill.py --smoke      # CPU: checks the script, measures nothing
 
 One forward over ``--rows`` prompts of ``--tokens`` tokens (the logits of the last token only, as
@@ -11,7 +12,13 @@ One forward over ``--rows`` prompts of ``--tokens`` tokens (the logits of the la
 - ``base_patched``: the base model patched by fastlora (``fastlora.patch`` on the plain model): the
   like-for-like reference (``ratio_to_base_patched``);
 - ``peft``: PEFT's mixed batch, one adapter per row (round-robin);
-- ``fastlora``: the same PeftModel patched, the same adapter names.
+- ``fastlora``: the same PeftModel patched, the same adapter names;
+- ``fastlora_glu_expand`` (``--glu-expand``): the same with ``Tuning(glu_expand_min_tokens=...)``
+  reached by this forward: gate/up's deltas added inside the activation's launch (``ops.glu_expand``).
+  ``fastlora`` then runs with ``Tuning(glu_expand_min_tokens=None)`` (the expand, then the
+  activation), so that the two rows are the two arms; without the flag it runs with the default
+  ``Tuning()``. Each fastlora row says its threshold (``glu_expand_min_tokens``, "off" for None)
+  and how many gated MLPs may take the kernel (``glu_expand_mlps``, the patch report's).
 
 Floors: weight bytes / copy bandwidth, and 2 x parameters x tokens / the bf16 dense peak
 (``--peak-tflops``); prefill at this size is bound by the second.
@@ -42,7 +49,11 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--kernel-split", action="store_true",
-                   help="also the GPU time of one prefill by kernel, patched base and fastlora: <csv stem>_kernels.csv")
+                   help="also the GPU time of one prefill by kernel, patched base and each fastlora row: "
+                        "<csv stem>_kernels.csv")
+    p.add_argument("--glu-expand", action="store_true",
+                   help="also fastlora_glu_expand (gate/up's deltas inside the activation's launch), and fastlora "
+                        "with it off: the two arms")
     p.add_argument("--peak-tflops", type=float, default=0,
                    help="bf16 dense peak of the GPU (0: the specified one, harness.SPEC_BF16_FLOPS)")
     hx.add_run_args(p)
@@ -87,9 +98,17 @@ def main(argv=None) -> int:
     fastlora.unpatch(model)  # before PEFT wraps the model's layers
     peft_model = hx.add_adapters(model, args.adapters, args.rank)
     times["peft"] = time_it(peft_model, adapter_names=names)
-    print(fastlora.patch(peft_model), file=sys.stderr)
-    times["fastlora"] = time_it(peft_model, "fastlora", adapter_names=names)
-    fastlora.unpatch(peft_model)
+    arms = {"fastlora": fastlora.Tuning(glu_expand_min_tokens=None) if args.glu_expand else fastlora.Tuning()}
+    if args.glu_expand:
+        arms["fastlora_glu_expand"] = fastlora.Tuning(glu_expand_min_tokens=args.rows * args.tokens)
+    glu = {}  # method: (threshold, gated MLPs that may take ops.glu_expand)
+    for method, tuning in arms.items():
+        report = fastlora.patch(peft_model, tuning=tuning)
+        print(report, file=sys.stderr)
+        glu[method] = ("off" if tuning.glu_expand_min_tokens is None else tuning.glu_expand_min_tokens,
+                       report.lora_glu_expand_mlps)
+        times[method] = time_it(peft_model, method, adapter_names=names)
+        fastlora.unpatch(peft_model)
     peak = args.peak_tflops * 1e12 or hx.spec_flops(vers["gpu"])
     if not peak:
         sys.exit(f"the bf16 peak of {vers['gpu']} is not in harness.SPEC_BF16_FLOPS: pass --peak-tflops")
@@ -100,7 +119,9 @@ def main(argv=None) -> int:
                  prefill_ms=round(1e3 * t, 2), ratio_to_base_patched=round(t / times["base_patched"], 3),
                  ratio_to_hf_base=round(t / times["hf_base"], 3), flop_floor_ms=round(flops_ms, 2),
                  byte_floor_ms=round(bytes_ms, 2), ratio_to_flop_floor=round(1e3 * t / flops_ms, 3),
-                 copy_bw_tbs=round(bw / 1e12, 3), **windows.get(method, dict.fromkeys(WINDOW_COLUMNS, "")))
+                 copy_bw_tbs=round(bw / 1e12, 3), glu_expand_min_tokens=glu.get(method, ("", ""))[0],
+                 glu_expand_mlps=glu.get(method, ("", ""))[1],
+                 **windows.get(method, dict.fromkeys(WINDOW_COLUMNS, "")))
             for method, t in times.items()]
     for r in rows:
         print({k: r[k] for k in ("method", "prefill_ms", "ratio_to_base_patched", "ratio_to_hf_base",

@@ -69,7 +69,7 @@ if want peft; then  # every method: PEFT's mixed batch, HF's eager base model, f
     | quiet | tee "$OUT/generate_with_peft_$TAG.log" | tail -45
 fi
 if want prefill; then
-  timeout 300 python3 benchmarks/bench_prefill.py --model ${PREFILL_MODEL:-8b} --out "$OUT" 2>&1 | quiet \
+  timeout 300 python3 benchmarks/bench_prefill.py --model ${PREFILL_MODEL:-8b} --glu-expand --out "$OUT" 2>&1 | quiet \
     | tee "$OUT/prefill_$TAG.log" | tail -6
 fi
 if want continuous; then  # the host's part of a step first (seconds), on this machine's CPU and CUDA

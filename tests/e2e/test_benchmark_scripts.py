@@ -127,19 +127,23 @@ def test_bench_ab_smoke(tmp_path):
 
 def test_bench_prefill_smoke(tmp_path):
     """The patched base model is the reference column, the unpatched one beside it."""
-    _run([os.path.join(BENCH, "bench_prefill.py"), "--smoke", "--kernel-split", "--out", str(tmp_path)])
+    _run([os.path.join(BENCH, "bench_prefill.py"), "--smoke", "--kernel-split", "--glu-expand", "--out", str(tmp_path)])
     rows = {r["method"]: r for r in _csv(tmp_path / "prefill_tiny_cpu.csv")}
-    assert set(rows) == {"hf_base", "base_patched", "peft", "fastlora"}
+    assert set(rows) == {"hf_base", "base_patched", "peft", "fastlora", "fastlora_glu_expand"}
     assert rows["base_patched"]["ratio_to_base_patched"] == "1.0" and rows["hf_base"]["ratio_to_hf_base"] == "1.0"
+    # the two arms: the expand then the activation, and the deltas inside the activation's launch
+    assert rows["fastlora"]["glu_expand_min_tokens"] == "off" and rows["fastlora_glu_expand"]["glu_expand_min_tokens"] == "32"
+    assert rows["peft"]["glu_expand_min_tokens"] == ""
     split = _csv(tmp_path / "prefill_tiny_cpu_kernels.csv")  # one prefill's ops by method (CPU times here)
-    assert {r["method"] for r in split} == {"base_patched", "fastlora"}
+    methods = ("base_patched", "fastlora", "fastlora_glu_expand")
+    assert {r["method"] for r in split} == set(methods)
     assert all(float(r["launches_per_step"]) > 0 for r in split)
     # on the CPU the times are differences of two noisy host timings: present, not necessarily positive
-    assert all(any(float(r["us_per_step"]) != 0 for r in split if r["method"] == m) for m in ("base_patched", "fastlora"))
+    assert all(any(float(r["us_per_step"]) != 0 for r in split if r["method"] == m) for m in methods)
     # the timeline columns: filled for the split methods (no GPU activity on the CPU: counts of 0),
     # empty for the others
     for m, r in rows.items():
-        assert (r["host_syncs"] == "0" and r["kernel_launches"] == "0") if m in ("base_patched", "fastlora") \
+        assert (r["host_syncs"] == "0" and r["kernel_launches"] == "0") if m in methods \
             else (r["host_syncs"] == "" and r["idle_share"] == ""), (m, r)
 
 
@@ -265,9 +269,10 @@ def test_sweep_expand_smoke(tmp_path):
     _run([os.path.join(BENCH, "sweep_expand.py"), "--smoke", "--split-k", "1", "3", "--out", str(tmp_path)],
          env_extra={"TRITON_INTERPRET": "1"})
     rows = _csv(tmp_path / "expand_sweep_cpu.csv")
-    assert {(r["kernel"], r["site"]) for r in rows} == {("expand", "qkv"), ("expand", "gate_up"), ("expand", "o"),
-                                                        ("shrink", "qkv"), ("shrink", "gate_up"), ("shrink", "down")}
-    assert all(float(r["max_abs_err"]) < 1e-4 and float(r["ms"]) > 0 for r in rows)
+    assert {(r["kernel"], r["site"]) for r in rows} == {
+        ("expand", "qkv"), ("expand", "gate_up"), ("expand", "o"), ("shrink", "qkv"), ("shrink", "gate_up"),
+        ("shrink", "down"), ("glu_expand", "gate_up"), ("expand_then_act_mul", "gate_up"), ("act_mul", "gate_up")}
+    assert all(not r.get("error") and float(r["max_abs_err"]) < 1e-4 and float(r["ms"]) > 0 for r in rows)
     assert {r["split_k"] for r in rows if r["kernel"] == "shrink"} == {"1", "3"}
     assert {r["l2"] for r in rows} == {"flushed"}
 
