@@ -20,8 +20,8 @@ synchronisation around it would otherwise swamp. ``--warm-l2`` times launches ba
 instead, their inputs left in L2 as in a model's step, where the kernel before wrote them.
 
     python benchmarks/sweep_expand.py                    # expand_sweep_<gpu>.csv
-    python benchmarks/sweep_expand.py --kernels glu      # glu_expand and the two launches, 8B gate/up at 16k tokens
-    python benchmarks/sweep_expand.py --kernels glu --tokens 1024 --segment 1 --adapters 32   # decode-like rows
+    python benchmarks/sweep_expand.py --kernels glu      # glu_expand_sweep_<gpu>.csv: 8B gate/up at 16k tokens
+    python benchmarks/sweep_expand.py --kernels glu --tokens 1024 --segment 1 --adapters 32 --tag decode   # decode-like
     TRITON_INTERPRET=1 python benchmarks/sweep_expand.py --smoke --out /tmp/x
 """
 
@@ -54,6 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--glu-block-n", type=int, nargs="+", default=[64, 128, 256], help="glu_expand's column blocks")
     p.add_argument("--kernels", nargs="+", choices=["expand", "shrink", "glu"], default=["expand", "shrink", "glu"],
                    help="which sweeps run (glu: glu_expand beside the expand then act_mul)")
+    p.add_argument("--tag", default="", help="added to the CSV's name")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warm-l2", action="store_true", help="launches back to back, inputs left in L2 (column l2)")
     hx.add_run_args(p)
@@ -150,8 +151,9 @@ def main(argv=None) -> int:
                                                 "split_k", "ms", "tb_per_s", "max_abs_err", "chosen")}, flush=True)
     if "glu" in args.kernels:
         rows += sweep_glu(args, inter, dtype, slots, seg_lens, token_slot, scaling, gpu_us, vers)
-    if args.out:
-        hx.write_csv(rows, hx.out_path(args.out, "expand_sweep", vers["gpu"]))
+    if args.out:  # (glu_expand alone: a file of its own)
+        stem = "glu_expand_sweep" if args.kernels == ["glu"] else "expand_sweep"
+        hx.write_csv(rows, hx.out_path(args.out, "_".join(x for x in (stem, args.tag) if x), vers["gpu"]))
     return 0
 
 

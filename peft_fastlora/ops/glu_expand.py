@@ -40,6 +40,7 @@ from .silu_mul import ACTIVATIONS, act_mul_rounded
 # marks it "chosen"); callers that need uniform tiles read BLOCK_M
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 128, 4, 1
 MAX_BLOCK_R = 64  # the largest rank block: ranks up to it take one product per module
+MAX_ROW_TILES = 65535  # row tiles are the grid's second dimension, which CUDA bounds
 
 
 def rank_block(max_rank: int) -> int:
@@ -217,8 +218,11 @@ def glu_expand(y: torch.Tensor, b: torch.Tensor, b_offs: torch.Tensor, ranks: to
     out = torch.empty(s, n, dtype=gate_up.dtype, device=gate_up.device)
     if s == 0 or n == 0:
         return out
-    use_pdl = pdl.mode(out)
     grid = (triton.cdiv(n, block_n), triton.cdiv(s, block_m))
+    if grid[1] > MAX_ROW_TILES:
+        raise ValueError(f"glu_expand: {s} tokens make {grid[1]} row tiles of {block_m}; a launch takes at most "
+                         f"{MAX_ROW_TILES} (the grid's second dimension)")
+    use_pdl = pdl.mode(out)
     _glu_expand_kernel[grid](
         y, b, b_offs, ranks, scalings, token_slot, gate_up, out,
         s, n, max_rank, b_offs.shape[0],

@@ -277,6 +277,16 @@ def test_sweep_expand_smoke(tmp_path):
     assert {r["l2"] for r in rows} == {"flushed"}
 
 
+def test_sweep_expand_glu_alone_smoke(tmp_path):
+    """``--kernels glu``: the fused launch, the two it replaces and the activation alone, in a file of
+    their own, ``--tag`` in its name."""
+    _run([os.path.join(BENCH, "sweep_expand.py"), "--smoke", "--kernels", "glu", "--tag", "decode", "--out",
+          str(tmp_path)], env_extra={"TRITON_INTERPRET": "1"})
+    rows = _csv(tmp_path / "glu_expand_sweep_decode_cpu.csv")
+    assert [r["kernel"] for r in rows] == ["expand_then_act_mul", "act_mul", "glu_expand"]
+    assert all(float(r["max_abs_err"]) < 1e-4 for r in rows)
+
+
 def test_sweep_expand_warm_l2_smoke(tmp_path):
     """``--warm-l2`` times the same launches back to back, and says so in each row."""
     _run([os.path.join(BENCH, "sweep_expand.py"), "--smoke", "--warm-l2", "--out", str(tmp_path)],

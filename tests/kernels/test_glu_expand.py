@@ -9,6 +9,8 @@ shapes on the GPU."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -186,6 +188,14 @@ def _bad(change):
 def test_bad_operands_raise_a_clear_error(change, pattern):
     with pytest.raises(ValueError, match=pattern):
         glu_expand(**_bad(change))
+
+
+def test_more_row_tiles_than_a_grid_takes(monkeypatch):
+    """(The grid's bound lowered: a forward of millions of tokens is no CPU test.)"""
+    case, _ = glu_case(RANKS["odd"], "decode", torch.float32)
+    monkeypatch.setattr(importlib.import_module("peft_fastlora.ops.glu_expand"), "MAX_ROW_TILES", 1)
+    with pytest.raises(ValueError, match="19 tokens make 2 row tiles of 16; a launch takes at most 1 "):
+        glu_expand(**case, block_m=16)
 
 
 def test_rank_block():
