@@ -134,30 +134,26 @@ def _lora_shrink_kernel(
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-SPLIT_K_RANGE = 2048  # columns of K a 32-row tile's program streams (``shrink_config``)
-
-
 def shrink_config(block_m: int, rank: int, k: int) -> dict:
     """Launch parameters for Hopper, by shape class (no autotuning: graphs need a fixed launch).
 
     Decode-sized chunks (``block_m`` 16) are memory bound on A: wide K tiles, deep pipelining,
     and ranks split in blocks of 16 for more programs in flight. Prefill chunks re-read x once
     per rank block, so the whole rank is taken in one block. Forwards of 257 to 2,048 tokens (a
-    continuous-batching step's, a short prefill's) take 32-row chunks of one adapter each: few
-    tiles, each streaming all of K, so K is split into ranges of about 2,048 (up to 8) to put more
-    programs in flight; the other tiles take one range (``benchmarks/sweep_expand.py --split-k``
-    times the alternatives).
+    continuous-batching step's, a short prefill's) take 32-row chunks of one adapter each, streamed
+    in K tiles of 256. Every shape takes one K range: split K (``split_k`` > 1) was no faster end to
+    end and slower launch by launch (``benchmarks/sweep_expand.py --split-k`` times it).
     """
     r_pow2 = max(16, triton.next_power_of_2(rank))
     if block_m <= 16:
         cfg = dict(block_k=256, block_r=16, num_warps=4, num_stages=4)
     elif block_m <= 32:
-        cfg = dict(block_k=128, block_r=min(r_pow2, 64), num_warps=4, num_stages=3)
+        cfg = dict(block_k=256, block_r=min(r_pow2, 64), num_warps=4, num_stages=3)
     else:
         cfg = dict(block_k=64, block_r=min(r_pow2, 128), num_warps=8, num_stages=3)
     cfg["block_k"] = min(cfg["block_k"], max(16, triton.next_power_of_2(k)))
     cfg["block_r"] = min(cfg["block_r"], r_pow2)
-    cfg["split_k"] = min(8, max(1, k // SPLIT_K_RANGE)) if 16 < block_m <= 32 else 1
+    cfg["split_k"] = 1
     return cfg
 
 

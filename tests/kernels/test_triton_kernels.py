@@ -380,31 +380,31 @@ def test_shrink_split_k_not_a_positive_integer_is_refused(split_k):
                     bi.chunk_slot, bi.chunk_start, bi.chunk_len, block_m=bi.block_m, split_k=split_k)
 
 
-@pytest.mark.parametrize("block_m,k,split", [(32, 4096, 2), (32, 14336, 7), (32, 65536, 8), (32, 2047, 1),
-                                             (16, 14336, 1), (64, 14336, 1)])
-def test_shrink_config_splits_k_for_engine_step_tiles(block_m, k, split):
-    """32-row tiles (a continuous-batching step's chunks) split K into ranges of about 2,048, at
-    most 8; decode (16-row) and prefill (wider) tiles take one range."""
+@pytest.mark.parametrize("block_m,k,block_k", [(32, 4096, 256), (32, 14336, 256), (32, 100, 128), (16, 14336, 256),
+                                               (64, 14336, 64)])
+def test_shrink_config_by_tile(block_m, k, block_k):
+    """Every tile streams K in one range (split K is a launch option the sweep times, not a
+    default); 32-row tiles (a continuous-batching step's chunks) in K tiles of 256, no wider than K."""
     from peft_fastlora.ops import shrink_config
 
-    assert shrink_config(block_m, 16, k)["split_k"] == split
+    cfg = shrink_config(block_m, 16, k)
+    assert (cfg["split_k"], cfg["block_k"]) == (1, block_k)
 
 
-def test_shrink_default_launch_at_32_row_tiles_splits_k():
-    """The library's own choice for 32-row tiles at the 8B's hidden size (K 4,096: two ranges),
-    no override: equal to the torch reference where defined, nothing written elsewhere."""
-    from peft_fastlora.ops import lora_shrink, shrink_config
+def test_shrink_default_launch_at_32_row_tiles():
+    """The library's own choice for 32-row tiles at the 8B's hidden size (K 4,096), no override:
+    equal to the torch reference where defined, nothing written elsewhere."""
+    from peft_fastlora.ops import lora_shrink
 
     dtype, atol, rtol = TOLERANCES[0]
     c, k, sentinel = 3, 4096, 777.0
-    assert shrink_config(32, R, k)["split_k"] == 2
     bi, ref, ranks, tok, x, a = launcher_case("mixed", dtype, c, k=k)
     assert int(bi.chunk_len.max()) <= 32  # the plan's chunks fit 32-row tiles
     out = torch.full((len(tok), c * R), sentinel, dtype=dtype)
     lora_shrink(x, a, c, ranks, bi.sorted_token_ids, bi.chunk_slot, bi.chunk_start, bi.chunk_len, block_m=32, out=out)
     want = ref.run_lora_a_sgemm(x, a, stack_num=c, layer_ranks=ranks)
     mask = defined_mask(tok, ranks, c)
-    assert_close(out, want, atol, rtol, "shrink, the default split at 32-row tiles", mask=mask)
+    assert_close(out, want, atol, rtol, "shrink, the default launch at 32-row tiles", mask=mask)
     assert (out[~mask] == sentinel).all(), "the shrink wrote past an adapter's rank or row"
 
 
