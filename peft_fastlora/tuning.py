@@ -39,8 +39,8 @@ class Tuning:
             writing them into the projection's output for the activation to read again; never in
             a continuous-batching step (its tiles mix sequences) or a decode step. None: never.
             Applies with the Triton backend and the gated activation kernel (``fuse_silu_mul``).
-            On until measured against the two launches (``benchmarks/bench_prefill.py
-            --glu-expand``, whose ``fastlora`` row runs with None).
+            ``benchmarks/bench_prefill.py --glu-expand`` measures it against the two launches
+            (its ``fastlora`` row runs with None).
         fold_max_share: the shrink folded under the base weight (``lora.fusion``): an arena of at
             most this share of the base weight's rows is folded for every call.
         fold_call_share: one of at most this share is folded for the calls whose adapters use at
