@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import peft
 import torch
@@ -48,6 +48,21 @@ def is_tuner_layer(module: nn.Module) -> bool:
 
 def is_peft_model(model: nn.Module) -> bool:
     return isinstance(model, (peft.PeftModel, peft.tuners.tuners_utils.BaseTuner))
+
+
+def active_adapter_names(model: nn.Module) -> List[str]:
+    """The adapters a forward without ``adapter_names`` applies. A ``PeftModel`` names them in a
+    property; a transformers model in a method of its PEFT integration (``load_adapter``), which
+    raises where that integration loaded none: then, as for a model with neither, none."""
+    active = getattr(model, "active_adapters", None)
+    if callable(active):
+        try:
+            active = active()
+        except ValueError:  # transformers: "No adapter loaded"
+            return []
+    if isinstance(active, str):
+        return [active]
+    return list(active or ())
 
 
 def base_layer_of(module: nn.Module) -> nn.Module:

@@ -37,6 +37,7 @@ from ..compat.engine import (CB_CHILD_MARK, cb_async, cb_async_device_blocker, c
                              cb_update_skipping_failed, continuous_batching_blocker)
 from ..compat.modules import (attn_implementation, cb_vocab_size, model_dtype, multi_device_reason,
                               on_stream, set_attn_implementation, uncapturable_layers_reason)
+from ..compat.peft import active_adapter_names
 from ..compat.tensor_parallel import tensor_parallel_reason
 from ..base_ops.attention_registry import (decode_attention_enabled, disable_decode_attention,
                                            enable_decode_attention)
@@ -171,7 +172,7 @@ class ContinuousBatchingHook:
         without ``adapter_names``."""
         if not self.state.has_lora:
             return BASE
-        active = list(getattr(self.state.model, "active_adapters", None) or [])
+        active = active_adapter_names(self.state.model)
         if len(active) != 1:
             raise ValueError(
                 f"fastlora: {len(active)} adapters are active ({', '.join(active) or 'none'}); name the "
@@ -233,7 +234,7 @@ class ContinuousBatchingHook:
         left = self.state.lora_plan.left_on_peft
         if not left:
             return
-        active = set(getattr(self.state.model, "active_adapters", None) or [])
+        active = set(active_adapter_names(self.state.model))
         other = sorted({n for n in names if n not in active})
         if other:
             module, why = left[0]

@@ -605,3 +605,25 @@ def test_engine_steps_keep_gate_up_deltas_out_of_the_activation(pair, monkeypatc
                            continuous_batching_config=cb_config(max_batch_tokens=128), adapter_names=names)
     _check(ref, prompts, names, [out[f"req_{i}"].generated_tokens for i in range(len(prompts))], 3)
     assert launches == []
+
+
+def test_a_patched_base_with_peft_layers_asks_for_adapter_names():
+    """The base model under a PeftModel, patched itself: transformers' ``active_adapters`` is a
+    method there (its PEFT integration loaded none), so a request naming no adapter is refused
+    with the reason, and a named one is served as PEFT serves it."""
+    m = build_peft_lm("llama")
+    ref = copy.deepcopy(m)
+    base = m.get_base_model()
+    fastlora.patch(base)
+    prompts = random_prompts([6, 9], seed=7)
+    manager = base.init_continuous_batching(generation_config=greedy_config(4), continuous_batching_config=cb_config())
+    manager.start()
+    try:
+        with pytest.raises(ValueError, match="0 adapters are active .*name the adapter of each request"):
+            manager.add_request(prompts[0])
+        ids = manager.add_requests(prompts, adapter_names=["a2", "a1"])
+        results = _collect(manager, ids)
+    finally:
+        manager.stop(block=True)
+        fastlora.unpatch(base)
+    _check(ref, prompts, ["a2", "a1"], [results[i] for i in ids], 4)
