@@ -33,6 +33,10 @@ request latency p50/p99 (queued to last token), time to first token
 p50/p99 (from the engine's timestamps); for the fastlora modes the time per output token against
 the patched base model in the same engine mode (``time_per_token_vs_base_patched``) and against the
 unpatched one (``time_per_token_vs_base``). One CSV row per mode, with the GPU and package versions.
+``--rounds N`` measures the modes N times, each mode in a fresh process and each round in the reverse
+order of the one before (repeats on one machine spread by a few percent, and the order they run in
+may matter): one row per mode and round (column ``round``), each row's ratios to its own round's
+references.
 
 Each row also sets the run against the workload's floor (``workload_floor``: its FLOPs at the GPU's
 specified peak, and its bytes at the engine's measured step count and the measured copy bandwidth)
@@ -482,10 +486,28 @@ def measure_modes(modes, args, reqs, info):
         yield row, profile
 
 
+def round_orders(modes, rounds: int) -> list:
+    """The modes of each round, every round in the reverse order of the one before."""
+    return [list(modes) if r % 2 == 0 else list(modes)[::-1] for r in range(rounds)]
+
+
+def fill_ratios(table, rnd: int) -> None:
+    """Each fastlora row of round ``rnd``: its time per output token against that round's
+    adapter-free runs through the same engine mode (whichever of the two ran first)."""
+    rows = [r for r in table if r["round"] == rnd]
+    for row in rows:
+        patched, unpatched = REFERENCES.get(row["mode"], (None, None))
+        for ref in rows:
+            if ref["mode"] == patched:
+                row["time_per_token_vs_base_patched"] = round(ref["tokens_per_s"] / row["tokens_per_s"], 3)
+            if ref["mode"] == unpatched:
+                row["time_per_token_vs_base"] = round(ref["tokens_per_s"] / row["tokens_per_s"], 3)
+
+
 def run_child(mode: str, argv) -> tuple:
     """(row, profile) of one mode measured in a fresh process: every engine then sizes its KV cache
     from the same free memory, whatever the modes before it left behind."""
-    result = hx.run_in_child(__file__, argv, ["--modes", mode, "--isolate", "off", "--out", ""])
+    result = hx.run_in_child(__file__, argv, ["--modes", mode, "--isolate", "off", "--rounds", "1", "--out", ""])
     return result["row"], result["profile"]
 
 
@@ -528,11 +550,20 @@ def main(argv=None) -> int:
     p.add_argument("--isolate", choices=["auto", "on", "off"], default="auto",
                    help="each mode in a fresh process (auto: on CUDA with several modes), so that every engine "
                         "sizes its cache from the same free memory")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="the modes this many times, each round in the reverse order of the one before (A B, B A, "
+                        "...): repeats on one machine with the order's effect balanced, one row per mode and round "
+                        "(column round), each row's ratios to its own round's references")
     p.add_argument("--child-result", default="", help=argparse.SUPPRESS)
     hx.add_run_args(p)
     args = p.parse_args(argv)
     if args.adapter_source == "registered" and "peft" in args.modes:
         p.error("the peft mode runs PEFT's own adapters: it needs --adapter-source peft")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.rounds > 1 and args.isolate == "off":
+        p.error("--rounds measures each mode in a fresh process (a mode after another in one process inherits "
+                "its model): not with --isolate off")
     if not hx.start(args, "bench_continuous"):
         return 0
     if args.smoke:
@@ -543,18 +574,21 @@ def main(argv=None) -> int:
     reqs = workload(args)
     info = hx.versions()
     modes = sorted(set(args.modes), key=MODES.index)
-    isolate = args.isolate == "on" or (args.isolate == "auto" and hx.DEVICE == "cuda" and len(modes) > 1)
+    isolate = args.isolate == "on" or args.rounds > 1 or (args.isolate == "auto" and hx.DEVICE == "cuda"
+                                                           and len(modes) > 1)
     if args.child_result:  # one mode for a parent process (--isolate)
         row, profile = next(measure_modes(modes, args, reqs, info))
         with open(args.child_result, "w") as f:
             json.dump(dict(row=row, profile=profile), f)
         return 0
-    results = ((run_child(mode, argv) for mode in modes) if isolate
-               else measure_modes(modes, args, reqs, info))
+    results = (((r, *run_child(mode, argv)) for r, order in enumerate(round_orders(modes, args.rounds))
+                for mode in order) if isolate
+               else ((0, row, profile) for row, profile in measure_modes(modes, args, reqs, info)))
     table, profiles, kernels, functions = [], [], [], []
     suffix = "" if args.async_batching == "unset" else f"_async_{args.async_batching}"  # in the files' names
-    for row, profile in results:
+    for rnd, row, profile in results:
         mode = row["mode"]
+        row["round"] = rnd
         table.append(row)
         if profile.get("host_functions"):
             functions += [dict(mode=mode, model=args.model, **f, gpu=info["gpu"]) for f in profile.pop("host_functions")]
@@ -571,12 +605,7 @@ def main(argv=None) -> int:
                 if kernels:  # (none on the CPU)
                     stem = f"continuous_profile_kernels_{args.model}{suffix}"
                     hx.write_csv(kernels, hx.out_path(args.out, stem, info["gpu"]))
-        patched, unpatched = REFERENCES.get(mode, (None, None))
-        for ref in table:  # time per output token against the adapter-free engine runs
-            if ref["mode"] == patched:
-                row["time_per_token_vs_base_patched"] = round(ref["tokens_per_s"] / row["tokens_per_s"], 3)
-            if ref["mode"] == unpatched:
-                row["time_per_token_vs_base"] = round(ref["tokens_per_s"] / row["tokens_per_s"], 3)
+        fill_ratios(table, rnd)
         print(row, file=sys.stderr)
         if args.out:
             hx.write_csv(table, hx.out_path(args.out, f"continuous_{args.model}{suffix}", info["gpu"]))

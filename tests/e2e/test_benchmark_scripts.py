@@ -196,6 +196,41 @@ def test_bench_continuous_isolated_modes(tmp_path):
                and float(r["calls_per_step"]) > 0 for r in functions)
 
 
+def test_bench_continuous_rounds_reverse_the_order_and_keep_their_own_ratios():
+    """``--rounds``: every round in the reverse order of the one before; each fastlora row's time per
+    token against its own round's patched base, whichever of the two ran first."""
+    sys.path.insert(0, BENCH)
+    import bench_continuous as bc
+
+    assert bc.round_orders(["base_patched_paged", "fastlora_paged"], 3) == [
+        ["base_patched_paged", "fastlora_paged"], ["fastlora_paged", "base_patched_paged"],
+        ["base_patched_paged", "fastlora_paged"]]
+    table = [dict(round=0, mode="base_patched_paged", tokens_per_s=100.0),
+             dict(round=0, mode="fastlora_paged", tokens_per_s=80.0),
+             dict(round=1, mode="fastlora_paged", tokens_per_s=90.0)]
+    bc.fill_ratios(table, 1)  # its base has not run yet
+    assert "time_per_token_vs_base_patched" not in table[2]
+    table.append(dict(round=1, mode="base_patched_paged", tokens_per_s=99.0))
+    bc.fill_ratios(table, 0)
+    bc.fill_ratios(table, 1)
+    assert table[1]["time_per_token_vs_base_patched"] == 1.25
+    assert table[2]["time_per_token_vs_base_patched"] == 1.1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["--rounds", "2", "--isolate", "off"], "--rounds measures each mode in a fresh process"),
+])
+def test_bench_continuous_refuses_bad_rounds(capsys, args, message):
+    sys.path.insert(0, BENCH)
+    import bench_continuous
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_continuous.main(["--smoke", "--modes", "base_patched", "fastlora", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_bench_continuous_refuses_peft_mode_with_registered_adapters(capsys):
     """PEFT's own path cannot serve adapters registered by name: refused before any model is built."""
     sys.path.insert(0, BENCH)
