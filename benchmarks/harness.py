@@ -372,7 +372,9 @@ class GpuTimer:
     layer; the memset also keeps the GPU busy while the host enqueues the call, so a graph replay
     is timed on the GPU alone). With ``warm_l2``: the mean of ``iters`` calls back to back between
     two events, what the calls read left in L2 from the one before (as a kernel reads the
-    activations the previous one just wrote). On the CPU: wall time, for ``--smoke`` runs."""
+    activations the previous one just wrote); calls shorter than the host takes to launch one are
+    timed at its launch rate, so this mode cannot rank them. On the CPU: wall time, for
+    ``--smoke`` runs."""
 
     def __init__(self, iters: int, warm_l2: bool = False):
         self.iters, self.warm_l2 = iters, warm_l2

@@ -212,7 +212,9 @@ def _prefill_sized(context: CallContext, x: torch.Tensor, min_tokens: Optional[i
 
 def _rows_fill_tiles(bi) -> bool:
     """Whether each row of the forward brings at least ``ops.glu_expand``'s row tile of tokens, so
-    that a tile holds one adapter's tokens but where two rows meet."""
+    that a tile holds one adapter's tokens but where two rows meet. The forwards that reach it
+    (never a continuous-batching step) have rows of one length, padded as HF pads a batch: the
+    mean is every row's."""
     return bi.num_tokens >= bi.bs * GLU_EXPAND_BLOCK_M
 
 
