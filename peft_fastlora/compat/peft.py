@@ -5,6 +5,7 @@ states, module registrations), wrapping a model, and its per-call forward hooks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from typing import Dict, List, Optional, Tuple
 
@@ -187,6 +188,22 @@ def unsupported_reason(layer: nn.Module, adapter: str) -> Optional[str]:
     if variant is not None:
         return f"LoRA variant {type(variant).__name__}"
     return None
+
+
+def config_variants(config) -> List[str]:
+    """The LoRA variants other than DoRA that ``config`` asks for, as PEFT's ``LoraConfig`` tags them
+    (a field marked ``is_lora_variant`` that is set, or an ``init_lora_weights`` value listed under
+    ``lora_variants``): a new PEFT release's variants are found without a list kept here."""
+    found = []
+    for f in dataclasses.fields(config) if dataclasses.is_dataclass(config) else ():
+        value = getattr(config, f.name, None)
+        if f.name == "use_dora" or value is None or value is False:
+            continue
+        if f.metadata.get("is_lora_variant"):
+            found.append(f.name)
+        elif isinstance(value, str) and value in f.metadata.get("lora_variants", ()):
+            found.append(f"{f.name}={value!r}")
+    return found
 
 
 def layer_is_merged(layer: nn.Module) -> bool:

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from torch import nn
 from peft import LoraConfig
 
-from ..compat.peft import LoraEmbedding, base_layer_of, embed_scale, is_param_wrapper
+from ..compat.peft import LoraEmbedding, base_layer_of, config_variants, embed_scale, is_param_wrapper
 from ..compat.tensor_parallel import full_shape_in_out, full_weight, tp_style
 
 CONFIG_FILE = "adapter_config.json"
@@ -102,7 +102,8 @@ def _refused(config) -> Optional[str]:
     for attr, label in _REFUSED.items():
         if getattr(config, attr, None):
             return label
-    return None
+    variants = config_variants(config)
+    return f"the LoRA variant {variants[0]}" if variants else None
 
 
 def _check_saved_base(key: str, tensor: torch.Tensor, layer: nn.Module, source: str) -> None:

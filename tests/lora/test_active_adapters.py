@@ -33,3 +33,20 @@ class _Method:
 ], ids=["property", "property_str", "property_none", "absent", "method", "method_none_loaded"])
 def test_active_adapter_names(model, want):
     assert active_adapter_names(model) == want
+
+
+def test_config_variants_reads_peft_tags():
+    """Plain LoRA, DoRA and lora_bias ask for no other variant; the tagged fields and a tagged
+    ``init_lora_weights`` value are named."""
+    from peft import LoraConfig
+
+    from peft_fastlora.compat.peft import config_variants
+
+    assert config_variants(LoraConfig(r=4)) == []
+    assert config_variants(LoraConfig(r=4, use_dora=True)) == []
+    assert config_variants(LoraConfig(r=4, lora_bias=True)) == []
+    assert config_variants(LoraConfig(r=4, init_lora_weights="gaussian")) == []
+    assert config_variants(LoraConfig(r=4, init_lora_weights="mica")) == ["init_lora_weights='mica'"]
+    assert config_variants(LoraConfig(r=4, alora_invocation_tokens=[3, 4])) == ["alora_invocation_tokens"]
+    assert config_variants(LoraConfig(r=4, kasa_config={}, use_bdlora={})) == ["use_bdlora", "kasa_config"]
+    assert config_variants(object()) == []  # not a dataclass: nothing to read

@@ -209,6 +209,11 @@ BAD = {
     "a magnitude without dora": (dict(weights=lambda sd: {**sd, _first(sd, "lora_A.weight").replace(
         "lora_A.weight", "lora_magnitude_vector"): torch.ones(32)}), "unexpected key .*lora_magnitude_vector"),
     "rank_pattern": (dict(config={"rank_pattern": {"q_proj": 4}}), "rank_pattern is not supported"),
+    # LoRA variants found through PEFT's own tags on LoraConfig's fields, not a list of ours
+    "kasa": (dict(config={"kasa_config": {}}), "the LoRA variant kasa_config is not supported"),
+    "bdlora": (dict(config={"use_bdlora": {}}), "the LoRA variant use_bdlora is not supported"),
+    "velora": (dict(config={"velora_config": {}}), "the LoRA variant velora_config is not supported"),
+    "mica": (dict(config={"init_lora_weights": "mica"}), "the LoRA variant init_lora_weights='mica' is not supported"),
     "ia3": (dict(config={"peft_type": "IA3"}), "peft_type 'IA3'.*LoRA adapters only"),
     "extra key": (dict(weights=lambda sd: {**sd, "base_model.model.model.norm.weight": torch.ones(64)}),
                   "unexpected key 'base_model.model.model.norm.weight'"),
