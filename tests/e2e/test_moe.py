@@ -73,6 +73,23 @@ def test_mixed_logits_equal_peft_row_by_row(arch):
             assert not torch.allclose(with_experts, ref(input_ids=x[:1]).logits, atol=1e-3)
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+def test_adapters_naming_the_mlp_projections_only(arch):
+    """Adapters that name gate_proj / up_proj / down_proj in ``target_modules`` and no
+    ``target_parameters``: PEFT 0.22 puts them on the fused experts too (earlier PEFT on the shared
+    expert only, or nowhere in Qwen3-MoE's MLP); whatever PEFT built is served as PEFT serves it."""
+    mlp = ["gate_proj", "up_proj", "down_proj"]
+    adapters = (("a", mlp + ["q_proj"], None, 4), ("b", mlp + ["k_proj"], None, 8))
+    m, ref = build(arch, adapters), build(arch, adapters)
+    report = fastlora.patch(m)
+    assert report.left_on_peft == [] and report.adapter_fallbacks == [], report
+    names = ["a", "b", "__base__", "b"]
+    x = ids(len(names), seed=5)
+    with torch.no_grad():
+        got = m(input_ids=x, adapter_names=names).logits
+    torch.testing.assert_close(got, peft_row_by_row(ref, x, names), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["torch_native", "triton"])
 def test_generate_equal_peft_row_by_row(backend):
     """Greedy tokens of a mixed batch through ``generate`` (the Triton backend under the
