@@ -704,6 +704,27 @@ def test_forgotten_no_grad_with_plain_fused_siblings(calls):
     assert sum(calls.values()) == 0
 
 
+@pytest.mark.parametrize("variant", ["velora_config", "monteclora_config"])
+def test_other_lora_variants_fall_back_naming_the_variant(variant, calls):
+    """An adapter of a LoRA variant fastlora does not compute (PEFT's own variant class on the
+    layer), beside a plain one: batches that use it take PEFT's path and equal PEFT's mixed batch,
+    the report names the variant; batches without it stay on fastlora's path."""
+    import dataclasses
+
+    if variant not in {f.name for f in dataclasses.fields(LoraConfig)}:
+        pytest.skip(f"this PEFT has no {variant}")
+    kinds = (("sql", ALL, 4, {}), ("var", ("q_proj", "v_proj"), 4, {variant: {}}))
+    m, ref = pair(adapters=kinds)
+    report = fastlora.patch(m)
+    assert {a for _, a, _ in report.adapter_fallbacks} == {"var"}, report
+    assert all(r.startswith("LoRA variant ") for _, _, r in report.adapter_fallbacks), report
+    assert len(report.adapter_fallbacks) == 4  # q_proj and v_proj of both layers
+    assert_same_as(m, ref, ["var", "sql", "__base__", "var"])
+    calls.clear()
+    assert_same_as(m, ref, ["sql", "__base__", "sql", "sql"])
+    assert calls["qkv"] == 2 and calls["gate_up"] == 2
+
+
 def test_bias_and_dora_adapters_fall_back_where_layers_are_sharded(monkeypatch, calls):
     """Under tensor parallelism a B bias would be added by every rank and DoRA's norms need the
     whole weight: such adapters are left to PEFT's path, with the reason (the sharding probe faked
