@@ -32,6 +32,21 @@ def count_calls(monkeypatch, owner, names: Iterable[str]) -> Counter:
     return counter
 
 
+def record_glu_expand_launches(monkeypatch) -> list:
+    """The token count of every ``ops.glu_expand`` launch from now on, in order (the launch still
+    runs); ``monkeypatch`` undoes the wrap after the test."""
+    import peft_fastlora.ops as ops
+
+    tokens, launch = [], ops.glu_expand
+
+    def recorded(y, *args, **kwargs):
+        tokens.append(y.shape[0])
+        return launch(y, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "glu_expand", recorded)
+    return tokens
+
+
 SITE_KINDS = {3: "qkv", 2: "gate_up", 1: "linear"}  # a packed call's modules -> the site it serves
 
 

@@ -107,18 +107,12 @@ def test_other_launches_give_the_same_result(launch):
 def test_patched_float32_model_equals_peft_with_the_prefill_glu(monkeypatch):
     """Prefills of 4 rows of 80 tokens take the kernel; decode steps of 4 rows do not."""
     import peft_fastlora as fastlora
-    import peft_fastlora.ops as ops
     from peft import LoraConfig, get_peft_model
 
+    from _helpers import record_glu_expand_launches
     from _models import left_padded_batch, tiny_llama
 
-    calls, launch = [], ops.glu_expand
-
-    def spy(y, *args, **kw):
-        calls.append(y.shape[0])
-        return launch(y, *args, **kw)
-
-    monkeypatch.setattr(ops, "glu_expand", spy)
+    calls = record_glu_expand_launches(monkeypatch)
     base = tiny_llama(0, vocab_size=128).cuda()
     base.generation_config.eos_token_id = None
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "q_proj"],

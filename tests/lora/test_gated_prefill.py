@@ -14,10 +14,10 @@ from peft import LoraConfig, get_peft_model
 pytest.importorskip("triton")
 
 import peft_fastlora as fastlora  # noqa: E402
-import peft_fastlora.ops as ops  # noqa: E402
 from peft_fastlora.backend.packed import block_align  # noqa: E402
 from peft_fastlora.ops.glu_expand import BLOCK_M  # noqa: E402
 
+from _helpers import record_glu_expand_launches  # noqa: E402
 from _models import left_padded_batch, tiny_llama  # noqa: E402
 
 NAMES = ["a", "__base__", "b", "c"]
@@ -43,14 +43,7 @@ def _model():
 @pytest.fixture
 def launches(monkeypatch):
     """The token count of every ``ops.glu_expand`` launch."""
-    calls, launch = [], ops.glu_expand
-
-    def spy(y, *args, **kwargs):
-        calls.append(y.shape[0])
-        return launch(y, *args, **kwargs)
-
-    monkeypatch.setattr(ops, "glu_expand", spy)
-    return calls
+    return record_glu_expand_launches(monkeypatch)
 
 
 def _logits(model, batch, names):
