@@ -16,7 +16,7 @@ from peft_fastlora.backend.triton import TritonLoRABackend
 from peft_fastlora.batch import NO_ADAPTER, ForwardBatch, ForwardMode
 from peft_fastlora.ops import act_mul, glu_expand, glu_expand_reference, lora_shrink, pdl
 
-from _helpers import pack
+from _helpers import pack, record_glu_expand_launches
 
 pytestmark = pytest.mark.gpu
 
@@ -109,7 +109,6 @@ def test_patched_float32_model_equals_peft_with_the_prefill_glu(monkeypatch):
     import peft_fastlora as fastlora
     from peft import LoraConfig, get_peft_model
 
-    from _helpers import record_glu_expand_launches
     from _models import left_padded_batch, tiny_llama
 
     calls = record_glu_expand_launches(monkeypatch)
