@@ -59,9 +59,24 @@ def call_blocker(state, args, kwargs) -> Optional[str]:
         return "the caller chose the cache"
     if state.inner.training:
         return "training mode"
+    if call_setting(state, kwargs, "use_cache") is False:
+        return "use_cache=False"  # each step feeds the whole sequence: no cache may be given
+    if call_setting(state, kwargs, "output_hidden_states") or call_setting(state, kwargs, "output_attentions"):
+        # a replayed step's outputs live in the graph's buffers, which the next step overwrites
+        return "the call returns each step's hidden states or attentions"
     ids = kwargs.get("input_ids", args[0] if args else None)
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return "no 2-D input_ids"
+    return None
+
+
+def call_setting(state, kwargs, name):
+    """A ``generate`` setting as transformers resolves it: the call's keyword, else the call's
+    ``generation_config``, else the model's (None where none sets it)."""
+    for source in (kwargs, kwargs.get("generation_config"), state.inner.generation_config):
+        value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+        if value is not None:
+            return value
     return None
 
 

@@ -1,0 +1,66 @@
+"""``generate`` and forwards called with inputs PEFT's own mixed batch accepts but that are off the
+common path: the patched model gives PEFT's tokens and outputs, and what it hands back is the
+caller's. Each test compares a patched model with PEFT on an identical copy; graphed calls run
+with ``cuda_graphs="emulate"`` (the decode-graph runner without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import peft_fastlora as fastlora
+from peft_fastlora import get_state
+
+from _patch_models import IDS, build, logits
+
+MASK = torch.ones_like(IDS)
+NAMES = ["sql", "chat", "__base__", "sql"]
+GREEDY = dict(attention_mask=MASK, max_new_tokens=4, do_sample=False)
+
+
+def pair(**options):
+    m, ref = build(), build()
+    fastlora.patch(m, **options)
+    return m, ref
+
+
+def generate(model, **kw):
+    with torch.no_grad():
+        return model.generate(**kw)
+
+
+@pytest.mark.parametrize("where", ["keyword", "generation_config", "model"])
+def test_use_cache_false_on_a_graphed_model_equals_peft(where):
+    """Without a cache every step feeds the whole sequence: a cache handed in by the graphs would
+    be written again at every step."""
+    m, ref = pair(cuda_graphs="emulate")
+    kw = dict(input_ids=IDS, **GREEDY, adapter_names=NAMES)
+    if where == "keyword":
+        kw["use_cache"] = False
+    elif where == "generation_config":
+        kw["generation_config"] = GenerationConfig(use_cache=False, pad_token_id=0, eos_token_id=2)
+    else:
+        for model in (m, ref):
+            model.generation_config.use_cache = False
+    assert torch.equal(generate(m, **kw), generate(ref, **kw))
+    assert get_state(m).graph_runner.stats["eager_reasons"] == {"use_cache=False": 1}
+
+
+@pytest.mark.parametrize("flag", ["output_hidden_states", "output_attentions"])
+def test_each_steps_hidden_states_are_its_own(flag):
+    """``return_dict_in_generate`` with per-step hidden states or attentions: every step's tensors
+    equal PEFT's (a replayed step's outputs would be the graph's buffers, overwritten by the next)."""
+    m, ref = build(), build()
+    for model in (m, ref):
+        model.base_model.model.config._attn_implementation = "eager"  # attentions need eager
+    fastlora.patch(m, cuda_graphs="emulate")
+    kw = dict(input_ids=IDS, **GREEDY, adapter_names=NAMES, return_dict_in_generate=True, **{flag: True})
+    got, want = generate(m, **kw), generate(ref, **kw)
+    field = "hidden_states" if flag == "output_hidden_states" else "attentions"
+    steps, steps_ref = getattr(got, field), getattr(want, field)
+    assert len(steps) == len(steps_ref) == 4
+    for step, step_ref in zip(steps, steps_ref):
+        assert len(step) >= 2  # a tensor per layer
+        for t, t_ref in zip(step, step_ref, strict=True):
+            torch.testing.assert_close(t, t_ref, atol=1e-5, rtol=1e-5)
