@@ -681,7 +681,7 @@ class FastLoRAState:
                        changed_values_only: bool = False) -> bool:
         """The call's adapters into the stacks and its fold choice (``SlotLoader.place``)."""
         folds = self.slots.place(adapter_names, self.generation, fold=fold, changed_values_only=changed_values_only)
-        if self.expert_sites and adapter_names:
+        if self.expert_sites and adapter_names is not None and len(adapter_names):
             slot = self.registry.slot
             placed = {n: slot[n] for n in set(adapter_names) if n in slot}
             for site in self.expert_sites:

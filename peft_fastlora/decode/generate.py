@@ -193,7 +193,8 @@ def warm_up(state, batch_sizes: Optional[Sequence[int]] = None, max_length: int 
     # PEFT's adapters as they are now (a server warms up again after adding or deleting some)
     state.sync(())
     # default: as many adapters as the GPU slots hold (all, unless the model has fewer slots)
-    names = list(adapter_names) if adapter_names else (state.registry.names[:state.registry.num_slots] or ["__base__"])
+    given = adapter_names is not None and len(adapter_names) > 0
+    names = list(adapter_names) if given else (state.registry.names[:state.registry.num_slots] or ["__base__"])
     unknown = sorted({n for n in names if n != "__base__" and n not in state.registry.index and n not in state.stored})
     if unknown:
         raise ValueError(f"fastlora.warmup: unknown adapter(s): {', '.join(unknown)}")
@@ -203,7 +204,7 @@ def warm_up(state, batch_sizes: Optional[Sequence[int]] = None, max_length: int 
         pad = pad[0]
     captures0 = runner.stats["captures"]
     t0 = time.perf_counter()
-    both_folds = state.has_lora and not adapter_names and state.folds_per_call()
+    both_folds = state.has_lora and not given and state.folds_per_call()
     for rows in sorted(set(buckets), reverse=True):
         mixes = [names]
         if both_folds:  # the graph of calls that do not fold, and of calls that do

@@ -70,7 +70,8 @@ class SlotLoader:
         stack rebuilds (the value refresher is rebuilt with them). ``changed_values_only``: copy
         only the adapters whose parameters' version counters moved (``pool.ValueRefresher``)."""
         self.last_fold = False
-        if not adapter_names or not (self.sites or self.registry.names):
+        # len(), not truth: a NumPy array of names (PEFT takes any sequence) has no truth value
+        if adapter_names is None or not len(adapter_names) or not (self.sites or self.registry.names):
             return False
         placed = self.registry.assign(adapter_names)
         if placed:

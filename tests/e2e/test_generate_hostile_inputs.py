@@ -5,6 +5,7 @@ with ``cuda_graphs="emulate"`` (the decode-graph runner without a GPU)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -28,6 +29,18 @@ def pair(**options):
 def generate(model, **kw):
     with torch.no_grad():
         return model.generate(**kw)
+
+
+def test_adapter_names_as_a_numpy_array_equals_peft():
+    """PEFT takes any sequence of names (it iterates, compares and slices them)."""
+    m, ref = pair()
+    names = np.array(NAMES)
+    graphed, graphed_ref = pair(cuda_graphs="emulate")
+    assert torch.equal(generate(graphed, input_ids=IDS, **GREEDY, adapter_names=names),
+                       generate(graphed_ref, input_ids=IDS, **GREEDY, adapter_names=NAMES))
+    torch.testing.assert_close(logits(m, names), logits(ref, NAMES), atol=1e-5, rtol=1e-5)
+    assert torch.equal(generate(m, input_ids=IDS, **GREEDY, adapter_names=names),
+                       generate(ref, input_ids=IDS, **GREEDY, adapter_names=NAMES))
 
 
 @pytest.mark.parametrize("where", ["keyword", "generation_config", "model"])
