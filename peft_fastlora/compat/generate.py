@@ -229,6 +229,25 @@ def generation_output_cache(outputs):
     return next((outputs[name] for name in gen_utils.ALL_CACHE_NAMES if name in outputs), None)
 
 
+def hand_back_cache(model: nn.Module, outputs, cache, rows: int) -> None:
+    """Where ``generate``'s ``outputs`` return ``cache`` (one of fastlora's static caches: views of
+    buffers the next call overwrites, with the graph bucket's padding rows and its whole length),
+    put in its place a ``DynamicCache`` of its first ``rows`` rows and filled positions, the cache
+    transformers' own call would have returned."""
+    from transformers import DynamicCache
+
+    items = getattr(outputs, "items", None)
+    names = [name for name, value in items() if value is cache] if callable(items) else []
+    if not names:
+        return
+    length = int(cache.get_seq_length())
+    own = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        own.update(layer.keys[:rows, :, :length].clone(), layer.values[:rows, :, :length].clone(), i)
+    for name in names:
+        outputs[name] = own
+
+
 def per_step_stop_check():
     """transformers' stop check that reads "all rows finished" after every step (no streamer)."""
     from transformers.generation import utils as gen_utils

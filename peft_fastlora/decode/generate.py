@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..compat.generate import (cache_kwarg_name, compiled_call_override, mask_builder_override,
+from ..compat.generate import (cache_kwarg_name, compiled_call_override, hand_back_cache, mask_builder_override,
                                static_cache_blocker)
 from ..compat.modules import multi_device_reason, uncapturable_layers_reason
 from ..compat.tensor_parallel import tp_graph_blocker
@@ -143,7 +143,10 @@ def run_generate(state, generate, args, kwargs, min_cache_len: int = 0):
         if deferred:
             kwargs["custom_generate"] = deferred_stop.decoding_method(kwargs.get("streamer"))
         with armed(state.inner, runner, kwargs.get("adapter_names"), cache if deferred else None):
-            return generate(*args, **kwargs)
+            out = generate(*args, **kwargs)
+        if getattr(out, "sequences", None) is not None:  # return_dict_in_generate: the cache is the caller's
+            hand_back_cache(state.inner, out, cache, out.sequences.shape[0])
+        return out
 
 
 class GenerateHook:

@@ -77,3 +77,25 @@ def test_each_steps_hidden_states_are_its_own(flag):
         assert len(step) >= 2  # a tensor per layer
         for t, t_ref in zip(step, step_ref, strict=True):
             torch.testing.assert_close(t, t_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [4, 3])
+def test_the_returned_cache_outlives_the_next_call(rows):
+    """The cache ``return_dict_in_generate`` hands back is the caller's: another call in between
+    does not change it, it holds the call's rows only (3 rows run in a graph bucket of 4), and
+    generation continued from it equals PEFT's."""
+    m, ref = pair(cuda_graphs="emulate")
+    other = torch.randint(3, 96, IDS.shape, generator=torch.Generator().manual_seed(9))
+    ids, names = IDS[:rows], NAMES[:rows]
+    outs = []
+    for model in (m, ref):
+        first = generate(model, input_ids=ids, **dict(GREEDY, attention_mask=MASK[:rows]), adapter_names=names,
+                         return_dict_in_generate=True)
+        generate(model, input_ids=other, **GREEDY, adapter_names=["chat"] * 4)  # another call in between
+        cache = first.cache
+        assert cache.get_seq_length() == ids.shape[1] + 3
+        assert tuple(cache.layers[0].keys.shape) == (rows, 2, ids.shape[1] + 3, 8)
+        outs.append(generate(model, input_ids=first.sequences, attention_mask=torch.ones_like(first.sequences),
+                             cache=cache, max_new_tokens=3, do_sample=False, adapter_names=names))
+    assert get_state(m).graph_runner.stats["replays"] > 0
+    assert torch.equal(outs[0], outs[1])
