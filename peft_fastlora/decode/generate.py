@@ -51,9 +51,9 @@ def call_blocker(state, args, kwargs) -> Optional[str]:
     """Why this ``generate`` call must decode eagerly, or None."""
     if kwargs.get("adapter_names") is None and state.has_lora:
         return "no adapter_names"
-    if int(kwargs.get("num_beams", 1) or 1) > 1:
+    if int(call_setting(state, kwargs, "num_beams") or 1) > 1:
         return "beam search reorders the cache"
-    if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
+    if kwargs.get("assistant_model") is not None or call_setting(state, kwargs, "prompt_lookup_num_tokens"):
         return "assisted generation"
     if any(k in kwargs for k in ("past_key_values", "cache", "cache_implementation")):
         return "the caller chose the cache"
@@ -127,7 +127,7 @@ def run_generate(state, generate, args, kwargs, min_cache_len: int = 0):
             runner.note_eager(blocker)
             return generate(*args, **kwargs)
         ids = kwargs.get("input_ids", args[0] if args else None)
-        rows = ids.shape[0] * int(kwargs.get("num_return_sequences", 1) or 1)
+        rows = ids.shape[0] * int(call_setting(state, kwargs, "num_return_sequences") or 1)
         needed_len = max(_needed_length(state, ids, kwargs), min_cache_len)
         try:
             cache = runner.begin_call(rows, needed_len)

@@ -99,3 +99,26 @@ def test_the_returned_cache_outlives_the_next_call(rows):
                              cache=cache, max_new_tokens=3, do_sample=False, adapter_names=names))
     assert get_state(m).graph_runner.stats["replays"] > 0
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("where", ["generation_config", "model"])
+def test_num_return_sequences_from_a_generation_config_on_a_graphed_model(where):
+    """Sampling with ``num_return_sequences=2`` set in a generation config, not as a keyword: the
+    graphs' cache holds every returned row (it held the input rows only, and transformers failed
+    deep in the cache's update), and the sequences equal PEFT's."""
+    m, ref = pair(cuda_graphs="emulate")
+    kw = dict(input_ids=IDS, attention_mask=MASK, adapter_names=[n for n in NAMES for _ in range(2)])
+    if where == "generation_config":
+        kw["generation_config"] = GenerationConfig(do_sample=True, num_return_sequences=2, max_new_tokens=4,
+                                                   pad_token_id=0, eos_token_id=2)
+    else:
+        for model in (m, ref):
+            model.generation_config.update(do_sample=True, num_return_sequences=2)
+        kw["max_new_tokens"] = 4
+    outs = []
+    for model in (m, ref):
+        torch.manual_seed(3)
+        outs.append(generate(model, **kw))
+    assert outs[0].shape == (8, IDS.shape[1] + 4)
+    assert torch.equal(outs[0], outs[1])
+    assert get_state(m).graph_runner.stats["replays"] == 3
