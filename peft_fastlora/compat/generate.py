@@ -229,6 +229,16 @@ def generation_output_cache(outputs):
     return next((outputs[name] for name in gen_utils.ALL_CACHE_NAMES if name in outputs), None)
 
 
+def default_max_length() -> int:
+    """The ``max_length`` transformers applies where neither the call nor a generation config sets
+    a length."""
+    from transformers import GenerationConfig
+
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    length = defaults().get("max_length") if callable(defaults) else GenerationConfig().max_length
+    return int(length) if length is not None else 20
+
+
 def hand_back_cache(model: nn.Module, outputs, cache, rows: int) -> None:
     """Where ``generate``'s ``outputs`` return ``cache`` (one of fastlora's static caches: views of
     buffers the next call overwrites, with the graph bucket's padding rows and its whole length),

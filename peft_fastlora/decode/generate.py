@@ -12,8 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..compat.generate import (cache_kwarg_name, compiled_call_override, hand_back_cache, mask_builder_override,
-                               static_cache_blocker)
+from ..compat.generate import (cache_kwarg_name, compiled_call_override, default_max_length, hand_back_cache,
+                               mask_builder_override, static_cache_blocker)
 from ..compat.modules import multi_device_reason, uncapturable_layers_reason
 from ..compat.tensor_parallel import tp_graph_blocker
 from ..instance_methods import InstancePatches
@@ -81,14 +81,15 @@ def call_setting(state, kwargs, name):
 
 
 def _needed_length(state, ids, kwargs) -> int:
-    gc = kwargs.get("generation_config") or state.inner.generation_config
     new = kwargs.get("max_new_tokens", None)
-    if new is None and "max_length" in kwargs:
+    if new is None and kwargs.get("max_length") is not None:
         return int(kwargs["max_length"])
     if new is None:
-        new = gc.max_new_tokens
+        new = call_setting(state, kwargs, "max_new_tokens")
     if new is None:
-        return int(gc.max_length)
+        length = call_setting(state, kwargs, "max_length")
+        # set nowhere: transformers generates its default length past the prompt
+        return int(length) if length is not None else ids.shape[1] + default_max_length()
     return ids.shape[1] + int(new)
 
 

@@ -122,3 +122,17 @@ def test_num_return_sequences_from_a_generation_config_on_a_graphed_model(where)
     assert outs[0].shape == (8, IDS.shape[1] + 4)
     assert torch.equal(outs[0], outs[1])
     assert get_state(m).graph_runner.stats["replays"] == 3
+
+
+@pytest.mark.parametrize("model_sets", [False, True])
+def test_a_generation_config_without_a_length_on_a_graphed_model(model_sets):
+    """A generation config that sets no length: the model's ``max_new_tokens`` where it has one,
+    else transformers' default length past the prompt (fastlora sized its cache with ``int(None)``)."""
+    m, ref = pair(cuda_graphs="emulate")
+    if model_sets:
+        for model in (m, ref):
+            model.generation_config.max_new_tokens = 3
+    kw = dict(input_ids=IDS, attention_mask=MASK, adapter_names=NAMES, generation_config=GenerationConfig(do_sample=False))
+    got, want = generate(m, **kw), generate(ref, **kw)
+    assert got.shape == want.shape == (4, IDS.shape[1] + (3 if model_sets else 20))
+    assert torch.equal(got, want)
