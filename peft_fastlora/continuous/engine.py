@@ -590,7 +590,10 @@ class ContinuousBatchingHook:
                                        "manager ran; start a new manager")
                 requests, lens, num_tokens = cb_step(processor)
                 ids = [r.request_id for r in requests]
-                done = [r.request_id for r in last if cb_request_done(r)]
+                # a request the engine soft-reset under cache pressure leaves a finished state behind
+                # while an equivalent one of the same id waits: it is not done
+                alive = set(cb_request_ids(processor)) if last else ()
+                done = [r.request_id for r in last if cb_request_done(r) and r.request_id not in alive]
                 adapters.forget(done, running=ids)
                 records.forget(done)
                 last[:] = requests

@@ -1,0 +1,64 @@
+"""Clients that push a live endpoint where its limits meet: more concurrent work than the engine's
+cache holds, sampling settings at the edge of what is accepted, malformed parts the validation
+must name. Each answer must be right (greedy ones equal to the same request alone, seeded ones
+reproducible) and the engine must keep serving, with no restart.
+
+The server's cache holds 512 tokens, so three requests of 200 prompt tokens and 200 completion
+tokens cannot all stay in it: the engine frees the newest one's cache and requeues it (a "soft
+reset") while the others go on.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("uvicorn")
+
+from _server import LiveServer  # noqa: E402
+
+CACHE_TOKENS = 512
+C, H = "/v1/completions", "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    live = LiveServer(str(tmp_path_factory.mktemp("adapters")),
+                      ["--cache-tokens", str(CACHE_TOKENS), "--max-batch-tokens", "64"], reference=False)
+    yield live
+    live.stop()
+
+
+def _ok(server, body):
+    status, _, content = server.post(C if "prompt" in body else H, body, timeout=120)
+    assert status == 200, content
+    return content
+
+
+def _together(server, bodies):
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda body: server.post(C, body, timeout=120), bodies))
+
+
+def _assert_healthy(server):
+    assert server.health()[2]["status"] == "ok" and server.supervisor.restarts == 0
+    assert server.supervisor.manager.is_running()
+
+
+# -- more work than the cache holds ------------------------------------------------------------
+def _overflowing(**sampling):
+    return [dict({"model": model, "prompt": letter * 200, "max_tokens": 200}, **sampling)
+            for model, letter in (("upper", "a"), ("sum", "b"), ("reverse", "c"))]
+
+
+def test_requests_that_overflow_the_cache_together_are_all_served(server):
+    """The engine soft-resets one of them (requeued under the same id); it must keep its adapter:
+    losing it ended the engine's thread, failing every request it held."""
+    bodies = _overflowing()
+    answers = _together(server, bodies)
+    assert [a[0] for a in answers] == [200] * 3, [a[2] for a in answers]
+    for body, (_, _, content) in zip(bodies, answers):
+        assert content["usage"]["completion_tokens"] == 200 or content["choices"][0]["finish_reason"] == "stop"
+        assert content["choices"][0]["text"] == _ok(server, body)["choices"][0]["text"], body["model"]
+    _assert_healthy(server)
