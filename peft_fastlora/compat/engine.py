@@ -573,13 +573,23 @@ def cb_update_skipping_failed(processor, update) -> None:
             state.status = RequestStatus.FAILED
 
 
+def _tokens_before_reset(request_state) -> list:
+    """The tokens a request generated before the engine soft-reset it (its cache freed under
+    pressure, an equivalent request requeued whose prompt holds them): the end of its prompt."""
+    true = getattr(request_state, "_true_initial_tokens", 0)
+    return list(request_state.initial_tokens[true:]) if true else []
+
+
 def cb_generated_len(request_state) -> int:
-    """How many tokens the request has generated."""
-    return int(request_state.generated_len())
+    """How many tokens the request has generated (soft resets included)."""
+    true = getattr(request_state, "_true_initial_tokens", 0)
+    before = len(request_state.initial_tokens) - true if true else 0
+    return before + int(request_state.generated_len())
 
 
 def cb_generated_tokens(request_state) -> list:
-    return list(request_state.generated_tokens)
+    """The request's generated tokens (soft resets included)."""
+    return _tokens_before_reset(request_state) + list(request_state.generated_tokens)
 
 
 def cb_cache_tokens(processor) -> int:

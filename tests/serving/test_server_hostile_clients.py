@@ -62,3 +62,14 @@ def test_requests_that_overflow_the_cache_together_are_all_served(server):
         assert content["usage"]["completion_tokens"] == 200 or content["choices"][0]["finish_reason"] == "stop"
         assert content["choices"][0]["text"] == _ok(server, body)["choices"][0]["text"], body["model"]
     _assert_healthy(server)
+
+
+def test_a_soft_reset_keeps_a_seeded_requests_draws_and_penalties(server):
+    """A sampled request requeued by the engine goes on drawing where it was (its position and
+    penalties count the tokens it generated before), so it draws what it draws alone."""
+    bodies = [dict(b, seed=i) for i, b in enumerate(_overflowing(temperature=1.0, frequency_penalty=0.5))]
+    answers = _together(server, bodies)
+    assert [a[0] for a in answers] == [200] * 3, [a[2] for a in answers]
+    for body, (_, _, content) in zip(bodies, answers):
+        assert content["choices"][0]["text"] == _ok(server, body)["choices"][0]["text"], body["model"]
+    _assert_healthy(server)
