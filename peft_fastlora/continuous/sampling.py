@@ -186,7 +186,8 @@ def _cut(z: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         probs = torch.softmax(sorted_z, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass of the more likely tokens
         limit = to_device(top_p, probs.dtype, z.device)[:, None]
-        drop_sorted = before >= limit  # the first token is always kept (its mass before is 0)
+        drop_sorted = before >= limit
+        drop_sorted[:, 0] = False  # the most likely token stays (a top_p below float32's range is 0)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         z = z.masked_fill(drop, float("-inf"))
     return z
@@ -215,8 +216,11 @@ def select(logits: torch.Tensor, params: Sequence[SamplingParams], positions: Se
         device = logits.device
         rows = to_device(sampled, torch.int64, device)
         chosen = [params[i] for i in sampled]
-        temperature = to_device([p.temperature for p in chosen], z.dtype, device)
-        cut = _cut(z.index_select(0, rows) / temperature[:, None], chosen)
+        # each row shifted so that its largest logit is 0 and the temperature kept a normal float: a
+        # tiny temperature then sends the other logits to -inf, never the largest to inf (or 0 / 0)
+        temperature = to_device([p.temperature for p in chosen], z.dtype, device).clamp_min(torch.finfo(z.dtype).tiny)
+        picked = z.index_select(0, rows)
+        cut = _cut((picked - picked.amax(dim=-1, keepdim=True)) / temperature[:, None], chosen)
         seeds = to_device([p.seed for p in chosen], torch.int64, device)
         steps = to_device([positions[i] for i in sampled], torch.int64, device)
         gumbel = -torch.log(-torch.log(uniform_noise(seeds, steps, z.shape[-1])))

@@ -73,3 +73,16 @@ def test_a_soft_reset_keeps_a_seeded_requests_draws_and_penalties(server):
     for body, (_, _, content) in zip(bodies, answers):
         assert content["choices"][0]["text"] == _ok(server, body)["choices"][0]["text"], body["model"]
     _assert_healthy(server)
+
+
+# -- sampling settings at the edge -------------------------------------------------------------
+@pytest.mark.parametrize("sampling", [{"temperature": 1e-40}, {"temperature": 5e-324},
+                                      {"temperature": 2.0, "top_p": 1e-300}],
+                         ids=["temperature-1e-40", "temperature-5e-324", "top-p-1e-300"])
+def test_settings_below_float32s_range_are_greedy(server, sampling):
+    """A temperature or top_p that float32 cannot hold (a denormal, or 0) draws the most likely
+    token, as the limit of the setting does: it drew token 0 (or the lowest id whose logit was
+    above 0) on every step."""
+    body = {"model": "upper", "prompt": "abc=", "max_tokens": 8}
+    greedy = _ok(server, body)["choices"][0]["text"]
+    assert _ok(server, dict(body, seed=3, **sampling))["choices"][0]["text"] == greedy
