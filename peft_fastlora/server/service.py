@@ -72,6 +72,8 @@ class CompletionService:
     async def completions(self, request, body: CompletionRequest):
         self._refuse_unsupported(body)
         adapter = self.catalog.adapter_of(body.model)
+        batch = isinstance(body.prompt, list) and bool(body.prompt) and not isinstance(body.prompt[0], int)
+        self._check_choices((len(body.prompt) if batch else 1) * body.n)  # before tokenizing them all
         prompts = await asyncio.to_thread(self._completion_prompts, body.prompt)
         return await self._run(request, body, adapter, prompts, chat=False, logprobs=body.logprobs)
 
@@ -164,6 +166,11 @@ class CompletionService:
         except ValueError as e:
             raise APIError(str(e)) from None
 
+    def _check_choices(self, n_choices: int) -> None:
+        if n_choices > self.config.max_choices:
+            raise APIError(f"{n_choices} completions asked (prompts x n); this server answers at most "
+                           f"{self.config.max_choices} per request", param="n")
+
     def _stops(self, body) -> tuple:
         stop = body.stop_strings()
         ids = list(body.stop_token_ids or [])
@@ -181,9 +188,7 @@ class CompletionService:
                    logprobs: Optional[int], max_tokens: Optional[int] = None):
         max_tokens = self._limits(prompts, max_tokens if chat else body.max_tokens)
         n_choices = len(prompts) * body.n
-        if n_choices > self.config.max_choices:
-            raise APIError(f"{n_choices} completions asked (prompts x n); this server answers at most "
-                           f"{self.config.max_choices} per request", param="n")
+        self._check_choices(n_choices)
         stop, stop_ids = self._stops(body)
         sampling = self._sampling(body, logprobs, n_choices)
         if self.pending + n_choices > self.config.max_pending:

@@ -86,3 +86,20 @@ def test_settings_below_float32s_range_are_greedy(server, sampling):
     body = {"model": "upper", "prompt": "abc=", "max_tokens": 8}
     greedy = _ok(server, body)["choices"][0]["text"]
     assert _ok(server, dict(body, seed=3, **sampling))["choices"][0]["text"] == greedy
+
+
+# -- work refused before it is done ----------------------------------------------------------
+def test_too_many_prompts_are_refused_before_any_is_tokenized(server, monkeypatch):
+    """A body of 300,000 short prompts (1.8 MB, under the body limit) was tokenized whole before
+    the count (at most 16 completions) refused it: seconds of CPU each, and eight such requests
+    held every worker thread, so that a plain request waited 40 s."""
+    calls = []
+    encode = server.service._encode
+    monkeypatch.setattr(server.service, "_encode", lambda text: calls.append(1) or encode(text))
+    status, _, content = server.post(C, {"model": "upper", "prompt": ["ab"] * 1000, "max_tokens": 2})
+    assert status == 400 and "1000 completions asked" in content["error"]["message"], content
+    status, _, content = server.post(C, {"model": "upper", "prompt": ["ab"] * 9, "n": 2, "max_tokens": 2})
+    assert status == 400 and "18 completions asked" in content["error"]["message"], content
+    assert not calls
+    status, _, content = server.post(C, {"model": "upper", "prompt": ["ab"] * 8, "n": 2, "max_tokens": 2})
+    assert status == 200 and len(content["choices"]) == 16 and len(calls) == 8, content
