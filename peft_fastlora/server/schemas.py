@@ -100,9 +100,11 @@ class Message(_Strict):
             return self.content
         parts = []
         for i, part in enumerate(self.content):
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise APIError(f"messages: content part {i} is of type {part.type!r}; this server takes text only",
                                param="messages")
+            if part.text is None:
+                raise APIError(f"messages: content part {i} is of type 'text' and has no text", param="messages")
             parts.append(part.text)
         return "".join(parts)
 
@@ -138,19 +140,43 @@ def _field_error(errors: list) -> APIError:
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ())]
     # a union reports each alternative: name the field, not the alternative's type
+    union = False
     while len(loc) > 1 and not loc[-1].isdigit() and loc[-1] not in _FIELD_NAMES:
         loc.pop()
+        union = True
     where = ".".join(loc) or "body"
     kind = first.get("type", "")
+    same = [e for e in errors if [str(p) for p in e.get("loc", ())][:len(loc)] == loc] if union else [first]
     if kind == "missing":
         message = f"{where} is required"
     elif kind == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {where}"
+    elif union:
+        message = _union_message(loc, same)
     else:
         message = f"{where}: {first.get('msg', 'invalid value')}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problems)"
+    others = len(errors) - len(same)
+    if others:
+        message += f" (and {others} more problems)"
     return APIError(message, param=loc[0] if loc else None)
+
+
+def _union_message(loc: List[str], errors: list) -> str:
+    """One field that matched none of its forms: the forms, and where the one form that got
+    furthest failed."""
+    where, forms = ".".join(loc), []
+    for e in errors:
+        form = str(e["loc"][len(loc)]) if len(e["loc"]) > len(loc) else None
+        if form is not None and form not in forms:
+            forms.append(form)
+    message = f"{where} must be one of: {', '.join(forms)}"
+    depth = max(len(e["loc"]) for e in errors)
+    deepest = [e for e in errors if len(e["loc"]) == depth]
+    if depth > len(loc) + 1 and len(deepest) == 1:  # one form got further than the others: say where it failed
+        deepest = deepest[0]
+        inner = [str(p) for p in deepest["loc"][:len(loc)] + deepest["loc"][len(loc) + 1:]]
+        message += f" ({'.'.join(inner)}: {deepest.get('msg', 'invalid value')})"
+    return message
 
 
 _FIELD_NAMES = {name for cls in (CompletionRequest, ChatCompletionRequest, Message, ContentPart, StreamOptions,

@@ -103,3 +103,23 @@ def test_too_many_prompts_are_refused_before_any_is_tokenized(server, monkeypatc
     assert not calls
     status, _, content = server.post(C, {"model": "upper", "prompt": ["ab"] * 8, "n": 2, "max_tokens": 2})
     assert status == 200 and len(content["choices"]) == 16 and len(calls) == 8, content
+
+
+# -- errors that name the problem ------------------------------------------------------------
+@pytest.mark.parametrize("path, changes, pattern", [
+    # the one bad id of a batch of token-id prompts (was: "prompt: Input should be a valid string")
+    (C, {"prompt": [[1, 5], [1, True]]}, r"prompt must be one of: str, list\[str\], list\[int\], "
+                                         r"list\[list\[int\]\] \(prompt\.1\.1: Input should be a valid integer\)"),
+    (C, {"prompt": "a", "stop": ["x", 5]}, r"stop must be one of: str, list\[str\] \(stop\.1: "),
+    (H, {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     r"messages\.0\.content\.0\.text: Input should be a valid string"),
+    # a text part without its text (was: "is of type 'text'; this server takes text only")
+    (H, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, r"content part 0 .* has no text"),
+], ids=["prompt-batch-bad-id", "stop-list-number", "chat-part-text-number", "chat-part-no-text"])
+def test_errors_name_the_element_at_fault(server, path, changes, pattern):
+    import re
+
+    body = dict({"model": "upper", "max_tokens": 2}, **changes)
+    status, _, content = server.post(path, body)
+    assert status == 400 and re.search(pattern, content["error"]["message"]), content
+    assert " more problems" not in content["error"]["message"]  # the other forms are not more problems
