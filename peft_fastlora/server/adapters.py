@@ -64,6 +64,8 @@ class AdapterCatalog:
         if not _NAME.match(name) or name in (self.base_name, BASE):
             raise APIError(f"invalid adapter name {name!r}: letters, digits, '.', '_' and '-', not the base "
                            "model's name", param="lora_name")
+        if "\x00" in path:  # (the file system's calls raise ValueError for it, not OSError)
+            raise APIError("lora_path must not contain a NUL character", param="lora_path")
         folder = os.path.realpath(os.path.join(self._root, path))
         if os.path.commonpath([folder, self._root]) != self._root:
             raise APIError(f"{path!r} is outside the folder adapters may be loaded from", 403, param="lora_path")
@@ -73,7 +75,8 @@ class AdapterCatalog:
             try:
                 await asyncio.to_thread(register_adapter, self.model, name, folder)
             except (ValueError, FileNotFoundError, OSError) as e:
-                message = str(e).replace(folder, repr(path)).replace(self._root + os.sep, "")
+                message = str(e).replace(repr(folder), repr(path)).replace(folder, repr(path))
+                message = message.replace(self._root + os.sep, "")
                 raise APIError(f"adapter {name!r} could not be loaded: {message}", 400, param="lora_path") from None
             if self._served is not None:
                 self._served.add(name)

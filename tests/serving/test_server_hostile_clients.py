@@ -25,7 +25,8 @@ C, H = "/v1/completions", "/v1/chat/completions"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     live = LiveServer(str(tmp_path_factory.mktemp("adapters")),
-                      ["--cache-tokens", str(CACHE_TOKENS), "--max-batch-tokens", "64"], reference=False)
+                      ["--cache-tokens", str(CACHE_TOKENS), "--max-batch-tokens", "64",
+                       "--adapter-root", str(tmp_path_factory.mktemp("root"))], reference=False)
     yield live
     live.stop()
 
@@ -123,3 +124,16 @@ def test_errors_name_the_element_at_fault(server, path, changes, pattern):
     status, _, content = server.post(path, body)
     assert status == 400 and re.search(pattern, content["error"]["message"]), content
     assert " more problems" not in content["error"]["message"]  # the other forms are not more problems
+
+
+def test_a_nul_in_an_adapter_path_is_refused_by_name(server):
+    """The file system's calls raise ValueError for a NUL, which was answered as a 500."""
+    status, _, content = server.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "ab\u0000c"})
+    assert status == 400 and "NUL" in content["error"]["message"] and content["error"]["param"] == "lora_path", content
+    assert server.health()[2]["status"] == "ok"
+
+
+def test_a_folder_that_is_no_adapter_is_named_as_the_client_gave_it(server):
+    status, _, content = server.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "."})
+    message = content["error"]["message"]
+    assert status == 400 and "'.' has no adapter_config.json" in message and "''" not in message, content
