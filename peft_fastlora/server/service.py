@@ -95,6 +95,8 @@ class CompletionService:
         unsupported = body.unsupported_fields()
         if unsupported:
             raise APIError("not supported by this server: " + ", ".join(unsupported), param=unsupported[0])
+        if body.stream_options is not None and not body.stream:  # (as OpenAI's API answers it)
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
 
     def _completion_prompts(self, prompt) -> List[List[int]]:
         if isinstance(prompt, str):

@@ -137,3 +137,14 @@ def test_a_folder_that_is_no_adapter_is_named_as_the_client_gave_it(server):
     status, _, content = server.post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "."})
     message = content["error"]["message"]
     assert status == 400 and "'.' has no adapter_config.json" in message and "''" not in message, content
+
+
+@pytest.mark.parametrize("path", [C, H])
+def test_stream_options_without_a_stream_are_refused(server, path):
+    """As OpenAI's API refuses them (the usage chunk they ask for was silently not sent)."""
+    body = {"model": "upper", "max_tokens": 2, "stream_options": {"include_usage": True}}
+    body.update({"prompt": "a"} if path == C else {"messages": [{"role": "user", "content": "a"}]})
+    status, _, content = server.post(path, body)
+    assert status == 400 and content["error"]["param"] == "stream_options", content
+    events = server.events(path, dict(body, stream=True))
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 2
