@@ -322,6 +322,13 @@ def cb_request_ids(processor) -> list:
     return list(sched.active_requests) + list(sched.waiting_requests)
 
 
+def cb_active_count(manager) -> int:
+    """How many requests the manager's engine holds in its batch (prefilling or decoding), 0
+    before its processor exists."""
+    sched = getattr(getattr(manager, "batch_processor", None), "scheduler", None)
+    return len(getattr(sched, "active_requests", None) or ())
+
+
 def cb_fail_requests(processor, errors: Dict[str, Exception]) -> None:
     """Fail these requests (active or waiting) between steps, each delivered with its error as the
     engine delivers its own; the engine's other requests keep running. The engine's own paths: its

@@ -27,9 +27,10 @@ class Metrics:
         self.generation_tokens = Counter("fastlora_generation_tokens", "Tokens generated", registry=registry)
         self.completions = Counter("fastlora_completions", "Completions ended, by how they ended",
                                    ["outcome"], registry=registry)
-        self.waiting = Gauge("fastlora_requests_waiting", "Completions accepted that have no token yet",
+        self.waiting = Gauge("fastlora_requests_waiting", "Completions accepted and queued in the engine",
                              registry=registry)
-        self.running = Gauge("fastlora_requests_running", "Completions generating", registry=registry)
+        self.running = Gauge("fastlora_requests_running", "Completions in the engine's batch (prefilling or "
+                             "generating)", registry=registry)
         self.ttft = Histogram("fastlora_time_to_first_token_seconds", "From acceptance to the first token",
                               buckets=_LATENCY_BUCKETS, registry=registry)
         self.tpot = Histogram("fastlora_time_per_output_token_seconds",

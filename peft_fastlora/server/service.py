@@ -8,7 +8,7 @@ import asyncio
 import uuid
 from typing import Dict, List, Optional, Sequence
 
-from ..compat.engine import cb_drop_result_handler
+from ..compat.engine import cb_active_count, cb_drop_result_handler
 from ..compat.modules import input_vocab_size, position_limit
 from ..continuous.sampling import SamplingParams
 from .adapters import AdapterCatalog
@@ -62,6 +62,15 @@ class CompletionService:
         self.vocab = input_vocab_size(model)
         self.position_limit = position_limit(model)
         self.pending = 0  # choices accepted and not finished
+        # read when scraped: a whole answer's choices deliver nothing before they end, so the
+        # engine's batch tells which of them run
+        metrics.running.set_function(self.running)
+        metrics.waiting.set_function(lambda: self.pending - self.running())
+
+    def running(self) -> int:
+        """The choices in flight that the engine holds in its batch (the others wait in its queue)."""
+        manager = self.supervisor.manager
+        return min(self.pending, cb_active_count(manager)) if manager is not None else 0
 
     def context_length(self) -> int:
         """The most tokens (prompt and completion) one request may hold."""
@@ -229,7 +238,6 @@ class _Run:
             manager.register_result_handler(choice.request_id, lambda out, i=choice.index: self.outputs.put_nowait((i, out)))
             self._open[choice.request_id] = choice
         self.service.pending += len(self.choices)
-        metrics.waiting.inc(len(self.choices))
         metrics.prompt_tokens.inc(self.prompt_tokens)
         try:
             for choice in self.choices:
@@ -253,7 +261,6 @@ class _Run:
             return
         metrics = self.service.metrics
         self.service.pending -= 1
-        (metrics.running if choice.first_token is not None else metrics.waiting).dec()
         metrics.completions.labels(outcome).inc()
         metrics.generation_tokens.inc(choice.completion_tokens)
         if choice.first_token is not None:
@@ -284,10 +291,7 @@ class _Run:
         if timestamps:  # the engine's own time of the first token
             choice.first_token, choice.last_token = timestamps[0], timestamps[-1]
         if not had_token and choice.first_token is not None:
-            metrics = self.service.metrics
-            metrics.waiting.dec()
-            metrics.running.inc()
-            metrics.ttft.observe(max(0.0, choice.first_token - choice.accepted))
+            self.service.metrics.ttft.observe(max(0.0, choice.first_token - choice.accepted))
         if ended and not out.is_finished():  # a stop string: the engine would go on
             self.manager.cancel_request(choice.request_id)
             cb_drop_result_handler(self.manager, choice.request_id)

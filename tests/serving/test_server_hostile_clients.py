@@ -10,6 +10,7 @@ reset") while the others go on.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -148,3 +149,28 @@ def test_stream_options_without_a_stream_are_refused(server, path):
     assert status == 400 and content["error"]["param"] == "stream_options", content
     events = server.events(path, dict(body, stream=True))
     assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 2
+
+
+# -- what the operator sees ------------------------------------------------------------------
+def _gauge(server, name: str) -> float:
+    import re
+
+    text = server.request("GET", "/metrics")[2]
+    return float(re.search(re.escape(name) + r" ([0-9.e+-]+)", text).group(1))
+
+
+def test_a_whole_answer_being_generated_counts_as_running(server):
+    """A whole (not streamed) answer gets no output from the engine before it ends: it was
+    counted waiting, and running stayed 0, for as long as it generated."""
+    import threading
+
+    body = {"model": "upper", "prompt": "abc=", "max_tokens": 480}
+    worker = threading.Thread(target=lambda: server.post(C, body, timeout=120))
+    worker.start()
+    seen = set()
+    while worker.is_alive():
+        seen.add((_gauge(server, "fastlora_requests_running"), _gauge(server, "fastlora_requests_waiting")))
+        time.sleep(0.05)
+    worker.join()
+    assert (1.0, 0.0) in seen, seen
+    assert _gauge(server, "fastlora_requests_running") == 0 and _gauge(server, "fastlora_requests_waiting") == 0
