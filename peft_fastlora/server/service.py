@@ -5,6 +5,7 @@ stream of server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import uuid
 from typing import Dict, List, Optional, Sequence
 
@@ -29,6 +30,10 @@ _ENGINE_PROCESSORS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad
                       "num_return_sequences": 1, "renormalize_logits": False,
                       "exponential_decay_length_penalty": None, "watermarking_config": None}
 _POLL_S = 0.5  # how often a whole (not streamed) answer checks that its client is still there
+# prompts of more characters than this are tokenized on one thread of their own, one at a time:
+# a few bodies of megabytes would otherwise hold every worker thread the event loop shares
+# (every other request's tokenization and submission) for seconds
+_LARGE_PROMPT_CHARS = 1 << 16
 
 
 def default_sampling(generation_config) -> SamplingParams:
@@ -62,6 +67,7 @@ class CompletionService:
         self.vocab = input_vocab_size(model)
         self.position_limit = position_limit(model)
         self.pending = 0  # choices accepted and not finished
+        self._large: Optional[concurrent.futures.ThreadPoolExecutor] = None
         # read when scraped: a whole answer's choices deliver nothing before they end, so the
         # engine's batch tells which of them run
         metrics.running.set_function(self.running)
@@ -83,7 +89,9 @@ class CompletionService:
         adapter = self.catalog.adapter_of(body.model)
         batch = isinstance(body.prompt, list) and bool(body.prompt) and not isinstance(body.prompt[0], int)
         self._check_choices((len(body.prompt) if batch else 1) * body.n)  # before tokenizing them all
-        prompts = await asyncio.to_thread(self._completion_prompts, body.prompt)
+        chars = len(body.prompt) if isinstance(body.prompt, str) else \
+            sum(len(p) for p in body.prompt if isinstance(p, (str, list)))
+        prompts = await self._tokenize(chars, self._completion_prompts, body.prompt)
         return await self._run(request, body, adapter, prompts, chat=False, logprobs=body.logprobs)
 
     async def chat(self, request, body: ChatCompletionRequest):
@@ -94,10 +102,20 @@ class CompletionService:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise APIError("this server's tokenizer has no chat template: use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = await asyncio.to_thread(self._chat_prompt, messages)
+        ids = await self._tokenize(sum(len(m["content"]) for m in messages) + len(messages), self._chat_prompt,
+                                   messages)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await self._run(request, body, adapter, [ids], chat=True, logprobs=logprobs,
                                max_tokens=body.max_completion_tokens or body.max_tokens)
+
+    async def _tokenize(self, chars: int, fn, *args):
+        """``fn(*args)`` off the event loop: on the shared worker threads, or past
+        ``_LARGE_PROMPT_CHARS`` on the one thread of large prompts."""
+        if chars <= _LARGE_PROMPT_CHARS:
+            return await asyncio.to_thread(fn, *args)
+        if self._large is None:
+            self._large = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fastlora-large-prompts")
+        return await asyncio.get_running_loop().run_in_executor(self._large, fn, *args)
 
     @staticmethod
     def _refuse_unsupported(body) -> None:

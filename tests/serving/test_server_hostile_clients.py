@@ -174,3 +174,33 @@ def test_a_whole_answer_being_generated_counts_as_running(server):
     worker.join()
     assert (1.0, 0.0) in seen, seen
     assert _gauge(server, "fastlora_requests_running") == 0 and _gauge(server, "fastlora_requests_waiting") == 0
+
+
+def test_large_prompts_do_not_hold_the_worker_threads_of_other_requests(server, monkeypatch):
+    """Prompts of megabytes take seconds to tokenize: eight at once held every worker thread the
+    event loop shares, and a plain request waited behind them (11 s on the tiny model's
+    tokenizer). Large prompts now take turns on a thread of their own."""
+    import threading
+
+    release = threading.Event()
+    encode = server.service._encode
+
+    def slow_for_large(text):
+        if len(text) > 100_000:
+            assert release.wait(30)  # a tokenizer that takes its time
+        return encode(text)
+
+    monkeypatch.setattr(server.service, "_encode", slow_for_large)
+    with ThreadPoolExecutor(8) as pool:
+        large = [pool.submit(server.post, C, {"model": "upper", "prompt": "ab" * 60_000, "max_tokens": 2})
+                 for _ in range(8)]
+        time.sleep(0.5)
+        try:
+            began = time.monotonic()
+            status, _, content = server.post(C, {"model": "upper", "prompt": "abc=", "max_tokens": 4}, timeout=5)
+            assert status == 200 and time.monotonic() - began < 3, content
+        finally:
+            release.set()
+        for future in large:
+            status, _, content = future.result()
+            assert status == 400 and content["error"]["code"] == "context_length_exceeded", content
