@@ -200,6 +200,11 @@ class CompletionService:
             raise APIError(f"{n_choices} completions asked (prompts x n); this server answers at most "
                            f"{self.config.max_choices} per request", param="n")
 
+    def _check_pending(self, n_choices: int) -> None:
+        if self.pending + n_choices > self.config.max_pending:
+            raise APIError("the server is at its limit of requests in flight; retry later", 429,
+                           headers={"Retry-After": "1"})
+
     def _stops(self, body) -> tuple:
         stop = body.stop_strings()
         ids = list(body.stop_token_ids or [])
@@ -220,10 +225,9 @@ class CompletionService:
         self._check_choices(n_choices)
         stop, stop_ids = self._stops(body)
         sampling = self._sampling(body, logprobs, n_choices)
-        if self.pending + n_choices > self.config.max_pending:
-            raise APIError("the server is at its limit of requests in flight; retry later", 429,
-                           headers={"Retry-After": "1"})
+        self._check_pending(n_choices)
         manager = await self.supervisor.manager_for_request()
+        self._check_pending(n_choices)  # again: others may have been accepted while a restart was waited for
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         run = _Run(self, manager, rid, Answer(rid, body.model, chat, self.tokenizer), adapter, logprobs is not None)
         end_ids = self.eos_token_ids + stop_ids

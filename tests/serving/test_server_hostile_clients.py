@@ -10,6 +10,9 @@ reset") while the others go on.
 
 from __future__ import annotations
 
+import asyncio
+import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -119,8 +122,6 @@ def test_too_many_prompts_are_refused_before_any_is_tokenized(server, monkeypatc
     (H, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, r"content part 0 .* has no text"),
 ], ids=["prompt-batch-bad-id", "stop-list-number", "chat-part-text-number", "chat-part-no-text"])
 def test_errors_name_the_element_at_fault(server, path, changes, pattern):
-    import re
-
     body = dict({"model": "upper", "max_tokens": 2}, **changes)
     status, _, content = server.post(path, body)
     assert status == 400 and re.search(pattern, content["error"]["message"]), content
@@ -153,8 +154,6 @@ def test_stream_options_without_a_stream_are_refused(server, path):
 
 # -- what the operator sees ------------------------------------------------------------------
 def _gauge(server, name: str) -> float:
-    import re
-
     text = server.request("GET", "/metrics")[2]
     return float(re.search(re.escape(name) + r" ([0-9.e+-]+)", text).group(1))
 
@@ -162,8 +161,6 @@ def _gauge(server, name: str) -> float:
 def test_a_whole_answer_being_generated_counts_as_running(server):
     """A whole (not streamed) answer gets no output from the engine before it ends: it was
     counted waiting, and running stayed 0, for as long as it generated."""
-    import threading
-
     body = {"model": "upper", "prompt": "abc=", "max_tokens": 480}
     worker = threading.Thread(target=lambda: server.post(C, body, timeout=120))
     worker.start()
@@ -180,8 +177,6 @@ def test_large_prompts_do_not_hold_the_worker_threads_of_other_requests(server, 
     """Prompts of megabytes take seconds to tokenize: eight at once held every worker thread the
     event loop shares, and a plain request waited behind them (11 s on the tiny model's
     tokenizer). Large prompts now take turns on a thread of their own."""
-    import threading
-
     release = threading.Event()
     encode = server.service._encode
 
@@ -204,3 +199,26 @@ def test_large_prompts_do_not_hold_the_worker_threads_of_other_requests(server, 
         for future in large:
             status, _, content = future.result()
             assert status == 400 and content["error"]["code"] == "context_length_exceeded", content
+
+
+def test_requests_that_waited_for_a_restart_still_keep_to_max_pending(server, monkeypatch):
+    """Requests arriving while the engine restarts wait for it; they were checked against
+    max_pending before the wait only, so that all of them were let in once it came back."""
+    supervisor, service = server.supervisor, server.service
+    monkeypatch.setattr(service, "config", service.config.replace(max_pending=2))
+    gate = threading.Event()
+    real = supervisor.manager_for_request
+
+    async def after_a_restart():
+        while not gate.is_set():  # (the event loop goes on: the others arrive meanwhile)
+            await asyncio.sleep(0.01)
+        return await real()
+
+    monkeypatch.setattr(supervisor, "manager_for_request", after_a_restart)
+    body = {"model": "upper", "prompt": "abc=", "max_tokens": 60}
+    with ThreadPoolExecutor(6) as pool:
+        answers = [pool.submit(server.post, C, body) for _ in range(6)]
+        time.sleep(1.0)
+        gate.set()
+        statuses = sorted(a.result()[0] for a in answers)
+    assert statuses.count(200) <= 2 and statuses.count(429) >= 4, statuses
