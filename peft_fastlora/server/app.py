@@ -132,12 +132,19 @@ def create_app(model, tokenizer, config: Optional[ServerConfig] = None, *, gener
         content, media_type = metrics.render()
         return Response(content, media_type=media_type)
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "peft_fastlora"}
+
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "peft_fastlora"}
-            for name in [config.base_name] + catalog.names()]}
+        return {"object": "list", "data": [model_card(name) for name in [config.base_name] + catalog.names()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(request: Request, name: str):  # OpenAI's "retrieve model" (client.models.retrieve)
+        authorize(request)
+        catalog.adapter_of(name)  # 404 naming the models served, for one not served
+        return model_card(name)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -212,7 +219,8 @@ class _CountResponses:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route = scope.get("path") if scope.get("path") in _ROUTES else "other"
+        path = scope.get("path")
+        route = path if path in _ROUTES else "/v1/models/{model}" if str(path).startswith("/v1/models/") else "other"
         status = [500]
 
         async def send_counted(message):

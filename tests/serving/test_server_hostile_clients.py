@@ -222,3 +222,15 @@ def test_requests_that_waited_for_a_restart_still_keep_to_max_pending(server, mo
         gate.set()
         statuses = sorted(a.result()[0] for a in answers)
     assert statuses.count(200) <= 2 and statuses.count(429) >= 4, statuses
+
+
+@pytest.mark.parametrize("name, expected", [("upper", 200), ("base", 200), ("nope", 404), ("../upper", 404)])
+def test_one_model_can_be_retrieved(server, name, expected):
+    """OpenAI's GET /v1/models/{model} (the openai client's models.retrieve) answered 404 "Not
+    Found" for every model, served or not."""
+    status, _, content = server.request("GET", f"/v1/models/{name}")
+    assert status == expected, content
+    if expected == 200:
+        assert content["id"] == name and content["object"] == "model"
+    else:
+        assert content["error"]["code"] == "model_not_found" and repr(name) in content["error"]["message"]
