@@ -122,7 +122,7 @@ def create_app(model, tokenizer, config: Optional[ServerConfig] = None, *, gener
         authorize(request)
         return parse(schema, await _read_json(request, config.max_body_bytes))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (load balancers' probes may send HEAD)
     async def health():
         report = supervisor.health()
         return _JSON(report, status_code=200 if report["status"] == "ok" else 503)

@@ -234,3 +234,9 @@ def test_one_model_can_be_retrieved(server, name, expected):
         assert content["id"] == name and content["object"] == "model"
     else:
         assert content["error"]["code"] == "model_not_found" and repr(name) in content["error"]["message"]
+
+
+def test_health_answers_a_head_probe(server):
+    """A load balancer's HEAD probe got 405 from a healthy server."""
+    status, _, content = server.request("HEAD", "/health")
+    assert status == 200 and content == ""
