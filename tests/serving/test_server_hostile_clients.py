@@ -1,7 +1,9 @@
 """Clients that push a live endpoint where its limits meet: more concurrent work than the engine's
 cache holds, sampling settings at the edge of what is accepted, malformed parts the validation
-must name. Each answer must be right (greedy ones equal to the same request alone, seeded ones
-reproducible) and the engine must keep serving, with no restart.
+must name, bodies that cost work before they are refused, requests held while the engine
+restarts, and what an operator's probes and metrics see meanwhile. Each answer must be right
+(greedy ones equal to the same request alone, seeded ones reproducible) and the engine must keep
+serving, with no restart.
 
 The server's cache holds 512 tokens, so three requests of 200 prompt tokens and 200 completion
 tokens cannot all stay in it: the engine frees the newest one's cache and requeues it (a "soft
