@@ -592,8 +592,10 @@ class ContinuousBatchingHook:
                 ids = [r.request_id for r in requests]
                 # a request the engine soft-reset under cache pressure leaves a finished state behind
                 # while an equivalent one of the same id waits: it is not done
-                alive = set(cb_request_ids(processor)) if last else ()
-                done = [r.request_id for r in last if cb_request_done(r) and r.request_id not in alive]
+                done = [r.request_id for r in last if cb_request_done(r)]
+                if done:  # (the set of every request held only when some request of the last step ended)
+                    alive = set(cb_request_ids(processor))
+                    done = [rid for rid in done if rid not in alive]
                 adapters.forget(done, running=ids)
                 records.forget(done)
                 last[:] = requests
