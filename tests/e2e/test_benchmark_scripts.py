@@ -498,6 +498,14 @@ def test_bench_serving_smoke(tmp_path):
         # the server's side of the window: its threads' CPU time and the engine's steps
         assert 0 < float(row["server_cpu_share"]) and "_run_generation_loop=" in row["busiest_threads"], row
         assert int(row["engine_steps"]) > 0 and float(row["host_prepare_ms"]) > 0, row
+        # the clients' side: the rate the schedule asked for and how late the (two) client processes sent
+        assert float(row["offered_per_s"]) > 0 and float(row["late_p99_s"]) >= 0 and row["client_processes"] == "2"
+    # both modes were sent the same schedule
+    assert rows["base_patched"]["offered_per_s"] == rows["fastlora"]["offered_per_s"]
+    # the load generator alone, against an endpoint with no model
+    _run([os.path.join(BENCH, "bench_serving.py"), "--smoke", "--modes", "stub", "--out", str(tmp_path)])
+    stub = _csv(tmp_path / "serving_stub_cpu.csv")[0]
+    assert stub["failed"] == "0" and int(stub["requests"]) > 0 and stub["offered_per_s"] == rows["fastlora"]["offered_per_s"]
     # the soak through the engine's cache read in place
     _run([os.path.join(BENCH, "bench_serving.py"), "--smoke", "--modes", "fastlora", "--soak", "2", "--drain", "30",
           "--engine-attention", "paged", "--out", str(tmp_path)])
