@@ -434,6 +434,8 @@ def main(argv=None) -> int:
         args.sample_every = min(args.sample_every, 0.5)
     reqs = fit_context(workload(args), hx.context_length(args.model))
     versions = hx.versions()
+    if args.modes == ["stub"] and not args.smoke and versions["gpu"].startswith("cpu"):
+        versions["gpu"] = "cpu (stub endpoint, no model)"
     if args.child_result:  # one mode for a parent process (--isolate)
         r, s = run_mode(args.modes[0], args, reqs, versions)
         with open(args.child_result, "w") as f:
