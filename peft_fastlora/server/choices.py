@@ -55,7 +55,8 @@ class Choice:
         if self.finished:
             return False
         now = time.perf_counter()
-        if len(tokens) > len(self.tokens):
+        had = len(self.tokens)
+        if len(tokens) > had:
             self.first_token = self.first_token or now
             self.last_token = now
         self.tokens = list(tokens)
@@ -63,6 +64,7 @@ class Choice:
             self.finished, self.error = True, error
             return True
         if self.stop and self._stop_index(self._decoded()) is not None:
+            self._end_at_stop(had)
             self.finished, self.finish_reason = True, "stop"
             return True
         if engine_finished:
@@ -70,6 +72,20 @@ class Choice:
             self.finish_reason = "stop" if self.tokens and self.tokens[-1] in self.end_token_ids else "length"
             return True
         return False
+
+    def _end_at_stop(self, had: int) -> None:
+        """Keep the tokens up to the first whose text completes a stop string (of those after the
+        first ``had``): the engine's outputs may arrive several tokens at a time, and the answer's
+        tokens, usage and log-probabilities must not depend on how far its reader fell behind."""
+        kept = self._kept_tokens()
+        lo, hi = had + 1, len(kept)  # the text of kept[:hi] holds a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._stop_index(self._decode(kept[:mid])) is not None:
+                hi = mid
+            else:
+                lo = mid + 1
+        self.tokens = self.tokens[:max(hi, 0)]
 
     # -- text ------------------------------------------------------------------------------------
     def _kept_tokens(self) -> List[int]:

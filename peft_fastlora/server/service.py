@@ -251,13 +251,17 @@ class _Run:
         self.adapter, self.want_logprobs = adapter, logprobs
         self.choices: List[Choice] = []
         self.prompt_tokens = 0
-        self.outputs: asyncio.Queue = asyncio.Queue()
+        # each choice's newest engine output not yet taken: an output holds the whole completion so
+        # far, so a newer one replaces it and a client that stops reading holds one output a choice
+        # (a queue of every step's output would grow with the square of the completion's length)
+        self._latest: Dict[int, object] = {}
+        self._arrived = asyncio.Event()
         self._open: Dict[str, Choice] = {}  # choices accepted and not ended
 
     async def submit(self, prompts, n: int, sampling: List[SamplingParams], streamed: bool, end_ids) -> None:
         metrics, manager = self.service.metrics, self.manager
         for choice in self.choices:  # the handlers first: a request that ends at once must find one
-            manager.register_result_handler(choice.request_id, lambda out, i=choice.index: self.outputs.put_nowait((i, out)))
+            manager.register_result_handler(choice.request_id, lambda out, i=choice.index: self.deliver(i, out))
             self._open[choice.request_id] = choice
         self.service.pending += len(self.choices)
         metrics.prompt_tokens.inc(self.prompt_tokens)
@@ -333,35 +337,45 @@ class _Run:
         records = getattr(self.manager, "fastlora_sampling", None)
         return choice.new_logprobs(records.logprobs(choice.request_id) if records is not None else [])
 
-    async def _next(self, request):
-        """The next engine output; None when the client went away."""
-        if not self.outputs.empty():  # no timer when one is waiting (the common case under load)
-            return self.outputs.get_nowait()
-        if request is None:  # a stream: a send to a client that went away ends it
-            return await self.outputs.get()
-        while True:
+    def deliver(self, index: int, out) -> None:
+        """The engine's result handler (on the event loop): choice ``index``'s newest output."""
+        self._latest[index] = out
+        self._arrived.set()
+
+    async def _arrivals(self, request):
+        """Every choice's newest output since the last call, as (index, output), waiting for one
+        where none has come; None when the client went away. (``request`` None: a stream, which a
+        send to a client that went away ends.)"""
+        while not self._latest:  # (no timer when one is waiting: the common case under load)
+            self._arrived.clear()
+            if request is None:
+                await self._arrived.wait()
+                continue
             try:
-                return await asyncio.wait_for(self.outputs.get(), timeout=_POLL_S)
+                await asyncio.wait_for(self._arrived.wait(), timeout=_POLL_S)
             except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
+                if await request.is_disconnected():
                     return None
+        items, self._latest = list(self._latest.items()), {}
+        return items
 
     async def whole(self, request) -> dict:
         logprobs = {} if self.want_logprobs else None
         try:
             while self._open:
-                item = await self._next(request)
-                if item is None:
+                items = await self._arrivals(request)
+                if items is None:
                     self.close("cancelled")
                     return None
-                choice = self._take(*item)
-                if choice.finished:
-                    if choice.error is not None:
-                        self._end(choice, "failed")
-                        raise self._failure(choice)
-                    if logprobs is not None:  # read before _end lets the records go
-                        logprobs[choice.index] = self._logprobs_of(choice)
-                    self._end(choice, "ok")
+                for item in items:
+                    choice = self._take(*item)
+                    if choice.finished and choice.request_id in self._open:
+                        if choice.error is not None:
+                            self._end(choice, "failed")
+                            raise self._failure(choice)
+                        if logprobs is not None:  # read before _end lets the records go
+                            logprobs[choice.index] = self._logprobs_of(choice)
+                        self._end(choice, "ok")
             return self.answer.whole(self.choices, self.prompt_tokens, logprobs)
         finally:
             self.close("cancelled")
@@ -373,11 +387,8 @@ class _Run:
                 for choice in self.choices:
                     yield event(answer.chunk(choice.index, None, None, role=True))
             while self._open:
-                # every output already waiting is taken before sending: a stream that fell behind
-                # the engine catches up in one chunk a choice, not one a token
-                items = [await self._next(None)]
-                while not self.outputs.empty():
-                    items.append(self.outputs.get_nowait())
+                # a stream that fell behind the engine catches up in one chunk a choice, not one a token
+                items = await self._arrivals(None)
                 touched = {}
                 for item in items:
                     choice = self._take(*item)

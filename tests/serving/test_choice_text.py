@@ -101,3 +101,23 @@ def test_a_tokens_cost_stays_flat_as_the_answer_grows():
         times.append(time.perf_counter() - t)
     early, late = sorted(times[200:700])[250], sorted(times[3500:4000])[250]  # medians
     assert late < 4 * early, (early, late)
+
+
+@pytest.mark.parametrize("make", [_byte_level, _metaspace], ids=["byte_level", "metaspace"])
+def test_outputs_arriving_several_tokens_at_a_time_end_where_one_at_a_time_would(make):
+    """A reader that fell behind takes only the engine's newest output (the whole completion so
+    far): a stop string found in it keeps the tokens up to the one that completed it, the same
+    tokens, text and count as updates one token at a time."""
+    tokenizer = make()
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    rng = random.Random(5)
+    for stop in (["wörld"], ["café", "!"], ["x ** 2"], ["東京"]):
+        _, one_by_one = _stream(tokenizer, ids, stop=stop)
+        assert one_by_one.finish_reason == "stop" and one_by_one.completion_tokens < len(ids)
+        for trial in range(5):
+            choice, n = Choice(0, "r", 3, len(ids), stop, [], tokenizer), 0
+            while not choice.finished:
+                n = min(len(ids), n + rng.randrange(1, 40))
+                choice.update(ids[:n], n == len(ids), None)
+            assert choice.tokens == one_by_one.tokens, (stop, trial)
+            assert choice.text() == one_by_one.text() and choice.finish_reason == "stop"

@@ -242,3 +242,23 @@ def test_health_answers_a_head_probe(server):
     """A load balancer's HEAD probe got 405 from a healthy server."""
     status, _, content = server.request("HEAD", "/health")
     assert status == 200 and content == ""
+
+
+def test_a_reader_that_stops_reading_holds_one_engine_output_a_choice():
+    """Each engine output holds the whole completion so far; a stream whose client stops reading
+    (its socket full) must not keep one a step, which would grow with the square of the answer's
+    length. Its request keeps each choice's newest output; the reader resumes from it."""
+    from peft_fastlora.server.service import _Run
+
+    class Output:
+        def __init__(self, tokens):
+            self.generated_tokens = tokens
+
+    run = _Run(None, None, "cmpl-x", None, "upper", False)
+    for step in range(1, 2001):  # 2,000 steps of two choices nobody reads
+        for index in (0, 1):
+            run.deliver(index, Output(list(range(step))))
+    taken = asyncio.run(run._arrivals(None))
+    assert sorted(i for i, _ in taken) == [0, 1]
+    assert all(len(out.generated_tokens) == 2000 for _, out in taken)
+    assert run._latest == {}  # nothing else held
