@@ -83,9 +83,10 @@ if want continuous; then  # profiled first (its profile files stay), then the th
       | tee "$OUT/continuous${profile:+_profiled}_$TAG.log" | tail -8
   done
 fi
-if want serving; then  # the OpenAI endpoint at Poisson arrival rates, patched base beside the adapters
+if want serving; then  # the OpenAI endpoint at Poisson arrival rates, patched base beside the adapters, and
+  # the clients alone against a stub endpoint at the same rates (their own lateness and latency)
   timeout ${SERVE_LIMIT:-1500} python3 benchmarks/bench_serving.py --model ${SERVE_MODEL:-8b} --adapters 32 \
-    --rates ${SERVE_RATES:-4 8 16 32} --duration ${SERVE_DURATION:-60} --out "$OUT" 2>&1 | quiet \
+    --modes stub base_patched fastlora --rates ${SERVE_RATES:-4 8 16 32} --duration ${SERVE_DURATION:-60} --out "$OUT" 2>&1 | quiet \
     | tee "$OUT/serving_$TAG.log" | tail -12
 fi
 if [[ $parts == *" serving-soak "* ]]; then  # zero failed requests, memory flat (under ten minutes in all)
