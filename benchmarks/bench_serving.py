@@ -150,9 +150,9 @@ async def drive(url, reqs, arrivals, with_adapters: bool, temperature: float, st
                 record=None, drain=None):
     """Send ``reqs[i]`` at ``start_at`` (``time.time()``; None: once the client is made) + t for
     each (t, i) in ``arrivals``: each at its own time, not a gap after the one before, so a client
-    loop busy reading the streams in flight sends late (counted: ``late``) but not fewer. Finished requests are appended to
-    ``record``; once every request is sent, at most ``drain`` seconds (None: no limit) for those
-    in flight, the rest cancelled and counted. Returns (record, seconds from the start, requests
+    loop busy reading the streams in flight sends late (counted: ``late``) but not fewer. Finished
+    requests are appended to ``record``; once every request is sent, at most ``drain`` seconds
+    (None: no limit) for those in flight, the rest cancelled and counted. Returns (record, seconds from the start, requests
     cut by the drain limit)."""
     import openai
 
@@ -193,8 +193,8 @@ class ClientProcesses:
     schedule. Clients on other machines take no time from the server; in the server's process the
     load generator's Python (the openai client parses every chunk) would share the interpreter
     with the endpoint's event loop and the engine's thread and slow both. One client process
-    reading every stream becomes the limit itself at a few thousand chunks a second: it then sends
-    late, and its measured latencies include its own queueing."""
+    reading every stream becomes the limit itself at high rates: it then sends late, and its
+    measured latencies include its own queueing."""
 
     def __init__(self, n: int, url, reqs, with_adapters: bool):
         import multiprocessing
@@ -293,7 +293,7 @@ def build(mode: str, args):
 def run_mode(mode, args, reqs, versions):
     if mode == "stub":
         server, thread, url = serve(stub_app(args.stub_itl_ms / 1e3), args)
-        engine = dict
+        engine = lambda: {}  # noqa: E731  (no engine: no engine columns)
     else:
         app = fastlora_app(build(mode, args), id_tokenizer(hx.SHAPES[args.model]["vocab_size"]), args)
         server, thread, url = serve(app, args)
@@ -423,8 +423,9 @@ def main(argv=None) -> int:
                         "installs) or pure-python (asyncio's loop and h11: what uvicorn falls back to without them)")
     p.add_argument("--child-result", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if not (args.modes == ["stub"] and not args.smoke) and not hx.start(args, "bench_serving"):
-        return 0  # (the stub alone, the load generator checked, runs on any machine)
+    stub_only = args.modes == ["stub"] and not args.smoke  # the load generator checked alone: any machine
+    if not stub_only and not hx.start(args, "bench_serving"):
+        return 0
     if args.smoke:
         args.model, args.adapters, args.requests, args.rates = "tiny", 3, 12, [4.0]
         args.duration, args.prompt_mean, args.prompt_cap, args.output_mean, args.output_cap = 1.5, 8, 20, 4, 6
@@ -434,7 +435,7 @@ def main(argv=None) -> int:
         args.sample_every = min(args.sample_every, 0.5)
     reqs = fit_context(workload(args), hx.context_length(args.model))
     versions = hx.versions()
-    if args.modes == ["stub"] and not args.smoke and versions["gpu"].startswith("cpu"):
+    if stub_only and versions["gpu"].startswith("cpu"):
         versions["gpu"] = "cpu (stub endpoint, no model)"
     if args.child_result:  # one mode for a parent process (--isolate)
         r, s = run_mode(args.modes[0], args, reqs, versions)

@@ -78,14 +78,15 @@ class Choice:
         first ``had``): the engine's outputs may arrive several tokens at a time, and the answer's
         tokens, usage and log-probabilities must not depend on how far its reader fell behind."""
         kept = self._kept_tokens()
-        lo, hi = had + 1, len(kept)  # the text of kept[:hi] holds a stop string
+        hi = len(kept)  # the text of kept[:hi] holds a stop string (so does any longer prefix's)
+        lo = min(had + 1, hi)
         while lo < hi:
             mid = (lo + hi) // 2
             if self._stop_index(self._decode(kept[:mid])) is not None:
                 hi = mid
             else:
                 lo = mid + 1
-        self.tokens = self.tokens[:max(hi, 0)]
+        self.tokens = self.tokens[:hi]
 
     # -- text ------------------------------------------------------------------------------------
     def _kept_tokens(self) -> List[int]:

@@ -388,12 +388,8 @@ class _Run:
                     yield event(answer.chunk(choice.index, None, None, role=True))
             while self._open:
                 # a stream that fell behind the engine catches up in one chunk a choice, not one a token
-                items = await self._arrivals(None)
-                touched = {}
-                for item in items:
-                    choice = self._take(*item)
-                    touched[choice.index] = choice
-                for choice in touched.values():
+                taken = [self._take(*item) for item in await self._arrivals(None)]  # (one output a choice)
+                for choice in taken:
                     if choice.error is not None:
                         self._end(choice, "failed")
                         yield event(self._failure(choice).body())

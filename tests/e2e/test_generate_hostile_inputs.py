@@ -132,7 +132,8 @@ def test_a_generation_config_without_a_length_on_a_graphed_model(model_sets):
     if model_sets:
         for model in (m, ref):
             model.generation_config.max_new_tokens = 3
-    kw = dict(input_ids=IDS, attention_mask=MASK, adapter_names=NAMES, generation_config=GenerationConfig(do_sample=False))
+    kw = dict(input_ids=IDS, attention_mask=MASK, adapter_names=NAMES,
+              generation_config=GenerationConfig(do_sample=False))
     got, want = generate(m, **kw), generate(ref, **kw)
     assert got.shape == want.shape == (4, IDS.shape[1] + (3 if model_sets else 20))
     assert torch.equal(got, want)
