@@ -43,6 +43,26 @@ def test_adapter_names_as_a_numpy_array_equals_peft():
                        generate(ref, input_ids=IDS, **GREEDY, adapter_names=NAMES))
 
 
+def test_adapter_names_as_a_numpy_array_skip_pefts_per_call_hooks(monkeypatch):
+    """fastlora serves an array of names as it serves a list: PEFT hooks no layer for the call."""
+    m, ref = pair()
+    hooked = []
+    real = torch.nn.Module.register_forward_pre_hook
+
+    def spy(module, *args, **kwargs):
+        hooked.append(type(module).__name__)
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "register_forward_pre_hook", spy)
+    expected = logits(ref, NAMES)
+    assert hooked, "the spy must see PEFT hooking its layers"
+    hooked.clear()
+    torch.testing.assert_close(logits(m, np.array(NAMES)), expected, atol=1e-5, rtol=1e-5)
+    assert hooked == []
+    with pytest.raises(ValueError, match="non-existing adapter"):
+        logits(m, np.array(["sql", "nope", "chat", "sql"]))
+
+
 @pytest.mark.parametrize("where", ["keyword", "generation_config", "model"])
 def test_use_cache_false_on_a_graphed_model_equals_peft(where):
     """Without a cache every step feeds the whole sequence: a cache handed in by the graphs would
