@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from typing import List, Optional, Sequence
 
 from ..continuous.sampling import TokenLogprobs
@@ -40,6 +41,13 @@ class Choice:
         self.last_token: Optional[float] = None
         self._sent = ""  # text already streamed
         self._logprobs_sent = 0
+        self.logprobs_offset = 0  # the text offset of the next entry ``new_logprobs`` returns
+        self._logprobs_end: Optional[int] = None  # the entries of an answer cut at a stop string
+        # streamed with stop strings, a token's entry waits until the text it begins in is sent:
+        # (kept tokens, their text's length) of the decodes whose text is not all sent yet (token
+        # k begins where the first k end), and how many tokens begin in the text sent
+        self._starts = deque([(0, 0)])
+        self._logprobs_ready = 0
         # incremental decoding: the text of the kept tokens before ``_read`` is ``_committed``;
         # each new token decodes a short window from ``_prefix`` (a few tokens back, so that a
         # tokenizer joining words sees their context) instead of the whole completion
@@ -87,6 +95,19 @@ class Choice:
             else:
                 lo = mid + 1
         self.tokens = self.tokens[:hi]
+        self._logprobs_end = self._covering(kept[:hi], self._cut(self._decode(kept[:hi])))
+
+    def _covering(self, tokens: Sequence[int], text: str) -> int:
+        """How many of ``tokens`` begin before the end of ``text`` (their text's prefix): the fewest
+        whose text starts with it."""
+        lo, hi = 0, len(tokens)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._decode(tokens[:mid]).startswith(text):
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
 
     # -- text ------------------------------------------------------------------------------------
     def _kept_tokens(self) -> List[int]:
@@ -136,6 +157,15 @@ class Choice:
     def new_text(self) -> str:
         """What the streamed text gained since the last call, holding back what a stop string or
         an incomplete character may still change."""
+        new = self._release()
+        if self.stop and not self.finished:  # (finished, ``new_logprobs`` knows where the text ends)
+            if not self._starts or self._read > self._starts[-1][0]:  # the last decode's committed tokens
+                self._starts.append((self._read, len(self._committed)))
+            while self._starts and self._starts[0][1] < len(self._sent):
+                self._logprobs_ready = max(self._logprobs_ready, self._starts.popleft()[0] + 1)
+        return new
+
+    def _release(self) -> str:
         text = self._cut(self._decoded())
         if not self.finished:
             if text.endswith("\ufffd"):
@@ -157,10 +187,24 @@ class Choice:
         return (self.last_token - self.first_token) / (len(self.tokens) - 1)
 
     def new_logprobs(self, entries: Sequence[TokenLogprobs]) -> List[TokenLogprobs]:
-        """The entries of the tokens not reported yet (``entries``: the request's from its first token)."""
-        limit = len(self._kept_tokens())
+        """The entries of the tokens not reported yet (``entries``: the request's from its first
+        token; streamed, call it after ``new_text``).
+
+        The entries describe the answer's text: an end token has none, and an answer cut at a stop
+        string keeps those of the tokens whose text begins before the cut (the one straddling it
+        included; those wholly inside the stop string or after it dropped): the fewest tokens whose
+        decoded text starts with the answer's. Where each token decodes alone to its part of the
+        text, every text offset then lies in the text and the tokens' texts joined start with it.
+        ``usage`` still counts the tokens generated, up to the one that completed the stop string.
+        Streamed with stop strings, an entry waits until the text its token begins in is sent, as
+        that text waits for a stop string that may still form: the entries streamed are the
+        answer's."""
+        limit = self._logprobs_end if self._logprobs_end is not None else len(self._kept_tokens())
+        if self.stop and not self.finished:
+            limit = min(limit, self._logprobs_ready)
         new = list(entries[self._logprobs_sent:limit])
         self._logprobs_sent += len(new)
+        self.logprobs_offset += sum(len(self.tokenizer.decode([e.token])) for e in new)
         return new
 
 
@@ -178,6 +222,8 @@ def chat_logprobs(entries: Sequence[TokenLogprobs], tokenizer) -> dict:
 
 
 def completion_logprobs(entries: Sequence[TokenLogprobs], tokenizer, offset: int = 0) -> dict:
+    """OpenAI's completion format; a token's ``text_offset`` is ``offset`` plus the lengths of the
+    texts of the tokens before it, each decoded alone (as vLLM counts)."""
     tokens, offsets = [], []
     for e in entries:
         offsets.append(offset)

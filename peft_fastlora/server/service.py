@@ -395,9 +395,10 @@ class _Run:
                         yield event(self._failure(choice).body())
                         yield "data: [DONE]\n\n"
                         return
-                    text, entries = choice.new_text(), self._logprobs_of(choice)
-                    if text or entries:  # (the text offset only where completion logprobs need it)
-                        offset = len(choice.text()) - len(text) if entries is not None and not answer.chat else 0
+                    # (entries may lag the text, held for a stop string: their offsets run on from those sent)
+                    text, offset = choice.new_text(), choice.logprobs_offset
+                    entries = self._logprobs_of(choice)
+                    if text or entries:
                         yield event(answer.chunk(choice.index, text, None, answer.logprobs(entries, offset)))
                     if choice.finished and choice.request_id in self._open:
                         self._end(choice, "ok")

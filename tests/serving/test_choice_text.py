@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from peft_fastlora.server.choices import Choice
+from peft_fastlora.continuous.sampling import TokenLogprobs
+from peft_fastlora.server.choices import Choice, completion_logprobs
 
 TEXT = ("Héllo wörld! Ça va? 中文字符 and emoji 🙂🚀 mixed with code: "
         "def f(x): return x ** 2 # ok\n"
@@ -121,3 +122,84 @@ def test_outputs_arriving_several_tokens_at_a_time_end_where_one_at_a_time_would
                 choice.update(ids[:n], n == len(ids), None)
             assert choice.tokens == one_by_one.tokens, (stop, trial)
             assert choice.text() == one_by_one.text() and choice.finish_reason == "stop"
+
+
+def _entries(ids):
+    """Log-probability records of ``ids`` as the engine keeps them (one a generated token)."""
+    return [TokenLogprobs(token=t, logprob=-float(i), top=[(t, -float(i))]) for i, t in enumerate(ids)]
+
+
+def _logprobs_streamed(tokenizer, ids, stop, rng=None):
+    """(the choice, its entries, their offsets) streamed as ``service`` asks, the outputs arriving
+    one token at a time (or ``rng``'s number of tokens at a time: a reader that fell behind)."""
+    choice = Choice(0, "r", 3, len(ids), list(stop), [], tokenizer)
+    entries, offsets, n = [], [], 0
+    while not choice.finished:
+        n = min(len(ids), n + (rng.randrange(1, 12) if rng else 1))
+        choice.update(ids[:n], n == len(ids), None)
+        choice.new_text()
+        offset, new = choice.logprobs_offset, choice.new_logprobs(_entries(ids))
+        offsets += completion_logprobs(new, tokenizer, offset)["text_offset"]
+        entries += new
+    return choice, entries, offsets
+
+
+@pytest.mark.parametrize("make", [_byte_level, _metaspace], ids=["byte_level", "metaspace"])
+def test_logprobs_of_an_answer_cut_at_a_stop_string_are_its_texts(make):
+    """The entries are those of the tokens that begin before the cut: the fewest whose text starts
+    with the answer's (the token straddling the cut kept, those of the stop string dropped), the
+    same streamed or not; usage still counts the tokens up to the one completing the stop string."""
+    tokenizer = make()
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    whole = tokenizer.decode(ids)
+    straddled = 0
+    for stop in (["wörld"], ["rld"], ["café", "zzz"], ["x ** 2"], ["東京"], ["é eve"], ["Héllo"]):
+        choice = Choice(0, "r", 3, len(ids), stop, [], tokenizer)
+        choice.update(ids, False, None)  # the whole output at once, the engine going on
+        text = choice.text()
+        assert choice.finish_reason == "stop" and text == whole[:min(whole.find(s) for s in stop if s in whole)]
+        kept = choice.new_logprobs(_entries(ids))
+        k = len(kept)
+        assert [e.token for e in kept] == ids[:k] and k <= choice.completion_tokens, stop
+        assert tokenizer.decode(ids[:k]).startswith(text), stop  # every token of the text keeps its entry
+        assert k == 0 or not tokenizer.decode(ids[:k - 1]).startswith(text), stop  # and no other
+        straddled += len(tokenizer.decode(ids[:k])) > len(text)
+        n = choice.completion_tokens
+        assert stop[0] in tokenizer.decode(ids[:n]) and stop[0] not in tokenizer.decode(ids[:n - 1])
+        for rng in (None, random.Random(7)):
+            streamed, entries, offsets = _logprobs_streamed(tokenizer, ids, stop, rng)
+            assert streamed.text() == text and entries == kept, stop
+            assert offsets == completion_logprobs(kept, tokenizer)["text_offset"], stop
+    assert straddled  # a stop string beginning inside a token was among them
+
+
+def test_logprobs_text_offsets_lie_in_the_text_cut_at_a_stop_string():
+    """Tokens of whole characters: the offsets lie in the text and the tokens' texts join to it
+    (the straddling token's text running past its end)."""
+    tokenizer = _byte_level()
+    text = "everywhere, naïve café, and code: def f(x): return x"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert "".join(tokenizer.decode([t]) for t in ids) == text
+    straddled = 0
+    for stop in (["rywh"], ["afé"], ["everywhere"], [", "], ["turn"], ["ev"]):
+        choice = Choice(0, "r", 3, len(ids), stop, [], tokenizer)
+        for i in range(len(ids)):
+            if choice.update(ids[:i + 1], False, None):
+                break
+        lp = completion_logprobs(choice.new_logprobs(_entries(ids)), tokenizer)
+        cut = choice.text()
+        assert cut == text[:text.find(stop[0])]
+        assert all(0 <= o < len(cut) for o in lp["text_offset"]), (stop, lp["text_offset"], cut)
+        assert "".join(lp["tokens"]).startswith(cut), stop
+        straddled += len("".join(lp["tokens"])) > len(cut)
+    assert straddled == 2  # "rywh" and "afé" begin inside a token
+
+
+def test_logprobs_without_a_stop_string_are_every_generated_tokens_but_the_end_token():
+    tokenizer = _byte_level()
+    ids = tokenizer.encode("naïve café", add_special_tokens=False)
+    end = tokenizer.encode("!", add_special_tokens=False)[0]
+    choice = Choice(0, "r", 3, 50, [], [end], tokenizer)
+    choice.update(ids + [end], True, None)
+    assert choice.finish_reason == "stop" and choice.completion_tokens == len(ids) + 1
+    assert [e.token for e in choice.new_logprobs(_entries(ids + [end]))] == ids

@@ -130,6 +130,42 @@ def test_chat_logprobs_streamed_and_not(server):
     assert [round(c["logprob"], 5) for c in streamed] == [round(c["logprob"], 5) for c in content]
 
 
+def _streamed_logprobs(server, path, body):
+    events = [e for e in server.events(path, dict(body, stream=True)) if e != "[DONE]"]
+    return [e["choices"][0]["logprobs"] for e in events if e["choices"][0].get("logprobs")]
+
+
+def test_completion_logprobs_end_where_a_stop_string_cuts_the_text(server):
+    """The entries are the returned text's (a character tokenizer: one a character), streamed or
+    not, while usage counts every token generated up to the one completing the stop string."""
+    full = server.peft_text("abc=", "base", 20)
+    stop, cut = full[6:9], full[:6]
+    assert full.find(stop) == 6  # (the tiny random model repeats itself: a stop string found first there)
+    body = {"model": "base", "prompt": "abc=", "max_tokens": 20, "stop": [stop], "logprobs": 2}
+    content = _text(server, body)
+    choice, lp = content["choices"][0], content["choices"][0]["logprobs"]
+    assert choice["text"] == cut and choice["finish_reason"] == "stop"
+    assert "".join(lp["tokens"]) == cut and lp["text_offset"] == list(range(len(cut)))
+    assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(cut)
+    assert content["usage"]["completion_tokens"] == len(cut) + len(stop)
+    streamed = _streamed_logprobs(server, C, body)
+    for key in ("tokens", "text_offset", "token_logprobs"):
+        assert [x for part in streamed for x in part[key]] == lp[key], key
+
+
+def test_chat_logprobs_end_where_a_stop_string_cuts_the_text(server):
+    body = {"model": "sum", "messages": [{"role": "user", "content": "hey"}], "max_tokens": 12,
+            "logprobs": True, "top_logprobs": 2}
+    full = _text(server, body)["choices"][0]["message"]["content"]
+    stop, cut = full[4:6], full[:4]
+    assert full.find(stop) == 4
+    whole = _text(server, dict(body, stop=stop))["choices"][0]
+    assert whole["message"]["content"] == cut and whole["finish_reason"] == "stop"
+    assert "".join(c["token"] for c in whole["logprobs"]["content"]) == cut
+    streamed = [c for part in _streamed_logprobs(server, H, dict(body, stop=stop)) for c in part["content"]]
+    assert streamed == whole["logprobs"]["content"]
+
+
 def test_mixed_settings_share_steps(server):
     """Greedy, sampled, penalised and logprob rows at once: each equals what it gets alone."""
     bodies = [{"model": "base", "prompt": "mix=", "max_tokens": 8},
