@@ -65,6 +65,13 @@ def create_app(model, tokenizer, config: Optional[ServerConfig] = None, *, gener
         adapters: the adapter names served (default: every adapter of the model, PEFT's and the
             registered ones); others are answered like unknown ones.
         base_name, max_tokens_default: shorthands for the ``config`` fields of those names.
+
+    With ``config.api_key`` set, every route but ``/health`` and ``/metrics`` (probes and scrapers)
+    needs the key, and FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json`` are not served (404)
+    rather than put behind it: the key is checked by each of this app's routes, and those pages are
+    FastAPI's, opened in a browser that sends no ``Authorization`` header (the two pages fetch
+    ``/openapi.json`` themselves), so behind the key they would only be broken pages. Without a key
+    they are served as FastAPI serves them.
     """
     state = get_state(model)
     if state is None or state.continuous is None or state.continuous.blocker is not None:
@@ -93,7 +100,9 @@ def create_app(model, tokenizer, config: Optional[ServerConfig] = None, *, gener
         finally:
             await supervisor.stop(in_flight=lambda: service.pending)
 
-    app = FastAPI(title="peft_fastlora", lifespan=lifespan, default_response_class=_JSON)
+    # with a key, FastAPI's own pages (/docs, /redoc, /openapi.json) are not served: see the docstring
+    pages = {} if config.api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="peft_fastlora", lifespan=lifespan, default_response_class=_JSON, **pages)
     app.state.fastlora = service
     app.add_middleware(_CountResponses, metrics=metrics)
 

@@ -23,7 +23,8 @@ class ServerConfig:
             counts 4); more are refused with 429 and ``Retry-After``.
         max_choices: the most completions one request may ask for (``n`` times its prompts).
         max_stop: the most stop strings and stop token ids of one request.
-        api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>`` (401 without).
+        api_key: when set, ``/v1`` routes need ``Authorization: Bearer <api_key>`` (401 without),
+            and FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json`` are not served.
         adapter_root: the folder that ``POST /v1/load_lora_adapter`` may load adapters from (and
             under it only); None: loading and unloading through the API are off.
         restart_attempts: how often the engine is restarted after it dies, in a row, before the

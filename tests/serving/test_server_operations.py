@@ -84,6 +84,26 @@ def test_metrics_show_the_engine_loop(server):
 def test_health_and_metrics_need_no_key(server):
     assert server.request("GET", "/health", headers={"Authorization": ""})[0] == 200
     assert server.request("GET", "/metrics", headers={"Authorization": ""})[0] == 200
+    assert server.request("HEAD", "/health", headers={"Authorization": ""})[0] == 200
+
+
+def test_every_other_route_needs_the_key(server):
+    """Each route the app serves, whatever its method, answers 401 without the key (a route added
+    without the check fails here); FastAPI's docs and schema pages are not served at all."""
+    open_routes, checked = {"/health", "/metrics"}, set()
+    for route in server.app.routes:
+        if route.path in open_routes:
+            continue
+        path = re.sub(r"\{[^}]*\}", "base", route.path)
+        for method in sorted(route.methods):
+            status, _, content = server.request(method, path, {}, headers={"Authorization": ""})
+            assert status == 401, (method, route.path, status)
+            assert method == "HEAD" or content["error"]["code"] == "invalid_api_key", (method, route.path)
+            checked.add(route.path)
+    assert {C, "/v1/chat/completions", "/v1/models", "/v1/load_lora_adapter"} <= checked, checked
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+        assert server.request("GET", path, headers={"Authorization": ""})[0] == 404, path
+        assert server.request("GET", path)[0] == 404, path  # with the key too
 
 
 # -- limits and metrics ----------------------------------------------------------------------------

@@ -169,6 +169,13 @@ def test_unknown_route_and_method_answer_in_openai_shape(server):
     assert status == 405 and "error" in content
 
 
+def test_without_a_key_the_docs_and_schema_are_served(server):
+    """(With a key they are not served: ``test_server_operations``.)"""
+    status, _, content = server.request("GET", "/openapi.json")
+    assert status == 200 and "/v1/completions" in content["paths"], status
+    assert server.request("GET", "/docs")[0] == 200 and server.request("GET", "/redoc")[0] == 200
+
+
 def test_the_server_still_answers_after_every_hostile_case(server):
     status, _, content = server.post(C, OK)
     assert status == 200 and content["choices"][0]["finish_reason"] in ("stop", "length")
