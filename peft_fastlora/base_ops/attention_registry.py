@@ -25,7 +25,8 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..compat.attention import register_attention_function, release_attention_function
+from ..compat.attention import (attention_weights_recorded, register_attention_function,
+                                release_attention_function)
 from ..compat.modules import attn_implementation, set_attn_implementation
 from ..compat.peft import unwrap_peft
 from ..kernel_support import FLOAT_DTYPES, interpreting
@@ -56,6 +57,8 @@ def decode_unsupported(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         return "not a one-token step"
     if getattr(module, "training", False) or dropout:
         return "training or dropout"
+    if attention_weights_recorded(kwargs):  # the kernel computes no weights to return
+        return "the attention weights are returned"
     for name in _UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             return f"attention kwarg {name!r}"

@@ -102,3 +102,18 @@ def attention_function(config, registry, default):
     """The attention function a transformers attention module of ``config`` calls (its
     ``_attn_implementation`` looked up in ``registry``, ``default`` for eager)."""
     return registry.get_interface(config._attn_implementation, default)
+
+
+def attention_weights_recorded(kwargs: dict) -> bool:
+    """Whether the forward running now returns the attention weights (``output_attentions``):
+    transformers 5 records them from each attention module's output through hooks, while the
+    forward's ``capture_outputs`` holds a collector with an ``attentions`` entry in a context
+    variable; earlier code passed ``output_attentions`` down to the attention function."""
+    if kwargs.get("output_attentions"):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return False
+    collected = _active_collector.get()
+    return isinstance(collected, dict) and any("attentions" in key for key in collected)

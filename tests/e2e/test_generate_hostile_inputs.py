@@ -12,6 +12,7 @@ from transformers import GenerationConfig
 
 import peft_fastlora as fastlora
 from peft_fastlora import get_state
+from peft_fastlora.compat.generate import cache_kwarg_name, generation_output_cache
 
 from _patch_models import IDS, build, logits
 
@@ -112,11 +113,12 @@ def test_the_returned_cache_outlives_the_next_call(rows):
         first = generate(model, input_ids=ids, **dict(GREEDY, attention_mask=MASK[:rows]), adapter_names=names,
                          return_dict_in_generate=True)
         generate(model, input_ids=other, **GREEDY, adapter_names=["chat"] * 4)  # another call in between
-        cache = first.cache
+        cache = generation_output_cache(first)  # (``cache`` from transformers 5.2x, ``past_key_values`` before)
         assert cache.get_seq_length() == ids.shape[1] + 3
         assert tuple(cache.layers[0].keys.shape) == (rows, 2, ids.shape[1] + 3, 8)
         outs.append(generate(model, input_ids=first.sequences, attention_mask=torch.ones_like(first.sequences),
-                             cache=cache, max_new_tokens=3, do_sample=False, adapter_names=names))
+                             max_new_tokens=3, do_sample=False, adapter_names=names,
+                             **{cache_kwarg_name(model.base_model.model): cache}))
     assert get_state(m).graph_runner.stats["replays"] > 0
     assert torch.equal(outs[0], outs[1])
 

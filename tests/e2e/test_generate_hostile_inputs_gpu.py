@@ -11,6 +11,7 @@ from transformers import GenerationConfig
 
 import peft_fastlora as fastlora
 from peft_fastlora import get_state
+from peft_fastlora.compat.generate import cache_kwarg_name, generation_output_cache
 
 from _patch_models import IDS, build
 
@@ -76,9 +77,11 @@ def check_returned_cache(rows, device="cuda", graphs=True):
         first = generate(model, **inputs(device, rows), adapter_names=names, return_dict_in_generate=True)
         generate(model, input_ids=other, attention_mask=torch.ones_like(other), max_new_tokens=4,
                  do_sample=False, adapter_names=["chat"] * 4)
-        assert first.cache.get_seq_length() == IDS.shape[1] + 3
+        cache = generation_output_cache(first)  # (``cache`` from transformers 5.2x, ``past_key_values`` before)
+        assert cache.get_seq_length() == IDS.shape[1] + 3
         outs.append(generate(model, input_ids=first.sequences, attention_mask=torch.ones_like(first.sequences),
-                             cache=first.cache, max_new_tokens=3, do_sample=False, adapter_names=names))
+                             max_new_tokens=3, do_sample=False, adapter_names=names,
+                             **{cache_kwarg_name(model.base_model.model): cache}))
     assert get_state(m).graph_runner.stats["replays"] > 0
     assert torch.equal(outs[0], outs[1])
 

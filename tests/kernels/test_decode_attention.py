@@ -420,6 +420,30 @@ def test_sliding_windows_soft_capping_and_eager_models_give_their_own_tokens(arc
     assert set(calls) == ({0.05} if arch == "gemma2" else {None})
 
 
+@needs_interpreter
+@pytest.mark.parametrize("arch", ["gemma2", "llama-eager"])
+def test_decode_steps_that_return_attention_weights_run_the_models_own_function(arch):
+    """``output_attentions``: the kernel computes no weights, so the steps that return them run the
+    model's own function: every step has one tensor per layer, equal to the model's own."""
+    model = _sliding_and_softcapped(arch)
+    ids, mask = _prompts(length=9)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_attentions=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        want = model.generate(**kw, cache_implementation="static")
+        assert enable_decode_attention(model) is None
+        try:
+            got = model.generate(**kw, cache_implementation="static")
+        finally:
+            disable_decode_attention(model)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.attentions) == len(want.attentions) == 3
+    for step, step_ref in zip(got.attentions, want.attentions, strict=True):
+        assert len(step) == len(step_ref) == model.config.num_hidden_layers
+        for t, t_ref in zip(step, step_ref, strict=True):
+            torch.testing.assert_close(t, t_ref, atol=1e-6, rtol=1e-6)
+
+
 def test_fallback_reasons():
     module = torch.nn.Module().eval()
     q, k, v = rand_qkv(2, 4, 2, 20, 8, torch.float32)
