@@ -4,7 +4,10 @@ An engine step hands fastlora its requests' adapters and token counts; before th
 launched fastlora checks that PEFT's adapters are as its stacks hold them and writes the step's
 LoRA batch into the graphs' static buffers (``state.segments`` and the graph buffers' fill, what
 ``run_host_adapters_ms`` of ``bench_continuous.py`` times inside the engine). Where the engine's
-thread sets the pace (the endpoint at high request rates), this time adds to every step.
+thread sets the pace (the endpoint at high request rates), this time adds to every step. Inside
+the engine, transformers' own work between two steps has left the CPU's caches holding other
+data: ``--cold-mb`` reads that much before each step, and the checks then take several times
+their time in a tight loop (they read a few facts from each of hundreds of layers).
 
 The cost follows the counts (layers, projections, adapters, requests a step), not the widths, so
 the model has the 8B layout's 32 layers and seven targeted projections at tiny widths, on the
@@ -14,6 +17,7 @@ chunks.
 
     python benchmarks/bench_host_step.py                  # host_step_<gpu or cpu>.csv
     python benchmarks/bench_host_step.py --device cpu --out ""
+    python benchmarks/bench_host_step.py --cold-mb 64      # each step after 64 MB of other reads
     PYTHONPATH=<another tree> python benchmarks/bench_host_step.py --tag before   # that tree's peft_fastlora
 """
 
@@ -45,6 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, nargs=2, default=[30, 110], metavar=("LO", "HI"),
                    help="requests a made-up step, drawn uniformly between these (the 2,000-request workload's "
                         "steps carry several hundred)")
+    p.add_argument("--cold-mb", type=int, default=0,
+                   help="read this many MB of Python objects and arrays before each step, as the engine's own "
+                        "work between steps does, so that the step meets cold CPU caches (0: none)")
     p.add_argument("--tag", default="", help="in the file name: host_step_<tag>_<gpu or cpu>.csv")
     p.add_argument("--out", default=hx.RESULTS, help="folder for host_step_<gpu or cpu>.csv (empty: none)")
     return p.parse_args(argv)
@@ -60,6 +67,23 @@ def host_cpu() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cache_evictor(megabytes: int):
+    """A function that reads about ``megabytes`` MB: half in Python objects (what transformers'
+    step building walks), half in a numpy array."""
+    import numpy as np
+
+    objects = [{"id": i, "tokens": [i]} for i in range(megabytes * 1024 * 1024 // 2 // 400)]
+    array = np.ones(megabytes * 1024 * 1024 // 2 // 4, dtype=np.float32)
+
+    def evict():
+        total = 0
+        for o in objects:
+            total += o["id"]
+        return total + float(array.sum())
+
+    return evict
 
 
 def made_up_steps(n: int, adapters: int, zipf: float, requests=(30, 110), seed: int = 0):
@@ -108,19 +132,24 @@ def main(argv=None):
             with state.forward_context(fill(seg)):
                 pass
 
+    evict = cache_evictor(args.cold_mb) if args.cold_mb else (lambda: None)
+
     def per_step_ms(fn) -> float:
         for seg in steps[:8]:  # first calls build what later ones reuse
             fn(seg)
         times = []
         for _ in range(args.reps):
-            t = time.perf_counter()
+            spent = 0.0
             for seg in steps:
+                evict()
+                t = time.perf_counter()
                 fn(seg)
-            times.append(1e3 * (time.perf_counter() - t) / len(steps))
+                spent += time.perf_counter() - t
+            times.append(1e3 * spent / len(steps))
         return round(statistics.median(times), 4)
 
     generation = state.generation
-    row = dict(device=args.device, host_cpu=host_cpu(), tag=args.tag, layers=args.layers,
+    row = dict(device=args.device, host_cpu=host_cpu(), tag=args.tag, cold_mb=args.cold_mb, layers=args.layers,
                adapters=args.adapters, rank=args.rank, steps=args.steps, reps=args.reps,
                mean_requests=round(statistics.mean(len(s.names) for s in steps), 1),
                mean_tokens=round(statistics.mean(s.num_tokens for s in steps), 1),

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import kernel_support
-from .compat.adapters import adapter_blocker, lora_layer_blocker
+from .compat.adapters import adapter_blocker, lora_layer_blocker, plain_scalings
 from .compat.bitsandbytes import outlier_threshold
 from .compat.modules import is_conv1d, linear_in_out, local, on_device
 from .compat.peft import (LoraEmbedding, LoraLinear, adapter_dicts, adapter_names_of, adapter_parameters,
@@ -569,6 +569,7 @@ class FastLoRAState:
             self._hook.remove()
             self._hook = None
         self._teardown_lora()
+        plain_scalings(self.model)
         self.slots.shared_versions.release()
 
     def warn_once(self, message: str) -> None:

@@ -152,6 +152,69 @@ def adapter_blocker(layer: nn.Module, adapter: str) -> Optional[str]:
     return None
 
 
+_SCALING_CHANGES = [0]  # bumped by every ``CountedScaling`` on any change
+
+
+def scaling_epoch() -> int:
+    """A counter of the changes made to the scaling dicts of the LoRA layers fastlora watches
+    (``counted_scaling``), anywhere in the process: while it stays the same, none changed."""
+    return _SCALING_CHANGES[0]
+
+
+class CountedScaling(dict):
+    """A LoRA layer's ``scaling`` dict (adapter name -> float) that counts its changes in
+    ``scaling_epoch``: an engine step then checks every layer's scalings with one integer
+    comparison instead of reading each dict (hundreds of them, out of the CPU's caches by then).
+    Every way a dict changes in place is counted; copies and pickles are plain dicts."""
+
+    __slots__ = ()
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        _SCALING_CHANGES[0] += 1
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        _SCALING_CHANGES[0] += 1
+
+    def __ior__(self, other):
+        _SCALING_CHANGES[0] += 1
+        return super().__ior__(other)
+
+    def _counted(method):  # noqa: N805  (a decorator for the methods below)
+        def counted(self, *args, **kwargs):
+            _SCALING_CHANGES[0] += 1
+            return method(self, *args, **kwargs)
+        counted.__name__ = method.__name__
+        return counted
+
+    pop, popitem, clear, update, setdefault = map(_counted, (dict.pop, dict.popitem, dict.clear, dict.update,
+                                                             dict.setdefault))
+    del _counted
+
+    def __reduce_ex__(self, protocol):
+        return dict, (dict(self),)
+
+
+def counted_scaling(layer: nn.Module) -> dict:
+    """The layer's ``scaling``, made a ``CountedScaling`` with the same items (once). PEFT reads
+    and writes it through the attribute, so its own changes are counted; a dict the caller took
+    from the layer before the patch is no longer the layer's."""
+    scaling = layer.scaling
+    if type(scaling) is dict:
+        scaling = CountedScaling(scaling)
+        layer.scaling = scaling
+    return scaling
+
+
+def plain_scalings(model: nn.Module) -> None:
+    """Give every layer of ``model`` a plain dict in place of its ``CountedScaling`` (unpatch)."""
+    for m in model.modules():
+        scaling = m.__dict__.get("scaling")
+        if type(scaling) is CountedScaling:
+            m.scaling = dict(scaling)
+
+
 def watch_lora_layer(layer: nn.Module):
     """A snapshot of what identifies a LoRA ``Linear``'s adapters, for ``lora_layer_unchanged``:
     the ``lora_A`` / ``lora_B`` module dicts and their keys, the scaling dict and a copy of it, each
@@ -171,6 +234,7 @@ def watch_lora_layer(layer: nn.Module):
         if a is None or b is None:
             return None
         weights[name] = (ma, a, local(a).data_ptr(), mb, b, local(b).data_ptr())
+    scaling = counted_scaling(layer)
     return (mods_a, tuple(mods_a), mods_b, tuple(mods_b), scaling, dict(scaling), weights)
 
 

@@ -26,6 +26,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ..compat.adapters import CountedScaling, scaling_epoch
 from ..compat.modules import is_dtensor, local
 from .fusion import IntactWatch
 
@@ -91,7 +92,9 @@ class StructureWatch:
 
     An adapter joins a layer's ``ModuleDict`` by registering a module (``registration_epoch``) and
     leaves it without one, so while the epoch stays put the dicts' sizes tell whether their keys
-    are the ones seen; the keys themselves are compared after a registration."""
+    are the ones seen; the keys themselves are compared after a registration. The scaling dicts
+    count their changes (``CountedScaling``): while ``scaling_epoch`` stays put none changed, and
+    each is compared with its snapshot only where one is a plain dict."""
 
     def __init__(self, key, pools: Sequence, layer_watches: Sequence):
         self.key = key
@@ -101,10 +104,14 @@ class StructureWatch:
         self._sizes = list(map(len, self._keys))
         self._scalings = [w[4] for w in layer_watches]
         self._then = [w[5] for w in layer_watches]
+        self._counted = all(type(s) is CountedScaling for s in self._scalings)
+        self._scaling_epoch = scaling_epoch()  # (a change before this is the full check's, next)
         self._epoch: Optional[int] = None  # the registration epoch the keys were last compared at
 
     def unchanged(self, key, epoch: int) -> bool:
-        if key != self.key or any(map(_broken, self._pools)) or self._scalings != self._then:
+        if key != self.key or any(map(_broken, self._pools)):
+            return False
+        if scaling_epoch() != self._scaling_epoch if self._counted else self._scalings != self._then:
             return False
         if epoch == self._epoch:
             return list(map(len, self._dicts)) == self._sizes
