@@ -414,10 +414,11 @@ def main(argv=None) -> int:
     p.add_argument("--isolate", choices=["auto", "on", "off"], default="auto",
                    help="each mode in its own process (auto: on CUDA with several modes), so that each "
                         "engine sizes its cache from the same free memory")
-    p.add_argument("--clients", type=int, default=4,
-                   help="client processes sharing each rate's arrivals (0: the clients in the server's process, "
-                        "where their Python slows the server); one process reading every stream falls behind "
-                        "the schedule at high rates")
+    p.add_argument("--clients", type=int, default=min(8, max(4, (os.cpu_count() or 4) // 2)),
+                   help="client processes sharing each rate's arrivals (default: half the cores, 4 to 8; 0: the "
+                        "clients in the server's process, where their Python slows the server); one process "
+                        "reading every stream falls behind the schedule at high rates, and the clients' own share "
+                        "of the inter-token latency grows with the rate (the stub mode measures it)")
     p.add_argument("--http", choices=["auto", "pure-python"], default="auto",
                    help="uvicorn's event loop and HTTP parser: auto (uvloop and httptools, which the serve extra "
                         "installs) or pure-python (asyncio's loop and h11: what uvicorn falls back to without them)")
