@@ -155,7 +155,9 @@ class SitePool:
         self._registry_names = None
         self.fold = None  # the site's FusedGroup, where the A arena may live under its base weight
         self.no_fold = "not eligible"  # why there is no ``fold`` (set by the model state)
-        self._fold_attached = False
+        # the A arena (or the staging rows) was built as the tail of the fold's base weight (set by
+        # ``rebuild``; a plain attribute: every engine step reads it for each pool)
+        self.fold_attached = False
         self.staging: Optional[FoldStaging] = None  # a staged fold's rows under the base weight
         # a gated MLP's gate/up site (set by the model state): its arena rows' slots in the tables,
         # and, folded (not staged), the scratch and counters of ``ops.glu_lora``
@@ -300,7 +302,7 @@ class SitePool:
         self.ranks, self.scalings, a_rows, b_offs = self._table_views(self._tables)
         self.col_slot = self._tables[self._table_words() - self._column_words():] if self.column_slots else None
         self.glu_buffers = None
-        if (self.column_slots and self._fold_attached and stage is None and c == 2
+        if (self.column_slots and self.fold_attached and stage is None and c == 2
                 and self.out_features[0] == self.out_features[1]):
             # the scratch (its rows 16 bytes aligned, the kernel's reads past R in them), the counters,
             # and B's columns as the arena's rows (up's region from a multiple of GLU_PAD)
@@ -389,9 +391,9 @@ class SitePool:
                                              call_share=self.tuning.fold_call_share, per_call_ok=per_call_ok,
                                              stage_rows=stage_rows)
                        if self.fold is not None else None)
-        self._fold_attached = self.lora_a is not None
+        self.fold_attached = self.lora_a is not None
         stage = None
-        if self._fold_attached and self.fold.staged:  # the tail is the staging area; the arena its own
+        if self.fold_attached and self.fold.staged:  # the tail is the staging area; the arena its own
             stage, self.lora_a = self.lora_a, None
         if self.lora_a is None:
             self.lora_a = torch.zeros(max(rows_total, 1), self.in_features, dtype=dtype, device=device)
@@ -409,7 +411,7 @@ class SitePool:
         to, and that weight is still the layers' (``x @ [W; A].T`` then gives the base output and
         the shrink)."""
         f = self.fold
-        if not (self._fold_attached and f.tail is not None and f.is_intact()):
+        if not (self.fold_attached and f.tail is not None and f.is_intact()):
             return False
         rows = (self.staging.rows if self.staging is not None else None) if f.staged else self.lora_a
         return rows is not None and f.tail.data_ptr() == rows.data_ptr() and f.tail.shape == rows.shape
@@ -453,14 +455,9 @@ class SitePool:
             return None
         return self.fold.fold_refusal or "its base weight has new storage since the stacks were built"
 
-    @property
-    def fold_attached(self) -> bool:
-        """The A arena (or the staging rows) was built as the tail of the fold's base weight."""
-        return self._fold_attached
-
     def fold_lost(self) -> bool:
         """Folded when built, but the base weight has moved since (``model.to``, a reload)."""
-        return self._fold_attached and not self.folded()
+        return self.fold_attached and not self.folded()
 
     @property
     def broken(self) -> bool:
