@@ -6,7 +6,8 @@ and tensors, transformers models' attributes and limits), ``graphs`` (torch's CU
 ``peft`` (PEFT's LoRA layers and hooks), ``tensor_parallel`` (torch's and transformers' tensor
 parallelism), ``adapters`` (what fastlora reads of a LoRA layer's adapters), ``attention``
 (transformers' attention registries, torch's flash varlen kernel), ``generate`` (transformers'
-generate and static cache) and ``engine`` (transformers' continuous batching).
+generate and static cache), ``engine`` (transformers' continuous batching) and ``tokenizers``
+(transformers' tokenizers' decoding).
 
 Each helper checks what it relies on (a feature probe) and, where that no longer holds, either
 says so in a clear error naming the version, or answers so that fastlora leaves the feature to

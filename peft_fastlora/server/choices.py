@@ -9,6 +9,7 @@ import time
 from collections import deque
 from typing import List, Optional, Sequence
 
+from ..compat.tokenizers import skip_special_decoder
 from ..continuous.sampling import TokenLogprobs
 
 
@@ -32,6 +33,7 @@ class Choice:
         self.index, self.request_id = index, request_id
         self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
         self.stop, self.end_token_ids, self.tokenizer = list(stop), set(end_token_ids), tokenizer
+        self._decode_ids = skip_special_decoder(tokenizer)
         self.tokens: List[int] = []
         self.finished = False
         self.finish_reason: Optional[str] = None
@@ -117,7 +119,7 @@ class Choice:
         return tokens
 
     def _decode(self, tokens) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self._decode_ids(tokens)
 
     def _decoded(self) -> str:
         """The text of the kept tokens, decoded incrementally (a window of new tokens a call, not

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from peft_fastlora.compat.tokenizers import skip_special_decoder
 from peft_fastlora.continuous.sampling import TokenLogprobs
 from peft_fastlora.server.choices import Choice, completion_logprobs
 
@@ -203,3 +204,30 @@ def test_logprobs_without_a_stop_string_are_every_generated_tokens_but_the_end_t
     choice.update(ids + [end], True, None)
     assert choice.finish_reason == "stop" and choice.completion_tokens == len(ids) + 1
     assert [e.token for e in choice.new_logprobs(_entries(ids + [end]))] == ids
+
+
+@pytest.mark.parametrize("make", [_byte_level, _metaspace], ids=["byte_level", "metaspace"])
+def test_the_streams_decoder_is_the_tokenizers_decode(make):
+    """The Rust tokenizer's decode where transformers' adds nothing to it; the tokenizer's own
+    decode where it does (spaces cleaned up, a class of its own)."""
+    tokenizer = make()
+    rng = random.Random(5)
+    samples = [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(0, 12))] for _ in range(50)]
+    samples.append(tokenizer.encode(TEXT, add_special_tokens=False))
+
+    class Shouting(type(tokenizer)):
+        def decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return super().decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    shouting = make()
+    shouting.__class__ = Shouting
+    cleaning = make()
+    cleaning.clean_up_tokenization_spaces = True
+    assert skip_special_decoder(tokenizer).__name__ == "rust"
+    for tok in (tokenizer, shouting, cleaning):
+        if tok is not tokenizer:
+            assert skip_special_decoder(tok).__name__ == "plain"
+        decode = skip_special_decoder(tok)
+        for ids in samples:
+            assert decode(ids) == tok.decode(ids, skip_special_tokens=True), ids
+
