@@ -242,6 +242,11 @@ class Answer:
     def __init__(self, request_id: str, model_name: str, chat: bool, tokenizer):
         self.id, self.model_name, self.chat, self.tokenizer = request_id, model_name, chat, tokenizer
         self.created = int(time.time())
+        # a stream's text chunks differ only in their index and text: the JSON around them is
+        # rendered once, as ``json.dumps`` renders it (``text_event``)
+        self._text_head = json.dumps(self._envelope())[:-1] + ', "choices": [{"index": '
+        self._text_mid = ', "delta": {"content": ' if chat else ', "text": '
+        self._text_tail = ('}' if chat else '') + ', "logprobs": null, "finish_reason": null}]}\n\n'
 
     def logprobs(self, entries: Optional[Sequence[TokenLogprobs]], offset: int = 0):
         if entries is None:
@@ -270,13 +275,20 @@ class Answer:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model_name, "choices": [choice]}
+        return {**self._envelope(), "choices": [choice]}
+
+    def text_event(self, index: int, text: str) -> str:
+        """``event(self.chunk(index, text, None))``, the same bytes: a streamed chunk of text
+        without log-probabilities, the one event a streamed token costs."""
+        return f"data: {self._text_head}{index}{self._text_mid}{json.dumps(text)}{self._text_tail}"
 
     def usage_chunk(self, prompt_tokens: int, choices: Sequence[Choice]) -> dict:
+        return {**self._envelope(), "choices": [], "usage": usage(prompt_tokens, choices)}
+
+    def _envelope(self) -> dict:
+        """The fields every stream chunk starts with."""
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model_name, "choices": [],
-                "usage": usage(prompt_tokens, choices)}
+                "created": self.created, "model": self.model_name}
 
 
 def usage(prompt_tokens: int, choices: Sequence[Choice]) -> dict:

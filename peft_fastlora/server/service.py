@@ -398,7 +398,9 @@ class _Run:
                     # (entries may lag the text, held for a stop string: their offsets run on from those sent)
                     text, offset = choice.new_text(), choice.logprobs_offset
                     entries = self._logprobs_of(choice)
-                    if text or entries:
+                    if entries is None and text:
+                        yield answer.text_event(choice.index, text)
+                    elif text or entries:
                         yield event(answer.chunk(choice.index, text, None, answer.logprobs(entries, offset)))
                     if choice.finished and choice.request_id in self._open:
                         self._end(choice, "ok")

@@ -12,7 +12,7 @@ import pytest
 
 from peft_fastlora.compat.tokenizers import skip_special_decoder
 from peft_fastlora.continuous.sampling import TokenLogprobs
-from peft_fastlora.server.choices import Choice, completion_logprobs
+from peft_fastlora.server.choices import Answer, Choice, completion_logprobs, event
 
 TEXT = ("Héllo wörld! Ça va? 中文字符 and emoji 🙂🚀 mixed with code: "
         "def f(x): return x ** 2 # ok\n"
@@ -231,3 +231,15 @@ def test_the_streams_decoder_is_the_tokenizers_decode(make):
         for ids in samples:
             assert decode(ids) == tok.decode(ids, skip_special_tokens=True), ids
 
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_text_chunk_is_the_json_of_its_chunk(chat):
+    """The stream's text chunks, rendered around the text once per answer, are the bytes
+    ``json.dumps`` makes of the chunk: quotes, control characters, non-ASCII text, lone
+    surrogates, odd model names."""
+    texts = [" token", 'a"b\\c\n\t/', "Héllo 中文 🙂", "\ud800 lone", "\x00\x1f\x7f", "</s>", "{}[],:"]
+    for model in ("base", 'my "adapter"/v2', "naïve-ü"):
+        answer = Answer("cmpl-0123", model, chat, _byte_level())
+        for index in (0, 3, 127):
+            for text in texts:
+                assert answer.text_event(index, text) == event(answer.chunk(index, text, None)), (model, text)
