@@ -61,7 +61,9 @@ class Choice:
 
     def update(self, tokens: Sequence[int], engine_finished: bool, error: Optional[str]) -> bool:
         """Take the engine's output; True when the choice just finished (by a stop string here
-        while the engine goes on, the caller cancels its request)."""
+        while the engine goes on, the caller cancels its request). A list of ``tokens`` is kept,
+        not copied (each engine output holds a list of its own, which nothing changes after): a
+        copy would cost each token the length of the whole completion."""
         if self.finished:
             return False
         now = time.perf_counter()
@@ -69,7 +71,7 @@ class Choice:
         if len(tokens) > had:
             self.first_token = self.first_token or now
             self.last_token = now
-        self.tokens = list(tokens)
+        self.tokens = tokens if type(tokens) is list else list(tokens)
         if error is not None:
             self.finished, self.error = True, error
             return True
