@@ -189,9 +189,9 @@ class FastLoRAState:
                 or int(kwargs.get("num_beams", 1) or 1) > 1 or self.model.training):
             return None
         if not isinstance(names, (list, tuple)):
-            if not hasattr(names, "__array__") or getattr(names, "ndim", 1) != 1:
-                return None  # PEFT's own check takes it (and names the problem)
-            names = [str(n) for n in names.tolist()]  # a NumPy array of names, as PEFT accepts
+            if not hasattr(names, "tolist"):
+                return None  # PEFT's own check takes it
+            names = [str(n) for n in names.tolist()]  # a (flat: checked above) NumPy array of names
         config = getattr(self.model, "peft_config", None) or {}
         unknown = {n for n in names if n != "__base__"} - set(self.registry.names) - set(config) - set(self.stored)
         if unknown:  # PEFT's message

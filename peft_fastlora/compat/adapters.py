@@ -219,7 +219,8 @@ def watch_lora_layer(layer: nn.Module):
     """A snapshot of what identifies a LoRA ``Linear``'s adapters, for ``lora_layer_unchanged``:
     the ``lora_A`` / ``lora_B`` module dicts and their keys, the scaling dict and a copy of it, each
     adapter's A / B sub-modules and weights with their address. None when the layer is not laid
-    out as PEFT's (the caller then compares full signatures)."""
+    out as PEFT's (the caller then compares full signatures). The layer's scaling dict becomes a
+    ``CountedScaling`` first (``counted_scaling``), so that its changes are counted from then on."""
     mods_a = getattr(getattr(layer, "lora_A", None), "_modules", None)
     mods_b = getattr(getattr(layer, "lora_B", None), "_modules", None)
     scaling = getattr(layer, "scaling", None)

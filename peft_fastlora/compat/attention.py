@@ -104,6 +104,18 @@ def attention_function(config, registry, default):
     return registry.get_interface(config._attn_implementation, default)
 
 
+def _output_collector():
+    """transformers' context variable of the outputs a forward records (None where it has none)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    return _active_collector
+
+
+_COLLECTOR = []  # [the collector or None], looked up at the first call (each decode step asks)
+
+
 def attention_weights_recorded(kwargs: dict) -> bool:
     """Whether the forward running now returns the attention weights (``output_attentions``):
     transformers 5 records them from each attention module's output through hooks, while the
@@ -111,9 +123,7 @@ def attention_weights_recorded(kwargs: dict) -> bool:
     variable; earlier code passed ``output_attentions`` down to the attention function."""
     if kwargs.get("output_attentions"):
         return True
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
-        return False
-    collected = _active_collector.get()
+    if not _COLLECTOR:
+        _COLLECTOR.append(_output_collector())
+    collected = _COLLECTOR[0].get() if _COLLECTOR[0] is not None else None
     return isinstance(collected, dict) and any("attentions" in key for key in collected)

@@ -18,11 +18,15 @@ BASE = "__base__"
 
 def check_adapter_names(names) -> None:
     """``adapter_names`` holds one name per row: a single string is refused with ``ValueError``
-    (PEFT would read it as a list of one-character names)."""
+    (PEFT would read it as a list of one-character names), and so is an array of names that is
+    not flat."""
     if isinstance(names, (str, bytes)):
         raise ValueError(
             f"adapter_names must be a list with one adapter name per row ({BASE!r} for no adapter), "
             f"got the string {names!r}; for the same adapter on every row pass [{names!r}] * batch_size")
+    if getattr(names, "ndim", 1) != 1:  # a NumPy array (or tensor) of names must be flat
+        raise ValueError(f"adapter_names must hold one adapter name per row, got an array of shape "
+                         f"{tuple(names.shape)}")
 
 
 class AdapterRegistry:

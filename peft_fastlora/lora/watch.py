@@ -111,7 +111,10 @@ class StructureWatch:
     def unchanged(self, key, epoch: int) -> bool:
         if key != self.key or any(map(_broken, self._pools)):
             return False
-        if scaling_epoch() != self._scaling_epoch if self._counted else self._scalings != self._then:
+        if self._counted:
+            if scaling_epoch() != self._scaling_epoch:
+                return False
+        elif self._scalings != self._then:
             return False
         if epoch == self._epoch:
             return list(map(len, self._dicts)) == self._sizes

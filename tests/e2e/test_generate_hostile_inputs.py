@@ -62,6 +62,8 @@ def test_adapter_names_as_a_numpy_array_skip_pefts_per_call_hooks(monkeypatch):
     assert hooked == []
     with pytest.raises(ValueError, match="non-existing adapter"):
         logits(m, np.array(["sql", "nope", "chat", "sql"]))
+    with pytest.raises(ValueError, match=r"one adapter name per row, got an array of shape \(2, 2\)"):
+        logits(m, np.array([["sql", "chat"], ["sql", "chat"]]))
 
 
 @pytest.mark.parametrize("where", ["keyword", "generation_config", "model"])
