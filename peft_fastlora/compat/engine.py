@@ -580,18 +580,20 @@ def cb_update_skipping_failed(processor, update) -> None:
             state.status = RequestStatus.FAILED
 
 
+def _reset_start(request_state) -> int:
+    """Where the tokens a request generated before the engine soft-reset it (its cache freed under
+    pressure, an equivalent request requeued whose prompt holds them) start in its prompt; the
+    prompt's length where it was never reset."""
+    return getattr(request_state, "_true_initial_tokens", 0) or len(request_state.initial_tokens)
+
+
 def _tokens_before_reset(request_state) -> list:
-    """The tokens a request generated before the engine soft-reset it (its cache freed under
-    pressure, an equivalent request requeued whose prompt holds them): the end of its prompt."""
-    true = getattr(request_state, "_true_initial_tokens", 0)
-    return list(request_state.initial_tokens[true:]) if true else []
+    return list(request_state.initial_tokens[_reset_start(request_state):])
 
 
 def cb_generated_len(request_state) -> int:
     """How many tokens the request has generated (soft resets included)."""
-    true = getattr(request_state, "_true_initial_tokens", 0)
-    before = len(request_state.initial_tokens) - true if true else 0
-    return before + int(request_state.generated_len())
+    return len(request_state.initial_tokens) - _reset_start(request_state) + int(request_state.generated_len())
 
 
 def cb_generated_tokens(request_state) -> list:
