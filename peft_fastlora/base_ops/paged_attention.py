@@ -26,7 +26,7 @@ from torch import nn
 
 from ..compat.attention import flash_varlen, flash_varlen_has_window, has_flash_varlen
 from ..compat.engine import (IN_PLACE_KV, cb_full_attention_views, cb_layer_indices, cb_paged_attention_name,
-                             cb_varlen_attention_name)
+                             cb_step_pages, cb_varlen_attention_name)
 from ..compat.modules import attn_implementation
 from ..kernel_support import interpreting, triton_missing
 from ..ops.paged_varlen import paged_varlen_attention as paged_kernel, paged_varlen_reference
@@ -52,8 +52,8 @@ def forced_varlen_blocker(inner: nn.Module, device: torch.device) -> Optional[st
 
 def in_place_blocker(inner: nn.Module, dtype: torch.dtype, device: torch.device) -> Optional[str]:
     """Why the engine of this model cannot read its paged cache through ``ops.paged_varlen``
-    (None: it can; sliding-window layers, which the engine lays out otherwise, and steps with
-    nothing to read take the varlen path)."""
+    (None: it can; sliding-window layers, which the engine lays out otherwise, take the varlen
+    path)."""
     why = triton_missing()
     if why is not None:
         return why
@@ -169,32 +169,33 @@ def paged_varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
 def paged_in_place_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask, dropout: float = 0.0, scaling: Optional[float] = None, **kwargs):
     """An attention function for ``AttentionInterface`` under ``IN_PLACE_NAME``: as
-    ``paged_varlen_attention``, but a full-attention layer whose step reads the cache reads it in
-    place (``ops.paged_varlen``: the queries of a kv head's group in one tile, split over the
-    keys), with no gathered copy of the keys and values. From 5.24 the cache's update left the
-    views and the read index in the kwargs (``compat.engine.cb_write_only_updates``); before, the
-    step's new keys and values are written here. Other layers and steps take
-    ``paged_varlen_attention``."""
+    ``paged_varlen_attention``, but a full-attention layer reads the paged cache in place
+    (``ops.paged_varlen``: the queries of a kv head's group in one tile, split over the keys, each
+    request's keys found through the step's page table), with no gathered copy of the keys and
+    values. From 5.24 the cache's update wrote the step's new keys and values and left the views
+    and the pages in the kwargs (``compat.engine.cb_write_only_updates``); before, they are written
+    here. Other layers take ``paged_varlen_attention``."""
     views = kwargs.pop(IN_PLACE_KV, None)
     if views is not None:  # 5.24 on
         cu_k, max_q, max_k = kwargs["cu_seq_lens_k"], kwargs["max_length_q"], kwargs["max_length_k"]
-    elif (kwargs.get("cache") is not None and "read_index" in kwargs and kwargs.get("block_table") is None
+    elif (kwargs.get("cache") is not None and "write_index" in kwargs and kwargs.get("block_table") is None
           and not dropout):
         cache, layer = kwargs["cache"], module.layer_idx
         found = cb_full_attention_views(cache, layer)
-        read_index, write_index = cb_layer_indices(cache, layer, kwargs) if found is not None else (None, None)
-        if found is not None and read_index.numel():
+        pages = cb_step_pages(cache, layer) if found is not None else None
+        if pages is not None:
+            _, write_index = cb_layer_indices(cache, layer, kwargs)
             for view, new in zip(found, (key, value)):
                 view.index_copy_(0, write_index, new.squeeze(0).transpose(0, 1))
-            views = (*found, read_index)
+            views = (*found, pages)
             cu_k, max_q, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_q"], kwargs["max_seqlen_k"]
     if views is None:
         return paged_varlen_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     sliding = _window(module, kwargs)
     cu_k, max_k = _of_layer(cu_k, sliding), _of_layer(max_k, sliding)
-    k_view, v_view, read_index = views
+    k_view, v_view, pages = views
     scale = scaling if scaling is not None else module.scaling
-    out = paged_kernel(query.transpose(1, 2).squeeze(0), k_view, v_view, read_index,
+    out = paged_kernel(query.transpose(1, 2).squeeze(0), k_view, v_view, pages,
                        kwargs["cu_seq_lens_q"].to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), scale,
                        int(sliding) - 1 if sliding else -1)
     return out, None

@@ -6,9 +6,10 @@ engine's graphs, its token selection and its step failures. Checked on 5.17 and 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -57,6 +58,7 @@ def continuous_batching_blocker(model: nn.Module) -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)  # the installed transformers' form: asked at every layer of an eager step
 def _paged_update_form() -> Tuple[Optional[str], Optional[str]]:
     """How this transformers' engine updates its paged cache around an attention function:
     "indices" (5.17: the function calls ``cache.update`` with the step's read and write indices),
@@ -121,46 +123,120 @@ def cb_layer_indices(cache, layer_idx: int, kwargs: dict) -> Tuple[torch.Tensor,
     return kwargs["read_index"][index], kwargs["write_index"][index]
 
 
-IN_PLACE_KV = "fastlora_kv_in_place"  # the kwargs key: (key view, value view, read index) of the layer
+IN_PLACE_KV = "fastlora_kv_in_place"  # the kwargs key: (key view, value view, ``ops.paged_varlen.Pages``) of the layer
+
+
+# The engine's page tables: a full-attention group of its paged cache keeps, per request, the ids of
+# the blocks holding its keys (``block_table``), a page of ``tokens_per_page`` (5.24 on) or
+# ``block_size`` (before) keys each, page ``j``'s first key at slot ``block_table[j] *
+# block_physical_stride`` (5.24 on) or ``* block_size`` (before) of the layer's (slots, KVH, D)
+# view. Checked on 5.17 and 5.25.
+class PageGroup(NamedTuple):
+    """One full-attention group: request id -> its block ids; keys a page; the slot of block b's first key / b."""
+
+    tables: Dict[str, list]
+    size: int
+    stride: int
+
+
+def cb_page_groups(cache) -> Tuple[list, Dict[int, int]]:
+    """The full-attention groups of the engine's paged cache (``PageGroup``) and, for each of its
+    full-attention layers, the position of the layer's group in that list."""
+    groups, positions, layer_group = [], {}, {}
+    in_model = _paged_update_form()[0] == "in_model"
+    layers = cache.layer_to_allocator if in_model else cache.layer_index_to_group_indices
+    for layer in layers:
+        if cb_full_attention_views(cache, layer) is None:
+            continue
+        owner = (cache.layer_to_allocator[layer] if in_model
+                 else cache.group_cache_managers[cache.layer_index_to_group_indices[layer][0]])
+        if id(owner) not in positions:
+            positions[id(owner)] = len(groups)
+            size = int(owner.tokens_per_page if in_model else owner.block_size)
+            groups.append(PageGroup(owner.block_table, size,
+                                    int(owner.block_physical_stride if in_model else owner.block_size)))
+        layer_group[layer] = positions[id(owner)]
+    return groups, layer_group
+
+
+def cb_step_key_counts(processor) -> Tuple[list, list]:
+    """The step about to run (a made-up warm-up step too): its requests' ids and how many keys each
+    reads (its past and its new tokens), in the order of the forward's row."""
+    states = [fs.state for fs in _host_io(processor).requests_in_batch]
+    # the step's preparation moved each request's offset past its new tokens
+    return [s.request_id for s in states], [int(s.position_offset) for s in states]
+
+
+def cb_skip_read_indices(processor) -> None:
+    """The engine builds no read indices (every key of every request a step reads, a Python list
+    made and copied to the GPU at each step, the longer the contexts the costlier): its steps all
+    say they read nothing from the cache, as steps of fresh prompts do. For a cache every layer of
+    which the attention reads in place through a page table. Graphs are then keyed by the query
+    count and the longest request alone."""
+    runner = processor.model_runner
+    if "maybe_pad_inputs" in runner.__dict__:
+        return
+    pad = runner.maybe_pad_inputs
+
+    def pad_no_reads(num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool):
+        return pad(num_q_tokens, max_kv_read, use_decode_fast_path)[0], 0
+
+    runner.maybe_pad_inputs = pad_no_reads
+
+
+def cb_step_pages(cache, layer_idx: int):
+    """The page table of the step running on ``cache`` for a layer (``ops.paged_varlen.Pages``;
+    None: the layer is not read in place)."""
+    pages = getattr(cache, "_fastlora_pages", None)
+    return None if pages is None else pages.of_layer(layer_idx)
 
 
 def cb_write_only_updates(cache) -> None:
     """From 5.24 the model's attention calls ``cache.update(key, value, layer_idx, kwargs)``, which
     writes the step's new keys and values and gathers a copy of every key the step reads. Make
-    this cache's update write only, for full-attention layers whose step reads the cache: it
-    leaves (key view, value view, read index) in ``kwargs[IN_PLACE_KV]`` for the attention
-    function, which reads the cache in place, and returns the new tokens' states unchanged. A
-    block-table step, a sliding-window layer or a step with nothing to read keeps the update.
-    The wrapper holds the cache weakly: a cycle through it would keep the cache's memory until a
-    garbage collection, after its manager stopped."""
+    this cache's update write only, for full-attention layers: it leaves (key view, value view,
+    the step's pages) in ``kwargs[IN_PLACE_KV]`` for the attention function, which reads the cache
+    in place, and returns the new tokens' states unchanged. A block-table step, a sliding-window
+    layer or a cache without pages keeps the update. The wrapper holds the cache weakly: a cycle
+    through it would keep the cache's memory until a garbage collection, after its manager
+    stopped."""
     update, cache_ref = type(cache).update, weakref.ref(cache)
 
     def write_only(key_states, value_states, layer_idx, kwargs):
         cache = cache_ref()
         views = None if kwargs.get("block_table") is not None else cb_full_attention_views(cache, layer_idx)
-        read_index, write_index = cb_layer_indices(cache, layer_idx, kwargs) if views is not None else (None, None)
-        if views is None or read_index.numel() == 0:
+        pages = cb_step_pages(cache, layer_idx) if views is not None else None
+        if pages is None:
             kwargs.pop(IN_PLACE_KV, None)
             return update(cache, key_states, value_states, layer_idx, kwargs)
         allocator = cache.layer_to_allocator[layer_idx]
         kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type].to(torch.int32)
         kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]
+        _, write_index = cb_layer_indices(cache, layer_idx, kwargs)
         k_view, v_view = views
         k_view.index_copy_(0, write_index, key_states.squeeze(0).transpose(0, 1))
         v_view.index_copy_(0, write_index, value_states.squeeze(0).transpose(0, 1))
-        kwargs[IN_PLACE_KV] = (k_view, v_view, read_index)
+        kwargs[IN_PLACE_KV] = (k_view, v_view, pages)
         return key_states, value_states
 
     cache.update = write_only
     cache._fastlora_write_only = True
 
 
-def cb_in_place_cache(processor) -> None:
-    """Prepare a batch processor's cache for an attention that reads it in place: from 5.24 its
-    update writes only (``cb_write_only_updates``); before, the attention function writes itself."""
+def cb_in_place_cache(processor, new_pages, skip_reads: bool):
+    """Prepare a batch processor's cache for an attention that reads it in place through a page
+    table (``continuous.pages.StepPages``, made by ``new_pages()`` where the cache holds none yet),
+    returned: from 5.24 its update writes only (``cb_write_only_updates``); before, the attention
+    function writes itself. ``skip_reads``: every layer reads in place, so the engine builds no
+    read indices (``cb_skip_read_indices``)."""
     cache = processor.cache
+    if getattr(cache, "_fastlora_pages", None) is None:
+        cache._fastlora_pages = new_pages()
     if _paged_update_form()[0] == "in_model" and not getattr(cache, "_fastlora_write_only", False):
         cb_write_only_updates(cache)
+    if skip_reads:
+        cb_skip_read_indices(processor)
+    return cache._fastlora_pages
 
 
 def cb_set_attention(model: nn.Module, name: str) -> None:
@@ -473,7 +549,8 @@ def cb_emulate_graphs(processor) -> None:
 # of keys read and the longest request's key count padded to a power of two up to a cap
 # (``max_length_k`` from 5.24, ``max_seqlen_k`` before); ``model_runner.run_one_warmup`` runs one
 # made-up step of a given size on the current IO pair. Checked on 5.17 and 5.25.
-def _key_length_cap(processor) -> int:
+def cb_key_length_cap(processor) -> int:
+    """The most keys one engine step reads (the engine's bound on its read indices)."""
     cache = processor.cache
     return int(cache.max_tokens_read if hasattr(cache, "max_tokens_read") else cache.num_pages)
 
@@ -488,7 +565,7 @@ def cb_pin_key_lengths(processor) -> None:
     with one bucket of keys read, graphs are then keyed by the query count alone."""
     io = _host_io(processor)
     lengths = io.max_length_k if hasattr(io, "max_length_k") else io.max_seqlen_k
-    cap = _key_length_cap(processor)
+    cap = cb_key_length_cap(processor)
     for layer_type in lengths:
         lengths[layer_type] = cap
 
@@ -507,7 +584,7 @@ def cb_warm_up_sizes(processor, model, sizes) -> None:
     allows) on every IO pair, each of which holds its own graphs; then the cache emptied."""
     runner, ios = processor.model_runner, processor.inputs_and_outputs
     pairs = len(getattr(ios, "io_pairs", None) or [ios])
-    cap = _key_length_cap(processor)
+    cap = cb_key_length_cap(processor)
     with torch.no_grad():  # as the engine's own warm-up
         for _ in range(pairs):
             for q in sizes:

@@ -49,6 +49,7 @@ from ..decode.capture import GraphUnsafe
 from ..instance_methods import InstancePatches
 from .graphs import EngineGraphs, EngineWarmup
 from .in_flight import InFlightSteps
+from .pages import StepPages
 from .sampling import RequestSampling, SamplingParams
 from .step_sampling import StepSampler
 
@@ -485,7 +486,10 @@ class ContinuousBatchingHook:
             processor = create()  # a new processor, or the one kept, reset
             cb_settle_inputs(processor)
             if hook._registered_attention == IN_PLACE_NAME:
-                cb_in_place_cache(processor)
+                # a processor kept and reset keeps its pages: its graphs read them; where no layer
+                # is a sliding-window one (those gather), no layer needs the engine's read indices
+                processor._fastlora_pages = cb_in_place_cache(processor, lambda: StepPages(processor, hook._device()),
+                                                              skip_reads=not has_sliding_layers(hook.inner))
             if not getattr(processor, "_fastlora_enabled", False):
                 hook._wrap_step(processor, adapters, records)
                 manager.fastlora_graphs = processor._fastlora_graphs
@@ -647,6 +651,9 @@ class ContinuousBatchingHook:
                 _, lens, num_tokens = cb_step(processor)
                 segments = TokenSegments([BASE] * len(lens), lens, num_tokens)
             with on_stream(cb_stream(processor)), state.segments(segments):
+                pages = getattr(processor, "_fastlora_pages", None)
+                if pages is not None:
+                    pages.load(processor)
                 if graphs is not None and graphs.graphed():
                     try:
                         sampler.before_forward(graphed=True, device=state.device)

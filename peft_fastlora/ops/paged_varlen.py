@@ -1,9 +1,12 @@
 """Variable-length attention that reads keys and values from a paged cache in place.
 
 A continuous-batching step packs many requests' queries into one row: request i has the queries
-``q[cu_q[i]:cu_q[i+1]]`` (the last ones of its sequence) and the keys ``cache[read_index[j]]`` for
-``j`` in ``cu_k[i]:cu_k[i+1]`` (its whole sequence, new tokens included, written there before).
-Reading them through ``read_index`` saves the copy of every key and value a gather makes first.
+``q[cu_q[i]:cu_q[i+1]]`` (the last ones of its sequence) and ``cu_k[i+1] - cu_k[i]`` keys (its whole
+sequence, new tokens included, written to the cache before). The cache holds them in pages of
+``pages.size`` slots: key ``j`` of request i sits at slot ``pages.starts[pages.cu[i] + j // size] + j %
+size``. Reading them in place saves the copy of every key and value a gather makes first, and the
+page table is what the engine's host builds per step, a few entries a request where a slot index
+per key (a list of every key's slot, made in Python) costs the host time in the context's length.
 
 One program per (query block, kv head, split). A query block holds the queries of one request
 times the ``G`` query heads that share the kv head, as the rows of one tile, so that a request's
@@ -27,7 +30,24 @@ from __future__ import annotations
 
 import torch
 
+from typing import NamedTuple, Optional
+
 from ..kernel_support import interpreting, num_sms, tl, triton
+
+
+class Pages(NamedTuple):
+    """Where each request's keys sit in a paged cache: request i's pages are the slots
+    ``starts[cu[i]:cu[i+1]]`` (int32: the slot of each page's first key), of ``size`` keys each."""
+
+    starts: torch.Tensor
+    cu: torch.Tensor
+    size: int
+
+    def slots(self, request: int, keys: int) -> torch.Tensor:
+        """The cache slots of request ``request``'s first ``keys`` keys, in order (host side)."""
+        first = int(self.cu[request])
+        j = torch.arange(keys, device=self.starts.device)
+        return self.starts[first + j // self.size].long() + j % self.size
 
 _LOG2E = 1.4426950408889634
 
@@ -49,8 +69,8 @@ def _request_of(cu_q_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_varlen_kernel(
-    q_ptr, k_ptr, v_ptr, idx_ptr, cu_q_ptr, cu_k_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
-    num_seqs, scale_log2, window_left,
+    q_ptr, k_ptr, v_ptr, page_ptr, cu_page_ptr, cu_q_ptr, cu_k_ptr, out_ptr, ws_o_ptr, ws_lse_ptr,
+    num_seqs, page_size, scale_log2, window_left,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_ws_s, stride_ws_t, stride_ws_h, stride_lse_s, stride_lse_t,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -84,6 +104,7 @@ def _paged_varlen_kernel(
     head = rows % G_PAD
     row_ok = (rows < BLOCK_Q * G_PAD) & (t < q_len) & (head < G)
     pos = k_len - q_len + t  # the query's position: the keys it sees end here
+    pages = page_ptr + tl.load(cu_page_ptr + seq)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < D
     h = kvh * G + head
@@ -104,7 +125,7 @@ def _paged_varlen_kernel(
     for start in range(lo, hi, BLOCK_N):
         n = start + offs_n
         n_ok = n < hi
-        slot = tl.load(idx_ptr + k0 + n, mask=n_ok, other=0).to(tl.int64)
+        slot = tl.load(pages + n // page_size, mask=n_ok, other=0).to(tl.int64) + n % page_size
         k = tl.load(k_ptr + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2
@@ -180,15 +201,16 @@ def paged_varlen_config(num_tokens: int, num_seqs: int, kv_heads: int, groups: i
                 BLOCK_N=block_n, SPLITS=splits, blocks=num_tokens // block_q + num_seqs if max_q > 1 else 0)
 
 
-def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_index: torch.Tensor,
+def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: Pages,
                            cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, scale: float,
                            window_left: int = -1) -> torch.Tensor:
     """Attention of each request's queries to its own keys, causal and aligned to the end of its keys.
 
-    q: (Tq, H, D); k_cache / v_cache: (slots, KVH, D), last dim contiguous; read_index: the cache
-    slots of every request's keys in order, packed by ``cu_k``; cu_q / cu_k: (B + 1,) int32 (a
-    request past the last real one has no queries); max_q / max_k: bounds of the per-request
-    lengths (host ints). Queries past ``cu_q[-1]`` are left zero. Returns (Tq, H, D) in q's dtype."""
+    q: (Tq, H, D); k_cache / v_cache: (slots, KVH, D), last dim contiguous; pages: where each
+    request's keys sit (``Pages``: int32 starts and (B + 1,) int32 offsets, covering every request
+    with queries); cu_q / cu_k: (B + 1,) int32 (a request past the last real one has no queries);
+    max_q / max_k: bounds of the per-request lengths (host ints). Queries past ``cu_q[-1]`` are
+    left zero. Returns (Tq, H, D) in q's dtype."""
     num_tokens, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     if heads % kv_heads:
@@ -209,7 +231,10 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ws_lse = torch.empty(splits, num_tokens, heads, dtype=torch.float32, device=q.device)
     else:
         ws_o = ws_lse = out  # unused
-    args = (q, k_cache, v_cache, read_index, cu_q, cu_k, out, ws_o, ws_lse, num_seqs, scale * _LOG2E, window_left,
+    if pages.size < 1:
+        raise ValueError(f"pages of {pages.size} slots")
+    args = (q, k_cache, v_cache, pages.starts, pages.cu, cu_q, cu_k, out, ws_o, ws_lse, num_seqs, pages.size,
+            scale * _LOG2E, window_left,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             out.stride(0), out.stride(1), *(ws_o.stride()[:3] if splits > 1 else (0, 0, 0)),
             *(ws_lse.stride()[:2] if splits > 1 else (0, 0)))
@@ -228,11 +253,11 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-def paged_varlen_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, read_index, cu_q, cu_k,
-                           scale: float, window_left: int = -1) -> torch.Tensor:
+def paged_varlen_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: Optional[Pages],
+                           cu_q, cu_k, scale: float, window_left: int = -1) -> torch.Tensor:
     """``paged_varlen_attention`` in torch, request by request (syncs with the host): the keys of
-    request i are ``k_cache[read_index[cu_k[i]:cu_k[i+1]]]`` (``read_index`` None: the rows
-    ``cu_k[i]:cu_k[i+1]`` themselves). Rows past ``cu_q[-1]`` are zero."""
+    request i are ``k_cache[pages.slots(i, keys)]`` (``pages`` None: the rows ``cu_k[i]:cu_k[i+1]``
+    themselves). Rows past ``cu_q[-1]`` are zero."""
     out = torch.zeros_like(q)
     groups = q.shape[1] // k_cache.shape[1]
     cq, ck = cu_q.tolist(), cu_k.tolist()
@@ -240,7 +265,7 @@ def paged_varlen_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lq, lk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
         if lq == 0:
             continue
-        rows = slice(ck[i], ck[i + 1]) if read_index is None else read_index[ck[i]:ck[i + 1]]
+        rows = slice(ck[i], ck[i + 1]) if pages is None else pages.slots(i, lk)
         k, v = (t[rows].repeat_interleave(groups, dim=1).transpose(0, 1) for t in (k_cache, v_cache))
         pos_q = torch.arange(lk - lq, lk, device=q.device)[:, None]
         pos_k = torch.arange(lk, device=q.device)[None, :]

@@ -116,24 +116,36 @@ def test_engine_through_varlen_attention_equals_peft_per_request(arch):
 @pytest.mark.skipif(not interpreting(), reason="the kernel runs on CPU under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_engine_reading_its_cache_in_place_equals_peft_per_request(arch, monkeypatch):
-    """``engine_attention="paged"``: every step that reads the cache goes through the in-place
-    kernel (decode rows and prefill chunks with history beside each other), none through a
-    gathered copy of the cache; every request's tokens equal PEFT's for its prompt alone.
+    """``engine_attention="paged"``: every step goes through the in-place kernel (decode rows and
+    prefill chunks with history beside each other, the keys found through the step's pages), none
+    through a gathered copy of the cache, and the engine builds no read index of every key a step
+    reads; every request's tokens equal PEFT's for its prompt alone.
     Mistral's sliding-window layers, which the engine lays out as a ring, take the varlen path (a
     gathered copy) and still equal PEFT."""
     from peft_fastlora.base_ops import paged_attention
 
-    kernel_steps, gathers = [], []
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    kernel_steps, gathers, read_lists = [], [], []
     kernel, index_select = paged_attention.paged_kernel, torch.index_select
     monkeypatch.setattr(paged_attention, "paged_kernel",
                         lambda q, *a: (kernel_steps.append(q.shape[0]), kernel(q, *a))[1])
     monkeypatch.setattr(torch, "index_select", lambda *a, **k: (gathers.append(1), index_select(*a, **k))[1])
+    extend = PagedAttentionCache.extend_read_and_write_indices
+
+    def extend_(self, request_id, past_length, query_length, read_index, write_index):
+        read_lists.append(read_index is not None)  # the engine builds a slot index per key read
+        return extend(self, request_id, past_length, query_length, read_index, write_index)
+
+    monkeypatch.setattr(PagedAttentionCache, "extend_read_and_write_indices", extend_)
     seen, results = _serve_through(arch, "paged")
     assert seen == [IN_PLACE_NAME, "eager"]
     if arch == "mistral":  # every layer a sliding one: all through the varlen path
         assert gathers and not kernel_steps, (len(kernel_steps), len(gathers))
-    else:
+        assert any(read_lists)
+    else:  # the kernel finds each request's keys through the step's pages: no read index is built
         assert kernel_steps and not gathers, (len(kernel_steps), len(gathers))
+        assert read_lists and not any(read_lists)
     for got, want, what in results:
         assert got == want, what
 

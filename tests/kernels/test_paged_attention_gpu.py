@@ -16,7 +16,7 @@ from peft_fastlora.compat.engine import cb_engine_attention_blocker
 from peft_fastlora.compat.modules import attn_implementation
 from peft_fastlora import get_state
 from peft_fastlora.base_ops.paged_attention import IN_PLACE_NAME, PAGED_NAME, varlen_reference
-from peft_fastlora.ops.paged_varlen import paged_varlen_attention
+from peft_fastlora.ops.paged_varlen import Pages, paged_varlen_attention
 
 from _continuous import cb_config, greedy_config, peft_alone, serve as _serve
 from _graphs import traffic_model as _model, traffic_prompts as _prompts
@@ -46,24 +46,29 @@ def test_flash_varlen_matches_the_reference(dtype, heads, kv_heads, dim, window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, dim, window", [(32, 8, 128, -1), (28, 4, 128, -1), (8, 2, 64, 5)])
-def test_paged_kernel_matches_the_reference(dtype, heads, kv_heads, dim, window):
-    """Keys read through a read index from a larger cache in a random order; decode rows with
-    short and long contexts (split over the keys) beside prefill chunks; 8B's heads, a group of 7."""
+@pytest.mark.parametrize("heads, kv_heads, dim, window, page", [(32, 8, 128, -1, 256), (28, 4, 128, -1, 32),
+                                                                 (8, 2, 64, 5, 16)])
+def test_paged_kernel_matches_the_reference(dtype, heads, kv_heads, dim, window, page):
+    """Keys read through a page table from a larger cache, its pages in a random order; decode rows
+    with short and long contexts (split over the keys) beside prefill chunks; 8B's heads, a group
+    of 7; pages as large as the engine's and smaller than a key tile."""
     g = torch.Generator().manual_seed(heads + dim)
     q_lens = [1, 1, 37, 5, 1, 130, 2, 1]
     k_lens = [1, 3000, 37, 90, 17, 200, 2, 1200]
     cu_q = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0] + torch.tensor(k_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    slots = 2 * sum(k_lens)
+    counts = [-(-k // page) for k in k_lens]
+    order = torch.randperm(2 * sum(counts), generator=g)[:sum(counts)]
+    pages = Pages((order * page).to("cuda", torch.int32),
+                  torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda"), page)
+    slots = 2 * sum(counts) * page
     q = torch.randn(int(cu_q[-1]) + 4, heads, dim, generator=g).to("cuda", dtype)
     k_cache = torch.randn(slots, kv_heads, dim, generator=g).to("cuda", dtype)
     v_cache = torch.randn(slots, kv_heads, dim, generator=g).to("cuda", dtype)
-    read_index = torch.randperm(slots, generator=g)[:sum(k_lens)].cuda()
+    keys = torch.cat([pages.slots(i, k) for i, k in enumerate(k_lens)])
     scale = 1 / math.sqrt(dim)
-    got = paged_varlen_attention(q, k_cache, v_cache, read_index, cu_q, cu_k, max(q_lens), max(k_lens), scale, window)
-    want = varlen_reference(q.float(), k_cache[read_index].float(), v_cache[read_index].float(), cu_q, cu_k,
-                            scale, window)
+    got = paged_varlen_attention(q, k_cache, v_cache, pages, cu_q, cu_k, max(q_lens), max(k_lens), scale, window)
+    want = varlen_reference(q.float(), k_cache[keys].float(), v_cache[keys].float(), cu_q, cu_k, scale, window)
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
 
 
