@@ -176,10 +176,11 @@ def cb_skip_read_indices(processor) -> None:
     runner = processor.model_runner
     if "maybe_pad_inputs" in runner.__dict__:
         return
-    pad = runner.maybe_pad_inputs
+    # held weakly: a cycle through the runner would keep its cache until a garbage collection
+    pad, runner_ref = type(runner).maybe_pad_inputs, weakref.ref(runner)
 
     def pad_no_reads(num_q_tokens: int, max_kv_read: int, use_decode_fast_path: bool):
-        return pad(num_q_tokens, max_kv_read, use_decode_fast_path)[0], 0
+        return pad(runner_ref(), num_q_tokens, max_kv_read, use_decode_fast_path)[0], 0
 
     runner.maybe_pad_inputs = pad_no_reads
 

@@ -65,6 +65,31 @@ def test_each_steps_pages_name_the_keys_the_engine_would_read(page, monkeypatch)
     assert len(checked) > 10 and max(checked) > 2 * page  # many steps, requests over several pages
 
 
+def test_a_stopped_manager_lets_its_cache_and_pages_go():
+    """The page table and the engine's skipped read indices keep no cycle through the batch
+    processor: its cache goes by reference counting alone when the manager stops."""
+    import gc
+    import weakref
+
+    m = build_peft_lm("llama")
+    fastlora.patch(m, engine_attention="paged")
+    gc.disable()
+    try:
+        manager = m.init_continuous_batching(generation_config=greedy_config(4),
+                                             continuous_batching_config=cb_config(max_batch_tokens=24))
+        manager.start()
+        serve(manager, [(p, "a0", 4) for p in random_prompts([5, 20], seed=3)])
+        processor = manager.batch_processor
+        assert getattr(processor.cache, "_fastlora_pages", None) is not None  # the in-place path ran
+        refs = weakref.ref(processor), weakref.ref(processor.cache), weakref.ref(processor.model_runner)
+        del processor
+        manager.stop(block=True)
+        assert [r() for r in refs] == [None, None, None]
+    finally:
+        gc.enable()
+        fastlora.unpatch(m)
+
+
 class _Group:
     def __init__(self, tables, size=4, stride=4):
         self.tables, self.size, self.stride = tables, size, stride

@@ -75,8 +75,8 @@ def test_paged_kernel_matches_the_reference(dtype, heads, kv_heads, dim, window,
 @pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
 @pytest.mark.parametrize("choice", ["varlen", "paged"])
 def test_engine_in_fp32_equals_peft(choice):
-    """fp32: "varlen" through the per-request reference, "paged" through the in-place kernel (its
-    steps with nothing to read through the reference); both sync with the host: no graphs."""
+    """fp32: "varlen" through the per-request reference, "paged" through the in-place kernel;
+    neither runs the engine's graphs off fp16 / bf16."""
     m, ref = _model(), _model()
     fastlora.patch(m, engine_attention=choice)
     try:
