@@ -250,23 +250,14 @@ def cb_set_attention(model: nn.Module, name: str) -> None:
         set_attn_implementation(model, name)
 
 
-# The engine keys its graphs by the padded query count and the padded count of keys the step reads
-# (``kv_padding_interval_size``, a fixed preset when left 0). An attention that reads the paged cache
-# in place reads only each request's own keys whatever that padding, so one bucket for all of them
-# (the engine caps the padding at its cache) leaves graphs keyed by the query count alone.
-_ONE_KV_BUCKET = 1 << 30
-
-
 def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] = None,
-                       max_requests: Optional[int] = None, reads_in_place: bool = False) -> Tuple[object, list]:
+                       max_requests: Optional[int] = None) -> Tuple[object, list]:
     """A copy of the continuous-batching config (the caller's, the one set on the generation
     config, or the default) with what per-request adapters need; and what was changed, why.
     ``graphs_blocker``: why the engine's CUDA graphs cannot carry this model's LoRA batches
     (None: the engine keeps its own choice). ``max_requests``: the most requests one step may
-    hold (the slots, when the model has fewer than adapters). ``reads_in_place``: every layer of
-    the engine will read its paged cache in place; where the caller asked for graphs or left them to
-    the engine, and left the key padding to it, its graphs then take one key bucket
-    (``_ONE_KV_BUCKET``). Async batching stays the caller's or the engine's choice."""
+    hold (the slots, when the model has fewer than adapters). Graphs and async batching stay the
+    caller's or the engine's choice."""
     import dataclasses
 
     from transformers import ContinuousBatchingConfig
@@ -292,13 +283,6 @@ def cb_config_for_lora(config, generation_config, graphs_blocker: Optional[str] 
     if max_requests is not None and (current is None or current > max_requests):
         values["max_requests_per_batch"] = max_requests
         changes.append(f"max_requests_per_batch={max_requests} (each step's adapters must fit the slots)")
-    graphs_asked = config.use_cuda_graph is True or (isinstance(config.use_cuda_graph, tuple) and any(config.use_cuda_graph))
-    # graphs left to the engine are asked for too: the in-place attention needs no mask, the engine's
-    # own criterion (from 5.24 it reads it in the name; earlier engines would leave graphs off)
-    graphs_left = config.use_cuda_graph is None
-    graphs = reads_in_place and graphs_blocker is None and (graphs_asked or graphs_left)
-    if graphs and getattr(config, "kv_padding_interval_size", None) == 0:
-        values["kv_padding_interval_size"] = _ONE_KV_BUCKET  # a tuning, not a change of results: not reported
     if getattr(config, "use_default_compile_configs", None) is not None:
         values["use_default_compile_configs"] = None  # deprecated alias: it would set the level again
     return dataclasses.replace(config, **values), changes
@@ -556,9 +540,10 @@ def cb_key_length_cap(processor) -> int:
     return int(cache.max_tokens_read if hasattr(cache, "max_tokens_read") else cache.num_pages)
 
 
-def cb_one_key_bucket(processor) -> bool:
-    """Whether the engine pads every step's keys read to one bucket (``cb_config_for_lora``)."""
-    return getattr(processor.model_runner.cb_config, "kv_padding_interval_size", None) == _ONE_KV_BUCKET
+def cb_reads_skipped(processor) -> bool:
+    """Whether the engine builds no read indices (``cb_skip_read_indices``): its graphs are then
+    keyed by the query count and the longest request alone."""
+    return "maybe_pad_inputs" in processor.model_runner.__dict__
 
 
 def cb_pin_key_lengths(processor) -> None:

@@ -290,8 +290,7 @@ class ContinuousBatchingHook:
         gen = generation_config if generation_config is not None else self.inner.generation_config
         registry = self.state.registry  # fewer slots than adapters: no step may need more than the slots
         config, changes = cb_config_for_lora(continuous_batching_config, gen, self.graphs_blocker(),
-                                             None if registry.all_resident else registry.num_slots,
-                                             reads_in_place=self.reads_in_place())
+                                             None if registry.all_resident else registry.num_slots)
         no_async = cb_async_device_blocker(self._device()) if config.use_async_batching else None
         if no_async is not None:  # asked for: the engine's thread would die on its first step
             raise ValueError(f"fastlora: use_async_batching=True cannot be served: {no_async}")
@@ -342,13 +341,6 @@ class ContinuousBatchingHook:
 
     def _device(self):
         return self.state.device or next(self.inner.parameters()).device
-
-    def reads_in_place(self) -> bool:
-        """Whether every layer of a manager started now reads the paged cache in place (the
-        in-place attention, and no sliding-window layer: those gather the keys a step reads, a
-        copy that would grow with the engine's key padding)."""
-        return (self.varlen_blocker() is None and self.attention_name() == IN_PLACE_NAME
-                and not has_sliding_layers(self.inner))
 
     def attention_name(self) -> str:
         """The attention fastlora gives the engine: the paged cache read in place ("paged"; "auto"

@@ -12,9 +12,9 @@ Graphs read the stacks and the buffers: when fastlora rebuilds either (an adapte
 deleted, more slots than the buffers hold, a new backend), every graph of the engine is dropped
 and recaptured at its next use.
 
-Where the engine pads every step's keys read to one bucket (an attention reading the paged cache in
-place), each step is also keyed as if its longest request read the most keys allowed, so graphs are
-keyed by the query count alone and ``warm_up`` can capture every one of them before serving: a
+Where the engine builds no read indices (every layer reads the paged cache in place through the
+step's page table, ``continuous.pages``), each step is also keyed as if its longest request read the
+most keys allowed, so graphs are keyed by the query count alone and ``warm_up`` can capture every one of them before serving: a
 capture synchronizes the GPU and empties allocator caches, a stall no client should meet.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from ..compat.engine import (cb_capacity, cb_disable_graphs, cb_drop_graphs, cb_emulate_graphs, cb_graphed_step,
-                             cb_graphs_suspended, cb_one_key_bucket, cb_pin_key_lengths, cb_query_sizes,
+                             cb_graphs_suspended, cb_reads_skipped, cb_pin_key_lengths, cb_query_sizes,
                              cb_step_graph_held, cb_stream, cb_warm_up_sizes)
 from ..compat.modules import on_stream
 from ..batch import BLOCK_M_TIERS, NO_LORA_BATCH, BatchInfoBuffers, TokenSegments, choose_block_m
@@ -65,7 +65,7 @@ class EngineGraphs:
         self._max_tokens, self._max_requests = cb_capacity(processor)
         if emulate:
             cb_emulate_graphs(processor)
-        self.keyed_by_queries = cb_one_key_bucket(processor)
+        self.keyed_by_queries = cb_reads_skipped(processor)
 
     def prepared(self) -> None:
         """The engine prepared its next step: keyed by its query count alone where it can be."""

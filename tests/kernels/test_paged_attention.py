@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import peft_fastlora as fastlora
-from peft_fastlora.compat.engine import cb_engine_attention_blocker
+from peft_fastlora.compat.engine import cb_async_blocker, cb_engine_attention_blocker
 from peft_fastlora.compat.modules import attn_implementation
 from peft_fastlora import get_state
 from peft_fastlora.base_ops.paged_attention import IN_PLACE_NAME, PAGED_NAME, varlen_reference
@@ -26,6 +26,7 @@ from _models import build_peft_lm
 
 cb = requires_cb
 ENGINE_WHY = cb_engine_attention_blocker()
+ENGINE_ASYNC_WHY = cb_async_blocker()
 
 
 def _per_query(q, k, v, cu_q, cu_k, scale, window):
@@ -152,34 +153,21 @@ def test_engine_reading_its_cache_in_place_equals_peft_per_request(arch, monkeyp
 
 @cb
 @pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
-def test_in_place_reads_take_one_key_bucket_for_the_engines_graphs():
-    """The engine keys its graphs by the padded count of keys a step reads; the in-place kernel
-    reads only each request's own keys, so where the caller asks for graphs or leaves them to the
-    engine (the in-place attention needs no mask, the engine's criterion) and leaves the padding to
-    it, a manager of a model on the in-place attention pads every step's keys to the whole cache (graphs
-    keyed by the query count alone, all captured by the warm-up). A padding the caller set, graphs
-    off, the gathering varlen path or sliding-window layers (whose copy grows with the padding)
-    keep the engine's. Async batching is left as the caller set it."""
+def test_the_engine_config_keeps_the_callers_graphs_padding_and_async_batching():
+    """fastlora turns off what per-request adapters cannot take (prefix sharing, compilation) and
+    leaves the engine's graphs, its key padding and async batching as the caller set them (the
+    in-place attention makes the key padding moot: no read index is built)."""
     from peft_fastlora.compat.engine import cb_config_for_lora
 
-    asked = cb_config(use_cuda_graph=True)
-    assert cb_config_for_lora(asked, None, reads_in_place=True)[0].kv_padding_interval_size >= 1 << 30
-    assert cb_config_for_lora(asked, None, reads_in_place=False)[0].kv_padding_interval_size == 0
-    assert cb_config_for_lora(asked, None, "graphs off", reads_in_place=True)[0].kv_padding_interval_size == 0
-    assert cb_config_for_lora(cb_config(), None, reads_in_place=True)[0].kv_padding_interval_size >= 1 << 30
-    assert cb_config_for_lora(cb_config(use_cuda_graph=False), None, reads_in_place=True)[0].kv_padding_interval_size == 0
-    own = cb_config(use_cuda_graph=True, kv_padding_interval_size=512)
-    assert cb_config_for_lora(own, None, reads_in_place=True)[0].kv_padding_interval_size == 512
-    # async batching stays the caller's or the engine's choice
-    for asked in (None, False, True):
-        own = cb_config(use_async_batching=asked)
-        assert cb_config_for_lora(own, None, reads_in_place=True)[0].use_async_batching is asked
-    # (Mistral's sliding-window layers gather the keys a step reads: the padding would grow that copy)
-    for arch, choice, in_place in (("llama", "paged", True), ("llama", "varlen", False), ("llama", "auto", False),
-                                   ("mistral", "paged", False)):
-        m = build_peft_lm(arch)
-        fastlora.patch(m, engine_attention=choice)
-        assert get_state(m).continuous.reads_in_place() is in_place, (arch, choice)
+    for graphs in (None, False, True):
+        for padding in (0, 512):
+            for asked in (None, False, True):
+                own = cb_config(use_cuda_graph=graphs, kv_padding_interval_size=padding, use_async_batching=asked)
+                config, _ = cb_config_for_lora(own, None)
+                assert (config.use_cuda_graph, config.kv_padding_interval_size) == (graphs, padding)
+                assert config.use_async_batching is asked or ENGINE_ASYNC_WHY is not None
+                assert config.allow_block_sharing is False
+    assert cb_config_for_lora(cb_config(use_cuda_graph=True), None, "graphs off")[0].use_cuda_graph is False
 
 
 @cb
@@ -236,9 +224,9 @@ def test_auto_reads_in_place_where_the_kernel_applies(monkeypatch):
         monkeypatch.setattr(engine, "varlen_blocker", lambda *a, **k: None)
         monkeypatch.setattr(engine, "in_place_blocker", lambda *a, **k: None)
         if ENGINE_WHY is None:
-            assert hook.attention_name() == IN_PLACE_NAME and hook.reads_in_place()
+            assert hook.attention_name() == IN_PLACE_NAME
         monkeypatch.setattr(engine, "in_place_blocker", lambda *a, **k: "a GPU older than sm80")
-        assert hook.attention_name() == PAGED_NAME and not hook.reads_in_place()
+        assert hook.attention_name() == PAGED_NAME
     finally:
         fastlora.unpatch(m)
 
