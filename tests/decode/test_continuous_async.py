@@ -95,15 +95,15 @@ def test_random_traffic_like_a_server(pair, async_on_cpu):
 @pytest.mark.parametrize("pair_options", [dict(cuda_graphs="emulate", engine_attention="paged")])
 def test_random_traffic_reading_the_cache_in_place(pair, async_on_cpu, monkeypatch):
     """The same traffic through the in-place paged attention (``engine_attention="paged"``): the
-    cache written by the update or the attention, read through the step's own read index, in
-    whichever IO pair the step was prepared; every finished request equals PEFT alone."""
+    cache written by the update or the attention, each request's keys found through the step's page
+    table, whichever IO pair the step was prepared in; every finished request equals PEFT alone."""
     from peft_fastlora.base_ops import paged_attention
     from test_continuous_batching import random_traffic
 
     calls, kernel = [], paged_attention.paged_kernel
     monkeypatch.setattr(paged_attention, "paged_kernel", lambda *a: (calls.append(1), kernel(*a))[1])
     random_traffic(pair, use_async_batching=True)
-    assert calls  # the steps that read the cache read it in place
+    assert calls  # the steps read the cache in place
 
 
 @pytest.mark.parametrize("pair_options", [dict(cuda_graphs="emulate")])

@@ -2,13 +2,15 @@
 finds every request's keys, against the engine's own read index (CPU).
 
 A started manager serves prompts longer than a page and than a step (prefill chunks with history
-beside decode rows, requests ending and new ones taking their pages); before each forward, every
-request's keys as the table names them are compared with the slots the engine would read for
-them. A step that would need more pages than the table holds, or a block table shorter than a
+beside decode rows, requests ending and new ones taking their pages, and a cache too small for the
+requests in flight); before each forward, every request's keys as the table names them are
+compared with the slots the engine would read for them, and every request's tokens with PEFT's. A step that would need more pages than the table holds, or a block table shorter than a
 request's keys, is refused by name instead of reading another request's keys.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from peft_fastlora.compat.engine import cb_layer_indices, cb_step_key_counts
 from peft_fastlora.continuous import pages as step_pages
 from peft_fastlora.kernel_support import interpreting
 
-from _continuous import cb_config, greedy_config, random_prompts, requires_cb, serve
+from _continuous import cb_config, greedy_config, peft_alone, random_prompts, requires_cb, serve
 from _models import build_peft_lm
 
 pytestmark = [requires_cb, pytest.mark.skipif(not interpreting(), reason="the in-place kernel runs on CPU under "
@@ -35,9 +37,13 @@ def _engine_slots(processor, layer: int, request_id: str, keys: int) -> list:
     return cb_layer_indices(cache, layer, {"read_index": reads, "write_index": writes})[0]
 
 
-@pytest.mark.parametrize("page", [4, 16])
-def test_each_steps_pages_name_the_keys_the_engine_would_read(page, monkeypatch):
+@pytest.mark.parametrize("page, blocks", [(4, 64), (16, 64), (4, 12)], ids=["page4", "page16", "pressure"])
+def test_each_steps_pages_name_the_keys_the_engine_would_read(page, blocks, monkeypatch):
+    """``pressure``: a cache too small for the requests in flight, so that the engine frees some
+    requests' pages and requeues them (their keys are computed again into other pages): every
+    request still equals PEFT's tokens for its prompt alone."""
     m = build_peft_lm("llama")
+    ref = copy.deepcopy(m)
     fastlora.patch(m, engine_attention="paged")
     checked = []
     load = step_pages.StepPages.load
@@ -52,17 +58,27 @@ def test_each_steps_pages_name_the_keys_the_engine_would_read(page, monkeypatch)
         checked.append(max(keys))
 
     monkeypatch.setattr(step_pages.StepPages, "load", load_and_check)
+    from transformers.generation.continuous_batching import offloading_manager
+
+    offloads = []
+    owner = next(c for c in vars(offloading_manager).values() if isinstance(c, type) and hasattr(c, "offload_requests"))
+    offload = owner.offload_requests
+    monkeypatch.setattr(owner, "offload_requests", lambda self, *a, **k: (offloads.append(1), offload(self, *a, **k))[1])
+    prompts = random_prompts([3, 40, 9, 33, 1, 17, 26], seed=5)
+    names = ["a0", "a1", "__base__", "a2", "a1", "a0", "a2"]
     try:
-        manager = m.init_continuous_batching(generation_config=greedy_config(6),
-                                             continuous_batching_config=cb_config(max_batch_tokens=24, page=page))
+        manager = m.init_continuous_batching(
+            generation_config=greedy_config(6),
+            continuous_batching_config=cb_config(max_batch_tokens=24, page=page, num_blocks=blocks))
         manager.start()
-        prompts = random_prompts([3, 40, 9, 33, 1, 17, 26], seed=5)
-        names = ["a0", "a1", "__base__", "a2", "a1", "a0", "a2"]
-        serve(manager, [(p, n, 6) for p, n in zip(prompts, names)])
+        got = serve(manager, [(p, n, 6) for p, n in zip(prompts, names)])
         manager.stop(block=True)
     finally:
         fastlora.unpatch(m)
     assert len(checked) > 10 and max(checked) > 2 * page  # many steps, requests over several pages
+    assert bool(offloads) == (blocks < 64)  # the small cache made the engine free and requeue requests
+    for tokens, p, n in zip(got, prompts, names):
+        assert tokens == peft_alone(ref, p, n, 6), (n, len(p))
 
 
 def test_a_stopped_manager_lets_its_cache_and_pages_go():
