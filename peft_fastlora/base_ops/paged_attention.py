@@ -27,7 +27,7 @@ from torch import nn
 from ..compat.attention import flash_varlen, flash_varlen_has_window, has_flash_varlen
 from ..compat.engine import (IN_PLACE_KV, cb_full_attention_views, cb_layer_indices, cb_paged_attention_name,
                              cb_step_pages, cb_varlen_attention_name)
-from ..compat.modules import attn_implementation
+from ..compat.modules import attn_implementation, multi_device_reason
 from ..kernel_support import interpreting, triton_missing
 from ..ops.paged_varlen import paged_varlen_attention as paged_kernel, paged_varlen_reference
 from .attention_registry import _PREV_ATTR as DECODE_PREV_ATTR, ATTN_NAMES as DECODE_NAMES
@@ -63,6 +63,9 @@ def in_place_blocker(inner: nn.Module, dtype: torch.dtype, device: torch.device)
         return "a GPU older than sm80"
     if device.type != "cuda" and not interpreting():
         return f"the model is on {device.type} (the kernel runs on CUDA, or on the CPU under TRITON_INTERPRET=1)"
+    split = multi_device_reason(inner)
+    if split is not None:  # each step's page table lives on one device
+        return split
     return forced_varlen_blocker(inner, device)
 
 

@@ -132,11 +132,16 @@ IN_PLACE_KV = "fastlora_kv_in_place"  # the kwargs key: (key view, value view, `
 # block_physical_stride`` (5.24 on) or ``* block_size`` (before) of the layer's (slots, KVH, D)
 # view. Checked on 5.17 and 5.25.
 class PageGroup(NamedTuple):
-    """One full-attention group: request id -> its block ids; keys a page; the slot of block b's first key / b."""
+    """One full-attention group (its allocator or cache manager); keys a page; the slot of block b's
+    first key / b."""
 
-    tables: Dict[str, list]
+    owner: object
     size: int
     stride: int
+
+    def tables(self) -> Dict[str, list]:
+        """Request id -> its block ids, as the engine holds them now."""
+        return self.owner.block_table
 
 
 def cb_page_groups(cache) -> Tuple[list, Dict[int, int]]:
@@ -153,8 +158,7 @@ def cb_page_groups(cache) -> Tuple[list, Dict[int, int]]:
         if id(owner) not in positions:
             positions[id(owner)] = len(groups)
             size = int(owner.tokens_per_page if in_model else owner.block_size)
-            groups.append(PageGroup(owner.block_table, size,
-                                    int(owner.block_physical_stride if in_model else owner.block_size)))
+            groups.append(PageGroup(owner, size, int(owner.block_physical_stride if in_model else owner.block_size)))
         layer_group[layer] = positions[id(owner)]
     return groups, layer_group
 

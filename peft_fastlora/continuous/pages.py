@@ -72,7 +72,7 @@ class StepPages:
             raise RuntimeError(f"fastlora: the step reads {total} pages of keys, more than the {self.capacity} "
                                "its page table holds")
         for i, group in enumerate(self.groups):
-            blocks = _blocks_of(group.tables, ids, counts, total)
+            blocks = _blocks_of(group.tables(), ids, counts, total)
             start = self._cu_len + i * self.capacity
             np.multiply(blocks, group.stride, out=self._host_np[start:start + total], casting="unsafe")
         # the offsets and every group's pages in one transfer (between the groups, stale entries no

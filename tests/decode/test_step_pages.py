@@ -108,7 +108,8 @@ def test_a_stopped_manager_lets_its_cache_and_pages_go():
 
 class _Group:
     def __init__(self, tables, size=4, stride=4):
-        self.tables, self.size, self.stride = tables, size, stride
+        self.size, self.stride = size, stride
+        self.tables = lambda: tables
 
 
 def test_a_block_table_shorter_than_the_step_is_refused():

@@ -63,6 +63,20 @@ def test_reference_matches_a_per_query_softmax(heads, kv_heads, window):
     assert torch.count_nonzero(got[cu_q[-1]:]) == 0
 
 
+def test_a_model_split_over_devices_keeps_the_gathering_attention():
+    """Each step's page table lives on one device: a model split over several (accelerate's
+    ``device_map``, a parameter on another device here) is refused the in-place attention by name."""
+    from peft_fastlora.base_ops.paged_attention import in_place_blocker
+
+    m = build_peft_lm("llama")
+    inner = m.get_base_model()
+    assert in_place_blocker(inner, torch.float32, torch.device("cpu")) is None or not interpreting()
+    head = inner.lm_head
+    head.weight = torch.nn.Parameter(torch.empty(head.weight.shape, device="meta"), requires_grad=False)
+    why = in_place_blocker(inner, torch.float32, torch.device("cpu"))
+    assert why is not None and ("meta" in why or not interpreting()), why
+
+
 @cb
 def test_options_validate():
     with pytest.raises(ValueError, match="engine_attention"):
