@@ -18,10 +18,10 @@ from .modules import TRANSFORMERS_VERSION, set_attn_implementation
 
 
 # The engine (``generate_batch`` / ``init_continuous_batching``, transformers >= 5.x) is used as
-# shipped. fastlora reads three things of it: the requests of each step, in the order their tokens
-# sit in the forward's one row, with their token counts (``inputs_and_outputs.requests_in_batch``,
-# ``num_q_tokens``, set by ``prepare_batch_tensors``); a request's status; and the config fields
-# it must turn off. Checked on 5.17 and 5.24.
+# shipped. What fastlora reads and wraps of it is grouped below by concern: its config, its paged
+# cache (views, update, page tables), each step's requests (``inputs_and_outputs.requests_in_batch``,
+# ``num_q_tokens``, set by ``prepare_batch_tensors``, in the order of the forward's one row), async
+# batching, graphs, token selection, failures and the processor's steps. Checked on 5.17 and 5.25.
 CB_CHILD_MARK = "__child#"  # request ids of forked sequences: f"{parent}__child#{i}"
 
 
