@@ -31,12 +31,16 @@ class StepPages:
 
     def __init__(self, processor, device: torch.device):
         self.groups, self._layer_group = cb_page_groups(processor.cache)
+        sizes = {g.size for g in self.groups}
+        if len(sizes) > 1:  # one table's offsets serve every group
+            raise RuntimeError(f"fastlora: the engine's full-attention groups have pages of different sizes "
+                               f"({sorted(sizes)}); the in-place attention needs one")
+        self._size = sizes.pop() if sizes else 1
         max_requests = cb_capacity(processor)[1]
         self._cu_len = max_requests + 2  # padded steps pass up to max_requests sequences
         # the engine bounds the keys a step reads (its read index's length); each request's last
         # page may be partly filled
-        smallest = min((g.size for g in self.groups), default=1)
-        self.capacity = cb_key_length_cap(processor) // smallest + max_requests + 1
+        self.capacity = cb_key_length_cap(processor) // self._size + max_requests + 1
         length = self._cu_len + len(self.groups) * self.capacity
         self._host = torch.zeros(length, dtype=torch.int32)
         self._host_np = self._host.numpy()
@@ -46,7 +50,6 @@ class StepPages:
             start = self._cu_len + i * self.capacity
             self._pages.append(Pages(self._device[start:start + self.capacity], self._device[:self._cu_len],
                                      group.size))
-        self._uniform = len({g.size for g in self.groups}) <= 1
 
     def of_layer(self, layer_idx: int) -> Optional[Pages]:
         """The pages of a layer's group (None: the layer is not a full-attention one)."""
@@ -58,10 +61,7 @@ class StepPages:
         if not self.groups:
             return
         ids, keys = cb_step_key_counts(processor)
-        if not self._uniform:
-            raise RuntimeError("fastlora: the engine's full-attention groups have pages of different sizes "
-                               f"({sorted({g.size for g in self.groups})}); one table cannot serve them")
-        size = self.groups[0].size
+        size = self._size
         counts = [-(-k // size) for k in keys]
         cu = self._host_np[:self._cu_len]
         cu[0] = 0

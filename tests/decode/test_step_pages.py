@@ -119,7 +119,7 @@ def test_a_block_table_shorter_than_the_step_is_refused():
 
 def test_a_step_needing_more_pages_than_the_table_holds_is_refused(monkeypatch):
     table = step_pages.StepPages.__new__(step_pages.StepPages)
-    table.groups, table._uniform, table._cu_len, table.capacity = [_Group({"r0": list(range(9))})], True, 4, 2
+    table.groups, table._size, table._cu_len, table.capacity = [_Group({"r0": list(range(9))})], 4, 4, 2
     table._host = torch.zeros(4 + 2, dtype=torch.int32)
     table._host_np, table._device = table._host.numpy(), torch.zeros(6, dtype=torch.int32)
     monkeypatch.setattr(step_pages, "cb_step_key_counts", lambda processor: (["r0"], [33]))
