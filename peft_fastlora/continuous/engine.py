@@ -220,13 +220,16 @@ class ContinuousBatchingHook:
         if uncapturable is not None:
             return uncapturable
         # judged on the dtype and device alone: while a manager runs, the model's attention is the
-        # varlen one itself (a model that cannot take it never gets a manager with "varlen");
-        # emulated graphs capture nothing, so a reference that syncs is no obstacle there
+        # chosen one itself (a model that cannot take it never gets a manager with that choice).
+        # Off fp16 / bf16 CUDA the varlen path runs a reference that syncs; "paged" takes it only
+        # for sliding-window layers. Emulated graphs capture nothing, so a sync is no obstacle there.
         choice = state.options.engine_attention
-        if (choice in ("varlen", "paged") and state.device is not None and state.options.cuda_graphs != "emulate"
+        syncs = choice == "varlen" or (choice == "paged" and has_sliding_layers(self.inner))
+        if (syncs and state.device is not None and state.options.cuda_graphs != "emulate"
                 and kernel_blocker(model_dtype(self.inner), state.device) is not None):
-            return (f"engine_attention={choice!r} off fp16 / bf16 CUDA runs a per-request reference that syncs "
-                    "with the host")
+            layers = " for its sliding-window layers" if choice == "paged" else ""
+            return (f"engine_attention={choice!r} off fp16 / bf16 CUDA runs a per-request reference{layers} "
+                    "that syncs with the host")
         return None
 
     def _check_servable(self, names: Sequence[str]) -> None:

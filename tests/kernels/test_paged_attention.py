@@ -330,6 +330,22 @@ def test_graphs_are_judged_on_the_kernel_not_on_the_running_attention(monkeypatc
         fastlora.unpatch(m)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_in_place_attention_keeps_the_graphs_where_no_layer_syncs(family):
+    """``engine_attention="paged"`` off fp16 / bf16 CUDA: the in-place kernel is captured like any
+    other, so only sliding-window layers (the varlen path's syncing reference) turn graphs off."""
+    m = build_peft_lm(family)
+    fastlora.patch(m, engine_attention="paged")
+    try:
+        why = get_state(m).continuous.graphs_blocker()
+    finally:
+        fastlora.unpatch(m)
+    if family == "llama":
+        assert why is None
+    else:
+        assert "sliding-window layers" in why
+
+
 class _Runner:
     use_cuda_graph_varlen = use_cuda_graph_decode = True
 

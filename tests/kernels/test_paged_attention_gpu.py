@@ -75,21 +75,26 @@ def test_paged_kernel_matches_the_reference(dtype, heads, kv_heads, dim, window,
 @pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
 @pytest.mark.parametrize("choice", ["varlen", "paged"])
 def test_engine_in_fp32_equals_peft(choice):
-    """fp32: "varlen" through the per-request reference, "paged" through the in-place kernel;
-    neither runs the engine's graphs off fp16 / bf16."""
+    """fp32, the engine's graphs asked for: "varlen" runs its per-request reference, which syncs,
+    so the graphs go off; "paged" reads the cache in place through the kernel, inside the graphs."""
     m, ref = _model(), _model()
     fastlora.patch(m, engine_attention=choice)
     try:
         prompts, names = _prompts(8, seed=21)
         manager = m.init_continuous_batching(generation_config=greedy_config(12),
-                                             continuous_batching_config=cb_config(num_blocks=128))
+                                             continuous_batching_config=cb_config(num_blocks=128,
+                                                                                  use_cuda_graph=True))
         assert attn_implementation(get_state(m).inner) == (IN_PLACE_NAME if choice == "paged" else PAGED_NAME)
         manager.start()
         try:
             out = _serve(manager, list(zip(prompts, names, [12] * 8)))
         finally:
             manager.stop(block=True)
-        assert manager.fastlora_graphs is None
+        if choice == "paged":
+            stats = manager.fastlora_graphs.stats
+            assert stats["graphed_steps"] > 0 and stats["eager_steps"] == 0, stats
+        else:
+            assert manager.fastlora_graphs is None
     finally:
         fastlora.unpatch(m)
     for tokens, p, n in zip(out, prompts, names):
