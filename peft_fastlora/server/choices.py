@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from typing import List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from ..compat.tokenizers import skip_special_decoder
 from ..continuous.sampling import TokenLogprobs
@@ -34,6 +34,7 @@ class Choice:
         self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
         self.stop, self.end_token_ids, self.tokenizer = list(stop), set(end_token_ids), tokenizer
         self._decode_ids = skip_special_decoder(tokenizer)
+        self._token_texts: Dict[int, str] = {}  # each token's text alone: its offset, then its entry
         self.tokens: List[int] = []
         self.finished = False
         self.finish_reason: Optional[str] = None
@@ -208,13 +209,22 @@ class Choice:
             limit = min(limit, self._logprobs_ready)
         new = list(entries[self._logprobs_sent:limit])
         self._logprobs_sent += len(new)
-        self.logprobs_offset += sum(len(self.tokenizer.decode([e.token])) for e in new)
+        self.logprobs_offset += sum(len(self.token_text(e.token)) for e in new)
         return new
 
+    def token_text(self, token: int) -> str:
+        """A token's text decoded alone (a log-probability entry's text and offset), once."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
-def chat_logprobs(entries: Sequence[TokenLogprobs], tokenizer) -> dict:
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], tokenizer, token_text: Optional[Callable] = None) -> dict:
+    token_text = token_text or (lambda t: tokenizer.decode([t]))
+
     def one(token, logprob):
-        text = tokenizer.decode([token])
+        text = token_text(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
 
     content = []
@@ -225,16 +235,19 @@ def chat_logprobs(entries: Sequence[TokenLogprobs], tokenizer) -> dict:
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(entries: Sequence[TokenLogprobs], tokenizer, offset: int = 0) -> dict:
+def completion_logprobs(entries: Sequence[TokenLogprobs], tokenizer, offset: int = 0,
+                        token_text: Optional[Callable] = None) -> dict:
     """OpenAI's completion format; a token's ``text_offset`` is ``offset`` plus the lengths of the
-    texts of the tokens before it, each decoded alone (as vLLM counts)."""
+    texts of the tokens before it, each decoded alone (as vLLM counts). ``token_text``: a token's
+    text, where the caller keeps them (default: decoded here)."""
+    token_text = token_text or (lambda t: tokenizer.decode([t]))
     tokens, offsets = [], []
     for e in entries:
         offsets.append(offset)
-        tokens.append(tokenizer.decode([e.token]))
+        tokens.append(token_text(e.token))
         offset += len(tokens[-1])
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in e.top} for e in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries],
             "text_offset": offsets}
 
 
@@ -250,16 +263,18 @@ class Answer:
         self._text_mid = ', "delta": {"content": ' if chat else ', "text": '
         self._text_tail = ('}' if chat else '') + ', "logprobs": null, "finish_reason": null}]}\n\n'
 
-    def logprobs(self, entries: Optional[Sequence[TokenLogprobs]], offset: int = 0):
+    def logprobs(self, entries: Optional[Sequence[TokenLogprobs]], offset: int = 0,
+                 token_text: Optional[Callable] = None):
         if entries is None:
             return None
-        return chat_logprobs(entries, self.tokenizer) if self.chat else completion_logprobs(entries, self.tokenizer,
-                                                                                             offset)
+        if self.chat:
+            return chat_logprobs(entries, self.tokenizer, token_text)
+        return completion_logprobs(entries, self.tokenizer, offset, token_text)
 
     def whole(self, choices: Sequence[Choice], prompt_tokens: int, logprobs) -> dict:
         out = []
         for c in choices:
-            lp = self.logprobs(logprobs.get(c.index)) if logprobs is not None else None
+            lp = self.logprobs(logprobs.get(c.index), 0, c.token_text) if logprobs is not None else None
             if self.chat:
                 item = {"index": c.index, "message": {"role": "assistant", "content": c.text()}, "logprobs": lp}
             else:

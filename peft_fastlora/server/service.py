@@ -401,7 +401,8 @@ class _Run:
                     if entries is None and text:
                         yield answer.text_event(choice.index, text)
                     elif text or entries:
-                        yield event(answer.chunk(choice.index, text, None, answer.logprobs(entries, offset)))
+                        yield event(answer.chunk(choice.index, text, None,
+                                                 answer.logprobs(entries, offset, choice.token_text)))
                     if choice.finished and choice.request_id in self._open:
                         self._end(choice, "ok")
                         yield event(answer.chunk(choice.index, None if answer.chat else "", choice.finish_reason))

@@ -243,3 +243,33 @@ def test_a_text_chunk_is_the_json_of_its_chunk(chat):
         for index in (0, 3, 127):
             for text in texts:
                 assert answer.text_event(index, text) == event(answer.chunk(index, text, None)), (model, text)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_logprobs_decode_each_token_alone_once(chat):
+    """A streamed answer with log-probabilities decodes each token's own text once, for its offset
+    and its entry together (not once for each); the chunks' entries equal those of the whole."""
+    tokenizer = _byte_level()
+    ids = tokenizer.encode(TEXT[:200], add_special_tokens=False)
+    entries = _entries(ids)
+    alone = []
+    decode = tokenizer.decode
+
+    def counting(tokens, *args, **kwargs):
+        if len(tokens) == 1:
+            alone.append(tokens[0])
+        return decode(tokens, *args, **kwargs)
+
+    tokenizer.decode = counting
+    answer = Answer("r", "m", chat, tokenizer)
+    choice = Choice(0, "r", 3, len(ids), [], [], tokenizer)
+    chunks = []
+    for i in range(len(ids)):
+        choice.update(ids[:i + 1], i == len(ids) - 1, None)
+        choice.new_text()
+        offset, new = choice.logprobs_offset, choice.new_logprobs(entries)
+        chunks.append(answer.logprobs(new, offset, choice.token_text))
+    assert sorted(alone) == sorted(set(ids)), "a token's text was decoded alone more than once"
+    key = "content" if chat else "tokens"
+    streamed = [item for c in chunks for item in c[key]]
+    assert streamed == answer.logprobs(entries, 0)[key]
