@@ -102,6 +102,58 @@ def test_engine_in_fp32_equals_peft(choice):
 
 
 @pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
+def test_in_place_engine_graphs_under_random_traffic_equal_peft():
+    """fp32, the in-place attention inside the engine's graphs with async batching and a cache of
+    few pages: random bursts of requests (lengths, adapters, budgets, the base model), some
+    cancelled, some naming a bad adapter. Every finished request equals PEFT alone, and no step
+    falls back to eager."""
+    import random
+    import time
+
+    from _continuous import collect
+    from _graphs import TRAFFIC_NAMES
+
+    m, ref = _model(), _model()
+    fastlora.patch(m, engine_attention="paged")
+    rng = random.Random(41)
+    pool = TRAFFIC_NAMES + ["__base__"]
+    expected, cancelled = {}, set()
+    try:
+        manager = m.init_continuous_batching(
+            generation_config=greedy_config(16),
+            continuous_batching_config=cb_config(max_batch_tokens=96, num_blocks=48, use_cuda_graph=True,
+                                                 use_async_batching=True))
+        assert attn_implementation(get_state(m).inner) == IN_PLACE_NAME
+        manager.warmup()
+        manager.start()
+        try:
+            for burst in range(10):
+                for _ in range(rng.randint(1, 6)):
+                    prompt = _prompts(1, seed=rng.randint(0, 10**6))[0][0]
+                    if rng.random() < 0.1:
+                        with pytest.raises(ValueError, match="non-existing adapter"):
+                            manager.add_request(prompt, adapter_name=f"typo{burst}")
+                        continue
+                    name, new = rng.choice(pool), rng.randint(1, 16)
+                    rid = manager.add_request(prompt, adapter_name=name, max_new_tokens=new)
+                    expected[rid] = (prompt, name, new)
+                    if rng.random() < 0.15:
+                        manager.cancel_request(rid)
+                        cancelled.add(rid)
+                time.sleep(rng.random() * 0.03)
+            finished = collect(manager, list(expected), 180, cancelled)
+        finally:
+            manager.stop(block=True)
+        stats = manager.fastlora_graphs.stats
+        assert stats["graphed_steps"] > 0 and stats["eager_steps"] == 0, stats
+    finally:
+        fastlora.unpatch(m)
+    for rid, tokens in finished.items():
+        prompt, name, new = expected[rid]
+        assert tokens == peft_alone(ref, prompt, name, new), (rid, name, len(prompt))
+
+
+@pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
 @pytest.mark.parametrize("choice", ["auto", "varlen", "paged"])
 def test_engine_bf16_through_the_kernel_and_graphs(choice):
     m = _model(seed=6).to(torch.bfloat16)
