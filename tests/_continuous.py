@@ -33,6 +33,37 @@ def collect(manager, ids: Collection[str], timeout: float = 60.0,
     return finished
 
 
+def random_traffic(manager, rng, names: Sequence[str], prompt_of, bursts: int = 10, timeout: float = 180.0):
+    """Server-like traffic into a started manager: ``bursts`` bursts of 1-6 requests (random
+    prompts from ``prompt_of(seed)``, adapters from ``names``, 1-16 new tokens), a tenth naming an
+    adapter that does not exist (refused by name), some cancelled, short random pauses between
+    bursts. Returns ``({request id: (prompt, name, new tokens)}, {id: tokens})`` of those that
+    finished."""
+    expected, cancelled = {}, set()
+    for burst in range(bursts):
+        for _ in range(rng.randint(1, 6)):
+            prompt = prompt_of(rng.randint(0, 10**6))
+            if rng.random() < 0.1:
+                with pytest.raises(ValueError, match="non-existing adapter"):
+                    manager.add_request(prompt, adapter_name=f"typo{burst}")
+                continue
+            name, new = rng.choice(names), rng.randint(1, 16)
+            rid = manager.add_request(prompt, adapter_name=name, max_new_tokens=new)
+            expected[rid] = (prompt, name, new)
+            if rng.random() < 0.15:
+                manager.cancel_request(rid)
+                cancelled.add(rid)
+        time.sleep(rng.random() * 0.03)
+    return expected, collect(manager, list(expected), timeout, cancelled)
+
+
+def assert_each_equals_peft(ref, expected, finished) -> None:
+    """Every finished request's tokens (``random_traffic``'s results) equal PEFT's for its prompt alone."""
+    for rid, tokens in finished.items():
+        prompt, name, new = expected[rid]
+        assert tokens == peft_alone(ref, prompt, name, new), (rid, name, len(prompt))
+
+
 def serve(manager, requests, timeout: float = 120.0) -> List[List[int]]:
     """Add (prompt, adapter name, new tokens) requests to a started manager; their tokens in order."""
     ids = [manager.add_request(p, adapter_name=n, max_new_tokens=k) for p, n, k in requests]

@@ -8,8 +8,6 @@ adapters added and deleted while the engine serves (the graphs hold the stacks: 
 recaptured). bfloat16: mixed runs, eager and graphed, complete without errors.
 """
 
-import time
-
 import pytest
 import torch
 from peft import LoraConfig
@@ -18,7 +16,8 @@ import peft_fastlora as fastlora
 from peft_fastlora import get_state
 from peft_fastlora.base_ops.attention_registry import decode_attention_enabled
 
-from _continuous import cb_config, collect, greedy_config, peft_alone, serve as _serve
+from _continuous import (assert_each_equals_peft, cb_config, collect, greedy_config, peft_alone, random_traffic,
+                         serve as _serve)
 from _graphs import TRAFFIC_NAMES as NAMES, traffic_inputs as _inputs, traffic_model as _model
 from _graphs import traffic_prompts as _prompts
 
@@ -221,33 +220,15 @@ def test_engine_graphs_random_traffic_like_a_server(pair):
     import random
 
     m, ref = pair
-    rng = random.Random(31)
-    pool = NAMES + ["__base__"]
     manager = _graph_manager(m, 16, max_batch_tokens=96)
-    expected, cancelled = {}, set()
     try:
-        for burst in range(10):
-            for _ in range(rng.randint(1, 6)):
-                prompt = _prompts(1, seed=rng.randint(0, 10**6))[0][0]
-                if rng.random() < 0.1:
-                    with pytest.raises(ValueError, match="non-existing adapter"):
-                        manager.add_request(prompt, adapter_name=f"typo{burst}")
-                    continue
-                name, new = rng.choice(pool), rng.randint(1, 16)
-                rid = manager.add_request(prompt, adapter_name=name, max_new_tokens=new)
-                expected[rid] = (prompt, name, new)
-                if rng.random() < 0.15:
-                    manager.cancel_request(rid)
-                    cancelled.add(rid)
-            time.sleep(rng.random() * 0.03)
-        finished = collect(manager, list(expected), 180, cancelled)
+        expected, finished = random_traffic(manager, random.Random(31), NAMES + ["__base__"],
+                                            lambda seed: _prompts(1, seed=seed)[0][0])
     finally:
         manager.stop(block=True)
     stats = manager.fastlora_graphs.stats
     assert stats["graphed_steps"] > 0 and stats["eager_steps"] == 0, stats
-    for rid, tokens in finished.items():
-        prompt, name, new = expected[rid]
-        assert tokens == peft_alone(ref, prompt, name, new), (rid, name, len(prompt))
+    assert_each_equals_peft(ref, expected, finished)
 
 
 def test_async_sampling_draws_as_sync(pair):

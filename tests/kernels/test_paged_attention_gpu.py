@@ -108,16 +108,12 @@ def test_in_place_engine_graphs_under_random_traffic_equal_peft():
     cancelled, some naming a bad adapter. Every finished request equals PEFT alone, and no step
     falls back to eager."""
     import random
-    import time
 
-    from _continuous import collect
+    from _continuous import assert_each_equals_peft, random_traffic
     from _graphs import TRAFFIC_NAMES
 
     m, ref = _model(), _model()
     fastlora.patch(m, engine_attention="paged")
-    rng = random.Random(41)
-    pool = TRAFFIC_NAMES + ["__base__"]
-    expected, cancelled = {}, set()
     try:
         manager = m.init_continuous_batching(
             generation_config=greedy_config(16),
@@ -127,30 +123,15 @@ def test_in_place_engine_graphs_under_random_traffic_equal_peft():
         manager.warmup()
         manager.start()
         try:
-            for burst in range(10):
-                for _ in range(rng.randint(1, 6)):
-                    prompt = _prompts(1, seed=rng.randint(0, 10**6))[0][0]
-                    if rng.random() < 0.1:
-                        with pytest.raises(ValueError, match="non-existing adapter"):
-                            manager.add_request(prompt, adapter_name=f"typo{burst}")
-                        continue
-                    name, new = rng.choice(pool), rng.randint(1, 16)
-                    rid = manager.add_request(prompt, adapter_name=name, max_new_tokens=new)
-                    expected[rid] = (prompt, name, new)
-                    if rng.random() < 0.15:
-                        manager.cancel_request(rid)
-                        cancelled.add(rid)
-                time.sleep(rng.random() * 0.03)
-            finished = collect(manager, list(expected), 180, cancelled)
+            expected, finished = random_traffic(manager, random.Random(41), TRAFFIC_NAMES + ["__base__"],
+                                                lambda seed: _prompts(1, seed=seed)[0][0])
         finally:
             manager.stop(block=True)
         stats = manager.fastlora_graphs.stats
         assert stats["graphed_steps"] > 0 and stats["eager_steps"] == 0, stats
     finally:
         fastlora.unpatch(m)
-    for rid, tokens in finished.items():
-        prompt, name, new = expected[rid]
-        assert tokens == peft_alone(ref, prompt, name, new), (rid, name, len(prompt))
+    assert_each_equals_peft(ref, expected, finished)
 
 
 @pytest.mark.skipif(ENGINE_WHY is not None, reason=f"{ENGINE_WHY}")
