@@ -175,8 +175,7 @@ def cb_skip_read_indices(processor) -> None:
     """The engine builds no read indices (every key of every request a step reads, a Python list
     made and copied to the GPU at each step, the longer the contexts the costlier): its steps all
     say they read nothing from the cache, as steps of fresh prompts do. For a cache every layer of
-    which the attention reads in place through a page table. Graphs are then keyed by the query
-    count and the longest request alone."""
+    which the attention reads in place through a page table."""
     runner = processor.model_runner
     if "maybe_pad_inputs" in runner.__dict__:
         return
@@ -545,8 +544,8 @@ def cb_key_length_cap(processor) -> int:
 
 
 def cb_reads_skipped(processor) -> bool:
-    """Whether the engine builds no read indices (``cb_skip_read_indices``): its graphs are then
-    keyed by the query count and the longest request alone."""
+    """Whether the engine builds no read indices (``cb_skip_read_indices``): with the key length
+    pinned (``cb_pin_key_lengths``), its graphs are then keyed by the query count alone."""
     return "maybe_pad_inputs" in processor.model_runner.__dict__
 
 

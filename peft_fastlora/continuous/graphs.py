@@ -14,8 +14,9 @@ and recaptured at its next use.
 
 Where the engine builds no read indices (every layer reads the paged cache in place through the
 step's page table, ``continuous.pages``), each step is also keyed as if its longest request read the
-most keys allowed, so graphs are keyed by the query count alone and ``warm_up`` can capture every one of them before serving: a
-capture synchronizes the GPU and empties allocator caches, a stall no client should meet.
+most keys allowed, so graphs are keyed by the query count alone and ``warm_up`` can capture every
+one of them before serving: a capture synchronizes the GPU and empties allocator caches, a stall no
+client should meet.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from ..compat.engine import (cb_capacity, cb_disable_graphs, cb_drop_graphs, cb_emulate_graphs, cb_graphed_step,
-                             cb_graphs_suspended, cb_reads_skipped, cb_pin_key_lengths, cb_query_sizes,
+                             cb_graphs_suspended, cb_pin_key_lengths, cb_query_sizes, cb_reads_skipped,
                              cb_step_graph_held, cb_stream, cb_warm_up_sizes)
 from ..compat.modules import on_stream
 from ..batch import BLOCK_M_TIERS, NO_LORA_BATCH, BatchInfoBuffers, TokenSegments, choose_block_m
